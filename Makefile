@@ -1,0 +1,33 @@
+# One command sets everything up and runs the suite:  make test
+# torch is pinned to the CPU build that lies on this machine's disk (an unpinned torch pulls a
+# multi-GB CUDA build); on a GPU node install gpufleet[workloads] with the torch you want.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv test test-failures demo bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-failures: venv
+	$(PY) -m pytest -q tests/failures $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/launch train --local --nodes 2
+
+bench: venv
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

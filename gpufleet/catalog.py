@@ -1,0 +1,310 @@
+"""The machine catalog: one source of truth for A2/A3/A4 machine facts.
+
+Pure data. Importing this module imports neither pulumi nor torch, so `infra/` (Pulumi),
+`launcher/` (the laptop side) and `workloads/` (the node side) all read it.
+
+Every value cites where it came from; the short names refer to the source table at the top of
+`../shared/reference/gcp-facts.md` (T-A2, T-A3H, T-A3M, T-A3E: Google's machine-type tables;
+NETBW: compute/docs/gpus/gpu-network-bandwidth; CTK: GoogleCloudPlatform/cluster-toolkit;
+SKY-LSSD: skypilot sky/provision/gcp/constants.py; SKYCAT: skypilot-catalog vms.csv; CEA:
+container-engine-accelerators; TT: torchtitan tools/utils.py get_peak_flops).
+
+Vocabulary used across gpufleet:
+- *node*: one VM. *rank* of a node: its position in the cluster's order (node 0 hosts the
+  rendezvous). *local rank*: a process's index among the processes on its node.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "GPU",
+    "NIC",
+    "NetStack",
+    "MachineType",
+    "UnknownMachineType",
+    "MACHINE_TYPES",
+    "lookup",
+    "known_types",
+    "peak_flops_for_device",
+    "A100_40GB",
+    "A100_80GB",
+    "H100",
+    "H100_MEGA",
+    "H200",
+    "B200",
+]
+
+
+class NetStack(str, enum.Enum):
+    """How GPUs on different nodes talk to each other."""
+
+    NONE = "none"  # plain NCCL sockets over the host NIC
+    FAST_SOCKET = "fast-socket"  # NCCL Fast Socket plugin over one gVNIC (A2)
+    TCPX = "gpudirect-tcpx"  # A3 High / Edge: 4 GPU NICs + RxDM
+    TCPXO = "gpudirect-tcpxo"  # A3 Mega: 8 GPU NICs + RxDM (FasTrak)
+    RDMA = "gpudirect-rdma"  # A3 Ultra / A4: 8 CX-7 NICs, RoCE, gIB plugin
+
+
+@dataclass(frozen=True)
+class GPU:
+    model: str
+    accelerator_type: str  # the Compute Engine accelerator type name
+    memory_gb: int  # per GPU
+    peak_bf16_flops: float  # dense, per GPU; the MFU denominator
+    device_names: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name()
+
+
+# Peak dense bf16 FLOP/s per GPU: TT get_peak_flops (A100 312e12, H100 SXM 989e12, H200 989e12,
+# B200 2.25e15), the same constants nanoGPT (A100 312e12) and llm.c use (perf-anchors.md 4.1).
+A100_40GB = GPU(
+    "A100 40GB",
+    # CTK docs/gpu-support.md, DSTACK and the GKE docs say nvidia-tesla-a100; one newer quote of
+    # Google's GPU page says nvidia-a100-40gb. The older name is what live tooling still sends.
+    "nvidia-tesla-a100",
+    40,  # T-A2: 40 GB HBM2 per GPU (320 GB for 8)
+    312e12,
+    ("A100-SXM4-40GB", "A100-PCIE-40GB"),
+)
+A100_80GB = GPU("A100 80GB", "nvidia-a100-80gb", 80, 312e12, ("A100-SXM4-80GB", "A100 80GB"))  # T-A2
+H100 = GPU("H100 80GB", "nvidia-h100-80gb", 80, 989e12, ("H100",))  # T-A3H, TT
+H100_MEGA = GPU("H100 80GB Mega", "nvidia-h100-mega-80gb", 80, 989e12, ("H100",))  # T-A3M, TT
+H200 = GPU("H200", "nvidia-h200-141gb", 141, 989e12, ("H200",))  # type name, TT
+B200 = GPU("B200", "nvidia-b200", 180, 2.25e15, ("B200",))  # GPUHUNT B200:180GB, TT
+
+
+@dataclass(frozen=True)
+class NIC:
+    """One network interface, in the order the instance declares it (nic0 first)."""
+
+    role: str  # "host" (SSH, control, gloo), "gpu" (GPUDirect data), "rdma" (CX-7 RoCE)
+    cos_name: str | None  # interface name on Container-Optimized OS / GKE images
+    ubuntu_name: str | None  # predictable name on Ubuntu images; None = not published
+
+
+@dataclass(frozen=True)
+class MachineType:
+    name: str
+    family: str  # "a2", "a3-high", "a3-edge", "a3-mega", "a3-ultra", "a4"
+    gpu: GPU
+    gpu_count: int
+    vcpus: int
+    ram_gb: int
+    local_ssd_count: int  # 375 GiB NVMe disks bundled with the type (0: none bundled)
+    nics: tuple[NIC, ...]
+    network_gbps: int  # maximum total egress bandwidth of the VM
+    gpu_network_gbps: int  # what the GPU-to-GPU path can carry per node (cost-model B)
+    net_stack: NetStack
+    gpu_mtu: int | None  # MTU of the GPU networks; None = the VPC default
+    provisioning: frozenset[str]  # allowed: standard, spot, flex-start
+    default_image: str
+    image_os: str  # "ubuntu" or "cos": picks the interface names
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def host_nic(self) -> NIC:
+        return self.nics[0]
+
+    @property
+    def gpu_nics(self) -> tuple[NIC, ...]:
+        return tuple(n for n in self.nics if n.role in ("gpu", "rdma"))
+
+    @property
+    def nic_count(self) -> int:
+        return len(self.nics)
+
+    @property
+    def gpu_network_count(self) -> int:
+        """Extra VPCs the GPU NICs need (TCPX 4, TCPXO 8); RDMA uses one VPC with 8 subnets."""
+        return sum(1 for n in self.nics if n.role == "gpu")
+
+    @property
+    def gpu_network_bytes_per_s(self) -> float:
+        return self.gpu_network_gbps * 1e9 / 8
+
+    def interface_names(self, image_os: str | None = None) -> tuple[str | None, ...]:
+        """Names of every NIC, in order, on the given OS (default: this type's default image)."""
+        os_ = image_os or self.image_os
+        if os_ not in ("ubuntu", "cos"):
+            raise ValueError(f"image OS {os_!r} is unknown; one of: ubuntu, cos")
+        return tuple(n.cos_name if os_ == "cos" else n.ubuntu_name for n in self.nics)
+
+
+# ---- NIC layouts --------------------------------------------------------------------------
+
+# A2 and the small A3 High types have one NIC (T-A2: single NIC; T-A3H: "Physical NIC count 1").
+# The Ubuntu name of that NIC is not in our sources (it depends on the PCI slot); the launcher
+# resolves it on the node as the interface that holds the node's address.
+_ONE_NIC = (NIC("host", "eth0", None),)
+
+# A3 High / Edge: 1 host + 4 GPU NICs. Ubuntu names: CTK a3-highgpu-8g run-nccl-tests.sh
+# (host enp0s12; GPU enp6s0,enp12s0,enp134s0,enp140s0). COS: CEA gpudirect-tcpx/nccl-config.yaml
+# (eth0; eth1..eth4). Order = the PCI order RxDM's a3vm preset expects (CTK textproto GPU<->NIC map).
+_A3_HIGH_NICS = (NIC("host", "eth0", "enp0s12"),) + tuple(
+    NIC("gpu", f"eth{i + 1}", u) for i, u in enumerate(("enp6s0", "enp12s0", "enp134s0", "enp140s0"))
+)
+
+# A3 Mega: 1 host + 8 GPU NICs (T-A3M: 9 NICs). Ubuntu names: CTK a3-megagpu-8g
+# run-nccl-tests.sh; COS: CEA gpudirect-tcpxo README (eth0 + eth1..eth8).
+_A3_MEGA_NICS = (NIC("host", "eth0", "enp0s12"),) + tuple(
+    NIC("gpu", f"eth{i + 1}", u)
+    for i, u in enumerate(
+        ("enp6s0", "enp7s0", "enp13s0", "enp14s0", "enp134s0", "enp135s0", "enp141s0", "enp142s0")
+    )
+)
+
+# A3 Ultra / A4: 2 gVNIC + 8 CX-7 (NETBW: "eight ... CX7 ... and two Google virtual NICs").
+# gVNIC Ubuntu names: CTK a3-ultragpu-8g Dockerfile GLOO_SOCKET_IFNAME=enp0s19,enp192s20.
+# The CX-7 NICs are used through verbs (gIB), not by interface name; no names are published.
+_RDMA_NICS = (
+    NIC("host", "eth0", "enp0s19"),
+    NIC("host", "eth1", "enp192s20"),
+) + tuple(NIC("rdma", None, None) for _ in range(8))
+
+
+# ---- Images -------------------------------------------------------------------------------
+
+# Ubuntu accelerator images ship the NVIDIA driver (gcp-facts 4.1; CTK a3mega blueprint base image
+# ubuntu-accelerator-2404-amd64-with-nvidia-580-v20260522, of this family).
+UBUNTU_ACCEL = "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accelerator-2404-amd64-with-nvidia-580"
+# A3 High TCPX on VMs: Google's GPUDirect-TCPX VM doc uses cos-105-lts; the Ubuntu path needs a
+# private TCPX kernel PPA (gcp-facts 2.2), so COS is the default a user can actually boot.
+COS_TCPX = "projects/cos-cloud/global/images/family/cos-105-lts"
+
+_ALL_MODELS = frozenset({"standard", "spot", "flex-start"})
+# T-A3M note: "When provisioning a3-highgpu-1g, a3-highgpu-2g, or a3-highgpu-4g machine types,
+# you must create instances by using Spot VMs or Flex-start VMs."
+_SPOT_OR_FLEX = frozenset({"spot", "flex-start"})
+
+
+def _a2(name: str, gpu: GPU, n: int, vcpus: int, ram: int, lssd: int, gbps: int) -> MachineType:
+    # vCPU, RAM, GPU count, bandwidth: T-A2. Local SSD: SKY-LSSD (A2 Ultra bundles 1 per GPU;
+    # A2 Standard: "supported", none bundled). MTU: the VPC default; our sources give no jumbo
+    # frame guidance for A2. Stack: Fast Socket (optimize-gpus page, FASTSOCK README).
+    return MachineType(
+        name=name, family="a2", gpu=gpu, gpu_count=n, vcpus=vcpus, ram_gb=ram,
+        local_ssd_count=lssd, nics=_ONE_NIC, network_gbps=gbps, gpu_network_gbps=gbps,
+        net_stack=NetStack.FAST_SOCKET, gpu_mtu=None, provisioning=_ALL_MODELS,
+        default_image=UBUNTU_ACCEL, image_os="ubuntu",
+    )
+
+
+def _a3_small(name: str, n: int, vcpus: int, ram: int, lssd: int, gbps: int) -> MachineType:
+    # T-A3H row; local SSD count SKY-LSSD (2/4/8 x 375 GiB = 750/1500/3000 GiB in T-A3H).
+    # One NIC, no GPUDirect (TCPX needs the 8g's 4 GPU NICs: SKY GPU_DIRECT_TCPX_INSTANCE_TYPES).
+    return MachineType(
+        name=name, family="a3-high", gpu=H100, gpu_count=n, vcpus=vcpus, ram_gb=ram,
+        local_ssd_count=lssd, nics=_ONE_NIC, network_gbps=gbps, gpu_network_gbps=gbps,
+        net_stack=NetStack.NONE, gpu_mtu=None, provisioning=_SPOT_OR_FLEX,
+        default_image=UBUNTU_ACCEL, image_os="ubuntu",
+    )
+
+
+_TYPES = [
+    _a2("a2-highgpu-1g", A100_40GB, 1, 12, 85, 0, 24),
+    _a2("a2-highgpu-2g", A100_40GB, 2, 24, 170, 0, 32),
+    _a2("a2-highgpu-4g", A100_40GB, 4, 48, 340, 0, 50),
+    _a2("a2-highgpu-8g", A100_40GB, 8, 96, 680, 0, 100),
+    _a2("a2-megagpu-16g", A100_40GB, 16, 96, 1360, 0, 100),
+    _a2("a2-ultragpu-1g", A100_80GB, 1, 12, 170, 1, 24),
+    _a2("a2-ultragpu-2g", A100_80GB, 2, 24, 340, 2, 32),
+    _a2("a2-ultragpu-4g", A100_80GB, 4, 48, 680, 4, 50),
+    _a2("a2-ultragpu-8g", A100_80GB, 8, 96, 1360, 8, 100),
+    _a3_small("a3-highgpu-1g", 1, 26, 234, 2, 25),
+    _a3_small("a3-highgpu-2g", 2, 52, 468, 4, 50),
+    _a3_small("a3-highgpu-4g", 4, 104, 936, 8, 100),
+    MachineType(
+        name="a3-highgpu-8g", family="a3-high", gpu=H100, gpu_count=8,
+        vcpus=208, ram_gb=1872,  # T-A3H
+        local_ssd_count=16,  # SKY-LSSD; T-A3H 6,000 GiB = 16 x 375
+        nics=_A3_HIGH_NICS,  # T-A3H: 5 physical NICs
+        network_gbps=1000,  # T-A3H and NETBW agree
+        # 4 GPU NICs "each supporting up to 200 Gbps" (GKE TCPX doc) = 800 Gbps = 100 GB/s,
+        # the B_net of perf-anchors 5.3.
+        gpu_network_gbps=800,
+        net_stack=NetStack.TCPX,  # NETBW overview "A3 High ... GPUDirect-TCPX"
+        gpu_mtu=8244,  # CTK gke-a3-highgpu.yaml, SKY, DSTACK
+        provisioning=_ALL_MODELS,
+        default_image=COS_TCPX, image_os="cos",
+    ),
+    MachineType(
+        name="a3-edgegpu-8g", family="a3-edge", gpu=H100, gpu_count=8,
+        vcpus=208, ram_gb=1872, local_ssd_count=16,  # T-A3E, SKY-LSSD
+        nics=_A3_HIGH_NICS,  # T-A3E: 5 NICs, same TCPX layout (SKY GPU_DIRECT_TCPX_INSTANCE_TYPES)
+        # Sources disagree: T-A3E 600 (asia-south1, northamerica-northeast2) / 400 elsewhere;
+        # NETBW overview 600; a newer NETBW copy and DSTACK 800. We keep the NETBW overview's 600 as
+        # the VM total and the table's 400 (most regions) for the GPU path, so the expected-
+        # bandwidth check errs towards not crying wolf.
+        network_gbps=600,
+        gpu_network_gbps=400,
+        net_stack=NetStack.TCPX, gpu_mtu=8244, provisioning=_ALL_MODELS,
+        default_image=COS_TCPX, image_os="cos",
+    ),
+    MachineType(
+        name="a3-megagpu-8g", family="a3-mega", gpu=H100_MEGA, gpu_count=8,
+        vcpus=208, ram_gb=1872, local_ssd_count=16,  # T-A3M, SKY-LSSD
+        nics=_A3_MEGA_NICS,  # T-A3M: 9 NICs
+        # T-A3M and NETBW overview 1,800; one NETBW copy 1,600. 1,800 = 8 x 200 GPU + 200 host.
+        network_gbps=1800,
+        gpu_network_gbps=1600,  # 8 GPU NICs x 200 Gbps = 200 GB/s (perf-anchors 5.3)
+        net_stack=NetStack.TCPXO,  # NETBW overview
+        gpu_mtu=8244,  # CTK gke-a3-megagpu.yaml; Vertex doc "For A3 Mega nodes: Use an MTU of 8244."
+        provisioning=_ALL_MODELS,
+        default_image=UBUNTU_ACCEL, image_os="ubuntu",  # CTK a3mega blueprint base image
+    ),
+    MachineType(
+        name="a3-ultragpu-8g", family="a3-ultra", gpu=H200, gpu_count=8,
+        vcpus=224, ram_gb=2952,  # SKYCAT
+        local_ssd_count=32,  # SKY-LSSD, CTK-LSSD
+        nics=_RDMA_NICS,  # NETBW: 8 CX-7 + 2 gVNIC
+        network_gbps=3600,  # NETBW overview
+        gpu_network_gbps=3200,  # NETBW: "The eight CX7 NICs deliver ... 3,200 Gbps"
+        net_stack=NetStack.RDMA,
+        gpu_mtu=8896,  # CTK gpu-rdma-vpc default; Vertex doc "For A3 Ultra and A4 nodes: ... 8896"
+        provisioning=_ALL_MODELS,
+        default_image=UBUNTU_ACCEL, image_os="ubuntu",
+    ),
+    MachineType(
+        name="a4-highgpu-8g", family="a4", gpu=B200, gpu_count=8,
+        vcpus=224, ram_gb=3968,  # SKYCAT
+        local_ssd_count=32,  # SKY-LSSD, CTK-LSSD
+        nics=_RDMA_NICS,
+        network_gbps=3600, gpu_network_gbps=3200,  # NETBW
+        net_stack=NetStack.RDMA, gpu_mtu=8896, provisioning=_ALL_MODELS,
+        default_image=UBUNTU_ACCEL, image_os="ubuntu",
+    ),
+]
+
+MACHINE_TYPES: dict[str, MachineType] = {t.name: t for t in _TYPES}
+
+
+class UnknownMachineType(KeyError):
+    """A machine type the catalog does not know. str() is the one-line message."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+def known_types() -> list[str]:
+    return sorted(MACHINE_TYPES)
+
+
+def lookup(name: str) -> MachineType:
+    """The catalog entry for `name`; raises UnknownMachineType listing the known types."""
+    try:
+        return MACHINE_TYPES[name]
+    except KeyError:
+        raise UnknownMachineType(
+            f"machine type {name!r} is unknown; one of: {', '.join(known_types())}"
+        ) from None
+
+
+def peak_flops_for_device(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a GPU by its CUDA device name (None when not in the catalog)."""
+    # H200/B200 are checked before H100 since "H100" is a substring test.
+    for gpu in (B200, H200, A100_80GB, A100_40GB, H100):
+        if any(s in device_name for s in gpu.device_names):
+            return gpu.peak_bf16_flops
+    return None

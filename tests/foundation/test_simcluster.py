@@ -1,0 +1,82 @@
+"""The simulated cluster: real sshd nodes, real host-key checking, nothing left behind."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.simcluster import SimCluster, leftovers, netns_available
+
+
+def _ssh(cluster: SimCluster, address: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ssh", *cluster.ssh_options, "-o", "ConnectTimeout=10", address, command],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+@pytest.mark.parametrize("mode", ["netns", "loopback"])
+def test_three_nodes_answer_over_ssh_with_host_keys_checked_and_leave_nothing(tmp_path, mode):
+    if mode == "netns" and not netns_available():
+        pytest.skip("netns mode needs root and ip netns; the loopback variant covers this host")
+    cluster = SimCluster(3, mode=mode, workdir=tmp_path / "sim")
+    with cluster:
+        assert cluster.hostfile.read_text().split() == cluster.addresses
+        seen = []
+        for address in cluster.addresses:
+            r = _ssh(cluster, address, "echo $GPUFLEET_SIMNODE; echo $SSH_CONNECTION")
+            assert r.returncode == 0, r.stderr
+            tag, connection = r.stdout.splitlines()
+            assert tag == f"{cluster.id}-{cluster.addresses.index(address)}"
+            seen.append(connection.split()[2])  # the server address this session landed on
+        if mode == "netns":  # each session runs inside its own node's namespace
+            r = _ssh(cluster, cluster.addresses[2], "ip -o -4 addr show eth0")
+            assert cluster.addresses[2] in r.stdout and cluster.addresses[1] not in r.stdout
+        assert seen == cluster.addresses and len(set(seen)) == 3
+        # A background process started over SSH is found by processes(), and killed by stop().
+        r = _ssh(cluster, cluster.addresses[1], "setsid sleep 300 >/dev/null 2>&1 < /dev/null &")
+        assert r.returncode == 0, r.stderr
+        assert cluster.processes(1) and not cluster.processes(0)
+    left = leftovers()
+    assert not [p for p in left["tagged"]], left
+    assert not [s for s in left["sshd"] if cluster.id in s], left
+    assert not [n for n in left["namespaces"] if cluster.id in n], left
+    assert not [l for l in left["links"] if cluster.id in l], left
+
+
+def test_a_changed_host_key_is_refused(tmp_path):
+    """Host keys are really checked: a known_hosts entry with another key makes ssh refuse."""
+    with SimCluster(1, workdir=tmp_path / "sim") as cluster:
+        other = tmp_path / "other"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+        host = cluster.known_hosts.read_text().split()[0]
+        key_type, key = (other.with_suffix(".pub")).read_text().split()[:2]
+        cluster.known_hosts.write_text(f"{host} {key_type} {key}\n")
+        r = _ssh(cluster, cluster.addresses[0], "true")
+        assert r.returncode == 255
+        assert "host key" in r.stderr.lower()
+
+
+def test_teardown_runs_even_when_the_body_fails(tmp_path):
+    cluster = SimCluster(2, workdir=tmp_path / "sim")
+    with pytest.raises(RuntimeError, match="boom"):
+        with cluster:
+            raise RuntimeError("boom")
+    left = leftovers()
+    assert not [n for n in left["namespaces"] if cluster.id in n]
+    assert all(node.sshd.poll() is not None for node in cluster.nodes)
+
+
+def test_a_killed_node_loses_its_sessions(sim_cluster):
+    cluster = sim_cluster(2)
+    r = _ssh(cluster, cluster.addresses[0], "setsid sleep 300 >/dev/null 2>&1 < /dev/null &")
+    assert r.returncode == 0
+    assert cluster.processes(0)
+    cluster.kill_sessions(0)
+    import time
+    deadline = time.monotonic() + 5
+    while cluster.processes(0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not cluster.processes(0)
+    assert _ssh(cluster, cluster.addresses[0], "true").returncode == 0  # sshd itself still serves

@@ -1,0 +1,384 @@
+"""A simulated cluster of real nodes: one real OpenSSH sshd per node, each with its own address.
+
+Used by the tests (through the `sim_cluster` fixture in conftest.py) and by bench/.
+
+Two modes, picked automatically:
+- ``netns`` (root with ``ip netns``): one network namespace per node, joined by veth pairs to a
+  bridge in the root namespace. Inside its namespace every node has ``lo`` up and one interface
+  named ``eth0`` (as on a COS GPU node), with its own address on a private /24; sshd listens on
+  that address, port 22. The bridge holds the gateway address, so the launcher (in the root
+  namespace) reaches every node, and nodes reach each other.
+- ``loopback`` (otherwise): one sshd per node on 127.0.0.N, all on one free high port.
+
+Each node has its own generated host key and the cluster writes a known_hosts file with them, so
+the client verifies hosts for real (StrictHostKeyChecking=yes, never "no").
+
+Every process a node's sshd starts for a session carries ``GPUFLEET_SIMNODE=<cluster>-<node>`` in
+its environment (sshd's SetEnv), which is how `processes()` finds what a launch left behind
+without matching on names. `stop()` kills those, every sshd, and removes every namespace, link
+and the bridge, and is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers"]
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+TAG = "GPUFLEET_SIMNODE"
+NAME_PREFIX = "gfs"  # every namespace, bridge and veth we create starts with this
+
+
+def netns_available() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    probe = f"{NAME_PREFIX}probe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ok
+
+
+def _run(*argv: str) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+
+
+def _tagged_pids(value_prefix: str) -> list[int]:
+    """Pids whose initial environment has GPUFLEET_SIMNODE starting with value_prefix."""
+    needle = f"{TAG}={value_prefix}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if any(var.startswith(needle) for var in env.split(b"\0")):
+            pids.append(int(entry))
+    return pids
+
+
+def leftovers() -> dict[str, list[str]]:
+    """What any SimCluster could have left behind on this machine: namespaces, links, processes."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    sshds = subprocess.run(["pgrep", "-af", "gpufleet-simnode"], capture_output=True, text=True).stdout
+    return {
+        "namespaces": [l.split()[0] for l in ns if l.startswith(NAME_PREFIX)],
+        "links": [l.split(":")[1].strip().split("@")[0] for l in links.splitlines()
+                  if l.split(":")[1].strip().startswith(NAME_PREFIX)],
+        "sshd": [l for l in sshds.splitlines() if l.strip()],
+        "tagged": [str(p) for p in _tagged_pids("")],
+    }
+
+
+@dataclass
+class SimNode:
+    index: int
+    address: str
+    port: int
+    iface: str  # the node's interface name, as the node sees it
+    netns: str | None
+    host_key_pub: str = ""
+    sshd: subprocess.Popen | None = field(default=None, repr=False)
+    host_link: str | None = None  # root-namespace end of the veth (netns mode)
+
+
+class SimCluster:
+    """Start `n` real sshd nodes. Use as a context manager, or call start()/stop()."""
+
+    def __init__(self, n: int, mode: str | None = None, workdir: Path | None = None):
+        if n < 1:
+            raise ValueError("a simulated cluster needs at least one node")
+        self.n = n
+        self.mode = mode or ("netns" if netns_available() else "loopback")
+        self.id = f"{random.randrange(16**4):04x}"
+        self._own_dir = workdir is None
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix=f"gpufleet-sim-{self.id}-"))
+        self.nodes: list[SimNode] = []
+        self.bridge = f"{NAME_PREFIX}{self.id}br"
+        # One /24 per cluster so clusters started by concurrent test runs never overlap.
+        r = random.randrange(200 * 250)
+        self.subnet = f"10.{50 + r // 250}.{r % 250}"
+        self.gateway = f"{self.subnet}.1"
+        self._started = False
+
+    # ---- what the launcher consumes ----------------------------------------------------
+
+    @property
+    def hostfile(self) -> Path:
+        return self.dir / "hostfile"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.dir / "known_hosts"
+
+    @property
+    def client_key(self) -> Path:
+        return self.dir / "id_ed25519"
+
+    @property
+    def ssh_options(self) -> list[str]:
+        opts = [
+            "-i", str(self.client_key),
+            "-o", "IdentitiesOnly=yes",
+            "-o", "User=root",
+            "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", "BatchMode=yes",
+        ]
+        if self.mode == "loopback":
+            opts += ["-o", f"Port={self.nodes[0].port}"]
+        return opts
+
+    @property
+    def addresses(self) -> list[str]:
+        return [n.address for n in self.nodes]
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> "SimCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "SimCluster":
+        self._started = True
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpufleet-sim", "-f", str(self.client_key))
+        (self.dir / "authorized_keys").write_text(Path(f"{self.client_key}.pub").read_text())
+        if self.mode == "netns":
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            port = 22
+        else:
+            port = self._free_port([f"127.0.0.{i + 2}" for i in range(self.n)])
+        for i in range(self.n):
+            self.nodes.append(self._make_node(i, port))
+        lines = []
+        for node in self.nodes:
+            self._start_sshd(node)
+            key_type, key_b64 = node.host_key_pub.split()[:2]
+            host = node.address if node.port == 22 else f"[{node.address}]:{node.port}"
+            lines.append(f"{host} {key_type} {key_b64}")
+        self.known_hosts.write_text("\n".join(lines) + "\n")
+        self.hostfile.write_text("".join(f"{n.address}\n" for n in self.nodes))
+        for node in self.nodes:
+            self._wait_listening(node)
+
+    def _make_node(self, i: int, port: int) -> SimNode:
+        if self.mode == "netns":
+            ns = f"{NAME_PREFIX}{self.id}n{i}"
+            host_link = f"{NAME_PREFIX}{self.id}v{i}"
+            address = f"{self.subnet}.{i + 2}"
+            _run("ip", "netns", "add", ns)
+            node = SimNode(i, address, port, "eth0", ns, host_link=host_link)
+            _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", host_link, "master", self.bridge)
+            _run("ip", "link", "set", host_link, "up")
+            nsx = ("ip", "netns", "exec", ns)
+            _run(*nsx, "ip", "link", "set", "lo", "up")  # a new namespace has lo down
+            _run(*nsx, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
+            _run(*nsx, "ip", "link", "set", "eth0", "up")
+            _run(*nsx, "ip", "route", "add", "default", "via", self.gateway)
+            return node
+        return SimNode(i, f"127.0.0.{i + 2}", port, "lo", None)
+
+    def _start_sshd(self, node: SimNode) -> None:
+        key = self.dir / f"host_key_{node.index}"
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"node{node.index}", "-f", str(key))
+        node.host_key_pub = Path(f"{key}.pub").read_text().strip()
+        cfg = self.dir / f"sshd_config_{node.index}"
+        cfg.write_text(
+            f"# gpufleet-simnode {self.id}-{node.index}\n"
+            f"ListenAddress {node.address}\nPort {node.port}\nHostKey {key}\n"
+            f"AuthorizedKeysFile {self.dir}/authorized_keys\n"
+            "PidFile none\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\n"
+            "LogLevel ERROR\nMaxStartups 100:30:200\nMaxSessions 100\n"
+            f"SetEnv {TAG}={self.id}-{node.index}\n"
+        )
+        argv = [SSHD, "-D", "-e", "-f", str(cfg)]
+        if node.netns:
+            argv = ["ip", "netns", "exec", node.netns] + argv
+        log = open(self.dir / f"sshd_{node.index}.log", "ab")
+        # argv[-1] names the config, whose first line carries "gpufleet-simnode": leftovers() greps it.
+        # `ip netns exec` execs sshd in place, so the Popen pid is the sshd listener itself.
+        node.sshd = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+
+    def _wait_listening(self, node: SimNode, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if node.sshd and node.sshd.poll() is not None:
+                log = (self.dir / f"sshd_{node.index}.log").read_text()
+                raise RuntimeError(f"sshd of node {node.index} exited: {log.strip()}")
+            try:
+                with socket.create_connection((node.address, node.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"sshd of node {node.index} ({node.address}) not listening after {timeout}s")
+
+    @staticmethod
+    def _free_port(addresses: list[str]) -> int:
+        for _ in range(200):
+            port = random.randrange(20000, 60000)
+            try:
+                for a in addresses:
+                    with socket.socket() as s:
+                        s.bind((a, port))
+                return port
+            except OSError:
+                continue
+        raise RuntimeError("no free port on the loopback addresses")
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        for pid in _tagged_pids(f"{self.id}-"):
+            self._kill(pid)
+        for node in self.nodes:
+            if node.sshd and node.sshd.poll() is None:
+                try:
+                    os.killpg(node.sshd.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                node.sshd.wait(timeout=10)
+        # Session processes that outlived their sshd (reparented to init) still carry the tag.
+        for pid in _tagged_pids(f"{self.id}-"):
+            self._kill(pid)
+        if self.mode == "netns":
+            for node in self.nodes:
+                if node.netns:
+                    subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+                if node.host_link:
+                    subprocess.run(["ip", "link", "del", node.host_link], capture_output=True)
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self._started = False
+
+    @staticmethod
+    def _kill(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    # ---- inspecting and breaking nodes -----------------------------------------------------
+
+    def exec(self, i: int, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        """Run argv as node i sees the world (inside its namespace), not over SSH."""
+        node = self.nodes[i]
+        full = (["ip", "netns", "exec", node.netns] if node.netns else []) + list(argv)
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(full, **kw)
+
+    def processes(self, i: int | None = None) -> list[int]:
+        """Pids started through node i's sshd (every node when i is None) that are still alive."""
+        prefix = f"{self.id}-" if i is None else f"{self.id}-{i}"
+        pids = _tagged_pids(prefix)
+        if i is not None:  # "-1" must not match "-10"
+            exact = f"{TAG}={self.id}-{i}".encode()
+            pids = [p for p in pids if exact in _environ(p).split(b"\0")]
+        return [p for p in pids if _alive(p)]
+
+    def kill_sessions(self, i: int) -> None:
+        """Node i "disappears": its SSH sessions and everything they started die at once."""
+        node = self.nodes[i]
+        victims = set(self.processes(i))
+        if node.sshd:
+            victims |= set(_descendants(node.sshd.pid))
+        for pid in victims:
+            self._kill(pid)
+
+    def block(self, i: int) -> None:
+        """Cut node i off the network (its sshd keeps running but nothing reaches it)."""
+        node = self.nodes[i]
+        if node.host_link:
+            _run("ip", "link", "set", node.host_link, "down")
+        elif node.sshd:
+            os.kill(node.sshd.pid, signal.SIGSTOP)
+
+    def unblock(self, i: int) -> None:
+        node = self.nodes[i]
+        if node.host_link:
+            _run("ip", "link", "set", node.host_link, "up")
+        elif node.sshd:
+            os.kill(node.sshd.pid, signal.SIGCONT)
+
+    def throttle(self, i: int, rate: str = "20mbit") -> None:
+        """Throttle node i's link both ways with a token bucket (netns mode only)."""
+        node = self.nodes[i]
+        if not node.host_link:
+            raise RuntimeError("throttling needs netns mode")
+        tbf = ["tbf", "rate", rate, "burst", "64kb", "latency", "100ms"]
+        _run("tc", "qdisc", "replace", "dev", node.host_link, "root", *tbf)
+        _run("ip", "netns", "exec", node.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf)
+
+    def unused_address(self) -> str:
+        """An address in the cluster's range where no node listens."""
+        if self.mode == "netns":
+            return f"{self.subnet}.250"
+        return "127.0.0.250"
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    todo, seen = _children(pid), []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += _children(p)
+    return seen

@@ -1,0 +1,298 @@
+"""Bandwidth arithmetic of NVIDIA nccl-tests, and a cost model for what a machine type should give.
+
+Pure: no torch, no I/O. The sweep (`workloads/sweep.py`, on the nodes) and the report
+(`launcher/nccl_report.py`, on the laptop) both compute with these functions, so a number printed
+on a node and a number recomputed from a parsed table can never disagree.
+
+Definitions follow nccl-tests (`src/common.cu` setupArgs, the per-collective `*GetCollByteCount`
+and `*GetBw` in `src/<coll>.cu`, `src/util.cu`), summarised in
+../shared/reference/perf-anchors.md §1.1–1.3:
+
+- the *size* column S is max(send bytes, recv bytes) of one call — the full logical buffer;
+- ``algbw = S / 1e9 / sec`` (GB/s, decimal) for every collective once written in terms of S
+  (all_gather/reduce_scatter/alltoall count per-rank elements, times n, times the type size = S);
+- ``busbw = algbw × factor`` with factor 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
+  reduce_scatter, alltoall), 1 (broadcast, reduce, sendrecv).
+
+The cost model (perf-anchors §5.1, §5.3) is the α-β form t(S) = A + f·S/B, i.e.
+
+    busbw(S) = B / (1 + A·B / (f·S))
+
+with B the plateau bus bandwidth, A a fixed per-op latency and f the collective's bus factor.
+B comes from the catalog's per-node GPU network rate times an efficiency η per network stack
+(`EFFICIENCY`); A is fitted on the small sizes of a measured sweep (`fit_latency`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from gpufleet.catalog import MachineType, NetStack
+
+__all__ = [
+    "COLLECTIVES",
+    "DTYPE_SIZES",
+    "REDOPS",
+    "EFFICIENCY",
+    "CollSizes",
+    "SizeError",
+    "bus_factor",
+    "coll_sizes",
+    "algbw",
+    "busbw",
+    "parse_size",
+    "format_size",
+    "size_ladder",
+    "model_busbw",
+    "fit_latency",
+    "plateau_busbw",
+    "uses_single_nic",
+]
+
+# The seven collectives of the nccl-tests suite we mirror, by the name of their binary minus
+# "_perf" (`src/all_reduce.cu` → all_reduce_perf → "all_reduce").
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "sendrecv",
+)
+
+# nccl-tests type names (`test_typenames` in src/common.cu) and their element sizes.
+DTYPE_SIZES: dict[str, int] = {
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "half": 2,
+    "float": 4,
+    "double": 8,
+    "bfloat16": 2,
+}
+
+# nccl-tests `-o` names (`test_opnames`), minus "mulsum" which is a premul-sum test op of NCCL's own.
+REDOPS: tuple[str, ...] = ("sum", "prod", "max", "min", "avg")
+
+_BUS_FACTOR = {
+    # (n-1)/n-style factors as functions of n; src/<coll>.cu *GetBw, perf-anchors §1.1.
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+
+# Collectives whose `count` column is per rank (or per peer) and is rounded down to a multiple of
+# 16 bytes: `(count/nranks) & -(16/eltSize)` in All{Gather,ToAll}/ReduceScatterGetCollByteCount.
+_PER_RANK = frozenset({"all_gather", "reduce_scatter", "alltoall"})
+
+
+def _check_collective(collective: str) -> None:
+    if collective not in _BUS_FACTOR:
+        raise ValueError(f"collective {collective!r} is unknown; one of: {', '.join(COLLECTIVES)}")
+
+
+def _check_nranks(nranks: int) -> None:
+    if nranks < 1:
+        raise ValueError(f"nranks must be >= 1, got {nranks}")
+
+
+def bus_factor(collective: str, nranks: int) -> float:
+    """busbw / algbw for `collective` on `nranks` ranks, as nccl-tests defines it."""
+    _check_collective(collective)
+    _check_nranks(nranks)
+    return _BUS_FACTOR[collective](nranks)
+
+
+@dataclass(frozen=True)
+class CollSizes:
+    """The buffers of one call, as nccl-tests sizes them for a requested byte count."""
+
+    size: int  # the printed `size` column: max(send_bytes, recv_bytes)
+    count: int  # the printed `count` column: the NCCL count argument (per rank for AG/RS/A2A)
+    send_bytes: int
+    recv_bytes: int
+
+
+def coll_sizes(collective: str, nbytes: int, type_size: int, nranks: int) -> CollSizes:
+    """What nccl-tests does with `-b/-e` = nbytes: count = nbytes/type_size, then per collective.
+
+    all_gather: each rank sends `base` elements, receives base·n; reduce_scatter the reverse;
+    alltoall sends and receives base·n (base per peer); base = (count/n) rounded down to a
+    multiple of 16 bytes. The others move `count` elements. Source: src/common.cu setupArgs and the
+    *GetCollByteCount functions (perf-anchors §1.2).
+    """
+    _check_collective(collective)
+    _check_nranks(nranks)
+    if type_size not in (1, 2, 4, 8):
+        raise ValueError(f"type size {type_size} is not one of 1, 2, 4, 8 bytes")
+    if nbytes < 0:
+        raise ValueError(f"size must be >= 0 bytes, got {nbytes}")
+    count = nbytes // type_size
+    if collective in _PER_RANK:
+        align = 16 // type_size  # elements per 16 bytes
+        base = (count // nranks) // align * align
+        total = base * nranks * type_size
+        if collective == "all_gather":
+            return CollSizes(total, base, base * type_size, total)
+        if collective == "reduce_scatter":
+            return CollSizes(total, base, total, base * type_size)
+        return CollSizes(total, base, total, total)  # alltoall
+    b = count * type_size
+    return CollSizes(b, count, b, b)
+
+
+def algbw(size: int, sec: float) -> float:
+    """Algorithm bandwidth in GB/s (1e9 B/s) of a call whose printed size is `size` bytes."""
+    if sec <= 0:
+        raise ValueError(f"time per op must be > 0 s, got {sec}")
+    return size / 1.0e9 / sec
+
+
+def busbw(collective: str, size: int, sec: float, nranks: int) -> float:
+    """Bus bandwidth in GB/s: algbw × bus_factor (src/<coll>.cu *GetBw)."""
+    return algbw(size, sec) * bus_factor(collective, nranks)
+
+
+class SizeError(ValueError):
+    """A size argument nccl-tests would not accept. str() is the one-line message."""
+
+
+# nccl-tests parsesize(): `sscanf(value, "%zu %1[kmgKMG]")`, K/M/G binary (1024^k).
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """`8` → 8, `1K` → 1024, `8M` → 8·2^20, `8G` → 8·2^30; raises SizeError naming the value."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise SizeError(
+            f"size {text!r} is not understood; write bytes as an integer with an optional "
+            "K, M or G suffix (binary, like nccl-tests): 8, 1K, 8M, 8G"
+        )
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact K/M/G spelling of a byte count (inverse of parse_size)."""
+    for suffix, unit in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def size_ladder(minbytes: int, maxbytes: int, stepfactor: int = 2, stepbytes: int = 0) -> list[int]:
+    """The sizes nccl-tests visits: from minbytes while <= maxbytes, ×stepfactor (or +stepbytes).
+
+    src/common.cu TimeTest: `size = minBytes; size <= maxBytes; size = stepFactor > 1 ?
+    size*stepFactor : size+stepBytes`. stepbytes is used only when stepfactor <= 1.
+    """
+    if minbytes < 0 or maxbytes < 0:
+        raise SizeError(f"sizes must be >= 0 bytes, got -b {minbytes} -e {maxbytes}")
+    if minbytes > maxbytes:
+        raise SizeError(
+            f"minbytes {format_size(minbytes)} is larger than maxbytes {format_size(maxbytes)}; "
+            "swap -b and -e"
+        )
+    if stepfactor <= 1 and stepbytes <= 0:
+        raise SizeError(f"step factor {stepfactor} would never reach maxbytes; use -f 2 or more")
+    if stepfactor > 1 and minbytes == 0:
+        raise SizeError("minbytes 0 with a step factor never grows; start at -b 8 or more")
+    sizes = []
+    size = minbytes
+    while size <= maxbytes:
+        sizes.append(size)
+        size = size * stepfactor if stepfactor > 1 else size + stepbytes
+    return sizes
+
+
+# ---- cost model ---------------------------------------------------------------------------
+
+# η = measured multi-node busbw plateau / per-node aggregate GPU NIC rate, per network stack.
+# Values are the [derived] ratios of perf-anchors §3.3 ("Efficiency of measured multi-node busbw
+# vs per-node aggregate NIC rate"); we take the GCP measurement of each stack, not the best case
+# of another cloud, so "below expected" means below what Google's own examples showed.
+EFFICIENCY: dict[NetStack, float] = {
+    # A3 Mega TCPXO, 2 nodes, all_gather: 188.8 / 200 GB/s (cluster-toolkit gke-a3-megagpu README).
+    NetStack.TCPXO: 0.94,
+    # A3 Ultra / A4 RoCE (gIB), 2 nodes, all_gather: 329–336 / 400 = 0.82–0.84 (cluster-toolkit
+    # gke-a4-highgpu README); the middle, 0.83. IB/EFA reach 0.95–0.98, but not on GCP's sample.
+    NetStack.RDMA: 0.83,
+    # A3 High TCPX, 2 nodes, all_gather: >= 70.9 / 100 at 512 MiB, still rising (cluster-toolkit
+    # gke-a3-highgpu multi-node-test-plan). A lower bound, so the check errs towards silence.
+    NetStack.TCPX: 0.71,
+    # A2 Fast Socket: no published GCP number (perf-anchors §6). Fast Socket is NCCL over kernel
+    # TCP like TCPX's control path; we borrow TCPX's 0.71 rather than invent a figure.
+    NetStack.FAST_SOCKET: 0.71,
+    # Plain NCCL sockets: A3 Mega all_reduce over eth0 (200 Gbps = 25 GB/s) reached 3.5–3.74 GB/s
+    # (MG-Cafe TCPXO benchmark report): 3.74 / 25 = 0.15.
+    NetStack.NONE: 0.15,
+}
+
+# alltoall cannot aggregate NICs ("the performance you should see is the performance of a single
+# NIC", sjeaugey, nccl-tests#267; perf-anchors §5.3 item 5). sendrecv's ring r→r+1 crosses each
+# node boundary with one pair of GPUs, i.e. one NIC, so it is bounded the same way.
+_SINGLE_NIC = frozenset({"alltoall", "sendrecv"})
+
+
+def uses_single_nic(collective: str) -> bool:
+    """True when the collective's multi-node busbw is bounded by one NIC, not the node aggregate."""
+    _check_collective(collective)
+    return collective in _SINGLE_NIC
+
+
+def plateau_busbw(machine: MachineType, collective: str, nnodes: int) -> float | None:
+    """B of the cost model in GB/s: η × the per-node GPU network rate; None within one node.
+
+    Within one node NVLink, not the network, sets the plateau and the catalog holds no NVLink
+    rate, so no expectation is given (perf-anchors §3.1 has the numbers should one be added).
+    """
+    _check_collective(collective)
+    if nnodes < 2:
+        return None
+    rate = machine.gpu_network_bytes_per_s / 1e9
+    if collective in _SINGLE_NIC:
+        rate /= max(1, len(machine.gpu_nics))
+    return EFFICIENCY[machine.net_stack] * rate
+
+
+def model_busbw(size: float, plateau: float, latency_s: float, factor: float) -> float:
+    """busbw(S) = B / (1 + A·B / (f·S)), B in GB/s, A in seconds, S in bytes (perf-anchors §5.1)."""
+    if size <= 0:
+        return 0.0
+    b = plateau * 1e9  # B/s
+    return plateau / (1.0 + latency_s * b / (factor * size))
+
+
+def fit_latency(
+    points: list[tuple[int, float]], plateau: float, factor: float, small: int | None = None
+) -> float:
+    """Fit A (seconds) of the cost model on the small sizes of a sweep.
+
+    `points` are (size bytes, measured busbw GB/s). The model's time t(S) = A + f·S/B and the
+    measured bus time is f·S/busbw, so each point gives A_i = f·S·(1/busbw − 1/B). We take the
+    median over the `small` smallest sizes (default: the smaller half, at least one): small
+    sizes are latency-bound, which is where A is visible above the noise, and the median
+    ignores one hiccup. Never negative.
+    """
+    pts = sorted((s, bw) for s, bw in points if s > 0 and bw > 0)
+    if not pts:
+        raise ValueError("no (size, busbw) points with both > 0 to fit the latency on")
+    if plateau <= 0 or factor <= 0:
+        raise ValueError(f"plateau ({plateau}) and factor ({factor}) must be > 0")
+    k = small if small is not None else max(1, len(pts) // 2)
+    b = plateau * 1e9
+    est = sorted(factor * s * (1.0 / (bw * 1e9) - 1.0 / b) for s, bw in pts[: max(1, k)])
+    mid = len(est) // 2
+    a = est[mid] if len(est) % 2 else (est[mid - 1] + est[mid]) / 2.0
+    return max(0.0, a) if math.isfinite(a) else 0.0

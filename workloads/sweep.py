@@ -1,0 +1,708 @@
+"""An nccl-tests style collective sweep, run under torchrun: ``python -m workloads.sweep``.
+
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m workloads.sweep --ops all_reduce -b 8 -e 8G -f 2
+
+Flags mirror NVIDIA nccl-tests (perf-anchors.md §1.4): -b/-e/-i/-f size ladder (K/M/G binary),
+-n timed iterations, -w warm-up iterations, -c correctness checks, -d type, -o reduction, -r root,
+plus ``--ops LIST|all`` to pick collectives and ``--json PATH`` to write the rows.
+
+Timing follows nccl-tests' default (src/common.cu BenchTime, perf-anchors §1.3): a warm-up pass
+over every size, then per size one untimed call and a barrier, then ``iters`` calls issued
+back-to-back with no synchronisation between them; on GPU the interval is taken with CUDA events
+and a final synchronise, on CPU (gloo returns once a call is done) with the wall clock. The time
+per op is averaged across ranks (nccl-tests ``-a 1``) and algbw/busbw come from
+``gpufleet.bandwidth``. After timing, the data is re-initialised, the op runs ``-c`` times and
+every element of every result is compared with what it must be; ``#wrong`` is the number of wrong
+elements summed over ranks. Out-of-place runs first, then in-place, as in nccl-tests.
+
+Rank 0 prints one nccl-tests table per collective (same header lines and column layout, the
+"Out of bounds values" and "Avg bus bandwidth" footer), then one line ``#gpufleet-json {...}``
+with every row (the launcher parses it; see ``launcher/nccl_report.py``). Exit status: 0 when
+every checked result is right, 1 when any ``#wrong`` > 0, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from gpufleet.bandwidth import (
+    COLLECTIVES,
+    DTYPE_SIZES,
+    REDOPS,
+    SizeError,
+    algbw,
+    bus_factor,
+    coll_sizes,
+    parse_size,
+    size_ladder,
+)
+
+__all__ = ["JSON_MARKER", "SweepConfig", "Row", "run_sweep", "format_table", "main"]
+
+# The prefix of the machine-readable line. It starts with '#' so that anything reading the output
+# as an nccl-tests table skips it as a comment.
+JSON_MARKER = "#gpufleet-json "
+JSON_VERSION = 1
+
+# nccl-tests type names that torch.distributed can carry. uint32/uint64 are NCCL types, but torch's
+# collectives reject them ("Invalid scalar type" on gloo, torch 2.13).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "half": torch.float16,
+    "float": torch.float32,
+    "double": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "avg": dist.ReduceOp.AVG,
+}
+# Collectives with a reduction; the others print redop "none" (nccl-tests all_gather, broadcast,
+# alltoall). sendrecv loops over ops like nccl-tests' SendRecvRunTest although it reduces nothing.
+_REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+_ROOTED = ("broadcast", "reduce")
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the old
+# names; older torch has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Check data is generated and compared in chunks so a multi-GiB buffer never needs a second
+# multi-GiB int64 index tensor next to it.
+_CHUNK = 1 << 24
+
+
+@dataclass
+class SweepConfig:
+    """What to run. Field names follow the nccl-tests long options."""
+
+    collectives: tuple[str, ...] = ("all_reduce",)
+    """Collectives to sweep, in order."""
+    minbytes: int = 32 * 1024**2
+    """-b: first size in bytes (nccl-tests default 32M)."""
+    maxbytes: int = 32 * 1024**2
+    """-e: last size in bytes (nccl-tests default 32M)."""
+    stepfactor: int = 1
+    """-f: multiply the size by this each step; <= 1 uses stepbytes (nccl-tests default)."""
+    stepbytes: int = 1024**2
+    """-i: add this to the size each step when stepfactor <= 1 (nccl-tests default 1M)."""
+    iters: int = 20
+    """-n: timed iterations per size."""
+    warmup_iters: int = 1
+    """-w: warm-up iterations per size before any timing (nccl-tests default 1 since 2025-08)."""
+    check: int = 1
+    """-c: correctness-check iterations per size (0: #wrong prints N/A)."""
+    datatypes: tuple[str, ...] = ("float",)
+    """-d: nccl-tests type names."""
+    ops: tuple[str, ...] = ("sum",)
+    """-o: reductions, for collectives that reduce."""
+    root: int = 0
+    """-r: root rank of broadcast and reduce."""
+    json_path: str | None = None
+    """--json: where rank 0 writes the rows (the JSON line is printed regardless)."""
+    sizes: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        for c in self.collectives:
+            if c not in COLLECTIVES:
+                raise ValueError(f"collective {c!r} is unknown; one of: {', '.join(COLLECTIVES)}, all")
+        for d in self.datatypes:
+            if d not in TORCH_DTYPES:
+                hint = " (torch.distributed has no collectives for it)" if d in DTYPE_SIZES else ""
+                raise ValueError(f"datatype {d!r} is not supported{hint}; one of: {', '.join(TORCH_DTYPES)}")
+        for o in self.ops:
+            if o not in REDOPS:
+                raise ValueError(f"op {o!r} is unknown; one of: {', '.join(REDOPS)}, all")
+        if "avg" in self.ops and any(not TORCH_DTYPES[d].is_floating_point for d in self.datatypes):
+            raise ValueError("op 'avg' needs a floating datatype (half, float, double, bfloat16)")
+        if self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got -n {self.iters}")
+        if self.warmup_iters < 0 or self.check < 0:
+            raise ValueError(f"-w ({self.warmup_iters}) and -c ({self.check}) must be >= 0")
+        self.sizes = size_ladder(self.minbytes, self.maxbytes, self.stepfactor, self.stepbytes)
+
+
+@dataclass
+class Row:
+    """One line of the table: a size, a type and op, and the two timed blocks."""
+
+    collective: str
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    nranks: int
+    oop_time_us: float
+    oop_algbw: float
+    oop_busbw: float
+    oop_wrong: int | None  # None: not checked (N/A)
+    ip_time_us: float
+    ip_algbw: float
+    ip_busbw: float
+    ip_wrong: int | None
+
+
+# ---- data: what each rank holds and what every result must be -------------------------------
+
+# A movement pattern: rank r's element at index g is (g + r) % 97 + 1. Small integers are exact in
+# every type (bf16 holds integers to 256) and the rank shift tells any two of 97 ranks apart.
+_MOVE_PERIOD = 97
+# A reduction pattern: an indicator (g + r) % 3 == 0, so a sum is a count of ranks (exact in bf16
+# up to 256·3 ranks), max/min are 0/1 and a product of (1 + indicator) is a power of two.
+_RED_PERIOD = 3
+
+
+def _index(start: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + length, device=device, dtype=torch.int64)
+
+
+def _move_values(rank: int, g: torch.Tensor) -> torch.Tensor:
+    return (g + rank) % _MOVE_PERIOD + 1
+
+
+def _red_values(rank: int, g: torch.Tensor, op: str) -> torch.Tensor:
+    hit = ((g + rank) % _RED_PERIOD == 0).to(torch.int64)
+    return hit + 1 if op == "prod" else hit
+
+
+def _reduced(g: torch.Tensor, op: str, nranks: int, dtype: torch.dtype) -> torch.Tensor:
+    """What reducing every rank's _red_values at global indices g gives, in `dtype`."""
+    # Number of ranks r in [0, n) with (g + r) % 3 == 0, i.e. r ≡ -g (mod 3).
+    first = (-g) % _RED_PERIOD
+    hits = torch.where(first < nranks, (nranks - 1 - first) // _RED_PERIOD + 1, 0)
+    if op == "sum":
+        out = hits
+    elif op == "prod":
+        # 2**hits; integer types wrap like the backend's own integer multiply.
+        if dtype.is_floating_point:
+            return torch.pow(2.0, hits.to(torch.float64)).to(dtype)
+        out = torch.bitwise_left_shift(torch.ones_like(hits), hits.clamp(max=63))
+        out = torch.where(hits > 62, 0, out)
+    elif op == "max":
+        out = (hits > 0).to(torch.int64)
+    elif op == "min":
+        out = (hits == nranks).to(torch.int64)
+    elif op == "avg":
+        return (hits.to(torch.float64) / nranks).to(dtype)
+    else:  # pragma: no cover - SweepConfig validated the op
+        raise ValueError(op)
+    # int64 → narrower int wraps modulo 2^bits, as the backend's integer adds do.
+    return out.to(dtype)
+
+
+def _fill(buf: torch.Tensor, start: int, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """buf[i] = values(start + i), chunk by chunk."""
+    n = buf.numel()
+    for off in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - off)
+        buf[off : off + m].copy_(values(_index(start + off, m, buf.device)).to(buf.dtype))
+
+
+def _count_wrong(
+    buf: torch.Tensor, start: int, expected: Callable[[torch.Tensor], torch.Tensor], tol: float
+) -> int:
+    """Elements of buf that differ from expected(start + i) by more than tol (relative)."""
+    wrong = 0
+    n = buf.numel()
+    for off in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - off)
+        got = buf[off : off + m]
+        exp = expected(_index(start + off, m, buf.device)).to(buf.dtype)
+        if tol == 0.0:
+            bad = got != exp
+        else:
+            g64, e64 = got.to(torch.float64), exp.to(torch.float64)
+            bad = (g64 - e64).abs() > tol * e64.abs().clamp(min=1.0)
+        wrong += int(bad.sum().item())
+    return wrong
+
+
+def _tolerance(dtype: torch.dtype, op: str) -> float:
+    # Only avg is inexact: sum/n rounds (NCCL premultiplies by 1/n). Every other result of our
+    # patterns is a small integer or a power of two, exact in every type, so compare exactly.
+    if op != "avg":
+        return 0.0
+    return {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-5}.get(dtype, 1e-12)
+
+
+# ---- one collective ------------------------------------------------------------------------
+
+
+@dataclass
+class _Case:
+    """The buffers and calls of one (collective, size, type, op, placement)."""
+
+    run: Callable[[], None]  # one call
+    init: Callable[[], None]  # put the input data in place
+    check: Callable[[], int | None]  # wrong elements on this rank (None: not checkable)
+
+
+class _Bench:
+    def __init__(self, cfg: SweepConfig, rank: int, nranks: int, device: torch.device) -> None:
+        self.cfg, self.rank, self.n, self.device = cfg, rank, nranks, device
+        self.notes: list[str] = []
+        # Set when the backend refuses reduce_scatter_tensor (gloo before torch 2.6) and it is
+        # emulated; see _reduce_scatter.
+        self._rs_emulated = False
+
+    # --- backend calls; the only place torch.distributed collectives are issued ---
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+        if not self._rs_emulated:
+            try:
+                _reduce_scatter(out, inp, op=op)
+                return
+            except (RuntimeError, NotImplementedError) as e:
+                if "gloo" not in str(e).lower() and dist.get_backend() != "gloo":
+                    raise
+                self._rs_emulated = True
+                self.notes.append(
+                    "reduce_scatter: this torch's gloo has no reduce_scatter_tensor; emulated as "
+                    "all_reduce of the input, then a copy of this rank's slice (slower)"
+                )
+        tmp = inp.clone()
+        dist.all_reduce(tmp, op=op)
+        out.copy_(tmp[self.rank * out.numel() : (self.rank + 1) * out.numel()])
+
+    def case(
+        self, coll: str, send: torch.Tensor, recv: torch.Tensor, nbytes: int, dtype_name: str,
+        op: str, in_place: bool,
+    ) -> tuple[_Case, int, int]:
+        """The case for one block, plus the printed size and count."""
+        dtype = TORCH_DTYPES[dtype_name]
+        sz = coll_sizes(coll, nbytes, DTYPE_SIZES[dtype_name], self.n)
+        r, n, root = self.rank, self.n, self.cfg.root
+        rop = _REDUCE_OPS[op]
+        tol = _tolerance(dtype, op)
+        count = sz.count
+
+        def red(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda g: _red_values(rank, g, op)
+
+        def move(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda g: _move_values(rank, g)
+
+        def reduced(g: torch.Tensor) -> torch.Tensor:
+            return _reduced(g, op, n, dtype)
+
+        if coll in ("all_reduce", "reduce"):
+            buf = recv[:count]
+            src = send[:count] if not in_place else buf
+
+            def init() -> None:
+                _fill(src, 0, red(r))
+                if not in_place:
+                    # torch's all_reduce/reduce write into their input: the out-of-place block
+                    # copies send → recv here, untimed, and reduces recv (see the table note).
+                    buf.copy_(src)
+
+            if coll == "all_reduce":
+                run = lambda: dist.all_reduce(buf, op=rop)  # noqa: E731
+                check = lambda: _count_wrong(buf, 0, reduced, tol)  # noqa: E731
+            else:
+                run = lambda: dist.reduce(buf, dst=root, op=rop)  # noqa: E731
+                # Only the root's result is defined (NCCL leaves others' recvbuff alone).
+                check = lambda: _count_wrong(buf, 0, reduced, tol) if r == root else 0  # noqa: E731
+        elif coll == "broadcast":
+            # Out of place: the root sends from its send buffer, the others receive into recv.
+            buf = recv[:count] if (in_place or r != root) else send[:count]
+
+            def init() -> None:
+                if r == root:
+                    _fill(buf, 0, move(root))
+                else:
+                    buf.zero_()
+
+            run = lambda: dist.broadcast(buf, src=root)  # noqa: E731
+            check = lambda: _count_wrong(buf, 0, move(root), 0.0)  # noqa: E731
+        elif coll == "all_gather":
+            out = recv[: count * n]
+            # In place (nccl-tests): this rank's input is its own slice of the output buffer.
+            inp = out[r * count : (r + 1) * count] if in_place else send[:count]
+
+            def init() -> None:
+                out.zero_()
+                _fill(inp, 0, move(r))
+
+            run = lambda: _all_gather(out, inp)  # noqa: E731
+
+            def check() -> int:
+                return sum(
+                    _count_wrong(out[j * count : (j + 1) * count], 0, move(j), 0.0) for j in range(n)
+                )
+        elif coll == "reduce_scatter":
+            inp = (recv if in_place else send)[: count * n]
+            # In place (nccl-tests recvInplaceOffset = base): the output is this rank's slice.
+            out = inp[r * count : (r + 1) * count] if in_place else recv[:count]
+            init = lambda: _fill(inp, 0, red(r))  # noqa: E731
+            run = lambda: self._reduce_scatter(out, inp, rop)  # noqa: E731
+            check = lambda: _count_wrong(out, r * count, reduced, tol)  # noqa: E731
+        elif coll == "alltoall":
+            out = recv[: count * n]
+            inp = out if in_place else send[: count * n]
+
+            def init() -> None:
+                if not in_place:
+                    out.zero_()
+                _fill(inp, 0, move(r))
+
+            run = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
+            if in_place:
+                # Like nccl-tests (AlltoAllInitData: reportErrors = !in_place): reading and
+                # writing one buffer races, so the in-place result is timed, not checked.
+                check = lambda: None  # noqa: E731
+            else:
+                # Chunk q of the output came from rank q's chunk r: indices r·count + i there.
+                def check() -> int:
+                    return sum(
+                        _count_wrong(out[q * count : (q + 1) * count], r * count, move(q), 0.0)
+                        for q in range(n)
+                    )
+        elif coll == "sendrecv":
+            out = recv[:count]
+            inp = out if in_place else send[:count]
+            nxt, prv = (r + 1) % n, (r - 1) % n
+
+            def init() -> None:
+                if not in_place:
+                    out.zero_()
+                _fill(inp, 0, move(r))
+
+            def run() -> None:
+                reqs = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, inp, nxt), dist.P2POp(dist.irecv, out, prv)]
+                )
+                for q in reqs:
+                    q.wait()
+
+            # In place the send and the receive share one buffer; gloo reads and writes it
+            # concurrently, so (as for alltoall) the in-place block is timed, not checked.
+            check = (lambda: None) if in_place else (lambda: _count_wrong(out, 0, move(prv), 0.0))  # noqa: E731
+        else:  # pragma: no cover - SweepConfig validated the name
+            raise ValueError(coll)
+        return _Case(run, init, check), sz.size, count
+
+    # --- timing ---
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time_per_op(self, c: _Case) -> float:
+        """Seconds per op on this rank: `iters` back-to-back calls between two synchronisations."""
+        c.run()  # one untimed call, then a barrier (nccl-tests TimeTest)
+        self._sync()
+        dist.barrier()
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.cfg.iters):
+                c.run()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end) / 1e3 / self.cfg.iters
+        t0 = time.perf_counter()
+        for _ in range(self.cfg.iters):
+            c.run()
+        return (time.perf_counter() - t0) / self.cfg.iters
+
+    def wrong(self, c: _Case) -> int | None:
+        total = None
+        for _ in range(self.cfg.check):
+            c.init()
+            c.run()
+            self._sync()
+            w = c.check()
+            total = None if w is None else (total or 0) + w
+        return total
+
+    def across_ranks(self, sec: float, wrong: int | None) -> tuple[float, int | None]:
+        """Mean time over ranks (nccl-tests -a 1) and wrong elements summed over ranks."""
+        t = torch.tensor([sec, float(wrong or 0)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t[0].item() / self.n, (None if wrong is None else int(t[1].item()))
+
+    def run_collective(self, coll: str) -> list[Row]:
+        cfg = self.cfg
+        maxbuf = max(cfg.sizes) if cfg.sizes else 0
+        rows: list[Row] = []
+        ops = cfg.ops if coll in _REDUCING or coll == "sendrecv" else ("none",)
+        for dname in cfg.datatypes:
+            dtype = TORCH_DTYPES[dname]
+            esize = DTYPE_SIZES[dname]
+            # Both buffers hold the largest logical buffer (nccl-tests allocates max bytes for each).
+            send = torch.empty(maxbuf // esize + 1, dtype=dtype, device=self.device)
+            recv = torch.empty(maxbuf // esize + 1, dtype=dtype, device=self.device)
+            for op in ops:
+                red_op = op if op != "none" else "sum"
+                # Warm-up pass over every size (nccl-tests: all sizes, warmup_iters each).
+                for nbytes in cfg.sizes:
+                    c, _, _ = self.case(coll, send, recv, nbytes, dname, red_op, False)
+                    c.init()
+                    for _ in range(cfg.warmup_iters):
+                        c.run()
+                self._sync()
+                for nbytes in cfg.sizes:
+                    blocks = []
+                    for in_place in (False, True):
+                        c, size, count = self.case(coll, send, recv, nbytes, dname, red_op, in_place)
+                        c.init()
+                        sec = self.time_per_op(c) if size > 0 else 0.0
+                        wrong = self.wrong(c) if cfg.check > 0 else None
+                        sec, wrong = self.across_ranks(sec, wrong)
+                        a = algbw(size, sec) if sec > 0 else 0.0
+                        blocks.append((sec * 1e6, a, a * bus_factor(coll, self.n), wrong))
+                    root = cfg.root if coll in _ROOTED else -1
+                    rows.append(Row(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1]))
+        return rows
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def _float_str(value: float, width: int) -> str:
+    """nccl-tests getFloatStr (src/util.cu): 2 decimals while they fit, then 1, 0, then %e."""
+    power = 0
+    v = 1
+    while value >= v:
+        power += 1
+        v *= 10
+    if power < width - 2:
+        return "%*.2f" % (width, value)
+    if power < width - 1:
+        return "%*.1f" % (width, value)
+    if power < width + 1:
+        return "%*.0f" % (width, value)
+    if width >= 7:
+        return "%*.1e" % (width, value)
+    return "%*.0e" % (width, value)
+
+
+def _block(time_us: float, alg: float, bus: float, wrong: int | None) -> str:
+    head = "  %7s  %6s  %6s" % (_float_str(time_us, 7), _float_str(alg, 6), _float_str(bus, 6))
+    return head + ("    N/A" if wrong is None else "  %6g" % wrong)
+
+
+def format_row(row: Row) -> str:
+    """One data line, `%12li  %12li  %8s  %6s  %6s` then the two blocks (src/util.cu)."""
+    pre = "%12li  %12li  %8s  %6s  %6s" % (row.size, row.count, row.type, row.redop, "%6i" % row.root)
+    return (
+        pre
+        + _block(row.oop_time_us, row.oop_algbw, row.oop_busbw, row.oop_wrong)
+        + _block(row.ip_time_us, row.ip_algbw, row.ip_busbw, row.ip_wrong)
+    )
+
+
+HEADER = (
+    "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n"
+    % ("", "", "", "", "")
+    + "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s \n"
+    % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+       "time", "algbw", "busbw", "#wrong")
+    + "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s \n"
+    % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "")
+)
+
+
+def avg_busbw(rows: list[Row]) -> float:
+    """nccl-tests' "Avg bus bandwidth": the mean busbw over every row, both blocks."""
+    vals = [b for r in rows for b in (r.oop_busbw, r.ip_busbw)]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def format_table(
+    coll: str, rows: list[Row], cfg: SweepConfig, rank_lines: list[str], notes: list[str]
+) -> str:
+    """The full nccl-tests style report of one collective, preamble to footer."""
+    step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
+    out = [
+        f"# Collective test starting: {coll}_perf",
+        f"# nThread 1 nGpus 1 minBytes {cfg.minbytes} maxBytes {cfg.maxbytes} step: {step} "
+        f"warmup iters: {cfg.warmup_iters} iters: {cfg.iters} agg iters: 1 "
+        f"validation: {min(cfg.check, 1)} graph: 0",
+        "#",
+        "# Using devices",
+        *rank_lines,
+    ]
+    out += [f"# note: {n}" for n in notes]
+    out.append("#")
+    text = "\n".join(out) + "\n" + HEADER
+    text += "".join(format_row(r) + "\n" for r in rows)
+    wrong = sum((r.oop_wrong or 0) + (r.ip_wrong or 0) for r in rows)
+    text += "# %-20s : %d %s\n" % ("Out of bounds values", wrong, "FAILED" if wrong else "OK")
+    text += "# %-20s : %g \n" % ("Avg bus bandwidth", avg_busbw(rows))
+    text += "#\n"
+    text += f"# Collective test concluded: {coll}_perf\n"
+    return text
+
+
+def _notes_for(coll: str, bench: _Bench) -> list[str]:
+    notes = []
+    if coll in ("all_reduce", "reduce"):
+        notes.append(
+            f"{coll}: torch.distributed reduces into its input, so out-of-place copies "
+            "send -> recv untimed and reduces recv; both blocks time the same call"
+        )
+    if coll == "broadcast":
+        notes.append("broadcast: out-of-place sends from the root's send buffer into recv elsewhere")
+    if coll in ("alltoall", "sendrecv"):
+        notes.append(f"{coll}: in-place reads and writes one buffer; timed, not checked (N/A)")
+    notes += [n for n in bench.notes if n.startswith(coll)]
+    return notes
+
+
+def _rank_line(rank: int, device: torch.device) -> str:
+    host = socket.gethostname()
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        bus = "%04x:%02x:%02x" % (
+            getattr(p, "pci_domain_id", 0), getattr(p, "pci_bus_id", 0), getattr(p, "pci_device_id", 0)
+        )
+        return "#  Rank %2d Group  0 Pid %6d on %10s device %2d [%s] %s" % (
+            rank, os.getpid(), host, device.index or 0, bus, p.name)
+    return "#  Rank %2d Group  0 Pid %6d on %10s device  0 [cpu] CPU (gloo)" % (rank, os.getpid(), host)
+
+
+def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[Row], str]:
+    """Run every collective of cfg in the initialised process group.
+
+    Returns the rows and, on rank 0, the text to print (tables then the JSON line; "" elsewhere).
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    bench = _Bench(cfg, rank, n, device)
+    lines: list[object] = [None] * n
+    dist.all_gather_object(lines, _rank_line(rank, device))
+    rows: list[Row] = []
+    text = []
+    for coll in cfg.collectives:
+        if coll == "sendrecv" and n == 1:
+            text.append("# sendrecv skipped: it needs 2 or more ranks (torch cannot send to itself)\n")
+            continue
+        crow = bench.run_collective(coll)
+        rows += crow
+        text.append(format_table(coll, crow, cfg, [str(x) for x in lines], _notes_for(coll, bench)))
+    payload = {
+        "version": JSON_VERSION,
+        "nranks": n,
+        "backend": dist.get_backend(),
+        "avg_busbw": avg_busbw(rows),
+        "rows": [r.__dict__ for r in rows],
+    }
+    text.append(JSON_MARKER + json.dumps(payload, separators=(",", ":")) + "\n")
+    return rows, ("".join(text) if rank == 0 else "")
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump, exit 2
+        print(f"sweep: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def conv(text: str) -> tuple[str, ...]:
+        items = tuple(s.strip() for s in text.split(",") if s.strip())
+        return choices if items == ("all",) else items
+
+    return conv
+
+
+def parse_args(argv: list[str] | None = None) -> SweepConfig:
+    p = _Parser(prog="python -m workloads.sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--ops", "--collective", dest="collectives", type=_list(COLLECTIVES),
+                   default=("all_reduce",), help="comma list of collectives, or all")
+    p.add_argument("-b", "--minbytes", type=_size_arg, default=32 * 1024**2)
+    p.add_argument("-e", "--maxbytes", type=_size_arg, default=32 * 1024**2)
+    p.add_argument("-i", "--stepbytes", type=_size_arg, default=1024**2)
+    p.add_argument("-f", "--stepfactor", type=int, default=1)
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup_iters", type=int, default=1)
+    p.add_argument("-c", "--check", type=int, default=1)
+    p.add_argument("-d", "--datatype", type=_list(tuple(TORCH_DTYPES)), default=("float",))
+    p.add_argument("-o", "--op", type=_list(REDOPS), default=("sum",))
+    p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None)
+    a = p.parse_args(argv)
+    try:
+        return SweepConfig(
+            collectives=a.collectives, minbytes=a.minbytes, maxbytes=a.maxbytes,
+            stepfactor=a.stepfactor, stepbytes=a.stepbytes, iters=a.iters,
+            warmup_iters=a.warmup_iters, check=a.check, datatypes=a.datatype, ops=a.op,
+            root=a.root, json_path=a.json_path,
+        )
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: error() exits
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("sweep: RANK/WORLD_SIZE are not set; run it under torchrun "
+              "(torchrun --nproc-per-node 2 -m workloads.sweep ...)", file=sys.stderr)
+        return 2
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    try:
+        n = dist.get_world_size()
+        if not 0 <= cfg.root < n:
+            if dist.get_rank() == 0:
+                print(f"sweep: root {cfg.root} is not a rank of this run (0..{n - 1}); pass -r 0",
+                      file=sys.stderr)
+            return 2
+        rows, text = run_sweep(cfg, device)
+        if dist.get_rank() == 0:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if cfg.json_path:
+                _write_json(cfg.json_path, rows, n)
+        failed = any((r.oop_wrong or 0) + (r.ip_wrong or 0) > 0 for r in rows)
+        return 1 if failed else 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _write_json(path: str, rows: list[Row], nranks: int) -> None:
+    """Write the rows atomically: a reader never sees half a file, an old file is replaced whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"version": JSON_VERSION, "nranks": nranks, "avg_busbw": avg_busbw(rows),
+                   "rows": [r.__dict__ for r in rows]}, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

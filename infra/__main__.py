@@ -1,0 +1,82 @@
+"""The gpufleet Pulumi program: stack config -> networks, placement, identity, nodes -> outputs.
+
+Pulumi runs this file as `__main__` (Pulumi.yaml `main: infra/`). It only wires: the config is
+read once into a validated FleetSpec (infra/config.py) before any resource is declared.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a program, `infra/` is the script's directory, not a package; make `import infra.*`
+# resolve from the repository root (the editable install does the same when it is present).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import pulumi  # noqa: E402
+
+from infra.config import ConfigError, read_spec  # noqa: E402
+from infra.contract import LABEL_CLUSTER  # noqa: E402
+from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
+from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
+from infra.nodes import NodePool, NodePoolArgs  # noqa: E402
+from infra.placement import PlacementPolicy, PlacementPolicyArgs  # noqa: E402
+from infra.startup import render_startup_script  # noqa: E402
+
+
+def main() -> None:
+    try:
+        spec = read_spec()
+    except ConfigError as e:
+        # RunError: Pulumi prints the message alone, without a Python traceback.
+        raise pulumi.RunError(str(e)) from None
+
+    networks = GpuNetworks(
+        f"{spec.cluster}-networks",
+        GpuNetworksArgs(
+            cluster=spec.cluster, project=spec.project, region=spec.region, zone=spec.zone,
+            machine=spec.machine, ssh_source_ranges=spec.ssh_source_ranges, nat=not spec.external_ip,
+        ),
+    )
+    placement = None
+    if spec.placement == "compact":
+        placement = PlacementPolicy(
+            f"{spec.cluster}-placement",
+            PlacementPolicyArgs(
+                cluster=spec.cluster, project=spec.project, region=spec.region,
+                nodes=spec.nodes, max_distance=spec.max_distance,
+            ),
+        )
+    identity = NodeIdentity(
+        f"{spec.cluster}-identity",
+        NodeIdentityArgs(
+            cluster=spec.cluster, project=spec.project, region=spec.region,
+            service_account=spec.service_account, checkpoint_bucket=spec.checkpoint_bucket,
+            labels={**dict(spec.labels), LABEL_CLUSTER: spec.cluster},
+        ),
+    )
+    pool = NodePool(
+        f"{spec.cluster}-nodes",
+        NodePoolArgs(
+            spec=spec,
+            nic_targets=networks.nic_targets,
+            service_account_email=identity.email,
+            startup_script=render_startup_script(spec.machine, cluster=spec.cluster, image_os=spec.image_os),
+            placement_policy=placement.self_link if placement else None,
+            depends_on=[*networks.ready, *identity.grants],
+        ),
+    )
+
+    pulumi.export("cluster", spec.cluster)
+    pulumi.export("project", spec.project)
+    pulumi.export("zone", spec.zone)
+    pulumi.export("machineType", spec.machine_type)
+    pulumi.export("nodes", pool.nodes)
+    pulumi.export("placementPolicy", placement.policy.name if placement else None)
+    pulumi.export("networks", networks.summary)
+    pulumi.export("checkpointBucket", identity.bucket_name)
+
+
+main()

@@ -1,0 +1,399 @@
+"""Stack configuration -> one typed, validated `FleetSpec`, before any resource is declared.
+
+Pulumi hands a program its config as strings (the CLI serialises every value, lists and maps as
+JSON text), so each key is parsed here with a check of its type and its range. Every mistake is
+a `ConfigError` whose message is one line naming the key, the bad value and what is allowed.
+
+This module imports pulumi only inside `read_spec()`, so `parse_spec()` is a pure function.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpufleet.catalog import MachineType, UnknownMachineType, lookup
+
+from infra.contract import LABEL_CLUSTER, LABEL_NODE
+
+__all__ = [
+    "ConfigError",
+    "FleetSpec",
+    "NAMESPACE",
+    "KEYS",
+    "DEFAULTS",
+    "IAP_RANGE",
+    "COMPACT_PLACEMENT_MAX_VMS",
+    "SUBNET_MAX_NODES",
+    "parse_spec",
+    "read_spec",
+]
+
+NAMESPACE = "gpufleet"
+
+# Identity-Aware Proxy's TCP forwarding range: SSH through `gcloud compute ssh --tunnel-through-iap`
+# comes from here (https://cloud.google.com/iap/docs/using-tcp-forwarding#create-firewall-rule).
+IAP_RANGE = "35.235.240.0/20"
+
+# Upper bound of one compact placement policy. CTK resume.py splits placement groups at
+# PLACEMENT_MAX_CNT = 1500; slurm-gcp raised it 22 -> 150 -> 1500 as Google raised the limit
+# (gcp-facts 3.2). Older copies of Google's placement page still say "a maximum of 150 VMs".
+COMPACT_PLACEMENT_MAX_VMS = 1500
+
+# Every subnet is a /20 (infra/networks.py): 4096 addresses less the 4 GCE reserves.
+SUBNET_MAX_NODES = 4092
+
+DEFAULTS: dict[str, Any] = {
+    "machineType": "a3-highgpu-8g",
+    "nodes": 2,
+    "provisioning": "standard",
+    # 200 GB holds the image, CUDA toolkit, containers and nccl-tests with room for logs.
+    "bootDiskSizeGb": 200,
+    "externalIp": False,
+    "sshSourceRanges": (IAP_RANGE,),
+    # Flex-start VMs need a max run duration (pulumi-gcp InstanceSchedulingArgs docstring,
+    # gcp-facts 3.3); Google caps Flex-start runs at seven days.
+    "maxRunHours": 24,
+}
+
+# Every key this program reads, in the namespace `gpufleet`. Anything else there is a typo.
+KEYS = (
+    "machineType",
+    "nodes",
+    "name",
+    "placement",
+    "maxDistance",
+    "provisioning",
+    "reservation",
+    "maxRunHours",
+    "image",
+    "bootDiskSizeGb",
+    "externalIp",
+    "sshSourceRanges",
+    "serviceAccount",
+    "checkpointBucket",
+    "labels",
+)
+
+_PLACEMENTS = ("compact", "none")
+_PROVISIONING = ("standard", "spot", "flex-start")
+# GCE resource names: RFC 1035, lowercase (https://cloud.google.com/compute/docs/naming-resources).
+# 40 characters leave room for the longest suffix this program adds ("-gpu-net-8-subnet").
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+_PROJECT_RE = re.compile(r"^([a-z0-9.-]+:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$")
+_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_RESERVATION_RE = re.compile(r"^(projects/[a-z][-a-z0-9]{4,28}[a-z0-9]/reservations/)?[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SA_RE = re.compile(r"^[a-z0-9][-a-z0-9._]*@[a-z0-9][-a-z0-9.]*\.gserviceaccount\.com$")
+_IMAGE_RE = re.compile(r"^(https://[-a-z0-9./]+|[a-z][-a-z0-9]*(/[-a-z0-9]+)*)$")
+# GCE labels (https://cloud.google.com/compute/docs/labeling-resources#requirements).
+_LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
+# GCS bucket names (https://cloud.google.com/storage/docs/buckets#naming): lowercase letters,
+# digits, '-', '_', '.'; start and end with a letter or digit; 3-63 characters (up to 222 with
+# dots, each dot-separated part at most 63); not an IP address; no "goog" prefix, no "google".
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+class ConfigError(ValueError):
+    """A stack config value this program refuses. str() is one line: key, bad value, what is allowed."""
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """A validated fleet: what `pulumi up` will build."""
+
+    cluster: str
+    """Cluster name; prefixes every resource and labels every node."""
+    project: str
+    zone: str
+    machine: MachineType
+    nodes: int
+    placement: str
+    """"compact" (one COLLOCATED policy on every node) or "none"."""
+    max_distance: int | None
+    provisioning: str
+    """"standard", "spot" or "flex-start"."""
+    reservation: str | None
+    """Specific reservation the nodes must consume."""
+    max_run_hours: int
+    """Flex-start only: how long GCE lets the nodes run."""
+    image: str
+    boot_disk_size_gb: int
+    external_ip: bool
+    ssh_source_ranges: tuple[str, ...]
+    service_account: str | None
+    """Existing node service account; None = create one with least privilege."""
+    checkpoint_bucket: str | None
+    labels: tuple[tuple[str, str], ...]
+    """User labels (sorted pairs; frozen), added to every labelled resource."""
+
+    @property
+    def region(self) -> str:
+        return self.zone.rsplit("-", 1)[0]
+
+    @property
+    def machine_type(self) -> str:
+        return self.machine.name
+
+    @property
+    def image_os(self) -> str:
+        """"cos" for Container-Optimized OS images, "ubuntu" otherwise: picks NIC names and script paths."""
+        return "cos" if "cos-cloud" in self.image or "/cos-" in self.image or self.image.startswith("cos-") else "ubuntu"
+
+    def node_labels(self, index: int) -> dict[str, str]:
+        return {**dict(self.labels), LABEL_CLUSTER: self.cluster, LABEL_NODE: str(index)}
+
+
+def _key(name: str) -> str:
+    return f"{NAMESPACE}:{name}"
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    shown = value if isinstance(value, str) else json.dumps(value)
+    return ConfigError(f"config {key} = {shown!r} is not allowed: {allowed}")
+
+
+def _json(raw: Any) -> Any:
+    """A config value as Pulumi wrote it: structured values arrive as JSON text."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def _is_plain_string(raw: Any) -> bool:
+    """True when the YAML value was a string (not a number, bool, list or map turned into text)."""
+    if not isinstance(raw, str) or not raw.strip():
+        return False
+    return isinstance(_json(raw), str)
+
+
+def _int(key: str, raw: Any, lo: int, hi: int, example: int) -> int:
+    value = raw
+    if isinstance(raw, str) and re.fullmatch(r"[+-]?[0-9]+", raw.strip()):
+        value = int(raw)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(_key(key), raw, f"a whole number from {lo} to {hi} (e.g. {example})")
+    if not lo <= value <= hi:
+        raise _fail(_key(key), raw, f"a whole number from {lo} to {hi} (e.g. {example})")
+    return value
+
+
+def _bool(key: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in ("true", "false"):
+        return raw.strip().lower() == "true"
+    raise _fail(_key(key), raw, "true or false")
+
+
+def _choice(key: str, raw: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(raw, str) or raw not in choices:
+        raise _fail(_key(key), raw, f"one of: {', '.join(choices)}")
+    return raw
+
+
+def _string(key: str, raw: Any, pattern: re.Pattern[str], allowed: str) -> str:
+    if not _is_plain_string(raw) or not pattern.fullmatch(raw):
+        raise _fail(_key(key) if ":" not in key else key, raw, allowed)
+    return raw
+
+
+def _cidrs(key: str, raw: Any) -> tuple[str, ...]:
+    value = _json(raw)
+    allowed = 'a list of IPv4 CIDR ranges, e.g. ["35.235.240.0/20"]'
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise _fail(_key(key), raw, allowed)
+    out = []
+    for v in value:
+        try:
+            net = ipaddress.ip_network(v, strict=True)
+        except ValueError as e:
+            raise _fail(_key(key), v, f"{allowed} ({e})") from None
+        if net.version != 4:
+            raise _fail(_key(key), v, f"{allowed}; the cluster's networks are IPv4-only")
+        out.append(str(net))
+    return tuple(out)
+
+
+def _labels(key: str, raw: Any) -> tuple[tuple[str, str], ...]:
+    value = _json(raw)
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise _fail(_key(key), raw, 'a map of label names to string values, e.g. {"team": "research"}')
+    if len(value) > 62:  # GCE allows 64 labels per resource; two are ours.
+        raise _fail(_key(key), raw, "at most 62 labels (GCE allows 64; gpufleet adds 2)")
+    for k, v in value.items():
+        if k in (LABEL_CLUSTER, LABEL_NODE):
+            raise _fail(_key(key), k, f"a label name other than {LABEL_CLUSTER} and {LABEL_NODE}, which gpufleet sets itself")
+        if not _LABEL_KEY_RE.fullmatch(k):
+            raise _fail(_key(key), k, "label names of 1-63 lowercase letters, digits, '_' or '-', starting with a letter")
+        if not _LABEL_VALUE_RE.fullmatch(v):
+            raise _fail(_key(key), f"{k}={v}", "label values of 0-63 lowercase letters, digits, '_' or '-'")
+    return tuple(sorted(value.items()))
+
+
+def _bucket(key: str, raw: Any) -> str:
+    allowed = (
+        "a GCS bucket name: 3-63 lowercase letters, digits, '-', '_' or '.', starting and ending "
+        "with a letter or digit, not an IP address, no 'goog' prefix and no 'google'"
+    )
+    if not _is_plain_string(raw):
+        raise _fail(_key(key), raw, allowed)
+    name = raw.removeprefix("gs://")
+    parts = name.split(".")
+    ok = (
+        bool(_BUCKET_RE.fullmatch(name))
+        and (len(name) <= 63 or "." in name)
+        and all(0 < len(p) <= 63 for p in parts)
+        and not re.fullmatch(r"[0-9]+(\.[0-9]+){3}", name)
+        and not name.startswith("goog")
+        and "google" not in name
+        and "g00gle" not in name
+    )
+    if not ok:
+        raise _fail(_key(key), raw, allowed)
+    return name
+
+
+def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
+    """Validate raw config (full keys: "gpufleet:nodes", "gcp:project", ...) into a FleetSpec.
+
+    Raises ConfigError, naming the first bad key, before anything is declared.
+    """
+    ours = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:")}
+    unknown = sorted(set(ours) - set(KEYS))
+    if unknown:
+        raise ConfigError(
+            f"config {_key(unknown[0])} is not a gpufleet setting; known: {', '.join(KEYS)}"
+        )
+
+    get = ours.get
+
+    project = raw.get("gcp:project")
+    if project is None:
+        raise ConfigError("config gcp:project is not set: run `pulumi config set gcp:project YOUR_PROJECT_ID`")
+    project = _string("gcp:project", project, _PROJECT_RE, "a project ID (6-30 lowercase letters, digits, '-')")
+    zone = raw.get("gcp:zone")
+    if zone is None:
+        raise ConfigError("config gcp:zone is not set: run `pulumi config set gcp:zone us-central1-a` (a zone that has your machine type)")
+    zone = _string("gcp:zone", zone, _ZONE_RE, "a zone such as us-central1-a")
+
+    mt_raw = get("machineType") if get("machineType") is not None else DEFAULTS["machineType"]
+    try:
+        machine = lookup(mt_raw if isinstance(mt_raw, str) else json.dumps(mt_raw))
+    except UnknownMachineType as e:
+        raise ConfigError(f"config {_key('machineType')} = {mt_raw!r} is not allowed: {e}") from None
+
+    nodes = DEFAULTS["nodes"] if get("nodes") is None else _int("nodes", get("nodes"), 1, SUBNET_MAX_NODES, 2)
+
+    if get("name") is not None:
+        cluster = _string("name", get("name"), _NAME_RE, "1-40 lowercase letters, digits or '-', starting with a letter, not ending with '-'")
+    elif _NAME_RE.fullmatch(stack):
+        cluster = stack
+    else:
+        raise ConfigError(
+            f"the stack name {stack!r} cannot name GCE resources (1-40 lowercase letters, digits or '-', "
+            f"starting with a letter); set a cluster name: `pulumi config set {_key('name')} my-cluster`"
+        )
+
+    provisioning = DEFAULTS["provisioning"] if get("provisioning") is None else _choice("provisioning", get("provisioning"), _PROVISIONING)
+    if provisioning not in machine.provisioning:
+        allowed = ", ".join(m for m in _PROVISIONING if m in machine.provisioning)
+        # T-A3M: a3-highgpu-1g/2g/4g "must" be created as Spot or Flex-start VMs (gcp-facts 1.1).
+        raise _fail(_key("provisioning"), provisioning, f"{machine.name} can only be provisioned as: {allowed}")
+
+    reservation = None
+    if get("reservation") is not None:
+        reservation = _string(
+            "reservation", get("reservation"), _RESERVATION_RE,
+            "a reservation name (or projects/PROJECT/reservations/NAME for a shared one)",
+        )
+        if provisioning != "standard":
+            raise _fail(
+                _key("reservation"), reservation,
+                f"no reservation with provisioning {provisioning!r}: a reservation is consumed by "
+                "standard VMs; drop gpufleet:reservation or set gpufleet:provisioning standard",
+            )
+
+    max_run_hours = DEFAULTS["maxRunHours"]
+    if get("maxRunHours") is not None:
+        max_run_hours = _int("maxRunHours", get("maxRunHours"), 1, 168, 24)
+        if provisioning != "flex-start":
+            raise _fail(_key("maxRunHours"), get("maxRunHours"), "only with gpufleet:provisioning flex-start")
+
+    # Compact placement is the default for a multi-node fleet. With a reservation the reservation's
+    # own placement applies instead (DSTACK: "Cannot use our own placement policies when
+    # provisioning in a reservation"; gcp-facts 3.2), so the default there is none.
+    if get("placement") is not None:
+        placement = _choice("placement", get("placement"), _PLACEMENTS)
+    else:
+        placement = "compact" if nodes > 1 and reservation is None else "none"
+    if placement == "compact":
+        if nodes < 2:
+            raise _fail(_key("placement"), placement, "compact needs gpufleet:nodes >= 2; set placement none for one node")
+        if reservation is not None:
+            raise _fail(
+                _key("placement"), placement,
+                "none with a reservation: the reservation's own placement policy applies (DSTACK, gcp-facts 3.2)",
+            )
+        if nodes > COMPACT_PLACEMENT_MAX_VMS:
+            raise _fail(
+                _key("nodes"), nodes,
+                f"at most {COMPACT_PLACEMENT_MAX_VMS} nodes in one compact placement policy "
+                "(CTK resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
+            )
+
+    max_distance = None
+    if get("maxDistance") is not None:
+        # CTK slurm nodeset: valid values null, 1, 2, 3; "A3 machines do not support a
+        # placement_max_distance of 1" (gcp-facts 3.2).
+        lo = 2 if machine.family.startswith("a3") else 1
+        max_distance = _int("maxDistance", get("maxDistance"), lo, 3, 2)
+        if placement != "compact":
+            raise _fail(_key("maxDistance"), get("maxDistance"), "only with gpufleet:placement compact")
+
+    image = machine.default_image
+    if get("image") is not None:
+        image = _string(
+            "image", get("image"), _IMAGE_RE,
+            "an image path such as projects/ubuntu-os-accelerator-images/global/images/family/NAME",
+        )
+
+    boot = DEFAULTS["bootDiskSizeGb"] if get("bootDiskSizeGb") is None else _int("bootDiskSizeGb", get("bootDiskSizeGb"), 50, 65536, 200)
+    external_ip = DEFAULTS["externalIp"] if get("externalIp") is None else _bool("externalIp", get("externalIp"))
+    ssh = DEFAULTS["sshSourceRanges"] if get("sshSourceRanges") is None else _cidrs("sshSourceRanges", get("sshSourceRanges"))
+
+    service_account = None
+    if get("serviceAccount") is not None:
+        service_account = _string(
+            "serviceAccount", get("serviceAccount"), _SA_RE,
+            "a service account email such as nodes@PROJECT.iam.gserviceaccount.com",
+        )
+    bucket = None if get("checkpointBucket") is None else _bucket("checkpointBucket", get("checkpointBucket"))
+    labels = () if get("labels") is None else _labels("labels", get("labels"))
+
+    return FleetSpec(
+        cluster=cluster, project=project, zone=zone, machine=machine, nodes=nodes,
+        placement=placement, max_distance=max_distance, provisioning=provisioning,
+        reservation=reservation, max_run_hours=max_run_hours, image=image,
+        boot_disk_size_gb=boot, external_ip=external_ip, ssh_source_ranges=ssh,
+        service_account=service_account, checkpoint_bucket=bucket, labels=labels,
+    )
+
+
+def read_spec() -> FleetSpec:
+    """Read the running stack's config (as the Pulumi engine passes it) into a FleetSpec."""
+    import pulumi
+    from pulumi.runtime import config as runtime_config
+
+    # Every key the engine set: explicitly (set_all_config) or through PULUMI_CONFIG.
+    raw: dict[str, Any] = dict(runtime_config.get_config_env())
+    raw.update(runtime_config.CONFIG.get())
+    wanted = {k: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:") or k in ("gcp:project", "gcp:zone")}
+    return parse_spec(wanted, stack=pulumi.get_stack())

@@ -1,0 +1,89 @@
+"""The nodes' identity and storage: a least-privilege service account and the checkpoint bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_gcp as gcp
+
+__all__ = ["NODE_ROLES", "BUCKET_ROLE", "NodeIdentityArgs", "NodeIdentity"]
+
+# What a node needs and nothing more: write its logs and metrics, pull the GPUDirect images from
+# Artifact Registry (DSTACK grants roles/artifactregistry.reader for them; gcp-facts 4.9).
+NODE_ROLES = (
+    "roles/logging.logWriter",
+    "roles/monitoring.metricWriter",
+    "roles/artifactregistry.reader",
+)
+# Read, write and delete objects in the one bucket (checkpoints are overwritten and pruned), no
+# bucket administration (https://cloud.google.com/storage/docs/access-control/iam-roles).
+BUCKET_ROLE = "roles/storage.objectUser"
+
+
+@dataclass(frozen=True)
+class NodeIdentityArgs:
+    cluster: str
+    project: str
+    region: str
+    service_account: str | None
+    """Existing email to use as is; None = create one with NODE_ROLES."""
+    checkpoint_bucket: str | None
+    labels: dict[str, str]
+
+
+class NodeIdentity(pulumi.ComponentResource):
+    """`email` is the nodes' service account; `bucket_name` the checkpoint bucket (None if not asked)."""
+
+    def __init__(self, name: str, args: NodeIdentityArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gpufleet:infra:NodeIdentity", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.grants: list[pulumi.Resource] = []
+        if args.service_account is None:
+            # account_id: 6-30 characters, [a-z]([-a-z0-9]*[a-z0-9]).
+            account = gcp.serviceaccount.Account(
+                f"{args.cluster}-nodes",
+                gcp.serviceaccount.AccountArgs(
+                    account_id=f"{args.cluster[:24].rstrip('-')}-nodes",
+                    project=args.project,
+                    display_name=f"gpufleet {args.cluster} nodes",
+                ),
+                opts=child,
+            )
+            self.email: pulumi.Output[str] = account.email
+            member = account.email.apply(lambda e: f"serviceAccount:{e}")
+            for role in NODE_ROLES:
+                self.grants.append(
+                    gcp.projects.IAMMember(
+                        f"{args.cluster}-nodes-{role.split('/')[1].replace('.', '-')}",
+                        gcp.projects.IAMMemberArgs(project=args.project, role=role, member=member),
+                        opts=child,
+                    )
+                )
+        else:
+            self.email = pulumi.Output.from_input(args.service_account)
+            member = pulumi.Output.from_input(f"serviceAccount:{args.service_account}")
+
+        self.bucket_name: pulumi.Output[str] | None = None
+        if args.checkpoint_bucket is not None:
+            bucket = gcp.storage.Bucket(
+                args.checkpoint_bucket,
+                gcp.storage.BucketArgs(
+                    name=args.checkpoint_bucket,
+                    project=args.project,
+                    location=args.region.upper(),  # same region as the nodes: no egress charges
+                    uniform_bucket_level_access=True,
+                    public_access_prevention="enforced",
+                    labels=args.labels,
+                ),
+                opts=child,
+            )
+            self.grants.append(
+                gcp.storage.BucketIAMMember(
+                    f"{args.cluster}-nodes-checkpoints",
+                    gcp.storage.BucketIAMMemberArgs(bucket=bucket.name, role=BUCKET_ROLE, member=member),
+                    opts=child,
+                )
+            )
+            self.bucket_name = bucket.name
+        self.register_outputs({"email": self.email, "bucket": self.bucket_name})

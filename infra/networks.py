@@ -1,0 +1,145 @@
+"""GPU networks: the VPCs, subnets, firewalls and NAT a fleet's NICs attach to (layout: infra/layout.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_gcp as gcp
+from gpufleet.catalog import MachineType
+
+from infra.layout import plan_networks
+
+__all__ = ["GpuNetworksArgs", "GpuNetworks"]
+
+
+@dataclass(frozen=True)
+class GpuNetworksArgs:
+    cluster: str
+    project: str
+    region: str
+    zone: str
+    machine: MachineType
+    ssh_source_ranges: tuple[str, ...]
+    nat: bool
+    """Give the nodes egress through Cloud NAT (they have no external IP)."""
+
+
+class GpuNetworks(pulumi.ComponentResource):
+    """Every VPC, subnet, firewall rule (and the NAT) of one fleet.
+
+    `nic_targets` lists, in NIC order, the (network self link, subnet self link, NIC type) each
+    instance's interfaces use; `summary` is the `networks` stack output.
+    """
+
+    def __init__(self, name: str, args: GpuNetworksArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gpufleet:infra:GpuNetworks", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        plans, nic_plans = plan_networks(args.machine, cluster=args.cluster, zone=args.zone)
+        self.plans = plans
+        self.networks: dict[str, gcp.compute.Network] = {}
+        self.subnets: dict[str, list[gcp.compute.Subnetwork]] = {}
+        self.firewalls: list[gcp.compute.Firewall] = []
+        self.ready: list[pulumi.Resource] = []
+        for plan in plans:
+            net = gcp.compute.Network(
+                plan.name,
+                gcp.compute.NetworkArgs(
+                    name=plan.name,
+                    project=args.project,
+                    auto_create_subnetworks=False,
+                    mtu=plan.mtu,
+                    routing_mode="REGIONAL",
+                    network_profile=(
+                        f"projects/{args.project}/global/networkProfiles/{plan.profile}" if plan.profile else None
+                    ),
+                ),
+                opts=child,
+            )
+            self.networks[plan.key] = net
+            self.subnets[plan.key] = [
+                gcp.compute.Subnetwork(
+                    sub.name,
+                    gcp.compute.SubnetworkArgs(
+                        name=sub.name,
+                        project=args.project,
+                        region=args.region,
+                        network=net.self_link,
+                        ip_cidr_range=sub.cidr,
+                        # Nodes without external IPs still reach Google APIs (GCS checkpoints,
+                        # Artifact Registry images) on the host network.
+                        private_ip_google_access=plan.role == "host",
+                    ),
+                    opts=child,
+                )
+                for sub in plan.subnets
+            ]
+            # All traffic between the cluster's own subnets. The RDMA VPC gets no rule: CTK's
+            # A3 Ultra/A4 blueprints declare `firewall_rules = []` for it (gcp-facts 2.1).
+            if plan.role != "rdma":
+                self.firewalls.append(
+                    gcp.compute.Firewall(
+                        f"{plan.name}-internal",
+                        gcp.compute.FirewallArgs(
+                            name=f"{plan.name}-internal",
+                            project=args.project,
+                            network=net.self_link,
+                            direction="INGRESS",
+                            allows=[
+                                gcp.compute.FirewallAllowArgs(protocol="tcp", ports=["0-65535"]),
+                                gcp.compute.FirewallAllowArgs(protocol="udp", ports=["0-65535"]),
+                                gcp.compute.FirewallAllowArgs(protocol="icmp"),
+                            ],
+                            source_ranges=list(plan.cidrs),
+                            target_tags=[args.cluster],
+                        ),
+                        opts=child,
+                    )
+                )
+        host = plans[0]
+        self.firewalls.append(
+            gcp.compute.Firewall(
+                f"{args.cluster}-ssh",
+                gcp.compute.FirewallArgs(
+                    name=f"{args.cluster}-ssh",
+                    project=args.project,
+                    network=self.networks[host.key].self_link,
+                    direction="INGRESS",
+                    allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=["22"])],
+                    source_ranges=list(args.ssh_source_ranges),
+                    target_tags=[args.cluster],
+                ),
+                opts=child,
+            )
+        )
+        if args.nat:
+            # The startup script pulls packages and images: without external IPs that needs NAT.
+            router = gcp.compute.Router(
+                f"{args.cluster}-router",
+                gcp.compute.RouterArgs(
+                    name=f"{args.cluster}-router", project=args.project, region=args.region,
+                    network=self.networks[host.key].self_link,
+                ),
+                opts=child,
+            )
+            self.ready.append(
+                gcp.compute.RouterNat(
+                    f"{args.cluster}-nat",
+                    gcp.compute.RouterNatArgs(
+                        name=f"{args.cluster}-nat", project=args.project, region=args.region,
+                        router=router.name,
+                        nat_ip_allocate_option="AUTO_ONLY",
+                        source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
+                    ),
+                    opts=child,
+                )
+            )
+        self.nic_targets: list[tuple[pulumi.Output[str], pulumi.Output[str], str]] = [
+            (self.networks[n.network].self_link, self.subnets[n.network][n.subnet].self_link, n.nic_type)
+            for n in nic_plans
+        ]
+        self.summary = [
+            {"name": p.name, "role": p.role, "mtu": p.mtu, "cidrs": list(p.cidrs), "profile": p.profile}
+            for p in plans
+        ]
+        self.register_outputs({"networks": self.summary})

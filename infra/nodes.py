@@ -1,0 +1,178 @@
+"""The node pool: one Compute Engine instance per node, in rank order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra.config import FleetSpec
+
+__all__ = ["BOOT_DISK_TYPES", "scheduling_for", "NodePoolArgs", "NodePool"]
+
+# Boot disk type by family. A3 Ultra / A4 take Hyperdisk only (CTK A3 Ultra/A4 VM blueprints use
+# hyperdisk-balanced; DSTACK: persistent disk unsupported on a4-; gcp-facts 2.4); pd-ssd elsewhere.
+BOOT_DISK_TYPES = {"a3-ultra": "hyperdisk-balanced", "a4": "hyperdisk-balanced"}
+_DEFAULT_BOOT_DISK = "pd-ssd"
+
+# The 375 GiB local NVMe SSDs bundled with the type (InstanceScratchDiskArgs: "SCSI or NVME").
+_LOCAL_SSD_GB = 375
+
+
+def scheduling_for(spec: FleetSpec) -> gcp.compute.InstanceSchedulingArgs:
+    """Scheduling per provisioning model (pulumi-gcp InstanceSchedulingArgs docstrings; gcp-facts 3.2-3.3).
+
+    GPUs cannot live-migrate, so every model terminates on host maintenance.
+    """
+    if spec.provisioning == "spot":
+        # SPOT: "preemptible should be true and automatic_restart should be false". STOP keeps
+        # the instance (and its Pulumi state) so `pulumi up` restarts it instead of recreating it.
+        return gcp.compute.InstanceSchedulingArgs(
+            provisioning_model="SPOT",
+            preemptible=True,
+            automatic_restart=False,
+            on_host_maintenance="TERMINATE",
+            instance_termination_action="STOP",
+        )
+    if spec.provisioning == "flex-start":
+        # FLEX_START: "automatic_restart should be false and instance_termination_action should
+        # be set to DELETE. A max_run_duration must also be specified".
+        return gcp.compute.InstanceSchedulingArgs(
+            provisioning_model="FLEX_START",
+            automatic_restart=False,
+            on_host_maintenance="TERMINATE",
+            instance_termination_action="DELETE",
+            max_run_duration=gcp.compute.InstanceSchedulingMaxRunDurationArgs(seconds=spec.max_run_hours * 3600),
+        )
+    # A3 Ultra / A4 in a reservation: CTK's VM blueprints use RESERVATION_BOUND ("if you have a
+    # reservation, keep RESERVATION_BOUND"; gcp-facts 2.4).
+    model = "RESERVATION_BOUND" if spec.reservation and spec.machine.family in BOOT_DISK_TYPES else "STANDARD"
+    return gcp.compute.InstanceSchedulingArgs(
+        provisioning_model=model,
+        automatic_restart=True,
+        on_host_maintenance="TERMINATE",
+    )
+
+
+def _reservation_affinity(spec: FleetSpec) -> gcp.compute.InstanceReservationAffinityArgs | None:
+    if spec.reservation is not None:
+        return gcp.compute.InstanceReservationAffinityArgs(
+            type="SPECIFIC_RESERVATION",
+            specific_reservation=gcp.compute.InstanceReservationAffinitySpecificReservationArgs(
+                key="compute.googleapis.com/reservation-name", values=[spec.reservation]
+            ),
+        )
+    if spec.provisioning == "flex-start":
+        # Flex-start VMs never consume reservations (gcloud: --reservation-affinity=none).
+        return gcp.compute.InstanceReservationAffinityArgs(type="NO_RESERVATION")
+    return None
+
+
+def _field(obj: object, name: str) -> object:
+    # Nested values of an Output arrive as typed output objects or as plain dicts with snake_case
+    # keys depending on how they were resolved; read either.
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+@dataclass(frozen=True)
+class NodePoolArgs:
+    spec: FleetSpec
+    nic_targets: Sequence[tuple[pulumi.Input[str], pulumi.Input[str], str]]
+    """(network, subnetwork, NIC type) per interface, in NIC order (GpuNetworks.nic_targets)."""
+    service_account_email: pulumi.Input[str]
+    startup_script: str
+    placement_policy: pulumi.Input[str] | None = None
+    depends_on: Sequence[pulumi.Resource] = ()
+    """Resources the nodes need before first boot (NAT, IAM grants)."""
+
+
+class NodePool(pulumi.ComponentResource):
+    """`instances` in rank order; `nodes` is the `nodes` stack output."""
+
+    def __init__(self, name: str, args: NodePoolArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gpufleet:infra:NodePool", name, None, opts)
+        spec = args.spec
+        child = pulumi.ResourceOptions(parent=self, depends_on=list(args.depends_on))
+        boot_disk = gcp.compute.InstanceBootDiskArgs(
+            auto_delete=True,
+            initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(
+                image=spec.image,
+                size=spec.boot_disk_size_gb,
+                type=BOOT_DISK_TYPES.get(spec.machine.family, _DEFAULT_BOOT_DISK),
+            ),
+        )
+        scratch = [gcp.compute.InstanceScratchDiskArgs(interface="NVME", size=_LOCAL_SSD_GB)] * spec.machine.local_ssd_count
+        scheduling = scheduling_for(spec)
+        affinity = _reservation_affinity(spec)
+        account = gcp.compute.InstanceServiceAccountArgs(
+            email=args.service_account_email,
+            scopes=["https://www.googleapis.com/auth/cloud-platform"],  # IAM roles, not scopes, limit it
+        )
+        metadata = {"enable-oslogin": "TRUE", "startup-script": args.startup_script}
+
+        def interfaces() -> list[gcp.compute.InstanceNetworkInterfaceArgs]:
+            out = []
+            for k, (network, subnet, nic_type) in enumerate(args.nic_targets):
+                external = k == 0 and spec.external_ip
+                out.append(
+                    gcp.compute.InstanceNetworkInterfaceArgs(
+                        network=network,
+                        subnetwork=subnet,
+                        nic_type=nic_type,
+                        stack_type="IPV4_ONLY",
+                        access_configs=(
+                            [gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(network_tier="PREMIUM")]
+                            if external else None
+                        ),
+                    )
+                )
+            return out
+
+        self.instances: list[gcp.compute.Instance] = []
+        for i in range(spec.nodes):
+            # Guest accelerators are bundled with A2/A3/A4 types and are not declared (DSTACK
+            # get_accelerators returns [] for them; gcp-facts 3.3).
+            self.instances.append(
+                gcp.compute.Instance(
+                    f"{spec.cluster}-{i}",
+                    gcp.compute.InstanceArgs(
+                        name=f"{spec.cluster}-{i}",
+                        project=spec.project,
+                        zone=spec.zone,
+                        machine_type=spec.machine_type,
+                        boot_disk=boot_disk,
+                        scratch_disks=scratch,
+                        network_interfaces=interfaces(),
+                        scheduling=scheduling,
+                        reservation_affinity=affinity,
+                        resource_policies=args.placement_policy,
+                        service_account=account,
+                        metadata=metadata,
+                        labels=spec.node_labels(i),
+                        tags=[spec.cluster],
+                    ),
+                    opts=child,
+                )
+            )
+        self.nodes: pulumi.Output[list[dict]] = pulumi.Output.all(
+            *[self._node_output(i, inst) for i, inst in enumerate(self.instances)]
+        )
+        self.register_outputs({"nodes": self.nodes})
+
+    @staticmethod
+    def _node_output(index: int, inst: gcp.compute.Instance) -> pulumi.Output[dict]:
+        def entry(args: list) -> dict:
+            name, zone, nics = args
+            nic0 = nics[0]
+            access = _field(nic0, "access_configs") or []
+            return {
+                "name": name,
+                "index": index,
+                "internalIp": _field(nic0, "network_ip"),
+                "externalIp": _field(access[0], "nat_ip") if access else None,
+                "zone": zone,
+            }
+
+        return pulumi.Output.all(inst.name, inst.zone, inst.network_interfaces).apply(entry)

@@ -20,7 +20,8 @@ The cost model (perf-anchors §5.1, §5.3) is the α-β form t(S) = A + f·S/B, 
 
 with B the plateau bus bandwidth, A a fixed per-op latency and f the collective's bus factor.
 B comes from the catalog's per-node GPU network rate times an efficiency η per network stack
-(`EFFICIENCY`); A is fitted on the small sizes of a measured sweep (`fit_latency`).
+(`EFFICIENCY`); A is fitted on the small sizes of a measured sweep (`fit_latency`), or taken
+from `DEFAULT_LATENCY_S` when the sweep has none.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ __all__ = [
     "size_ladder",
     "model_busbw",
     "fit_latency",
+    "SMALL_MAX_BYTES",
+    "DEFAULT_LATENCY_S",
     "plateau_busbw",
     "uses_single_nic",
 ]
@@ -274,25 +277,41 @@ def model_busbw(size: float, plateau: float, latency_s: float, factor: float) ->
     return plateau / (1.0 + latency_s * b / (factor * size))
 
 
-def fit_latency(
-    points: list[tuple[int, float]], plateau: float, factor: float, small: int | None = None
-) -> float:
-    """Fit A (seconds) of the cost model on the small sizes of a sweep.
+# Where fit_latency looks for latency-bound points: every GCP sample in perf-anchors §3.3 is below
+# 10% of its plateau at 1 MiB (A3 Mega all_gather 7.3 of 189 GB/s), so sizes up to 1 MiB are
+# dominated by A, and A is what they measure.
+SMALL_MAX_BYTES = 1 << 20
 
-    `points` are (size bytes, measured busbw GB/s). The model's time t(S) = A + f·S/B and the
+# A per stack when a sweep has no small sizes to fit on: solved from one published point each,
+# busbw(16 MiB) = B / (1 + A·B/(f·S)) with f = 15/16 (16-rank all_gather) [derived]:
+# A3 Mega TCPXO 79.5 of 188.8 GB/s → 115 µs; A3 High TCPX 14.8 of 70.9 → 840 µs; A4 RoCE 128 of
+# 332 → 76 µs (perf-anchors §3.3). FAST_SOCKET and NONE have no published point; they get TCPX's.
+DEFAULT_LATENCY_S: dict[NetStack, float] = {
+    NetStack.TCPXO: 115e-6,
+    NetStack.TCPX: 840e-6,
+    NetStack.RDMA: 76e-6,
+    NetStack.FAST_SOCKET: 840e-6,
+    NetStack.NONE: 840e-6,
+}
+
+
+def fit_latency(
+    points: list[tuple[int, float]], plateau: float, factor: float, max_size: int = SMALL_MAX_BYTES
+) -> float | None:
+    """Fit A (seconds) of the cost model on the small sizes (<= max_size) of a sweep.
+
+    `points` are (size bytes, measured busbw GB/s). The model's time is t(S) = A + f·S/B and the
     measured bus time is f·S/busbw, so each point gives A_i = f·S·(1/busbw − 1/B). We take the
-    median over the `small` smallest sizes (default: the smaller half, at least one): small
-    sizes are latency-bound, which is where A is visible above the noise, and the median
-    ignores one hiccup. Never negative.
+    median of the A_i: it ignores one hiccup, where a least-squares mean would not. Never
+    negative. None when the sweep has no point at or below max_size (use DEFAULT_LATENCY_S).
     """
-    pts = sorted((s, bw) for s, bw in points if s > 0 and bw > 0)
-    if not pts:
-        raise ValueError("no (size, busbw) points with both > 0 to fit the latency on")
     if plateau <= 0 or factor <= 0:
         raise ValueError(f"plateau ({plateau}) and factor ({factor}) must be > 0")
-    k = small if small is not None else max(1, len(pts) // 2)
+    pts = sorted((s, bw) for s, bw in points if 0 < s <= max_size and bw > 0)
+    if not pts:
+        return None
     b = plateau * 1e9
-    est = sorted(factor * s * (1.0 / (bw * 1e9) - 1.0 / b) for s, bw in pts[: max(1, k)])
+    est = sorted(factor * s * (1.0 / (bw * 1e9) - 1.0 / b) for s, bw in pts)
     mid = len(est) // 2
     a = est[mid] if len(est) % 2 else (est[mid - 1] + est[mid]) / 2.0
     return max(0.0, a) if math.isfinite(a) else 0.0

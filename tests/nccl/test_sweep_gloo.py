@@ -1,0 +1,169 @@
+"""The sweep for real: torchrun over gloo, 3 simulated nodes × 2 processes on localhost."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpufleet.bandwidth import COLLECTIVES, bus_factor, coll_sizes, size_ladder
+from launcher import nccl_report as rep
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+NNODES, NPROC = 3, 2
+N = NNODES * NPROC
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def three_node_sweep(tmp_path_factory):
+    """One sweep of every collective; returns (rank 0's stdout, the --json path, all stdouts)."""
+    out = tmp_path_factory.mktemp("sweep")
+    json_path = out / "rows.json"
+    port = _free_port()
+    args = ["--ops", "all", "-b", "64", "-e", "4K", "-f", "8", "-n", "2", "-w", "1",
+            "-d", "float", "-o", "sum", "--json", str(json_path)]
+    procs = [
+        subprocess.Popen(
+            [str(TORCHRUN), "--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
+             "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", f"sweep{port}", "--max-restarts", "0", "-m", "workloads.sweep", *args],
+            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(NNODES)
+    ]
+    results = []
+    try:
+        for p in procs:
+            results.append(p.communicate(timeout=180))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (so, se) in zip(procs, results):
+        assert p.returncode == 0, f"torchrun exit {p.returncode}: {se[-2000:]}"
+    # c10d rendezvous hands out ranks in its own order: rank 0 is on whichever agent it chose.
+    (rank0,) = [so for so, _ in results if rep.JSON_MARKER in so]
+    return rank0, json_path
+
+
+def _json_rows(text: str) -> list[dict]:
+    (line,) = [l for l in text.splitlines() if l.startswith(rep.JSON_MARKER)]
+    return json.loads(line[len(rep.JSON_MARKER):])["rows"]
+
+
+def test_every_collective_every_size_every_result_correct(three_node_sweep):
+    text, _ = three_node_sweep
+    rows = _json_rows(text)
+    sizes = size_ladder(64, 4096, 8)
+    for coll in COLLECTIVES:
+        crow = [r for r in rows if r["collective"] == coll]
+        expect = [coll_sizes(coll, s, 4, N).size for s in sizes]
+        assert [r["size"] for r in crow] == expect, coll
+        for r in crow:
+            assert r["nranks"] == N and r["oop_wrong"] == 0, r
+            # in-place alltoall/sendrecv share one buffer and are timed, not checked (N/A)
+            assert r["ip_wrong"] == (None if coll in ("alltoall", "sendrecv") else 0), r
+    assert "# Out of bounds values : 0 OK" in text
+
+
+def test_busbw_over_algbw_is_the_nccl_tests_factor(three_node_sweep):
+    rows = _json_rows(three_node_sweep[0])
+    for r in rows:
+        for blk in ("oop", "ip"):
+            if r[f"{blk}_algbw"] > 0:
+                ratio = r[f"{blk}_busbw"] / r[f"{blk}_algbw"]
+                assert ratio == pytest.approx(bus_factor(r["collective"], N), rel=1e-12)
+    ar = [r for r in rows if r["collective"] == "all_reduce"]
+    assert ar and all(r["oop_busbw"] / r["oop_algbw"] == pytest.approx(2 * (N - 1) / N) for r in ar)
+
+
+def test_table_and_json_agree(three_node_sweep):
+    text, json_path = three_node_sweep
+    table_only = "\n".join(l for l in text.splitlines() if not l.startswith(rep.JSON_MARKER))
+    table = rep.parse_output(table_only)
+    rows = _json_rows(text)
+    assert len(table) == len(rows) == 7 * 3
+    for t, j in zip(table, rows):
+        assert (t.collective, t.size, t.count, t.type, t.redop, t.root, t.nranks) == (
+            j["collective"], j["size"], j["count"], j["type"], j["redop"], j["root"], j["nranks"])
+        for blk in ("oop", "ip"):
+            # the table prints %.2f (or fewer decimals for big numbers): agree to that precision
+            for key in ("time_us", "algbw", "busbw"):
+                assert getattr(t, f"{blk}_{key}") == pytest.approx(j[f"{blk}_{key}"], abs=0.0051, rel=1e-3)
+            assert getattr(t, f"{blk}_wrong") == j[f"{blk}_wrong"]
+    # Each table's footer is the mean busbw of its rows (%g: 6 significant digits).
+    footers = [float(m) for m in re.findall(r"^# Avg bus bandwidth\s+: (\S+)", text, re.M)]
+    for coll, avg in zip(COLLECTIVES, footers):
+        mean = rep.avg_busbw([rep.SweepRow(**r) for r in rows if r["collective"] == coll])
+        assert avg == pytest.approx(mean, rel=1e-5)
+    assert json.loads(json_path.read_text())["rows"] == rows
+
+
+def test_write_results_from_the_sweep_writes_the_png(three_node_sweep, tmp_path):
+    rows = rep.parse_output(three_node_sweep[0])
+    paths = rep.write_results(rows, tmp_path / "job", machine_type="a2-highgpu-8g", nranks=N,
+                              nnodes=NNODES)
+    assert paths["png"].stat().st_size > 1000
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert len(json.loads(paths["json"].read_text())["rows"]) == len(rows)
+
+
+def test_bad_arguments_exit_2_with_one_line():
+    for argv, needle in [
+        (["-b", "8T"], "size '8T' is not understood"),
+        (["--ops", "allreduce"], "collective 'allreduce' is unknown"),
+        (["-b", "1M", "-e", "8"], "swap -b and -e"),
+        (["-d", "uint32"], "datatype 'uint32' is not supported"),
+        (["-o", "avg", "-d", "int32"], "avg' needs a floating datatype"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "workloads.sweep", *argv], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert r.stderr.count("\n") == 1 and needle in r.stderr, (argv, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "workloads.sweep"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60, env={k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")})
+    assert r.returncode == 2 and "run it under torchrun" in r.stderr
+
+
+def test_a_wrong_result_is_counted_and_fails_the_run(monkeypatch, capsys):
+    """One process, gloo; the reference values are spoiled so every checked element is wrong."""
+    import workloads.sweep as sweep
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    real = sweep._reduced
+    monkeypatch.setattr(sweep, "_reduced", lambda g, op, n, dt: real(g, op, n, dt) + 1)
+    rc = sweep.main(["--ops", "all_reduce,broadcast", "-b", "64", "-e", "64", "-n", "1"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    rows = rep.parse_output(out)
+    assert [r.collective for r in rep.failures(rows)] == ["all_reduce"]
+    ar = rows[0]
+    assert (ar.oop_wrong, ar.ip_wrong) == (16, 16)  # 64 bytes of float, every element
+    assert "# Out of bounds values : 32 FAILED" in out
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # destroy_process_group ran

@@ -41,6 +41,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
     def __init__(self) -> None:
         self.declared: list[Declared] = []
         self._next_host: dict[str, int] = {}
+        self._cidr: dict[str, str] = {}
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
         inputs = dict(args.inputs)
@@ -52,8 +53,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
             state["selfLink"] = f"projects/{project}/global/networks/{name}"
         elif args.typ == "gcp:compute/subnetwork:Subnetwork":
             state["selfLink"] = f"projects/{project}/regions/{inputs.get('region')}/subnetworks/{name}"
-            self._next_host[state["selfLink"]] = 2
-            self._cidr = getattr(self, "_cidr", {})
+            self._next_host[state["selfLink"]] = 2  # .0 and .1 are GCE's (network, gateway)
             self._cidr[state["selfLink"]] = inputs["ipCidrRange"]
         elif args.typ == "gcp:compute/resourcePolicy:ResourcePolicy":
             state["selfLink"] = f"projects/{project}/regions/{inputs.get('region')}/resourcePolicies/{name}"
@@ -66,7 +66,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 sub = nic.get("subnetwork")
                 host = self._next_host.get(sub, 2)
                 self._next_host[sub] = host + 1
-                net = ipaddress.ip_network(getattr(self, "_cidr", {}).get(sub, "10.255.0.0/16"))
+                net = ipaddress.ip_network(self._cidr.get(sub, "10.255.0.0/16"))
                 nic["networkIp"] = str(net.network_address + host)
                 access = []
                 for k, ac in enumerate(nic.get("accessConfigs") or []):
@@ -97,10 +97,13 @@ class Preview:
         return found[0]
 
 
-def run_under_mocks(program: Any, *, stack: str = "dev", project: str = "gpufleet") -> tuple[RecordingMocks, dict[str, Any]]:
+def run_under_mocks(
+    program: Any, *, stack: str = "dev", project: str = "gpufleet", mocks: RecordingMocks | None = None
+) -> tuple[RecordingMocks, dict[str, Any]]:
     """Run `program()` (which declares resources and exports outputs) under mocks, preview mode;
-    return the mocks and the resolved stack outputs. Exceptions from the program propagate."""
-    mocks = RecordingMocks()
+    return the mocks and the resolved stack outputs. Exceptions from the program propagate (pass
+    your own `mocks` to see what was declared before one)."""
+    mocks = mocks if mocks is not None else RecordingMocks()
     _settings.ROOT.set(None)  # a fresh root stack per run
     pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=True)
     _settings.SETTINGS.rpc_manager.clear()
@@ -117,7 +120,14 @@ def run_under_mocks(program: Any, *, stack: str = "dev", project: str = "gpuflee
     return mocks, outputs
 
 
-def preview_program(config: Mapping[str, Any], *, stack: str = "dev", project: str = "gpufleet", main: str = MAIN) -> Preview:
+def preview_program(
+    config: Mapping[str, Any],
+    *,
+    stack: str = "dev",
+    project: str = "gpufleet",
+    main: str = MAIN,
+    mocks: RecordingMocks | None = None,
+) -> Preview:
     """Run infra/__main__.py as Pulumi would, with `config` (full keys, e.g. "gpufleet:nodes")."""
     previous = os.environ.get("PULUMI_CONFIG")
     # The engine passes every value as a string; structured values as JSON text.
@@ -125,7 +135,9 @@ def preview_program(config: Mapping[str, Any], *, stack: str = "dev", project: s
         {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
     )
     try:
-        mocks, outputs = run_under_mocks(lambda: runpy.run_path(main, run_name="__main__"), stack=stack, project=project)
+        mocks, outputs = run_under_mocks(
+            lambda: runpy.run_path(main, run_name="__main__"), stack=stack, project=project, mocks=mocks
+        )
     finally:
         if previous is None:
             os.environ.pop("PULUMI_CONFIG", None)

@@ -3,7 +3,7 @@
 # Rendered by infra/startup.py from infra/templates/; do not edit on the node.
 # GCE runs it at every boot, so every step checks before it acts and re-running it is safe.
 # It writes the ready marker last: a node is usable once that file exists.
-set -euo pipefail
+set -Eeuo pipefail  # -E: the ERR trap also fires inside functions
 
 readonly CLUSTER=@@CLUSTER@@
 readonly MACHINE_TYPE=@@MACHINE_TYPE@@
@@ -28,6 +28,9 @@ log() { echo "gpufleet-startup: $*" >&2; }
 
 on_error() {
   local line=$1 cmd=$2
+  # Tolerated failures inside $(...) or <(...) also trip the inherited trap; the main shell
+  # reports the ones that matter.
+  ((BASH_SUBSHELL == 0)) || return 0
   log "failed at line $line: $cmd"
   printf 'line %s: %s\n' "$line" "$cmd" >"$ERROR_FILE" || true
 }
@@ -126,7 +129,7 @@ setup_local_ssd() {
     return 0
   fi
   local disks=() dev
-  mapfile -t disks < <(find /dev/disk/by-id -name 'google-local-nvme-ssd-*' 2>/dev/null | sort)
+  mapfile -t disks < <({ compgen -G '/dev/disk/by-id/google-local-nvme-ssd-*' || true; } | sort)
   if ((${#disks[@]} == 0)); then
     log "no local NVMe SSDs found; $LOCAL_SSD_MOUNT stays on the boot disk"
     return 0

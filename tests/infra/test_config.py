@@ -1,0 +1,193 @@
+"""Stack config -> FleetSpec: defaults, every documented bad value, and a wrong type for every key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpufleet.catalog import known_types
+from infra.config import COMPACT_PLACEMENT_MAX_VMS, IAP_RANGE, KEYS, ConfigError, parse_spec
+
+BASE = {"gcp:project": "gpufleet-test", "gcp:zone": "us-central1-a"}
+
+
+def spec(stack: str = "dev", **keys):
+    raw = {**BASE}
+    for k, v in keys.items():
+        # As the engine passes them: strings, structured values as JSON text.
+        raw[k if ":" in k else f"gpufleet:{k}"] = v if isinstance(v, str) else json.dumps(v)
+    return parse_spec(raw, stack=stack)
+
+
+def error(**keys) -> str:
+    with pytest.raises(ConfigError) as e:
+        spec(**keys)
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_defaults_describe_a_two_node_a3_high_fleet_reachable_only_through_iap():
+    s = spec()
+    assert (s.cluster, s.machine_type, s.nodes) == ("dev", "a3-highgpu-8g", 2)
+    assert s.placement == "compact" and s.max_distance is None
+    assert s.provisioning == "standard" and s.reservation is None
+    assert s.external_ip is False
+    assert s.ssh_source_ranges == (IAP_RANGE,)
+    assert s.image == "projects/cos-cloud/global/images/family/cos-105-lts" and s.image_os == "cos"
+    assert s.region == "us-central1"
+    assert s.service_account is None and s.checkpoint_bucket is None
+
+
+def test_one_node_defaults_to_no_placement_policy():
+    assert spec(nodes=1).placement == "none"
+
+
+def test_a_reservation_defaults_to_no_placement_policy_of_our_own():
+    s = spec(reservation="my-res")
+    assert s.placement == "none" and s.reservation == "my-res"
+
+
+def test_values_are_parsed_from_the_engines_strings():
+    s = spec(
+        machineType="a3-megagpu-8g", nodes="16", name="llm", externalIp="true",
+        sshSourceRanges=["10.0.0.0/8", "192.168.0.0/16"], labels={"team": "research"},
+        checkpointBucket="gs://llm-ckpts", maxDistance="2", bootDiskSizeGb="500",
+    )
+    assert (s.nodes, s.cluster, s.external_ip, s.boot_disk_size_gb, s.max_distance) == (16, "llm", True, 500, 2)
+    assert s.ssh_source_ranges == ("10.0.0.0/8", "192.168.0.0/16")
+    assert s.checkpoint_bucket == "llm-ckpts"
+    assert s.node_labels(3) == {"team": "research", "gpufleet-cluster": "llm", "gpufleet-node": "3"}
+    assert s.image_os == "ubuntu"
+
+
+def test_unknown_machine_type_lists_every_known_type():
+    m = error(machineType="a3-mega")
+    assert "gpufleet:machineType" in m and "'a3-mega'" in m
+    for t in known_types():
+        assert t in m
+
+
+@pytest.mark.parametrize("nodes", [0, -3])
+def test_fewer_than_one_node_is_refused(nodes):
+    m = error(nodes=nodes)
+    assert "gpufleet:nodes" in m and str(nodes) in m and "from 1" in m
+
+
+def test_more_nodes_than_one_compact_placement_policy_holds_is_refused():
+    m = error(nodes=COMPACT_PLACEMENT_MAX_VMS + 1)
+    assert "gpufleet:nodes" in m and str(COMPACT_PLACEMENT_MAX_VMS + 1) in m
+    assert f"at most {COMPACT_PLACEMENT_MAX_VMS}" in m and "PLACEMENT_MAX_CNT" in m
+    assert spec(nodes=COMPACT_PLACEMENT_MAX_VMS + 1, placement="none").nodes == COMPACT_PLACEMENT_MAX_VMS + 1
+
+
+def test_spot_with_a_reservation_is_refused():
+    m = error(provisioning="spot", reservation="my-res")
+    assert "gpufleet:reservation" in m and "'my-res'" in m and "spot" in m and "standard" in m
+
+
+def test_flex_start_with_a_reservation_is_refused():
+    assert "flex-start" in error(provisioning="flex-start", reservation="my-res")
+
+
+@pytest.mark.parametrize("machine", ["a3-highgpu-1g", "a3-highgpu-2g", "a3-highgpu-4g"])
+def test_small_a3_high_types_refuse_standard_provisioning(machine):
+    m = error(machineType=machine, nodes=1)
+    assert "gpufleet:provisioning" in m and "'standard'" in m and machine in m
+    assert "spot, flex-start" in m
+    assert spec(machineType=machine, nodes=1, provisioning="spot").provisioning == "spot"
+
+
+@pytest.mark.parametrize("cidr", ["10.0.0.1/8", "300.1.1.1/32", "10.0.0.0/33", "not-a-cidr", "2001:db8::/32"])
+def test_a_bad_cidr_in_ssh_source_ranges_is_refused(cidr):
+    m = error(sshSourceRanges=[IAP_RANGE, cidr])
+    assert "gpufleet:sshSourceRanges" in m and cidr in m and "CIDR" in m
+
+
+@pytest.mark.parametrize(
+    "bucket", ["ab", "My-Bucket", "goog-checkpoints", "my-google-ckpts", "192.168.1.1", "-leading", "trailing-", "a" * 64, "has space"]
+)
+def test_a_bucket_name_gcs_would_refuse_is_refused(bucket):
+    m = error(checkpointBucket=bucket)
+    assert "gpufleet:checkpointBucket" in m and bucket in m and "GCS bucket name" in m
+
+
+def test_a_misspelled_key_is_named_with_the_known_keys():
+    m = error(node=4)
+    assert "gpufleet:node " in m and "nodes" in m
+
+
+def test_placement_compact_for_one_node_and_max_distance_without_compact_are_refused():
+    assert "nodes >= 2" in error(nodes=1, placement="compact")
+    assert "only with gpufleet:placement compact" in error(placement="none", maxDistance=2)
+
+
+def test_a3_refuses_max_distance_1():
+    m = error(machineType="a3-megagpu-8g", maxDistance=1)
+    assert "gpufleet:maxDistance" in m and "from 2 to 3" in m
+    assert spec(machineType="a2-highgpu-8g", maxDistance=1).max_distance == 1
+
+
+def test_our_own_labels_cannot_be_overridden():
+    m = error(labels={"gpufleet-node": "7"})
+    assert "gpufleet-node" in m
+
+
+def test_missing_project_and_zone_say_how_to_set_them():
+    with pytest.raises(ConfigError, match=r"gcp:project is not set.*pulumi config set gcp:project"):
+        parse_spec({"gcp:zone": "us-central1-a"}, stack="dev")
+    with pytest.raises(ConfigError, match=r"gcp:zone is not set.*pulumi config set gcp:zone"):
+        parse_spec({"gcp:project": "gpufleet-test"}, stack="dev")
+
+
+def test_a_stack_name_gce_cannot_use_asks_for_a_cluster_name():
+    with pytest.raises(ConfigError, match=r"stack name 'My_Stack'.*gpufleet:name"):
+        spec(stack="My_Stack")
+    assert spec(stack="My_Stack", name="ok-name").cluster == "ok-name"
+
+
+# One wrong-typed value per key, as YAML would hold it (number, bool, list, map where a
+# different type belongs). Each must give one line naming the key.
+WRONG_TYPES = {
+    "machineType": 5,
+    "nodes": "two",
+    "name": ["a", "b"],
+    "placement": True,
+    "maxDistance": "far",
+    "provisioning": 1,
+    "reservation": ["my-res"],
+    "maxRunHours": {"h": 1},
+    "image": 7,
+    "bootDiskSizeGb": 2.5,
+    "externalIp": "yes",
+    "sshSourceRanges": "35.235.240.0/20",
+    "serviceAccount": True,
+    "checkpointBucket": 12345,
+    "labels": ["team"],
+    "gcp:project": 42,
+    "gcp:zone": ["us-central1-a"],
+}
+
+
+def test_every_key_has_a_wrong_type_case():
+    assert set(KEYS) | {"gcp:project", "gcp:zone"} == set(WRONG_TYPES)
+
+
+@pytest.mark.parametrize("key", sorted(WRONG_TYPES))
+def test_a_wrong_type_for_every_key_gives_one_line_naming_it(key):
+    extra = {"provisioning": "flex-start"} if key == "maxRunHours" else {}
+    m = error(**{key: WRONG_TYPES[key]}, **extra)
+    full = key if ":" in key else f"gpufleet:{key}"
+    assert m.startswith(f"config {full}"), m
+    shown = WRONG_TYPES[key] if isinstance(WRONG_TYPES[key], str) else json.dumps(WRONG_TYPES[key])
+    assert shown in m, m
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("nodes", 2.0), ("nodes", True), ("externalIp", 1), ("labels", {"team": 1}), ("sshSourceRanges", [1]),
+     ("labels", {"Team": "x"}), ("name", "-bad"), ("name", "a" * 41), ("bootDiskSizeGb", 10)],
+)
+def test_more_wrong_values_are_refused(key, value):
+    assert f"gpufleet:{key}" in error(**{key: value})

@@ -1,0 +1,265 @@
+"""The Pulumi program, run as Pulumi runs it (infra/__main__.py as __main__, config from
+PULUMI_CONFIG) under pulumi.runtime.set_mocks(..., preview=True): what it declares, per family."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pulumi
+import pytest
+
+from gpufleet.catalog import lookup
+from infra.contract import LABEL_CLUSTER, LABEL_NODE, OUTPUT_KEYS
+from infra.preview import RecordingMocks, preview_program
+
+from tests.infra.conftest import BASE
+
+# One machine type per family (plus the small A3 High, which is Spot/Flex only, and A2 Ultra,
+# which bundles local SSDs): (machine type, networks, subnets, NICs, GPU MTU, stack config extras).
+FAMILIES = {
+    "a2-highgpu-8g": (1, 1, 1, None, {}),
+    "a2-ultragpu-8g": (1, 1, 1, None, {}),
+    "a3-highgpu-4g": (1, 1, 1, None, {"provisioning": "spot"}),
+    "a3-highgpu-8g": (5, 5, 5, 8244, {}),
+    "a3-edgegpu-8g": (5, 5, 5, 8244, {}),
+    "a3-megagpu-8g": (9, 9, 9, 8244, {}),
+    "a3-ultragpu-8g": (3, 10, 10, 8896, {}),
+    "a4-highgpu-8g": (3, 10, 10, 8896, {}),
+}
+SIZES = (1, 2, 16)
+CASES = [(m, n) for m in FAMILIES for n in SIZES]
+
+
+def run(fleet, machine, nodes, **extra):
+    return fleet(machineType=machine, nodes=nodes, **{**FAMILIES[machine][4], **extra})
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_counts_of_networks_subnets_instances_and_nics(fleet, machine, nodes):
+    n_nets, n_subnets, n_nics, _, _ = FAMILIES[machine]
+    p = run(fleet, machine, nodes)
+    assert len(p.of_type("Network")) == n_nets
+    assert len(p.of_type("Subnetwork")) == n_subnets
+    instances = p.of_type("Instance")
+    assert [i.inputs["name"] for i in instances] == [f"dev-{k}" for k in range(nodes)]
+    for inst in instances:
+        nics = inst.inputs["networkInterfaces"]
+        assert len(nics) == n_nics == lookup(machine).nic_count
+        # Every NIC on its own subnet, none shared within an instance.
+        assert len({nic["subnetwork"] for nic in nics}) == n_nics
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_mtu_and_nic_types_follow_the_catalog(fleet, machine, nodes):
+    _, _, _, mtu, _ = FAMILIES[machine]
+    p = run(fleet, machine, nodes)
+    for net in p.of_type("Network"):
+        assert net.inputs.get("mtu") == mtu
+        assert net.inputs["autoCreateSubnetworks"] is False
+    roles = [nic.role for nic in lookup(machine).nics]
+    for inst in p.of_type("Instance"):
+        types = [nic["nicType"] for nic in inst.inputs["networkInterfaces"]]
+        assert types == ["MRDMA" if r == "rdma" else "GVNIC" for r in roles]
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_compact_placement_is_attached_to_every_instance_of_a_multi_node_fleet(fleet, machine, nodes):
+    p = run(fleet, machine, nodes)
+    policies = p.of_type("ResourcePolicy")
+    instances = p.of_type("Instance")
+    if nodes == 1:
+        assert policies == []
+        assert all(i.inputs.get("resourcePolicies") is None for i in instances)
+        assert p.outputs["placementPolicy"] is None
+        return
+    (policy,) = policies
+    group = policy.inputs["groupPlacementPolicy"]
+    assert group["collocation"] == "COLLOCATED" and group["vmCount"] == nodes
+    assert "maxDistance" not in group
+    link = f"projects/{BASE['gcp:project']}/regions/us-central1/resourcePolicies/dev-placement"
+    assert [i.inputs["resourcePolicies"] for i in instances] == [link] * nodes
+    assert p.outputs["placementPolicy"] == "dev-placement"
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_no_external_ip_and_nothing_open_to_the_internet_by_default(fleet, machine, nodes):
+    p = run(fleet, machine, nodes)
+    for inst in p.of_type("Instance"):
+        assert all(not nic.get("accessConfigs") for nic in inst.inputs["networkInterfaces"])
+    for fw in p.of_type("Firewall"):
+        assert "0.0.0.0/0" not in fw.inputs["sourceRanges"]
+    ssh = p.named("dev-ssh").inputs
+    assert ssh["sourceRanges"] == ["35.235.240.0/20"]
+    assert ssh["allows"] == [{"protocol": "tcp", "ports": ["22"]}]
+    assert all(n["externalIp"] is None for n in p.outputs["nodes"])
+    # No external IP: egress (packages, images) goes through Cloud NAT.
+    assert len(p.of_type("RouterNat")) == 1
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_internal_firewall_covers_exactly_each_networks_own_subnets(fleet, machine, nodes):
+    p = run(fleet, machine, nodes)
+    subnet_cidrs = {s.inputs["network"]: [] for s in p.of_type("Subnetwork")}
+    for s in p.of_type("Subnetwork"):
+        subnet_cidrs[s.inputs["network"]].append(s.inputs["ipCidrRange"])
+    internal = [f for f in p.of_type("Firewall") if f.name.endswith("-internal")]
+    rdma = [n for n in p.of_type("Network") if n.inputs.get("networkProfile")]
+    assert len(internal) == len(p.of_type("Network")) - len(rdma)
+    for fw in internal:
+        assert fw.inputs["sourceRanges"] == subnet_cidrs[fw.inputs["network"]]
+        assert {a["protocol"] for a in fw.inputs["allows"]} == {"tcp", "udp", "icmp"}
+        assert fw.inputs["targetTags"] == ["dev"]
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_labels_name_the_cluster_and_node_index(fleet, machine, nodes):
+    p = run(fleet, machine, nodes, labels={"team": "research"})
+    for k, inst in enumerate(p.of_type("Instance")):
+        assert inst.inputs["labels"] == {"team": "research", LABEL_CLUSTER: "dev", LABEL_NODE: str(k)}
+        assert inst.inputs["metadata"]["enable-oslogin"] == "TRUE"
+        assert inst.inputs["tags"] == ["dev"]
+
+
+@pytest.mark.parametrize("machine, nodes", CASES)
+def test_outputs_list_nodes_in_rank_order(fleet, machine, nodes):
+    p = run(fleet, machine, nodes)
+    out = p.outputs
+    assert sorted(out) == sorted(OUTPUT_KEYS)
+    assert (out["cluster"], out["project"], out["zone"], out["machineType"]) == ("dev", BASE["gcp:project"], "us-central1-a", machine)
+    assert [n["index"] for n in out["nodes"]] == list(range(nodes))
+    assert [n["name"] for n in out["nodes"]] == [f"dev-{k}" for k in range(nodes)]
+    host_subnet = ipaddress.ip_network(out["networks"][0]["cidrs"][0])
+    ips = [n["internalIp"] for n in out["nodes"]]
+    assert len(set(ips)) == nodes and all(ipaddress.ip_address(ip) in host_subnet for ip in ips)
+    assert all(set(n) == {"name", "index", "internalIp", "externalIp", "zone"} for n in out["nodes"])
+    assert [n["name"] for n in out["networks"]] == [n.inputs["name"] for n in p.of_type("Network")]
+    assert out["checkpointBucket"] is None
+
+
+@pytest.mark.parametrize("machine", FAMILIES)
+def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
+    p = run(fleet, machine, 2)
+    t = lookup(machine)
+    for inst in p.of_type("Instance"):
+        params = inst.inputs["bootDisk"]["initializeParams"]
+        assert params["image"] == t.default_image
+        assert params["type"] == ("hyperdisk-balanced" if t.family in ("a3-ultra", "a4") else "pd-ssd")
+        assert inst.inputs.get("scratchDisks", []) == [{"interface": "NVME", "size": 375}] * t.local_ssd_count
+        assert inst.inputs["machineType"] == machine and inst.inputs["zone"] == "us-central1-a"
+        assert "guestAccelerators" not in inst.inputs
+        script = inst.inputs["metadata"]["startup-script"]
+        assert f"readonly MACHINE_TYPE={machine}" in script
+
+
+@pytest.mark.parametrize("machine", ["a3-ultragpu-8g", "a4-highgpu-8g"])
+def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet, machine):
+    p = run(fleet, machine, 2)
+    (rdma,) = [n for n in p.of_type("Network") if n.inputs.get("networkProfile")]
+    assert rdma.inputs["networkProfile"] == f"projects/{BASE['gcp:project']}/global/networkProfiles/us-central1-a-vpc-roce"
+    rdma_subnets = [s for s in p.of_type("Subnetwork") if s.inputs["network"].endswith("/dev-rdma-net")]
+    assert len(rdma_subnets) == 8
+    for inst in p.of_type("Instance"):
+        mrdma = [nic for nic in inst.inputs["networkInterfaces"] if nic["nicType"] == "MRDMA"]
+        assert [nic["subnetwork"].rsplit("/", 1)[1] for nic in mrdma] == [f"dev-rdma-net-subnet-{j}" for j in range(8)]
+    # No firewall on the RoCE VPC (CTK declares none).
+    assert not any(f.inputs["network"].endswith("/dev-rdma-net") for f in p.of_type("Firewall"))
+
+
+def test_standard_scheduling_terminates_on_maintenance_and_restarts(fleet):
+    (inst, _) = fleet(machineType="a3-megagpu-8g", nodes=2).of_type("Instance")
+    assert inst.inputs["scheduling"] == {"provisioningModel": "STANDARD", "onHostMaintenance": "TERMINATE", "automaticRestart": True}
+    assert "reservationAffinity" not in inst.inputs
+
+
+def test_spot_scheduling_is_preemptible_without_restart_and_stops_on_preemption(fleet):
+    for inst in fleet(machineType="a3-megagpu-8g", nodes=2, provisioning="spot").of_type("Instance"):
+        assert inst.inputs["scheduling"] == {
+            "provisioningModel": "SPOT", "preemptible": True, "automaticRestart": False,
+            "onHostMaintenance": "TERMINATE", "instanceTerminationAction": "STOP",
+        }
+
+
+def test_flex_start_scheduling_has_a_max_run_duration_and_no_reservation(fleet):
+    for inst in fleet(machineType="a3-ultragpu-8g", nodes=2, provisioning="flex-start", maxRunHours=48).of_type("Instance"):
+        s = inst.inputs["scheduling"]
+        assert s["provisioningModel"] == "FLEX_START" and s["automaticRestart"] is False
+        assert s["instanceTerminationAction"] == "DELETE" and s["maxRunDuration"] == {"seconds": 48 * 3600}
+        assert inst.inputs["reservationAffinity"] == {"type": "NO_RESERVATION"}
+
+
+@pytest.mark.parametrize("machine, model", [("a3-megagpu-8g", "STANDARD"), ("a4-highgpu-8g", "RESERVATION_BOUND")])
+def test_a_reservation_binds_every_node_to_that_specific_reservation(fleet, machine, model):
+    p = fleet(machineType=machine, nodes=2, reservation="my-res")
+    assert p.of_type("ResourcePolicy") == []
+    for inst in p.of_type("Instance"):
+        assert inst.inputs["reservationAffinity"] == {
+            "type": "SPECIFIC_RESERVATION",
+            "specificReservation": {"key": "compute.googleapis.com/reservation-name", "values": ["my-res"]},
+        }
+        assert inst.inputs["scheduling"]["provisioningModel"] == model
+        assert inst.inputs["scheduling"]["onHostMaintenance"] == "TERMINATE"
+
+
+def test_max_distance_reaches_the_policy(fleet):
+    (policy,) = fleet(machineType="a3-megagpu-8g", nodes=4, maxDistance=2).of_type("ResourcePolicy")
+    assert policy.inputs["groupPlacementPolicy"]["maxDistance"] == 2
+
+
+def test_external_ip_when_asked_only_on_the_host_nic(fleet):
+    p = fleet(machineType="a3-highgpu-8g", nodes=2, externalIp=True, sshSourceRanges=["203.0.113.0/24"])
+    for inst in p.of_type("Instance"):
+        nics = inst.inputs["networkInterfaces"]
+        assert nics[0]["accessConfigs"] == [{"networkTier": "PREMIUM"}]
+        assert all(not nic.get("accessConfigs") for nic in nics[1:])
+    assert all(n["externalIp"] for n in p.outputs["nodes"])
+    assert p.named("dev-ssh").inputs["sourceRanges"] == ["203.0.113.0/24"]
+    assert p.of_type("RouterNat") == []
+
+
+def test_created_service_account_gets_only_the_node_roles(fleet):
+    p = fleet(machineType="a2-highgpu-8g", nodes=2)
+    (account,) = p.of_type("Account")
+    email = f"{account.inputs['accountId']}@{BASE['gcp:project']}.iam.gserviceaccount.com"
+    grants = p.of_type("IAMMember")
+    assert sorted(g.inputs["role"] for g in grants) == [
+        "roles/artifactregistry.reader", "roles/logging.logWriter", "roles/monitoring.metricWriter",
+    ]
+    assert all(g.inputs["member"] == f"serviceAccount:{email}" for g in grants)
+    assert all(i.inputs["serviceAccount"]["email"] == email for i in p.of_type("Instance"))
+
+
+def test_checkpoint_bucket_is_private_and_granted_to_the_nodes_alone(fleet):
+    p = fleet(machineType="a2-highgpu-8g", nodes=2, checkpointBucket="gpufleet-test-ckpts",
+              serviceAccount="trainer@gpufleet-test.iam.gserviceaccount.com")
+    (bucket,) = p.of_type("Bucket")
+    assert bucket.inputs["name"] == "gpufleet-test-ckpts" and bucket.inputs["location"] == "US-CENTRAL1"
+    assert bucket.inputs["uniformBucketLevelAccess"] is True and bucket.inputs["publicAccessPrevention"] == "enforced"
+    (grant,) = p.of_type("BucketIAMMember")
+    assert grant.inputs == {"bucket": "gpufleet-test-ckpts", "role": "roles/storage.objectUser",
+                            "member": "serviceAccount:trainer@gpufleet-test.iam.gserviceaccount.com"}
+    # A given service account is used as is: none created, no project-wide grants.
+    assert p.of_type("Account") == [] and p.of_type("IAMMember") == []
+    assert p.outputs["checkpointBucket"] == "gpufleet-test-ckpts"
+
+
+BAD = [
+    ({"gpufleet:machineType": "a3-mega"}, "gpufleet:machineType", "a3-megagpu-8g"),
+    ({"gpufleet:nodes": "0"}, "gpufleet:nodes", "'0'"),
+    ({"gpufleet:nodes": "1501"}, "gpufleet:nodes", "at most 1500"),
+    ({"gpufleet:provisioning": "spot", "gpufleet:reservation": "r1"}, "gpufleet:reservation", "spot"),
+    ({"gpufleet:machineType": "a3-highgpu-2g", "gpufleet:nodes": "1"}, "gpufleet:provisioning", "spot, flex-start"),
+    ({"gpufleet:sshSourceRanges": '["10.0.0.1/8"]'}, "gpufleet:sshSourceRanges", "10.0.0.1/8"),
+    ({"gpufleet:checkpointBucket": "goog-ckpts"}, "gpufleet:checkpointBucket", "goog-ckpts"),
+    ({"gpufleet:externalIp": "yes"}, "gpufleet:externalIp", "true or false"),
+]
+
+
+@pytest.mark.parametrize("config, key, detail", BAD)
+def test_bad_config_fails_with_one_line_before_any_resource_is_declared(config, key, detail):
+    mocks = RecordingMocks()
+    with pytest.raises(pulumi.RunError) as e:
+        preview_program({**BASE, **config}, mocks=mocks)
+    message = str(e.value)
+    assert "\n" not in message and key in message and detail in message
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback
+    assert mocks.declared == []

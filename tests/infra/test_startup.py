@@ -1,0 +1,172 @@
+"""Startup scripts: rendered for every family and image OS, they pass bash -n and shellcheck, and a
+rendered script run twice on a (stubbed) node converges: same ready marker, no work the second time."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpufleet.catalog import MACHINE_TYPES, NetStack, lookup
+from infra.contract import READY_MARKER
+from infra.startup import STACK_TEMPLATES, render_startup_script
+
+SCRIPTS = [(t, os_) for t in sorted(MACHINE_TYPES) for os_ in ("ubuntu", "cos")]
+
+
+def test_every_network_stack_has_a_template():
+    assert set(STACK_TEMPLATES) == set(NetStack)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    out = tmp_path_factory.mktemp("scripts")
+    paths = {}
+    for name, os_ in SCRIPTS:
+        p = out / f"{name}-{os_}.sh"
+        p.write_text(render_startup_script(lookup(name), cluster="demo", image_os=os_))
+        paths[(name, os_)] = p
+    return paths
+
+
+def test_every_rendered_script_passes_bash_n(rendered):
+    for (name, os_), path in rendered.items():
+        r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{name}/{os_}: {r.stderr}"
+
+
+def test_every_rendered_script_passes_shellcheck(rendered):
+    assert shutil.which("shellcheck"), "shellcheck is not installed (.ci/run installs it)"
+    # One shellcheck call for all of them: it reports each file by name.
+    r = subprocess.run(["shellcheck", "-s", "bash", *map(str, rendered.values())], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:]
+
+
+@pytest.mark.parametrize("name, os_", SCRIPTS)
+def test_rendered_script_carries_the_machines_facts(name, os_):
+    t = lookup(name)
+    s = render_startup_script(t, cluster="demo", image_os=os_)
+    assert "@@" not in s
+    assert f"readonly GPU_COUNT={t.gpu_count}" in s
+    assert f"readonly LOCAL_SSD_COUNT={t.local_ssd_count}" in s
+    assert f"readonly READY_MARKER={READY_MARKER}" in s
+    gpu_names = [n for nic, n in zip(t.nics, t.interface_names(os_)) if nic.role == "gpu"]
+    assert f"readonly GPU_NICS=({' '.join(gpu_names)})" in s
+    stack_marker = {
+        NetStack.TCPX: "tcpgpudmarxd-dev:v2.0.12", NetStack.TCPXO: "--num_hops=2",
+        NetStack.RDMA: "nccl-gib", NetStack.FAST_SOCKET: "google-fast-socket", NetStack.NONE: "PLUGIN_VERSION=none",
+    }[t.net_stack]
+    assert stack_marker in s
+
+
+def test_unknown_image_os_is_refused():
+    with pytest.raises(ValueError, match="image OS 'windows' is unknown; one of: ubuntu, cos"):
+        render_startup_script(lookup("a2-highgpu-8g"), cluster="demo", image_os="windows")
+
+
+# ---- run it: a one-GPU Ubuntu node, every tool it calls stubbed, / kept intact ------------
+# The script runs in a private mount namespace with tmpfs over /var/lib and limits.d, so it
+# writes nothing on this machine. Stubs log each call so a second run can prove it did no work.
+STUB = textwrap.dedent(
+    r"""
+    #!/bin/bash
+    tool=$(basename "$0")
+    echo "$tool $*" >>"$STUB_LOG"
+    case "$tool" in
+      nvidia-smi)
+        case "$*" in
+          -L) for ((i = 0; i < ${STUB_GPUS:-1}; i++)); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done ;;
+          *query-gpu*) echo "580.65.06" ;;
+          "-pm 1") ;;
+          *) echo "| NVIDIA-SMI 580.65.06   Driver Version: 580.65.06   CUDA Version: 13.0 |" ;;
+        esac ;;
+      dpkg-query)
+        case "$*" in
+          *Status*) echo "install ok installed" ;;
+          *Version*libnccl2*) echo "2.27.5-1+cuda12.9" ;;
+          *) ;;
+        esac ;;
+      git)
+        if [[ "$1" == clone ]]; then mkdir -p "${@: -1}"; else echo "abc1234"; fi ;;
+      make)
+        for a in "$@"; do
+          if [[ "$a" == BUILDDIR=* ]]; then
+            d=${a#BUILDDIR=}; mkdir -p "$d"; printf '#!/bin/sh\n' >"$d/all_reduce_perf"; chmod +x "$d/all_reduce_perf"
+          fi
+        done ;;
+    esac
+    exit 0
+    """
+).lstrip()
+STUBBED = ("nvidia-smi", "dpkg-query", "apt-get", "git", "make", "curl", "dpkg", "modprobe", "ubuntu-drivers")
+
+
+@pytest.fixture
+def node(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in STUBBED:
+        (bindir / tool).write_text(STUB)
+        (bindir / tool).chmod(0o755)
+    script = tmp_path / "startup.sh"
+    script.write_text(render_startup_script(lookup("a3-highgpu-1g"), cluster="demo", image_os="ubuntu"))
+    log = tmp_path / "calls.log"
+    state = tmp_path / "state"
+
+    def boot(gpus: int = 1) -> tuple[subprocess.CompletedProcess, dict | None, str | None, list[str]]:
+        """One boot: run the script; return (process, ready marker, error file, stub calls)."""
+        log.write_text("")
+        # /var/lib is a tmpfs that survives across boots by being copied in and out of `state`.
+        inner = f"""
+            set -e
+            mount -t tmpfs none /var/lib
+            mount -t tmpfs none /etc/security/limits.d
+            mkdir -p {state}/lib && cp -a {state}/lib/. /var/lib/
+            rc=0; PATH={bindir}:$PATH STUB_LOG={log} STUB_GPUS={gpus} bash {script} || rc=$?
+            rm -rf {state}/lib && mkdir -p {state}/lib && cp -a /var/lib/. {state}/lib/
+            exit $rc
+        """
+        proc = subprocess.run(["unshare", "-m", "bash", "-c", inner], capture_output=True, text=True, timeout=60)
+        lib = state / "lib"
+        marker = lib / READY_MARKER.removeprefix("/var/lib/")
+        err = lib / "gpufleet" / "startup-error.txt"
+        return (
+            proc,
+            json.loads(marker.read_text()) if marker.exists() else None,
+            err.read_text() if err.exists() else None,
+            log.read_text().splitlines(),
+        )
+
+    return boot
+
+
+def test_startup_script_writes_the_ready_marker_with_versions_and_is_idempotent(node):
+    proc, marker, error, calls = node()
+    assert proc.returncode == 0, proc.stderr
+    assert error is None
+    assert {k: marker[k] for k in ("cluster", "machine_type", "net_stack", "driver", "cuda", "nccl", "plugin", "nccl_tests")} == {
+        "cluster": "demo", "machine_type": "a3-highgpu-1g", "net_stack": "none", "driver": "580.65.06",
+        "cuda": "13.0", "nccl": "2.27.5-1+cuda12.9", "plugin": "none", "nccl_tests": "abc1234",
+    }
+    assert any(c.startswith("git clone") for c in calls) and any(c.startswith("make") for c in calls)
+
+    proc, again, error, calls = node()
+    assert proc.returncode == 0, proc.stderr
+    assert {k: v for k, v in again.items() if k != "booted_at"} == {k: v for k, v in marker.items() if k != "booted_at"}
+    # Nothing rebuilt, nothing installed on the second boot.
+    work = [c for c in calls if c.split()[0] in ("git", "make", "apt-get", "curl", "dpkg") and not c.startswith("git -C")]
+    assert work == [], work
+    assert "nvidia-smi -pm 1" in calls
+
+
+def test_a_failed_boot_leaves_no_ready_marker_and_says_where_it_failed(node):
+    assert node()[0].returncode == 0  # a good boot first: its marker must not survive a bad one
+    proc, marker, error, _ = node(gpus=0)
+    assert proc.returncode != 0
+    assert marker is None
+    assert "expected 1 GPUs on a3-highgpu-1g, nvidia-smi lists 0" in proc.stderr
+    assert error is not None and error.startswith("line ")

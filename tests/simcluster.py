@@ -100,7 +100,15 @@ class SimNode:
 class SimCluster:
     """Start `n` real sshd nodes. Use as a context manager, or call start()/stop()."""
 
-    def __init__(self, n: int, mode: str | None = None, workdir: Path | None = None):
+    def __init__(
+        self,
+        n: int,
+        mode: str | None = None,
+        workdir: Path | None = None,
+        node_env: dict[int, dict[str, str]] | None = None,
+    ):
+        """`node_env` adds environment variables to every session of the given nodes (sshd
+        SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
         self.n = n
@@ -109,6 +117,7 @@ class SimCluster:
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix=f"gpufleet-sim-{self.id}-"))
         self.nodes: list[SimNode] = []
+        self.node_env = node_env or {}
         self.bridge = f"{NAME_PREFIX}{self.id}br"
         # One /24 per cluster so clusters started by concurrent test runs never overlap.
         r = random.randrange(200 * 250)
@@ -221,7 +230,9 @@ class SimCluster:
             "PidFile none\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\n"
             "LogLevel ERROR\nMaxStartups 100:30:200\nMaxSessions 100\n"
-            f"SetEnv {TAG}={self.id}-{node.index}\n"
+            f"SetEnv {TAG}={self.id}-{node.index}"
+            + "".join(f" {k}={v}" for k, v in self.node_env.get(node.index, {}).items())
+            + "\n"
         )
         argv = [SSHD, "-D", "-e", "-f", str(cfg)]
         if node.netns:

@@ -71,17 +71,19 @@ def _tagged_pids(value_prefix: str) -> list[int]:
     return pids
 
 
-def leftovers() -> dict[str, list[str]]:
-    """What any SimCluster could have left behind on this machine: namespaces, links, processes."""
+def leftovers(cluster_id: str = "") -> dict[str, list[str]]:
+    """What SimClusters (the one with `cluster_id`, or any) left on this machine: namespaces,
+    links, sshd processes and session processes."""
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    sshds = subprocess.run(["pgrep", "-af", "gpufleet-simnode"], capture_output=True, text=True).stdout
+    sshds = subprocess.run(["pgrep", "-af", "gpufleet-sshd-"], capture_output=True, text=True).stdout
+    mine = NAME_PREFIX + cluster_id
     return {
-        "namespaces": [l.split()[0] for l in ns if l.startswith(NAME_PREFIX)],
+        "namespaces": [l.split()[0] for l in ns if l.startswith(mine)],
         "links": [l.split(":")[1].strip().split("@")[0] for l in links.splitlines()
-                  if l.split(":")[1].strip().startswith(NAME_PREFIX)],
-        "sshd": [l for l in sshds.splitlines() if l.strip()],
-        "tagged": [str(p) for p in _tagged_pids("")],
+                  if l.split(":")[1].strip().startswith(mine)],
+        "sshd": [l for l in sshds.splitlines() if f"gpufleet-sshd-{cluster_id}" in l],
+        "tagged": [str(p) for p in _tagged_pids(f"{cluster_id}-" if cluster_id else "") if _alive(p)],
     }
 
 
@@ -222,7 +224,7 @@ class SimCluster:
         key = self.dir / f"host_key_{node.index}"
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"node{node.index}", "-f", str(key))
         node.host_key_pub = Path(f"{key}.pub").read_text().strip()
-        cfg = self.dir / f"sshd_config_{node.index}"
+        cfg = self.dir / f"gpufleet-sshd-{self.id}-{node.index}.conf"  # leftovers() greps this name
         cfg.write_text(
             f"# gpufleet-simnode {self.id}-{node.index}\n"
             f"ListenAddress {node.address}\nPort {node.port}\nHostKey {key}\n"
@@ -238,7 +240,6 @@ class SimCluster:
         if node.netns:
             argv = ["ip", "netns", "exec", node.netns] + argv
         log = open(self.dir / f"sshd_{node.index}.log", "ab")
-        # argv[-1] names the config, whose first line carries "gpufleet-simnode": leftovers() greps it.
         # `ip netns exec` execs sshd in place, so the Popen pid is the sshd listener itself.
         node.sshd = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
         log.close()

@@ -38,11 +38,7 @@ def test_three_nodes_answer_over_ssh_with_host_keys_checked_and_leave_nothing(tm
         r = _ssh(cluster, cluster.addresses[1], "setsid sleep 300 >/dev/null 2>&1 < /dev/null &")
         assert r.returncode == 0, r.stderr
         assert cluster.processes(1) and not cluster.processes(0)
-    left = leftovers()
-    assert not [p for p in left["tagged"]], left
-    assert not [s for s in left["sshd"] if cluster.id in s], left
-    assert not [n for n in left["namespaces"] if cluster.id in n], left
-    assert not [l for l in left["links"] if cluster.id in l], left
+    assert leftovers(cluster.id) == {"namespaces": [], "links": [], "sshd": [], "tagged": []}
 
 
 def test_a_changed_host_key_is_refused(tmp_path):
@@ -63,8 +59,7 @@ def test_teardown_runs_even_when_the_body_fails(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with cluster:
             raise RuntimeError("boom")
-    left = leftovers()
-    assert not [n for n in left["namespaces"] if cluster.id in n]
+    assert leftovers(cluster.id) == {"namespaces": [], "links": [], "sshd": [], "tagged": []}
     assert all(node.sshd.poll() is not None for node in cluster.nodes)
 
 

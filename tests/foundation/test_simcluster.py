@@ -38,6 +38,9 @@ def test_three_nodes_answer_over_ssh_with_host_keys_checked_and_leave_nothing(tm
         r = _ssh(cluster, cluster.addresses[1], "setsid sleep 300 >/dev/null 2>&1 < /dev/null &")
         assert r.returncode == 0, r.stderr
         assert cluster.processes(1) and not cluster.processes(0)
+        running = leftovers(cluster.id)  # the checks below are not vacuous: they see a live cluster
+        assert len(running["sshd"]) == 3 and running["tagged"]
+        assert len(running["namespaces"]) == (3 if mode == "netns" else 0)
     assert leftovers(cluster.id) == {"namespaces": [], "links": [], "sshd": [], "tagged": []}
 
 

@@ -1,0 +1,288 @@
+"""What a training run was asked to do: `TrainConfig`, the named model sizes, and the CLI mapping.
+
+Importing this module does not import torch, so the launcher-side tests and `--help` stay fast.
+Every user mistake raises `ConfigError` with one line that names the flag, the bad value and the
+fix; `workloads.train` prints it on rank 0 and exits 2 before any process group exists (so a bad
+flag can never leave a rank waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+__all__ = [
+    "ConfigError",
+    "ModelSize",
+    "MODEL_SIZES",
+    "TrainConfig",
+    "build_parser",
+    "config_from_args",
+    "world_size_from_env",
+]
+
+EXIT_BAD_ARGS = 2
+
+
+class ConfigError(ValueError):
+    """A user mistake in the run's arguments; the message is the whole explanation."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A GPT-2-style decoder shape."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int
+    block_size: int  # the longest sequence the position table holds
+
+
+# GPT-2 small/medium shapes (Radford et al. 2019, Table 2; nanoGPT model.py `from_pretrained`):
+# 124M = 12/12/768, 350M = 24/16/1024. ~1.3B follows GPT-3 XL (Brown et al. 2020, Table 2.1:
+# 24 layers, d_model 2048, d_head 128 -> 16 heads). The vocabulary is GPT-2's 50257 padded to
+# 50304, a multiple of 64, as nanoGPT does for faster matmuls. "tiny" and "small-test" exist for
+# CPU tests: "tiny" trains in milliseconds, "small-test" (~6M params) makes a save last long
+# enough to interrupt it.
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=64),
+    "small-test": ModelSize(n_layer=4, n_head=4, n_embd=256, vocab_size=4096, block_size=128),
+    "124M": ModelSize(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
+    "350M": ModelSize(n_layer=24, n_head=16, n_embd=1024, vocab_size=50304, block_size=1024),
+    "1.3B": ModelSize(n_layer=24, n_head=16, n_embd=2048, vocab_size=50304, block_size=2048),
+}
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PARALLELISMS = ("ddp", "fsdp")
+COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+
+
+def world_size_from_env() -> int:
+    """The number of ranks torchrun started (1 when run as a plain `python -m`)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Batches are counted in sequences (samples), not tokens."""
+
+    model: str = "tiny"
+    """Named model size, one of MODEL_SIZES."""
+    seq_len: int = 0
+    """Tokens per sample; 0 = the model's block size."""
+    steps: int = 100
+    """Optimizer steps to run in total (a resumed run counts the steps already done)."""
+    global_batch: int = 8
+    """Samples per optimizer step across all ranks (micro_batch x world size x accumulation)."""
+    micro_batch: int = 4
+    """Samples per rank per forward/backward."""
+    world_size: int = 1
+    """Ranks in the job; filled from torchrun's WORLD_SIZE, not a flag."""
+    lr: float = 6e-4
+    """Peak learning rate (before --scale-lr)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr x this."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    lr_decay_steps: int = 0
+    """Step at which the cosine reaches its floor; 0 = --steps (nanoGPT's lr_decay_iters). Set it
+    to the full run's length when a run is split into parts (--steps 10, then --resume --steps 20)."""
+    scale_lr: bool = False
+    """Multiply the learning rate by the world size (Goyal et al. 2017, linear scaling rule)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to 2-D weights only (nanoGPT)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 1337
+    """Seeds the weights, the data order and every RNG; same seed, same run."""
+    data: str | None = None
+    """A uint16 token file (nanoGPT .bin); None = the synthetic learnable task."""
+    synthetic_samples: int = 1 << 16
+    """Samples in one epoch of the synthetic task."""
+    parallelism: str = "ddp"
+    """"ddp" (replicated) or "fsdp" (fully_shard, for models that do not fit one GPU)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size (the DDP default)."""
+    gradient_as_bucket_view: bool = False
+    """DDP: gradients alias the all-reduce buckets (saves one copy of the gradients)."""
+    static_graph: bool = False
+    """DDP: the graph is the same every step (lets DDP skip unused-parameter search)."""
+    compression: str = "none"
+    """DDP gradient compression through torch's comm hooks: none, bf16, fp16, powersgd."""
+    powersgd_rank: int = 4
+    """PowerSGD matrix approximation rank."""
+    precision: str = "auto"
+    """bf16 (autocast), fp16 (autocast + GradScaler), fp32; auto = bf16 on GPU, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go: a local directory or gs://bucket/prefix; None = no checkpoints."""
+    checkpoint_every: int = 0
+    """Save every K steps (0 = only at the end and on SIGTERM)."""
+    keep_checkpoints: int = 3
+    """Keep the newest N checkpoints; older ones are deleted after a new one is published."""
+    resume: bool = False
+    """Continue from the latest checkpoint when there is one (start at step 0 when there is none,
+    so a torchrun restart with --max-restarts and a first launch use the same command)."""
+    save_params: str | None = None
+    """Rank 0 writes the final model parameters (a torch.save'd state_dict) to this path."""
+    log_every: int = 1
+    """Log a line every K steps."""
+    metrics_file: str | None = None
+    """Also append each log line as JSON to this file (rank 0)."""
+    profile_steps: str | None = None
+    """"a:b": record a torch.profiler trace of steps a..b-1 for TensorBoard."""
+    profile_dir: str = "profile"
+    """Where the profiler trace goes."""
+    straggler_every: int = 20
+    """Every K steps the ranks share their step times; 0 disables the check."""
+    straggler_threshold: float = 1.2
+    """A rank slower than this x the median step time is named in a warning."""
+    _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_SIZES:
+            raise ConfigError(f"--model {self.model!r} is unknown; one of: {', '.join(MODEL_SIZES)}")
+        for name in ("steps", "global_batch", "micro_batch", "world_size", "log_every",
+                     "synthetic_samples", "keep_checkpoints", "powersgd_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("seq_len", "warmup_steps", "lr_decay_steps", "checkpoint_every", "straggler_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        for name, value in (("lr", self.lr), ("bucket-cap-mb", self.bucket_cap_mb)):
+            if not value > 0:
+                raise ConfigError(f"--{name} must be positive, got {value}")
+        for name, value in (("weight-decay", self.weight_decay), ("grad-clip", self.grad_clip)):
+            if value < 0:
+                raise ConfigError(f"--{name} must be 0 or more, got {value}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.straggler_threshold <= 1:
+            raise ConfigError(f"--straggler-threshold must be above 1, got {self.straggler_threshold}")
+        for name, value, allowed in (("precision", self.precision, PRECISIONS),
+                                     ("parallelism", self.parallelism, PARALLELISMS),
+                                     ("compression", self.compression, COMPRESSIONS)):
+            if value not in allowed:
+                raise ConfigError(f"--{name} {value!r} is unknown; one of: {', '.join(allowed)}")
+        if self.profile_steps is not None:
+            self._profile_range = _parse_range(self.profile_steps)
+        self._check_cross_field()
+
+    def _check_cross_field(self) -> None:
+        """Rules that tie several fields together, each with its arithmetic in the message."""
+        per_step = self.micro_batch * self.world_size
+        if self.global_batch % per_step:
+            raise ConfigError(
+                f"--global-batch {self.global_batch} is not divisible by --micro-batch "
+                f"{self.micro_batch} x world size {self.world_size} = {per_step}; "
+                f"use a multiple of {per_step}"
+            )
+        size = MODEL_SIZES[self.model]
+        if self.seq_len > size.block_size:
+            raise ConfigError(
+                f"--seq-len {self.seq_len} is longer than model {self.model}'s block size "
+                f"{size.block_size}; use --seq-len {size.block_size} or less"
+            )
+        if size.n_embd % size.n_head:
+            raise ConfigError(f"model {self.model}: n_embd {size.n_embd} % n_head {size.n_head} != 0")
+        if self.parallelism == "fsdp" and self.compression != "none":
+            raise ConfigError(
+                f"--compression {self.compression} is a DDP comm hook; FSDP has none: "
+                "drop --compression or use --parallelism ddp"
+            )
+        if self.parallelism == "fsdp" and (self.static_graph or self.gradient_as_bucket_view):
+            raise ConfigError("--static-graph and --gradient-as-bucket-view are DDP knobs; "
+                              "drop them or use --parallelism ddp")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if self._profile_range and self._profile_range[1] > self.steps:
+            a, b = self._profile_range
+            raise ConfigError(f"--profile-steps {a}:{b} ends after --steps {self.steps}")
+        if self.synthetic_samples < self.global_batch and self.data is None:
+            raise ConfigError(
+                f"--synthetic-samples {self.synthetic_samples} is smaller than one global batch "
+                f"({self.global_batch}); raise it"
+            )
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps per optimizer step: global_batch / (micro_batch x world_size)."""
+        return self.global_batch // (self.micro_batch * self.world_size)
+
+    @property
+    def size(self) -> ModelSize:
+        return MODEL_SIZES[self.model]
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq_len or self.size.block_size
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        return self._profile_range
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        start, end = int(a), int(b)
+    except ValueError:
+        start, end = -1, -1
+    if not sep or start < 0 or end <= start:
+        raise ConfigError(f"--profile-steps {text!r} is not a range 'a:b' with 0 <= a < b, e.g. 5:8")
+    return start, end
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting on its own."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see python -m workloads.train --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field (except world_size), help text from the field docs."""
+    parser = _Parser(prog="python -m workloads.train",
+                     description="GPT training under torchrun (DDP or FSDP, NCCL or gloo).")
+    docs = _field_docs()
+    for f in fields(TrainConfig):
+        if f.name in ("world_size",) or f.name.startswith("_"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=docs.get(f.name, ""))
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            parser.add_argument(flag, type=kind, default=default, metavar=f.name.upper(),
+                                help=f"{docs.get(f.name, '')} (default: {default})")
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None, world_size: int | None = None) -> TrainConfig:
+    """Parse the command line into a validated TrainConfig (raises ConfigError)."""
+    ns = build_parser().parse_args(argv)
+    return TrainConfig(**vars(ns), world_size=world_size or world_size_from_env())
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring under each field, read from the source (the one place they are written)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            docs[prev.target.id] = " ".join(str(node.value.value).split()).replace("%", "%%")
+    return docs

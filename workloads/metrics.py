@@ -1,0 +1,46 @@
+"""Pure helpers for what rank 0 reports: the log line and the straggler verdict."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+__all__ = ["RankInfo", "find_stragglers", "straggler_warning", "format_log_line"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs: its global rank, its node (torchrun's GROUP_RANK) and the host name."""
+
+    rank: int
+    node: int
+    host: str
+
+
+def find_stragglers(times: list[float], threshold: float = 1.2) -> list[int]:
+    """Ranks whose time is above `threshold` x the median of all ranks' times (issue 5)."""
+    if len(times) < 2:
+        return []
+    median = statistics.median(times)
+    return [r for r, t in enumerate(times) if median > 0 and t > threshold * median]
+
+
+def straggler_warning(times: list[float], ranks: list[RankInfo], threshold: float) -> list[str]:
+    """One warning line per straggler, naming rank, node and host."""
+    median = statistics.median(times) if times else 0.0
+    return [
+        f"straggler: rank {r} (node {ranks[r].node}, host {ranks[r].host}) compute "
+        f"{times[r] * 1e3:.1f} ms/step = {times[r] / median:.2f}x the median {median * 1e3:.1f} ms "
+        f"(threshold {threshold}x)"
+        for r in find_stragglers(times, threshold)
+    ]
+
+
+def format_log_line(step: int, steps: int, loss: float, lr: float, step_s: float, tokens_per_s: float,
+                    mfu: float | None, peak_mem_gib: float | None) -> str:
+    """`step 10/100 | loss 3.2145 | lr 6.00e-04 | 123.4 ms/step | 12,345 tok/s | MFU 43.2% | mem 1.2 GiB`."""
+    parts = [f"step {step}/{steps}", f"loss {loss:.4f}", f"lr {lr:.2e}", f"{step_s * 1e3:.1f} ms/step",
+             f"{tokens_per_s:,.0f} tok/s", "MFU n/a" if mfu is None else f"MFU {mfu * 100:.1f}%"]
+    if peak_mem_gib is not None:
+        parts.append(f"mem {peak_mem_gib:.2f} GiB")
+    return " | ".join(parts)

@@ -1,0 +1,506 @@
+"""GPT training under torchrun: `python -m torch.distributed.run ... -m workloads.train [flags]`.
+
+Ranks come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK); NCCL on GPUs,
+gloo on CPU. Only rank 0 logs and writes checkpoints. The run is deterministic given --seed:
+weights from the seed, data order from (seed, step), optimizer/scheduler/RNG states from the
+checkpoint, so a resumed or torchrun-restarted run ends with the parameters of an uninterrupted one.
+
+Exit codes: 0 done (also after a SIGTERM, once its checkpoint is saved: a preempted run is
+resumed with --resume, not restarted by torchrun); 1 a checkpoint could not be written or read;
+2 bad arguments (or a checkpoint/bucket that does not fit them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from gpufleet.catalog import peak_flops_for_device
+from workloads.checkpoint import CheckpointError, CheckpointStore, checkpoint_name, open_store
+from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
+from workloads.data import BatchStream, SyntheticTokens, TokenFile
+from workloads.metrics import RankInfo, format_log_line, straggler_warning
+from workloads.model import GPT, Block, flops_per_token, mfu
+
+__all__ = ["Trainer", "main"]
+
+T = TypeVar("T")
+# Full (unsharded) state dicts gathered on rank 0, in CPU memory: one file format for DDP and
+# FSDP, loadable on any world size. Loading reads on rank 0 only and broadcasts, so a checkpoint
+# directory that exists only on node 0's disk still serves every node.
+_SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_LOAD = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+class Trainer:
+    """One process's share of the run. Named steps: build, load, train_step, save, fit."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
+        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.cuda else "fp32")
+        self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        self.stop_requested = False
+        self.forward_s = 0.0  # this rank's own compute time since the last straggler check
+        self._forward_events: list[tuple[Any, Any]] = []
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            # TF32 matmuls/convs on Ampere+: ~free speed for fp32 parts (PyTorch CUDA semantics docs).
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.ranks = self._where_ranks_run()
+        self.store: CheckpointStore | None = None
+        if cfg.checkpoint_dir:
+            self.store = self._on_rank0(lambda: _checked_store(cfg.checkpoint_dir))
+        self.model, self.raw_model = self._build_model()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        seq_len = cfg.tokens_per_sample
+        dataset = (TokenFile(cfg.data, seq_len, cfg.size.vocab_size) if cfg.data
+                   else SyntheticTokens(cfg.synthetic_samples, seq_len, cfg.size.vocab_size, cfg.seed))
+        self.batches = BatchStream(dataset, self.rank, self.world, cfg.micro_batch, cfg.grad_accum, cfg.seed)
+        size = cfg.size
+        self.n_params = self.raw_model.num_params()
+        self.flops_token = flops_per_token(self.n_params, size.n_layer, size.n_head,
+                                           size.n_embd // size.n_head, seq_len)
+        self.peak_flops = peak_flops_for_device(torch.cuda.get_device_name(self.device)) if self.cuda else None
+        self.step = 0
+
+    # ---- build ---------------------------------------------------------------------------
+
+    def _where_ranks_run(self) -> list[RankInfo]:
+        me = RankInfo(self.rank, int(os.environ.get("GROUP_RANK", "0")), socket.gethostname())
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, me)
+        return everyone
+
+    def _build_model(self) -> tuple[torch.nn.Module, GPT]:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank, before any wrapping
+        raw = GPT(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
+        if cfg.parallelism == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
+            mp = (MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
+                  if self.precision in ("bf16", "fp16") else MixedPrecisionPolicy())
+            for block in raw.blocks:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(raw, mp_policy=mp)
+            model: torch.nn.Module = raw
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(raw, device_ids=[self.local_rank] if self.cuda else None,
+                        bucket_cap_mb=cfg.bucket_cap_mb,
+                        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                        static_graph=cfg.static_graph)
+            self._register_comm_hook(model)
+        if cfg.compile:
+            model = torch.compile(model)
+        return model, raw
+
+    def _register_comm_hook(self, ddp: torch.nn.Module) -> None:
+        """Gradient compression through PyTorch's own DDP comm hooks."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        kind = self.cfg.compression
+        if kind == "bf16":
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif kind == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif kind == "powersgd":
+            # start_powerSGD_iter: plain all-reduce for the first steps, as the PowerSGD paper and
+            # the hook's docs advise (error feedback needs a warmed-up model).
+            state = powerSGD_hook.PowerSGDState(process_group=None,
+                                                matrix_approximation_rank=self.cfg.powersgd_rank,
+                                                start_powerSGD_iter=max(2, self.cfg.warmup_steps))
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # nanoGPT: decay the 2-D weights (matmuls, embeddings), not biases and LayerNorm gains.
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        lr = cfg.lr * (self.world if cfg.scale_lr else 1)
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=self.cuda)
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, (cfg.lr_decay_steps or cfg.steps) - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    # ---- collectives helpers ---------------------------------------------------------------
+
+    def _on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run fn on rank 0 and hand its result, or its error, to every rank (so an error there
+        stops all ranks at once instead of leaving them waiting in the next collective)."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except (ConfigError, CheckpointError) as e:
+                box[0] = (type(e).__name__, str(e))
+        dist.broadcast_object_list(box, src=0, device=self.device if self.cuda else None)
+        kind, value = box[0]
+        if kind == "ConfigError":
+            raise ConfigError(value)
+        if kind == "CheckpointError":
+            raise CheckpointError(value)
+        return value
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        return {"model": self.cfg.model, "size": asdict(self.cfg.size), "seq_len": self.cfg.tokens_per_sample,
+                "global_batch": self.cfg.global_batch, "world_size": self.world,
+                "parallelism": self.cfg.parallelism, "seed": self.cfg.seed}
+
+    def _rng_state(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.cuda:
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def save(self) -> None:
+        """Collective: every rank contributes its shard and RNG state, rank 0 writes."""
+        assert self.store is not None
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
+        rngs: list[Any] = [None] * self.world
+        dist.all_gather_object(rngs, self._rng_state())
+        epoch, in_epoch = self.batches.position(self.step)
+        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                 "scaler": self.scaler.state_dict(), "step": self.step, "rng": rngs,
+                 "data": {"epoch": epoch, "step_in_epoch": in_epoch,
+                          "samples_seen": self.step * self.cfg.global_batch},
+                 "meta": self._meta()}
+        store, keep = self.store, self.cfg.keep_checkpoints
+
+        def write() -> str:
+            where = store.save(checkpoint_name(self.step), state)
+            store.prune(keep)
+            return where
+
+        where = self._on_rank0(write)
+        self.log(f"checkpoint step {self.step} -> {where}")
+
+    def load(self) -> None:
+        """Continue from the latest checkpoint, if there is one (rank 0 reads, all receive)."""
+        assert self.store is not None
+        store = self.store
+
+        def read() -> dict[str, Any] | None:
+            name = store.latest()
+            if name is None:
+                return None
+            state = store.load(name)
+            self._check_fits(f"{store.url}/{name}", state["meta"])
+            return state
+
+        # Only the small parts go through the object broadcast; tensors go through set_state_dict.
+        state = self._on_rank0(lambda: _strip_tensors(read()))
+        if state is None:
+            self.log(f"resume: no checkpoint in {store.url} yet; starting at step 0")
+            return
+        full = self._full_state if self.rank == 0 else {"model": {}, "optimizer": {}}
+        # Two calls, not set_state_dict: with an empty model dict on ranks > 0 it skips the model
+        # there (optim_only=not model_state_dict) and rank 0 waits forever in the broadcast.
+        set_model_state_dict(self.model, full["model"], options=_LOAD)
+        set_optimizer_state_dict(self.model, self.optimizer, full["optimizer"], options=_LOAD)
+        self._full_state = None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        rngs = state["rng"]
+        mine = rngs[self.rank] if len(rngs) == self.world else rngs[0]
+        torch.set_rng_state(mine["cpu"])
+        if self.cuda and "cuda" in mine:
+            torch.cuda.set_rng_state(mine["cuda"], self.device)
+        self.log(f"resumed from {store.url} at step {self.step} "
+                 f"(epoch {state['data']['epoch']}, {state['data']['samples_seen']} samples seen)")
+
+    def _check_fits(self, where: str, meta: dict[str, Any]) -> None:
+        mine = self._meta()
+        for key in ("model", "size", "seq_len", "global_batch"):
+            if meta.get(key) != mine[key]:
+                raise ConfigError(f"checkpoint {where} was written with {key} {meta.get(key)}, this run "
+                                  f"has {mine[key]}; use the same --{key.replace('_', '-')} or another "
+                                  "--checkpoint-dir")
+
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.ptdtype)
+
+    @contextlib.contextmanager
+    def _range(self, name: str) -> Iterator[None]:
+        """A named range for torch.profiler and, on GPUs, for Nsight (NVTX)."""
+        with torch.profiler.record_function(name):
+            if self.cuda:
+                torch.cuda.nvtx.range_push(name)
+            try:
+                yield
+            finally:
+                if self.cuda:
+                    torch.cuda.nvtx.range_pop()
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Skip the gradient all-reduce on all but the last micro-step (issue 5)."""
+        if last:
+            return contextlib.nullcontext()
+        if self.cfg.parallelism == "fsdp":
+            return _fsdp_no_sync(self.raw_model)
+        return self.model.no_sync()  # type: ignore[operator]
+
+    def _mark(self) -> Any:
+        if self.cuda:  # host timers would see only kernel launches; CUDA events see the GPU
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _add_forward_time(self, start: Any) -> None:
+        if self.cuda:
+            self._forward_events.append((start, self._mark()))
+        else:
+            self.forward_s += time.perf_counter() - start
+
+    def _take_forward_time(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.forward_s += sum(a.elapsed_time(b) for a, b in self._forward_events) / 1e3
+            self._forward_events.clear()
+        taken, self.forward_s = self.forward_s, 0.0
+        return taken
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over grad_accum micro-batches; returns this rank's mean loss."""
+        cfg = self.cfg
+        total = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            x, y = self.batches.micro_batch_at(self.step, micro)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self._sync_context(micro == cfg.grad_accum - 1):
+                # Forward has no collectives under DDP, so its time is this rank's own speed
+                # (the straggler signal); under FSDP it includes the parameter all-gathers.
+                t0 = self._mark()
+                with self._range("forward"), self._autocast():
+                    loss = self.model(x, y) / cfg.grad_accum
+                self._add_forward_time(t0)
+                with self._range("backward"):
+                    self.scaler.scale(loss).backward()
+            total += loss.detach()
+        with self._range("optimizer"):
+            if cfg.grad_clip:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.step += 1
+        return total
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        if cfg.resume:
+            self.load()
+        self.log(self._banner())
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        profiler = self._profiler()
+        tokens_per_step = cfg.global_batch * cfg.tokens_per_sample
+        last_log, last_log_step = time.perf_counter(), self.step
+        try:
+            while self.step < cfg.steps:
+                loss = self.train_step()
+                if profiler:
+                    profiler.step()
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                    loss_value = loss.item() / self.world  # .item() waits for the GPU: times are real
+                    now = time.perf_counter()
+                    step_s = (now - last_log) / (self.step - last_log_step)
+                    last_log, last_log_step = now, self.step
+                    self._log_step(loss_value, step_s, tokens_per_step / step_s)
+                if cfg.straggler_every and self.step % cfg.straggler_every == 0:
+                    self._check_stragglers(cfg.straggler_every)
+                if self._any_rank(self.stop_requested):
+                    self.log(f"SIGTERM: saving a checkpoint at step {self.step} and exiting; "
+                             "rerun with --resume to continue")
+                    if self.store:
+                        self.save()
+                    return
+                if self.store and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 \
+                        and self.step < cfg.steps:
+                    self.save()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if profiler:
+                profiler.stop()
+        if self.store:
+            self.save()
+        if cfg.save_params:
+            self.save_params(cfg.save_params)
+        self.log(f"done: {self.step} steps")
+
+    def save_params(self, path: str) -> None:
+        """Rank 0 writes the final parameters (full state_dict) for comparison between runs."""
+        sd = get_model_state_dict(self.model, options=_SAVE)
+        if self.rank == 0:
+            torch.save(sd, path)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only a flag: the save happens at the next step boundary, when all ranks agree.
+        self.stop_requested = True
+
+    def _profiler(self) -> torch.profiler.profile | None:
+        rng = self.cfg.profile_range
+        if rng is None or rng[1] <= self.step:
+            return None
+        a, b = max(rng[0], self.step), rng[1]
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=a - self.step, warmup=0, active=b - a, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.cfg.profile_dir,
+                                                                    worker_name=f"rank{self.rank}"))
+        prof.start()
+        return prof
+
+    def _check_stragglers(self, steps: int) -> None:
+        mine = self._take_forward_time() / steps
+        times: list[Any] = [None] * self.world
+        dist.all_gather_object(times, mine)
+        for line in straggler_warning(times, self.ranks, self.cfg.straggler_threshold):
+            self.log("warning: " + line, stream=sys.stderr)
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def _banner(self) -> str:
+        cfg = self.cfg
+        peak = f"{self.peak_flops:.3g} FLOP/s (gpufleet.catalog)" if self.peak_flops else "n/a"
+        return (f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {cfg.parallelism} x "
+                f"{self.world} ranks on {self.device.type} ({dist.get_backend()}) | {self.precision} | "
+                f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x {self.world} ranks x "
+                f"{cfg.grad_accum} accum | seq {cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
+                f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak}")
+
+    def _log_step(self, loss: float, step_s: float, tokens_per_s: float) -> None:
+        per_gpu_mfu = mfu(self.flops_token, tokens_per_s / self.world, self.peak_flops)
+        mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+        lr = self.scheduler.get_last_lr()[0]
+        self.log(format_log_line(self.step, self.cfg.steps, loss, lr, step_s, tokens_per_s, per_gpu_mfu, mem))
+        if self.rank == 0 and self.cfg.metrics_file:
+            record = {"step": self.step, "loss": loss, "lr": lr, "step_s": step_s,
+                      "tokens_per_s": tokens_per_s, "mfu": per_gpu_mfu, "peak_mem_gib": mem,
+                      "time": time.time()}
+            with open(self.cfg.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def log(self, line: str, stream: Any = None) -> None:
+        if self.rank == 0:
+            print(line, file=stream or sys.stdout, flush=True)
+
+    _full_state: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def _checked_store(url: str) -> CheckpointStore:
+    store = open_store(url)
+    store.check()
+    return store
+
+
+def _strip_tensors(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Keep the full model/optimizer state on rank 0 only; broadcast the rest as objects."""
+    if state is None:
+        return None
+    Trainer._full_state = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
+    return state
+
+
+def _init_distributed() -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    else:  # plain `python -m workloads.train`: a world of one, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, train, and always leave the process group; returns the exit code."""
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(line_buffering=True)  # the launcher prefixes lines as they come
+    rank = int(os.environ.get("RANK", "0"))
+
+    def error(msg: str) -> None:
+        if rank == 0:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        cfg = config_from_args(argv)
+    except ConfigError as e:
+        error(str(e))
+        return EXIT_BAD_ARGS
+    _init_distributed()
+    try:
+        Trainer(cfg).fit()
+        return 0
+    except ConfigError as e:
+        error(str(e))
+        return EXIT_BAD_ARGS
+    except CheckpointError as e:
+        error(str(e))
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

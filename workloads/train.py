@@ -73,7 +73,8 @@ class Trainer:
         self.ranks = self._where_ranks_run()
         self.store: CheckpointStore | None = None
         if cfg.checkpoint_dir:
-            self.store = self._on_rank0(lambda: _checked_store(cfg.checkpoint_dir))
+            self.store = _open_store(cfg.checkpoint_dir)  # every rank: save/load are collectives
+            self._on_rank0(lambda: _check_store(self.store))
         self.model, self.raw_model = self._build_model()
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -451,10 +452,21 @@ def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-def _checked_store(url: str) -> CheckpointStore:
-    store = open_store(url)
-    store.check()
-    return store
+def _open_store(url: str) -> CheckpointStore:
+    try:
+        return open_store(url)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_store(store: CheckpointStore | None) -> None:
+    """Prove the checkpoint place writable before step 0: a place that cannot be written at
+    start-up is a bad --checkpoint-dir (exit 2), not a failure found hours later."""
+    assert store is not None
+    try:
+        store.check()
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _strip_tensors(state: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -1,0 +1,164 @@
+"""Run workloads.train for real: torchrun with gloo on CPU, tiny models, few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The reference run every equivalence test compares against: 2 ranks, micro 8 x 2 ranks x 4 accum.
+REF_ARGS = ["--model", "tiny", "--global-batch", "64", "--micro-batch", "8", "--lr", "3e-3",
+            "--warmup-steps", "3", "--lr-decay-steps", "20", "--log-every", "1",
+            "--straggler-every", "0"]
+REF_STEPS = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # One thread per rank: the machine has 2 cores, and oversubscription makes CPU runs crawl.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    env.update(extra or {})
+    return env
+
+
+def torchrun_cmd(args: list[str], nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+            str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            "-m", "workloads.train", *args]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def train(args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
+          timeout: float = 120, max_restarts: int = 0) -> Run:
+    """Run training to completion; nproc=0 means a plain `python -m workloads.train`."""
+    cmd = ([sys.executable, "-m", "workloads.train", *args] if nproc == 0
+           else torchrun_cmd(args, nproc, max_restarts))
+    p = subprocess.run(cmd, cwd=REPO, env=child_env(env), capture_output=True, text=True,
+                       timeout=timeout)
+    return Run(p.returncode, p.stdout, p.stderr)
+
+
+def start(args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
+          max_restarts: int = 0) -> subprocess.Popen:
+    """Start torchrun in its own session, so a test can signal the whole tree."""
+    return subprocess.Popen(torchrun_cmd(args, nproc, max_restarts), cwd=REPO, env=child_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def workers(torchrun_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's live worker processes, read from /proc."""
+    found: dict[int, int] = {}
+    for child in Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split():
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(child)
+    return found
+
+
+def wait_for(predicate, timeout: float = 60, interval: float = 0.005, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"run ended (rc {proc.returncode}) before the condition\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(interval)
+
+
+def last_step(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    lines = [ln for ln in metrics.read_text().splitlines() if ln.endswith("}")]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert sorted(a) == sorted(b)
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= atol, f"parameters differ by up to {worst:g} (allowed {atol:g})"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Final parameters of an uninterrupted 2-rank DDP run of REF_STEPS steps."""
+    out = tmp_path_factory.mktemp("ref") / "params.pt"
+    run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--save-params", str(out)])
+    assert run.returncode == 0, run.stderr
+    return params(out)
+
+
+@pytest.fixture
+def gcs_emulator():
+    """gcp-storage-emulator on a free local port with bucket `ckpt`; yields its env."""
+    port = free_port()
+    exe = Path(sys.executable).with_name("gcp-storage-emulator")
+    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port),
+                             "--in-memory", "--default-bucket", "ckpt", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_for(up, timeout=20, interval=0.05)
+        yield {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """Factory: mount a tmpfs of the given size; unmounted after the test."""
+    mounted: list[Path] = []
+
+    def make(size_bytes: int) -> Path:
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mnt)],
+                       check=True)
+        mounted.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

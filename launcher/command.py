@@ -1,0 +1,255 @@
+"""Building the command each node runs. Pure functions: no network, no processes.
+
+Everything that crosses a shell goes through `shlex.quote`, so an argument such as
+`"; rm -rf ~` reaches the program as one literal argument.
+
+The remote side (one bash line, so `--dry-run` prints it on one line):
+1. makes the per-job directory /tmp/gpufleet-<job-id>/ and, on node 0 of a torchrun job, takes
+   a lock on the rendezvous port so a second launch on the same port refuses instead of
+   joining the first one's store (issue 7);
+2. exports the environment, resolving the host NIC on the node when the catalog cannot name it;
+3. starts the workload under `setsid` (its own session and process group, whose id is written to
+   /tmp/gpufleet-<job-id>/node-<rank>.pid) with a unique `GPUFLEET_RUN` token in its environment;
+4. watches its own stdin: when the launcher closes it, or the SSH connection drops, it sends
+   SIGTERM to the workload's process group, waits, then SIGKILLs every process that carries the
+   token (torchrun starts workers in sessions of their own, so the group alone is not enough);
+5. prints `EXIT_MARKER <status>` last, which tells a nonzero exit of the code apart from a lost
+   connection (no marker).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+from gpufleet.nccl_env import PREPEND_PATH_VARS
+
+from launcher.env import HOST_IFACE_ON_NODE
+from launcher.model import Cluster, LaunchConfig, Node, SshConfig
+
+__all__ = [
+    "EXIT_MARKER",
+    "READY_MARKER",
+    "JOB_DIR_PREFIX",
+    "join_timeout_s",
+    "nproc_for",
+    "torchrun_argv",
+    "remote_script",
+    "remote_command",
+    "ssh_base_argv",
+    "ssh_argv",
+    "probe_script",
+    "rdzv_lock_path",
+]
+
+EXIT_MARKER = "__GPUFLEET_EXIT__"
+# Written by the startup script when a node is ready (the infra engineer's template).
+READY_MARKER = "/var/lib/gpufleet/ready.json"
+JOB_DIR_PREFIX = "/tmp/gpufleet-"
+
+
+def rdzv_lock_path(address: str, port: int) -> str:
+    # Keyed by address too: nodes that share a /tmp (the simulated cluster, --local) but not a
+    # network namespace can each hold the same port.
+    return f"/tmp/gpufleet-rdzv-{address}-{port}.lock"
+
+
+def join_timeout_s(nnodes: int) -> int:
+    """c10d join timeout: torch's default 600 s for small jobs, plus 5 s per node beyond 64, since
+    the last node to boot and connect arrives later on a big cluster."""
+    return 600 + 5 * max(0, nnodes - 64)
+
+
+def nproc_for(node: Node, gpu_count: int | None, config: LaunchConfig) -> int:
+    """--nproc-per-node, else the hostfile's slots, else the catalog's GPU count, else 1 (CPU)."""
+    if config.nproc_per_node is not None:
+        return config.nproc_per_node
+    if node.slots is not None:
+        return node.slots
+    return gpu_count or 1
+
+
+def torchrun_argv(
+    cluster: Cluster, node: Node, config: LaunchConfig, nproc: int, workload_argv: Sequence[str]
+) -> list[str]:
+    """`python -m torch.distributed.run ...` for one node, with a c10d rendezvous on node 0."""
+    head = cluster.nodes[0]
+    return [
+        config.python, "-m", "torch.distributed.run",
+        f"--nnodes={len(cluster.nodes)}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={node.rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={head.address}:{config.rdzv_port}",
+        f"--rdzv-id={config.job_id}",
+        # is_host: node 0 hosts the store. Left to torch, it guesses from hostname and addresses,
+        # which fails where nodes share a hostname (network namespaces) or NICs are secondary
+        # (torch/distributed/elastic/rendezvous/utils.py `_matches_machine_hostname`).
+        f"--rdzv-conf=join_timeout={join_timeout_s(len(cluster.nodes))},"
+        f"is_host={1 if node.rank == 0 else 0}",
+        # The address the other nodes reach this one at; it becomes the workers' MASTER_ADDR on
+        # node 0. Left out, torch uses socket.getfqdn(), which on a node whose /etc/hosts maps
+        # its hostname to 127.0.0.1 is "localhost" and strands every other node's workers.
+        f"--local-addr={node.address}",
+        f"--max-restarts={config.max_restarts}",
+        *workload_argv,
+    ]
+
+
+def _resolve_iface(address: str, head_address: str) -> str:
+    # The interface that holds the address we reach this node at; failing that (we connected by
+    # name), the interface the route to node 0 leaves through. `ip -o` prints one line per
+    # address: "2: eth0    inet 10.0.0.2/24 ...".
+    a, h = shlex.quote(address), shlex.quote(head_address)
+    return (
+        f"I=$(ip -o -4 addr show 2>/dev/null | awk -v a={a} "
+        "'{split($4,p,\"/\"); if (p[1]==a) {print $2; exit}}'); "
+        f'[ -n "$I" ] || I=$(ip -o route get {h} 2>/dev/null | '
+        "sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')"
+    )
+
+
+def remote_script(
+    cluster: Cluster,
+    node: Node,
+    config: LaunchConfig,
+    env: Mapping[str, str],
+    argv: Sequence[str],
+    lock_port: int | None = None,
+) -> str:
+    """The one-line bash program that runs `argv` on `node` (see the module docstring)."""
+    job = config.job_id
+    jdir = shlex.quote(f"{JOB_DIR_PREFIX}{job}")
+    token = shlex.quote(f"GPUFLEET_RUN={job}-{node.rank}")
+    pidfile = f"{jdir}/node-{node.rank}.pid"
+    stopfile = f"{jdir}/node-{node.rank}.stopping"
+    grace_ticks = max(1, int(config.stop_grace_s * 5))
+    s: list[str] = [
+        "umask 077",
+        f"mkdir -p {jdir} || exit 70",
+    ]
+    if lock_port is not None:
+        lock = shlex.quote(rdzv_lock_path(node.address, lock_port))
+        s += [
+            f"exec 9>>{lock}",
+            "if ! flock -n 9; then echo \"gpufleet: rendezvous port "
+            f"{lock_port} on {node.host} is in use by another launch (job $(cat {lock}.job "
+            "2>/dev/null)); wait for it or pass --rdzv-port\" >&2; exit 75; fi",
+            f"echo {shlex.quote(job)} > {lock}.job",
+        ]
+    if config.workdir:
+        wd = config.workdir
+        # `~/x` means the login directory on the node, so keep the tilde outside the quotes.
+        quoted = ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
+        s.append(f"cd {quoted} || {{ echo \"gpufleet: --workdir {shlex.quote(wd)} does not exist on "
+                 f"{node.host}\" >&2; exit 71; }}")
+    unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
+    for key, value in env.items():
+        if value == HOST_IFACE_ON_NODE:
+            continue
+        if key in PREPEND_PATH_VARS:
+            s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
+        else:
+            s.append(f"export {key}={shlex.quote(value)}")
+    if unresolved:
+        s.append(_resolve_iface(node.address, cluster.nodes[0].address))
+        s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")
+    s += [
+        f"export GPUFLEET_JOB_ID={shlex.quote(job)} GPUFLEET_NODE_RANK={node.rank} "
+        f"GPUFLEET_NNODES={len(cluster.nodes)}",
+        # Keep the launcher's end of stdin on fd 3 for the watchdog: a background list's stdin is
+        # /dev/null in a non-interactive shell (POSIX, "Asynchronous Lists").
+        "exec 3<&0",
+        # Not a group leader (no job control here), so setsid runs in-place: $! is the session id.
+        f"setsid env {token} {' '.join(shlex.quote(a) for a in argv)} </dev/null 3<&- 2>&1 &",
+        "P=$!",
+        f"echo $P > {pidfile}",
+        # Kill every process carrying the token: one grep over all environ files.
+        f"reap() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do "
+        "q=${f#/proc/}; kill -KILL ${q%/environ} 2>/dev/null; done; }",
+        f"stop() {{ : > {stopfile}; kill -TERM -- -$P 2>/dev/null; i=0; while kill -0 -- -$P 2>/dev/null && "
+        f"[ $i -lt {grace_ticks} ]; do sleep 0.2; i=$((i+1)); done; reap; }}",
+        "( while read -r _; do :; done; stop ) <&3 >/dev/null 2>&1 &",
+        "W=$!",
+        "exec 3<&-",
+        "wait $P",
+        "rc=$?",
+        # A watchdog that is stopping the tree is left to finish (its sleep would outlive it).
+        f"if [ -e {stopfile} ]; then wait $W; else kill $W 2>/dev/null; fi",
+        "reap",
+        f"rm -f {pidfile} {stopfile}",
+        f"printf '{EXIT_MARKER} %d\\n' $rc",
+        "exit $rc",
+    ]
+    return _join(s)
+
+
+def _join(statements: list[str]) -> str:
+    # `a &; b` is a syntax error: a statement ending in `&` is already terminated.
+    return " ".join(st if st.endswith("&") else st + ";" for st in statements).rstrip(";")
+
+
+def remote_command(script: str) -> str:
+    """What goes on the ssh command line: the remote login shell runs bash with our program."""
+    return f"exec bash -c {shlex.quote(script)}"
+
+
+def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[str]:
+    """ssh and its options. The user's options come first: OpenSSH keeps the first value it
+    obtains for each option (ssh_config(5)), so `--ssh-option` wins over our defaults."""
+    argv = ["ssh"]
+    for opt in ssh.options:
+        argv += ["-o", opt]
+    if ssh.user:
+        argv += ["-l", ssh.user]
+    if ssh.key:
+        argv += ["-i", str(ssh.key)]
+    if ssh.iap:
+        if not ssh.zone:
+            raise ValueError("--iap needs the zone")
+        # gcloud's documented tunnel-through-IAP ProxyCommand for OpenSSH.
+        argv += ["-o", "ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin "
+                       f"--zone {shlex.quote(ssh.zone)}"]
+    argv += [
+        "-o", "BatchMode=yes",
+        "-o", f"ConnectTimeout={ssh.connect_timeout}",
+        # Keep-alives: a node that vanished is noticed within 3 x 2 s.
+        "-o", "ServerAliveInterval=2",
+        "-o", "ServerAliveCountMax=3",
+        "-o", f"UserKnownHostsFile={known_hosts}",
+        # First contact records the key; a changed key is refused. Never "no".
+        "-o", "StrictHostKeyChecking=accept-new",
+        "-o", "ControlMaster=auto",
+        "-o", f"ControlPath={control_dir}/%C",
+        "-o", f"ControlPersist={ssh.control_persist}",
+        "-o", "LogLevel=ERROR",
+        "-T",
+    ]
+    return argv
+
+
+def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
+    return [*base, node.host, "--", command]
+
+
+def probe_script(node: Node, config: LaunchConfig, check_torch: bool, lock_port: int | None) -> str:
+    """The pre-flight program: prints key=value lines the launcher compares across nodes."""
+    py = shlex.quote(config.python)
+    s = [
+        "echo host=$(hostname)",
+        "echo time=$(date +%s.%N)",
+        f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
+    ]
+    if check_torch:
+        # importlib.metadata reads the version without importing torch (seconds on a busy node).
+        s.append(f"echo torch=$({py} -c 'import importlib.metadata as m; print(m.version(\"torch\"))' "
+                 "2>/dev/null || echo missing)")
+    if lock_port is not None:
+        lock = shlex.quote(rdzv_lock_path(node.address, lock_port))
+        s.append(f"if [ -e {lock} ] && ! flock -n {lock} true; then echo port=busy:$(cat {lock}.job "
+                 "2>/dev/null); else echo port=free; fi")
+    if config.workdir:
+        wd = config.workdir
+        quoted = ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
+        s.append(f"if [ -d {quoted} ]; then echo workdir=ok; else echo workdir=missing; fi")
+    return _join(s)

@@ -1,0 +1,440 @@
+"""Running a workload on every node: pre-flight, start, stream, stop, report.
+
+`launch(cluster, config)` is the one library call the CLI makes. It logs (logging) and returns a
+`LaunchResult`; rendering is the CLI's business. Events for a live display go to `on_event`.
+
+Stopping is cooperative first: the launcher closes each node's stdin, and the node-side wrapper
+(launcher.command.remote_script) stops its own process tree. A node that cannot be told (its
+connection is gone) is simply dropped; its wrapper sees the same EOF when the connection closes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpufleet.catalog import lookup
+
+from launcher.command import (
+    EXIT_MARKER,
+    nproc_for,
+    probe_script,
+    remote_command,
+    remote_script,
+    ssh_argv,
+    ssh_base_argv,
+    torchrun_argv,
+)
+from launcher.env import node_env
+from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
+
+__all__ = [
+    "Transport",
+    "Probe",
+    "Interrupted",
+    "new_job_id",
+    "state_dir",
+    "make_transport",
+    "preflight",
+    "check_probes",
+    "node_commands",
+    "launch",
+]
+
+log = logging.getLogger("launcher")
+
+Event = Callable[[str, int, str], None]  # (kind, node rank, text)
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived before any workload started; nothing is running."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def new_job_id() -> str:
+    """Sortable and unique: the rendezvous id, the run directory and the node-side token."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def state_dir() -> Path:
+    """Where per-cluster known_hosts files live (GPUFLEET_STATE_DIR, else ~/.cache/gpufleet)."""
+    base = os.environ.get("GPUFLEET_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpufleet")
+    return Path(base)
+
+
+@dataclass
+class Transport:
+    """Turns a node-side bash program into an argv: ssh to the node, or bash here (--local)."""
+
+    local: bool
+    ssh_base: list[str] = field(default_factory=list)
+
+    def argv(self, node: Node, script: str) -> list[str]:
+        if self.local:
+            return ["bash", "-c", script]
+        return ssh_argv(self.ssh_base, node, remote_command(script))
+
+    def display(self, node: Node, script: str) -> str:
+        """The exact command that would run over SSH (for --dry-run)."""
+        return script if self.local else remote_command(script)
+
+
+def make_transport(cluster: Cluster, config: LaunchConfig) -> Transport:
+    if cluster.local:
+        return Transport(local=True)
+    ssh = config.ssh
+    if ssh.iap and not ssh.zone:
+        raise UserError("--iap needs the nodes' zone: pass --zone (stack outputs carry it)")
+    key = hashlib.sha256(f"{cluster.name}|{cluster.project}|{cluster.zone}".encode()).hexdigest()[:10]
+    known = ssh.known_hosts or state_dir() / "known_hosts" / f"{cluster.name}-{key}"
+    # ControlPath must fit a unix socket path (108 bytes): keep it short, per user and cluster.
+    control = Path(f"/tmp/gpufleet-ssh-{os.getuid()}") / key
+    if not config.dry_run:
+        Path(known).parent.mkdir(parents=True, exist_ok=True)
+        control.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Transport(local=False, ssh_base=ssh_base_argv(ssh, str(control), str(known)))
+
+
+# ---- pre-flight ----------------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """What the pre-flight learned about one node."""
+
+    node: Node
+    ok: bool
+    error: str = ""
+    facts: dict[str, str] = field(default_factory=dict)
+    skew_s: float | None = None  # node clock minus the launcher's, at the probe's midpoint
+
+
+def _probe_one(transport: Transport, node: Node, script: str, timeout: float) -> Probe:
+    t0 = time.time()
+    try:
+        proc = subprocess.run(
+            transport.argv(node, script), stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=timeout, start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        return Probe(node, False, f"no answer within {timeout:.0f} s")
+    t1 = time.time()
+    facts = dict(l.split("=", 1) for l in proc.stdout.splitlines() if "=" in l)
+    if proc.returncode != 0 or "host" not in facts:
+        err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return Probe(node, False, err)
+    skew = None
+    try:
+        skew = float(facts.get("time", "")) - (t0 + t1) / 2
+    except ValueError:
+        pass
+    return Probe(node, True, facts=facts, skew_s=skew)
+
+
+def preflight(
+    cluster: Cluster,
+    config: LaunchConfig,
+    transport: Transport,
+    check_torch: bool,
+    lock_port: int | None,
+    stop: threading.Event | None = None,
+    on_event: Event | None = None,
+) -> dict[int, Probe]:
+    """Probe every node, at most `ssh.concurrency` connections at a time (sshd's MaxStartups)."""
+    timeout = config.ssh.connect_timeout + 20.0
+    results: dict[int, Probe] = {}
+    with ThreadPoolExecutor(max_workers=max(1, config.ssh.concurrency)) as pool:
+        futures = {}
+        for node in cluster.nodes:
+            script = probe_script(node, config, check_torch, lock_port if node.rank == 0 else None)
+            futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout)
+        for rank, fut in futures.items():
+            while True:
+                if stop is not None and stop.is_set():
+                    for f in futures.values():
+                        f.cancel()
+                    break
+                try:
+                    results[rank] = fut.result(timeout=0.2)
+                    if on_event:
+                        on_event("checked", rank, "ok" if results[rank].ok else results[rank].error)
+                    break
+                except TimeoutError:
+                    continue
+            if stop is not None and stop.is_set():
+                break
+    return results
+
+
+def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfig) -> list[str]:
+    """Raise one UserError naming every node that cannot run; return warnings for the rest."""
+    bad = [p for p in probes.values() if not p.ok]
+    if bad:
+        listed = "; ".join(f"{p.node.label}: {p.error}" for p in bad)
+        raise UserError(f"{len(bad)} of {len(cluster.nodes)} nodes cannot be reached, nothing was "
+                        f"started: {listed}. Check the address, --ssh-user/--ssh-key, or --exclude them")
+    head = probes.get(0)
+    if head and head.facts.get("port", "free").startswith("busy"):
+        other = head.facts["port"].partition(":")[2] or "unknown"
+        raise UserError(f"rendezvous port {config.rdzv_port} on {head.node.label} is in use by "
+                        f"another launch (job {other}); nothing was started. Wait for it, or pass "
+                        "--rdzv-port with a free port")
+    missing_wd = [p.node.label for p in probes.values() if p.facts.get("workdir") == "missing"]
+    if missing_wd:
+        raise UserError(f"--workdir {config.workdir!r} does not exist on {', '.join(missing_wd)}")
+    torch = {r: p.facts["torch"] for r, p in probes.items() if "torch" in p.facts}
+    if torch:
+        no_torch = [probes[r].node.label for r, v in torch.items() if v == "missing"]
+        if no_torch:
+            raise UserError(f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; "
+                            "install it there or pass --python with the right interpreter")
+        versions = sorted(set(torch.values()))
+        if len(versions) > 1:
+            by = "; ".join(f"{probes[r].node.label}: {v}" for r, v in sorted(torch.items()))
+            raise UserError(f"torch versions differ across nodes ({by}); every node must run the "
+                            "same version")
+    warnings = []
+    skews = {r: p.skew_s for r, p in probes.items() if p.skew_s is not None}
+    for r, s in sorted(skews.items()):
+        # Beyond a couple of seconds, log timestamps and timeouts stop lining up across nodes.
+        if abs(s) > 2.0:
+            warnings.append(f"{probes[r].node.label}: clock differs from this machine by {s:+.1f} s "
+                            "(check chrony/NTP on the node)")
+    for r, p in sorted(probes.items()):
+        host = p.facts.get("host", "")
+        expect = p.node.name or ("" if _is_ip(p.node.address) or cluster.local else p.node.host)
+        if expect and host and host.split(".")[0] != expect.split(".")[0].split("@")[-1]:
+            warnings.append(f"{p.node.label}: hostname is {host!r}, expected {expect!r} "
+                            "(is the host list stale?)")
+    hosts = [p.facts.get("host") for p in probes.values()]
+    if not cluster.local and len(hosts) > 1 and len(set(hosts)) == 1 and cluster.machine_type:
+        warnings.append(f"every node reports the same hostname {hosts[0]!r}: are they one machine?")
+    return warnings
+
+
+def _is_ip(a: str) -> bool:
+    return a.replace(".", "").isdigit() or ":" in a
+
+
+# ---- the run ----------------------------------------------------------------------------
+
+
+def node_commands(cluster: Cluster, config: LaunchConfig, transport: Transport) -> dict[int, str]:
+    """The node-side program for every node (pure; what --dry-run prints)."""
+    wl = config.workload
+    env = node_env(cluster, config) if wl.kind == "torchrun" else {}
+    gpus = None
+    if cluster.machine_type and not cluster.local:
+        gpus = lookup(cluster.machine_type).gpu_count
+    out = {}
+    for node in cluster.nodes:
+        if wl.kind == "torchrun":
+            nproc = nproc_for(node, gpus, config)
+            argv = torchrun_argv(cluster, node, config, nproc, wl.argv)
+            lock = config.rdzv_port if node.rank == 0 else None
+        else:
+            argv, lock = list(wl.argv), None
+        out[node.rank] = remote_script(cluster, node, config, env, argv, lock_port=lock)
+    return out
+
+
+class _NodeRun:
+    def __init__(self, node: Node, argv: list[str], logfile: Path, events: queue.Queue):
+        self.node = node
+        self.outcome = NodeOutcome(node)
+        self.tail: deque[str] = deque(maxlen=20)
+        self.err: deque[str] = deque(maxlen=5)
+        self.marker: int | None = None
+        self.start = time.monotonic()
+        self.stopping = False
+        self.stop_sent_at: float | None = None
+        self._log = open(logfile, "ab")
+        self._events = events
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher, which stops in order
+        )
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, False), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, True), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _pump(self, stream, is_err: bool) -> None:
+        for raw in iter(stream.readline, b""):
+            text = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not is_err and EXIT_MARKER in text:
+                before, _, after = text.partition(EXIT_MARKER)
+                try:
+                    self.marker = int(after.split()[0])
+                except (ValueError, IndexError):
+                    pass
+                if not before:
+                    continue
+                text = before
+            self._log.write(text.encode() + b"\n")
+            self._log.flush()
+            self.tail.append(text)
+            if is_err:
+                self.err.append(text)
+            self._events.put(("line", self.node.rank, text))
+
+    def _reap(self) -> None:
+        rc = self.proc.wait()
+        for t in self._threads:
+            t.join()
+        self._log.close()
+        self._events.put(("exit", self.node.rank, str(rc)))
+
+    def finish(self, transport_rc: int) -> NodeOutcome:
+        o = self.outcome
+        o.duration_s = time.monotonic() - self.start
+        o.tail = list(self.tail)
+        o.stopped = self.stopping
+        # The trailing blank line the wrapper prints before its marker is not output.
+        if o.tail and o.tail[-1] == "":
+            o.tail.pop()
+        if self.marker is not None:
+            o.exit_code = self.marker
+        elif transport_rc != 255 or self.stopping:
+            # No marker but no transport error either: the wrapper itself failed to start, or
+            # we stopped a node whose connection we then cut.
+            o.exit_code = transport_rc
+        else:
+            o.connection_lost = True
+            o.exit_code = transport_rc
+            o.error = self.err[-1] if self.err else "the connection closed without an exit status"
+        return o
+
+    def request_stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.stop_sent_at = time.monotonic()
+        try:
+            self.proc.stdin.close()  # the node-side watchdog reads EOF and stops the tree
+        except OSError:
+            pass
+
+    def force(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def launch(
+    cluster: Cluster,
+    config: LaunchConfig,
+    on_event: Event | None = None,
+    handle_signals: bool = True,
+) -> LaunchResult:
+    """Pre-flight every node, start the workload on all of them, stream, stop on the first
+    failure, and report. Raises UserError (nothing started) or Interrupted (nothing started)."""
+    emit = on_event or (lambda kind, rank, text: None)
+    transport = make_transport(cluster, config)
+    scripts = node_commands(cluster, config, transport)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
+        received.append(signum)
+        stop.set()
+
+    previous = {}
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        torchrun = config.workload.kind == "torchrun"
+        probes = preflight(cluster, config, transport, check_torch=torchrun and config.check_versions,
+                           lock_port=config.rdzv_port if torchrun else None, stop=stop, on_event=emit)
+        if received:
+            raise Interrupted(received[0])
+        for w in check_probes(cluster, probes, config):
+            log.warning(w)
+        return _run(cluster, config, transport, scripts, stop, received, emit)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchResult:
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events: queue.Queue = queue.Queue()
+    runs: dict[int, _NodeRun] = {}
+    result = LaunchResult(config.job_id, run_dir, {})
+    for node in cluster.nodes:
+        runs[node.rank] = _NodeRun(node, transport.argv(node, scripts[node.rank]),
+                                   run_dir / f"node-{node.rank}.log", events)
+        emit("started", node.rank, node.host)
+    running = set(runs)
+    force_after = config.stop_grace_s + 4.0
+
+    def stop_all() -> None:
+        for r in running:
+            runs[r].request_stop()
+
+    while running:
+        if stop.is_set() and result.signal is None and received:
+            result.signal = received[0]
+            log.warning("received %s: stopping every node", signal.Signals(received[0]).name)
+            stop_all()
+        try:
+            kind, rank, text = events.get(timeout=0.2)
+        except queue.Empty:
+            now = time.monotonic()
+            for r in list(running):
+                nr = runs[r]
+                if nr.stop_sent_at is not None and now - nr.stop_sent_at > force_after:
+                    nr.force()
+            continue
+        if kind == "line":
+            emit("line", rank, text)
+            continue
+        running.discard(rank)
+        outcome = runs[rank].finish(int(text))
+        result.outcomes[rank] = outcome
+        emit("exit", rank, outcome.status)
+        if not outcome.ok and not outcome.stopped and result.first_failure is None:
+            result.first_failure = rank
+            what = outcome.status if not outcome.connection_lost else f"unreachable: {outcome.error}"
+            log.error("%s failed (%s); stopping the other nodes", outcome.node.label, what)
+            stop_all()
+        elif outcome.ok and result.first_failure is None and not stop.is_set():
+            pass
+    _write_summary(result, cluster)
+    return result
+
+
+def _write_summary(result: LaunchResult, cluster: Cluster) -> None:
+    summary = {
+        "job_id": result.job_id,
+        "cluster": cluster.name,
+        "exit_code": result.exit_code,
+        "first_failure": result.first_failure,
+        "nodes": [
+            {"rank": o.node.rank, "host": o.node.host, "exit": o.exit_code, "status": o.status,
+             "duration_s": round(o.duration_s, 3), "connection_lost": o.connection_lost}
+            for o in sorted(result.outcomes.values(), key=lambda o: o.node.rank)
+        ],
+    }
+    (result.run_dir / "launch.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -65,7 +65,7 @@ def main() -> None:
             service_account_email=identity.email,
             startup_script=render_startup_script(spec.machine, cluster=spec.cluster, image_os=spec.image_os),
             placement_policy=placement.self_link if placement else None,
-            depends_on=[*networks.ready, *identity.grants],
+            depends_on=[*networks.attach_after, *identity.grants, *([placement.policy] if placement else [])],
         ),
     )
 

@@ -33,7 +33,8 @@ class NodeIdentityArgs:
 
 
 class NodeIdentity(pulumi.ComponentResource):
-    """`email` is the nodes' service account; `bucket_name` the checkpoint bucket (None if not asked)."""
+    """`email` is the nodes' service account; `bucket_name` the checkpoint bucket (None if not
+    asked); `grants` what the nodes must be created after (the account and its role bindings)."""
 
     def __init__(self, name: str, args: NodeIdentityArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gpufleet:infra:NodeIdentity", name, None, opts)
@@ -41,28 +42,37 @@ class NodeIdentity(pulumi.ComponentResource):
         self.grants: list[pulumi.Resource] = []
         if args.service_account is None:
             # account_id: 6-30 characters, [a-z]([-a-z0-9]*[a-z0-9]).
+            account_id = f"{args.cluster[:24].rstrip('-')}-nodes"
             account = gcp.serviceaccount.Account(
                 f"{args.cluster}-nodes",
                 gcp.serviceaccount.AccountArgs(
-                    account_id=f"{args.cluster[:24].rstrip('-')}-nodes",
+                    account_id=account_id,
                     project=args.project,
                     display_name=f"gpufleet {args.cluster} nodes",
                 ),
                 opts=child,
             )
-            self.email: pulumi.Output[str] = account.email
-            member = account.email.apply(lambda e: f"serviceAccount:{e}")
+            # The email is fixed by the account ID and project (https://cloud.google.com/iam/docs/
+            # service-account-overview: ID@PROJECT_ID.iam.gserviceaccount.com; a domain-scoped
+            # project "example.com:proj" gives ID@proj.example.com.iam.gserviceaccount.com).
+            # Instances take it as a plain string (cheaper for Pulumi than 128 Output inputs;
+            # bench/bench_infra.py) and are ordered after the account by `grants`.
+            domain, _, project_name = args.project.rpartition(":")
+            host = f"{project_name}.{domain}" if domain else project_name
+            self.email: pulumi.Input[str] = f"{account_id}@{host}.iam.gserviceaccount.com"
+            self.grants.append(account)
+            member = f"serviceAccount:{self.email}"
             for role in NODE_ROLES:
                 self.grants.append(
                     gcp.projects.IAMMember(
                         f"{args.cluster}-nodes-{role.split('/')[1].replace('.', '-')}",
                         gcp.projects.IAMMemberArgs(project=args.project, role=role, member=member),
-                        opts=child,
+                        opts=pulumi.ResourceOptions(parent=self, depends_on=[account]),
                     )
                 )
         else:
-            self.email = pulumi.Output.from_input(args.service_account)
-            member = pulumi.Output.from_input(f"serviceAccount:{args.service_account}")
+            self.email = args.service_account
+            member = f"serviceAccount:{args.service_account}"
 
         self.bucket_name: pulumi.Output[str] | None = None
         if args.checkpoint_bucket is not None:

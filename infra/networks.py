@@ -28,8 +28,8 @@ class GpuNetworksArgs:
 class GpuNetworks(pulumi.ComponentResource):
     """Every VPC, subnet, firewall rule (and the NAT) of one fleet.
 
-    `nic_targets` lists, in NIC order, the (network self link, subnet self link, NIC type) each
-    instance's interfaces use; `summary` is the `networks` stack output.
+    `nic_targets` lists, in NIC order, the (network, subnetwork, NIC type) each instance's
+    interfaces use, as self-link paths (depend on `attach_after` to be created after them); `summary` is the `networks` stack output.
     """
 
     def __init__(self, name: str, args: GpuNetworksArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -37,10 +37,14 @@ class GpuNetworks(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         plans, nic_plans = plan_networks(args.machine, cluster=args.cluster, zone=args.zone)
         self.plans = plans
+        # What an instance must wait for: every subnet its NICs name (each after its network) and
+        # the NAT its first boot downloads through. Listed directly rather than by depending on
+        # this component, which Pulumi would expand to all its children for each instance.
+        self.attach_after: list[pulumi.Resource] = []
+        plans_by_key = {p.key: p for p in plans}
         self.networks: dict[str, gcp.compute.Network] = {}
         self.subnets: dict[str, list[gcp.compute.Subnetwork]] = {}
         self.firewalls: list[gcp.compute.Firewall] = []
-        self.ready: list[pulumi.Resource] = []
         for plan in plans:
             net = gcp.compute.Network(
                 plan.name,
@@ -74,6 +78,7 @@ class GpuNetworks(pulumi.ComponentResource):
                 )
                 for sub in plan.subnets
             ]
+            self.attach_after.extend(self.subnets[plan.key])
             # All traffic between the cluster's own subnets. The RDMA VPC gets no rule: CTK's
             # A3 Ultra/A4 blueprints declare `firewall_rules = []` for it (gcp-facts 2.1).
             if plan.role != "rdma":
@@ -122,20 +127,27 @@ class GpuNetworks(pulumi.ComponentResource):
                 ),
                 opts=child,
             )
-            self.ready.append(
-                gcp.compute.RouterNat(
-                    f"{args.cluster}-nat",
-                    gcp.compute.RouterNatArgs(
-                        name=f"{args.cluster}-nat", project=args.project, region=args.region,
-                        router=router.name,
-                        nat_ip_allocate_option="AUTO_ONLY",
-                        source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
-                    ),
-                    opts=child,
-                )
+            nat = gcp.compute.RouterNat(
+                f"{args.cluster}-nat",
+                gcp.compute.RouterNatArgs(
+                    name=f"{args.cluster}-nat", project=args.project, region=args.region,
+                    router=router.name,
+                    nat_ip_allocate_option="AUTO_ONLY",
+                    source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
+                ),
+                opts=child,
             )
-        self.nic_targets: list[tuple[pulumi.Output[str], pulumi.Output[str], str]] = [
-            (self.networks[n.network].self_link, self.subnets[n.network][n.subnet].self_link, n.nic_type)
+            self.attach_after.append(nat)
+        # NICs reference their network and subnet by self-link path, built from the names this
+        # component declares, rather than by the resources' Output self links: 128 nodes x 9 NICs
+        # of Output references cost Pulumi ~2x the declaration time (bench/bench_infra.py). The
+        # ordering those references carried is kept by instances depending on `attach_after`.
+        self.nic_targets: list[tuple[str, str, str]] = [
+            (
+                f"projects/{args.project}/global/networks/{plans_by_key[n.network].name}",
+                f"projects/{args.project}/regions/{args.region}/subnetworks/{plans_by_key[n.network].subnets[n.subnet].name}",
+                n.nic_type,
+            )
             for n in nic_plans
         ]
         self.summary = [

@@ -17,9 +17,6 @@ __all__ = ["BOOT_DISK_TYPES", "scheduling_for", "NodePoolArgs", "NodePool"]
 BOOT_DISK_TYPES = {"a3-ultra": "hyperdisk-balanced", "a4": "hyperdisk-balanced"}
 _DEFAULT_BOOT_DISK = "pd-ssd"
 
-# The 375 GiB local NVMe SSDs bundled with the type (InstanceScratchDiskArgs: "SCSI or NVME").
-_LOCAL_SSD_GB = 375
-
 
 def scheduling_for(spec: FleetSpec) -> gcp.compute.InstanceSchedulingArgs:
     """Scheduling per provisioning model (pulumi-gcp InstanceSchedulingArgs docstrings; gcp-facts 3.2-3.3).
@@ -85,7 +82,8 @@ class NodePoolArgs:
     startup_script: str
     placement_policy: pulumi.Input[str] | None = None
     depends_on: Sequence[pulumi.Resource] = ()
-    """Resources the nodes need before first boot (NAT, IAM grants)."""
+    """Resources the nodes need before they are created: the networks (their NICs name them by
+    path), NAT for the first boot's downloads, IAM grants."""
 
 
 class NodePool(pulumi.ComponentResource):
@@ -103,7 +101,6 @@ class NodePool(pulumi.ComponentResource):
                 type=BOOT_DISK_TYPES.get(spec.machine.family, _DEFAULT_BOOT_DISK),
             ),
         )
-        scratch = [gcp.compute.InstanceScratchDiskArgs(interface="NVME", size=_LOCAL_SSD_GB)] * spec.machine.local_ssd_count
         scheduling = scheduling_for(spec)
         affinity = _reservation_affinity(spec)
         account = gcp.compute.InstanceServiceAccountArgs(
@@ -133,7 +130,11 @@ class NodePool(pulumi.ComponentResource):
         self.instances: list[gcp.compute.Instance] = []
         for i in range(spec.nodes):
             # Guest accelerators are bundled with A2/A3/A4 types and are not declared (DSTACK
-            # get_accelerators returns [] for them; gcp-facts 3.3).
+            # get_accelerators returns [] for them; gcp-facts 3.3). So are their local SSDs:
+            # "The local SSDs will be attached automatically to the following machine types"
+            # (SKY constants.py SSD_AUTO_ATTACH_MACHINE_TYPES, citing Google's local-ssd
+            # #lssd_disks_fixed; every catalog type with local_ssd_count > 0 is in that list), so
+            # no scratch_disks; the startup script RAIDs whatever /dev/disk/by-id shows.
             self.instances.append(
                 gcp.compute.Instance(
                     f"{spec.cluster}-{i}",
@@ -143,7 +144,6 @@ class NodePool(pulumi.ComponentResource):
                         zone=spec.zone,
                         machine_type=spec.machine_type,
                         boot_disk=boot_disk,
-                        scratch_disks=scratch,
                         network_interfaces=interfaces(),
                         scheduling=scheduling,
                         reservation_affinity=affinity,
@@ -156,23 +156,30 @@ class NodePool(pulumi.ComponentResource):
                     opts=child,
                 )
             )
+        # One apply per instance on its NICs alone: name and zone are this program's own inputs.
+        # (An Output.all over name, zone and NICs per node doubled the time to declare 128 nodes;
+        # bench/bench_infra.py.)
         self.nodes: pulumi.Output[list[dict]] = pulumi.Output.all(
-            *[self._node_output(i, inst) for i, inst in enumerate(self.instances)]
+            *[
+                inst.network_interfaces.apply(_node_entry(i, f"{spec.cluster}-{i}", spec.zone))
+                for i, inst in enumerate(self.instances)
+            ]
         )
         self.register_outputs({"nodes": self.nodes})
 
-    @staticmethod
-    def _node_output(index: int, inst: gcp.compute.Instance) -> pulumi.Output[dict]:
-        def entry(args: list) -> dict:
-            name, zone, nics = args
-            nic0 = nics[0]
-            access = _field(nic0, "access_configs") or []
-            return {
-                "name": name,
-                "index": index,
-                "internalIp": _field(nic0, "network_ip"),
-                "externalIp": _field(access[0], "nat_ip") if access else None,
-                "zone": zone,
-            }
 
-        return pulumi.Output.all(inst.name, inst.zone, inst.network_interfaces).apply(entry)
+def _node_entry(index: int, name: str, zone: str):
+    """The `nodes` output entry of one node, from its resolved network interfaces."""
+
+    def entry(nics: list) -> dict:
+        nic0 = nics[0]
+        access = _field(nic0, "access_configs") or []
+        return {
+            "name": name,
+            "index": index,
+            "internalIp": _field(nic0, "network_ip"),
+            "externalIp": _field(access[0], "nat_ip") if access else None,
+            "zone": zone,
+        }
+
+    return entry

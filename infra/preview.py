@@ -19,6 +19,7 @@ from typing import Any
 
 import pulumi
 from pulumi.runtime import settings as _settings
+from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
@@ -32,6 +33,8 @@ class Declared:
     type: str
     name: str
     inputs: dict[str, Any]
+    depends_on: tuple[str, ...] = ()
+    """Names of the resources the engine was told this one waits for (explicit and via inputs)."""
 
 
 class RecordingMocks(pulumi.runtime.Mocks):
@@ -42,12 +45,14 @@ class RecordingMocks(pulumi.runtime.Mocks):
         self.declared: list[Declared] = []
         self._next_host: dict[str, int] = {}
         self._cidr: dict[str, str] = {}
+        self._pending_deps: tuple[str, ...] = ()
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
         inputs = dict(args.inputs)
-        self.declared.append(Declared(args.typ, args.name, inputs))
+        self.declared.append(Declared(args.typ, args.name, inputs, self._pending_deps))
         state = dict(inputs)
         name = inputs.get("name", args.name)
+        state["name"] = name  # the provider's auto-name, here just the logical name
         project = inputs.get("project", "project")
         if args.typ == "gcp:compute/network:Network":
             state["selfLink"] = f"projects/{project}/global/networks/{name}"
@@ -81,6 +86,18 @@ class RecordingMocks(pulumi.runtime.Mocks):
         return {}, None
 
 
+class _RecordingMonitor(MockMonitor):
+    """The mock monitor, also handing each registration's dependencies to the mocks."""
+
+    def __init__(self, mocks: RecordingMocks) -> None:
+        super().__init__(mocks)
+        self._recording = mocks
+
+    def RegisterResource(self, request: Any) -> Any:
+        self._recording._pending_deps = tuple(sorted(u.rsplit("::", 1)[-1] for u in request.dependencies))
+        return super().RegisterResource(request)
+
+
 @dataclass
 class Preview:
     declared: list[Declared]
@@ -105,18 +122,22 @@ def run_under_mocks(
     your own `mocks` to see what was declared before one)."""
     mocks = mocks if mocks is not None else RecordingMocks()
     _settings.ROOT.set(None)  # a fresh root stack per run
-    pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=True)
+    pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=True, monitor=_RecordingMonitor(mocks))
     _settings.SETTINGS.rpc_manager.clear()
     _settings.SETTINGS.outputs.clear()
     outputs: dict[str, Any] = {}
+    exported: dict[str, Any] = {}
 
     def body() -> pulumi.Output:
         program()
-        root = _settings.get_root_resource()
-        exported = dict(getattr(root, "outputs", {}))
+        exported.update(getattr(_settings.get_root_resource(), "outputs", {}))
         return pulumi.Output.from_input(exported).apply(outputs.update)
 
     _sync_await(run_pulumi_func(lambda: _sync_await(pulumi.Output.from_input(body()).future())))
+    if set(outputs) != set(exported):
+        # In preview an output that depends on an unknown value never resolves; say so rather
+        # than return a partial result.
+        raise RuntimeError(f"stack outputs unknown in preview: {', '.join(sorted(set(exported) - set(outputs)))}")
     return mocks, outputs
 
 

@@ -137,6 +137,23 @@ def test_outputs_list_nodes_in_rank_order(fleet, machine, nodes):
 
 
 @pytest.mark.parametrize("machine", FAMILIES)
+def test_every_instance_waits_for_its_subnets_nat_identity_and_policy(fleet, machine):
+    # NICs, the policy and the service account are named by path, so the ordering is explicit.
+    p = run(fleet, machine, 2)
+    subnets = {s.name for s in p.of_type("Subnetwork")}
+    (nat,) = p.of_type("RouterNat")
+    (account,) = p.of_type("Account")
+    needed = subnets | {nat.name, account.name, "dev-placement"} | {g.name for g in p.of_type("IAMMember")}
+    for inst in p.of_type("Instance"):
+        assert needed <= set(inst.depends_on), needed - set(inst.depends_on)
+        nic_subnets = {nic["subnetwork"].rsplit("/", 1)[1] for nic in inst.inputs["networkInterfaces"]}
+        assert nic_subnets <= subnets
+    for sub in p.of_type("Subnetwork"):
+        net = sub.inputs["network"].rsplit("/", 1)[1]
+        assert net in sub.depends_on
+
+
+@pytest.mark.parametrize("machine", FAMILIES)
 def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
     p = run(fleet, machine, 2)
     t = lookup(machine)
@@ -144,11 +161,13 @@ def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
         params = inst.inputs["bootDisk"]["initializeParams"]
         assert params["image"] == t.default_image
         assert params["type"] == ("hyperdisk-balanced" if t.family in ("a3-ultra", "a4") else "pd-ssd")
-        assert inst.inputs.get("scratchDisks", []) == [{"interface": "NVME", "size": 375}] * t.local_ssd_count
+        # Bundled local SSDs are attached by GCE itself (SKY SSD_AUTO_ATTACH_MACHINE_TYPES).
+        assert "scratchDisks" not in inst.inputs
         assert inst.inputs["machineType"] == machine and inst.inputs["zone"] == "us-central1-a"
         assert "guestAccelerators" not in inst.inputs
         script = inst.inputs["metadata"]["startup-script"]
         assert f"readonly MACHINE_TYPE={machine}" in script
+        assert f"readonly LOCAL_SSD_COUNT={t.local_ssd_count}" in script
 
 
 @pytest.mark.parametrize("machine", ["a3-ultragpu-8g", "a4-highgpu-8g"])

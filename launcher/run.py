@@ -345,13 +345,15 @@ def launch(
     config: LaunchConfig,
     on_event: Event | None = None,
     handle_signals: bool = True,
+    stop: threading.Event | None = None,
 ) -> LaunchResult:
     """Pre-flight every node, start the workload on all of them, stream, stop on the first
     failure, and report. Raises UserError (nothing started) or Interrupted (nothing started)."""
     emit = on_event or (lambda kind, rank, text: None)
     transport = make_transport(cluster, config)
     scripts = node_commands(cluster, config, transport)
-    stop = threading.Event()
+    # A caller running several launches at once (the bad-node finder) shares one stop event.
+    stop = stop or threading.Event()
     received: list[int] = []
 
     def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -368,6 +370,8 @@ def launch(
                            lock_port=config.rdzv_port if torchrun else None, stop=stop, on_event=emit)
         if received:
             raise Interrupted(received[0])
+        if stop.is_set():
+            raise Interrupted(signal.SIGINT)
         for w in check_probes(cluster, probes, config):
             log.warning(w)
         return _run(cluster, config, transport, scripts, stop, received, emit)
@@ -394,9 +398,9 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
             runs[r].request_stop()
 
     while running:
-        if stop.is_set() and result.signal is None and received:
-            result.signal = received[0]
-            log.warning("received %s: stopping every node", signal.Signals(received[0]).name)
+        if stop.is_set() and result.signal is None:
+            result.signal = received[0] if received else signal.SIGINT
+            log.warning("received %s: stopping every node", signal.Signals(result.signal).name)
             stop_all()
         try:
             kind, rank, text = events.get(timeout=0.2)
@@ -419,8 +423,6 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
             what = outcome.status if not outcome.connection_lost else f"unreachable: {outcome.error}"
             log.error("%s failed (%s); stopping the other nodes", outcome.node.label, what)
             stop_all()
-        elif outcome.ok and result.first_failure is None and not stop.is_set():
-            pass
     _write_summary(result, cluster)
     return result
 

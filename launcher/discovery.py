@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from gpufleet.catalog import MACHINE_TYPES
+
 from launcher.model import Cluster, Node, UserError
 
 __all__ = [
@@ -209,7 +211,8 @@ def discover_by_label(
         host = external if (prefer_external and external) else internal
         nodes.append(Node(rank=rank, host=host, address=internal, name=inst.name))
         types.add(inst.machine_type.rsplit("/", 1)[-1])
-    if machine_type is None and len(types) == 1:
+    if machine_type is None and len(types) == 1 and next(iter(types)) in MACHINE_TYPES:
+        # A type outside the catalog (a CPU test VM) gets the plain-socket profile.
         machine_type = types.pop()
     name = "-".join(f"{k}-{v}" for k, v in sorted(labels.items()))
     return Cluster(name=name, nodes=tuple(nodes), machine_type=machine_type, zone=zone, project=project)

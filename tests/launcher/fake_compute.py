@@ -1,0 +1,148 @@
+"""A local stand-in for the Compute Engine API's `instances.list`, for label discovery tests.
+
+It serves GET /compute/v1/projects/{project}/zones/{zone}/instances (the REST path
+google-cloud-compute's `InstancesClient.list` calls with transport="rest") and, like the real
+API, APPLIES the `filter` it is given: expressions `FIELD = "VALUE"` / `FIELD != "VALUE"` (also
+unquoted values and `:`/`eq` forms are refused with 400 as unsupported here), optionally in
+parentheses, ANDed when listed side by side or joined by AND
+(https://cloud.google.com/compute/docs/reference/rest/v1/instances/list, `filter`). FIELD is
+`name`, `status`, `machineType` or `labels.KEY`. Paging: `maxResults` and `pageToken`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+__all__ = ["FakeInstance", "FakeCompute", "FilterError", "parse_filter", "matches"]
+
+_EXPR = re.compile(r'\(?\s*([A-Za-z][A-Za-z0-9_.\-]*)\s*(=|!=)\s*"([^"]*)"\s*\)?')
+_PATH = re.compile(r"^/compute/v1/projects/([^/]+)/zones/([^/]+)/instances$")
+
+
+class FilterError(ValueError):
+    pass
+
+
+@dataclass
+class FakeInstance:
+    name: str
+    internal_ip: str
+    labels: dict[str, str] = field(default_factory=dict)
+    status: str = "RUNNING"
+    machine_type: str = "n2-standard-2"
+    external_ip: str | None = None
+
+    def resource(self, project: str, zone: str) -> dict:
+        nic: dict = {"networkIP": self.internal_ip, "name": "nic0"}
+        if self.external_ip:
+            nic["accessConfigs"] = [{"natIP": self.external_ip, "type": "ONE_TO_ONE_NAT"}]
+        return {
+            "kind": "compute#instance",
+            "name": self.name,
+            "status": self.status,
+            "labels": self.labels,
+            "zone": f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}",
+            "machineType": f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}/machineTypes/{self.machine_type}",
+            "networkInterfaces": [nic],
+        }
+
+
+def parse_filter(text: str) -> list[tuple[str, str, str]]:
+    """[(field, op, value)] of an AND of simple comparisons; FilterError for anything else."""
+    rest = text.strip()
+    out = []
+    while rest:
+        if rest.upper().startswith("AND "):
+            rest = rest[4:].lstrip()
+            continue
+        m = _EXPR.match(rest)
+        if not m:
+            raise FilterError(f"Invalid value for field 'filter': '{text}'. Invalid list filter expression.")
+        out.append((m.group(1), m.group(2), m.group(3)))
+        rest = rest[m.end():].lstrip()
+    return out
+
+
+def _field(resource: dict, name: str) -> str | None:
+    if name.startswith("labels."):
+        return resource.get("labels", {}).get(name[len("labels."):])
+    if name == "machineType":
+        return resource["machineType"].rsplit("/", 1)[-1]
+    value = resource.get(name)
+    return value if isinstance(value, str) else None
+
+
+def matches(resource: dict, terms: list[tuple[str, str, str]]) -> bool:
+    for name, op, value in terms:
+        got = _field(resource, name)
+        if (got == value) != (op == "="):
+            return False
+    return True
+
+
+class FakeCompute:
+    """A threaded HTTP server; use as a context manager. `endpoint` is for client_options."""
+
+    def __init__(self, instances: dict[tuple[str, str], list[FakeInstance]]):
+        self.instances = instances  # by (project, zone)
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output clean
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                url = urlparse(self.path)
+                m = _PATH.match(url.path)
+                if not m:
+                    self._send(404, {"error": {"code": 404, "message": f"no route {url.path}"}})
+                    return
+                project, zone = m.groups()
+                q = {k: v[0] for k, v in parse_qs(url.query).items()}
+                fake.requests.append({"project": project, "zone": zone, **q})
+                if (project, zone) not in fake.instances:
+                    self._send(404, {"error": {"code": 404, "message":
+                                     f"The resource 'projects/{project}/zones/{zone}' was not found"}})
+                    return
+                try:
+                    terms = parse_filter(q.get("filter", ""))
+                except FilterError as e:
+                    self._send(400, {"error": {"code": 400, "message": str(e)}})
+                    return
+                items = [i.resource(project, zone) for i in fake.instances[(project, zone)]]
+                items = [r for r in items if matches(r, terms)]
+                start = int(q.get("pageToken") or 0)
+                size = int(q.get("maxResults") or 500)
+                body: dict = {"kind": "compute#instanceList", "items": items[start:start + size]}
+                if start + size < len(items):
+                    body["nextPageToken"] = str(start + size)
+                self._send(200, body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> "FakeCompute":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,303 @@
+"""Pure parts of the launcher: node sources, profiles and overrides, command building, quoting.
+
+No network. Where quoting matters the built program is run for real with local bash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from gpufleet.catalog import lookup
+from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
+from launcher.cli import main
+from launcher.command import EXIT_MARKER, join_timeout_s, remote_command, remote_script, torchrun_argv
+from launcher.discovery import cluster_from_outputs, local_cluster, parse_hostfile
+from launcher.env import node_env, parse_env_pairs
+from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload
+from launcher.run import new_job_id
+
+HOSTILE = '"; rm -rf ~'
+
+
+def _run_wrapper(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a node-side program here, holding its stdin open as the launcher does (EOF = stop)."""
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    out, err = p.stdout.read(), p.stderr.read()
+    rc = p.wait(timeout=30)
+    p.stdin.close()
+    return subprocess.CompletedProcess(argv, rc, out, err)
+
+
+def _cfg(**kw) -> LaunchConfig:
+    kw.setdefault("workload", Workload("torchrun", ("train.py",)))
+    kw.setdefault("job_id", "job1")
+    return LaunchConfig(**kw)
+
+
+def _cluster(n=3, machine_type=None) -> Cluster:
+    return Cluster("c", tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(n)), machine_type)
+
+
+# ---- hostfile / outputs -----------------------------------------------------------------------
+
+
+def test_hostfile_reads_slots_comments_and_blank_lines_in_rank_order():
+    c = parse_hostfile("# cluster\nnode-a slots=8\n\n  10.0.0.3   # second\nroot@node-c\n")
+    assert [(n.rank, n.host, n.slots) for n in c.nodes] == [(0, "node-a", 8), (1, "10.0.0.3", None), (2, "root@node-c", None)]
+    assert c.nodes[2].address == "node-c"
+
+
+@pytest.mark.parametrize("text, culprit", [
+    ("", "lists no hosts"),
+    ("# only a comment\n\n", "lists no hosts"),
+    ("a\nb\na\n", "'a' is listed more than once"),
+    ("node;reboot\n", "line 1"),
+    ("good\nnode$(id) slots=2\n", "line 2"),
+    ("a slots=0\n", "'slots=0'"),
+    ("a gpus=8\n", "'gpus=8'"),
+])
+def test_bad_hostfiles_name_the_line_or_host(text, culprit):
+    with pytest.raises(UserError, match=None) as e:
+        parse_hostfile(text)
+    assert culprit in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_outputs_rank_nodes_by_index_and_keep_internal_ip_for_rendezvous():
+    out = {"cluster": "demo", "zone": "us-central1-a", "machineType": "a3-megagpu-8g", "nodes": [
+        {"name": "n1", "index": 1, "internalIp": "10.0.0.3", "externalIp": "34.1.1.1"},
+        {"name": "n0", "index": 0, "internalIp": "10.0.0.2", "externalIp": None},
+    ]}
+    c = cluster_from_outputs(out)
+    assert [n.name for n in c.nodes] == ["n0", "n1"] and c.machine_type == "a3-megagpu-8g"
+    ext = cluster_from_outputs(out, prefer_external=True)
+    assert [n.host for n in ext.nodes] == ["10.0.0.2", "34.1.1.1"]
+    assert [n.address for n in ext.nodes] == ["10.0.0.2", "10.0.0.3"]
+
+
+@pytest.mark.parametrize("doc, culprit", [
+    ({"cluster": "x"}, "'nodes' is missing"),
+    ({"nodes": []}, "'nodes' is empty"),
+    ({"nodes": "10.0.0.1"}, "not a list"),
+    ({"nodes": [{"index": 0}]}, "nodes[0] has no internalIp"),
+    ({"nodes": [{"index": "0", "internalIp": "1.2.3.4"}]}, "not an integer"),
+    ({"nodes": [{"index": 0, "internalIp": "1.2.3.4"}, {"index": 0, "internalIp": "1.2.3.5"}]}, "repeat"),
+    ([1, 2], "top level is list"),
+])
+def test_bad_outputs_are_one_clear_error(doc, culprit):
+    with pytest.raises(UserError) as e:
+        cluster_from_outputs(doc)
+    assert culprit in str(e.value)
+
+
+def test_select_takes_first_n_after_exclude_and_renumbers():
+    c = _cluster(4).select(2, exclude=("10.0.0.2",))
+    assert [(n.rank, n.host) for n in c.nodes] == [(0, "10.0.0.3"), (1, "10.0.0.4")]
+
+
+def test_asking_for_more_nodes_than_exist_says_how_many_were_found():
+    with pytest.raises(UserError, match="asks for more nodes than exist: 3 found"):
+        _cluster(3).select(5)
+    with pytest.raises(UserError, match="at least 1"):
+        _cluster(3).select(0)
+    with pytest.raises(UserError, match="not among the 3 nodes"):
+        _cluster(3).select(None, exclude=("10.9.9.9",))
+
+
+# ---- profiles and env -----------------------------------------------------------------------
+
+
+def test_each_machine_family_gets_its_stack_profile():
+    mega = render(lookup("a3-megagpu-8g"))
+    assert mega["NCCL_FASTRAK_IFNAME"] == "enp6s0,enp7s0,enp13s0,enp14s0,enp134s0,enp135s0,enp141s0,enp142s0"
+    assert mega["NCCL_SOCKET_IFNAME"] == mega["GLOO_SOCKET_IFNAME"] == "enp0s12"
+    assert mega["NCCL_NVLSTREE_MAX_CHUNKSIZE"] == "131072" and "NCCL_ALGO" not in mega
+    high_cos = render(lookup("a3-highgpu-8g"))  # COS is the A3 High default image
+    assert high_cos["NCCL_NET"] == "GPUDirectTCPX_v7"
+    assert high_cos["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"] == "eth1,eth2,eth3,eth4"
+    assert high_cos["NCCL_GPUDIRECTTCPX_TX_BINDINGS"].startswith("eth1:8-21,112-125;eth2:")
+    high_ubuntu = render(lookup("a3-highgpu-8g"), "ubuntu")
+    assert high_ubuntu["NCCL_GPUDIRECTTCPX_CTRL_DEV"] == "enp0s12"
+    assert high_ubuntu["NCCL_GPUDIRECTTCPX_RX_BINDINGS"].startswith("enp6s0:22-35,126-139;")
+    ultra = render(lookup("a3-ultragpu-8g"))
+    assert ultra["NCCL_NET"] == "gIB" and ultra["NCCL_SOCKET_IFNAME"] == "enp0s19,enp192s20"
+    assert ultra["NCCL_TUNER_CONFIG_PATH"].endswith("tuner_config_a3u.txtpb")
+    assert render(lookup("a4-highgpu-8g"))["NCCL_TUNER_CONFIG_PATH"].endswith("/tuner_config.txtpb")
+    a2 = render(lookup("a2-highgpu-8g"))
+    assert a2["LD_LIBRARY_PATH"] == "/usr/lib" and a2["NCCL_SOCKET_IFNAME"] == HOST_IFACE_ON_NODE
+    assert render(None) == {"NCCL_SOCKET_IFNAME": HOST_IFACE_ON_NODE, "GLOO_SOCKET_IFNAME": HOST_IFACE_ON_NODE}
+
+
+def test_env_override_replaces_profile_value_and_is_logged(caplog):
+    cfg = _cfg(env=parse_env_pairs(["NCCL_BUFFSIZE=1048576", "MY_FLAG=a=b"]))
+    with caplog.at_level(logging.WARNING, logger="launcher.env"):
+        env = node_env(_cluster(2, "a3-megagpu-8g"), cfg)
+    assert env["NCCL_BUFFSIZE"] == "1048576" and env["MY_FLAG"] == "a=b"
+    assert "NCCL_BUFFSIZE=1048576 overrides the profile value NCCL_BUFFSIZE=8388608" in caplog.text
+    assert "MY_FLAG" not in caplog.text  # a new variable overrides nothing
+
+
+def test_bad_env_pair_and_unknown_machine_type_are_user_errors():
+    with pytest.raises(UserError, match="not KEY=VALUE"):
+        parse_env_pairs(["1BAD=x"])
+    with pytest.raises(UserError, match="'a3-mega' is unknown; one of: .*a3-megagpu-8g"):
+        node_env(_cluster(2, "a3-mega"), _cfg())
+
+
+# ---- command building -------------------------------------------------------------------------
+
+
+def test_torchrun_argv_has_rendezvous_on_node_zero_and_node_rank():
+    c = _cluster(3)
+    argv = torchrun_argv(c, c.nodes[2], _cfg(max_restarts=2, rdzv_port=29511), 8, ["-m", "workloads.train"])
+    assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
+    for flag in ("--nnodes=3", "--nproc-per-node=8", "--node-rank=2", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=10.0.0.2:29511", "--rdzv-id=job1", "--max-restarts=2",
+                 "--local-addr=10.0.0.4"):
+        assert flag in argv
+    assert f"--rdzv-conf=join_timeout={join_timeout_s(3)},is_host=0" in argv
+    assert argv[-2:] == ["-m", "workloads.train"]
+    head = torchrun_argv(c, c.nodes[0], _cfg(), 1, ["x.py"])
+    assert any(a.endswith("is_host=1") for a in head)
+
+
+def test_join_timeout_grows_with_node_count():
+    assert join_timeout_s(2) == 600
+    assert join_timeout_s(256) > join_timeout_s(128) > join_timeout_s(64)
+
+
+def test_every_launch_gets_a_new_rendezvous_id():
+    assert len({new_job_id() for _ in range(50)}) == 50
+
+
+def test_hostile_argument_arrives_as_one_literal_argument(tmp_path):
+    """Run the built program with local bash (as the remote login shell would) and look at argv."""
+    c = _cluster(1)
+    cfg = _cfg(job_id=f"unit-{tmp_path.name}")
+    argv = [sys.executable, "-c", "import sys; print(repr(sys.argv[1:]))", HOSTILE, "$(id)", "a b"]
+    script = remote_script(c, c.nodes[0], cfg, {"X": "it's; $HOME"}, argv)
+    # What ssh hands the remote login shell: one string, parsed by a POSIX shell.
+    out = _run_wrapper(["sh", "-c", remote_command(script)])
+    assert out.returncode == 0, out.stderr
+    assert repr([HOSTILE, "$(id)", "a b"]) in out.stdout
+    assert f"{EXIT_MARKER} 0" in out.stdout
+
+
+def test_wrapper_exports_env_and_resolves_host_nic_from_the_address(tmp_path):
+    c = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),))
+    env = {"NCCL_SOCKET_IFNAME": HOST_IFACE_ON_NODE, "GLOO_SOCKET_IFNAME": HOST_IFACE_ON_NODE,
+           "LD_LIBRARY_PATH": "/opt/x", "Q": "it's; $HOME"}
+    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), env,
+                           ["sh", "-c", 'echo "$GLOO_SOCKET_IFNAME|$NCCL_SOCKET_IFNAME|$LD_LIBRARY_PATH|$Q"'])
+    out = _run_wrapper(["bash", "-c", script], env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/keep"})
+    assert "lo|lo|/opt/x:/keep|it's; $HOME" in out.stdout
+
+
+def test_wrapper_reports_the_exit_status_of_the_command(tmp_path):
+    c = _cluster(1)
+    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["sh", "-c", "exit 7"])
+    out = _run_wrapper(["bash", "-c", script])
+    assert out.returncode == 7 and f"{EXIT_MARKER} 7" in out.stdout
+
+
+def test_closing_stdin_stops_the_whole_tree_including_escaped_sessions(tmp_path):
+    """EOF on stdin (launcher gone or stopping) kills the command and a child in its own session."""
+    c = _cluster(1)
+    pidfile = tmp_path / "child.pid"
+    prog = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('up', flush=True); time.sleep(300)")
+    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}", stop_grace_s=1.0), {},
+                           [sys.executable, "-c", prog])
+    p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    child = int(pidfile.read_text())
+    p.stdin.close()
+    assert p.wait(timeout=20) != 0
+    assert EXIT_MARKER in p.stdout.read()
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
+
+
+def test_result_exit_code_is_the_first_failure_and_signals_win():
+    nodes = [Node(i, f"h{i}", f"h{i}") for i in range(2)]
+    r = LaunchResult("j", None, {0: NodeOutcome(nodes[0], exit_code=143, stopped=True),
+                                 1: NodeOutcome(nodes[1], exit_code=3)}, first_failure=1)
+    assert r.exit_code == 3 and list(r.failures) == [nodes[1]]
+    r.outcomes[1] = NodeOutcome(nodes[1], exit_code=255, connection_lost=True)
+    assert r.exit_code == 255 and r.outcomes[1].status.startswith("unreachable")
+    r.signal = 2
+    assert r.exit_code == 130
+
+
+# ---- the CLI edge -------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_host_tab_command_per_node_and_connects_to_nothing(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n192.0.2.11 slots=2\n")  # TEST-NET-1: nothing answers there
+    r = CliRunner().invoke(main, ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs"),
+                                  "--", "train.py", HOSTILE])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert [l.split("\t")[0] for l in lines] == ["192.0.2.10", "192.0.2.11"]
+    assert all(l.split("\t")[1].startswith("exec bash -c ") for l in lines)
+    assert "--nproc-per-node=2" in lines[1] and "--nproc-per-node=1" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_local_dry_run_uses_this_python_and_loopback():
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--dry-run", "--", "--steps", "3"])
+    assert r.exit_code == 0, r.output
+    assert sys.executable in r.output and "GLOO_SOCKET_IFNAME=lo" in r.output
+    assert "-m workloads.train --steps 3" in r.output
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["exec", "--local", "--nodes", "0", "--", "true"], "--nodes 0"),
+    (["exec", "--hostfile", "{empty}", "--", "true"], "lists no hosts"),
+    (["exec", "--hostfile", "{spaces}", "--", "true"], "'one' is not understood"),
+    (["exec", "--hostfile", "{meta}", "--", "true"], "not a valid host"),
+    (["exec", "--outputs", "{nonodes}", "--", "true"], "'nodes' is missing"),
+    (["exec", "--outputs", "{notjson}", "--", "true"], "is not JSON"),
+    (["exec", "--hostfile", "{hosts}", "--local", "--nodes", "1", "--", "true"], "exactly one node source"),
+    (["exec", "--", "true"], "exactly one node source"),
+    (["exec", "--hostfile", "{hosts}", "--nodes", "9", "--", "true"], "2 found"),
+    (["run", "--hostfile", "{hosts}", "--env", "=x", "--", "a.py"], "--env"),
+    (["run", "--hostfile", "{hosts}", "--rdzv-port", "80", "--", "a.py"], "--rdzv-port 80"),
+    (["run", "--hostfile", "{hosts}", "--machine-type", "a3-mega", "--", "a.py"], "a3-mega"),
+    (["run", "--hostfile", "{hosts}"], "nothing to run"),
+    (["exec", "--hostfile", "{hosts}", "--ssh-option", "BatchMode", "--", "true"], "--ssh-option"),
+    (["exec", "--label", "team=a", "--", "true"], "--project and --zone"),
+])
+def test_user_errors_are_one_line_exit_2_and_run_nothing(tmp_path, args, culprit):
+    files = {
+        "empty": "", "spaces": "node one\n", "nonodes": json.dumps({"cluster": "x"}),
+        "notjson": "{", "hosts": "192.0.2.10\n192.0.2.11\n", "meta": "a;b\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    args = [a.format(**{k: str(tmp_path / k) for k in files}) for a in args]
+    runs = tmp_path / "runs"
+    r = CliRunner().invoke(main, args + ["--runs-dir", str(runs)] if "--" not in args else
+                           args[:args.index("--")] + ["--runs-dir", str(runs)] + args[args.index("--"):])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert culprit in r.output
+    assert len([l for l in r.output.splitlines() if l.strip()]) == 1, r.output
+    assert not runs.exists()
+
+
+def test_local_cluster_has_loopback_nodes():
+    c = local_cluster(3)
+    assert [n.address for n in c.nodes] == ["127.0.0.1"] * 3 and c.local

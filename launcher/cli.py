@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import shlex
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,7 @@ _SOURCE_OPTIONS = [
 _TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),
     click.option("--max-restarts", type=int, default=0, show_default=True),
-    click.option("--rdzv-port", type=int, default=29500, show_default=True),
+    click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
     click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable."),
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
@@ -186,7 +186,9 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         workload=workload,
         nproc_per_node=o.get("nproc_per_node"),
         max_restarts=o.get("max_restarts", 0),
-        rdzv_port=o.get("rdzv_port", 29500),
+        # --local without --rdzv-port takes a free port, so two local runs (or anything else
+        # on 29500 here) never collide; on a cluster, torchrun's documented default.
+        rdzv_port=o.get("rdzv_port") or (_free_port() if cluster.local else 29500),
         workdir=o.get("workdir"),
         env=parse_env_pairs(o.get("env", ())),
         nccl_debug=o.get("nccl_debug", False),
@@ -198,6 +200,12 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         dry_run=o.get("dry_run", False),
         ssh=ssh,
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---- running and rendering ------------------------------------------------------------------
@@ -347,6 +355,3 @@ def _register_nccl() -> None:
 
 
 _register_nccl()
-
-if __name__ == "__main__":
-    main()

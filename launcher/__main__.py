@@ -1,0 +1,5 @@
+"""`python -m launcher` is the `launch` console script."""
+
+from launcher.cli import main
+
+main()

@@ -148,6 +148,29 @@ def _probe_one(transport: Transport, node: Node, script: str, timeout: float) ->
     return Probe(node, True, facts=facts, skew_s=skew)
 
 
+def _connect_one(transport: Transport, node: Node, timeout: float) -> Probe:
+    """Make sure a kept-open connection to `node` exists, opening no session (cheapest check).
+
+    `-O check` asks the local master, if any; otherwise `-f -N` authenticates, leaves the master
+    in the background (ControlPersist) and returns: ssh's exit status says reachable or not.
+    """
+    base = transport.ssh_base
+    check = subprocess.run([*base, "-O", "check", node.host], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=timeout)
+    if check.returncode == 0:
+        return Probe(node, True)
+    try:
+        proc = subprocess.run([*base, "-o", "ControlMaster=yes", "-f", "-N", node.host],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=timeout,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return Probe(node, False, f"no answer within {timeout:.0f} s")
+    if proc.returncode != 0:
+        return Probe(node, False, (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+    return Probe(node, True)
+
+
 def preflight(
     cluster: Cluster,
     config: LaunchConfig,
@@ -156,15 +179,23 @@ def preflight(
     lock_port: int | None,
     stop: threading.Event | None = None,
     on_event: Event | None = None,
+    connect_only: bool = False,
 ) -> dict[int, Probe]:
-    """Probe every node, at most `ssh.concurrency` connections at a time (sshd's MaxStartups)."""
+    """Probe every node, at most `ssh.concurrency` connections at a time (sshd's MaxStartups).
+
+    `connect_only` (a plain `exec`): only make sure each node answers over SSH and keep the
+    connection open for the run; torchrun workloads also compare torch versions, clocks and
+    hostnames and check node 0's rendezvous port, which needs a session on each node."""
     timeout = config.ssh.connect_timeout + 20.0
     results: dict[int, Probe] = {}
     with ThreadPoolExecutor(max_workers=max(1, config.ssh.concurrency)) as pool:
         futures = {}
         for node in cluster.nodes:
             script = probe_script(node, config, check_torch, lock_port if node.rank == 0 else None)
-            futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout)
+            if connect_only and not transport.local:
+                futures[node.rank] = pool.submit(_connect_one, transport, node, timeout)
+            else:
+                futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout)
         for rank, fut in futures.items():
             while True:
                 if stop is not None and stop.is_set():
@@ -367,7 +398,8 @@ def launch(
     try:
         torchrun = config.workload.kind == "torchrun"
         probes = preflight(cluster, config, transport, check_torch=torchrun and config.check_versions,
-                           lock_port=config.rdzv_port if torchrun else None, stop=stop, on_event=emit)
+                           lock_port=config.rdzv_port if torchrun else None, stop=stop, on_event=emit,
+                           connect_only=not torchrun)
         if received:
             raise Interrupted(received[0])
         if stop.is_set():

@@ -1,0 +1,89 @@
+"""Fan-out speed: `launch exec --nodes N -- true` against `pdsh -w ... true`, same simulated nodes.
+
+    .venv/bin/python -m bench.bench_launcher [--nodes 16,64] [--repeats 3]
+
+pdsh is what DeepSpeed's multi-node launcher uses (`pdsh -S -f 1024 -w HOSTS`, DeepSpeed
+launcher/multinode_runner.py PDSHRunner); it is run here with DeepSpeed's flags and the same ssh
+options (PDSH_SSH_ARGS_APPEND). Three numbers per size, each the median of `--repeats` runs:
+- pdsh: one fresh SSH connection per node, every call;
+- launch cold: no open connection (a fresh ControlPath directory each run), so the launcher pays
+  the handshakes plus its pre-flight check;
+- launch repeat: a second call with the connections kept open by the first (ControlPersist).
+Targets (issue 4): cold <= pdsh at 16 and 64 nodes; repeat <= 0.5 x pdsh at 64 nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.simcluster import SimCluster
+
+LAUNCH = [sys.executable, "-m", "launcher"]
+
+
+def _ssh_flags(c: SimCluster) -> tuple[list[str], list[str]]:
+    """(launch flags, the same options as one ssh argument string list for pdsh)."""
+    flags, opts = [], list(c.ssh_options)
+    while opts:
+        flag, value = opts.pop(0), opts.pop(0)
+        flags += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
+    return flags, list(c.ssh_options)
+
+
+def _time(argv: list[str], env: dict | None = None) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:6])}... exited {r.returncode}: {r.stderr[-2000:]}")
+    return dt
+
+
+def bench(n: int, repeats: int, c: SimCluster) -> dict[str, float]:
+    hosts = c.addresses[:n]
+    hostfile = Path(c.dir) / f"hosts{n}"
+    hostfile.write_text("\n".join(hosts) + "\n")
+    flags, ssh_opts = _ssh_flags(c)
+    runs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-runs-"))
+    pdsh_env = dict(os.environ, PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=" ".join(ssh_opts))
+    pdsh = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "true"]
+    out: dict[str, list[float]] = {"pdsh": [], "cold": [], "repeat": []}
+    for _ in range(repeats):
+        out["pdsh"].append(_time(pdsh, pdsh_env))
+        ctl = Path(tempfile.mkdtemp(prefix="gfb-", dir="/tmp"))
+        argv = [*LAUNCH, "exec", "--hostfile", str(hostfile), *flags, "--ssh-option", f"ControlPath={ctl}/%C",
+                "--runs-dir", str(runs), "--", "true"]
+        out["cold"].append(_time(argv))
+        out["repeat"].append(_time(argv))
+        # Close this round's kept-open connections so the next cold run is cold.
+        for h in hosts:
+            subprocess.run(["ssh", *ssh_opts, "-o", f"ControlPath={ctl}/%C", "-O", "exit", h],
+                           capture_output=True, timeout=30)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="16,64")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    sizes = [int(x) for x in a.nodes.split(",")]
+    with SimCluster(max(sizes)) as c:
+        print(f"simulated cluster: {max(sizes)} sshd nodes ({c.mode}); median of {a.repeats} runs")
+        print(f"{'nodes':>5} {'pdsh s':>8} {'cold s':>8} {'repeat s':>9} {'cold/pdsh':>10} {'repeat/pdsh':>12}")
+        for n in sizes:
+            r = bench(n, a.repeats, c)
+            print(f"{n:>5} {r['pdsh']:>8.2f} {r['cold']:>8.2f} {r['repeat']:>9.2f} "
+                  f"{r['cold'] / r['pdsh']:>10.2f} {r['repeat'] / r['pdsh']:>12.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

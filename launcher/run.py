@@ -188,7 +188,8 @@ def preflight(
     hostnames and check node 0's rendezvous port, which needs a session on each node."""
     timeout = config.ssh.connect_timeout + 20.0
     results: dict[int, Probe] = {}
-    with ThreadPoolExecutor(max_workers=max(1, config.ssh.concurrency)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, config.ssh.concurrency))
+    try:
         futures = {}
         for node in cluster.nodes:
             script = probe_script(node, config, check_torch, lock_port if node.rank == 0 else None)
@@ -211,6 +212,10 @@ def preflight(
                     continue
             if stop is not None and stop.is_set():
                 break
+    finally:
+        # On Ctrl-C, return at once: probes still in flight only print facts and end by themselves.
+        interrupted = stop is not None and stop.is_set()
+        pool.shutdown(wait=not interrupted, cancel_futures=True)
     return results
 
 

@@ -301,3 +301,45 @@ def test_user_errors_are_one_line_exit_2_and_run_nothing(tmp_path, args, culprit
 def test_local_cluster_has_loopback_nodes():
     c = local_cluster(3)
     assert [n.address for n in c.nodes] == ["127.0.0.1"] * 3 and c.local
+
+
+# ---- pre-flight judgement ---------------------------------------------------------------------
+
+
+def _probes(facts: list[dict], skews=None):
+    from launcher.run import Probe
+    c = _cluster(len(facts))
+    return c, {n.rank: Probe(n, True, facts=f, skew_s=(skews or [0.0] * len(facts))[n.rank])
+               for n, f in zip(c.nodes, facts)}
+
+
+def test_preflight_refuses_different_torch_versions_naming_each_node():
+    from launcher.run import check_probes
+    c, probes = _probes([{"host": "a", "torch": "2.13.0"}, {"host": "b", "torch": "2.12.1"}])
+    with pytest.raises(UserError, match=r"torch versions differ .*node 1 \(10.0.0.3\): 2.12.1"):
+        check_probes(c, probes, _cfg())
+
+
+def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
+    from launcher.run import Probe, check_probes
+    c, probes = _probes([{"host": "a", "port": "busy:job0"}, {"host": "b"}, {"host": "c"}])
+    with pytest.raises(UserError, match="in use by another launch \\(job job0\\)"):
+        check_probes(c, probes, _cfg())
+    probes[1] = Probe(c.nodes[1], False, "Connection refused")
+    probes[2] = Probe(c.nodes[2], False, "Connection timed out")
+    with pytest.raises(UserError) as e:
+        check_probes(c, probes, _cfg())
+    assert "2 of 3 nodes cannot be reached" in str(e.value)
+    assert "node 1 (10.0.0.3): Connection refused; node 2 (10.0.0.4): Connection timed out" in str(e.value)
+
+
+def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
+    from launcher.run import check_probes
+    c = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2", name="gpu-0"), Node(1, "10.0.0.3", "10.0.0.3", name="gpu-1")))
+    from launcher.run import Probe
+    probes = {0: Probe(c.nodes[0], True, facts={"host": "gpu-0"}, skew_s=0.1),
+              1: Probe(c.nodes[1], True, facts={"host": "old-box"}, skew_s=-7.5)}
+    warnings = check_probes(c, probes, _cfg())
+    assert any("node 1 (10.0.0.3): clock differs from this machine by -7.5 s" in w for w in warnings)
+    assert any("hostname is 'old-box', expected 'gpu-1'" in w for w in warnings)
+    assert not any("node 0" in w for w in warnings)

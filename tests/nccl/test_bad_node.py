@@ -32,7 +32,7 @@ def _pair_sweep_cmds(cluster, a: int, b: int) -> list[list[str]]:
             # hosts the rendezvous, nor which address the workers should use: say both.
             "--rdzv-conf", f"is_host={1 if rank == 0 else 0}", "--local-addr", cluster.nodes[i].address,
             "--max-restarts", "0", "-m", "workloads.sweep",
-            "--ops", "all_reduce", "-b", "1M", "-e", "1M", "-n", "10", "-w", "2", "-c", "1",
+            "--ops", "all_reduce", "-b", "512K", "-e", "512K", "-n", "5", "-w", "1", "-c", "1",
         ])
     return cmds
 

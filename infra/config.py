@@ -178,9 +178,7 @@ def _int(key: str, raw: Any, lo: int, hi: int, example: int) -> int:
     value = raw
     if isinstance(raw, str) and re.fullmatch(r"[+-]?[0-9]+", raw.strip()):
         value = int(raw)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _fail(_key(key), raw, f"a whole number from {lo} to {hi} (e.g. {example})")
-    if not lo <= value <= hi:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise _fail(_key(key), raw, f"a whole number from {lo} to {hi} (e.g. {example})")
     return value
 

@@ -28,7 +28,7 @@ class GpuNetworksArgs:
 class GpuNetworks(pulumi.ComponentResource):
     """Every VPC, subnet, firewall rule (and the NAT) of one fleet.
 
-    `nic_targets` lists, in NIC order, the (network, subnetwork, NIC type) each instance's
+    `nic_targets` lists, in NIC order, the (subnetwork, NIC type) each instance's
     interfaces use, as self-link paths (depend on `attach_after` to be created after them); `summary` is the `networks` stack output.
     """
 
@@ -142,9 +142,10 @@ class GpuNetworks(pulumi.ComponentResource):
         # component declares, rather than by the resources' Output self links: 128 nodes x 9 NICs
         # of Output references cost Pulumi ~2x the declaration time (bench/bench_infra.py). The
         # ordering those references carried is kept by instances depending on `attach_after`.
-        self.nic_targets: list[tuple[str, str, str]] = [
+        # The subnetwork alone names a NIC's network too ("Either network or subnetwork must be
+        # provided", pulumi-gcp InstanceNetworkInterfaceArgs).
+        self.nic_targets: list[tuple[str, str]] = [
             (
-                f"projects/{args.project}/global/networks/{plans_by_key[n.network].name}",
                 f"projects/{args.project}/regions/{args.region}/subnetworks/{plans_by_key[n.network].subnets[n.subnet].name}",
                 n.nic_type,
             )

@@ -67,17 +67,11 @@ def _reservation_affinity(spec: FleetSpec) -> gcp.compute.InstanceReservationAff
     return None
 
 
-def _field(obj: object, name: str) -> object:
-    # Nested values of an Output arrive as typed output objects or as plain dicts with snake_case
-    # keys depending on how they were resolved; read either.
-    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
-
 @dataclass(frozen=True)
 class NodePoolArgs:
     spec: FleetSpec
-    nic_targets: Sequence[tuple[pulumi.Input[str], pulumi.Input[str], str]]
-    """(network, subnetwork, NIC type) per interface, in NIC order (GpuNetworks.nic_targets)."""
+    nic_targets: Sequence[tuple[pulumi.Input[str], str]]
+    """(subnetwork, NIC type) per interface, in NIC order (GpuNetworks.nic_targets)."""
     service_account_email: pulumi.Input[str]
     startup_script: str
     placement_policy: pulumi.Input[str] | None = None
@@ -87,7 +81,7 @@ class NodePoolArgs:
 
 
 class NodePool(pulumi.ComponentResource):
-    """`instances` in rank order; `nodes` is the `nodes` stack output."""
+    """`instances` in rank order; `nodes` is the `nodes` stack output (entries hold Outputs)."""
 
     def __init__(self, name: str, args: NodePoolArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gpufleet:infra:NodePool", name, None, opts)
@@ -111,14 +105,13 @@ class NodePool(pulumi.ComponentResource):
 
         def interfaces() -> list[gcp.compute.InstanceNetworkInterfaceArgs]:
             out = []
-            for k, (network, subnet, nic_type) in enumerate(args.nic_targets):
+            for k, (subnet, nic_type) in enumerate(args.nic_targets):
                 external = k == 0 and spec.external_ip
                 out.append(
+                    # stack_type stays at its default, IPV4_ONLY (CTK multivpc's default too).
                     gcp.compute.InstanceNetworkInterfaceArgs(
-                        network=network,
                         subnetwork=subnet,
                         nic_type=nic_type,
-                        stack_type="IPV4_ONLY",
                         access_configs=(
                             [gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(network_tier="PREMIUM")]
                             if external else None
@@ -156,30 +149,17 @@ class NodePool(pulumi.ComponentResource):
                     opts=child,
                 )
             )
-        # One apply per instance on its NICs alone: name and zone are this program's own inputs.
-        # (An Output.all over name, zone and NICs per node doubled the time to declare 128 nodes;
-        # bench/bench_infra.py.)
-        self.nodes: pulumi.Output[list[dict]] = pulumi.Output.all(
-            *[
-                inst.network_interfaces.apply(_node_entry(i, f"{spec.cluster}-{i}", spec.zone))
-                for i, inst in enumerate(self.instances)
-            ]
-        )
+        # Each entry reads the first NIC's addresses through lifted attribute access, no apply:
+        # name and zone are this program's own inputs. (An Output.all over name, zone and NICs
+        # per node doubled the time to declare 128 nodes; bench/bench_infra.py.)
+        self.nodes: list[dict] = [
+            {
+                "name": f"{spec.cluster}-{i}",
+                "index": i,
+                "internalIp": inst.network_interfaces[0].network_ip,
+                "externalIp": inst.network_interfaces[0].access_configs[0].nat_ip if spec.external_ip else None,
+                "zone": spec.zone,
+            }
+            for i, inst in enumerate(self.instances)
+        ]
         self.register_outputs({"nodes": self.nodes})
-
-
-def _node_entry(index: int, name: str, zone: str):
-    """The `nodes` output entry of one node, from its resolved network interfaces."""
-
-    def entry(nics: list) -> dict:
-        nic0 = nics[0]
-        access = _field(nic0, "access_configs") or []
-        return {
-            "name": name,
-            "index": index,
-            "internalIp": _field(nic0, "network_ip"),
-            "externalIp": _field(access[0], "nat_ip") if access else None,
-            "zone": zone,
-        }
-
-    return entry

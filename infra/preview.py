@@ -44,7 +44,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
     def __init__(self) -> None:
         self.declared: list[Declared] = []
         self._next_host: dict[str, int] = {}
-        self._cidr: dict[str, str] = {}
+        self._cidr: dict[str, ipaddress.IPv4Network] = {}
         self._pending_deps: tuple[str, ...] = ()
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
@@ -59,7 +59,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
         elif args.typ == "gcp:compute/subnetwork:Subnetwork":
             state["selfLink"] = f"projects/{project}/regions/{inputs.get('region')}/subnetworks/{name}"
             self._next_host[state["selfLink"]] = 2  # .0 and .1 are GCE's (network, gateway)
-            self._cidr[state["selfLink"]] = inputs["ipCidrRange"]
+            self._cidr[state["selfLink"]] = ipaddress.IPv4Network(inputs["ipCidrRange"])
         elif args.typ == "gcp:compute/resourcePolicy:ResourcePolicy":
             state["selfLink"] = f"projects/{project}/regions/{inputs.get('region')}/resourcePolicies/{name}"
         elif args.typ == "gcp:serviceaccount/account:Account":
@@ -71,7 +71,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 sub = nic.get("subnetwork")
                 host = self._next_host.get(sub, 2)
                 self._next_host[sub] = host + 1
-                net = ipaddress.ip_network(self._cidr.get(sub, "10.255.0.0/16"))
+                net = self._cidr.get(sub) or ipaddress.IPv4Network("10.255.0.0/16")
                 nic["networkIp"] = str(net.network_address + host)
                 access = []
                 for k, ac in enumerate(nic.get("accessConfigs") or []):

@@ -170,6 +170,26 @@ def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
         assert f"readonly LOCAL_SSD_COUNT={t.local_ssd_count}" in script
 
 
+@pytest.mark.parametrize(
+    "machine, subnets",
+    [
+        ("a2-highgpu-8g", ["dev-net-subnet"]),
+        ("a3-highgpu-8g", ["dev-net-subnet"] + [f"dev-gpu-net-{k}-subnet" for k in range(1, 5)]),
+        ("a3-megagpu-8g", ["dev-net-subnet"] + [f"dev-gpu-net-{k}-subnet" for k in range(1, 9)]),
+        ("a4-highgpu-8g", ["dev-net-subnet", "dev-net-2-subnet"] + [f"dev-rdma-net-subnet-{j}" for j in range(8)]),
+    ],
+)
+def test_nics_join_the_subnets_in_the_order_the_gpu_stack_expects(fleet, machine, subnets):
+    p = run(fleet, machine, 2)
+    by_name = {s.name: s for s in p.of_type("Subnetwork")}
+    for inst in p.of_type("Instance"):
+        names = [nic["subnetwork"].rsplit("/", 1)[1] for nic in inst.inputs["networkInterfaces"]]
+        assert names == subnets
+        for nic in inst.inputs["networkInterfaces"]:
+            sub = by_name[nic["subnetwork"].rsplit("/", 1)[1]]
+            assert nic["subnetwork"] == f"projects/{BASE['gcp:project']}/regions/us-central1/subnetworks/{sub.name}"
+
+
 @pytest.mark.parametrize("machine", ["a3-ultragpu-8g", "a4-highgpu-8g"])
 def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet, machine):
     p = run(fleet, machine, 2)

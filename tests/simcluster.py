@@ -191,6 +191,8 @@ class SimCluster:
             port = self._free_port([f"127.0.0.{i + 2}" for i in range(self.n)])
         for i in range(self.n):
             self.nodes.append(self._make_node(i, port))
+        if self.mode == "netns":
+            self._write_name_service()
         lines = []
         for node in self.nodes:
             self._start_sshd(node)
@@ -219,6 +221,20 @@ class SimCluster:
             _run(*nsx, "ip", "route", "add", "default", "via", self.gateway)
             return node
         return SimNode(i, f"127.0.0.{i + 2}", port, "lo", None)
+
+    def _write_name_service(self) -> None:
+        """Give each namespace an /etc/hosts naming every node and a resolv.conf that fails at
+        once (`ip netns exec` bind-mounts /etc/netns/<ns>/* over /etc/*). c10d reverse-resolves
+        every peer, also as an IPv4-mapped IPv6 address; with the machine's own resolv.conf each
+        lookup waits 10 s for a nameserver no namespace can reach."""
+        text = Path("/etc/hosts").read_text() + "".join(
+            f"{n.address} simnode{n.index}\n::ffff:{n.address} simnode{n.index}\n" for n in self.nodes
+        )
+        for n in self.nodes:
+            d = Path("/etc/netns") / str(n.netns)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "hosts").write_text(text)
+            (d / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def _start_sshd(self, node: SimNode) -> None:
         key = self.dir / f"host_key_{node.index}"
@@ -289,6 +305,7 @@ class SimCluster:
             for node in self.nodes:
                 if node.netns:
                     subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+                    shutil.rmtree(Path("/etc/netns") / node.netns, ignore_errors=True)
                 if node.host_link:
                     subprocess.run(["ip", "link", "del", node.host_link], capture_output=True)
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

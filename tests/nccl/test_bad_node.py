@@ -3,11 +3,8 @@ tc, real 2-node gloo sweeps over every pair in disjoint rounds, then rank_nodes.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,28 +34,6 @@ def _pair_sweep_cmds(cluster, a: int, b: int) -> list[list[str]]:
     return cmds
 
 
-@contextlib.contextmanager
-def _node_hosts_files(cluster) -> Iterator[None]:
-    """Give each namespace an /etc/hosts naming every node and a resolv.conf that fails at once
-    (`ip netns exec` bind-mounts /etc/netns/<ns>/* over /etc/*). c10d reverse-resolves every peer
-    (as an IPv4-mapped IPv6 address, which /etc/hosts does not match); with the machine's
-    resolv.conf that lookup waits 10 s for a nameserver the namespaces cannot reach."""
-    text = Path("/etc/hosts").read_text() + "".join(
-        f"{n.address} simnode{n.index}\n::ffff:{n.address} simnode{n.index}\n" for n in cluster.nodes)
-    made = []
-    try:
-        for n in cluster.nodes:
-            d = Path("/etc/netns") / n.netns
-            d.mkdir(parents=True, exist_ok=False)
-            made.append(d)
-            (d / "hosts").write_text(text)
-            (d / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        yield
-    finally:
-        for d in made:
-            shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_throttled_node_and_only_it_is_named(sim_cluster):
@@ -66,8 +41,7 @@ def test_throttled_node_and_only_it_is_named(sim_cluster):
     cluster.throttle(2, "40mbit")
     names = {c.address: i for i, c in enumerate(cluster.nodes)}
     pair_bw: dict[tuple[str, str], float] = {}
-    with _node_hosts_files(cluster):
-        _run_pairs(cluster, names, pair_bw)
+    _run_pairs(cluster, names, pair_bw)
     assert len(pair_bw) == 6
     report = rep.rank_nodes(pair_bw)
     slow = cluster.nodes[2].address

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +39,11 @@ from launcher.cli import (
 from launcher.env import node_env
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
 from launcher.run import launch
+
+
+def _out() -> Console:
+    # Tables go to stdout; when it is a file or pipe, do not squeeze them into 80 columns.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 __all__ = ["nccl_tests", "sweep_argv", "rank0_rows"]
 
@@ -140,7 +146,7 @@ def nccl_tests(**o: Any) -> None:
     cluster = find_cluster(o)
     config = dataclasses.replace(build_config(o, Workload("exec", ("true",)), cluster),
                                  job_id=result.job_id)
-    code = _judge(rank0_rows(result, _nranks(cluster, config)), cluster, config, o, Console())
+    code = _judge(rank0_rows(result, _nranks(cluster, config)), cluster, config, o, _out())
     raise SystemExit(result.exit_code or code)
 
 
@@ -173,7 +179,7 @@ def _run_nccl_tests_binary(o: dict[str, Any]) -> int:
         text = (result.run_dir / "node-0.log").read_text(errors="replace")
         rows = nccl_report.parse_output(text, collective=op, nranks=nproc * len(cluster.nodes))
         cfg = dataclasses.replace(config, job_id=result.job_id)
-        code = max(code, _judge(rows, cluster, cfg, o, Console()))
+        code = max(code, _judge(rows, cluster, cfg, o, _out()))
     return code
 
 

@@ -88,7 +88,7 @@ class Transport:
 
     def argv(self, node: Node, script: str) -> list[str]:
         if self.local:
-            return ["bash", "-c", script]
+            return ["bash", "--norc", "--noprofile", "-c", script]
         return ssh_argv(self.ssh_base, node, remote_command(script))
 
     def display(self, node: Node, script: str) -> str:
@@ -123,7 +123,7 @@ class Probe:
     ok: bool
     error: str = ""
     facts: dict[str, str] = field(default_factory=dict)
-    skew_s: float | None = None  # node clock minus the launcher's, at the probe's midpoint
+    skew_s: float | None = None  # how far the node's clock is outside the probe's time window
 
 
 def _probe_one(transport: Transport, node: Node, script: str, timeout: float) -> Probe:
@@ -142,7 +142,10 @@ def _probe_one(transport: Transport, node: Node, script: str, timeout: float) ->
         return Probe(node, False, err)
     skew = None
     try:
-        skew = float(facts.get("time", "")) - (t0 + t1) / 2
+        remote = float(facts.get("time", ""))
+        # With agreeing clocks the node's time falls inside [sent, answered]; the distance
+        # outside that window is a lower bound on the skew, whatever the probe's latency.
+        skew = remote - min(max(remote, t0), t1)
     except ValueError:
         pass
     return Probe(node, True, facts=facts, skew_s=skew)

@@ -200,3 +200,16 @@ def test_node_that_disappears_is_reported_unreachable_not_as_a_code_failure(sim_
     assert p.returncode == 255, out
     assert "node 2 (" in out and "unreachable" in out
     assert_nothing_left(c)
+
+
+def test_hosts_lists_nodes_in_rank_order_and_flags_the_dead_one(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    dead = c.unused_address()
+    hf = tmp_path / "hosts"
+    hf.write_text(f"{c.nodes[1].address}\n{c.nodes[0].address}\n{dead}\n")
+    r = CliRunner().invoke(main, ["hosts", *base(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3"])
+    assert r.exit_code == 1, r.output
+    rows = [l for l in r.output.splitlines() if l.startswith("│")]
+    assert [row.split("│")[2].strip() for row in rows] == [c.nodes[1].address, c.nodes[0].address, dead]
+    assert [row.split("│")[5].strip() for row in rows][:2] == ["ok", "ok"]
+    assert "ok" not in rows[2].split("│")[5]

@@ -251,7 +251,7 @@ def test_dry_run_prints_host_tab_command_per_node_and_connects_to_nothing(tmp_pa
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
     assert [l.split("\t")[0] for l in lines] == ["192.0.2.10", "192.0.2.11"]
-    assert all(l.split("\t")[1].startswith("exec bash -c ") for l in lines)
+    assert all(l.split("\t")[1].startswith("exec bash --norc --noprofile -c ") for l in lines)
     assert "--nproc-per-node=2" in lines[1] and "--nproc-per-node=1" in lines[0]
     assert not (tmp_path / "runs").exists()
 

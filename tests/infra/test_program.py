@@ -30,6 +30,11 @@ SIZES = (1, 2, 16)
 CASES = [(m, n) for m in FAMILIES for n in SIZES]
 
 
+def in_rank_order(instances):
+    # Registrations reach the mock monitor concurrently, so declaration order is not kept.
+    return sorted(instances, key=lambda d: int(d.inputs["name"].rsplit("-", 1)[1]))
+
+
 def run(fleet, machine, nodes, **extra):
     return fleet(machineType=machine, nodes=nodes, **{**FAMILIES[machine][4], **extra})
 
@@ -40,7 +45,7 @@ def test_counts_of_networks_subnets_instances_and_nics(fleet, machine, nodes):
     p = run(fleet, machine, nodes)
     assert len(p.of_type("Network")) == n_nets
     assert len(p.of_type("Subnetwork")) == n_subnets
-    instances = p.of_type("Instance")
+    instances = in_rank_order(p.of_type("Instance"))
     assert [i.inputs["name"] for i in instances] == [f"dev-{k}" for k in range(nodes)]
     for inst in instances:
         nics = inst.inputs["networkInterfaces"]
@@ -114,7 +119,7 @@ def test_internal_firewall_covers_exactly_each_networks_own_subnets(fleet, machi
 @pytest.mark.parametrize("machine, nodes", CASES)
 def test_labels_name_the_cluster_and_node_index(fleet, machine, nodes):
     p = run(fleet, machine, nodes, labels={"team": "research"})
-    for k, inst in enumerate(p.of_type("Instance")):
+    for k, inst in enumerate(in_rank_order(p.of_type("Instance"))):
         assert inst.inputs["labels"] == {"team": "research", LABEL_CLUSTER: "dev", LABEL_NODE: str(k)}
         assert inst.inputs["metadata"]["enable-oslogin"] == "TRUE"
         assert inst.inputs["tags"] == ["dev"]
@@ -132,7 +137,8 @@ def test_outputs_list_nodes_in_rank_order(fleet, machine, nodes):
     ips = [n["internalIp"] for n in out["nodes"]]
     assert len(set(ips)) == nodes and all(ipaddress.ip_address(ip) in host_subnet for ip in ips)
     assert all(set(n) == {"name", "index", "internalIp", "externalIp", "zone"} for n in out["nodes"])
-    assert [n["name"] for n in out["networks"]] == [n.inputs["name"] for n in p.of_type("Network")]
+    assert sorted(n["name"] for n in out["networks"]) == sorted(n.inputs["name"] for n in p.of_type("Network"))
+    assert out["networks"][0]["role"] == "host" and out["networks"][0]["name"] == "dev-net"
     assert out["checkpointBucket"] is None
 
 

@@ -151,6 +151,28 @@ def _probe_one(transport: Transport, node: Node, script: str, timeout: float) ->
     return Probe(node, True, facts=facts, skew_s=skew)
 
 
+# Handshakes in flight when every connection goes to a different sshd (no bastion or proxy).
+DIRECT_CONCURRENCY = 32
+
+
+def _through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> bool:
+    """Whether connections share one sshd on the way (IAP, ProxyJump, ProxyCommand from the
+    options or ~/.ssh/config): then sshd's MaxStartups (default 10:30:100, sshd_config(5))
+    applies to all of them together and `ssh.concurrency` (8) bounds them."""
+    if config.ssh.iap:
+        return True
+    try:
+        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("proxyjump", "proxycommand") and value.strip() not in ("", "none"):
+            return True
+    return False
+
+
 def _connect_one(transport: Transport, node: Node, timeout: float) -> Probe:
     """Make sure a kept-open connection to `node` exists, opening no session (cheapest check).
 
@@ -191,7 +213,12 @@ def preflight(
     hostnames and check node 0's rendezvous port, which needs a session on each node."""
     timeout = config.ssh.connect_timeout + 20.0
     results: dict[int, Probe] = {}
-    pool = ThreadPoolExecutor(max_workers=max(1, config.ssh.concurrency))
+    workers = config.ssh.concurrency
+    if not transport.local and not _through_gateway(transport, cluster.nodes[0], config):
+        # MaxStartups limits unauthenticated connections per sshd; going straight to the
+        # nodes, each node's sshd sees one connection from us, so open more at once.
+        workers = max(workers, min(len(cluster.nodes), DIRECT_CONCURRENCY))
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
     try:
         futures = {}
         for node in cluster.nodes:

@@ -343,3 +343,15 @@ def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
     assert any("node 1 (10.0.0.3): clock differs from this machine by -7.5 s" in w for w in warnings)
     assert any("hostname is 'old-box', expected 'gpu-1'" in w for w in warnings)
     assert not any("node 0" in w for w in warnings)
+
+
+def test_connections_through_a_proxy_are_bounded_below_maxstartups():
+    from launcher.command import ssh_base_argv
+    from launcher.model import SshConfig
+    from launcher.run import Transport, _through_gateway
+    node = Node(0, "10.0.0.2", "10.0.0.2")
+    for opts, iap, expect in [((), False, False), (("ProxyJump=bastion",), False, True),
+                              (("ProxyCommand=nc %h %p",), False, True), ((), True, True)]:
+        ssh = SshConfig(options=opts, iap=iap, zone="z")
+        t = Transport(False, ssh_base_argv(ssh, "/tmp/ctl", "/tmp/kh"))
+        assert _through_gateway(t, node, _cfg(ssh=ssh)) is expect, opts

@@ -75,14 +75,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _os_error_in(err: BaseException) -> BaseException:
+    """The first OSError in an exception's chain (the exception itself when there is none)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return err
+
+
 class LocalStore:
     def __init__(self, path: str) -> None:
         self.root = Path(path)
         self.url = str(self.root)
 
-    def _fail(self, action: str, path: Path, err: OSError) -> CheckpointError:
+    def _fail(self, action: str, path: Path, err: BaseException) -> CheckpointError:
         return CheckpointError(
-            f"cannot {action} {path}: {err.strerror or err}; "
+            f"cannot {action} {path}: {getattr(err, 'strerror', None) or err}; "
             f"free space or fix permissions there, or pass another --checkpoint-dir"
         )
 
@@ -118,9 +128,11 @@ class LocalStore:
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             _fsync_dir(self.root)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
+            # torch.save reports ENOSPC as a RuntimeError from its zip writer ("unexpected pos");
+            # the OSError underneath says what happened.
             tmp.unlink(missing_ok=True)
-            raise self._fail("write", final, e) from None
+            raise self._fail("write", final, _os_error_in(e)) from None
 
     def save(self, name: str, state: dict[str, Any]) -> str:
         final = self.root / name

@@ -479,8 +479,21 @@ def _strip_tensors(state: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    timeout = datetime.timedelta(minutes=10)
+    env = os.environ
+    if "RANK" in env and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun the workers share the agent's TCPStore, and torch (2.13 rendezvous.py
+        # `_create_c10d_store`) assumes a fresh store per restart. It is not always fresh: after
+        # a --max-restarts restart, re-spawned ranks read the dead ranks' gloo addresses from the
+        # previous attempt and fail "connectFullMesh ... Connection refused". A prefix per attempt
+        # (what older torch did) keeps each attempt's keys apart.
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                              is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"gpufleet/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    elif "RANK" in env:
+        dist.init_process_group(backend, timeout=timeout)
     else:  # plain `python -m workloads.train`: a world of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,8 +104,18 @@ def last_step(metrics: Path) -> int:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers. The workers need their own kill: torchrun starts each
+    in a new session (elastic subprocess_handler: start_new_session=True), outside its group."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            pids = list(workers(proc.pid).values())
+        except OSError:
+            pids = []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
 
 

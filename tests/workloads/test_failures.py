@@ -1,0 +1,161 @@
+"""What training does when things break (issue 7, training side): kill -9 during a save, a full
+disk, SIGTERM, a worker killed under torchrun --max-restarts, a slow rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import textwrap
+
+import pytest
+
+from tests.workloads.conftest import (
+    REF_ARGS,
+    REF_STEPS,
+    assert_same_params,
+    kill_tree,
+    last_step,
+    params,
+    start,
+    train,
+    wait_for,
+    workers,
+)
+from workloads.checkpoint import load_file
+
+
+def _latest(ckpt) -> str:
+    return (ckpt / "latest").read_text().strip()
+
+
+def _site(tmp_path, code: str) -> dict[str, str]:
+    """Env that runs `code` at interpreter start-up in every rank (test-only fault injection from
+    outside the product, through Python's sitecustomize hook)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(code))
+    return {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+# Saves from step 4 on write half the file, then stall: a window in which to kill -9 the job.
+_HALF_WRITTEN_SAVE = """
+    import io, time, torch
+    _save = torch.save
+    def save(obj, f, *a, **k):
+        name = str(getattr(f, "name", "")).rsplit("/", 1)[-1]
+        if name.startswith(".step_") and name[6:14] >= "00000004":
+            buf = io.BytesIO()
+            _save(obj, buf, *a, **k)
+            data = buf.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(60)
+            f.write(data[len(data) // 2:])
+            return
+        return _save(obj, f, *a, **k)
+    torch.save = save
+"""
+
+
+def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt),
+            "--straggler-every", "0"]
+    proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, _HALF_WRITTEN_SAVE))
+    try:
+        def half_written() -> bool:
+            return ckpt.exists() and any(p.name.startswith(".step_00000004.pt.tmp-") and p.stat().st_size
+                                         for p in ckpt.iterdir())
+        wait_for(half_written, timeout=120, interval=0.01, proc=proc)
+    finally:
+        # The machine "dies": every process at once, no handler runs anywhere.
+        kill_tree(proc)
+    assert [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]  # the torn file is there...
+    assert _latest(ckpt) == "step_00000002.pt"  # ...but latest still names the whole one
+    assert load_file(ckpt / "step_00000002.pt")["step"] == 2
+    # A resumed run drops the torn file and continues from latest.
+    run = train(args + ["--steps", "3", "--resume"])
+    assert run.returncode == 0, run.stderr
+    assert "at step 2" in run.stdout
+    assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
+    assert _latest(ckpt) == "step_00000003.pt"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_checkpoint_disk_is_one_clear_line_and_the_previous_checkpoint_survives(tmp_path, small_tmpfs):
+    probe = tmp_path / "probe"
+    assert train(["--steps", "1", "--checkpoint-dir", str(probe), "--global-batch", "4",
+                  "--micro-batch", "2"], nproc=0).returncode == 0
+    size = (probe / "step_00000001.pt").stat().st_size
+    disk = small_tmpfs(int(size * 1.5))  # room for one checkpoint, not for a second beside it
+    run = train(["--steps", "4", "--checkpoint-dir", str(disk), "--checkpoint-every", "1",
+                 "--global-batch", "4", "--micro-batch", "2", "--straggler-every", "0"])
+    assert run.returncode != 0
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, run.stderr
+    assert str(disk / "step_00000002.pt") in errors[0] and "No space left on device" in errors[0]
+    assert "[rank" not in run.stderr  # no worker traceback
+    assert _latest(disk) == "step_00000001.pt"
+    assert load_file(disk / "step_00000001.pt")["step"] == 1
+    assert not [p for p in disk.iterdir() if ".tmp-" in p.name]  # the partial file is removed
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    base = ["--global-batch", "16", "--micro-batch", "4", "--lr-decay-steps", "100000",
+            "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
+    proc = start(base + ["--steps", "100000", "--metrics-file", str(metrics)])
+    try:
+        wait_for(lambda: last_step(metrics) >= 5, timeout=120, interval=0.05, proc=proc)
+        ranks = workers(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        for pid in ranks.values():  # what a Spot preemption's shutdown does to every process
+            os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, err  # the workers saved and exited 0, so torchrun did too
+    assert "SIGTERM: saving a checkpoint at step" in out
+    step = load_file(ckpt / _latest(ckpt))["step"]
+    assert step >= 5
+    run = train(base + ["--steps", str(step + 2), "--resume"])
+    assert run.returncode == 0, run.stderr
+    assert f"resumed from {ckpt} at step {step}" in run.stdout
+    assert f"step {step + 2}/{step + 2}" in run.stdout
+
+
+def test_a_killed_worker_is_restarted_by_torchrun_and_ends_where_an_uninterrupted_run_ends(tmp_path, reference):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "restarted.pt"
+    proc = start(REF_ARGS + ["--steps", str(REF_STEPS), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                             "4", "--resume", "--save-params", str(out)], max_restarts=2)
+    try:
+        wait_for(lambda: (ckpt / "latest").exists(), timeout=120, interval=0.002, proc=proc)
+        os.kill(workers(proc.pid)[1], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, stderr
+    assert "resumed from" in stdout, stdout  # the re-spawned workers continued from latest
+    assert_same_params(reference, params(out))
+
+
+def test_a_slow_rank_is_named_with_its_node_and_host(tmp_path):
+    # Rank 1's forward sleeps 50 ms.
+    env = _site(tmp_path, """
+        import os, time
+        if os.environ.get("RANK") == "1":
+            import workloads.model as m
+            forward = m.GPT.forward
+            def slow(self, *a, **k):
+                time.sleep(0.05)
+                return forward(self, *a, **k)
+            m.GPT.forward = slow
+    """)
+    run = train(["--steps", "6", "--global-batch", "4", "--micro-batch", "2", "--straggler-every", "3"],
+                env=env)
+    assert run.returncode == 0, run.stderr
+    warnings = [ln for ln in run.stderr.splitlines() if "straggler:" in ln]
+    assert len(warnings) == 2, run.stderr  # one per check (steps 3 and 6), naming only rank 1
+    assert f"rank 1 (node 0, host {socket.gethostname()})" in warnings[0]
+    assert "rank 0" not in "".join(warnings)

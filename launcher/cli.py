@@ -340,7 +340,8 @@ def hosts(**o: Any) -> None:
         ready = p.facts.get("ready", "-")
         ready = "[green]yes[/green]" if ready == "yes" else f"[yellow]{ready}[/yellow]"
         table.add_row(str(n.rank), n.host, n.address, n.name, ssh, ready, p.facts.get("host", ""))
-    Console(highlight=False).print(table)
+    # A pipe or file gets the whole table, not one squeezed into 80 columns.
+    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
     err.print(f"[dim]ready marker: {READY_MARKER}[/dim]")
     if any(not p.ok for p in probes.values()):
         raise SystemExit(1)

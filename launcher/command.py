@@ -160,8 +160,9 @@ def remote_script(
         # Keep the launcher's end of stdin on fd 3 for the watchdog: a background list's stdin is
         # /dev/null in a non-interactive shell (POSIX, "Asynchronous Lists").
         "exec 3<&0",
-        # Not a group leader (no job control here), so setsid runs in-place: $! is the session id.
-        f"setsid env {token} {' '.join(shlex.quote(a) for a in argv)} </dev/null 3<&- 2>&1 &",
+        # The subshell is not a group leader (no job control here), so setsid runs in place and
+        # $! is the new session's id; the token is exported only inside it.
+        f"( export {token}; exec setsid {' '.join(shlex.quote(a) for a in argv)} ) </dev/null 3<&- 2>&1 &",
         "P=$!",
         f"echo $P > {pidfile}",
         # Kill every process carrying the token: one grep over all environ files.

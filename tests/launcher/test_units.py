@@ -355,3 +355,20 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
         ssh = SshConfig(options=opts, iap=iap, zone="z")
         t = Transport(False, ssh_base_argv(ssh, "/tmp/ctl", "/tmp/kh"))
         assert _through_gateway(t, node, _cfg(ssh=ssh)) is expect, opts
+
+
+def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():
+    from launcher.command import ssh_argv, ssh_base_argv
+    from launcher.model import SshConfig
+    base = ssh_base_argv(SshConfig(user="ml", options=("StrictHostKeyChecking=yes",), iap=True, zone="us-east5-a"),
+                         "/tmp/ctl", "/home/u/.cache/gpufleet/known_hosts/c-1")
+    opts = [base[i + 1] for i, a in enumerate(base) if a == "-o"]
+    # ssh keeps the first value of an option: the user's comes before the default.
+    assert opts.index("StrictHostKeyChecking=yes") < opts.index("StrictHostKeyChecking=accept-new")
+    assert "StrictHostKeyChecking=no" not in opts
+    assert "UserKnownHostsFile=/home/u/.cache/gpufleet/known_hosts/c-1" in opts
+    assert {"BatchMode=yes", "ControlMaster=auto", "ControlPath=/tmp/ctl/%C", "ServerAliveInterval=2"} <= set(opts)
+    assert ("ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin --zone us-east5-a") in opts
+    assert base[base.index("-l") + 1] == "ml"
+    argv = ssh_argv(base, Node(0, "10.0.0.2", "10.0.0.2"), "exec bash -c true")
+    assert argv[-3:] == ["10.0.0.2", "--", "exec bash -c true"]

@@ -62,6 +62,9 @@ class Trainer:
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.cuda else "fp32")
         self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        if cfg.compression == "bf16" and not self.cuda:
+            raise ConfigError("--compression bf16 needs CUDA and NCCL 2.10+ (torch's bf16_compress_hook); "
+                              "on CPU use fp16 or powersgd")
         self.stop_requested = False
         self.forward_s = 0.0  # this rank's own compute time since the last straggler check
         self._forward_events: list[tuple[Any, Any]] = []

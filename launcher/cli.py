@@ -97,11 +97,14 @@ _SOURCE_OPTIONS = [
     click.option("--dry-run", is_flag=True, help="Print each node's host and command; connect to nothing."),
 ]
 
+_ENV_OPTION = click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+                           help="Set or override a variable on every node (repeatable).")
+
 _TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),
     click.option("--max-restarts", type=int, default=0, show_default=True),
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
-    click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable."),
+    _ENV_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
 ]
@@ -115,7 +118,10 @@ def _apply(options):
     return deco
 
 
+# train passes options it does not know to workloads.train; run and exec take their program
+# after the first argument or `--`, so a misspelt launcher option is an error, not a command.
 _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "allow_interspersed_args": False}
+_PROGRAM_AFTER = {"allow_interspersed_args": False}
 
 
 def find_cluster(o: dict[str, Any]) -> Cluster:
@@ -292,7 +298,7 @@ def train(args: tuple[str, ...], **o: Any) -> None:
     _finish(execute(o, Workload("torchrun", ("-m", "workloads.train", *args))))
 
 
-@main.command(context_settings=_PASS_THROUGH)
+@main.command(context_settings=_PROGRAM_AFTER)
 @_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @_user_errors
@@ -305,8 +311,8 @@ def run(args: tuple[str, ...], **o: Any) -> None:
     _finish(execute(o, Workload("torchrun", tuple(args))))
 
 
-@main.command(name="exec", context_settings=_PASS_THROUGH)
-@_apply(_SOURCE_OPTIONS)
+@main.command(name="exec", context_settings=_PROGRAM_AFTER)
+@_apply(_SOURCE_OPTIONS + [_ENV_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @_user_errors
 def exec_(args: tuple[str, ...], **o: Any) -> None:

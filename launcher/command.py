@@ -162,7 +162,7 @@ def remote_script(
         "exec 3<&0",
         # The subshell is not a group leader (no job control here), so setsid runs in place and
         # $! is the new session's id; the token is exported only inside it.
-        f"( export {token}; exec setsid {' '.join(shlex.quote(a) for a in argv)} ) </dev/null 3<&- 2>&1 &",
+        f"( export {token}; exec setsid -- {' '.join(shlex.quote(a) for a in argv)} ) </dev/null 3<&- 2>&1 &",
         "P=$!",
         f"echo $P > {pidfile}",
         # Kill every process carrying the token: one grep over all environ files.

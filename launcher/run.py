@@ -305,7 +305,8 @@ def _is_ip(a: str) -> bool:
 def node_commands(cluster: Cluster, config: LaunchConfig, transport: Transport) -> dict[int, str]:
     """The node-side program for every node (pure; what --dry-run prints)."""
     wl = config.workload
-    env = node_env(cluster, config) if wl.kind == "torchrun" else {}
+    # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
+    env = node_env(cluster, config) if wl.kind == "torchrun" else dict(config.env)
     gpus = None
     if cluster.machine_type and not cluster.local:
         gpus = lookup(cluster.machine_type).gpu_count

@@ -372,3 +372,18 @@ def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win()
     assert base[base.index("-l") + 1] == "ml"
     argv = ssh_argv(base, Node(0, "10.0.0.2", "10.0.0.2"), "exec bash -c true")
     assert argv[-3:] == ["10.0.0.2", "--", "exec bash -c true"]
+
+
+def test_local_exec_passes_env_and_a_dash_command_literally(tmp_path):
+    runs = str(tmp_path / "runs")
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--env", "GREETING=a b;c", "--runs-dir", runs,
+                                  "--", "sh", "-c", 'echo "[$GREETING] $GPUFLEET_NODE_RANK"'])
+    assert r.exit_code == 0, r.output
+    assert "[node 0] [a b;c] 0" in r.output and "[node 1] [a b;c] 1" in r.output
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--runs-dir", runs, "--", "-x"])
+    assert r.exit_code == 127 and "failed to execute -x" in r.output
+
+
+def test_misspelt_launcher_option_is_an_error_not_a_command(tmp_path):
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--nodez", "2", "--", "true"])
+    assert r.exit_code == 2 and "No such option" in r.output

@@ -43,10 +43,7 @@ def base(c, tmp_path, hostfile=None) -> list[str]:
 
 def torch_args() -> list[str]:
     # The nodes' python is this repository's venv (the nodes share this machine's filesystem).
-    # RES_OPTIONS: inside the simulated nodes' namespaces the resolver is unreachable, and c10d
-    # reverse-resolves every peer (socket.cpp "hostname of the client socket cannot be
-    # retrieved"), 10 s per lookup by default; one 1 s try keeps the test short.
-    return ["--python", PY, "--workdir", str(REPO), "--env", "RES_OPTIONS=timeout:1 attempts:1"]
+    return ["--python", PY, "--workdir", str(REPO)]
 
 
 def assert_nothing_left(c, within: float = 10.0) -> None:

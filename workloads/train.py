@@ -115,6 +115,10 @@ class Trainer:
                 fully_shard(block, mp_policy=mp)
             fully_shard(raw, mp_policy=mp)
             model: torch.nn.Module = raw
+        elif self.world == 1:
+            # Nothing to reduce with one rank: skip DDP's bucket copies (torchtitan also applies
+            # data parallelism only when its degree is above 1).
+            model = raw
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -182,6 +186,8 @@ class Trainer:
         return value
 
     def _any_rank(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
         t = torch.tensor([int(flag)], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
@@ -286,7 +292,7 @@ class Trainer:
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce on all but the last micro-step (issue 5)."""
-        if last:
+        if last or self.world == 1:
             return contextlib.nullcontext()
         if self.cfg.parallelism == "fsdp":
             return _fsdp_no_sync(self.raw_model)

@@ -80,10 +80,15 @@ def sweep_argv(o: dict[str, Any]) -> list[str]:
 
 
 def rank0_rows(result: LaunchResult, nranks: int) -> list[nccl_report.SweepRow]:
-    """The rows rank 0 printed (its node's log holds them)."""
-    log = result.run_dir / "node-0.log"
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return nccl_report.parse_output(text, nranks=nranks)
+    """The rows global rank 0 printed. With a c10d rendezvous, which node's agent gets global
+    rank 0 is decided at the rendezvous (not by --node-rank), so look in every node's log."""
+    for rank in sorted(result.outcomes):
+        log = result.run_dir / f"node-{rank}.log"
+        if log.exists():
+            rows = nccl_report.parse_output(log.read_text(errors="replace"), nranks=nranks)
+            if rows:
+                return rows
+    return []
 
 
 def _extra_env(o: dict[str, Any]) -> tuple[str, ...]:
@@ -104,7 +109,7 @@ def _nranks(cluster: Cluster, config: LaunchConfig) -> int:
 def _judge(rows, cluster: Cluster, config: LaunchConfig, o: dict[str, Any], out: Console) -> int:
     """Print the table, store the results, and say whether the run passes (0) or not (1)."""
     if not rows:
-        err.print("[red]error: rank 0 printed no sweep rows; see node-0.log[/red]")
+        err.print(f"[red]error: no node printed sweep rows; see {config.run_dir}/node-*.log[/red]")
         return 1
     out.print(nccl_report.rich_table(rows))
     nranks, nnodes = rows[0].nranks or _nranks(cluster, config), len(cluster.nodes)
@@ -212,7 +217,7 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
                             f"see {res.run_dir}/node-*.log")
         rows = rank0_rows(res, _nranks(sub, cfg))
         if not rows:
-            raise UserError(f"the sweep on {', '.join(hosts)} printed no rows; see {res.run_dir}/node-0.log")
+            raise UserError(f"the sweep on {', '.join(hosts)} printed no rows; see {res.run_dir}/node-*.log")
         largest = max(r.size for r in rows)
         return max(r.best_busbw for r in rows if r.size == largest)
 

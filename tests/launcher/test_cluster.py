@@ -210,3 +210,33 @@ def test_hosts_lists_nodes_in_rank_order_and_flags_the_dead_one(sim_cluster, tmp
     assert [row.split("│")[2].strip() for row in rows] == [c.nodes[1].address, c.nodes[0].address, dead]
     assert [row.split("│")[5].strip() for row in rows][:2] == ["ok", "ok"]
     assert "ok" not in rows[2].split("│")[5]
+
+
+SWEEP = ["--ops", "all_reduce", "-b", "512K", "-e", "512K", "-n", "5", "-w", "1"]
+
+
+@pytest.mark.slow
+def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    r = CliRunner().invoke(main, ["nccl-tests", *base(c, tmp_path), *torch_args(), "--nproc-per-node", "2",
+                                  *SWEEP, "--min-busbw", "1000000"])
+    assert r.exit_code == 1, r.output
+    assert "is below --min-busbw 1e+06" in r.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    doc = json.loads((run_dir / "rows.json").read_text())
+    assert doc["nranks"] == 4 and doc["nnodes"] == 2 and doc["rows"][0]["collective"] == "all_reduce"
+    assert doc["rows"][0]["oop_wrong"] == 0 and doc["avg_busbw"] > 0
+    assert (run_dir / "rows.csv").exists() and (run_dir / "busbw.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_find_bad_nodes_names_the_throttled_node_and_prints_an_exclude_list(sim_cluster, tmp_path):
+    c = sim_cluster(4, mode="netns")
+    c.throttle(2, "40mbit")
+    r = CliRunner().invoke(main, ["nccl-tests", *base(c, tmp_path), *torch_args(), "--nproc-per-node", "1",
+                                  *SWEEP, "--find-bad-nodes"])
+    assert r.exit_code == 1, r.output
+    assert r.output.count("pair ") >= 6
+    assert f"--exclude {c.nodes[2].address}\n" in r.output
+    assert f"{c.nodes[2].address}: busbw " in r.output
+    assert_nothing_left(c)

@@ -71,7 +71,7 @@ def bare_loop_tokens_per_s(model: str, steps: int, warmup: int = 3) -> float:
     return steps * MICRO * SEQ / (time.perf_counter() - t0)
 
 
-def _overlap_worker(rank: int, port: int, model: str, steps: int, out: dict) -> None:
+def _overlap_worker(rank: int, port: int, model: str, steps: int, rounds: int, out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(minutes=5))
@@ -81,7 +81,7 @@ def _overlap_worker(rank: int, port: int, model: str, steps: int, out: dict) -> 
     net = GPT(size)
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     results = {}
-    for kind in ("ddp", "manual", "ddp", "manual"):
+    for kind in ("ddp", "manual") * rounds:
         model_ = ddp if kind == "ddp" else net
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
         times = []
@@ -104,13 +104,13 @@ def _overlap_worker(rank: int, port: int, model: str, steps: int, out: dict) -> 
     dist.destroy_process_group()
 
 
-def overlap_step_times(model: str, steps: int) -> dict[str, float]:
+def overlap_step_times(model: str, steps: int, rounds: int) -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_overlap_worker, args=(port, model, steps, out), nprocs=2)
+        mp.spawn(_overlap_worker, args=(port, model, steps, rounds, out), nprocs=2)
         return dict(out)
 
 
@@ -119,7 +119,19 @@ def main() -> None:
     parser.add_argument("--model", default="small-test")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--part", choices=("all", "overhead", "overlap"), default="all")
     args = parser.parse_args()
+    if args.part in ("all", "overhead"):
+        _overhead(args)
+    if args.part in ("all", "overlap"):
+        t = overlap_step_times(args.model, args.steps, args.repeats)
+        print(f"overlap ({args.model}, 2 gloo ranks, median step time, best of {args.repeats} alternating rounds):")
+        print(f"  DDP (overlapped)                : {t['ddp'] * 1e3:8.1f} ms/step")
+        print(f"  all-reduce each grad after bwd  : {t['manual'] * 1e3:8.1f} ms/step")
+        print(f"  ratio manual / DDP              : {t['manual'] / t['ddp']:.3f}")
+
+
+def _overhead(args: argparse.Namespace) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -139,11 +151,6 @@ def main() -> None:
     print(f"  bare PyTorch loop : {max(bare):10,.0f} tok/s   (rounds: {', '.join(f'{b:,.0f}' for b in bare)})")
     print(f"  workloads.train   : {max(ours):10,.0f} tok/s   (rounds: {', '.join(f'{o:,.0f}' for o in ours)})")
     print(f"  ratio             : {max(ours) / max(bare):.3f}   (target >= 0.95)")
-    t = overlap_step_times(args.model, args.steps)
-    print(f"overlap ({args.model}, 2 gloo ranks, median step time, best of 2 rounds):")
-    print(f"  DDP (overlapped)                : {t['ddp'] * 1e3:8.1f} ms/step")
-    print(f"  all-reduce each grad after bwd  : {t['manual'] * 1e3:8.1f} ms/step")
-    print(f"  ratio manual / DDP              : {t['manual'] / t['ddp']:.3f}")
 
 
 if __name__ == "__main__":

@@ -231,6 +231,9 @@ class Trainer:
         """Continue from the latest checkpoint, if there is one (rank 0 reads, all receive)."""
         assert self.store is not None
         store = self.store
+        # Rank 0 keeps the tensors here; only the small parts go through the object broadcast,
+        # the tensors go through set_*_state_dict's broadcast.
+        full: dict[str, Any] = {"model": {}, "optimizer": {}}
 
         def read() -> dict[str, Any] | None:
             name = store.latest()
@@ -238,19 +241,18 @@ class Trainer:
                 return None
             state = store.load(name)
             self._check_fits(f"{store.url}/{name}", state["meta"])
+            full["model"], full["optimizer"] = state.pop("model"), state.pop("optimizer")
             return state
 
-        # Only the small parts go through the object broadcast; tensors go through set_state_dict.
-        state = self._on_rank0(lambda: _strip_tensors(read()))
+        state = self._on_rank0(read)
         if state is None:
             self.log(f"resume: no checkpoint in {store.url} yet; starting at step 0")
             return
-        full = self._full_state if self.rank == 0 else {"model": {}, "optimizer": {}}
         # Two calls, not set_state_dict: with an empty model dict on ranks > 0 it skips the model
         # there (optim_only=not model_state_dict) and rank 0 waits forever in the broadcast.
         set_model_state_dict(self.model, full["model"], options=_LOAD)
         set_optimizer_state_dict(self.model, self.optimizer, full["optimizer"], options=_LOAD)
-        self._full_state = None
+        full.clear()
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
@@ -392,8 +394,14 @@ class Trainer:
     def save_params(self, path: str) -> None:
         """Rank 0 writes the final parameters (full state_dict) for comparison between runs."""
         sd = get_model_state_dict(self.model, options=_SAVE)
-        if self.rank == 0:
-            torch.save(sd, path)
+
+        def write() -> None:
+            try:
+                torch.save(sd, path)
+            except (OSError, RuntimeError) as e:
+                raise CheckpointError(f"cannot write --save-params {path}: {e}") from None
+
+        self._on_rank0(write)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens at the next step boundary, when all ranks agree.
@@ -449,8 +457,6 @@ class Trainer:
         if self.rank == 0:
             print(line, file=stream or sys.stdout, flush=True)
 
-    _full_state: dict[str, Any] | None = None
-
 
 @contextlib.contextmanager
 def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
@@ -476,14 +482,6 @@ def _check_store(store: CheckpointStore | None) -> None:
         store.check()
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-
-
-def _strip_tensors(state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Keep the full model/optimizer state on rank 0 only; broadcast the rest as objects."""
-    if state is None:
-        return None
-    Trainer._full_state = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
-    return state
 
 
 def _init_distributed() -> None:

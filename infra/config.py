@@ -31,6 +31,8 @@ __all__ = [
     "SUBNET_MAX_NODES",
     "parse_spec",
     "read_spec",
+    "read_stack_file",
+    "main",
 ]
 
 NAMESPACE = "gpufleet"
@@ -395,3 +397,61 @@ def read_spec() -> FleetSpec:
     raw.update(runtime_config.CONFIG.get())
     wanted = {k: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:") or k in ("gcp:project", "gcp:zone")}
     return parse_spec(wanted, stack=pulumi.get_stack())
+
+
+def read_stack_file(path: str) -> FleetSpec:
+    """Validate a stack file (`Pulumi.<stack>.yaml`) without Pulumi: what `pulumi up` would refuse,
+    said before it starts. Values are turned into the engine's strings first (structured values
+    as JSON text), and a bare key belongs to the project's namespace, as Pulumi reads them."""
+    import os
+
+    import yaml  # a dependency of the pulumi SDK itself
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"stack file {path!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"stack file {path!r} is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"stack file {path!r} is not YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):
+        raise ConfigError(f"stack file {path!r} needs a `config:` map of keys to values "
+                          "(see Pulumi.example.yaml)")
+    raw: dict[str, Any] = {}
+    for key, value in (doc.get("config") or {}).items():
+        full = str(key) if ":" in str(key) else _key(str(key))
+        if isinstance(value, dict) and "secure" in value:
+            raise ConfigError(f"config {full} is encrypted (secure:); gpufleet settings are not secrets: "
+                              f"`pulumi config set {full} VALUE` without --secret")
+        raw[full] = value if isinstance(value, str) else json.dumps(value)
+    name = os.path.basename(path)
+    stack = name[len("Pulumi."):-len(".yaml")] if name.startswith("Pulumi.") and name.endswith(".yaml") else "dev"
+    wanted = {k: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:") or k in ("gcp:project", "gcp:zone")}
+    return parse_spec(wanted, stack=stack)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m infra.config Pulumi.<stack>.yaml`: check a stack's config before `pulumi up`.
+    Prints what the fleet would be, or one line naming the bad key; exit 0, or 2 (usage error)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m infra.config Pulumi.<stack>.yaml", file=sys.stderr)
+        return 2
+    try:
+        spec = read_stack_file(args[0])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
+          f"placement {spec.placement})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

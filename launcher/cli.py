@@ -284,7 +284,29 @@ def _finish(result: LaunchResult | None) -> None:
 # ---- commands -------------------------------------------------------------------------------
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Group):
+    """click reports a bad flag with a usage block and a blank line before the error; every
+    other user error here is one red line, so bad flags are too (issue 7's input corpus)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            hint = ""
+            ctx = getattr(e, "ctx", None)
+            if ctx is not None:
+                hint = f" (`{ctx.command_path} -h` lists the options)"
+            err.print(f"[red]error: {escape(e.format_message())}{escape(hint)}[/red]")
+            rv = e.exit_code
+        except click.Abort:
+            err.print("[red]aborted[/red]")
+            rv = 130
+        if not standalone_mode:
+            return rv
+        raise SystemExit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Launch torchrun (or any command) on every node of a GPU cluster over SSH."""
 

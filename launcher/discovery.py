@@ -64,6 +64,9 @@ def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
         text = path.read_text()
     except OSError as e:
         raise UserError(f"hostfile {str(path)!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}); "
+                        "write one host name or address per line") from None
     return parse_hostfile(text, source=str(path), machine_type=machine_type)
 
 
@@ -130,6 +133,9 @@ def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:
         data = json.loads(path.read_text())
     except OSError as e:
         raise UserError(f"outputs file {str(path)!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"outputs file {str(path)!r} is not UTF-8 text (byte {e.start}); save it with "
+                        "`pulumi stack output --json > FILE`") from None
     except json.JSONDecodeError as e:
         raise UserError(f"outputs file {str(path)!r} is not JSON: {e.msg} at line {e.lineno}") from None
     return cluster_from_outputs(data, source=str(path), prefer_external=prefer_external)

@@ -12,7 +12,7 @@ from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 
 from launcher.model import Cluster, LaunchConfig, UserError
 
-__all__ = ["node_env", "parse_env_pairs", "HOST_IFACE_ON_NODE"]
+__all__ = ["node_env", "parse_env_pairs", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
 
 log = logging.getLogger("launcher.env")
 
@@ -30,6 +30,20 @@ def parse_env_pairs(pairs: tuple[str, ...] | list[str]) -> tuple[tuple[str, str]
     return tuple(out)
 
 
+# What every torchrun node gets before the user's --env (which may override it, logged).
+TORCHRUN_DEFAULTS = {
+    # A fresh worker store for every attempt. By default the workers of every attempt share the
+    # agents' TCPStore (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
+    # `use_agent_store`), so a restarted attempt meets the previous attempt's keys; and each
+    # agent numbers attempts itself (TORCHELASTIC_RESTART_COUNT counts its own failures, not the
+    # membership restarts another node's failure causes), so nodes cannot agree on a per-attempt
+    # prefix either. On a multi-node `--max-restarts` restart that stranded the workers for the
+    # 10-minute store timeout (issue 7). With this opt-out each rendezvous round picks a free port
+    # on global rank 0's node and the workers build a new store there (RendezvousStoreInfo.build).
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
+
+
 def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
     """Every variable to export on each node, in order. A value equal to HOST_IFACE_ON_NODE is
     resolved on the node at run time (the interface that holds the node's address)."""
@@ -43,6 +57,7 @@ def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
         env = render(machine, config.image_os)
     except ValueError as e:
         raise UserError(str(e)) from None
+    env.update(TORCHRUN_DEFAULTS)
     if cluster.local:
         # --local: every "node" is this machine; the loopback interface carries the rendezvous.
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"

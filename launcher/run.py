@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import signal
 import subprocess
@@ -51,6 +52,7 @@ __all__ = [
     "preflight",
     "check_probes",
     "node_commands",
+    "worker_failure_note",
     "launch",
 ]
 
@@ -322,6 +324,28 @@ def node_commands(cluster: Cluster, config: LaunchConfig, transport: Transport) 
     return out
 
 
+# torchrun's agent logs a failed worker at ERROR level, also when it is about to restart the
+# group (torch/distributed/elastic/multiprocessing/api.py): "failed (exitcode: -9) local_rank: 0
+# (pid: 123) of binary: ...". Its "will restart worker group" line is INFO, hidden by default.
+_WORKER_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def worker_failure_note(line: str) -> str | None:
+    """What a torchrun worker-failure line means, in words ("exit 1", "killed by SIGKILL")."""
+    m = _WORKER_FAILED_RE.search(line)
+    if not m:
+        return None
+    code, local_rank = int(m.group(1)), m.group(2)
+    if code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exit {code}"
+    return f"worker local_rank {local_rank} (pid {m.group(3)}) {how}"
+
+
 class _NodeRun:
     def __init__(self, node: Node, argv: list[str], logfile: Path, events: queue.Queue):
         self.node = node
@@ -460,6 +484,8 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
         emit("started", node.rank, node.host)
     running = set(runs)
     force_after = config.stop_grace_s + 4.0
+    torchrun = config.workload.kind == "torchrun"
+    failures_seen: dict[int, int] = {}
 
     def stop_all() -> None:
         for r in running:
@@ -481,6 +507,18 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
             continue
         if kind == "line":
             emit("line", rank, text)
+            note = worker_failure_note(text) if torchrun else None
+            if note and not stop.is_set() and result.first_failure is None:
+                failures_seen[rank] = failures_seen.get(rank, 0) + 1
+                node = runs[rank].node
+                if failures_seen[rank] <= config.max_restarts:
+                    log.warning("%s: %s; torchrun restarts the workers on every node (restart %d of "
+                                "--max-restarts %d; they resume from the latest checkpoint if the "
+                                "workload has one)", node.label, note, failures_seen[rank],
+                                config.max_restarts)
+                else:
+                    log.warning("%s: %s; no restarts left (--max-restarts %d)", node.label, note,
+                                config.max_restarts)
             continue
         running.discard(rank)
         outcome = runs[rank].finish(int(text))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -108,9 +109,14 @@ class SimCluster:
         mode: str | None = None,
         workdir: Path | None = None,
         node_env: dict[int, dict[str, str]] | None = None,
+        hostnames: dict[int, str] | None = None,
     ):
         """`node_env` adds environment variables to every session of the given nodes (sshd
-        SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock."""
+        SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock.
+
+        `hostnames` gives the listed nodes a hostname of their own: their sshd starts in a new
+        UTS namespace (`unshare --uts`), so `hostname` in every session there reports it. Nodes
+        not listed share this machine's hostname, as before."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
         self.n = n
@@ -120,6 +126,10 @@ class SimCluster:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix=f"gpufleet-sim-{self.id}-"))
         self.nodes: list[SimNode] = []
         self.node_env = node_env or {}
+        self.hostnames = hostnames or {}
+        for i, name in self.hostnames.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", name):
+                raise ValueError(f"hostname {name!r} for node {i} is not a valid host name")
         self.bridge = f"{NAME_PREFIX}{self.id}br"
         # One /24 per cluster so clusters started by concurrent test runs never overlap.
         r = random.randrange(200 * 250)
@@ -253,6 +263,10 @@ class SimCluster:
             + "\n"
         )
         argv = [SSHD, "-D", "-e", "-f", str(cfg)]
+        name = self.hostnames.get(node.index)
+        if name:
+            # unshare and sh both exec in place, so the Popen pid stays the sshd listener's.
+            argv = ["unshare", "--uts", "sh", "-c", f"hostname {name} && exec \"$@\"", "sh", *argv]
         if node.netns:
             argv = ["ip", "netns", "exec", node.netns] + argv
         log = open(self.dir / f"sshd_{node.index}.log", "ab")

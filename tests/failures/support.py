@@ -1,0 +1,128 @@
+"""Driving `launch` against the simulated cluster the way a user does: the installed console
+script in its own process (so it can be signalled), output captured to a file as it streams."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tests.simcluster import SimCluster, _environ
+
+__all__ = ["REPO", "PY", "LAUNCH", "TRAIN", "Launch", "ssh_args", "source_args", "torch_args",
+           "workers", "wait_for", "assert_nothing_left", "params", "checkpoint_step"]
+
+REPO = Path(__file__).resolve().parents[2]
+PY = str(REPO / ".venv" / "bin" / "python")
+LAUNCH = str(REPO / ".venv" / "bin" / "launch")
+
+# The tiny model, one sample per rank per step, no straggler exchange: a step costs ~20 ms on
+# this 2-core machine, so a test's time goes to starting torchrun, not to training.
+TRAIN = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--straggler-every", "0",
+         "--lr-decay-steps", "1000"]
+
+
+def ssh_args(c: SimCluster) -> list[str]:
+    """The simulated cluster's ssh options as launch flags."""
+    out, opts = [], list(c.ssh_options)
+    while opts:
+        flag, value = opts.pop(0), opts.pop(0)
+        out += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
+    return out
+
+
+def source_args(c: SimCluster, tmp_path: Path, hostfile: Path | None = None) -> list[str]:
+    return ["--hostfile", str(hostfile or c.hostfile), *ssh_args(c), "--runs-dir", str(tmp_path / "runs")]
+
+
+def torch_args() -> list[str]:
+    # The nodes share this machine's filesystem: their python is this repository's venv. One
+    # thread per worker: several workers share 2 cores.
+    return ["--python", PY, "--workdir", str(REPO), "--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
+
+
+class Launch:
+    """`launch ARGS` running in the background; stdout and stderr together in `out`."""
+
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        self._fh = open(log, "w")
+        self.proc = subprocess.Popen([LAUNCH, *args], stdout=self._fh, stderr=subprocess.STDOUT,
+                                     cwd=REPO, text=True)
+
+    @property
+    def out(self) -> str:
+        return self.log.read_text()
+
+    def wait_for_text(self, text: str, timeout: float = 120, count: int = 1) -> None:
+        wait_for(lambda: self.out.count(text) >= count, timeout, f"{text!r} in the output", self)
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._fh.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._fh.close()
+
+
+def wait_for(pred, timeout: float, what: str, launch: Launch | None = None, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if launch is not None and launch.proc.poll() is not None:
+            if pred():
+                return
+            raise AssertionError(f"launch ended (rc {launch.proc.returncode}) before {what}:\n{launch.out}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}" + (f":\n{launch.out}" if launch else ""))
+
+
+def workers(c: SimCluster, i: int) -> dict[int, int]:
+    """{global rank: pid} of the torchrun workers running on node i (they carry RANK=)."""
+    found = {}
+    for pid in c.processes(i):
+        env = _environ(pid).split(b"\0")
+        if any(v.startswith(b"LOCAL_RANK=") for v in env):
+            for v in env:
+                if v.startswith(b"RANK="):
+                    found[int(v[5:])] = pid
+    return found
+
+
+def assert_nothing_left(c: SimCluster, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    left: dict[int, list[int]] = {}
+    while time.monotonic() < deadline:
+        left = {i: c.processes(i) for i in range(len(c.nodes))}
+        if not any(left.values()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes left on nodes: {left}")
+
+
+def params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step of the checkpoint `latest` names, loaded in full (so a torn file would fail)."""
+    from workloads.checkpoint import load_file
+
+    return load_file(ckpt / (ckpt / "latest").read_text().strip())["step"]
+
+
+def sigkill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)

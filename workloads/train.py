@@ -488,7 +488,8 @@ def _init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(minutes=10)
     env = os.environ
-    if "RANK" in env and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if "RANK" in env and restarted and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Under torchrun the workers share the agent's TCPStore, and torch (2.13 rendezvous.py
         # `_create_c10d_store`) assumes a fresh store per restart. It is not always fresh: after
         # a --max-restarts restart, re-spawned ranks read the dead ranks' gloo addresses from the
@@ -523,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     _init_distributed()
     try:
         Trainer(cfg).fit()
+        # All ranks leave together: a rank that tears its gloo pairs down while a peer is still
+        # in the last collective can abort in C++ at exit ("terminate called without an active
+        # exception", seen with torch 2.13 on CPU).
+        dist.barrier()
         return 0
     except ConfigError as e:
         error(str(e))

@@ -75,7 +75,7 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_
     assert _latest(ckpt) == "step_00000002.pt"  # ...but latest still names the whole one
     assert load_file(ckpt / "step_00000002.pt")["step"] == 2
     # A resumed run drops the torn file and continues from latest.
-    run = train(args + ["--steps", "3", "--resume"])
+    run = train(args + ["--steps", "3", "--resume"], nproc=0)
     assert run.returncode == 0, run.stderr
     assert "at step 2" in run.stdout
     assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]

@@ -250,7 +250,13 @@ def _render(result: LaunchResult, cluster: Cluster) -> None:
         o = result.outcomes[result.first_failure]
         what = f"unreachable ({o.error})" if o.connection_lost else o.status
         err.print(f"[red]{escape(o.node.label)} failed first: {escape(what)} — last lines:[/red]")
-        for line in o.tail[-20:]:
+        tail = o.tail[-20:]
+        for line in o.error_lines:
+            if line not in tail:  # its own error line, pushed out by torchrun's summary
+                err.print(f"  {escape(line)}")
+        if o.error_lines and o.error_lines[-1] not in tail:
+            err.print("  ...")
+        for line in tail:
             err.print(f"  {escape(line)}")
     if result.signal is not None:
         err.print(f"[red]stopped every node on signal {result.signal}[/red]")

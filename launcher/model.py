@@ -191,6 +191,10 @@ class NodeOutcome:
     stopped: bool = False  # the launcher stopped it because another node failed or on a signal
     error: str = ""  # the transport's own message (ssh's stderr) when connection_lost
     tail: list[str] = field(default_factory=list)  # last output lines
+    # Lines the node's program printed as its own error ("error: ..."), kept apart from the tail
+    # because torchrun's failure summary that follows can push them out of the last 20 lines.
+    error_lines: list[str] = field(default_factory=list)
+    reported_error_before_stop: bool = False  # an error line came before the launcher stopped it
 
     @property
     def ok(self) -> bool:

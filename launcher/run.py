@@ -53,6 +53,7 @@ __all__ = [
     "check_probes",
     "node_commands",
     "worker_failure_note",
+    "root_cause",
     "launch",
 ]
 
@@ -128,13 +129,48 @@ class Probe:
     skew_s: float | None = None  # how far the node's clock is outside the probe's time window
 
 
-def _probe_one(transport: Transport, node: Node, script: str, timeout: float) -> Probe:
+class _InFlight:
+    """The ssh clients the pre-flight has running, so that Ctrl-C can end them at once: a probe
+    stuck in a handshake (a node that does not answer) would otherwise hold the launcher's exit
+    until ConnectTimeout, since Python waits for pool threads at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self.cancelled = False
+
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        with self._lock:
+            if self.cancelled:
+                return subprocess.CompletedProcess(argv, 255, "", "interrupted")
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            self._procs.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.kill()  # an ssh client of ours, in its own session; nothing remote runs yet
+
+
+def _probe_one(transport: Transport, node: Node, script: str, timeout: float,
+               inflight: _InFlight | None = None) -> Probe:
     t0 = time.time()
+    runner = inflight or _InFlight()
     try:
-        proc = subprocess.run(
-            transport.argv(node, script), stdin=subprocess.DEVNULL, capture_output=True,
-            text=True, timeout=timeout, start_new_session=True,
-        )
+        proc = runner.run(transport.argv(node, script), timeout)
     except subprocess.TimeoutExpired:
         return Probe(node, False, f"no answer within {timeout:.0f} s")
     t1 = time.time()
@@ -175,7 +211,7 @@ def _through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> 
     return False
 
 
-def _connect_one(transport: Transport, node: Node, timeout: float) -> Probe:
+def _connect_one(transport: Transport, node: Node, timeout: float, inflight: _InFlight | None = None) -> Probe:
     """Make sure a kept-open connection to `node` exists, opening no session (cheapest check).
 
     `-O check` asks the local master, if any; otherwise `-f -N` authenticates, leaves the master
@@ -187,10 +223,7 @@ def _connect_one(transport: Transport, node: Node, timeout: float) -> Probe:
     if check.returncode == 0:
         return Probe(node, True)
     try:
-        proc = subprocess.run([*base, "-o", "ControlMaster=yes", "-f", "-N", node.host],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, timeout=timeout,
-                              start_new_session=True)
+        proc = (inflight or _InFlight()).run([*base, "-o", "ControlMaster=yes", "-f", "-N", node.host], timeout)
     except subprocess.TimeoutExpired:
         return Probe(node, False, f"no answer within {timeout:.0f} s")
     if proc.returncode != 0:
@@ -221,14 +254,15 @@ def preflight(
         # nodes, each node's sshd sees one connection from us, so open more at once.
         workers = max(workers, min(len(cluster.nodes), DIRECT_CONCURRENCY))
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    inflight = _InFlight()
     try:
         futures = {}
         for node in cluster.nodes:
             script = probe_script(node, config, check_torch, lock_port if node.rank == 0 else None)
             if connect_only and not transport.local:
-                futures[node.rank] = pool.submit(_connect_one, transport, node, timeout)
+                futures[node.rank] = pool.submit(_connect_one, transport, node, timeout, inflight)
             else:
-                futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout)
+                futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout, inflight)
         for rank, fut in futures.items():
             while True:
                 if stop is not None and stop.is_set():
@@ -247,6 +281,8 @@ def preflight(
     finally:
         # On Ctrl-C, return at once: probes still in flight only print facts and end by themselves.
         interrupted = stop is not None and stop.is_set()
+        if interrupted:
+            inflight.cancel()
         pool.shutdown(wait=not interrupted, cancel_futures=True)
     return results
 
@@ -346,12 +382,36 @@ def worker_failure_note(line: str) -> str | None:
     return f"worker local_rank {local_rank} (pid {m.group(3)}) {how}"
 
 
+# A program's own one-line error, as workloads.train and this launcher's node-side wrapper print
+# them ("error: ...", "gpufleet: ..."): a statement of the cause, not a consequence.
+_ERROR_LINE_RE = re.compile(r"^(error|gpufleet): ")
+
+
+def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | None:
+    """Which node to name as having failed first.
+
+    Arrival order alone misleads: when one rank fails, its peers' collectives fail too (gloo
+    "Connection reset by peer", an abort), and a peer's torchrun may report before the failing
+    node's does. So: a node that became unreachable first; then a node whose program said what
+    went wrong (an error line) before the launcher stopped it; then the first to exit."""
+    def rank_of(r: int) -> tuple[int, int]:
+        o = outcomes[r]
+        kind = 0 if o.connection_lost else 1 if o.reported_error_before_stop else 2
+        return kind, arrival.index(r)
+
+    candidates = [r for r in arrival if not outcomes[r].ok and
+                  (not outcomes[r].stopped or outcomes[r].reported_error_before_stop)]
+    return min(candidates, key=rank_of) if candidates else None
+
+
 class _NodeRun:
     def __init__(self, node: Node, argv: list[str], logfile: Path, events: queue.Queue):
         self.node = node
         self.outcome = NodeOutcome(node)
         self.tail: deque[str] = deque(maxlen=20)
         self.err: deque[str] = deque(maxlen=5)
+        self.error_lines: deque[str] = deque(maxlen=3)
+        self.error_at: float | None = None  # when the first error line arrived
         self.marker: int | None = None
         self.start = time.monotonic()
         self.stopping = False
@@ -387,6 +447,10 @@ class _NodeRun:
             self.tail.append(text)
             if is_err:
                 self.err.append(text)
+            if _ERROR_LINE_RE.match(text):
+                self.error_lines.append(text)
+                if self.error_at is None:
+                    self.error_at = time.monotonic()
             self._events.put(("line", self.node.rank, text))
 
     def _reap(self) -> None:
@@ -401,6 +465,9 @@ class _NodeRun:
         o.duration_s = time.monotonic() - self.start
         o.tail = list(self.tail)
         o.stopped = self.stopping
+        o.error_lines = list(self.error_lines)
+        o.reported_error_before_stop = self.error_at is not None and (
+            self.stop_sent_at is None or self.error_at <= self.stop_sent_at)
         # The trailing blank line the wrapper prints before its marker is not output.
         if o.tail and o.tail[-1] == "":
             o.tail.pop()
@@ -486,6 +553,8 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
     force_after = config.stop_grace_s + 4.0
     torchrun = config.workload.kind == "torchrun"
     failures_seen: dict[int, int] = {}
+    arrival: list[int] = []  # ranks in the order their commands ended
+    failed = False
 
     def stop_all() -> None:
         for r in running:
@@ -508,7 +577,7 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
         if kind == "line":
             emit("line", rank, text)
             note = worker_failure_note(text) if torchrun else None
-            if note and not stop.is_set() and result.first_failure is None:
+            if note and not stop.is_set() and not failed:
                 failures_seen[rank] = failures_seen.get(rank, 0) + 1
                 node = runs[rank].node
                 if failures_seen[rank] <= config.max_restarts:
@@ -523,12 +592,15 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
         running.discard(rank)
         outcome = runs[rank].finish(int(text))
         result.outcomes[rank] = outcome
+        arrival.append(rank)
         emit("exit", rank, outcome.status)
-        if not outcome.ok and not outcome.stopped and result.first_failure is None:
-            result.first_failure = rank
+        if not outcome.ok and not outcome.stopped and not failed:
+            failed = True
             what = outcome.status if not outcome.connection_lost else f"unreachable: {outcome.error}"
             log.error("%s failed (%s); stopping the other nodes", outcome.node.label, what)
             stop_all()
+    if failed:
+        result.first_failure = root_cause(result.outcomes, arrival)
     _write_summary(result, cluster)
     return result
 

@@ -1,0 +1,410 @@
+"""Issue 7's failure table, each row on the simulated cluster: real sshd nodes, real torchrun
+started by the installed `launch`, gloo on CPU, the tiny model.
+
+A row's test does what the failure does (SIGKILL a worker, kill a node's sessions, SIGTERM the
+workers, Ctrl-C the launcher, fill the disk...) and checks what a user would see and what is
+left on the nodes and on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.failures.support import (
+    PY,
+    REPO,
+    TRAIN,
+    Launch,
+    assert_nothing_left,
+    checkpoint_step,
+    params,
+    sigkill,
+    source_args,
+    ssh_args,
+    torch_args,
+    wait_for,
+    workers,
+)
+
+pytestmark = pytest.mark.cluster
+
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian/Ubuntu `libfaketime`
+
+
+def train(c, tmp_path, *train_args: str, launch_opts: tuple[str, ...] = (), name: str = "out") -> Launch:
+    args = ["train", *source_args(c, tmp_path), *torch_args(), *launch_opts, "--", *TRAIN, *train_args]
+    return Launch(args, tmp_path / f"{name}.log")
+
+
+def failed_first(out: str) -> str:
+    """The launcher's 'failed first' line and the last lines it prints under it."""
+    assert "failed first" in out, out
+    return out[out.rindex("failed first") - 40:]
+
+
+# ---- a worker dies -------------------------------------------------------------------------
+
+
+def test_a_worker_killed_on_node_2_stops_every_node_within_10s_and_names_node_2(sim_cluster, tmp_path):
+    c = sim_cluster(3)
+    run = train(c, tmp_path, "--global-batch", "3", "--steps", "100000", "--log-every", "5",
+                launch_opts=("--max-restarts", "0"))
+    try:
+        run.wait_for_text("step 10/")
+        (pid,) = workers(c, 2).values()
+        t0 = time.monotonic()
+        sigkill(pid)
+        rc = run.wait(60)
+        stopped_in = time.monotonic() - t0
+    finally:
+        run.kill()
+    out = run.out
+    assert rc not in (0, 2), out
+    assert stopped_in < 10, out
+    report = failed_first(out)
+    assert f"node 2 ({c.nodes[2].address}) failed first" in report, report
+    assert "SIGKILL" in report  # its last lines: torchrun's summary of the killed worker
+    assert_nothing_left(c, within=2)
+
+
+def test_a_killed_worker_is_restarted_and_training_ends_where_an_uninterrupted_run_ends(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    common = ["--global-batch", "2", "--steps", "60", "--log-every", "10", "--checkpoint-every", "10", "--resume"]
+    ref = train(c, tmp_path, *common, "--checkpoint-dir", str(tmp_path / "ref-ckpt"),
+                "--save-params", str(tmp_path / "ref.pt"), name="ref")
+    assert ref.wait(120) == 0, ref.out
+    ckpt = tmp_path / "ckpt"
+    run = train(c, tmp_path, *common, "--checkpoint-dir", str(ckpt), "--save-params", str(tmp_path / "final.pt"),
+                launch_opts=("--max-restarts", "2"))
+    try:
+        wait_for(lambda: (ckpt / "latest").exists(), 120, "the first checkpoint", run, interval=0.005)
+        (pid,) = workers(c, 1).values()
+        sigkill(pid)
+        rc = run.wait(180)
+    finally:
+        run.kill()
+    out = run.out
+    assert rc == 0, out
+    # The log says a restart happened, and why.
+    assert f"node 1 ({c.nodes[1].address}): worker local_rank 0 (pid {pid}) killed by SIGKILL; " \
+        "torchrun restarts the workers on every node (restart 1 of --max-restarts 2" in out, out
+    assert "resumed from" in out, out
+    a, b = params(tmp_path / "ref.pt"), params(tmp_path / "final.pt")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert_nothing_left(c, within=2)
+
+
+# ---- a node disappears ---------------------------------------------------------------------
+
+
+def test_a_node_that_disappears_mid_training_is_named_unreachable_and_the_rest_stop(sim_cluster, tmp_path):
+    c = sim_cluster(3)
+    run = train(c, tmp_path, "--global-batch", "3", "--steps", "100000", "--log-every", "5")
+    try:
+        run.wait_for_text("step 10/")
+        t0 = time.monotonic()
+        c.kill_sessions(2)
+        rc = run.wait(60)
+        stopped_in = time.monotonic() - t0
+    finally:
+        run.kill()
+    out = run.out
+    assert rc == 255, out
+    # Well within the keep-alive timeout (ServerAliveInterval 2 x 3) and the issue's 10 s.
+    assert stopped_in < 10, out
+    report = failed_first(out)
+    assert f"node 2 ({c.nodes[2].address}) failed first: unreachable" in report, report
+    assert_nothing_left(c, within=2)
+
+
+# ---- preemption and Ctrl-C -------------------------------------------------------------------
+
+
+def test_sigterm_to_the_workers_saves_a_checkpoint_and_resume_continues_from_it(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    ckpt = tmp_path / "ckpt"
+    common = ["--global-batch", "2", "--log-every", "5", "--checkpoint-dir", str(ckpt)]
+    run = train(c, tmp_path, *common, "--steps", "100000")
+    try:
+        run.wait_for_text("step 10/")
+        assert not ckpt.exists() or not (ckpt / "latest").exists()  # no periodic saves
+        # Node 1's VM is preempted: its workers get SIGTERM (node 0 hears of it through the
+        # workload's per-step stop flag, and rank 0, wherever it runs, saves).
+        for pid in workers(c, 1).values():
+            os.kill(pid, signal.SIGTERM)
+        rc = run.wait(60)
+    finally:
+        run.kill()
+    assert rc == 0, run.out  # a preempted run that saved is a clean exit
+    assert "SIGTERM: saving a checkpoint at step" in run.out
+    step = checkpoint_step(ckpt)
+    assert step >= 10
+    again = train(c, tmp_path, *common, "--steps", str(step + 5), "--resume", name="resume")
+    assert again.wait(120) == 0, again.out
+    assert f"resumed from {ckpt} at step {step}" in again.out
+    assert f"step {step + 5}/{step + 5}" in again.out
+    assert_nothing_left(c, within=2)
+
+
+def test_ctrl_c_while_a_node_is_still_connecting_starts_nothing_and_exits_130(sim_cluster, tmp_path):
+    c = sim_cluster(3)
+    c.block(1)  # node 1's handshake hangs until ConnectTimeout
+    try:
+        run = train(c, tmp_path, "--steps", "10")
+        target = c.nodes[1].address
+
+        def connecting() -> bool:
+            kids = []  # the probes are started from the launcher's pool threads: every task
+            for task in Path(f"/proc/{run.proc.pid}/task").glob("*"):
+                try:
+                    kids += (task / "children").read_text().split()
+                except OSError:
+                    pass
+            for k in kids:
+                try:
+                    if target in Path(f"/proc/{k}/cmdline").read_text():
+                        return True
+                except OSError:
+                    pass
+            return False
+
+        try:
+            wait_for(connecting, 60, "the launcher connecting to node 1", run)
+            time.sleep(1.0)  # the other nodes have answered; node 1 still has not
+            t0 = time.monotonic()
+            run.signal(signal.SIGINT)
+            rc = run.wait(60)
+            took = time.monotonic() - t0
+        finally:
+            run.kill()
+    finally:
+        c.unblock(1)
+    out = run.out
+    assert rc == 130, out
+    assert "nothing was started" in out, out
+    assert took < 5, f"exit took {took:.1f} s after Ctrl-C"
+    assert "[node " not in out  # no node printed anything: nothing ran
+    assert not (tmp_path / "runs").exists()
+    assert_nothing_left(c, within=2)
+
+
+def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint_whole(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    ckpt = tmp_path / "ckpt"
+    run = train(c, tmp_path, "--global-batch", "2", "--steps", "100000", "--log-every", "5",
+                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    try:
+        wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved", run)
+        run.signal(signal.SIGINT)
+        rc = run.wait(60)
+    finally:
+        run.kill()
+    out = run.out
+    assert rc == 130, out
+    assert "stopped every node on signal 2" in out
+    assert_nothing_left(c, within=2)
+    assert checkpoint_step(ckpt) >= 10  # latest names a whole checkpoint that loads
+    assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
+
+
+# ---- checkpoints under stress ------------------------------------------------------------------
+
+# Saves from step 4 on write half the file, then stall: the window in which the test kills.
+_HALF_WRITTEN_SAVE = """
+    import io, time, torch
+    _save = torch.save
+    def save(obj, f, *a, **k):
+        name = str(getattr(f, "name", "")).rsplit("/", 1)[-1]
+        if name.startswith(".step_") and name[6:14] >= "00000004":
+            buf = io.BytesIO()
+            _save(obj, buf, *a, **k)
+            data = buf.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(120)
+            f.write(data[len(data) // 2:])
+            return
+        return _save(obj, f, *a, **k)
+    torch.save = save
+"""
+
+
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_and_loadable(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(_HALF_WRITTEN_SAVE))
+    ckpt = tmp_path / "ckpt"
+    common = ["--global-batch", "2", "--checkpoint-dir", str(ckpt)]
+    run = train(c, tmp_path, *common, "--steps", "100", "--checkpoint-every", "2",
+                launch_opts=("--env", f"PYTHONPATH={site}"))
+    try:
+        def torn() -> bool:
+            return ckpt.exists() and any(p.name.startswith(".step_00000004.pt.tmp-") and p.stat().st_size
+                                         for p in ckpt.iterdir())
+        wait_for(torn, 120, "a half-written checkpoint", run, interval=0.01)
+        (writer,) = [pid for i in range(2) for r, pid in workers(c, i).items() if r == 0]
+        sigkill(writer)  # the crash: rank 0 dies mid-write, no handler runs
+        rc = run.wait(60)
+    finally:
+        run.kill()
+    assert rc not in (0, 2), run.out
+    assert (ckpt / "latest").read_text().strip() == "step_00000002.pt"
+    assert checkpoint_step(ckpt) == 2
+    again = train(c, tmp_path, *common, "--steps", "3", "--resume", name="resume")
+    assert again.wait(120) == 0, again.out
+    assert f"resumed from {ckpt} at step 2" in again.out
+    assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
+    assert (ckpt / "latest").read_text().strip() == "step_00000003.pt"
+    assert_nothing_left(c, within=2)
+
+
+def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint(sim_cluster, tmp_path, small_tmpfs):
+    probe = tmp_path / "probe"
+    r = subprocess.run([PY, "-m", "workloads.train", *TRAIN, "--global-batch", "1", "--steps", "1",
+                        "--checkpoint-dir", str(probe)], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    size = (probe / "step_00000001.pt").stat().st_size
+    disk = small_tmpfs(int(size * 1.5))  # room for one checkpoint, not for a second beside it
+    c = sim_cluster(2)
+    run = train(c, tmp_path, "--global-batch", "2", "--steps", "4", "--checkpoint-dir", str(disk),
+                "--checkpoint-every", "1")
+    rc = run.wait(120)
+    out = run.out
+    assert rc not in (0, 2), out
+    report = failed_first(out)
+    # The node named is the one that said what went wrong (rank 0's), not a peer whose
+    # collective broke as a consequence: its own error line is in the block.
+    errors = [ln.strip() for ln in report.splitlines() if ln.strip().startswith("error:")]
+    assert errors and f"{disk / 'step_00000002.pt'}" in errors[0] and "No space left on device" in errors[0], report
+    assert "[rank" not in errors[0]
+    assert (disk / "latest").read_text().strip() == "step_00000001.pt"
+    assert checkpoint_step(disk) == 1
+    assert_nothing_left(c, within=2)
+
+
+# ---- nodes that differ -------------------------------------------------------------------------
+
+
+def _outputs(c, tmp_path: Path, ranks: list[int], name: str) -> Path:
+    """Stack outputs naming the nodes simnode<i> (what the hostname check compares against)."""
+    doc = {"cluster": "sim", "zone": "us-central1-a", "machineType": None,
+           "nodes": [{"name": f"simnode{i}", "index": k, "internalIp": c.nodes[i].address, "externalIp": None}
+                     for k, i in enumerate(ranks)]}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_and_a_torch_mismatch_refuses(
+        sim_cluster, tmp_path):
+    # Node 3's python reports another torch version: a directory ahead of site-packages on its
+    # PYTHONPATH holds a torch-2.12.1.dist-info, which importlib.metadata finds first (the
+    # pre-flight reads the version that way, without importing torch).
+    shadow = tmp_path / "old-torch"
+    (shadow / "torch-2.12.1.dist-info").mkdir(parents=True)
+    (shadow / "torch-2.12.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.12.1\n")
+    assert Path(LIBFAKETIME).exists(), "install libfaketime (apt-get install -y libfaketime)"
+    # Node 1's clock is 10 minutes ahead: its `date` (what the pre-flight reads) runs under
+    # libfaketime. Only `date`: preloaded into the whole session, libfaketime breaks torchrun's
+    # own timers (time.sleep fails with EINVAL under FAKETIME_SKIP_CMDS/ONLY_CMDS or
+    # DONT_FAKE_MONOTONIC; with none of them the agents never return from their exit barrier),
+    # which a real clock skew does not do.
+    fake = tmp_path / "skewed-bin"
+    fake.mkdir()
+    (fake / "date").write_text(f"#!/bin/sh\nLD_PRELOAD={LIBFAKETIME} FAKETIME=+600 exec /bin/date \"$@\"\n")
+    (fake / "date").chmod(0o755)
+    c = sim_cluster(
+        4,
+        hostnames={0: "simnode0", 1: "simnode1", 2: "elsewhere", 3: "simnode3"},
+        node_env={1: {"PATH": f"{fake}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+                  3: {"PYTHONPATH": str(shadow)}},
+    )
+    common = [*ssh_args(c), "--runs-dir", str(tmp_path / "runs"), *torch_args()]
+    run = Launch(["train", "--outputs", str(_outputs(c, tmp_path, [0, 1, 2], "three")), *common, "--",
+                  *TRAIN, "--global-batch", "3", "--steps", "2"], tmp_path / "warn.log")
+    assert run.wait(120) == 0, run.out
+    out = run.out
+    clock = f"node 1 ({c.nodes[1].address}): clock differs from this machine by +5"  # +599.x s
+    host = f"node 2 ({c.nodes[2].address}): hostname is 'elsewhere', expected 'simnode2'"
+    assert clock in out and host in out, out
+    first_node_line = out.index("[node ")
+    assert out.index(clock) < first_node_line and out.index(host) < first_node_line  # before training
+    assert "node 0 (" not in out.split("[node ")[0]  # the agreeing node is not warned about
+    assert "done: 2 steps" in out
+
+    bad = Launch(["train", "--outputs", str(_outputs(c, tmp_path, [0, 3], "mixed")), *common, "--",
+                  *TRAIN, "--steps", "2"], tmp_path / "torch.log")
+    assert bad.wait(120) == 2, bad.out
+    errors = [ln for ln in bad.out.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, bad.out
+    assert "torch versions differ across nodes" in errors[0]
+    assert f"node 1 ({c.nodes[3].address}): 2.12.1" in errors[0] and torch.__version__.split("+")[0] in errors[0]
+    assert "nothing was started" in errors[0] or "[node " not in bad.out
+    assert "Traceback" not in bad.out and "[node " not in bad.out
+    assert_nothing_left(c, within=2)
+
+
+# ---- two launches at once ------------------------------------------------------------------------
+
+_WAITER = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"{sys.argv[1]} up rank={dist.get_rank()}", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+print(f"{sys.argv[1]} done", flush=True)
+"""
+
+
+def test_a_second_launch_on_the_same_port_refuses_and_stopping_another_never_stops_the_first(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    script = tmp_path / "waiter.py"
+    script.write_text(_WAITER)
+    go = tmp_path / "go"
+
+    def launch_run(tag: str, port: str) -> Launch:
+        return Launch(["run", *source_args(c, tmp_path), *torch_args(), "--rdzv-port", port, "--",
+                       str(script), tag, str(go)], tmp_path / f"{tag}.log")
+
+    a = launch_run("A", "29621")
+    b = other = None
+    try:
+        a.wait_for_text("A up", count=2)
+        a_pids = {i: set(c.processes(i)) for i in range(2)}
+        b = launch_run("B", "29621")  # same nodes, same port
+        assert b.wait(60) == 2, b.out
+        errors = [ln for ln in b.out.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "rendezvous port 29621" in errors[0] and "in use by another launch" in errors[0]
+        assert "--rdzv-port" in errors[0]
+        other = launch_run("C", "29622")  # same nodes, another port: runs beside A
+        other.wait_for_text("C up", count=2)
+        other.signal(signal.SIGINT)
+        assert other.wait(60) == 130, other.out
+        # A is untouched: still running, every one of its processes alive.
+        assert a.proc.poll() is None, a.out
+        for i in range(2):
+            assert a_pids[i] <= set(c.processes(i)), f"node {i} lost A's processes"
+        go.touch()
+        assert a.wait(60) == 0, a.out
+        assert a.out.count("A done") == 2
+    finally:
+        for run in (a, b, other):
+            if run is not None:
+                run.kill()
+    assert_nothing_left(c, within=2)

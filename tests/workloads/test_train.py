@@ -92,7 +92,7 @@ def test_keep_last_n_checkpoints_and_latest_points_at_the_newest(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "step_00000008.pt"
 
 
-def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator):
+def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator, monkeypatch):
     from google.cloud import storage
 
     url, out = "gs://ckpt/runs/a", tmp_path / "gcs.pt"
@@ -104,14 +104,10 @@ def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator):
     assert second.returncode == 0, second.stderr
     assert_same_params(reference, params(out))
 
-    import os
-    os.environ.update(gcs_emulator)
-    try:
-        bucket = storage.Client().bucket("ckpt")
-        names = sorted(b.name for b in bucket.list_blobs(prefix="runs/a/"))
-        assert bucket.blob("runs/a/latest").download_as_bytes().decode().strip() == "step_00000020.pt"
-    finally:
-        os.environ.pop("STORAGE_EMULATOR_HOST")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator["STORAGE_EMULATOR_HOST"])
+    bucket = storage.Client().bucket("ckpt")
+    names = sorted(b.name for b in bucket.list_blobs(prefix="runs/a/"))
+    assert bucket.blob("runs/a/latest").download_as_bytes().decode().strip() == "step_00000020.pt"
     assert names == ["runs/a/latest", "runs/a/step_00000010.pt", "runs/a/step_00000020.pt"]
 
 

@@ -54,7 +54,7 @@ class Run:
 
 
 def train(args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
-          timeout: float = 120, max_restarts: int = 0) -> Run:
+          timeout: float = 240, max_restarts: int = 0) -> Run:
     """Run training to completion; nproc=0 means a plain `python -m workloads.train`."""
     cmd = ([sys.executable, "-m", "workloads.train", *args] if nproc == 0
            else torchrun_cmd(args, nproc, max_restarts))

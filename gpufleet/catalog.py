@@ -301,8 +301,16 @@ def lookup(name: str) -> MachineType:
         ) from None
 
 
+# H100 variants that GCP does not offer but a user may run the workload on: TT get_peak_flops
+# (H100 NVL 835e12, H100 PCIe 756e12). Checked before the SXM entry, whose test is "H100".
+_OTHER_DEVICES = (("H100 NVL", 835e12), ("H100 PCIe", 756e12))
+
+
 def peak_flops_for_device(device_name: str) -> float | None:
     """Peak dense bf16 FLOP/s of a GPU by its CUDA device name (None when not in the catalog)."""
+    for needle, flops in _OTHER_DEVICES:
+        if needle in device_name:
+            return flops
     # H200/B200 are checked before H100 since "H100" is a substring test.
     for gpu in (B200, H200, A100_80GB, A100_40GB, H100):
         if any(s in device_name for s in gpu.device_names):

@@ -75,6 +75,8 @@ def test_peak_flops_by_cuda_device_name():
     assert catalog.peak_flops_for_device("NVIDIA H100 80GB HBM3") == 989e12
     assert catalog.peak_flops_for_device("NVIDIA A100-SXM4-40GB") == 312e12
     assert catalog.peak_flops_for_device("NVIDIA B200") == 2.25e15
+    assert catalog.peak_flops_for_device("NVIDIA H100 PCIe") == 756e12
+    assert catalog.peak_flops_for_device("NVIDIA H100 NVL") == 835e12
     assert catalog.peak_flops_for_device("Tesla T4") is None
 
 

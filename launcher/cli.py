@@ -290,6 +290,10 @@ def _finish(result: LaunchResult | None) -> None:
 # ---- commands -------------------------------------------------------------------------------
 
 
+# click >= 8.2 raises this for a group called without a command (older click prints the help).
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _OneLineErrors(click.Group):
     """click reports a bad flag with a usage block and a blank line before the error; every
     other user error here is one red line, so bad flags are too (issue 7's input corpus)."""
@@ -297,6 +301,9 @@ class _OneLineErrors(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as e:  # bare `launch`: the help itself, as click prints it
+            click.echo(e.format_message(), err=True)
+            rv = e.exit_code
         except click.ClickException as e:
             hint = ""
             ctx = getattr(e, "ctx", None)

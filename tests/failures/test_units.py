@@ -68,3 +68,5 @@ def test_a_bad_flag_is_one_red_line_naming_it_not_a_usage_block():
     r = CliRunner().invoke(main, ["trian"])
     assert r.exit_code == 2 and r.output.strip().startswith("error: No such command 'trian'")
     assert CliRunner().invoke(main, ["--help"]).exit_code == 0
+    bare = CliRunner().invoke(main, [], prog_name="launch")
+    assert bare.output.startswith("Usage: launch [OPTIONS] COMMAND") and "error:" not in bare.output

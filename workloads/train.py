@@ -522,6 +522,15 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return EXIT_BAD_ARGS
     _init_distributed()
+    # Trainer.fit turns SIGTERM into a stop flag while it trains. Outside the loop (the final
+    # save, --save-params, the exit barrier, interpreter exit) a SIGTERM must not kill the
+    # process either: Spot VMs are often reclaimed a moment apart, and a second notice arriving
+    # while rank 0 saves or leaves would turn a clean preemption into a failure (issue 7). So it
+    # is ignored until the process exits (main is the program's entry point; nothing runs after
+    # it). SIG_IGN, not a Python no-op: CPython resets Python-level handlers to SIG_DFL while the
+    # interpreter finalizes, and a notice landing then still killed the worker. Bounded: torchrun
+    # and the launcher follow SIGTERM with SIGKILL after their grace period.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         Trainer(cfg).fit()
         # All ranks leave together: a rank that tears its gloo pairs down while a peer is still

@@ -157,6 +157,32 @@ def test_sigterm_to_the_workers_saves_a_checkpoint_and_resume_continues_from_it(
     assert_nothing_left(c, within=2)
 
 
+def test_a_second_preemption_while_the_checkpoint_is_being_saved_does_not_kill_the_save(sim_cluster, tmp_path):
+    """Spot VMs are often reclaimed together: node 0's SIGTERM lands a moment after node 1's, while
+    rank 0 is already saving. The save must finish and every worker exit 0."""
+    c = sim_cluster(2)
+    ckpt = tmp_path / "ckpt"
+    run = train(c, tmp_path, "--global-batch", "2", "--log-every", "5", "--checkpoint-dir", str(ckpt),
+                "--steps", "100000")
+    try:
+        run.wait_for_text("step 5/")
+        late = [pid for pid in workers(c, 0).values()]
+        for pid in workers(c, 1).values():
+            os.kill(pid, signal.SIGTERM)
+        run.wait_for_text("SIGTERM: saving a checkpoint", timeout=60)
+        for pid in late:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        rc = run.wait(60)
+    finally:
+        run.kill()
+    assert rc == 0, run.out
+    assert checkpoint_step(ckpt) >= 5
+    assert_nothing_left(c, within=2)
+
+
 def test_ctrl_c_while_a_node_is_still_connecting_starts_nothing_and_exits_130(sim_cluster, tmp_path):
     c = sim_cluster(3)
     c.block(1)  # node 1's handshake hangs until ConnectTimeout

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -531,8 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     # interpreter finalizes, and a notice landing then still killed the worker. Bounded: torchrun
     # and the launcher follow SIGTERM with SIGKILL after their grace period.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    trainer = None
     try:
-        Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        trainer.fit()
         # All ranks leave together: a rank that tears its gloo pairs down while a peer is still
         # in the last collective can abort in C++ at exit ("terminate called without an active
         # exception", seen with torch 2.13 on CPU).
@@ -545,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return 1
     finally:
+        # Free the model (DDP's reducer, FSDP's state: they hold the process group and its
+        # threads) before the group goes, not during interpreter shutdown, where a C++ thread
+        # still joinable aborts the process with that same message.
+        del trainer
+        gc.collect()
         dist.destroy_process_group()
 
 

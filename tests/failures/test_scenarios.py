@@ -34,6 +34,7 @@ from tests.failures.support import (
     wait_for,
     workers,
 )
+from tests.faults import HALF_WRITTEN_SAVE
 
 pytestmark = pytest.mark.cluster
 
@@ -246,31 +247,12 @@ def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint
 
 # ---- checkpoints under stress ------------------------------------------------------------------
 
-# Saves from step 4 on write half the file, then stall: the window in which the test kills.
-_HALF_WRITTEN_SAVE = """
-    import io, time, torch
-    _save = torch.save
-    def save(obj, f, *a, **k):
-        name = str(getattr(f, "name", "")).rsplit("/", 1)[-1]
-        if name.startswith(".step_") and name[6:14] >= "00000004":
-            buf = io.BytesIO()
-            _save(obj, buf, *a, **k)
-            data = buf.getvalue()
-            f.write(data[: len(data) // 2])
-            f.flush()
-            time.sleep(120)
-            f.write(data[len(data) // 2:])
-            return
-        return _save(obj, f, *a, **k)
-    torch.save = save
-"""
-
 
 def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_and_loadable(sim_cluster, tmp_path):
     c = sim_cluster(2)
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(_HALF_WRITTEN_SAVE))
+    (site / "sitecustomize.py").write_text(textwrap.dedent(HALF_WRITTEN_SAVE))
     ckpt = tmp_path / "ckpt"
     run = train(c, tmp_path, "--global-batch", "2", "--checkpoint-dir", str(ckpt), "--steps", "100",
                 "--checkpoint-every", "2",

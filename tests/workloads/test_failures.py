@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from tests.faults import HALF_WRITTEN_SAVE
 from tests.workloads.conftest import (
     REF_ARGS,
     REF_STEPS,
@@ -38,31 +39,11 @@ def _site(tmp_path, code: str) -> dict[str, str]:
     return {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-# Saves from step 4 on write half the file, then stall: a window in which to kill -9 the job.
-_HALF_WRITTEN_SAVE = """
-    import io, time, torch
-    _save = torch.save
-    def save(obj, f, *a, **k):
-        name = str(getattr(f, "name", "")).rsplit("/", 1)[-1]
-        if name.startswith(".step_") and name[6:14] >= "00000004":
-            buf = io.BytesIO()
-            _save(obj, buf, *a, **k)
-            data = buf.getvalue()
-            f.write(data[: len(data) // 2])
-            f.flush()
-            time.sleep(60)
-            f.write(data[len(data) // 2:])
-            return
-        return _save(obj, f, *a, **k)
-    torch.save = save
-"""
-
-
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt),
             "--straggler-every", "0"]
-    proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, _HALF_WRITTEN_SAVE))
+    proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, HALF_WRITTEN_SAVE))
     try:
         def half_written() -> bool:
             return ckpt.exists() and any(p.name.startswith(".step_00000004.pt.tmp-") and p.stat().st_size

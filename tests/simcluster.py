@@ -353,6 +353,18 @@ class SimCluster:
             pids = [p for p in pids if exact in _environ(p).split(b"\0")]
         return [p for p in pids if _alive(p)]
 
+    def assert_nothing_left(self, within: float = 10.0) -> None:
+        """Wait up to `within` s for every process started through any node's sshd to be gone;
+        raise AssertionError naming what is still running on which node."""
+        deadline = time.monotonic() + within
+        left: dict[int, list[int]] = {}
+        while time.monotonic() < deadline:
+            left = {i: self.processes(i) for i in range(len(self.nodes))}
+            if not any(left.values()):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"processes left on nodes: {left}")
+
     def kill_sessions(self, i: int) -> None:
         """Node i "disappears": its SSH sessions and everything they started die at once."""
         node = self.nodes[i]

@@ -103,14 +103,7 @@ def workers(c: SimCluster, i: int) -> dict[int, int]:
 
 
 def assert_nothing_left(c: SimCluster, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    left: dict[int, list[int]] = {}
-    while time.monotonic() < deadline:
-        left = {i: c.processes(i) for i in range(len(c.nodes))}
-        if not any(left.values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes left on nodes: {left}")
+    c.assert_nothing_left(within)
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:

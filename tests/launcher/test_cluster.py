@@ -47,13 +47,7 @@ def torch_args() -> list[str]:
 
 
 def assert_nothing_left(c, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        left = {i: c.processes(i) for i in range(len(c.nodes))}
-        if not any(left.values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes left on nodes: {left}")
+    c.assert_nothing_left(within)
 
 
 def wait_for(pred, timeout: float, what: str) -> None:

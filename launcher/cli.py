@@ -374,7 +374,7 @@ def hosts(**o: Any) -> None:
         return
     transport = make_transport(cluster, config)
     with err.status(f"checking {len(cluster.nodes)} nodes…"):
-        probes = preflight(cluster, config, transport, check_torch=False, lock_port=None)
+        probes = preflight(cluster, config, transport, check_torch=False)
     for n in cluster.nodes:
         p = probes[n.rank]
         ssh = "[green]ok[/green]" if p.ok else f"[red]{escape(p.error)}[/red]"

@@ -3,18 +3,26 @@
 Everything that crosses a shell goes through `shlex.quote`, so an argument such as
 `"; rm -rf ~` reaches the program as one literal argument.
 
-The remote side (one bash line, so `--dry-run` prints it on one line):
-1. makes the per-job directory /tmp/gpufleet-<job-id>/ and, on node 0 of a torchrun job, takes
-   a lock on the rendezvous port so a second launch on the same port refuses instead of
-   joining the first one's store (issue 7);
-2. exports the environment, resolving the host NIC on the node when the catalog cannot name it;
-3. starts the workload under `setsid` (its own session and process group, whose id is written to
-   /tmp/gpufleet-<job-id>/node-<rank>.pid) with a unique `GPUFLEET_RUN` token in its environment;
-4. watches its own stdin: when the launcher closes it, or the SSH connection drops, it sends
-   SIGTERM to the workload's process group, waits, then SIGKILLs every process that carries the
-   token (torchrun starts workers in sessions of their own, so the group alone is not enough);
-5. prints `EXIT_MARKER <status>` last, which tells a nonzero exit of the code apart from a lost
-   connection (no marker).
+The remote side is one bash line (so `--dry-run` prints it on one line), in two halves, and one
+SSH session per node carries both:
+1. the check: it prints what the launcher compares across nodes as `key=value` lines (hostname,
+   clock, ready marker, torch version, --workdir), takes node 0's lock on the rendezvous port
+   for a torchrun job (so a second launch on the same port refuses instead of joining the first
+   one's store, issue 7), prints `READY_MARKER` and waits for one line on stdin. The launcher
+   sends `go` only once every node has answered and passed; end of input instead (a node
+   failed the check, or Ctrl-C) makes it exit without running anything. Every node is checked
+   before any workload starts, but no node pays for a second session, and each node's
+   handshake overlaps the others' instead of waiting behind a barrier;
+2. the run: it exports the environment (resolving the host NIC on the node when the catalog
+   cannot name it) and starts the workload under `setsid` (its own session and process group)
+   with a unique `GPUFLEET_RUN` token in its environment. A watchdog reads the rest of stdin:
+   when the launcher closes it, or the SSH connection drops, it sends SIGTERM to the workload's
+   process group, waits, then SIGKILLs every process that carries the token (torchrun starts
+   workers in sessions of their own, so the group alone is not enough). `EXIT_MARKER <status>`
+   comes last, which tells a nonzero exit of the code apart from a lost connection (no marker).
+
+Each fork on a node costs on every node of every launch, so the run half forks twice (the
+workload and its watchdog) and writes no files.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from launcher.model import Cluster, LaunchConfig, Node, SshConfig
 __all__ = [
     "EXIT_MARKER",
     "READY_MARKER",
-    "JOB_DIR_PREFIX",
+    "CHECKED_MARKER",
     "join_timeout_s",
     "nproc_for",
     "torchrun_argv",
@@ -43,9 +51,10 @@ __all__ = [
 ]
 
 EXIT_MARKER = "__GPUFLEET_EXIT__"
+# The check half is done; the node waits for `go`.
+CHECKED_MARKER = "__GPUFLEET_CHECKED__"
 # Written by the startup script when a node is ready (the infra engineer's template).
 READY_MARKER = "/var/lib/gpufleet/ready.json"
-JOB_DIR_PREFIX = "/tmp/gpufleet-"
 
 
 def rdzv_lock_path(address: str, port: int) -> str:
@@ -109,6 +118,30 @@ def _resolve_iface(address: str, head_address: str) -> str:
     )
 
 
+def _check_statements(config: LaunchConfig, facts: bool, torch: bool) -> list[str]:
+    """`key=value` lines about the node: hostname, clock and ready marker (`facts`), the torch
+    version (`torch`), and whether --workdir exists."""
+    s = []
+    if facts:
+        s += [
+            "echo host=$(hostname)",
+            "echo time=$(date +%s.%N)",
+            f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
+        ]
+    if torch:
+        # importlib.metadata reads the version without importing torch (seconds on a busy node).
+        s.append(f"echo torch=$({shlex.quote(config.python)} -c 'import importlib.metadata as m; "
+                 "print(m.version(\"torch\"))' 2>/dev/null || echo missing)")
+    if config.workdir:
+        s.append(f"if [ -d {_workdir(config.workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
+    return s
+
+
+def _workdir(wd: str) -> str:
+    # `~/x` means the login directory on the node, so keep the tilde outside the quotes.
+    return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
+
+
 def remote_script(
     cluster: Cluster,
     node: Node,
@@ -116,32 +149,39 @@ def remote_script(
     env: Mapping[str, str],
     argv: Sequence[str],
     lock_port: int | None = None,
+    check: bool = False,
+    check_torch: bool = False,
 ) -> str:
-    """The one-line bash program that runs `argv` on `node` (see the module docstring)."""
+    """The one-line bash program that checks `node`, waits for `go`, then runs `argv` on it
+    (see the module docstring). `check` adds the hostname, clock and ready-marker lines (and the
+    torch version with `check_torch`) that a torchrun launch compares across nodes; `lock_port`
+    takes the rendezvous-port lock (node 0 of a torchrun launch)."""
     job = config.job_id
-    jdir = shlex.quote(f"{JOB_DIR_PREFIX}{job}")
     token = shlex.quote(f"GPUFLEET_RUN={job}-{node.rank}")
-    pidfile = f"{jdir}/node-{node.rank}.pid"
-    stopfile = f"{jdir}/node-{node.rank}.stopping"
     grace_ticks = max(1, int(config.stop_grace_s * 5))
-    s: list[str] = [
-        "umask 077",
-        f"mkdir -p {jdir} || exit 70",
-    ]
+    s = _check_statements(config, facts=check, torch=check and check_torch)
     if lock_port is not None:
         lock = shlex.quote(rdzv_lock_path(node.address, lock_port))
+        # Held from the check to the end of the run (torchrun inherits fd 9), so there is no
+        # moment between "free" and "taken" for another launch to slip into. The file is
+        # private (umask 077), and the user's own umask is back for the workload.
         s += [
+            f"O=$(umask)",
+            "umask 077",
             f"exec 9>>{lock}",
-            "if ! flock -n 9; then echo \"gpufleet: rendezvous port "
-            f"{lock_port} on {node.host} is in use by another launch (job $(cat {lock}.job "
-            "2>/dev/null)); wait for it or pass --rdzv-port\" >&2; exit 75; fi",
-            f"echo {shlex.quote(job)} > {lock}.job",
+            'umask "$O"',
+            f"if flock -n 9; then echo {shlex.quote(job)} > {lock}.job; echo port=free; else "
+            f"echo port=busy:$(cat {lock}.job 2>/dev/null); echo {CHECKED_MARKER}; exit 75; fi",
         ]
+    s += [
+        f"echo {CHECKED_MARKER}",
+        # One line from the launcher: `go`, or end of input when it decided not to start.
+        "IFS= read -r G || exit 0",
+        '[ "$G" = go ] || exit 0',
+    ]
     if config.workdir:
         wd = config.workdir
-        # `~/x` means the login directory on the node, so keep the tilde outside the quotes.
-        quoted = ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
-        s.append(f"cd {quoted} || {{ echo \"gpufleet: --workdir {shlex.quote(wd)} does not exist on "
+        s.append(f"cd {_workdir(wd)} || {{ echo \"gpufleet: --workdir {shlex.quote(wd)} does not exist on "
                  f"{node.host}\" >&2; exit 71; }}")
     unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
     for key, value in env.items():
@@ -164,24 +204,24 @@ def remote_script(
         # $! is the new session's id; the token is exported only inside it.
         f"( export {token}; exec setsid -- {' '.join(shlex.quote(a) for a in argv)} ) </dev/null 3<&- 2>&1 &",
         "P=$!",
-        f"echo $P > {pidfile}",
         # Kill every process carrying the token: one grep over all environ files.
         f"reap() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do "
         "q=${f#/proc/}; kill -KILL ${q%/environ} 2>/dev/null; done; }",
-        f"stop() {{ : > {stopfile}; kill -TERM -- -$P 2>/dev/null; i=0; while kill -0 -- -$P 2>/dev/null && "
+        f"stop() {{ kill -TERM -- -$P 2>/dev/null; i=0; while kill -0 -- -$P 2>/dev/null && "
         f"[ $i -lt {grace_ticks} ]; do sleep 0.2; i=$((i+1)); done; reap; }}",
-        "( while read -r _; do :; done; stop ) <&3 >/dev/null 2>&1 &",
+        # Once stopping, the watchdog ignores the SIGTERM below: the main shell then waits for it
+        # to finish (its sleep would otherwise outlive it) instead of cutting it short.
+        "( while read -r _; do :; done; trap '' TERM; stop ) <&3 >/dev/null 2>&1 &",
         "W=$!",
         "exec 3<&-",
         "wait $P",
         "rc=$?",
-        # A watchdog that is stopping the tree is left to finish (its sleep would outlive it).
-        f"if [ -e {stopfile} ]; then wait $W; else kill $W 2>/dev/null; fi",
+        "kill $W 2>/dev/null",
+        "wait $W",
         # After a clean exit torchrun has already waited for its workers; the scan of every
         # process's environment (costly with many processes, and run on every node) is for
         # failures, where children may be left behind. The stop path always scans.
         '[ "$rc" = 0 ] || reap',
-        f"rm -f {pidfile} {stopfile}",
         f"printf '{EXIT_MARKER} %d\\n' $rc",
         "exit $rc",
     ]
@@ -240,24 +280,6 @@ def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
     return [*base, node.host, "--", command]
 
 
-def probe_script(node: Node, config: LaunchConfig, check_torch: bool, lock_port: int | None) -> str:
-    """The pre-flight program: prints key=value lines the launcher compares across nodes."""
-    py = shlex.quote(config.python)
-    s = [
-        "echo host=$(hostname)",
-        "echo time=$(date +%s.%N)",
-        f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
-    ]
-    if check_torch:
-        # importlib.metadata reads the version without importing torch (seconds on a busy node).
-        s.append(f"echo torch=$({py} -c 'import importlib.metadata as m; print(m.version(\"torch\"))' "
-                 "2>/dev/null || echo missing)")
-    if lock_port is not None:
-        lock = shlex.quote(rdzv_lock_path(node.address, lock_port))
-        s.append(f"if [ -e {lock} ] && ! flock -n {lock} true; then echo port=busy:$(cat {lock}.job "
-                 "2>/dev/null); else echo port=free; fi")
-    if config.workdir:
-        wd = config.workdir
-        quoted = ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
-        s.append(f"if [ -d {quoted} ]; then echo workdir=ok; else echo workdir=missing; fi")
-    return _join(s)
+def probe_script(config: LaunchConfig, check_torch: bool) -> str:
+    """`launch hosts`' program: the check lines alone, then exit."""
+    return _join(_check_statements(config, facts=True, torch=check_torch))

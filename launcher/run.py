@@ -30,6 +30,7 @@ from pathlib import Path
 from gpufleet.catalog import lookup
 
 from launcher.command import (
+    CHECKED_MARKER,
     EXIT_MARKER,
     nproc_for,
     probe_script,
@@ -178,15 +179,7 @@ def _probe_one(transport: Transport, node: Node, script: str, timeout: float,
     if proc.returncode != 0 or "host" not in facts:
         err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         return Probe(node, False, err)
-    skew = None
-    try:
-        remote = float(facts.get("time", ""))
-        # With agreeing clocks the node's time falls inside [sent, answered]; the distance
-        # outside that window is a lower bound on the skew, whatever the probe's latency.
-        skew = remote - min(max(remote, t0), t1)
-    except ValueError:
-        pass
-    return Probe(node, True, facts=facts, skew_s=skew)
+    return Probe(node, True, facts=facts, skew_s=_skew(facts, t0, t1))
 
 
 # Handshakes in flight when every connection goes to a different sshd (no bastion or proxy).
@@ -211,24 +204,30 @@ def _through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> 
     return False
 
 
-def _connect_one(transport: Transport, node: Node, timeout: float, inflight: _InFlight | None = None) -> Probe:
-    """Make sure a kept-open connection to `node` exists, opening no session (cheapest check).
+def handshake_limit(cluster: Cluster, config: LaunchConfig, transport: Transport) -> int:
+    """How many nodes may be mid-handshake at once. sshd's MaxStartups limits unauthenticated
+    connections per sshd: through one gateway they all count against it (`ssh.concurrency`);
+    going straight to the nodes, each node's sshd sees one connection from us, so more."""
+    workers = config.ssh.concurrency
+    if not transport.local and not _through_gateway(transport, cluster.nodes[0], config):
+        workers = max(workers, min(len(cluster.nodes), DIRECT_CONCURRENCY))
+    return max(1, workers)
 
-    `-O check` asks the local master, if any; otherwise `-f -N` authenticates, leaves the master
-    in the background (ControlPersist) and returns: ssh's exit status says reachable or not.
-    """
-    base = transport.ssh_base
-    check = subprocess.run([*base, "-O", "check", node.host], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=timeout)
-    if check.returncode == 0:
-        return Probe(node, True)
+
+def _probe_timeout(config: LaunchConfig) -> float:
+    # The handshake, plus the check itself (reading torch's version on a busy node).
+    return config.ssh.connect_timeout + 20.0
+
+
+def _skew(facts: dict[str, str], t0: float, t1: float) -> float | None:
+    """How far the node's clock (its `time=` line) lies outside [t0, t1], when it was asked and
+    when it answered: with agreeing clocks it falls inside, whatever the latency, so the distance
+    outside is a lower bound on the skew."""
     try:
-        proc = (inflight or _InFlight()).run([*base, "-o", "ControlMaster=yes", "-f", "-N", node.host], timeout)
-    except subprocess.TimeoutExpired:
-        return Probe(node, False, f"no answer within {timeout:.0f} s")
-    if proc.returncode != 0:
-        return Probe(node, False, (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
-    return Probe(node, True)
+        remote = float(facts.get("time", ""))
+    except ValueError:
+        return None
+    return remote - min(max(remote, t0), t1)
 
 
 def preflight(
@@ -236,33 +235,22 @@ def preflight(
     config: LaunchConfig,
     transport: Transport,
     check_torch: bool,
-    lock_port: int | None,
     stop: threading.Event | None = None,
     on_event: Event | None = None,
-    connect_only: bool = False,
 ) -> dict[int, Probe]:
-    """Probe every node, at most `ssh.concurrency` connections at a time (sshd's MaxStartups).
-
-    `connect_only` (a plain `exec`): only make sure each node answers over SSH and keep the
-    connection open for the run; torchrun workloads also compare torch versions, clocks and
-    hostnames and check node 0's rendezvous port, which needs a session on each node."""
-    timeout = config.ssh.connect_timeout + 20.0
+    """Probe every node with `probe_script` (what `launch hosts` shows), a bounded number of
+    handshakes at a time (`handshake_limit`). A launch checks its nodes in its own sessions
+    instead (see `launch`)."""
+    timeout = _probe_timeout(config)
     results: dict[int, Probe] = {}
-    workers = config.ssh.concurrency
-    if not transport.local and not _through_gateway(transport, cluster.nodes[0], config):
-        # MaxStartups limits unauthenticated connections per sshd; going straight to the
-        # nodes, each node's sshd sees one connection from us, so open more at once.
-        workers = max(workers, min(len(cluster.nodes), DIRECT_CONCURRENCY))
+    workers = handshake_limit(cluster, config, transport)
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
     inflight = _InFlight()
     try:
         futures = {}
+        script = probe_script(config, check_torch)
         for node in cluster.nodes:
-            script = probe_script(node, config, check_torch, lock_port if node.rank == 0 else None)
-            if connect_only and not transport.local:
-                futures[node.rank] = pool.submit(_connect_one, transport, node, timeout, inflight)
-            else:
-                futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout, inflight)
+            futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout, inflight)
         for rank, fut in futures.items():
             while True:
                 if stop is not None and stop.is_set():
@@ -356,7 +344,9 @@ def node_commands(cluster: Cluster, config: LaunchConfig, transport: Transport) 
             lock = config.rdzv_port if node.rank == 0 else None
         else:
             argv, lock = list(wl.argv), None
-        out[node.rank] = remote_script(cluster, node, config, env, argv, lock_port=lock)
+        torchrun = wl.kind == "torchrun"
+        out[node.rank] = remote_script(cluster, node, config, env, argv, lock_port=lock, check=torchrun,
+                                       check_torch=torchrun and config.check_versions)
     return out
 
 
@@ -405,18 +395,26 @@ def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | No
 
 
 class _NodeRun:
-    def __init__(self, node: Node, argv: list[str], logfile: Path, events: queue.Queue):
+    """One node's SSH session: its check half (key=value lines up to CHECKED_MARKER), then, after
+    `go`, its output, streamed as events and written to its log."""
+
+    def __init__(self, node: Node, argv: list[str], events: queue.Queue):
         self.node = node
         self.outcome = NodeOutcome(node)
+        self.facts: dict[str, str] = {}
+        self.asked_at = time.time()  # with checked_at, the window for the clock-skew bound
+        self.checked_at: float | None = None
+        self.timed_out: float | None = None  # the check's timeout, when it ran out
         self.tail: deque[str] = deque(maxlen=20)
         self.err: deque[str] = deque(maxlen=5)
         self.error_lines: deque[str] = deque(maxlen=3)
         self.error_at: float | None = None  # when the first error line arrived
         self.marker: int | None = None
         self.start = time.monotonic()
+        self.started = False
         self.stopping = False
         self.stop_sent_at: float | None = None
-        self._log = open(logfile, "ab")
+        self._log = None
         self._events = events
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -433,6 +431,19 @@ class _NodeRun:
     def _pump(self, stream, is_err: bool) -> None:
         for raw in iter(stream.readline, b""):
             text = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not self.started:
+                # The check half: facts on stdout (anything else there, e.g. a banner printed by
+                # the login shell, is not ours); stderr kept for the error message.
+                if is_err:
+                    self.err.append(text)
+                elif text == CHECKED_MARKER:
+                    self.checked_at = time.time()
+                    self._events.put(("checked", self.node.rank, ""))
+                else:
+                    key, eq, value = text.partition("=")
+                    if eq:
+                        self.facts[key] = value
+                continue
             if not is_err and EXIT_MARKER in text:
                 before, _, after = text.partition(EXIT_MARKER)
                 try:
@@ -457,8 +468,45 @@ class _NodeRun:
         rc = self.proc.wait()
         for t in self._threads:
             t.join()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         self._events.put(("exit", self.node.rank, str(rc)))
+
+    def probe(self) -> Probe:
+        """What the check half found. A node that exited after its check has a reason in its
+        facts (a busy rendezvous port) or is as good as unreachable."""
+        rc = self.proc.poll()
+        busy = self.facts.get("port", "").startswith("busy")
+        if self.checked_at is None or (rc is not None and not busy):
+            if self.timed_out is not None:
+                why = f"no answer within {self.timed_out:.0f} s"
+            else:
+                why = self.err[-1] if self.err else f"exit {rc}" if rc is not None else "no answer"
+            return Probe(self.node, False, why)
+        return Probe(self.node, True, facts=dict(self.facts),
+                     skew_s=_skew(self.facts, self.asked_at, self.checked_at))
+
+    def go(self, logfile: Path) -> None:
+        """Start the workload: the node has passed its check and every other node has too."""
+        self._log = open(logfile, "ab")
+        self.start = time.monotonic()
+        self.started = True
+        try:
+            self.proc.stdin.write(b"go\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the connection is gone: its exit event says so
+
+    def cancel(self) -> None:
+        """Before `go`: end the session without running anything. A node still in its
+        handshake is cut off (nothing runs there yet); one waiting for `go` reads end of input
+        and exits."""
+        if self.checked_at is None:
+            self.force()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
 
     def finish(self, transport_rc: int) -> NodeOutcome:
         o = self.outcome
@@ -505,8 +553,8 @@ def launch(
     handle_signals: bool = True,
     stop: threading.Event | None = None,
 ) -> LaunchResult:
-    """Pre-flight every node, start the workload on all of them, stream, stop on the first
-    failure, and report. Raises UserError (nothing started) or Interrupted (nothing started)."""
+    """Check every node, start the workload on all of them, stream, stop on the first failure,
+    and report. Raises UserError (nothing started) or Interrupted (nothing started)."""
     emit = on_event or (lambda kind, rank, text: None)
     transport = make_transport(cluster, config)
     scripts = node_commands(cluster, config, transport)
@@ -522,33 +570,79 @@ def launch(
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    events: queue.Queue = queue.Queue()
+    runs: dict[int, _NodeRun] = {}
+    started = False
     try:
-        torchrun = config.workload.kind == "torchrun"
-        probes = preflight(cluster, config, transport, check_torch=torchrun and config.check_versions,
-                           lock_port=config.rdzv_port if torchrun else None, stop=stop, on_event=emit,
-                           connect_only=not torchrun)
-        if received:
-            raise Interrupted(received[0])
+        _check_all(cluster, config, transport, scripts, runs, events, stop, emit)
         if stop.is_set():
-            raise Interrupted(signal.SIGINT)
+            raise Interrupted(received[0] if received else signal.SIGINT)
+        probes = {r: run.probe() for r, run in runs.items()}
         for w in check_probes(cluster, probes, config):
             log.warning(w)
-        return _run(cluster, config, transport, scripts, stop, received, emit)
+        started = True
+        return _run(cluster, config, runs, events, stop, received, emit)
     finally:
+        if not started:
+            _cancel_all(runs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchResult:
+def _check_all(cluster, config, transport, scripts, runs, events, stop, emit) -> None:
+    """Open every node's session, a bounded number of handshakes at a time, until each node has
+    passed its check half (and waits for `go`), ended, or run out of time."""
+    limit = handshake_limit(cluster, config, transport)
+    timeout = _probe_timeout(config)
+    pending = deque(cluster.nodes)
+    waiting: dict[int, float] = {}  # rank -> deadline, for sessions not yet checked
+    done: set[int] = set()
+    exits = []  # sessions that ended while checking: the run loop reads their exit events too
+    while len(done) < len(cluster.nodes) and not stop.is_set():
+        while pending and len(waiting) < limit:
+            node = pending.popleft()
+            runs[node.rank] = _NodeRun(node, transport.argv(node, scripts[node.rank]), events)
+            waiting[node.rank] = time.monotonic() + timeout
+        try:
+            event = events.get(timeout=0.2)
+        except queue.Empty:
+            now = time.monotonic()
+            for r, deadline in list(waiting.items()):
+                if now > deadline and runs[r].timed_out is None:
+                    runs[r].timed_out = timeout
+                    runs[r].force()  # its exit event follows
+            continue
+        kind, rank, _ = event
+        if kind == "exit":
+            exits.append(event)
+        if rank not in done:
+            waiting.pop(rank, None)
+            done.add(rank)
+            probe = runs[rank].probe()
+            emit("checked", rank, "ok" if probe.ok else probe.error)
+    for event in exits:
+        events.put(event)
+
+
+def _cancel_all(runs: dict[int, "_NodeRun"], wait_s: float = 3.0) -> None:
+    """End every session before `go`, and wait (briefly) for them to go away."""
+    for run in runs.values():
+        run.cancel()
+    deadline = time.monotonic() + wait_s
+    for run in runs.values():
+        try:
+            run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            run.force()
+
+
+def _run(cluster, config, runs, events, stop, received, emit) -> LaunchResult:
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    events: queue.Queue = queue.Queue()
-    runs: dict[int, _NodeRun] = {}
     result = LaunchResult(config.job_id, run_dir, {})
-    for node in cluster.nodes:
-        runs[node.rank] = _NodeRun(node, transport.argv(node, scripts[node.rank]),
-                                   run_dir / f"node-{node.rank}.log", events)
-        emit("started", node.rank, node.host)
+    for rank, run in runs.items():
+        run.go(run_dir / f"node-{rank}.log")
+        emit("started", rank, run.node.host)
     running = set(runs)
     force_after = config.stop_grace_s + 4.0
     torchrun = config.workload.kind == "torchrun"
@@ -574,6 +668,8 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
                 if nr.stop_sent_at is not None and now - nr.stop_sent_at > force_after:
                     nr.force()
             continue
+        if kind == "checked":
+            continue
         if kind == "line":
             emit("line", rank, text)
             note = worker_failure_note(text) if torchrun else None
@@ -588,6 +684,8 @@ def _run(cluster, config, transport, scripts, stop, received, emit) -> LaunchRes
                 else:
                     log.warning("%s: %s; no restarts left (--max-restarts %d)", node.label, note,
                                 config.max_restarts)
+            continue
+        if rank not in running:
             continue
         running.discard(rank)
         outcome = runs[rank].finish(int(text))

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from gpufleet.catalog import lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.cli import main
-from launcher.command import EXIT_MARKER, join_timeout_s, remote_command, remote_script, torchrun_argv
+from launcher.command import CHECKED_MARKER, EXIT_MARKER, join_timeout_s, remote_command, remote_script, torchrun_argv
 from launcher.discovery import cluster_from_outputs, local_cluster, parse_hostfile
 from launcher.env import node_env, parse_env_pairs
 from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload
@@ -28,9 +28,12 @@ HOSTILE = '"; rm -rf ~'
 
 
 def _run_wrapper(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a node-side program here, holding its stdin open as the launcher does (EOF = stop)."""
+    """Run a node-side program here as the launcher does: `go` once it is checked, then stdin
+    held open (EOF = stop)."""
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
+    p.stdin.write("go\n")
+    p.stdin.flush()
     out, err = p.stdout.read(), p.stderr.read()
     rc = p.wait(timeout=30)
     p.stdin.close()
@@ -218,6 +221,9 @@ def test_closing_stdin_stops_the_whole_tree_including_escaped_sessions(tmp_path)
     script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}", stop_grace_s=1.0), {},
                            [sys.executable, "-c", prog])
     p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == CHECKED_MARKER
+    p.stdin.write("go\n")
+    p.stdin.flush()
     assert p.stdout.readline().strip() == "up"
     child = int(pidfile.read_text())
     p.stdin.close()
@@ -227,6 +233,54 @@ def test_closing_stdin_stops_the_whole_tree_including_escaped_sessions(tmp_path)
         for _ in range(50):
             os.kill(child, 0)
             time.sleep(0.1)
+
+
+def test_without_go_the_node_runs_nothing(tmp_path):
+    """End of input at the gate (another node failed its check, or Ctrl-C): nothing starts."""
+    c = _cluster(1)
+    flag = tmp_path / "ran"
+    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["touch", str(flag)],
+                           check=True, check_torch=True)
+    out = subprocess.run(["bash", "-c", script], input="", capture_output=True, text=True, timeout=30)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and lines[-1] == CHECKED_MARKER and EXIT_MARKER not in out.stdout
+    facts = dict(l.split("=", 1) for l in lines[:-1])
+    assert set(facts) == {"host", "time", "ready", "torch"} and abs(float(facts["time"]) - time.time()) < 60
+    assert not flag.exists()
+    # Anything but `go` is as good as end of input.
+    out = subprocess.run(["bash", "-c", script], input="stop\n", capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and not flag.exists()
+
+
+def test_rendezvous_lock_is_held_from_the_check_to_the_end_and_a_second_holder_refuses(tmp_path):
+    c = Cluster("c", (Node(0, "127.0.0.1", f"127.0.9.{os.getpid() % 200 + 1}"),))
+    port = 20000 + os.getpid() % 10000
+    first = remote_script(c, c.nodes[0], _cfg(job_id="first"), {}, ["sleep", "30"], lock_port=port, check=True)
+    second = remote_script(c, c.nodes[0], _cfg(job_id="second"), {}, ["true"], lock_port=port, check=True)
+    p = subprocess.Popen(["bash", "-c", first], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or lines[-1] != CHECKED_MARKER:
+            lines.append(p.stdout.readline().strip())
+        assert "port=free" in lines
+        # The first one has not even been told to go: the port is already taken.
+        out = subprocess.run(["bash", "-c", second], input="go\n", capture_output=True, text=True, timeout=30)
+        assert out.returncode == 75 and "port=busy:first" in out.stdout.splitlines()
+        assert EXIT_MARKER not in out.stdout
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    out = subprocess.run(["bash", "-c", second], input="go\n", capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "port=free" in out.stdout
+
+
+def test_the_workload_keeps_the_users_umask(tmp_path):
+    """Checkpoints and logs a job writes must not turn private because the wrapper made a lock."""
+    c = _cluster(1)
+    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["sh", "-c", "umask"],
+                           lock_port=20000 + os.getpid() % 10000)
+    out = _run_wrapper(["bash", "-c", f"umask 0022; {script}"])
+    assert out.returncode == 0 and "0022" in out.stdout.splitlines(), out
 
 
 def test_result_exit_code_is_the_first_failure_and_signals_win():

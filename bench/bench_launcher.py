@@ -4,11 +4,14 @@
 
 pdsh is what DeepSpeed's multi-node launcher uses (`pdsh -S -f 1024 -w HOSTS`, DeepSpeed
 launcher/multinode_runner.py PDSHRunner); it is run here with DeepSpeed's flags and the same ssh
-options (PDSH_SSH_ARGS_APPEND). Three numbers per size, each the median of `--repeats` runs:
+options (PDSH_SSH_ARGS_APPEND). Four numbers per size, each the median of `--repeats` runs:
 - pdsh: one fresh SSH connection per node, every call;
 - launch cold: no open connection (a fresh ControlPath directory each run), so the launcher pays
-  the handshakes plus its pre-flight check;
-- launch repeat: a second call with the connections kept open by the first (ControlPersist).
+  the handshakes, and each node's check and run in one session;
+- launch repeat: a second call with the connections kept open by the first (ControlPersist);
+- floor: `ssh HOST true` to every node at once over those same open connections, the least any
+  launcher that opens one session per node per call can cost (sshd's session plus the node's
+  login shell); its ratio to pdsh bounds the repeat ratio from below on this machine.
 Targets (issue 4): cold <= pdsh at 16 and 64 nodes; repeat <= 0.5 x pdsh at 64 nodes.
 """
 
@@ -46,6 +49,18 @@ def _time(argv: list[str], env: dict | None = None) -> float:
     return dt
 
 
+def _sessions(hosts: list[str], ssh_opts: list[str]) -> float:
+    """`ssh HOST true` to every host at once (as pdsh -f 1024 would), over open connections."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["ssh", *ssh_opts, "-T", h, "true"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for h in hosts]
+    bad = [(h, p.communicate()[1]) for h, p in zip(hosts, procs) if p.wait() != 0]
+    dt = time.perf_counter() - t0
+    if bad:
+        raise RuntimeError(f"ssh {bad[0][0]} true over the open connection failed: {bad[0][1][-500:]!r}")
+    return dt
+
+
 def bench(n: int, repeats: int, c: SimCluster) -> dict[str, float]:
     hosts = c.addresses[:n]
     hostfile = Path(c.dir) / f"hosts{n}"
@@ -54,7 +69,7 @@ def bench(n: int, repeats: int, c: SimCluster) -> dict[str, float]:
     runs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-runs-"))
     pdsh_env = dict(os.environ, PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=" ".join(ssh_opts))
     pdsh = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "true"]
-    out: dict[str, list[float]] = {"pdsh": [], "cold": [], "repeat": []}
+    out: dict[str, list[float]] = {"pdsh": [], "cold": [], "repeat": [], "floor": []}
     for _ in range(repeats):
         out["pdsh"].append(_time(pdsh, pdsh_env))
         ctl = Path(tempfile.mkdtemp(prefix="gfb-", dir="/tmp"))
@@ -62,6 +77,7 @@ def bench(n: int, repeats: int, c: SimCluster) -> dict[str, float]:
                 "--runs-dir", str(runs), "--", "true"]
         out["cold"].append(_time(argv))
         out["repeat"].append(_time(argv))
+        out["floor"].append(_sessions(hosts, [*ssh_opts, "-o", f"ControlPath={ctl}/%C", "-o", "ControlMaster=no"]))
         # Close this round's kept-open connections so the next cold run is cold.
         for h in hosts:
             subprocess.run(["ssh", *ssh_opts, "-o", f"ControlPath={ctl}/%C", "-O", "exit", h],
@@ -77,11 +93,13 @@ def main() -> int:
     sizes = [int(x) for x in a.nodes.split(",")]
     with SimCluster(max(sizes)) as c:
         print(f"simulated cluster: {max(sizes)} sshd nodes ({c.mode}); median of {a.repeats} runs")
-        print(f"{'nodes':>5} {'pdsh s':>8} {'cold s':>8} {'repeat s':>9} {'cold/pdsh':>10} {'repeat/pdsh':>12}")
+        print(f"{'nodes':>5} {'pdsh s':>8} {'cold s':>8} {'repeat s':>9} {'floor s':>8} {'cold/pdsh':>10} "
+              f"{'repeat/pdsh':>12} {'floor/pdsh':>11}")
         for n in sizes:
             r = bench(n, a.repeats, c)
-            print(f"{n:>5} {r['pdsh']:>8.2f} {r['cold']:>8.2f} {r['repeat']:>9.2f} "
-                  f"{r['cold'] / r['pdsh']:>10.2f} {r['repeat'] / r['pdsh']:>12.2f}", flush=True)
+            print(f"{n:>5} {r['pdsh']:>8.2f} {r['cold']:>8.2f} {r['repeat']:>9.2f} {r['floor']:>8.2f} "
+                  f"{r['cold'] / r['pdsh']:>10.2f} {r['repeat'] / r['pdsh']:>12.2f} "
+                  f"{r['floor'] / r['pdsh']:>11.2f}", flush=True)
     return 0
 
 

@@ -105,8 +105,10 @@ def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, 
     hf = tmp_path / "hosts"
     hf.write_text(f"{c.nodes[0].address}\n{dead}\n{c.nodes[1].address}\n")
     r = CliRunner().invoke(main, ["exec", *base(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3",
-                                  "--", "sh", "-c", "echo started > /tmp/should-not-exist-$$"])
+                                  "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
     assert r.exit_code == 2, r.output
+    # The reachable nodes passed their check and waited; told not to go, they ran nothing.
+    assert not list(tmp_path.glob("ran-*"))
     errors = [l for l in r.output.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and dead in errors[0] and "nothing was started" in errors[0]
     assert "node 0 (" not in errors[0] and "node 2 (" not in errors[0]

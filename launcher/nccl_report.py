@@ -49,6 +49,8 @@ from rich.table import Table
 
 from gpufleet.bandwidth import (
     DEFAULT_LATENCY_S,
+    JSON_MARKER,
+    SweepRow,
     bus_factor,
     fit_latency,
     model_busbw,
@@ -74,43 +76,10 @@ __all__ = [
     "nccl_tests_command",
 ]
 
-# Must equal workloads.sweep.JSON_MARKER (not imported: the launcher never imports torch).
-JSON_MARKER = "#gpufleet-json "
 
 # Old nccl-tests print a max absolute error instead of a count of wrong elements. nccl-tests gave
 # no single threshold for it; 1e-3 flags anything beyond float rounding of small sums.
 DEFAULT_ERROR_TOLERANCE = 1e-3
-
-
-@dataclass
-class SweepRow:
-    """One table line: a collective at one size, out-of-place then in-place.
-
-    `*_wrong` is the number of wrong elements (`#wrong`), or with `error_column` True the old
-    max-error value; None where the output said N/A (not checked) or printed no block.
-    """
-
-    collective: str
-    size: int
-    count: int
-    type: str
-    redop: str
-    root: int
-    nranks: int
-    oop_time_us: float | None
-    oop_algbw: float | None
-    oop_busbw: float | None
-    oop_wrong: float | None
-    ip_time_us: float | None
-    ip_algbw: float | None
-    ip_busbw: float | None
-    ip_wrong: float | None
-    error_column: bool = False
-
-    @property
-    def best_busbw(self) -> float:
-        """The better of the two blocks: what the fabric can do at this size."""
-        return max((b for b in (self.oop_busbw, self.ip_busbw) if b is not None), default=0.0)
 
 
 _FIELDS = [f.name for f in dataclasses.fields(SweepRow)]

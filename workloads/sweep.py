@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from gpufleet.bandwidth import (
     COLLECTIVES,
+    JSON_MARKER,
+    SweepRow,
     DTYPE_SIZES,
     REDOPS,
     SizeError,
@@ -47,11 +49,8 @@ from gpufleet.bandwidth import (
     size_ladder,
 )
 
-__all__ = ["JSON_MARKER", "SweepConfig", "Row", "run_sweep", "format_table", "main"]
+__all__ = ["JSON_MARKER", "SweepConfig", "SweepRow", "run_sweep", "format_table", "main"]
 
-# The prefix of the machine-readable line. It starts with '#' so that anything reading the output
-# as an nccl-tests table skips it as a comment.
-JSON_MARKER = "#gpufleet-json "
 JSON_VERSION = 1
 
 # nccl-tests type names that torch.distributed can carry. uint32/uint64 are NCCL types, but torch's
@@ -137,27 +136,6 @@ class SweepConfig:
         if self.warmup_iters < 0 or self.check < 0:
             raise ValueError(f"-w ({self.warmup_iters}) and -c ({self.check}) must be >= 0")
         self.sizes = size_ladder(self.minbytes, self.maxbytes, self.stepfactor, self.stepbytes)
-
-
-@dataclass
-class Row:
-    """One line of the table: a size, a type and op, and the two timed blocks."""
-
-    collective: str
-    size: int
-    count: int
-    type: str
-    redop: str
-    root: int
-    nranks: int
-    oop_time_us: float
-    oop_algbw: float
-    oop_busbw: float
-    oop_wrong: int | None  # None: not checked (N/A)
-    ip_time_us: float
-    ip_algbw: float
-    ip_busbw: float
-    ip_wrong: int | None
 
 
 # ---- data: what each rank holds and what every result must be -------------------------------
@@ -440,10 +418,10 @@ class _Bench:
         dist.all_reduce(t)
         return t[0].item() / self.n, (None if wrong is None else int(t[1].item()))
 
-    def run_collective(self, coll: str) -> list[Row]:
+    def run_collective(self, coll: str) -> list[SweepRow]:
         cfg = self.cfg
         maxbuf = max(cfg.sizes) if cfg.sizes else 0
-        rows: list[Row] = []
+        rows: list[SweepRow] = []
         ops = cfg.ops if coll in _REDUCING or coll == "sendrecv" else ("none",)
         for dname in cfg.datatypes:
             dtype = TORCH_DTYPES[dname]
@@ -473,7 +451,7 @@ class _Bench:
                         a = algbw(size, sec) if sec > 0 else 0.0
                         blocks.append((sec * 1e6, a, a * bus_factor(coll, self.n), wrong))
                     root = cfg.root if coll in _ROOTED else -1
-                    rows.append(Row(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1]))
+                    rows.append(SweepRow(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1]))
         return rows
 
 
@@ -503,7 +481,7 @@ def _block(time_us: float, alg: float, bus: float, wrong: int | None) -> str:
     return head + ("    N/A" if wrong is None else "  %6g" % wrong)
 
 
-def format_row(row: Row) -> str:
+def format_row(row: SweepRow) -> str:
     """One data line, `%12li  %12li  %8s  %6s  %6s` then the two blocks (src/util.cu)."""
     pre = "%12li  %12li  %8s  %6s  %6s" % (row.size, row.count, row.type, row.redop, "%6i" % row.root)
     return (
@@ -524,14 +502,14 @@ HEADER = (
 )
 
 
-def avg_busbw(rows: list[Row]) -> float:
+def avg_busbw(rows: list[SweepRow]) -> float:
     """nccl-tests' "Avg bus bandwidth": the mean busbw over every row, both blocks."""
     vals = [b for r in rows for b in (r.oop_busbw, r.ip_busbw)]
     return sum(vals) / len(vals) if vals else 0.0
 
 
 def format_table(
-    coll: str, rows: list[Row], cfg: SweepConfig, rank_lines: list[str], notes: list[str]
+    coll: str, rows: list[SweepRow], cfg: SweepConfig, rank_lines: list[str], notes: list[str]
 ) -> str:
     """The full nccl-tests style report of one collective, preamble to footer."""
     step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
@@ -583,7 +561,7 @@ def _rank_line(rank: int, device: torch.device) -> str:
     return "#  Rank %2d Group  0 Pid %6d on %10s device  0 [cpu] CPU (gloo)" % (rank, os.getpid(), host)
 
 
-def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[Row], str]:
+def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], str]:
     """Run every collective of cfg in the initialised process group.
 
     Returns the rows and, on rank 0, the text to print (tables then the JSON line; "" elsewhere).
@@ -592,7 +570,7 @@ def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[Row], str]:
     bench = _Bench(cfg, rank, n, device)
     lines: list[object] = [None] * n
     dist.all_gather_object(lines, _rank_line(rank, device))
-    rows: list[Row] = []
+    rows: list[SweepRow] = []
     text = []
     for coll in cfg.collectives:
         if coll == "sendrecv" and n == 1:
@@ -697,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
-def _write_json(path: str, rows: list[Row], nranks: int) -> None:
+def _write_json(path: str, rows: list[SweepRow], nranks: int) -> None:
     """Write the rows atomically: a reader never sees half a file, an old file is replaced whole."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

@@ -54,7 +54,7 @@ def test_numbers_print_like_nccl_tests_getFloatStr(value, width, text):
 
 
 def test_row_line_layout_matches_the_header_columns():
-    row = sweep.Row("all_reduce", 8589934592, 2147483648, "float", "sum", -1, 16,
+    row = sweep.SweepRow("all_reduce", 8589934592, 2147483648, "float", "sum", -1, 16,
                     42668.0, 201.32, 377.47, 0, 42654.0, 201.39, 377.6, None)
     line = sweep.format_row(row)
     assert line == ("  8589934592    2147483648     float     sum      -1"

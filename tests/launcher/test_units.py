@@ -317,6 +317,23 @@ def test_local_dry_run_uses_this_python_and_loopback():
     assert "-m workloads.train --steps 3" in r.output
 
 
+def test_a_missing_workdir_is_found_by_the_check_and_nothing_runs(tmp_path):
+    """--local nodes run the same node-side program as SSH nodes: the check fails, no node goes."""
+    wd, runs = tmp_path / "nowhere", tmp_path / "runs"
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--workdir", str(wd), "--runs-dir", str(runs),
+                                  "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
+    assert r.exit_code == 2, r.output
+    errors = [l for l in r.output.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and f"--workdir '{wd}' does not exist on" in errors[0], r.output
+    assert not list(tmp_path.glob("ran-*")) and not runs.exists()
+    # With the directory there, the same command runs on both nodes, in it.
+    wd.mkdir()
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--workdir", str(wd), "--runs-dir", str(runs),
+                                  "--", "sh", "-c", 'touch "ran-$GPUFLEET_NODE_RANK"'])
+    assert r.exit_code == 0, r.output
+    assert sorted(f.name for f in wd.iterdir()) == ["ran-0", "ran-1"]
+
+
 @pytest.mark.parametrize("args, culprit", [
     (["exec", "--local", "--nodes", "0", "--", "true"], "--nodes 0"),
     (["exec", "--hostfile", "{empty}", "--", "true"], "lists no hosts"),

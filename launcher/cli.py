@@ -217,9 +217,13 @@ def _free_port() -> int:
 # ---- running and rendering ------------------------------------------------------------------
 
 
+# At most this many nodes still to answer are named in the status line.
+_NAME_WAITING = 3
+
+
 def _printer(cluster: Cluster):
     n = len(cluster.nodes)
-    state = {"checked": 0, "exited": 0}
+    waiting = {node.rank: node.label for node in cluster.nodes}
     status = err.status(f"connecting to {n} node{'s' * (n != 1)}…")
     status.start()
 
@@ -228,8 +232,12 @@ def _printer(cluster: Cluster):
             sys.stdout.write(f"[node {rank}] {text}\n")
             sys.stdout.flush()
         elif kind == "checked":
-            state["checked"] += 1
-            status.update(f"checked {state['checked']}/{n} nodes")
+            waiting.pop(rank, None)
+            line = f"checked {n - len(waiting)}/{n} nodes"
+            if 0 < len(waiting) <= _NAME_WAITING:
+                # The last few are the ones holding everyone up: say which.
+                line += "; waiting for " + ", ".join(waiting.values())
+            status.update(escape(line))
         elif kind == "started":
             if status is not None and rank == n - 1:
                 status.stop()

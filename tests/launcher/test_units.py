@@ -317,6 +317,25 @@ def test_local_dry_run_uses_this_python_and_loopback():
     assert "-m workloads.train --steps 3" in r.output
 
 
+def test_the_status_line_names_the_last_nodes_still_to_answer():
+    from launcher.cli import _printer
+
+    c = _cluster(5)
+    on_event, status = _printer(c)
+    try:
+        on_event("checked", 0, "ok")
+        assert str(status.status) == "checked 1/5 nodes"
+        on_event("checked", 2, "ok")
+        assert str(status.status) == "checked 2/5 nodes; waiting for node 1 (10.0.0.3), node 3 (10.0.0.5), node 4 (10.0.0.6)"
+        on_event("checked", 4, "ok")
+        on_event("checked", 1, "ok")
+        assert str(status.status) == "checked 4/5 nodes; waiting for node 3 (10.0.0.5)"
+        on_event("checked", 3, "ok")
+        assert str(status.status) == "checked 5/5 nodes"
+    finally:
+        status.stop()
+
+
 def test_a_missing_workdir_is_found_by_the_check_and_nothing_runs(tmp_path):
     """--local nodes run the same node-side program as SSH nodes: the check fails, no node goes."""
     wd, runs = tmp_path / "nowhere", tmp_path / "runs"

@@ -8,7 +8,7 @@ SSH session per node carries both:
 1. the check: it prints what the launcher compares across nodes as `key=value` lines (hostname,
    clock, ready marker, torch version, --workdir), takes node 0's lock on the rendezvous port
    for a torchrun job (so a second launch on the same port refuses instead of joining the first
-   one's store, issue 7), prints `READY_MARKER` and waits for one line on stdin. The launcher
+   one's store, issue 7), prints `CHECKED_MARKER` and waits for one line on stdin. The launcher
    sends `go` only once every node has answered and passed; end of input instead (a node
    failed the check, or Ctrl-C) makes it exit without running anything. Every node is checked
    before any workload starts, but no node pays for a second session, and each node's
@@ -166,12 +166,12 @@ def remote_script(
         # moment between "free" and "taken" for another launch to slip into. The file is
         # private (umask 077), and the user's own umask is back for the workload.
         s += [
-            f"O=$(umask)",
+            "O=$(umask)",
             "umask 077",
             f"exec 9>>{lock}",
-            'umask "$O"',
             f"if flock -n 9; then echo {shlex.quote(job)} > {lock}.job; echo port=free; else "
             f"echo port=busy:$(cat {lock}.job 2>/dev/null); echo {CHECKED_MARKER}; exit 75; fi",
+            'umask "$O"',
         ]
     s += [
         f"echo {CHECKED_MARKER}",

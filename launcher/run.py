@@ -1,10 +1,11 @@
 """Running a workload on every node: check, start, stream, stop, report.
 
-`launch(cluster, config)` is the one library call the CLI makes. It opens one SSH session per
-node (a bounded number of handshakes at a time); each node checks itself and waits, and only
-when every node has passed does the launcher tell them all to go (launcher.command). `launch
-hosts` uses `preflight`, a check alone. It logs (logging) and returns a
+`launch(cluster, config)` is the one library call the CLI makes. It logs (logging) and returns a
 `LaunchResult`; rendering is the CLI's business. Events for a live display go to `on_event`.
+
+It opens one SSH session per node (a bounded number of handshakes at a time); each node checks
+itself (the pre-flight) and waits, and only when every node has passed does the launcher tell
+them all to go (launcher.command). `launch hosts` uses `preflight`, the check alone.
 
 Stopping is cooperative first: the launcher closes each node's stdin, and the node-side wrapper
 (launcher.command.remote_script) stops its own process tree. A node that cannot be told (its

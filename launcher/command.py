@@ -281,5 +281,7 @@ def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
 
 
 def probe_script(config: LaunchConfig, check_torch: bool) -> str:
-    """`launch hosts`' program: the check lines alone, then exit."""
-    return _join(_check_statements(config, facts=True, torch=check_torch))
+    """`launch hosts`' program: the check lines and CHECKED_MARKER, then it waits for end of input,
+    as a launch's node does before `go`."""
+    return _join([*_check_statements(config, facts=True, torch=check_torch), f"echo {CHECKED_MARKER}",
+                  "IFS= read -r G", "exit 0"])

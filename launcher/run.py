@@ -27,7 +27,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,58 +134,6 @@ class Probe:
     skew_s: float | None = None  # how far the node's clock is outside the probe's time window
 
 
-class _InFlight:
-    """The ssh clients the pre-flight has running, so that Ctrl-C can end them at once: a probe
-    stuck in a handshake (a node that does not answer) would otherwise hold the launcher's exit
-    until ConnectTimeout, since Python waits for pool threads at exit."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._procs: set[subprocess.Popen] = set()
-        self.cancelled = False
-
-    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        with self._lock:
-            if self.cancelled:
-                return subprocess.CompletedProcess(argv, 255, "", "interrupted")
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
-            self._procs.add(proc)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-        finally:
-            with self._lock:
-                self._procs.discard(proc)
-        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            for proc in self._procs:
-                if proc.poll() is None:
-                    proc.kill()  # an ssh client of ours, in its own session; nothing remote runs yet
-
-
-def _probe_one(transport: Transport, node: Node, script: str, timeout: float,
-               inflight: _InFlight | None = None) -> Probe:
-    t0 = time.time()
-    runner = inflight or _InFlight()
-    try:
-        proc = runner.run(transport.argv(node, script), timeout)
-    except subprocess.TimeoutExpired:
-        return Probe(node, False, f"no answer within {timeout:.0f} s")
-    t1 = time.time()
-    facts = dict(l.split("=", 1) for l in proc.stdout.splitlines() if "=" in l)
-    if proc.returncode != 0 or "host" not in facts:
-        err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return Probe(node, False, err)
-    return Probe(node, True, facts=facts, skew_s=_skew(facts, t0, t1))
-
-
 # Handshakes in flight when every connection goes to a different sshd (no bastion or proxy).
 DIRECT_CONCURRENCY = 32
 
@@ -243,41 +190,16 @@ def preflight(
     stop: threading.Event | None = None,
     on_event: Event | None = None,
 ) -> dict[int, Probe]:
-    """Probe every node with `probe_script` (what `launch hosts` shows), a bounded number of
-    handshakes at a time (`handshake_limit`). A launch checks its nodes in its own sessions
-    instead (see `launch`)."""
-    timeout = _probe_timeout(config)
-    results: dict[int, Probe] = {}
-    workers = handshake_limit(cluster, config, transport)
-    pool = ThreadPoolExecutor(max_workers=max(1, workers))
-    inflight = _InFlight()
+    """The check alone on every node (what `launch hosts` shows): the sessions a launch opens,
+    ended after the check instead of told to go."""
+    script = probe_script(config, check_torch)
+    runs: dict[int, _NodeRun] = {}
     try:
-        futures = {}
-        script = probe_script(config, check_torch)
-        for node in cluster.nodes:
-            futures[node.rank] = pool.submit(_probe_one, transport, node, script, timeout, inflight)
-        for rank, fut in futures.items():
-            while True:
-                if stop is not None and stop.is_set():
-                    for f in futures.values():
-                        f.cancel()
-                    break
-                try:
-                    results[rank] = fut.result(timeout=0.2)
-                    if on_event:
-                        on_event("checked", rank, "ok" if results[rank].ok else results[rank].error)
-                    break
-                except TimeoutError:
-                    continue
-            if stop is not None and stop.is_set():
-                break
+        _check_all(cluster, config, transport, dict.fromkeys((n.rank for n in cluster.nodes), script),
+                   runs, queue.Queue(), stop or threading.Event(), on_event or (lambda kind, rank, text: None))
+        return {r: run.probe() for r, run in runs.items()}
     finally:
-        # On Ctrl-C, return at once: probes still in flight only print facts and end by themselves.
-        interrupted = stop is not None and stop.is_set()
-        if interrupted:
-            inflight.cancel()
-        pool.shutdown(wait=not interrupted, cancel_futures=True)
-    return results
+        _cancel_all(runs)
 
 
 def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfig) -> list[str]:

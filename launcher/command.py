@@ -31,6 +31,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from gpufleet.nccl_env import PREPEND_PATH_VARS
+from infra.contract import READY_MARKER
 
 from launcher.env import HOST_IFACE_ON_NODE
 from launcher.model import Cluster, LaunchConfig, Node, SshConfig
@@ -53,8 +54,6 @@ __all__ = [
 EXIT_MARKER = "__GPUFLEET_EXIT__"
 # The check half is done; the node waits for `go`.
 CHECKED_MARKER = "__GPUFLEET_CHECKED__"
-# Written by the startup script when a node is ready (the infra engineer's template).
-READY_MARKER = "/var/lib/gpufleet/ready.json"
 
 
 def rdzv_lock_path(address: str, port: int) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.catalog import MACHINE_TYPES
+from infra.contract import LABEL_NODE
 
 from launcher.model import Cluster, Node, UserError
 
@@ -176,8 +177,8 @@ def discover_by_label(
 ) -> Cluster:
     """Running instances with all `labels`, through google-cloud-compute's InstancesClient.
 
-    Rank order: by the `gpufleet-index` label when every instance has one (infra sets it),
-    else by instance name. `client` lets tests point at a local endpoint.
+    Rank order: instances with infra's node-index label (`infra.contract.LABEL_NODE`) first, by
+    that index, then the rest by instance name. `client` lets tests point at a local endpoint.
     """
     for k, v in labels.items():
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", k) or not re.fullmatch(r"[a-z0-9_-]{0,63}", v):
@@ -200,7 +201,7 @@ def discover_by_label(
                         f"{project}/{zone} ({found}); check --label/--project/--zone")
 
     def index(inst: Any) -> tuple[int, str]:
-        raw = inst.labels.get("gpufleet-index")
+        raw = inst.labels.get(LABEL_NODE)
         return (int(raw) if raw is not None and raw.isdigit() else 1 << 30, inst.name)
 
     running.sort(key=index)

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from gpufleet.catalog import lookup
+from infra.contract import NCCL_TESTS_DIR
 from launcher import nccl_report
 from launcher.cli import (
     _PASS_THROUGH,
@@ -59,7 +60,7 @@ _SWEEP_OPTIONS = [
     click.option("-d", "--datatype", default="float", show_default=True),
     click.option("-o", "--redop", default="sum", show_default=True),
     click.option("--impl", type=click.Choice(["torch", "nccl-tests"]), default="torch", show_default=True),
-    click.option("--nccl-tests-dir", default="/opt/nccl-tests/build", show_default=True,
+    click.option("--nccl-tests-dir", default=NCCL_TESTS_DIR, show_default=True,
                  help="Where the nodes hold NVIDIA's *_perf binaries (--impl nccl-tests)."),
     click.option("--min-busbw", type=float, help="Exit 1 when the average bus bandwidth (GB/s) is below this."),
     click.option("--nccl-algo", help="NCCL_ALGO for the run."),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from infra.contract import LABEL_NODE
 from launcher.cli import main
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 
@@ -119,8 +120,9 @@ def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, 
 def test_label_discovery_through_the_compute_api_runs_only_matching_nodes(sim_cluster, tmp_path):
     c = sim_cluster(3)
     instances = [
-        FakeInstance("trainer-1", c.nodes[1].address, {"team": "ml", "gpufleet-index": "1"}),
-        FakeInstance("trainer-0", c.nodes[0].address, {"team": "ml", "gpufleet-index": "0"}),
+        # Names sort the other way round: only infra's index label puts trainer-b first.
+        FakeInstance("trainer-a", c.nodes[1].address, {"team": "ml", LABEL_NODE: "1"}),
+        FakeInstance("trainer-b", c.nodes[0].address, {"team": "ml", LABEL_NODE: "0"}),
         FakeInstance("other", c.nodes[2].address, {"team": "web"}),
     ]
     with FakeCompute({("proj", "us-central1-a"): instances}) as api:

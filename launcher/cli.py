@@ -126,15 +126,21 @@ _PROGRAM_AFTER = {"allow_interspersed_args": False}
 
 def find_cluster(o: dict[str, Any]) -> Cluster:
     """Exactly one node source, then --exclude and --nodes."""
-    given = [k for k in ("stack", "outputs", "hostfile", "labels", "local") if o.get(k)]
+    flags = {"stack": "--stack", "outputs": "--outputs", "hostfile": "--hostfile", "labels": "--label",
+             "local": "--local"}
+    given = [k for k in flags if o.get(k)]
     if len(given) != 1:
-        what = ", ".join("--" + g.rstrip("s") for g in given) if given else "none"
+        what = ", ".join(flags[g] for g in given) if given else "none"
         raise UserError(f"give exactly one node source (--stack, --outputs, --hostfile, --label, --local); got {what}")
     ext = o.get("external_ip", False)
     src = given[0]
     if src == "local":
         if o.get("nodes") is None:
             raise UserError("--local needs --nodes N (how many nodes to simulate here)")
+        for key, flag in (("exclude", "--exclude"), ("machine_type", "--machine-type")):
+            if o.get(key):
+                raise UserError(f"{flag} does not apply to --local (its nodes are processes on this "
+                                "machine, on CPU); drop it")
         return discovery.local_cluster(o["nodes"])
     if src == "hostfile":
         cluster = discovery.read_hostfile(o["hostfile"], machine_type=o.get("machine_type"))

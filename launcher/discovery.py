@@ -142,15 +142,17 @@ def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:
     return cluster_from_outputs(data, source=str(path), prefer_external=prefer_external)
 
 
-def read_stack(stack: str, cwd: Path | None = None, prefer_external: bool = False) -> Cluster:
-    """`pulumi stack output --json --stack NAME` (run in `cwd`, the infra project)."""
+def read_stack(stack: str, prefer_external: bool = False) -> Cluster:
+    """`pulumi stack output --json --stack NAME`, in the current directory's Pulumi project."""
     if shutil.which("pulumi") is None:
         raise UserError("--stack needs the `pulumi` CLI on PATH; or save the outputs "
                         "(`pulumi stack output --json > out.json`) and pass --outputs out.json")
-    proc = subprocess.run(
-        ["pulumi", "stack", "output", "--json", "--stack", stack],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
-    )
+    try:
+        proc = subprocess.run(["pulumi", "stack", "output", "--json", "--stack", stack],
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"`pulumi stack output --stack {stack}` did not answer within 120 s (logged in? "
+                        "`pulumi whoami`); or save the outputs and pass --outputs") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise UserError(f"`pulumi stack output --stack {stack}` failed: {last}")
@@ -185,15 +187,19 @@ def discover_by_label(
             raise UserError(f"--label {k}={v} is not a valid Compute Engine label "
                             "(lowercase letters, digits, '-', '_')")
     from google.api_core import exceptions as gexc
+    from google.auth import exceptions as gauth
     from google.cloud import compute_v1
 
-    if client is None:
-        client = compute_v1.InstancesClient()
     request = compute_v1.ListInstancesRequest(project=project, zone=zone, filter=_label_filter(labels))
     try:
+        if client is None:
+            client = compute_v1.InstancesClient()
         instances = list(client.list(request=request))
     except gexc.GoogleAPICallError as e:
         raise UserError(f"listing instances in {project}/{zone} failed: {e.message}") from None
+    except gauth.GoogleAuthError as e:
+        raise UserError(f"no Google credentials to list instances in {project}/{zone} ({e.__class__.__name__}); "
+                        "run `gcloud auth application-default login`, or use --hostfile/--outputs") from None
     running = [i for i in instances if i.status in ("RUNNING", "")]
     if not running:
         found = f"{len(instances)} not running" if instances else "none"

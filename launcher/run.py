@@ -507,6 +507,11 @@ def launch(
         probes = {r: run.probe() for r, run in runs.items()}
         for w in check_probes(cluster, probes, config):
             log.warning(w)
+        try:
+            config.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the run directory {config.run_dir}: {e.strerror}; nothing was "
+                            "started. Pass --runs-dir with a directory you can write") from None
         started = True
         return _run(cluster, config, runs, events, stop, received, emit)
     finally:
@@ -565,7 +570,6 @@ def _cancel_all(runs: dict[int, "_NodeRun"], wait_s: float = 3.0) -> None:
 
 def _run(cluster, config, runs, events, stop, received, emit) -> LaunchResult:
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     result = LaunchResult(config.job_id, run_dir, {})
     for rank, run in runs.items():
         run.go(run_dir / f"node-{rank}.log")

@@ -317,6 +317,34 @@ def test_local_dry_run_uses_this_python_and_loopback():
     assert "-m workloads.train --steps 3" in r.output
 
 
+def test_label_discovery_without_google_credentials_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    # Where google-auth looks for a GCE metadata server: nothing listens there.
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    r = CliRunner().invoke(main, ["exec", "--label", "team=ml", "--project", "p", "--zone", "z", "--", "true"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: no Google credentials to list instances in p/z") and "Traceback" not in r.output
+
+
+def test_runs_dir_that_cannot_be_created_is_one_line_and_nothing_runs(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--runs-dir", str(blocker / "runs"),
+                                  "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
+    assert r.exit_code == 2, r.output
+    assert "cannot create the run directory" in r.output and "--runs-dir" in r.output
+    assert not list(tmp_path.glob("ran-*"))
+
+
+@pytest.mark.parametrize("extra, flag", [(["--exclude", "x"], "--exclude"), (["--machine-type", "a2-highgpu-1g"], "--machine-type")])
+def test_local_refuses_options_that_name_machines(extra, flag):
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", *extra, "--", "true"])
+    assert r.exit_code == 2 and f"error: {flag} does not apply to --local" in r.output, r.output
+
+
 def test_the_status_line_names_the_last_nodes_still_to_answer():
     from launcher.cli import _printer
 

@@ -281,7 +281,12 @@ def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
     """Find the nodes, build the config, run (or print for --dry-run). Returns None for dry runs."""
     _setup_logging()
     cluster = find_cluster(o)
-    config = build_config(o, workload, cluster)
+    return execute_on(cluster, build_config(o, workload, cluster))
+
+
+def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
+    """Run `config` on `cluster` with the live display and the summary table, or, for --dry-run,
+    print each node's command and connect to nothing (returns None)."""
     if config.dry_run:
         transport = make_transport(cluster, config)
         for rank, script in node_commands(cluster, config, transport).items():

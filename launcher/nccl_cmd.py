@@ -25,21 +25,20 @@ from gpufleet.catalog import lookup
 from infra.contract import NCCL_TESTS_DIR
 from launcher import nccl_report
 from launcher.cli import (
-    _PASS_THROUGH,
     _SOURCE_OPTIONS,
     _TORCHRUN_OPTIONS,
     _apply,
-    _render,
     _setup_logging,
     _user_errors,
     build_config,
     err,
-    execute,
+    execute_on,
     find_cluster,
 )
+from launcher.command import nproc_for
 from launcher.env import node_env
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
-from launcher.run import launch
+from launcher.run import Interrupted, launch
 
 
 def _out() -> Console:
@@ -101,10 +100,14 @@ def _extra_env(o: dict[str, Any]) -> tuple[str, ...]:
     return tuple(env)
 
 
-def _nranks(cluster: Cluster, config: LaunchConfig) -> int:
+def _nprocs(cluster: Cluster, config: LaunchConfig) -> list[int]:
+    """Processes on each node, as the launch starts them (launcher.command.nproc_for)."""
     gpus = lookup(cluster.machine_type).gpu_count if cluster.machine_type and not cluster.local else None
-    per = config.nproc_per_node or cluster.nodes[0].slots or gpus or 1
-    return per * len(cluster.nodes)
+    return [nproc_for(n, gpus, config) for n in cluster.nodes]
+
+
+def _nranks(cluster: Cluster, config: LaunchConfig) -> int:
+    return sum(_nprocs(cluster, config))
 
 
 def _judge(rows, cluster: Cluster, config: LaunchConfig, o: dict[str, Any], out: Console) -> int:
@@ -134,7 +137,7 @@ def _judge(rows, cluster: Cluster, config: LaunchConfig, o: dict[str, Any], out:
     return code
 
 
-@click.command(name="nccl-tests", context_settings=_PASS_THROUGH)
+@click.command(name="nccl-tests")
 @_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS + _SWEEP_OPTIONS)
 @_user_errors
 def nccl_tests(**o: Any) -> None:
@@ -144,14 +147,15 @@ def nccl_tests(**o: Any) -> None:
         raise SystemExit(_find_bad_nodes(o))
     if o["impl"] == "nccl-tests":
         raise SystemExit(_run_nccl_tests_binary(o))
-    result = execute(o, Workload("torchrun", ("-m", "workloads.sweep", *sweep_argv(o))))
+    _setup_logging()
+    cluster = find_cluster(o)
+    config = build_config(o, Workload("torchrun", ("-m", "workloads.sweep", *sweep_argv(o))), cluster)
+    result = execute_on(cluster, config)
     if result is None:  # --dry-run
         return
-    if result.exit_code != 0 and result.first_failure is not None and result.outcomes[result.first_failure].connection_lost:
+    lost = result.first_failure is not None and result.outcomes[result.first_failure].connection_lost
+    if result.signal is not None or lost:
         raise SystemExit(result.exit_code)
-    cluster = find_cluster(o)
-    config = dataclasses.replace(build_config(o, Workload("exec", ("true",)), cluster),
-                                 job_id=result.job_id)
     code = _judge(rank0_rows(result, _nranks(cluster, config)), cluster, config, o, _out())
     raise SystemExit(result.exit_code or code)
 
@@ -162,8 +166,11 @@ def _run_nccl_tests_binary(o: dict[str, Any]) -> int:
     cluster = find_cluster(o)
     probe_cfg = build_config(o, Workload("torchrun", ("true",)), cluster)
     env = {k: v for k, v in node_env(cluster, probe_cfg).items() if not v.startswith("@")}
-    gpus = lookup(cluster.machine_type).gpu_count if cluster.machine_type else 1
-    nproc = o.get("nproc_per_node") or gpus
+    nprocs = set(_nprocs(cluster, probe_cfg))
+    if len(nprocs) != 1:
+        raise UserError(f"--impl nccl-tests starts the same number of processes on every node (mpirun "
+                        f"-npernode); the nodes' slots differ ({sorted(nprocs)}): pass --nproc-per-node")
+    nproc = nprocs.pop()
     ops = o["ops"].split(",") if o["ops"] != "all" else [
         "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv"]
     code = 0
@@ -175,11 +182,11 @@ def _run_nccl_tests_binary(o: dict[str, Any]) -> int:
             f"{o['nccl_tests_dir']}/{op}_perf", [n.address for n in cluster.nodes], nproc, args, env,
             allow_run_as_root=o.get("ssh_user") in (None, "root"),
         )
-        head = Cluster(cluster.name, cluster.nodes[:1], cluster.machine_type, cluster.zone, cluster.project)
-        o1 = dict(o, nodes=None, exclude="")
-        config = build_config(o1, Workload("exec", tuple(argv)), head)
-        result = launch(head, config)
-        _render(result, head)
+        head = dataclasses.replace(cluster, nodes=cluster.nodes[:1])
+        config = build_config(o, Workload("exec", tuple(argv)), head)
+        result = execute_on(head, config)
+        if result is None:  # --dry-run: the mpirun command on node 0, for each collective
+            continue
         if result.exit_code != 0:
             return result.exit_code
         text = (result.run_dir / "node-0.log").read_text(errors="replace")
@@ -189,12 +196,24 @@ def _run_nccl_tests_binary(o: dict[str, Any]) -> int:
     return code
 
 
+class _PairFailed(Exception):
+    """A sweep of --find-bad-nodes did not give a number: the search ends with `code`."""
+
+    def __init__(self, message: str, code: int, stopped: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.stopped = stopped  # stopped by the launcher (a signal, or another pair's failure)
+
+
 def _find_bad_nodes(o: dict[str, Any]) -> int:
     """Pairs, a round of disjoint pairs at a time; then halves to confirm."""
     _setup_logging()
     cluster = find_cluster(o)
     if cluster.local:
         raise UserError("--find-bad-nodes compares machines; --local has only this one")
+    if o.get("dry_run"):
+        raise UserError("--find-bad-nodes runs many launches, chosen as results come in; --dry-run "
+                        "shows one: drop --find-bad-nodes to see the sweep's command")
     if len(cluster.nodes) < 3:
         raise UserError(f"--find-bad-nodes needs 3 or more nodes to tell a bad one apart; found {len(cluster.nodes)}")
     if not 0 < o["threshold"] <= 1:
@@ -203,7 +222,13 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
     parent = base.run_dir
     by_host = {n.host: n for n in cluster.nodes}
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    received: list[int] = []
+
+    def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
+        received.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     counter = iter(range(1 << 20))
 
     def sweep(hosts: list[str], label: str) -> float:
@@ -212,15 +237,43 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
         idx = next(counter)
         cfg = dataclasses.replace(base, job_id=f"{base.job_id}-{label}", runs_dir=parent,
                                   rdzv_port=base.rdzv_port + idx % 100)
-        res = launch(sub, cfg, handle_signals=False, stop=stop)
+        where = f"the sweep on {', '.join(hosts)}"
+        try:
+            res = launch(sub, cfg, handle_signals=False, stop=stop)
+        except Interrupted:
+            raise _PairFailed(f"{where} was stopped before it started", 1, stopped=True) from None
+        except UserError as e:
+            stop.set()  # the search cannot finish: stop the other pairs of the round
+            raise _PairFailed(f"{where} could not start: {e}", 1) from None
+        if res.signal is not None:
+            raise _PairFailed(f"{where} was stopped", res.exit_code, stopped=True)
         if res.exit_code != 0:
-            raise UserError(f"the sweep on {', '.join(hosts)} failed ({res.exit_code}); "
-                            f"see {res.run_dir}/node-*.log")
+            stop.set()
+            raise _PairFailed(f"{where} failed ({res.exit_code}); see {res.run_dir}/node-*.log", res.exit_code)
         rows = rank0_rows(res, _nranks(sub, cfg))
         if not rows:
-            raise UserError(f"the sweep on {', '.join(hosts)} printed no rows; see {res.run_dir}/node-*.log")
+            stop.set()
+            raise _PairFailed(f"{where} printed no rows; see {res.run_dir}/node-*.log", 1)
         largest = max(r.size for r in rows)
         return max(r.best_busbw for r in rows if r.size == largest)
+
+    def gather(futs: dict) -> dict:
+        """Each future's result; on a failure, exit with the pair that failed (not one the
+        launcher stopped because of it), or with the signal that stopped the search."""
+        done, failed = {}, []
+        for key, fut in futs.items():
+            try:
+                done[key] = fut.result()
+            except _PairFailed as e:
+                failed.append(e)
+        if received:
+            err.print(f"[red]stopped on {signal.Signals(received[0]).name}; no verdict[/red]")
+            raise SystemExit(128 + received[0])
+        if failed:
+            first = next((e for e in failed if not e.stopped), failed[0])
+            err.print(f"[red]error: {escape(str(first))}; no verdict[/red]")
+            raise SystemExit(first.code)
+        return done
 
     try:
         hosts = [n.host for n in cluster.nodes]
@@ -228,11 +281,8 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
         for i, rnd in enumerate(nccl_report.pair_schedule(hosts)):
             err.print(f"[dim]round {i + 1}: {', '.join(f'{a}+{b}' for a, b in rnd)}[/dim]")
             with ThreadPoolExecutor(max_workers=len(rnd)) as pool:
-                futs = {pair: pool.submit(sweep, list(pair), f"pair-{pair[0]}-{pair[1]}") for pair in rnd}
-                for pair, fut in futs.items():
-                    pair_bw[pair] = fut.result()
-            if stop.is_set():
-                raise SystemExit(130)
+                pair_bw.update(gather({pair: pool.submit(sweep, list(pair), f"pair-{pair[0]}-{pair[1]}")
+                                       for pair in rnd}))
         report = nccl_report.rank_nodes(pair_bw, o["threshold"])
         for (a, b), bw in sorted(pair_bw.items()):
             click.echo(f"pair {a} {b}: busbw {bw:.3f} GB/s")
@@ -245,8 +295,9 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
                 err.print(f"[yellow]no confirming pass: {escape(str(e))}[/yellow]")
             else:
                 with ThreadPoolExecutor(max_workers=2) as pool:
-                    fc, fd = pool.submit(sweep, clean, "clean-half"), pool.submit(sweep, dirty, "suspect-half")
-                    clean_bw, dirty_bw = fc.result(), fd.result()
+                    halves = gather({"clean": pool.submit(sweep, clean, "clean-half"),
+                                     "dirty": pool.submit(sweep, dirty, "suspect-half")})
+                clean_bw, dirty_bw = halves["clean"], halves["dirty"]
                 click.echo(f"clean half {','.join(clean)}: {clean_bw:.3f} GB/s; "
                            f"suspect half {','.join(dirty)}: {dirty_bw:.3f} GB/s")
                 confirmed = nccl_report.confirm_suspects(clean_bw, dirty_bw, suspects, o["threshold"])

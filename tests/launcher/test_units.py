@@ -345,6 +345,31 @@ def test_local_refuses_options_that_name_machines(extra, flag):
     assert r.exit_code == 2 and f"error: {flag} does not apply to --local" in r.output, r.output
 
 
+def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n192.0.2.11\n192.0.2.12\n")  # TEST-NET-1: nothing answers there
+    base = ["nccl-tests", "--hostfile", str(hf), "--machine-type", "a3-megagpu-8g", "--runs-dir", str(tmp_path / "runs")]
+    r = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    # One command per collective, run on node 0, which starts mpirun over the 3 nodes.
+    assert len(lines) == 2 and all(l.startswith("192.0.2.10\t") for l in lines)
+    assert "all_reduce_perf" in lines[0] and "all_gather_perf" in lines[1] and "mpirun" in lines[0]
+    r = CliRunner().invoke(main, [*base, "--find-bad-nodes", "--dry-run"])
+    assert r.exit_code == 2 and "error: --find-bad-nodes" in r.output and "--dry-run" in r.output
+    r = CliRunner().invoke(main, [*base, "--bogus"])
+    assert r.exit_code == 2 and "--bogus" in r.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_rank_count_follows_each_nodes_slots():
+    from launcher.nccl_cmd import _nranks
+
+    c = Cluster("c", (Node(0, "a", "a", slots=2), Node(1, "b", "b", slots=1), Node(2, "c", "c")), "a3-megagpu-8g")
+    assert _nranks(c, _cfg()) == 2 + 1 + 8  # slots where given, else the machine type's GPUs
+    assert _nranks(c, _cfg(nproc_per_node=4)) == 12
+
+
 def test_the_status_line_names_the_last_nodes_still_to_answer():
     from launcher.cli import _printer
 

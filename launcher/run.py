@@ -217,18 +217,19 @@ def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfi
                         "--rdzv-port with a free port")
     missing_wd = [p.node.label for p in probes.values() if p.facts.get("workdir") == "missing"]
     if missing_wd:
-        raise UserError(f"--workdir {config.workdir!r} does not exist on {', '.join(missing_wd)}")
+        raise UserError(f"--workdir {config.workdir!r} does not exist on {', '.join(missing_wd)}; nothing "
+                        "was started. Create it there or pass another --workdir")
     torch = {r: p.facts["torch"] for r, p in probes.items() if "torch" in p.facts}
     if torch:
         no_torch = [probes[r].node.label for r, v in torch.items() if v == "missing"]
         if no_torch:
-            raise UserError(f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; "
-                            "install it there or pass --python with the right interpreter")
+            raise UserError(f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; nothing "
+                            "was started. Install it there or pass --python with the right interpreter")
         versions = sorted(set(torch.values()))
         if len(versions) > 1:
             by = "; ".join(f"{probes[r].node.label}: {v}" for r, v in sorted(torch.items()))
-            raise UserError(f"torch versions differ across nodes ({by}); every node must run the "
-                            "same version")
+            raise UserError(f"torch versions differ across nodes ({by}); nothing was started. Every "
+                            "node must run the same version")
     warnings = []
     skews = {r: p.skew_s for r, p in probes.items() if p.skew_s is not None}
     for r, s in sorted(skews.items()):

@@ -95,7 +95,7 @@ def test_node_exit_3_stops_the_others_names_itself_and_leaves_nothing(sim_cluste
     r = CliRunner().invoke(main, ["exec", *base(c, tmp_path), "--", "sh", "-c", cmd])
     assert r.exit_code == 3, r.output
     assert time.monotonic() - t0 < 20  # the sleeping nodes were stopped, not waited for
-    assert "node 1 (" in r.output and "failed first: exit 3" in r.output
+    assert f"node 1 ({c.nodes[1].address}) failed first: exit 3" in r.output
     assert "  dying" in r.output  # its last lines
     assert_nothing_left(c)
 
@@ -193,7 +193,7 @@ def test_node_that_disappears_is_reported_unreachable_not_as_a_code_failure(sim_
         if p.poll() is None:
             p.kill()
     assert p.returncode == 255, out
-    assert "node 2 (" in out and "unreachable" in out
+    assert f"node 2 ({c.nodes[2].address}) failed first: unreachable" in out
     assert_nothing_left(c)
 
 

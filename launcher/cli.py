@@ -23,7 +23,7 @@ from rich.table import Table
 from launcher import discovery
 from launcher.command import READY_MARKER
 from launcher.env import parse_env_pairs
-from launcher.model import Cluster, LaunchConfig, LaunchResult, SshConfig, UserError, Workload
+from launcher.model import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, SshConfig, UserError, Workload
 from launcher.run import Interrupted, launch, make_transport, new_job_id, node_commands, preflight
 
 __all__ = ["main"]
@@ -47,7 +47,7 @@ def _setup_logging() -> None:
     root.propagate = False
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     err.print(f"[red]error: {escape(message)}[/red]")
     raise SystemExit(code)
 
@@ -245,7 +245,7 @@ def _printer(cluster: Cluster):
                 line += "; waiting for " + ", ".join(waiting.values())
             status.update(escape(line))
         elif kind == "started":
-            if status is not None and rank == n - 1:
+            if rank == n - 1:
                 status.stop()
                 err.print(f"[dim]started on {n} node{'s' * (n != 1)}[/dim]")
     return on_event, status

@@ -222,7 +222,6 @@ class LaunchResult:
     outcomes: dict[int, NodeOutcome]  # by node rank
     first_failure: int | None = None  # rank of the node that failed first
     signal: int | None = None  # SIGINT/SIGTERM received by the launcher
-    lines: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def failures(self) -> dict[Node, NodeOutcome]:

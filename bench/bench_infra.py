@@ -1,6 +1,6 @@
 """Declaring a 128-node a3-megagpu-8g fleet under Pulumi's mocks, against 128 bare instances.
 
-    .venv/bin/python -m bench.bench_infra [--nodes 128] [--repeats 5]
+    .venv/bin/python -m bench.bench_infra [--nodes 128] [--repeats 7]
 
 Target: the gpufleet program (infra/__main__.py run as Pulumi runs it, preview mode, 9 networks,
 128 instances x 9 NICs = 1,152 NICs, placement, identity, outputs) takes under 5 s, and at most

@@ -18,7 +18,6 @@ if _ROOT not in sys.path:
 import pulumi  # noqa: E402
 
 from infra.config import ConfigError, read_spec  # noqa: E402
-from infra.contract import LABEL_CLUSTER  # noqa: E402
 from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
 from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
 from infra.nodes import NodePool, NodePoolArgs  # noqa: E402
@@ -54,7 +53,7 @@ def main() -> None:
         NodeIdentityArgs(
             cluster=spec.cluster, project=spec.project, region=spec.region,
             service_account=spec.service_account, checkpoint_bucket=spec.checkpoint_bucket,
-            labels={**dict(spec.labels), LABEL_CLUSTER: spec.cluster},
+            labels=spec.cluster_labels,
         ),
     )
     pool = NodePool(

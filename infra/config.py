@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.catalog import MachineType, UnknownMachineType, lookup
+from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
 
 from infra.contract import LABEL_CLUSTER, LABEL_NODE
 
@@ -100,6 +100,11 @@ _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
+# Network stacks whose startup template installs packages with apt unconditionally (tcpxo.sh,
+# rdma.sh): they cannot boot on Container-Optimized OS.
+_APT_NET_STACKS = (NetStack.TCPXO, NetStack.RDMA)
+
+
 class ConfigError(ValueError):
     """A stack config value this program refuses. str() is one line: key, bad value, what is allowed."""
 
@@ -144,10 +149,19 @@ class FleetSpec:
     @property
     def image_os(self) -> str:
         """"cos" for Container-Optimized OS images, "ubuntu" otherwise: picks NIC names and script paths."""
-        return "cos" if "cos-cloud" in self.image or "/cos-" in self.image or self.image.startswith("cos-") else "ubuntu"
+        return _image_os(self.image)
+
+    @property
+    def cluster_labels(self) -> dict[str, str]:
+        """The user's labels and the cluster label: what every labelled resource carries."""
+        return {**dict(self.labels), LABEL_CLUSTER: self.cluster}
 
     def node_labels(self, index: int) -> dict[str, str]:
-        return {**dict(self.labels), LABEL_CLUSTER: self.cluster, LABEL_NODE: str(index)}
+        return {**self.cluster_labels, LABEL_NODE: str(index)}
+
+
+def _image_os(image: str) -> str:
+    return "cos" if "cos-cloud" in image or "/cos-" in image or image.startswith("cos-") else "ubuntu"
 
 
 def _key(name: str) -> str:
@@ -263,6 +277,7 @@ def _bucket(key: str, raw: Any) -> str:
 
 def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     """Validate raw config (full keys: "gpufleet:nodes", "gcp:project", ...) into a FleetSpec.
+    Keys of other namespaces (other providers, gcp:region, ...) are ignored.
 
     Raises ConfigError, naming the first bad key, before anything is declared.
     """
@@ -364,6 +379,14 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
             "image", get("image"), _IMAGE_RE,
             "an image path such as projects/ubuntu-os-accelerator-images/global/images/family/NAME",
         )
+        if machine.net_stack in _APT_NET_STACKS and _image_os(image) == "cos":
+            # tcpxo.sh and rdma.sh install their plugin, DKMS module and gIB packages with apt;
+            # COS has no package manager, so the node would fail at boot.
+            raise _fail(
+                _key("image"), image,
+                f"an Ubuntu image: {machine.name} ({machine.net_stack.value}) installs its NCCL "
+                "plugin with apt, which Container-Optimized OS does not have",
+            )
 
     boot = DEFAULTS["bootDiskSizeGb"] if get("bootDiskSizeGb") is None else _int("bootDiskSizeGb", get("bootDiskSizeGb"), 50, 65536, 200)
     external_ip = DEFAULTS["externalIp"] if get("externalIp") is None else _bool("externalIp", get("externalIp"))
@@ -392,11 +415,15 @@ def read_spec() -> FleetSpec:
     import pulumi
     from pulumi.runtime import config as runtime_config
 
-    # Every key the engine set: explicitly (set_all_config) or through PULUMI_CONFIG.
+    # Every key the engine set: explicitly (set_all_config) or through PULUMI_CONFIG. parse_spec
+    # reads gpufleet:*, gcp:project and gcp:zone and ignores the rest.
     raw: dict[str, Any] = dict(runtime_config.get_config_env())
     raw.update(runtime_config.CONFIG.get())
-    wanted = {k: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:") or k in ("gcp:project", "gcp:zone")}
-    return parse_spec(wanted, stack=pulumi.get_stack())
+    return parse_spec(raw, stack=pulumi.get_stack())
+
+
+def _not_config(value: Any) -> Any:
+    raise TypeError(f"it holds a {type(value).__name__} value")
 
 
 def read_stack_file(path: str) -> FleetSpec:
@@ -407,9 +434,16 @@ def read_stack_file(path: str) -> FleetSpec:
 
     import yaml  # a dependency of the pulumi SDK itself
 
+    class StackLoader(yaml.SafeLoader):
+        """YAML as Pulumi reads a stack file: a date (2024-01-01) stays the text it was written as."""
+
+    StackLoader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
     try:
         with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+            doc = yaml.load(f, Loader=StackLoader)  # a SafeLoader
     except OSError as e:
         raise ConfigError(f"stack file {path!r} cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -427,11 +461,15 @@ def read_stack_file(path: str) -> FleetSpec:
         if isinstance(value, dict) and "secure" in value:
             raise ConfigError(f"config {full} is encrypted (secure:); gpufleet settings are not secrets: "
                               f"`pulumi config set {full} VALUE` without --secret")
-        raw[full] = value if isinstance(value, str) else json.dumps(value)
+        try:
+            raw[full] = value if isinstance(value, str) else json.dumps(value, default=_not_config)
+        except (TypeError, ValueError) as e:
+            # Only an explicit tag (!!timestamp, !!binary, !!set) makes a value JSON cannot hold.
+            raise ConfigError(f"config {full} is not allowed: {e}; write plain text, a number, true/false, "
+                              "a list or a map (no YAML !! tags)") from None
     name = os.path.basename(path)
     stack = name[len("Pulumi."):-len(".yaml")] if name.startswith("Pulumi.") and name.endswith(".yaml") else "dev"
-    wanted = {k: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:") or k in ("gcp:project", "gcp:zone")}
-    return parse_spec(wanted, stack=stack)
+    return parse_spec(raw, stack=stack)
 
 
 def main(argv: list[str] | None = None) -> int:

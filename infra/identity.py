@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import pulumi
 import pulumi_gcp as gcp
 
-__all__ = ["NODE_ROLES", "BUCKET_ROLE", "NodeIdentityArgs", "NodeIdentity"]
+__all__ = ["NODE_ROLES", "BUCKET_ROLE", "service_account_id", "NodeIdentityArgs", "NodeIdentity"]
 
 # What a node needs and nothing more: write its logs and metrics, pull the GPUDirect images from
 # Artifact Registry (DSTACK grants roles/artifactregistry.reader for them; gcp-facts 4.9).
@@ -19,6 +20,20 @@ NODE_ROLES = (
 # Read, write and delete objects in the one bucket (checkpoints are overwritten and pruned), no
 # bucket administration (https://cloud.google.com/storage/docs/access-control/iam-roles).
 BUCKET_ROLE = "roles/storage.objectUser"
+
+
+def service_account_id(cluster: str) -> str:
+    """The node service account's ID: `<cluster>-nodes`, one per cluster within IAM's limit.
+
+    An account ID is unique within a project, 6-30 characters, [a-z]([-a-z0-9]*[a-z0-9])
+    (pulumi-gcp AccountArgs.account_id; changing it replaces the account). A cluster name longer
+    than 24 characters is cut to 17 and a hash of the whole name appended, so two clusters that
+    share a prefix get two accounts; the hash ends the ID, so it cannot equal a short name's.
+    """
+    if len(cluster) <= 24:
+        return f"{cluster}-nodes"
+    digest = hashlib.sha256(cluster.encode()).hexdigest()[:6]
+    return f"{cluster[:17].rstrip('-')}-nodes-{digest}"
 
 
 @dataclass(frozen=True)
@@ -41,8 +56,7 @@ class NodeIdentity(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         self.grants: list[pulumi.Resource] = []
         if args.service_account is None:
-            # account_id: 6-30 characters, [a-z]([-a-z0-9]*[a-z0-9]).
-            account_id = f"{args.cluster[:24].rstrip('-')}-nodes"
+            account_id = service_account_id(args.cluster)
             account = gcp.serviceaccount.Account(
                 f"{args.cluster}-nodes",
                 gcp.serviceaccount.AccountArgs(

@@ -36,7 +36,6 @@ class GpuNetworks(pulumi.ComponentResource):
         super().__init__("gpufleet:infra:GpuNetworks", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         plans, nic_plans = plan_networks(args.machine, cluster=args.cluster, zone=args.zone)
-        self.plans = plans
         # What an instance must wait for: every subnet its NICs name (each after its network) and
         # the NAT its first boot downloads through. Listed directly rather than by depending on
         # this component, which Pulumi would expand to all its children for each instance.
@@ -44,7 +43,6 @@ class GpuNetworks(pulumi.ComponentResource):
         plans_by_key = {p.key: p for p in plans}
         self.networks: dict[str, gcp.compute.Network] = {}
         self.subnets: dict[str, list[gcp.compute.Subnetwork]] = {}
-        self.firewalls: list[gcp.compute.Firewall] = []
         for plan in plans:
             net = gcp.compute.Network(
                 plan.name,
@@ -82,40 +80,36 @@ class GpuNetworks(pulumi.ComponentResource):
             # All traffic between the cluster's own subnets. The RDMA VPC gets no rule: CTK's
             # A3 Ultra/A4 blueprints declare `firewall_rules = []` for it (gcp-facts 2.1).
             if plan.role != "rdma":
-                self.firewalls.append(
-                    gcp.compute.Firewall(
-                        f"{plan.name}-internal",
-                        gcp.compute.FirewallArgs(
-                            name=f"{plan.name}-internal",
-                            project=args.project,
-                            network=net.self_link,
-                            direction="INGRESS",
-                            allows=[
-                                gcp.compute.FirewallAllowArgs(protocol="tcp", ports=["0-65535"]),
-                                gcp.compute.FirewallAllowArgs(protocol="udp", ports=["0-65535"]),
-                                gcp.compute.FirewallAllowArgs(protocol="icmp"),
-                            ],
-                            source_ranges=list(plan.cidrs),
-                            target_tags=[args.cluster],
-                        ),
-                        opts=child,
-                    )
+                gcp.compute.Firewall(
+                    f"{plan.name}-internal",
+                    gcp.compute.FirewallArgs(
+                        name=f"{plan.name}-internal",
+                        project=args.project,
+                        network=net.self_link,
+                        direction="INGRESS",
+                        allows=[
+                            gcp.compute.FirewallAllowArgs(protocol="tcp", ports=["0-65535"]),
+                            gcp.compute.FirewallAllowArgs(protocol="udp", ports=["0-65535"]),
+                            gcp.compute.FirewallAllowArgs(protocol="icmp"),
+                        ],
+                        source_ranges=list(plan.cidrs),
+                        target_tags=[args.cluster],
+                    ),
+                    opts=child,
                 )
         host = plans[0]
-        self.firewalls.append(
-            gcp.compute.Firewall(
-                f"{args.cluster}-ssh",
-                gcp.compute.FirewallArgs(
-                    name=f"{args.cluster}-ssh",
-                    project=args.project,
-                    network=self.networks[host.key].self_link,
-                    direction="INGRESS",
-                    allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=["22"])],
-                    source_ranges=list(args.ssh_source_ranges),
-                    target_tags=[args.cluster],
-                ),
-                opts=child,
-            )
+        gcp.compute.Firewall(
+            f"{args.cluster}-ssh",
+            gcp.compute.FirewallArgs(
+                name=f"{args.cluster}-ssh",
+                project=args.project,
+                network=self.networks[host.key].self_link,
+                direction="INGRESS",
+                allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=["22"])],
+                source_ranges=list(args.ssh_source_ranges),
+                target_tags=[args.cluster],
+            ),
+            opts=child,
         )
         if args.nat:
             # The startup script pulls packages and images: without external IPs that needs NAT.

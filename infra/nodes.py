@@ -103,22 +103,19 @@ class NodePool(pulumi.ComponentResource):
         )
         metadata = {"enable-oslogin": "TRUE", "startup-script": args.startup_script}
 
-        def interfaces() -> list[gcp.compute.InstanceNetworkInterfaceArgs]:
-            out = []
-            for k, (subnet, nic_type) in enumerate(args.nic_targets):
-                external = k == 0 and spec.external_ip
-                out.append(
-                    # stack_type stays at its default, IPV4_ONLY (CTK multivpc's default too).
-                    gcp.compute.InstanceNetworkInterfaceArgs(
-                        subnetwork=subnet,
-                        nic_type=nic_type,
-                        access_configs=(
-                            [gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(network_tier="PREMIUM")]
-                            if external else None
-                        ),
-                    )
-                )
-            return out
+        # One list of NIC args shared by every node, like boot_disk: the inputs are the same.
+        interfaces = [
+            # stack_type stays at its default, IPV4_ONLY (CTK multivpc's default too).
+            gcp.compute.InstanceNetworkInterfaceArgs(
+                subnetwork=subnet,
+                nic_type=nic_type,
+                access_configs=(
+                    [gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(network_tier="PREMIUM")]
+                    if k == 0 and spec.external_ip else None
+                ),
+            )
+            for k, (subnet, nic_type) in enumerate(args.nic_targets)
+        ]
 
         self.instances: list[gcp.compute.Instance] = []
         for i in range(spec.nodes):
@@ -137,7 +134,7 @@ class NodePool(pulumi.ComponentResource):
                         zone=spec.zone,
                         machine_type=spec.machine_type,
                         boot_disk=boot_disk,
-                        network_interfaces=interfaces(),
+                        network_interfaces=interfaces,
                         scheduling=scheduling,
                         reservation_affinity=affinity,
                         resource_policies=args.placement_policy,

@@ -28,10 +28,11 @@ class PlacementPolicy(pulumi.ComponentResource):
         # "If compute instances are created with a COLLOCATED policy, then exactly `vm_count`
         # instances must be created at the same time with the resource policy attached"
         # (pulumi-gcp ResourcePolicyGroupPlacementPolicyArgs; gcp-facts 3.3), so vm_count = nodes.
+        policy_name = f"{args.cluster}-placement"
         self.policy = gcp.compute.ResourcePolicy(
-            f"{args.cluster}-placement",
+            policy_name,
             gcp.compute.ResourcePolicyArgs(
-                name=f"{args.cluster}-placement",
+                name=policy_name,
                 project=args.project,
                 region=args.region,
                 group_placement_policy=gcp.compute.ResourcePolicyGroupPlacementPolicyArgs(
@@ -44,5 +45,5 @@ class PlacementPolicy(pulumi.ComponentResource):
         )
         # Instances take the policy by path (a plain string costs Pulumi less than an Output
         # input on each of 128 nodes; bench/bench_infra.py) and depend on `self.policy`.
-        self.self_link = f"projects/{args.project}/regions/{args.region}/resourcePolicies/{args.cluster}-placement"
+        self.self_link = f"projects/{args.project}/regions/{args.region}/resourcePolicies/{policy_name}"
         self.register_outputs({"selfLink": self.policy.self_link})

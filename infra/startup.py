@@ -69,6 +69,5 @@ def render_startup_script(machine: MachineType, *, cluster: str, image_os: str) 
         "RDMA_NIC_COUNT": str(sum(1 for n in machine.nics if n.role == "rdma")),
     }
     section = _fill(_template(STACK_TEMPLATES[machine.net_stack]), values).rstrip("\n")
-    # The section is inserted verbatim; its own placeholders were filled above.
-    base = _template("base.sh").replace("@@NET_STACK_SETUP@@", "\0SECTION\0")
-    return _fill(base, values).replace("\0SECTION\0", section)
+    # re.sub does not rescan what it inserts, so the filled section goes in verbatim.
+    return _fill(_template("base.sh"), {**values, "NET_STACK_SETUP": section})

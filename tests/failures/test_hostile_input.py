@@ -202,6 +202,13 @@ def test_every_stack_key_is_in_the_corpus():
     ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  nodez: 3\n", "gpufleet:nodez is not a gpufleet setting"),
     ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:nodes:\n    secure: AAAA\n",
      "gpufleet:nodes is encrypted"),
+    # YAML dates stay text, as Pulumi reads them; an explicit tag JSON cannot hold names its key.
+    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:name: 2024-01-01\n",
+     "config gpufleet:name = '2024-01-01' is not allowed"),
+    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:labels: {created: !!timestamp 2024-01-01}\n",
+     "config gpufleet:labels is not allowed: it holds a date value"),
+    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:labels: {blob: !!binary aGk=}\n",
+     "config gpufleet:labels is not allowed: it holds a bytes value"),
 ])
 def test_a_broken_stack_file_is_one_line_exit_2(tmp_path, capsys, text, culprit):
     path = tmp_path / "Pulumi.dev.yaml"

@@ -191,3 +191,35 @@ def test_a_wrong_type_for_every_key_gives_one_line_naming_it(key):
 )
 def test_more_wrong_values_are_refused(key, value):
     assert f"gpufleet:{key}" in error(**{key: value})
+
+
+@pytest.mark.parametrize("machine", ["a3-megagpu-8g", "a3-ultragpu-8g", "a4-highgpu-8g"])
+def test_a_cos_image_is_refused_where_the_net_stack_installs_with_apt(machine):
+    cos = "projects/cos-cloud/global/images/family/cos-105-lts"
+    m = error(machineType=machine, image=cos)
+    assert m.startswith("config gpufleet:image") and cos in m and "apt" in m and "Ubuntu" in m
+    # The type's default image boots, and COS stays fine where the stack does not need apt.
+    assert spec(machineType=machine).image_os == "ubuntu"
+    assert spec(machineType="a3-highgpu-8g", image=cos).image_os == "cos"
+
+
+def test_cluster_labels_are_the_node_labels_without_the_node():
+    s = spec(name="llm", labels={"team": "research"})
+    assert s.cluster_labels == {"team": "research", "gpufleet-cluster": "llm"}
+    assert s.node_labels(0) == {**s.cluster_labels, "gpufleet-node": "0"}
+
+
+def test_keys_of_other_namespaces_are_ignored():
+    assert spec(**{"gcp:region": "us-central1", "aws:region": "us-east-1"}).zone == "us-central1-a"
+
+
+def test_a_date_in_a_stack_file_stays_the_text_it_was_written_as(tmp_path):
+    from infra.config import read_stack_file
+
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n"
+                    "  gpufleet:labels: {created: 2024-01-01}\n")
+    assert read_stack_file(str(path)).labels == (("created", "2024-01-01"),)
+    path.write_text("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:name: 2024-01-01\n")
+    with pytest.raises(ConfigError, match=r"^config gpufleet:name = '2024-01-01' is not allowed: 1-40 lowercase"):
+        read_stack_file(str(path))

@@ -308,3 +308,24 @@ def test_bad_config_fails_with_one_line_before_any_resource_is_declared(config, 
     assert "\n" not in message and key in message and detail in message
     assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback
     assert mocks.declared == []
+
+
+def test_service_account_ids_stay_unique_and_within_iam_limits():
+    import re
+
+    from infra.identity import service_account_id
+
+    assert service_account_id("dev") == "dev-nodes"
+    assert service_account_id("a" * 24) == "a" * 24 + "-nodes"  # up to 24 characters: as before
+    long_a, long_b = "research-cluster-west-team-a", "research-cluster-west-team-b"
+    ids = {service_account_id(n) for n in (long_a, long_b, "x" * 40, "ab-" * 13 + "a")}
+    assert len(ids) == 4
+    for account in ids | {service_account_id("abcdef")}:
+        assert re.fullmatch(r"[a-z][-a-z0-9]{4,28}[a-z0-9]", account), account
+    assert service_account_id(long_a).startswith("research-cluster-nodes-")
+
+
+def test_clusters_sharing_a_long_prefix_get_their_own_service_accounts(fleet):
+    names = ["research-cluster-west-team-a", "research-cluster-west-team-b"]
+    accounts = [fleet(name=n, machineType="a2-highgpu-8g", nodes=1).of_type("Account")[0] for n in names]
+    assert accounts[0].inputs["accountId"] != accounts[1].inputs["accountId"]

@@ -31,15 +31,6 @@ from tests.simcluster import SimCluster
 LAUNCH = [sys.executable, "-m", "launcher"]
 
 
-def _ssh_flags(c: SimCluster) -> tuple[list[str], list[str]]:
-    """(launch flags, the same options as one ssh argument string list for pdsh)."""
-    flags, opts = [], list(c.ssh_options)
-    while opts:
-        flag, value = opts.pop(0), opts.pop(0)
-        flags += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
-    return flags, list(c.ssh_options)
-
-
 def _time(argv: list[str], env: dict | None = None) -> float:
     t0 = time.perf_counter()
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
@@ -65,7 +56,7 @@ def bench(n: int, repeats: int, c: SimCluster) -> dict[str, float]:
     hosts = c.addresses[:n]
     hostfile = Path(c.dir) / f"hosts{n}"
     hostfile.write_text("\n".join(hosts) + "\n")
-    flags, ssh_opts = _ssh_flags(c)
+    flags, ssh_opts = c.launch_flags, list(c.ssh_options)
     runs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-runs-"))
     pdsh_env = dict(os.environ, PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=" ".join(ssh_opts))
     pdsh = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "true"]

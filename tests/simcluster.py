@@ -152,6 +152,15 @@ class SimCluster:
         return self.dir / "id_ed25519"
 
     @property
+    def launch_flags(self) -> list[str]:
+        """`ssh_options` as `launch` flags (--ssh-key, --ssh-option)."""
+        out, opts = [], list(self.ssh_options)
+        while opts:
+            flag, value = opts.pop(0), opts.pop(0)
+            out += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
+        return out
+
+    @property
     def ssh_options(self) -> list[str]:
         opts = [
             "-i", str(self.client_key),

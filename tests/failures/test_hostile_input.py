@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from infra.config import KEYS, main as check_stack
 from launcher.cli import main
-from tests.failures.support import LAUNCH, REPO, ssh_args
+from tests.support import LAUNCH, REPO
 from tests.infra.test_config import WRONG_TYPES
 from tests.simcluster import SimCluster
 
@@ -137,7 +137,7 @@ def test_a_bad_node_source_or_flag_is_one_line_exit_2_and_nothing_runs(cluster, 
     paths = _files(cluster, tmp_path)
     marker = tmp_path / "ran"
     runs = tmp_path / "runs"
-    args = ["exec", *[paths[a[1:]] if a.startswith("@") else a for a in source], *extra, *ssh_args(cluster), "--runs-dir", str(runs),
+    args = ["exec", *[paths[a[1:]] if a.startswith("@") else a for a in source], *extra, *cluster.launch_flags, "--runs-dir", str(runs),
             "--", "touch", str(marker)]
     r = CliRunner().invoke(main, args)
     _assert_refused(cluster, r.output, r.exit_code, culprit, runs, marker)
@@ -148,7 +148,7 @@ def test_a_bad_torchrun_option_is_one_line_exit_2_and_nothing_runs(cluster, tmp_
     marker, runs = tmp_path / "ran", tmp_path / "runs"
     script = tmp_path / "s.py"
     script.write_text(f"open({str(marker)!r}, 'w')\n")
-    r = CliRunner().invoke(main, ["run", "--hostfile", str(cluster.hostfile), *ssh_args(cluster), *extra,
+    r = CliRunner().invoke(main, ["run", "--hostfile", str(cluster.hostfile), *cluster.launch_flags, *extra,
                                   "--runs-dir", str(runs), "--", str(script)])
     _assert_refused(cluster, r.output, r.exit_code, culprit, runs, marker)
 
@@ -159,7 +159,7 @@ def test_the_installed_console_script_refuses_hostile_hosts_without_a_traceback(
     marker, runs = tmp_path / "ran", tmp_path / "runs"
     for name, culprit in [("subshell.hosts", "line 2"), ("dash.hosts", "is not a valid host name"),
                           ("binary.hosts", "is not UTF-8 text"), ("empty.hosts", "lists no hosts")]:
-        r = subprocess.run([LAUNCH, "train", "--hostfile", paths[name], *ssh_args(cluster), "--runs-dir", str(runs),
+        r = subprocess.run([LAUNCH, "train", "--hostfile", paths[name], *cluster.launch_flags, "--runs-dir", str(runs),
                             "--", "--steps", "1"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         _assert_refused(cluster, r.stdout + r.stderr, r.returncode, culprit, runs, marker)
         assert r.stdout == ""  # the error is on stderr

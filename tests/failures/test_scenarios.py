@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -19,17 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.failures.support import (
+from tests.support import (
     PY,
     REPO,
     TRAIN,
     Launch,
-    assert_nothing_left,
     checkpoint_step,
     params,
     sigkill,
     source_args,
-    ssh_args,
     torch_args,
     wait_for,
     workers,
@@ -74,7 +71,7 @@ def test_a_worker_killed_on_node_2_stops_every_node_within_10s_and_names_node_2(
     report = failed_first(out)
     assert f"node 2 ({c.nodes[2].address}) failed first" in report, report
     assert "SIGKILL" in report  # its last lines: torchrun's summary of the killed worker
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 def test_a_killed_worker_is_restarted_and_training_ends_where_an_uninterrupted_run_ends(sim_cluster, tmp_path):
@@ -103,7 +100,7 @@ def test_a_killed_worker_is_restarted_and_training_ends_where_an_uninterrupted_r
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 # ---- a node disappears ---------------------------------------------------------------------
@@ -126,7 +123,7 @@ def test_a_node_that_disappears_mid_training_is_named_unreachable_and_the_rest_s
     assert stopped_in < 10, out
     report = failed_first(out)
     assert f"node 2 ({c.nodes[2].address}) failed first: unreachable" in report, report
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 # ---- preemption and Ctrl-C -------------------------------------------------------------------
@@ -155,7 +152,7 @@ def test_sigterm_to_the_workers_saves_a_checkpoint_and_resume_continues_from_it(
     assert again.wait(120) == 0, again.out
     assert f"resumed from {ckpt} at step {step}" in again.out
     assert f"step {step + 5}/{step + 5}" in again.out
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 def test_a_second_preemption_while_the_checkpoint_is_being_saved_does_not_kill_the_save(sim_cluster, tmp_path):
@@ -181,7 +178,7 @@ def test_a_second_preemption_while_the_checkpoint_is_being_saved_does_not_kill_t
         run.kill()
     assert rc == 0, run.out
     assert checkpoint_step(ckpt) >= 5
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 def test_ctrl_c_while_a_node_is_still_connecting_starts_nothing_and_exits_130(sim_cluster, tmp_path):
@@ -224,7 +221,7 @@ def test_ctrl_c_while_a_node_is_still_connecting_starts_nothing_and_exits_130(si
     assert took < 5, f"exit took {took:.1f} s after Ctrl-C"
     assert "[node " not in out  # no node printed anything: nothing ran
     assert not (tmp_path / "runs").exists()
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint_whole(sim_cluster, tmp_path):
@@ -241,7 +238,7 @@ def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint
     out = run.out
     assert rc == 130, out
     assert "stopped every node on signal 2" in out
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
     assert checkpoint_step(ckpt) >= 10  # latest names a whole checkpoint that loads
     assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
 
@@ -272,7 +269,7 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_a
     assert [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]  # the torn file is there...
     assert (ckpt / "latest").read_text().strip() == "step_00000002.pt"  # ...latest is not it
     assert checkpoint_step(ckpt) == 2  # and loads whole (tests/workloads resumes from such a state)
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint(sim_cluster, tmp_path, small_tmpfs):
@@ -297,7 +294,7 @@ def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint
     assert "[rank" not in errors[0]
     assert (disk / "latest").read_text().strip() == "step_00000001.pt"
     assert checkpoint_step(disk) == 1
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 # ---- nodes that differ -------------------------------------------------------------------------
@@ -337,7 +334,7 @@ def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_an
         node_env={1: {"PATH": f"{fake}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
                   3: {"PYTHONPATH": str(shadow)}},
     )
-    common = [*ssh_args(c), "--runs-dir", str(tmp_path / "runs"), *torch_args()]
+    common = [*c.launch_flags, "--runs-dir", str(tmp_path / "runs"), *torch_args()]
     run = Launch(["train", "--outputs", str(_outputs(c, tmp_path, [0, 1, 2], "three")), *common, "--",
                   *TRAIN, "--global-batch", "3", "--steps", "2"], tmp_path / "warn.log")
     assert run.wait(120) == 0, run.out
@@ -359,7 +356,7 @@ def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_an
     assert f"node 1 ({c.nodes[3].address}): 2.12.1" in errors[0] and torch.__version__.split("+")[0] in errors[0]
     assert "nothing was started" in errors[0]
     assert "Traceback" not in bad.out and "[node " not in bad.out
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)
 
 
 # ---- two launches at once ------------------------------------------------------------------------
@@ -412,4 +409,4 @@ def test_a_second_launch_on_the_same_port_refuses_and_stopping_another_never_sto
         for run in (a, b, other):
             if run is not None:
                 run.kill()
-    assert_nothing_left(c, within=2)
+    c.assert_nothing_left(within=2)

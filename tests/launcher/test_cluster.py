@@ -7,12 +7,10 @@ the installed console script; the SIGINT and two-launch tests need a real proces
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -20,49 +18,16 @@ from click.testing import CliRunner
 from infra.contract import LABEL_NODE
 from launcher.cli import main
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
+from tests.support import LAUNCH, REPO, source_args, torch_args, wait_for
 
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[2]
-PY = str(REPO / ".venv" / "bin" / "python")
-LAUNCH = str(REPO / ".venv" / "bin" / "launch")
 SCRIPT = "tests/launcher/allreduce_script.py"
-
-
-def ssh_args(c) -> list[str]:
-    """The simulated cluster's ssh options as launch flags."""
-    out, opts = [], list(c.ssh_options)
-    while opts:
-        flag, value = opts.pop(0), opts.pop(0)
-        out += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
-    return out
-
-
-def base(c, tmp_path, hostfile=None) -> list[str]:
-    return ["--hostfile", str(hostfile or c.hostfile), *ssh_args(c), "--runs-dir", str(tmp_path / "runs")]
-
-
-def torch_args() -> list[str]:
-    # The nodes' python is this repository's venv (the nodes share this machine's filesystem).
-    return ["--python", PY, "--workdir", str(REPO)]
-
-
-def assert_nothing_left(c, within: float = 10.0) -> None:
-    c.assert_nothing_left(within)
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_exec_runs_on_every_node_with_prefixes_and_logs(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    r = CliRunner().invoke(main, ["exec", *base(c, tmp_path), "--", "sh", "-c",
+    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path), "--", "sh", "-c",
                                   'echo "rank=$GPUFLEET_NODE_RANK $(ip -o -4 addr show eth0 | wc -l)"'])
     assert r.exit_code == 0, r.output
     for i in range(3):
@@ -71,12 +36,12 @@ def test_exec_runs_on_every_node_with_prefixes_and_logs(sim_cluster, tmp_path):
     assert (run_dir / "node-2.log").read_text().strip() == "rank=2 1"
     summary = json.loads((run_dir / "launch.json").read_text())
     assert [n["exit"] for n in summary["nodes"]] == [0, 0, 0]
-    assert_nothing_left(c)
+    c.assert_nothing_left()
 
 
 def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    r = CliRunner().invoke(main, ["run", *base(c, tmp_path), *torch_args(), "--nproc-per-node", "2",
+    r = CliRunner().invoke(main, ["run", *source_args(c, tmp_path), *torch_args(nproc=2),
                                   "--", SCRIPT])
     assert r.exit_code == 0, r.output
     lines = [l for l in r.output.splitlines() if "world=" in l]
@@ -85,19 +50,19 @@ def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path)
     # gloo was told each node's own interface, resolved on the node from its address.
     assert all("gloo_if=eth0" in l for l in lines)
     assert {l.split("]")[0] for l in lines} == {"[node 0", "[node 1", "[node 2"}
-    assert_nothing_left(c)
+    c.assert_nothing_left()
 
 
 def test_node_exit_3_stops_the_others_names_itself_and_leaves_nothing(sim_cluster, tmp_path):
     c = sim_cluster(3)
     cmd = 'if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo dying; exit 3; fi; sleep 60'
     t0 = time.monotonic()
-    r = CliRunner().invoke(main, ["exec", *base(c, tmp_path), "--", "sh", "-c", cmd])
+    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path), "--", "sh", "-c", cmd])
     assert r.exit_code == 3, r.output
     assert time.monotonic() - t0 < 20  # the sleeping nodes were stopped, not waited for
     assert f"node 1 ({c.nodes[1].address}) failed first: exit 3" in r.output
     assert "  dying" in r.output  # its last lines
-    assert_nothing_left(c)
+    c.assert_nothing_left()
 
 
 def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, tmp_path):
@@ -105,7 +70,7 @@ def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, 
     dead = c.unused_address()
     hf = tmp_path / "hosts"
     hf.write_text(f"{c.nodes[0].address}\n{dead}\n{c.nodes[1].address}\n")
-    r = CliRunner().invoke(main, ["exec", *base(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3",
+    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3",
                                   "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
     assert r.exit_code == 2, r.output
     # The reachable nodes passed their check and waited; told not to go, they ran nothing.
@@ -114,7 +79,7 @@ def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, 
     assert len(errors) == 1 and dead in errors[0] and "nothing was started" in errors[0]
     assert "node 0 (" not in errors[0] and "node 2 (" not in errors[0]
     assert not (tmp_path / "runs").exists()
-    assert_nothing_left(c)
+    c.assert_nothing_left()
 
 
 def test_label_discovery_through_the_compute_api_runs_only_matching_nodes(sim_cluster, tmp_path):
@@ -128,7 +93,7 @@ def test_label_discovery_through_the_compute_api_runs_only_matching_nodes(sim_cl
     with FakeCompute({("proj", "us-central1-a"): instances}) as api:
         r = CliRunner().invoke(main, [
             "exec", "--label", "team=ml", "--project", "proj", "--zone", "us-central1-a",
-            "--api-endpoint", api.endpoint, *ssh_args(c), "--runs-dir", str(tmp_path / "runs"),
+            "--api-endpoint", api.endpoint, *c.launch_flags, "--runs-dir", str(tmp_path / "runs"),
             "--", "sh", "-c", 'echo "i am $GPUFLEET_NODE_RANK of $GPUFLEET_NNODES"'])
     assert r.exit_code == 0, r.output
     assert api.requests[0]["filter"] == '(labels.team = "ml")'
@@ -152,7 +117,7 @@ def test_console_script_sigint_stops_everything_and_second_launch_on_same_port_r
     c = sim_cluster(2)
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
-    args = ["run", *base(c, tmp_path), *torch_args(), "--nproc-per-node", "1", "--rdzv-port", "29611",
+    args = ["run", *source_args(c, tmp_path), *torch_args(), "--rdzv-port", "29611",
             "--", str(sleeper)]
     out_a = open(tmp_path / "a.out", "w+")
     a = subprocess.Popen([LAUNCH, *args], stdout=out_a, stderr=subprocess.STDOUT, text=True)
@@ -169,12 +134,12 @@ def test_console_script_sigint_stops_everything_and_second_launch_on_same_port_r
             a.kill()
     text = (tmp_path / "a.out").read_text()
     assert "stopped every node on signal 2" in text
-    assert_nothing_left(c)
+    c.assert_nothing_left()
 
 
 def test_node_that_disappears_is_reported_unreachable_not_as_a_code_failure(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    p = subprocess.Popen([sys.executable, "-m", "launcher", "exec", *base(c, tmp_path), "--", "sh", "-c",
+    p = subprocess.Popen([sys.executable, "-m", "launcher", "exec", *source_args(c, tmp_path), "--", "sh", "-c",
                           "echo up; sleep 120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          cwd=REPO)
     try:
@@ -194,7 +159,7 @@ def test_node_that_disappears_is_reported_unreachable_not_as_a_code_failure(sim_
             p.kill()
     assert p.returncode == 255, out
     assert f"node 2 ({c.nodes[2].address}) failed first: unreachable" in out
-    assert_nothing_left(c)
+    c.assert_nothing_left()
 
 
 def test_hosts_lists_nodes_in_rank_order_and_flags_the_dead_one(sim_cluster, tmp_path):
@@ -202,7 +167,7 @@ def test_hosts_lists_nodes_in_rank_order_and_flags_the_dead_one(sim_cluster, tmp
     dead = c.unused_address()
     hf = tmp_path / "hosts"
     hf.write_text(f"{c.nodes[1].address}\n{c.nodes[0].address}\n{dead}\n")
-    r = CliRunner().invoke(main, ["hosts", *base(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3"])
+    r = CliRunner().invoke(main, ["hosts", *source_args(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3"])
     assert r.exit_code == 1, r.output
     rows = [l for l in r.output.splitlines() if l.startswith("│")]
     assert [row.split("│")[2].strip() for row in rows] == [c.nodes[1].address, c.nodes[0].address, dead]
@@ -216,7 +181,7 @@ SWEEP = ["--ops", "all_reduce", "-b", "512K", "-e", "512K", "-n", "5", "-w", "1"
 @pytest.mark.slow
 def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster, tmp_path):
     c = sim_cluster(2)
-    r = CliRunner().invoke(main, ["nccl-tests", *base(c, tmp_path), *torch_args(), "--nproc-per-node", "2",
+    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(nproc=2),
                                   *SWEEP, "--min-busbw", "1000000"])
     assert r.exit_code == 1, r.output
     assert "is below --min-busbw 1e+06" in r.output
@@ -231,10 +196,10 @@ def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster
 def test_find_bad_nodes_names_the_throttled_node_and_prints_an_exclude_list(sim_cluster, tmp_path):
     c = sim_cluster(4, mode="netns")
     c.throttle(2, "40mbit")
-    r = CliRunner().invoke(main, ["nccl-tests", *base(c, tmp_path), *torch_args(), "--nproc-per-node", "1",
+    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(),
                                   *SWEEP, "--find-bad-nodes"])
     assert r.exit_code == 1, r.output
     assert r.output.count("pair ") >= 6
     assert f"--exclude {c.nodes[2].address}\n" in r.output
     assert f"{c.nodes[2].address}: busbw " in r.output
-    assert_nothing_left(c)
+    c.assert_nothing_left()

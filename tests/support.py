@@ -13,10 +13,10 @@ import torch
 
 from tests.simcluster import SimCluster, _environ
 
-__all__ = ["REPO", "PY", "LAUNCH", "TRAIN", "Launch", "ssh_args", "source_args", "torch_args",
-           "workers", "wait_for", "assert_nothing_left", "params", "checkpoint_step"]
+__all__ = ["REPO", "PY", "LAUNCH", "TRAIN", "Launch", "source_args", "torch_args", "workers", "wait_for",
+           "params", "checkpoint_step", "sigkill"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PY = str(REPO / ".venv" / "bin" / "python")
 LAUNCH = str(REPO / ".venv" / "bin" / "launch")
 
@@ -26,23 +26,15 @@ TRAIN = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--straggle
          "--lr-decay-steps", "1000"]
 
 
-def ssh_args(c: SimCluster) -> list[str]:
-    """The simulated cluster's ssh options as launch flags."""
-    out, opts = [], list(c.ssh_options)
-    while opts:
-        flag, value = opts.pop(0), opts.pop(0)
-        out += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
-    return out
-
-
 def source_args(c: SimCluster, tmp_path: Path, hostfile: Path | None = None) -> list[str]:
-    return ["--hostfile", str(hostfile or c.hostfile), *ssh_args(c), "--runs-dir", str(tmp_path / "runs")]
+    """The nodes (a hostfile), how to reach them, and where the run's logs go."""
+    return ["--hostfile", str(hostfile or c.hostfile), *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
 
 
-def torch_args() -> list[str]:
+def torch_args(nproc: int = 1) -> list[str]:
     # The nodes share this machine's filesystem: their python is this repository's venv. One
     # thread per worker: several workers share 2 cores.
-    return ["--python", PY, "--workdir", str(REPO), "--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
+    return ["--python", PY, "--workdir", str(REPO), "--nproc-per-node", str(nproc), "--env", "OMP_NUM_THREADS=1"]
 
 
 class Launch:
@@ -100,10 +92,6 @@ def workers(c: SimCluster, i: int) -> dict[int, int]:
                 if v.startswith(b"RANK="):
                     found[int(v[5:])] = pid
     return found
-
-
-def assert_nothing_left(c: SimCluster, within: float = 10.0) -> None:
-    c.assert_nothing_left(within)
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:

@@ -82,6 +82,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     sizes = [int(x) for x in a.nodes.split(",")]
+    missed = []
     with SimCluster(max(sizes)) as c:
         print(f"simulated cluster: {max(sizes)} sshd nodes ({c.mode}); median of {a.repeats} runs")
         print(f"{'nodes':>5} {'pdsh s':>8} {'cold s':>8} {'repeat s':>9} {'floor s':>8} {'cold/pdsh':>10} "
@@ -91,6 +92,13 @@ def main() -> int:
             print(f"{n:>5} {r['pdsh']:>8.2f} {r['cold']:>8.2f} {r['repeat']:>9.2f} {r['floor']:>8.2f} "
                   f"{r['cold'] / r['pdsh']:>10.2f} {r['repeat'] / r['pdsh']:>12.2f} "
                   f"{r['floor'] / r['pdsh']:>11.2f}", flush=True)
+            if r["cold"] > r["pdsh"]:
+                missed.append(f"cold > pdsh at {n} nodes")
+            if n >= 64 and r["repeat"] > 0.5 * r["pdsh"]:
+                missed.append(f"repeat > 0.5 x pdsh at {n} nodes")
+    if missed:
+        print(f"bench_launcher: target missed ({'; '.join(missed)})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,6 +17,7 @@ import datetime
 import io
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -114,24 +115,27 @@ def overlap_step_times(model: str, steps: int, rounds: int) -> dict[str, float]:
         return dict(out)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_train")
     parser.add_argument("--model", default="small-test")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--part", choices=("all", "overhead", "overlap"), default="all")
     args = parser.parse_args()
+    missed = False
     if args.part in ("all", "overhead"):
-        _overhead(args)
+        missed = not _overhead(args)
     if args.part in ("all", "overlap"):
         t = overlap_step_times(args.model, args.steps, args.repeats)
         print(f"overlap ({args.model}, 2 gloo ranks, median step time, best of {args.repeats} alternating rounds):")
         print(f"  DDP (overlapped)                : {t['ddp'] * 1e3:8.1f} ms/step")
         print(f"  all-reduce each grad after bwd  : {t['manual'] * 1e3:8.1f} ms/step")
         print(f"  ratio manual / DDP              : {t['manual'] / t['ddp']:.3f}")
+    return 1 if missed else 0
 
 
-def _overhead(args: argparse.Namespace) -> None:
+def _overhead(args: argparse.Namespace) -> bool:
+    """Print the overhead ratio; whether it meets the target."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -150,8 +154,12 @@ def _overhead(args: argparse.Namespace) -> None:
     print(f"overhead ({args.model}, batch {MICRO}x{SEQ}, {args.steps} steps, best of {args.repeats}, 1 thread):")
     print(f"  bare PyTorch loop : {max(bare):10,.0f} tok/s   (rounds: {', '.join(f'{b:,.0f}' for b in bare)})")
     print(f"  workloads.train   : {max(ours):10,.0f} tok/s   (rounds: {', '.join(f'{o:,.0f}' for o in ours)})")
-    print(f"  ratio             : {max(ours) / max(bare):.3f}   (target >= 0.95)")
+    ratio = max(ours) / max(bare)
+    print(f"  ratio             : {ratio:.3f}   (target >= 0.95)")
+    if ratio < 0.95:
+        print("bench_train: target missed", file=sys.stderr)
+    return ratio >= 0.95
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

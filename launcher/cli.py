@@ -337,6 +337,22 @@ class _OneLineErrors(click.Group):
             return rv
         raise SystemExit(rv if isinstance(rv, int) else 0)
 
+    # Commands that live in modules of their own, imported when named (click's documented lazy
+    # loading): `launch exec` does not pay for the sweep's report, and launcher.nccl_cmd, which
+    # imports this module, can be imported first.
+    _lazy = {"nccl-tests": ("launcher.nccl_cmd", "nccl_tests")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self._lazy])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self._lazy:
+            import importlib
+
+            module, attr = self._lazy[name]
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
@@ -405,14 +421,3 @@ def hosts(**o: Any) -> None:
     err.print(f"[dim]ready marker: {READY_MARKER}[/dim]")
     if any(not p.ok for p in probes.values()):
         raise SystemExit(1)
-
-
-def _register_nccl() -> None:
-    # The nccl-tests command lives in its own module (launcher/nccl_cmd.py): it needs the
-    # report parser and the pair scheduler, and keeps this file about launching.
-    from launcher.nccl_cmd import nccl_tests
-
-    main.add_command(nccl_tests)
-
-
-_register_nccl()

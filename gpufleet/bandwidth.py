@@ -45,6 +45,7 @@ __all__ = [
     "coll_sizes",
     "algbw",
     "busbw",
+    "avg_busbw",
     "parse_size",
     "format_size",
     "size_ladder",
@@ -204,6 +205,13 @@ def busbw(collective: str, size: int, sec: float, nranks: int) -> float:
     return algbw(size, sec) * bus_factor(collective, nranks)
 
 
+def avg_busbw(rows: list[SweepRow]) -> float:
+    """nccl-tests' "Avg bus bandwidth": the mean busbw over every block of every row (a block
+    with no busbw, None, is one the output did not print, and is left out)."""
+    vals = [b for r in rows for b in (r.oop_busbw, r.ip_busbw) if b is not None]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
 class SizeError(ValueError):
     """A size argument nccl-tests would not accept. str() is the one-line message."""
 
@@ -302,7 +310,7 @@ def plateau_busbw(machine: MachineType, collective: str, nnodes: int) -> float |
     if nnodes < 2:
         return None
     rate = machine.gpu_network_bytes_per_s / 1e9
-    if collective in _SINGLE_NIC:
+    if uses_single_nic(collective):
         rate /= max(1, len(machine.gpu_nics))
     return EFFICIENCY[machine.net_stack] * rate
 

@@ -12,7 +12,8 @@ API (what the CLI calls):
     The collective of a row comes from ``# Collective test starting: X_perf`` (nccl-tests ≥ 2.13)
     or the `collective` argument; nranks from the ``#  Rank`` lines or the `nranks` argument.
 ``avg_busbw(rows)``, ``failures(rows)``
-    nccl-tests' "Avg bus bandwidth" (mean busbw of every block of every row); rows with
+    nccl-tests' "Avg bus bandwidth" (mean busbw of every block of every row; re-exported from
+    ``gpufleet.bandwidth``, which the sweep uses too); rows with
     ``#wrong`` > 0 or an old-style max error above ``error_tolerance``.
 ``rich_table(rows) -> rich.table.Table``
     For the CLI to print; wrong results in red.
@@ -51,6 +52,7 @@ from gpufleet.bandwidth import (
     DEFAULT_LATENCY_S,
     JSON_MARKER,
     SweepRow,
+    avg_busbw,
     bus_factor,
     fit_latency,
     model_busbw,
@@ -213,12 +215,6 @@ def parse_output(
 
 
 # ---- judging -------------------------------------------------------------------------------
-
-
-def avg_busbw(rows: list[SweepRow]) -> float:
-    """Mean busbw over every printed block of every row (nccl-tests "Avg bus bandwidth")."""
-    vals = [b for r in rows for b in (r.oop_busbw, r.ip_busbw) if b is not None]
-    return sum(vals) / len(vals) if vals else 0.0
 
 
 def failures(rows: list[SweepRow], error_tolerance: float = DEFAULT_ERROR_TOLERANCE) -> list[SweepRow]:

@@ -44,7 +44,7 @@ class ModelSize:
 # 124M = 12/12/768, 350M = 24/16/1024. ~1.3B follows GPT-3 XL (Brown et al. 2020, Table 2.1:
 # 24 layers, d_model 2048, d_head 128 -> 16 heads). The vocabulary is GPT-2's 50257 padded to
 # 50304, a multiple of 64, as nanoGPT does for faster matmuls. "tiny" and "small-test" exist for
-# CPU tests: "tiny" trains in milliseconds, "small-test" (~6M params) makes a save last long
+# CPU tests: "tiny" trains in milliseconds, "small-test" (4.21M params) makes a save last long
 # enough to interrupt it.
 MODEL_SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=64),
@@ -139,9 +139,10 @@ class TrainConfig:
     profile_dir: str = "profile"
     """Where the profiler trace goes."""
     straggler_every: int = 20
-    """Every K steps the ranks share their step times; 0 disables the check."""
+    """Every K steps the ranks share their forward-pass (compute) times, the part of a step that
+    waits on no other rank under DDP; 0 disables the check."""
     straggler_threshold: float = 1.2
-    """A rank slower than this x the median step time is named in a warning."""
+    """A rank whose forward time is above this x the median of all ranks' is named in a warning."""
     _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -18,12 +18,14 @@ elements summed over ranks. Out-of-place runs first, then in-place, as in nccl-t
 Rank 0 prints one nccl-tests table per collective (same header lines and column layout, the
 "Out of bounds values" and "Avg bus bandwidth" footer), then one line ``#gpufleet-json {...}``
 with every row (the launcher parses it; see ``launcher/nccl_report.py``). Exit status: 0 when
-every checked result is right, 1 when any ``#wrong`` > 0, 2 for bad arguments.
+every checked result is right, 1 when any ``#wrong`` > 0, 2 for bad arguments (a ``--json`` path
+that cannot be written is found before the sweep starts).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -31,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +46,8 @@ from gpufleet.bandwidth import (
     REDOPS,
     SizeError,
     algbw,
-    bus_factor,
+    avg_busbw,
+    busbw,
     coll_sizes,
     parse_size,
     size_ladder,
@@ -449,7 +453,8 @@ class _Bench:
                         wrong = self.wrong(c) if cfg.check > 0 else None
                         sec, wrong = self.across_ranks(sec, wrong)
                         a = algbw(size, sec) if sec > 0 else 0.0
-                        blocks.append((sec * 1e6, a, a * bus_factor(coll, self.n), wrong))
+                        b = busbw(coll, size, sec, self.n) if sec > 0 else 0.0
+                        blocks.append((sec * 1e6, a, b, wrong))
                     root = cfg.root if coll in _ROOTED else -1
                     rows.append(SweepRow(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1]))
         return rows
@@ -500,12 +505,6 @@ HEADER = (
     + "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s \n"
     % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "")
 )
-
-
-def avg_busbw(rows: list[SweepRow]) -> float:
-    """nccl-tests' "Avg bus bandwidth": the mean busbw over every row, both blocks."""
-    vals = [b for r in rows for b in (r.oop_busbw, r.ip_busbw)]
-    return sum(vals) / len(vals) if vals else 0.0
 
 
 def format_table(
@@ -566,6 +565,12 @@ def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], s
 
     Returns the rows and, on rank 0, the text to print (tables then the JSON line; "" elsewhere).
     """
+    rows, _, text = _sweep(cfg, device)
+    return rows, text
+
+
+def _sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], dict[str, Any], str]:
+    """run_sweep, plus the JSON document: built once, for the printed line and for --json."""
     rank, n = dist.get_rank(), dist.get_world_size()
     bench = _Bench(cfg, rank, n, device)
     lines: list[object] = [None] * n
@@ -587,7 +592,7 @@ def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], s
         "rows": [r.__dict__ for r in rows],
     }
     text.append(JSON_MARKER + json.dumps(payload, separators=(",", ":")) + "\n")
-    return rows, ("".join(text) if rank == 0 else "")
+    return rows, payload, ("".join(text) if rank == 0 else "")
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -657,32 +662,66 @@ def main(argv: list[str] | None = None) -> int:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     try:
-        n = dist.get_world_size()
+        rank, n = dist.get_rank(), dist.get_world_size()
+        # Rank 0 alone writes --json; it proves the path writable now, not after the whole sweep,
+        # and every rank learns the verdict so they all stop together.
+        problem: list[str | None] = [None]
         if not 0 <= cfg.root < n:
-            if dist.get_rank() == 0:
-                print(f"sweep: root {cfg.root} is not a rank of this run (0..{n - 1}); pass -r 0",
-                      file=sys.stderr)
+            problem[0] = f"root {cfg.root} is not a rank of this run (0..{n - 1}); pass -r 0"
+        elif rank == 0 and cfg.json_path:
+            problem[0] = _json_path_problem(cfg.json_path)
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            if rank == 0:
+                print(f"sweep: {problem[0]}", file=sys.stderr)
             return 2
-        rows, text = run_sweep(cfg, device)
-        if dist.get_rank() == 0:
+        rows, payload, text = _sweep(cfg, device)
+        if rank == 0:
             sys.stdout.write(text)
             sys.stdout.flush()
             if cfg.json_path:
-                _write_json(cfg.json_path, rows, n)
+                try:
+                    _write_json(cfg.json_path, payload)
+                except OSError as e:
+                    print(f"sweep: cannot write --json {cfg.json_path}: {e.strerror or e}", file=sys.stderr)
+                    return 2
         failed = any((r.oop_wrong or 0) + (r.ip_wrong or 0) > 0 for r in rows)
         return 1 if failed else 0
     finally:
         dist.destroy_process_group()
 
 
-def _write_json(path: str, rows: list[SweepRow], nranks: int) -> None:
-    """Write the rows atomically: a reader never sees half a file, an old file is replaced whole."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"version": JSON_VERSION, "nranks": nranks, "avg_busbw": avg_busbw(rows),
-                   "rows": [r.__dict__ for r in rows]}, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+def _json_tmp(path: str) -> str:
+    return f"{path}.tmp{os.getpid()}"
+
+
+def _json_path_problem(path: str) -> str | None:
+    """Why --json PATH cannot be written (its directory missing or read-only, or PATH a
+    directory), or None: the same temp file _write_json writes is created and removed."""
+    if os.path.isdir(path):
+        return f"--json {path} is a directory; pass a file path"
+    tmp = _json_tmp(path)
+    try:
+        with open(tmp, "w"):
+            pass
+        os.remove(tmp)
+    except OSError as e:
+        return f"--json {path}: cannot write there ({e.strerror or e}); create its directory or pass another path"
+    return None
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write the document atomically: a reader never sees half a file, an old file is replaced whole."""
+    tmp = _json_tmp(path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 if __name__ == "__main__":

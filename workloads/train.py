@@ -7,7 +7,11 @@ checkpoint, so a resumed or torchrun-restarted run ends with the parameters of a
 
 Exit codes: 0 done (also after a SIGTERM, once its checkpoint is saved: a preempted run is
 resumed with --resume, not restarted by torchrun); 1 a checkpoint could not be written or read;
-2 bad arguments (or a checkpoint/bucket that does not fit them).
+2 bad arguments (or a checkpoint/bucket/output path that does not fit them).
+
+Errors are one `error: ...` line on stderr. One that every rank meets alike (a bad flag, anything
+rank 0 finds and hands to the others) is printed by rank 0 alone; one that a rank meets on its own
+(--data missing on one node) is printed by that rank, as `error: rank R (host H): ...`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import socket
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Iterator, TypeVar
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,16 +45,30 @@ from workloads.checkpoint import CheckpointError, CheckpointStore, checkpoint_na
 from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
 from workloads.metrics import RankInfo, format_log_line, straggler_warning
-from workloads.model import GPT, Block, flops_per_token, mfu
+from workloads.model import GPT, flops_per_token, mfu
 
 __all__ = ["Trainer", "main"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 # Full (unsharded) state dicts gathered on rank 0, in CPU memory: one file format for DDP and
 # FSDP, loadable on any world size. Loading reads on rank 0 only and broadcasts, so a checkpoint
 # directory that exists only on node 0's disk still serves every node.
 _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _LOAD = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+# What a checkpoint file of this trainer holds (Trainer.save).
+_STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "rng", "data", "meta")
+# Set on an error that every rank raises alike, so that rank 0 alone prints it (see main).
+_EVERY_RANK = "_gpufleet_every_rank"
+
+
+def _every_rank(err: E) -> E:
+    setattr(err, _EVERY_RANK, True)
+    return err
+
+
+class _StoppedElsewhere(ConfigError):
+    """This rank stops because another rank failed; that rank printed why."""
 
 
 class Trainer:
@@ -64,8 +83,8 @@ class Trainer:
         self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.cuda else "fp32")
         self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
         if cfg.compression == "bf16" and not self.cuda:
-            raise ConfigError("--compression bf16 needs CUDA and NCCL 2.10+ (torch's bf16_compress_hook); "
-                              "on CPU use fp16 or powersgd")
+            raise _every_rank(ConfigError("--compression bf16 needs CUDA and NCCL 2.10+ (torch's "
+                                          "bf16_compress_hook); on CPU use fp16 or powersgd"))
         self.stop_requested = False
         self.forward_s = 0.0  # this rank's own compute time since the last straggler check
         self._forward_events: list[tuple[Any, Any]] = []
@@ -75,18 +94,22 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self.ranks = self._where_ranks_run()
+        # Rank 0 alone reads and writes checkpoints (the others take part in save/load through
+        # collectives), so only rank 0 opens the store and needs GCS credentials. Every rank
+        # learns the store's URL, which says whether this run checkpoints.
         self.store: CheckpointStore | None = None
-        if cfg.checkpoint_dir:
-            self.store = _open_store(cfg.checkpoint_dir)  # every rank: save/load are collectives
-            self._on_rank0(lambda: _check_store(self.store))
+        self.checkpoint_url: str | None = self._on_rank0(self._open_store) if cfg.checkpoint_dir else None
+        # Output paths are proven writable now, not at the first log line or after the last step.
+        self.metrics_out: IO[str] | None = None
+        self._on_rank0(self._open_outputs)
+        if cfg.profile_range is not None:
+            self._on_every_rank(self._check_profile_dir)  # every rank writes its own trace
         self.model, self.raw_model = self._build_model()
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         seq_len = cfg.tokens_per_sample
-        dataset = (TokenFile(cfg.data, seq_len, cfg.size.vocab_size) if cfg.data
-                   else SyntheticTokens(cfg.synthetic_samples, seq_len, cfg.size.vocab_size, cfg.seed))
-        self.batches = BatchStream(dataset, self.rank, self.world, cfg.micro_batch, cfg.grad_accum, cfg.seed)
+        self.batches = self._on_every_rank(self._open_data)  # --data may be missing on one node only
         size = cfg.size
         self.n_params = self.raw_model.num_params()
         self.flops_token = flops_per_token(self.n_params, size.n_layer, size.n_head,
@@ -101,6 +124,48 @@ class Trainer:
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)
         return everyone
+
+    def _open_store(self) -> str:
+        """Rank 0: open the checkpoint place and prove it writable; returns its URL."""
+        assert self.cfg.checkpoint_dir is not None
+        try:
+            store = open_store(self.cfg.checkpoint_dir)
+            store.check()
+        except CheckpointError as e:
+            # At start-up a place that cannot be opened or written is a bad --checkpoint-dir
+            # (exit 2), not a failure found hours later.
+            raise ConfigError(str(e)) from None
+        self.store = store
+        return store.url
+
+    def _open_outputs(self) -> None:
+        """Rank 0: open --metrics-file for the whole run and prove --save-params writable."""
+        cfg = self.cfg
+        if cfg.save_params:
+            _check_writable_file("--save-params", cfg.save_params)
+        if cfg.metrics_file:
+            try:
+                self.metrics_out = open(cfg.metrics_file, "a")
+            except OSError as e:
+                raise ConfigError(_unwritable("--metrics-file", cfg.metrics_file, e)) from None
+
+    def _check_profile_dir(self) -> None:
+        where = Path(self.cfg.profile_dir)
+        probe = where / f".probe-{os.getpid()}"
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"--profile-dir {where}: cannot write traces there "
+                              f"({e.strerror or e}); fix its permissions or pass another --profile-dir") from None
+
+    def _open_data(self) -> BatchStream:
+        cfg = self.cfg
+        seq_len, vocab = cfg.tokens_per_sample, cfg.size.vocab_size
+        dataset = (TokenFile(cfg.data, seq_len, vocab) if cfg.data
+                   else SyntheticTokens(cfg.synthetic_samples, seq_len, vocab, cfg.seed))
+        return BatchStream(dataset, self.rank, self.world, cfg.micro_batch, cfg.grad_accum, cfg.seed)
 
     def _build_model(self) -> tuple[torch.nn.Module, GPT]:
         cfg = self.cfg
@@ -181,10 +246,31 @@ class Trainer:
         dist.broadcast_object_list(box, src=0, device=self.device if self.cuda else None)
         kind, value = box[0]
         if kind == "ConfigError":
-            raise ConfigError(value)
+            raise _every_rank(ConfigError(value))
         if kind == "CheckpointError":
-            raise CheckpointError(value)
+            raise _every_rank(CheckpointError(value))
         return value
+
+    def _on_every_rank(self, fn: Callable[[], T]) -> T:
+        """Run fn on every rank; if it raises ConfigError on any, every rank stops together
+        instead of waiting for the failed one in the next collective. A failing rank raises its
+        own error (main prints it with the rank and host), the others stop quietly; when every
+        rank failed alike, the error counts as shared and rank 0 alone prints it."""
+        mine: ConfigError | None = None
+        try:
+            result = fn()
+        except ConfigError as e:
+            mine = e
+        if self.world > 1:
+            said: list[Any] = [None] * self.world
+            dist.all_gather_object(said, None if mine is None else str(mine))
+            if mine is None and any(m is not None for m in said):
+                raise _StoppedElsewhere("another rank failed")
+            if mine is not None and len(set(said)) == 1:
+                raise _every_rank(mine)
+        if mine is not None:
+            raise mine
+        return result
 
     def _any_rank(self, flag: bool) -> bool:
         if self.world == 1:
@@ -208,7 +294,6 @@ class Trainer:
 
     def save(self) -> None:
         """Collective: every rank contributes its shard and RNG state, rank 0 writes."""
-        assert self.store is not None
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
         rngs: list[Any] = [None] * self.world
         dist.all_gather_object(rngs, self._rng_state())
@@ -221,6 +306,7 @@ class Trainer:
         store, keep = self.store, self.cfg.keep_checkpoints
 
         def write() -> str:
+            assert store is not None  # rank 0
             where = store.save(checkpoint_name(self.step), state)
             store.prune(keep)
             return where
@@ -230,24 +316,31 @@ class Trainer:
 
     def load(self) -> None:
         """Continue from the latest checkpoint, if there is one (rank 0 reads, all receive)."""
-        assert self.store is not None
         store = self.store
         # Rank 0 keeps the tensors here; only the small parts go through the object broadcast,
         # the tensors go through set_*_state_dict's broadcast.
         full: dict[str, Any] = {"model": {}, "optimizer": {}}
 
         def read() -> dict[str, Any] | None:
+            assert store is not None  # rank 0
             name = store.latest()
             if name is None:
                 return None
+            where = f"{store.url}/{name}"
             state = store.load(name)
-            self._check_fits(f"{store.url}/{name}", state["meta"])
+            missing = [k for k in _STATE_KEYS if k not in state]
+            if missing or not isinstance(state["meta"], dict):
+                why = f"no {', '.join(missing)}" if missing else "its meta is not a dict"
+                raise CheckpointError(f"{where} is not a checkpoint of workloads.train ({why}); point "
+                                      f"{store.url}/latest at an older step_*.pt, or pass another "
+                                      "--checkpoint-dir")
+            self._check_fits(where, state["meta"])
             full["model"], full["optimizer"] = state.pop("model"), state.pop("optimizer")
             return state
 
         state = self._on_rank0(read)
         if state is None:
-            self.log(f"resume: no checkpoint in {store.url} yet; starting at step 0")
+            self.log(f"resume: no checkpoint in {self.checkpoint_url} yet; starting at step 0")
             return
         # Two calls, not set_state_dict: with an empty model dict on ranks > 0 it skips the model
         # there (optim_only=not model_state_dict) and rank 0 waits forever in the broadcast.
@@ -262,17 +355,20 @@ class Trainer:
         torch.set_rng_state(mine["cpu"])
         if self.cuda and "cuda" in mine:
             torch.cuda.set_rng_state(mine["cuda"], self.device)
-        self.log(f"resumed from {store.url} at step {self.step} "
+        self.log(f"resumed from {self.checkpoint_url} at step {self.step} "
                  f"(epoch {state['data']['epoch']}, {state['data']['samples_seen']} samples seen)")
 
     def _check_fits(self, where: str, meta: dict[str, Any]) -> None:
         mine = self._meta()
-        for key in ("model", "size", "seq_len", "global_batch"):
+        for key in ("model", "seq_len", "global_batch"):
             if meta.get(key) != mine[key]:
                 raise ConfigError(f"checkpoint {where} was written with {key} {meta.get(key)}, this run "
                                   f"has {mine[key]}; use the same --{key.replace('_', '-')} or another "
                                   "--checkpoint-dir")
-
+        # The shape follows from --model; it differs only when MODEL_SIZES changed since the save.
+        if meta.get("size") != mine["size"]:
+            raise ConfigError(f"checkpoint {where} holds model {mine['model']} with shape {meta.get('size')}, "
+                              f"but {mine['model']} is now {mine['size']}; pass another --checkpoint-dir")
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -332,10 +428,12 @@ class Trainer:
             with self._sync_context(micro == cfg.grad_accum - 1):
                 # Forward has no collectives under DDP, so its time is this rank's own speed
                 # (the straggler signal); under FSDP it includes the parameter all-gathers.
-                t0 = self._mark()
+                # Timed only when the check is on: its CUDA events pile up until a check reads them.
+                t0 = self._mark() if cfg.straggler_every else None
                 with self._range("forward"), self._autocast():
                     loss = self.model(x, y) / cfg.grad_accum
-                self._add_forward_time(t0)
+                if cfg.straggler_every:
+                    self._add_forward_time(t0)
                 with self._range("backward"):
                     self.scaler.scale(loss).backward()
             total += loss.detach()
@@ -376,17 +474,20 @@ class Trainer:
                 if self._any_rank(self.stop_requested):
                     self.log(f"SIGTERM: saving a checkpoint at step {self.step} and exiting; "
                              "rerun with --resume to continue")
-                    if self.store:
+                    if self.checkpoint_url:
                         self.save()
                     return
-                if self.store and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 \
+                if self.checkpoint_url and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 \
                         and self.step < cfg.steps:
                     self.save()
         finally:
             signal.signal(signal.SIGTERM, previous)
             if profiler:
                 profiler.stop()
-        if self.store:
+            if self.metrics_out:
+                self.metrics_out.close()
+                self.metrics_out = None
+        if self.checkpoint_url:
             self.save()
         if cfg.save_params:
             self.save_params(cfg.save_params)
@@ -447,12 +548,12 @@ class Trainer:
         mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
         lr = self.scheduler.get_last_lr()[0]
         self.log(format_log_line(self.step, self.cfg.steps, loss, lr, step_s, tokens_per_s, per_gpu_mfu, mem))
-        if self.rank == 0 and self.cfg.metrics_file:
+        if self.metrics_out:  # rank 0
             record = {"step": self.step, "loss": loss, "lr": lr, "step_s": step_s,
                       "tokens_per_s": tokens_per_s, "mfu": per_gpu_mfu, "peak_mem_gib": mem,
                       "time": time.time()}
-            with open(self.cfg.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            self.metrics_out.write(json.dumps(record) + "\n")
+            self.metrics_out.flush()  # whole lines, readable while the run goes on
 
     def log(self, line: str, stream: Any = None) -> None:
         if self.rank == 0:
@@ -468,21 +569,22 @@ def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-def _open_store(url: str) -> CheckpointStore:
-    try:
-        return open_store(url)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+def _unwritable(flag: str, path: str, err: OSError) -> str:
+    return (f"{flag} {path}: cannot write it ({err.strerror or err}); create its directory, "
+            f"fix its permissions or pass another {flag}")
 
 
-def _check_store(store: CheckpointStore | None) -> None:
-    """Prove the checkpoint place writable before step 0: a place that cannot be written at
-    start-up is a bad --checkpoint-dir (exit 2), not a failure found hours later."""
-    assert store is not None
+def _check_writable_file(flag: str, path: str) -> None:
+    """Prove a file that is written at the end of the run writable now (ConfigError if not);
+    a file that did not exist is removed again."""
+    existed = os.path.lexists(path)
     try:
-        store.check()
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+        with open(path, "ab"):  # append: an existing file is left as it is
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ConfigError(_unwritable(flag, path, e)) from None
 
 
 def _init_distributed() -> None:
@@ -511,16 +613,23 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, train, and always leave the process group; returns the exit code."""
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(line_buffering=True)  # the launcher prefixes lines as they come
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
-    def error(msg: str) -> None:
-        if rank == 0:
-            print(f"error: {msg}", file=sys.stderr, flush=True)
+    def error(err: Exception) -> None:
+        if isinstance(err, _StoppedElsewhere):
+            return  # the rank that failed printed why
+        if getattr(err, _EVERY_RANK, False):
+            if rank == 0:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            return
+        # Met by this rank alone: only it can say so, and says where it runs.
+        where = f"rank {rank} (host {socket.gethostname()}): " if world > 1 else ""
+        print(f"error: {where}{err}", file=sys.stderr, flush=True)
 
     try:
         cfg = config_from_args(argv)
     except ConfigError as e:
-        error(str(e))
+        error(_every_rank(e))  # every rank parses the same flags
         return EXIT_BAD_ARGS
     _init_distributed()
     # Trainer.fit turns SIGTERM into a stop flag while it trains. Outside the loop (the final
@@ -542,10 +651,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         return 0
     except ConfigError as e:
-        error(str(e))
+        error(e)
         return EXIT_BAD_ARGS
     except CheckpointError as e:
-        error(str(e))
+        error(e)
         return 1
     finally:
         # Free the model (DDP's reducer, FSDP's state: they hold the process group and its

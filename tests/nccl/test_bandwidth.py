@@ -150,3 +150,20 @@ def test_plateau_uses_catalog_rate_times_stack_efficiency():
     a2 = lookup("a2-highgpu-8g")  # 100 Gbps, Fast Socket, one NIC
     assert bw.plateau_busbw(a2, "sendrecv", 4) == pytest.approx(12.5 * 0.71)
     assert set(bw.EFFICIENCY) == set(NetStack) == set(bw.DEFAULT_LATENCY_S)
+
+
+def test_avg_busbw_is_the_mean_of_every_printed_block_and_skips_missing_ones():
+    def row(oop, ip):
+        return bw.SweepRow("all_reduce", 8, 2, "float", "sum", -1, 2, 1.0, oop, oop, 0, 1.0, ip, ip, 0)
+
+    assert bw.avg_busbw([row(2.0, 4.0), row(6.0, None)]) == pytest.approx((2.0 + 4.0 + 6.0) / 3)
+    assert bw.avg_busbw([row(None, None)]) == 0.0
+    assert bw.avg_busbw([]) == 0.0
+
+
+def test_the_single_nic_collectives_get_one_nics_share_of_the_plateau():
+    machine = lookup("a3-megagpu-8g")
+    assert [c for c in bw.COLLECTIVES if bw.uses_single_nic(c)] == ["alltoall", "sendrecv"]
+    nics = max(1, len(machine.gpu_nics))
+    assert bw.plateau_busbw(machine, "alltoall", 2) == pytest.approx(
+        bw.plateau_busbw(machine, "all_gather", 2) / nics)

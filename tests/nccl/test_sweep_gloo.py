@@ -117,6 +117,9 @@ def test_table_and_json_agree(three_node_sweep):
         mean = rep.avg_busbw([rep.SweepRow(**r) for r in rows if r["collective"] == coll])
         assert avg == pytest.approx(mean, rel=1e-5)
     assert json.loads(json_path.read_text())["rows"] == rows
+    # One document: the --json file says exactly what the printed line says.
+    (line,) = [l for l in text.splitlines() if l.startswith(rep.JSON_MARKER)]
+    assert json.loads(json_path.read_text()) == json.loads(line[len(rep.JSON_MARKER):])
 
 
 def test_write_results_from_the_sweep_writes_the_png(three_node_sweep, tmp_path):
@@ -167,3 +170,43 @@ def test_a_wrong_result_is_counted_and_fails_the_run(monkeypatch, capsys):
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # destroy_process_group ran
+
+
+def _one_process(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+
+def test_a_json_path_that_cannot_be_written_is_one_line_before_the_sweep(monkeypatch, capsys, tmp_path):
+    import workloads.sweep as sweep
+
+    ran = []
+    monkeypatch.setattr(sweep, "_sweep", lambda *a: ran.append(a))
+    for path, needle in ((tmp_path / "no-such-dir" / "rows.json", "cannot write there (No such file"),
+                         (tmp_path, "is a directory; pass a file path")):
+        _one_process(monkeypatch)
+        rc = sweep.main(["-b", "64", "-e", "64", "-n", "1", "--json", str(path)])
+        captured = capsys.readouterr()
+        assert rc == 2
+        assert captured.err.count("\n") == 1 and captured.err.startswith(f"sweep: --json {path}")
+        assert needle in captured.err, captured.err
+        assert captured.out == ""
+    assert ran == []  # refused before any collective ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the probe left nothing behind
+
+
+def test_the_json_file_is_the_printed_document(monkeypatch, capsys, tmp_path):
+    import workloads.sweep as sweep
+
+    _one_process(monkeypatch)
+    path = tmp_path / "rows.json"
+    assert sweep.main(["--ops", "all_reduce", "-b", "64", "-e", "128", "-f", "2", "-n", "1",
+                       "--json", str(path)]) == 0
+    (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith(rep.JSON_MARKER)]
+    doc = json.loads(path.read_text())
+    assert doc == json.loads(line[len(rep.JSON_MARKER):])
+    assert doc["backend"] == "gloo" and doc["avg_busbw"] == rep.avg_busbw([rep.SweepRow(**r) for r in doc["rows"]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]

@@ -35,3 +35,45 @@ def test_help_lists_the_flags_the_launcher_uses():
     for flag in ("--model", "--steps", "--global-batch", "--micro-batch", "--checkpoint-dir",
                  "--checkpoint-every", "--resume", "--save-params", "--parallelism", "--compression"):
         assert flag in p.stdout
+
+
+def test_output_paths_that_cannot_be_written_are_one_line_before_step_0(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    missing = tmp_path / "no-such-dir"
+    params = tmp_path / "p.pt"
+    for args, needle in (
+        (["--save-params", str(params), "--metrics-file", str(missing / "m.jsonl")],
+         f"--metrics-file {missing / 'm.jsonl'}: cannot write it"),
+        (["--save-params", str(missing / "p.pt")], f"--save-params {missing / 'p.pt'}: cannot write it"),
+        (["--profile-steps", "0:1", "--profile-dir", str(blocker / "prof")],
+         f"--profile-dir {blocker / 'prof'}: cannot write traces there"),
+    ):
+        run = train(["--steps", "2", "--global-batch", "4", "--micro-batch", "2", *args], nproc=0, timeout=60)
+        assert run.returncode == 2, (args, run.stderr)
+        assert run.stderr.count("\n") == 1 and run.stderr.startswith(f"error: {needle}"), run.stderr
+        assert "step 1/" not in run.stdout  # found before training, not at the first log line
+    assert not missing.exists()
+    assert not params.exists()  # the probe of a writable --save-params leaves nothing behind
+
+
+def test_writable_output_paths_are_written_and_an_existing_metrics_file_is_appended_to(tmp_path):
+    out, metrics = tmp_path / "p.pt", tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 0}\n')  # an existing metrics file is appended to
+    run = train(["--steps", "3", "--global-batch", "4", "--micro-batch", "2", "--save-params", str(out),
+                 "--metrics-file", str(metrics), "--straggler-every", "0"], nproc=0, timeout=90)
+    assert run.returncode == 0, run.stderr
+    assert out.stat().st_size > 0
+    assert [line[:11] for line in metrics.read_text().splitlines()] == [
+        '{"step": 0}', '{"step": 1,', '{"step": 2,', '{"step": 3,']
+
+
+def test_a_bucket_without_credentials_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    run = train(["--steps", "2", "--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir",
+                 "gs://some-bucket/run"], nproc=0, timeout=60,
+                env={"GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "missing-key.json")})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: cannot open gs://some-bucket: ")
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in run.stderr

@@ -9,6 +9,7 @@ import socket
 import textwrap
 
 import pytest
+import torch
 
 from tests.faults import HALF_WRITTEN_SAVE
 from tests.workloads.conftest import (
@@ -140,3 +141,49 @@ def test_a_slow_rank_is_named_with_its_node_and_host(tmp_path):
     assert len(warnings) == 2, run.stderr  # one per check (steps 3 and 6), naming only rank 1
     assert f"rank 1 (node 0, host {socket.gethostname()})" in warnings[0]
     assert "rank 0" not in "".join(warnings)
+
+
+def test_an_error_on_one_rank_only_is_printed_by_that_rank_with_its_host(tmp_path):
+    import numpy as np
+
+    data = tmp_path / "tokens.bin"
+    (np.arange(4096) % 64).astype(np.uint16).tofile(data)
+    # Node 1 lacks the file: rank 1 looks for it under a name that does not exist.
+    env = _site(tmp_path, """
+        import os
+        if os.environ.get("RANK") == "1":
+            import workloads.data as d
+            init = d.TokenFile.__init__
+            d.TokenFile.__init__ = lambda self, path, *a: init(self, path + ".not-on-this-node", *a)
+    """)
+    run = train(["--steps", "2", "--global-batch", "4", "--micro-batch", "2", "--data", str(data),
+                 "--straggler-every", "0"], env=env, timeout=90)
+    assert run.returncode != 0
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, run.stderr  # rank 0 stops too, quietly: it has nothing to add
+    assert errors[0].startswith(f"error: rank 1 (host {socket.gethostname()}): --data "
+                                f"{data}.not-on-this-node: cannot map it"), errors
+    assert "[rank" not in run.stderr and "Traceback" not in run.stderr.split("exitcode")[0]
+    assert "exitcode  : 2" in run.stderr
+
+
+def test_a_corrupt_checkpoint_stops_every_rank_with_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
+    assert train(args + ["--steps", "2"], nproc=0).returncode == 0
+    torn = ckpt / "step_00000002.pt"
+    torn.write_bytes(torn.read_bytes()[:1000])
+    run = train(args + ["--steps", "4", "--resume"], timeout=90)
+    assert run.returncode != 0
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, run.stderr
+    assert errors[0].startswith(f"error: {torn} is not a readable checkpoint (")
+    assert f"point {ckpt / 'latest'} at an older step_*.pt" in errors[0]
+    assert "[rank" not in run.stderr and "Traceback" not in run.stderr.split("exitcode")[0]
+    assert "exitcode  : 1" in run.stderr
+    # A file that loads but is not this trainer's checkpoint (no "meta", ...) is named the same way.
+    torch.save({"step": 2}, torn)
+    run = train(args + ["--steps", "4", "--resume"], nproc=0, timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert f"{torn} is not a checkpoint of workloads.train (no model, optimizer" in run.stderr

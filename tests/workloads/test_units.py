@@ -134,3 +134,48 @@ def test_an_unwritable_checkpoint_dir_is_named(tmp_path):
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match=rf"cannot write checkpoints to {blocker}/sub: "):
         LocalStore(str(blocker / "sub")).check()
+
+
+def test_a_corrupt_checkpoint_file_is_one_line_naming_it_and_the_fix(tmp_path):
+    store = LocalStore(str(tmp_path))
+    store.check()
+    store.save(checkpoint_name(1), {"step": 1})
+    store.save(checkpoint_name(2), {"step": 2})
+    whole = (tmp_path / "step_00000002.pt").read_bytes()
+    for spoiled in (whole[: len(whole) // 2], b"not a checkpoint at all", b""):
+        (tmp_path / "step_00000002.pt").write_bytes(spoiled)
+        with pytest.raises(CheckpointError) as info:
+            store.load(store.latest())
+        msg = str(info.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"{tmp_path / 'step_00000002.pt'} is not a readable checkpoint (")
+        assert f"point {tmp_path / 'latest'} at an older step_*.pt" in msg
+    # Not a dict: readable, but no checkpoint.
+    torch.save([1, 2], tmp_path / "step_00000002.pt")
+    with pytest.raises(CheckpointError, match=r"it holds a list, not a dict"):
+        store.load("step_00000002.pt")
+    assert store.load("step_00000001.pt") == {"step": 1}  # the older one is still there to use
+
+
+def test_a_latest_pointer_that_cannot_be_read_is_a_checkpoint_error(tmp_path):
+    store = LocalStore(str(tmp_path))
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(CheckpointError, match=rf"cannot read {tmp_path / 'latest'}: .*remove it"):
+        store.latest()
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()  # read_text fails with IsADirectoryError
+    with pytest.raises(CheckpointError, match=rf"cannot read {tmp_path / 'latest'}: Is a directory"):
+        store.latest()
+
+
+def test_a_bucket_without_google_credentials_is_one_line_naming_the_bucket_and_the_fix(monkeypatch, tmp_path):
+    from workloads.checkpoint import GCSStore
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-such-key.json"))
+    with pytest.raises(CheckpointError) as info:
+        GCSStore("gs://my-bucket/run1")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("cannot open gs://my-bucket: ") and "no-such-key.json" in msg
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in msg and "--checkpoint-dir" in msg

@@ -107,11 +107,13 @@ def _num(tok: str) -> float | None:
 
 
 def _from_json(line: str) -> list[SweepRow]:
-    payload = json.loads(line[len(JSON_MARKER):])
-    rows = []
-    for d in payload["rows"]:
-        rows.append(SweepRow(**{k: d[k] for k in _FIELDS if k in d}))
-    return rows
+    """The rows of our sweep's JSON line; [] for a line cut short (a node log ends mid-line when
+    its node dies), so the table printed above it is read instead."""
+    try:
+        payload = json.loads(line[len(JSON_MARKER):])
+        return [SweepRow(**{k: d[k] for k in _FIELDS if k in d}) for d in payload["rows"]]
+    except (ValueError, KeyError, TypeError):
+        return []
 
 
 def _header_columns(line: str) -> list[str] | None:

@@ -65,6 +65,12 @@ def test_json_marker_line_wins_over_the_table():
     assert rep.failures([parsed]) == [parsed]
 
 
+def test_a_json_line_cut_short_falls_back_to_the_table():
+    """A node that dies mid-write leaves half a JSON line in its log: read the table instead."""
+    text = samples.TWO_TESTS + rep.JSON_MARKER + '{"version": 1, "rows": [{"collective": "all_re'
+    assert rep.parse_output(text) == rep.parse_output(samples.TWO_TESTS) != []
+
+
 def test_nothing_parsable_gives_no_rows():
     assert rep.parse_output("bash: all_reduce_perf: command not found\n") == []
 

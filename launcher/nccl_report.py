@@ -28,7 +28,7 @@ API (what the CLI calls):
 ``rank_nodes(pair_busbw, threshold=0.8) -> BadNodeReport``
     Scores each node by the median busbw of the pairs it was in; names every node below
     threshold × the median score. ``report.exclude`` is the ``--exclude`` value.
-``confirm_halves(hosts, suspects)`` and ``confirm_suspects(group_busbw, suspects, threshold)``
+``confirm_halves(hosts, suspects)`` and ``confirm_suspects(clean_busbw, suspect_busbw, suspects, threshold)``
     The confirming pass: a suspect half and a clean half; a suspect is confirmed when its half
     is below threshold × the clean half.
 ``nccl_tests_command(binary, hosts, nproc_per_node, args, env) -> list[str]``

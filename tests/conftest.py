@@ -1,8 +1,11 @@
-"""Shared fixtures. `sim_cluster(n)` starts n real sshd nodes (see tests/simcluster.py)."""
+"""Shared fixtures: `sim_cluster(n)` starts n real sshd nodes (see tests/simcluster.py); every test
+keeps gpufleet state under its tmp_path; `small_tmpfs` mounts a small disk for full-disk tests."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +27,27 @@ def sim_cluster(tmp_path):
     yield make
     for cluster in started:
         cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(tmp_path, monkeypatch):
+    """Launches write known_hosts under GPUFLEET_STATE_DIR: here, never the user's ~/.cache."""
+    monkeypatch.setenv("GPUFLEET_STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """Factory: mount a tmpfs of the given size (needs root, as the simulated cluster does);
+    unmounted after the test."""
+    mounted: list[Path] = []
+
+    def make(size_bytes: int) -> Path:
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mnt)], check=True)
+        mounted.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

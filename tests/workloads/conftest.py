@@ -155,21 +155,3 @@ def gcs_emulator():
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """Factory: mount a tmpfs of the given size; unmounted after the test."""
-    mounted: list[Path] = []
-
-    def make(size_bytes: int) -> Path:
-        mnt = tmp_path / f"tmpfs{len(mounted)}"
-        mnt.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mnt)],
-                       check=True)
-        mounted.append(mnt)
-        return mnt
-
-    yield make
-    for mnt in mounted:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -6,7 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test test-failures demo bench clean
+.PHONY: sysdeps venv test test-failures demo bench clean
+
+# The system packages the tests need (sshd nodes, shellcheck, pdsh, libfaketime): installed when
+# run as root, else one line naming the apt-get command and exit 2 before anything runs.
+sysdeps:
+	@bash scripts/sysdeps.sh
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,16 +22,16 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+test: sysdeps venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-failures: venv
+test-failures: sysdeps venv
 	$(PY) -m pytest -q tests/failures $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/launch train --local --nodes 2
 
-bench: venv
+bench: sysdeps venv
 	$(PY) -m bench
 
 clean:

@@ -19,11 +19,15 @@ def main() -> int:
         if only and name.removeprefix("bench_") not in only and name not in only:
             continue
         print(f"== {name}", flush=True)
+        # Each benchmark parses sys.argv itself: it gets its own name alone, not this runner's filter.
+        saved, sys.argv = sys.argv, [f"bench.{name}"]
         try:
             runpy.run_module(f"bench.{name}", run_name="__main__")
         except SystemExit as e:
             if e.code not in (0, None):
                 failed.append(name)
+        finally:
+            sys.argv = saved
     if failed:
         print(f"benchmarks that missed their target or failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -125,6 +125,13 @@ class TrainConfig:
     """Save every K steps (0 = only at the end and on SIGTERM)."""
     keep_checkpoints: int = 3
     """Keep the newest N checkpoints; older ones are deleted after a new one is published."""
+    async_checkpoint: bool = False
+    """Periodic saves (--checkpoint-every) overlap training: a step waits only for the copy of the
+    state to host memory, the shards are written in the background (DCP async_save). The save at
+    the end and on SIGTERM stay synchronous."""
+    preemption_budget: str = "30s"
+    """Time a preemption notice leaves for the SIGTERM save (Compute Engine stops a Spot VM 30 s
+    after the notice); the save's measured time is checked against it. Seconds: 30s, 45, 1.5m."""
     resume: bool = False
     """Continue from the latest checkpoint when there is one (start at step 0 when there is none,
     so a torchrun restart with --max-restarts and a first launch use the same command)."""
@@ -144,6 +151,7 @@ class TrainConfig:
     straggler_threshold: float = 1.2
     """A rank whose forward time is above this x the median of all ranks' is named in a warning."""
     _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    _budget_s: float = field(default=30.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
@@ -172,6 +180,7 @@ class TrainConfig:
                 raise ConfigError(f"--{name} {value!r} is unknown; one of: {', '.join(allowed)}")
         if self.profile_steps is not None:
             self._profile_range = _parse_range(self.profile_steps)
+        self._budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
         self._check_cross_field()
 
     def _check_cross_field(self) -> None:
@@ -203,6 +212,9 @@ class TrainConfig:
             raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if self.async_checkpoint and not self.checkpoint_every:
+            raise ConfigError("--async-checkpoint overlaps the periodic saves with training; it needs "
+                              "--checkpoint-every K (the final and SIGTERM saves are always synchronous)")
         if self._profile_range and self._profile_range[1] > self.steps:
             a, b = self._profile_range
             raise ConfigError(f"--profile-steps {a}:{b} ends after --steps {self.steps}")
@@ -228,6 +240,24 @@ class TrainConfig:
     @property
     def profile_range(self) -> tuple[int, int] | None:
         return self._profile_range
+
+    @property
+    def preemption_budget_s(self) -> float:
+        """--preemption-budget in seconds."""
+        return self._budget_s
+
+
+def _parse_seconds(flag: str, text: str) -> float:
+    """'30s', '30', '1.5m' -> seconds."""
+    units = {"s": 1.0, "m": 60.0}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise ConfigError(f"{flag} {text!r} is not a duration; use seconds like 30s, 45 or 1.5m")
+    return value * units[unit]
 
 
 def _parse_range(text: str) -> tuple[int, int]:

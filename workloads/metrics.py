@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["RankInfo", "find_stragglers", "straggler_warning", "format_log_line"]
+__all__ = ["RankInfo", "find_stragglers", "straggler_warning", "format_log_line", "format_bytes",
+           "preemption_report"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,35 @@ def format_log_line(step: int, steps: int, loss: float, lr: float, step_s: float
     if peak_mem_gib is not None:
         parts.append(f"mem {peak_mem_gib:.2f} GiB")
     return " | ".join(parts)
+
+
+def format_bytes(n: float) -> str:
+    """`512 B`, `3.2 MB`, `16.1 GB` (decimal units, as GCS and disk vendors quote them)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def preemption_report(step: int, save_s: float, notice_s: float, budget_s: float, nbytes: int,
+                      ranks: int, where: str) -> tuple[bool, str]:
+    """Whether the SIGTERM save fit the preemption notice, and the line that says so.
+
+    `notice_s` is how long the notice had already run when the ranks agreed to stop (the step in
+    progress finishes first); the budget covers both. When it does not fit, the line names what
+    to change: the write rate it would have needed, and the knobs that give it.
+    """
+    total = notice_s + save_s
+    rate = nbytes / save_s if save_s > 0 else float("inf")
+    head = (f"SIGTERM: checkpoint step {step} saved in {save_s:.2f} s ({format_bytes(nbytes)} from "
+            f"{ranks} ranks, {format_bytes(rate)}/s) -> {where}; {total:.2f} s since the notice")
+    if total <= budget_s:
+        return True, f"{head}, within the {budget_s:g} s --preemption-budget"
+    left = budget_s - notice_s
+    need = (f"it needs {format_bytes(nbytes / left)}/s to fit" if left > 0
+            else "the step in progress alone used the budget")
+    return False, (f"{head}, over the {budget_s:g} s --preemption-budget: the VM may stop before the "
+                   f"next one. {need}: write to faster storage (the local SSD RAID rather than gs://), "
+                   "spread the state over more ranks (more nodes; each rank writes its own shards), "
+                   "or shorten the steps (smaller --global-batch per step); and save often "
+                   "(--checkpoint-every K --async-checkpoint) so a cut save loses little")

@@ -15,6 +15,12 @@ per op is averaged across ranks (nccl-tests ``-a 1``) and algbw/busbw come from
 every element of every result is compared with what it must be; ``#wrong`` is the number of wrong
 elements summed over ranks. Out-of-place runs first, then in-place, as in nccl-tests.
 
+For the bad-node finder (`launch nccl-tests --find-bad-nodes`) two more flags: ``--time-budget
+SECONDS`` cuts a slow size's calls short, from the time of its first call, and records in each
+row how many calls were timed (``iters``; see SweepConfig.time_budget); ``--rounds PLAN`` runs
+one sweep per node group, the groups of a round at the same time on process groups of their own
+(gpufleet.groups), so every pair of nodes is measured in one torchrun job.
+
 Rank 0 prints one nccl-tests table per collective (same header lines and column layout, the
 "Out of bounds values" and "Avg bus bandwidth" footer), then one line ``#gpufleet-json {...}``
 with every row (the launcher parses it; see ``launcher/nccl_report.py``). Exit status: 0 when
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import socket
 import sys
@@ -52,6 +59,7 @@ from gpufleet.bandwidth import (
     parse_size,
     size_ladder,
 )
+from gpufleet.groups import NODE_RANK_ENV, Plan, parse_rounds
 
 __all__ = ["JSON_MARKER", "SweepConfig", "SweepRow", "run_sweep", "format_table", "main"]
 
@@ -86,6 +94,8 @@ _ROOTED = ("broadcast", "reduce")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+
+
 # Check data is generated and compared in chunks so a multi-GiB buffer never needs a second
 # multi-GiB int64 index tensor next to it.
 _CHUNK = 1 << 24
@@ -119,6 +129,18 @@ class SweepConfig:
     """-r: root rank of broadcast and reduce."""
     json_path: str | None = None
     """--json: where rank 0 writes the rows (the JSON line is printed regardless)."""
+    time_budget: float | None = None
+    """--time-budget: seconds a size may take before its calls are cut short (None: never).
+
+    The first call of each size is timed on every rank (after a barrier, so even with -w 0); the
+    slowest rank's time t sets how many calls fit: min(-n, max(1, budget // t)) timed calls per
+    block, and no more warm-up calls than that. A size whose first call alone took the budget
+    or longer is answered by that call: it is the out-of-place time (1 iteration), its result is
+    checked (one -c pass), and the in-place block is not run (N/A). A row's `iters` says how
+    many calls were timed. Meant for the bad-node finder, where a pair far slower than the rest
+    is the answer and measuring it precisely is time wasted."""
+    rounds: Plan | None = None
+    """--rounds: run one sweep per node group, groups of a round at once (gpufleet.groups)."""
     sizes: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +161,8 @@ class SweepConfig:
             raise ValueError(f"iters must be >= 1, got -n {self.iters}")
         if self.warmup_iters < 0 or self.check < 0:
             raise ValueError(f"-w ({self.warmup_iters}) and -c ({self.check}) must be >= 0")
+        if self.time_budget is not None and not (self.time_budget > 0 and math.isfinite(self.time_budget)):
+            raise ValueError(f"--time-budget must be a number of seconds > 0, got {self.time_budget}")
         self.sizes = size_ladder(self.minbytes, self.maxbytes, self.stepfactor, self.stepbytes)
 
 
@@ -150,6 +174,9 @@ _MOVE_PERIOD = 97
 # A reduction pattern: an indicator (g + r) % 3 == 0, so a sum is a count of ranks (exact in bf16
 # up to 256·3 ranks), max/min are 0/1 and a product of (1 + indicator) is a power of two.
 _RED_PERIOD = 3
+# Every pattern and every reduced result repeats every lcm(97, 3) elements: data is made and
+# checked one period at a time (_tile).
+_PERIOD = _MOVE_PERIOD * _RED_PERIOD
 
 
 def _index(start: int, length: int, device: torch.device) -> torch.Tensor:
@@ -190,24 +217,39 @@ def _reduced(g: torch.Tensor, op: str, nranks: int, dtype: torch.dtype) -> torch
     return out.to(dtype)
 
 
+def _tile(values: Callable[[torch.Tensor], torch.Tensor], start: int, length: int, like: torch.Tensor) -> torch.Tensor:
+    """values(start + i) for i < length + _PERIOD, computed on one period and repeated: every
+    pattern here repeats every _PERIOD elements, so a chunk at offset `off` is
+    tile[off % _PERIOD :][:m]. Copying a tile costs a memcpy; evaluating the pattern element by
+    element (int64 index, modulo, compare) cost ~30x that, which at 32 MiB on CPU was most of a
+    bad-node search's time."""
+    one = values(_index(start, _PERIOD, like.device)).to(like.dtype)
+    return one.repeat(-(-(length + _PERIOD) // _PERIOD))
+
+
 def _fill(buf: torch.Tensor, start: int, values: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """buf[i] = values(start + i), chunk by chunk."""
+    """buf[i] = values(start + i), chunk by chunk (values must repeat every _PERIOD elements)."""
     n = buf.numel()
+    tile = _tile(values, start, min(n, _CHUNK), buf)
     for off in range(0, n, _CHUNK):
         m = min(_CHUNK, n - off)
-        buf[off : off + m].copy_(values(_index(start + off, m, buf.device)).to(buf.dtype))
+        ph = off % _PERIOD
+        buf[off : off + m].copy_(tile[ph : ph + m])
 
 
 def _count_wrong(
     buf: torch.Tensor, start: int, expected: Callable[[torch.Tensor], torch.Tensor], tol: float
 ) -> int:
-    """Elements of buf that differ from expected(start + i) by more than tol (relative)."""
+    """Elements of buf that differ from expected(start + i) by more than tol (relative);
+    expected must repeat every _PERIOD elements."""
     wrong = 0
     n = buf.numel()
+    tile = _tile(expected, start, min(n, _CHUNK), buf)
     for off in range(0, n, _CHUNK):
         m = min(_CHUNK, n - off)
         got = buf[off : off + m]
-        exp = expected(_index(start + off, m, buf.device)).to(buf.dtype)
+        ph = off % _PERIOD
+        exp = tile[ph : ph + m]
         if tol == 0.0:
             bad = got != exp
         else:
@@ -228,6 +270,10 @@ def _tolerance(dtype: torch.dtype, op: str) -> float:
 # ---- one collective ------------------------------------------------------------------------
 
 
+# One block's columns: time (us), algbw, busbw (GB/s), wrong elements; all None when not run.
+_Block = tuple[float | None, float | None, float | None, int | None]
+
+
 @dataclass
 class _Case:
     """The buffers and calls of one (collective, size, type, op, placement)."""
@@ -238,8 +284,13 @@ class _Case:
 
 
 class _Bench:
-    def __init__(self, cfg: SweepConfig, rank: int, nranks: int, device: torch.device) -> None:
+    """One group's sweep. `rank` and `nranks` are within `group` (None: the whole world)."""
+
+    def __init__(
+        self, cfg: SweepConfig, rank: int, nranks: int, device: torch.device, group=None
+    ) -> None:
         self.cfg, self.rank, self.n, self.device = cfg, rank, nranks, device
+        self.group = group
         self.notes: list[str] = []
         # Set when the backend refuses reduce_scatter_tensor (gloo before torch 2.6) and it is
         # emulated; see _reduce_scatter.
@@ -250,10 +301,10 @@ class _Bench:
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
         if not self._rs_emulated:
             try:
-                _reduce_scatter(out, inp, op=op)
+                _reduce_scatter(out, inp, op=op, group=self.group)
                 return
             except (RuntimeError, NotImplementedError) as e:
-                if "gloo" not in str(e).lower() and dist.get_backend() != "gloo":
+                if "gloo" not in str(e).lower() and dist.get_backend(self.group) != "gloo":
                     raise
                 self._rs_emulated = True
                 self.notes.append(
@@ -261,8 +312,12 @@ class _Bench:
                     "all_reduce of the input, then a copy of this rank's slice (slower)"
                 )
         tmp = inp.clone()
-        dist.all_reduce(tmp, op=op)
+        dist.all_reduce(tmp, op=op, group=self.group)
         out.copy_(tmp[self.rank * out.numel() : (self.rank + 1) * out.numel()])
+
+    def _global(self, group_rank: int) -> int:
+        """The global rank of a rank of this group: what src/dst/peer arguments take."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def case(
         self, coll: str, send: torch.Tensor, recv: torch.Tensor, nbytes: int, dtype_name: str,
@@ -272,6 +327,7 @@ class _Bench:
         dtype = TORCH_DTYPES[dtype_name]
         sz = coll_sizes(coll, nbytes, DTYPE_SIZES[dtype_name], self.n)
         r, n, root = self.rank, self.n, self.cfg.root
+        g, groot = self.group, self._global(self.cfg.root)
         rop = _REDUCE_OPS[op]
         tol = _tolerance(dtype, op)
         count = sz.count
@@ -297,10 +353,10 @@ class _Bench:
                     buf.copy_(src)
 
             if coll == "all_reduce":
-                run = lambda: dist.all_reduce(buf, op=rop)  # noqa: E731
+                run = lambda: dist.all_reduce(buf, op=rop, group=g)  # noqa: E731
                 check = lambda: _count_wrong(buf, 0, reduced, tol)  # noqa: E731
             else:
-                run = lambda: dist.reduce(buf, dst=root, op=rop)  # noqa: E731
+                run = lambda: dist.reduce(buf, dst=groot, op=rop, group=g)  # noqa: E731
                 # Only the root's result is defined (NCCL leaves others' recvbuff alone).
                 check = lambda: _count_wrong(buf, 0, reduced, tol) if r == root else 0  # noqa: E731
         elif coll == "broadcast":
@@ -313,7 +369,7 @@ class _Bench:
                 else:
                     buf.zero_()
 
-            run = lambda: dist.broadcast(buf, src=root)  # noqa: E731
+            run = lambda: dist.broadcast(buf, src=groot, group=g)  # noqa: E731
             check = lambda: _count_wrong(buf, 0, move(root), 0.0)  # noqa: E731
         elif coll == "all_gather":
             out = recv[: count * n]
@@ -324,7 +380,7 @@ class _Bench:
                 out.zero_()
                 _fill(inp, 0, move(r))
 
-            run = lambda: _all_gather(out, inp)  # noqa: E731
+            run = lambda: _all_gather(out, inp, group=g)  # noqa: E731
 
             def check() -> int:
                 return sum(
@@ -346,7 +402,7 @@ class _Bench:
                     out.zero_()
                 _fill(inp, 0, move(r))
 
-            run = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
+            run = lambda: dist.all_to_all_single(out, inp, group=g)  # noqa: E731
             if in_place:
                 # Like nccl-tests (AlltoAllInitData: reportErrors = !in_place): reading and
                 # writing one buffer races, so the in-place result is timed, not checked.
@@ -370,7 +426,8 @@ class _Bench:
 
             def run() -> None:
                 reqs = dist.batch_isend_irecv(
-                    [dist.P2POp(dist.isend, inp, nxt), dist.P2POp(dist.irecv, out, prv)]
+                    [dist.P2POp(dist.isend, inp, self._global(nxt), group=g),
+                     dist.P2POp(dist.irecv, out, self._global(prv), group=g)]
                 )
                 for q in reqs:
                     q.wait()
@@ -388,23 +445,35 @@ class _Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def time_per_op(self, c: _Case) -> float:
+    def time_per_op(self, c: _Case, iters: int) -> float:
         """Seconds per op on this rank: `iters` back-to-back calls between two synchronisations."""
         c.run()  # one untimed call, then a barrier (nccl-tests TimeTest)
         self._sync()
-        dist.barrier()
+        dist.barrier(group=self.group)
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(self.cfg.iters):
+            for _ in range(iters):
                 c.run()
             end.record()
             torch.cuda.synchronize(self.device)
-            return start.elapsed_time(end) / 1e3 / self.cfg.iters
+            return start.elapsed_time(end) / 1e3 / iters
         t0 = time.perf_counter()
-        for _ in range(self.cfg.iters):
+        for _ in range(iters):
             c.run()
-        return (time.perf_counter() - t0) / self.cfg.iters
+        return (time.perf_counter() - t0) / iters
+
+    def sizing_call(self, c: _Case) -> tuple[float, float]:
+        """One call, every rank starting together: (this rank's seconds, the slowest rank's)."""
+        self._sync()
+        dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        c.run()
+        self._sync()
+        sec = time.perf_counter() - t0
+        t = torch.tensor([sec], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return sec, t.item()
 
     def wrong(self, c: _Case) -> int | None:
         total = None
@@ -419,8 +488,44 @@ class _Bench:
     def across_ranks(self, sec: float, wrong: int | None) -> tuple[float, int | None]:
         """Mean time over ranks (nccl-tests -a 1) and wrong elements summed over ranks."""
         t = torch.tensor([sec, float(wrong or 0)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t[0].item() / self.n, (None if wrong is None else int(t[1].item()))
+
+    def block(self, coll: str, size: int, sec: float, wrong: int | None) -> _Block:
+        """One block's columns from this rank's seconds per op and wrong count."""
+        sec, wrong = self.across_ranks(sec, wrong)
+        a = algbw(size, sec) if sec > 0 else 0.0
+        b = busbw(coll, size, sec, self.n) if sec > 0 else 0.0
+        return (sec * 1e6, a, b, wrong)
+
+    def warm_up(self, coll: str, c: _Case, size: int, label: str) -> int | _Block:
+        """Warm one size up; return how many calls to time, or (over the time budget) the
+        out-of-place block measured by the size's first call. See SweepConfig.time_budget."""
+        cfg = self.cfg
+        budget = cfg.time_budget
+        c.init()
+        if budget is None or size == 0:
+            for _ in range(cfg.warmup_iters):
+                c.run()
+            return cfg.iters
+        sec, slowest = self.sizing_call(c)
+        if slowest >= budget:
+            # The call ran on freshly initialised data, exactly as one -c pass does: check it.
+            blk = self.block(coll, size, sec, c.check() if cfg.check > 0 else None)
+            self.notes.append(
+                f"{label}: its first call took {slowest:.3g} s, over --time-budget {budget:g} s: "
+                "timed by that call alone (no warm-up, one check), in-place not run"
+            )
+            return blk
+        fit = max(1, min(cfg.iters, int(budget // slowest)))
+        for _ in range(min(cfg.warmup_iters, fit) - 1):
+            c.run()
+        if fit < cfg.iters:
+            self.notes.append(
+                f"{label}: {fit} of {cfg.iters} iterations fit --time-budget {budget:g} s "
+                f"(first call {slowest:.3g} s)"
+            )
+        return fit
 
     def run_collective(self, coll: str) -> list[SweepRow]:
         cfg = self.cfg
@@ -438,25 +543,26 @@ class _Bench:
                     continue  # an integer mean rounds; nothing exact to check it against
                 red_op = op if op != "none" else "sum"
                 # Warm-up pass over every size (nccl-tests: all sizes, warmup_iters each).
+                plan: dict[int, int | _Block] = {}
                 for nbytes in cfg.sizes:
-                    c, _, _ = self.case(coll, send, recv, nbytes, dname, red_op, False)
-                    c.init()
-                    for _ in range(cfg.warmup_iters):
-                        c.run()
+                    c, size, _ = self.case(coll, send, recv, nbytes, dname, red_op, False)
+                    plan[nbytes] = self.warm_up(coll, c, size, f"{coll} {size} B {dname} {op}")
                 self._sync()
                 for nbytes in cfg.sizes:
                     blocks = []
+                    iters = plan[nbytes]
                     for in_place in (False, True):
                         c, size, count = self.case(coll, send, recv, nbytes, dname, red_op, in_place)
+                        if not isinstance(iters, int):  # answered by its first call
+                            blocks.append(iters if not in_place else (None, None, None, None))
+                            continue
                         c.init()
-                        sec = self.time_per_op(c) if size > 0 else 0.0
+                        sec = self.time_per_op(c, iters) if size > 0 else 0.0
                         wrong = self.wrong(c) if cfg.check > 0 else None
-                        sec, wrong = self.across_ranks(sec, wrong)
-                        a = algbw(size, sec) if sec > 0 else 0.0
-                        b = busbw(coll, size, sec, self.n) if sec > 0 else 0.0
-                        blocks.append((sec * 1e6, a, b, wrong))
+                        blocks.append(self.block(coll, size, sec, wrong))
                     root = cfg.root if coll in _ROOTED else -1
-                    rows.append(SweepRow(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1]))
+                    rows.append(SweepRow(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1],
+                                         iters=iters if isinstance(iters, int) else 1))
         return rows
 
 
@@ -481,7 +587,9 @@ def _float_str(value: float, width: int) -> str:
     return "%*.0e" % (width, value)
 
 
-def _block(time_us: float, alg: float, bus: float, wrong: int | None) -> str:
+def _block(time_us: float | None, alg: float | None, bus: float | None, wrong: int | None) -> str:
+    if time_us is None:  # a block that was not run (--time-budget): N/A in every column
+        return "  %7s  %6s  %6s  %6s" % ("N/A", "N/A", "N/A", "N/A")
     head = "  %7s  %6s  %6s" % (_float_str(time_us, 7), _float_str(alg, 6), _float_str(bus, 6))
     return head + ("    N/A" if wrong is None else "  %6g" % wrong)
 
@@ -544,7 +652,8 @@ def _notes_for(coll: str, bench: _Bench) -> list[str]:
         notes.append("broadcast: out-of-place sends from the root's send buffer into recv elsewhere")
     if coll in ("alltoall", "sendrecv"):
         notes.append(f"{coll}: in-place reads and writes one buffer; timed, not checked (N/A)")
-    notes += [n for n in bench.notes if n.startswith(coll)]
+    # "reduce" must not pick up reduce_scatter's notes: match the name and what follows it.
+    notes += [n for n in bench.notes if n.startswith((f"{coll}:", f"{coll} "))]
     return notes
 
 
@@ -569,12 +678,27 @@ def run_sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], s
     return rows, text
 
 
-def _sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], dict[str, Any], str]:
-    """run_sweep, plus the JSON document: built once, for the printed line and for --json."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    bench = _Bench(cfg, rank, n, device)
+def _sweep(
+    cfg: SweepConfig, device: torch.device, emit: Callable[[str], None] | None = None
+) -> tuple[list[SweepRow], dict[str, Any], str]:
+    """run_sweep, plus the JSON document: built once, for the printed line and for --json.
+    With --rounds and `emit`, rank 0 hands each round's text to emit as the round ends (a
+    search over many rounds shows progress) and returns only what is left."""
+    if cfg.rounds is not None:
+        return _sweep_rounds(cfg, device, emit)
+    rows, payload, text = _group_sweep(cfg, device, None, {})
+    return rows, payload, (text if dist.get_rank() == 0 else "")
+
+
+def _group_sweep(
+    cfg: SweepConfig, device: torch.device, group, extra: dict[str, Any]
+) -> tuple[list[SweepRow], dict[str, Any], str]:
+    """Every collective of cfg within `group` (None: the world): rows, JSON document, and the
+    text (tables, then the JSON line) as this group's rank 0 would print it."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    bench = _Bench(cfg, rank, n, device, group)
     lines: list[object] = [None] * n
-    dist.all_gather_object(lines, _rank_line(rank, device))
+    dist.all_gather_object(lines, _rank_line(rank, device), group=group)
     rows: list[SweepRow] = []
     text = []
     for coll in cfg.collectives:
@@ -586,12 +710,73 @@ def _sweep(cfg: SweepConfig, device: torch.device) -> tuple[list[SweepRow], dict
         text.append(format_table(coll, crow, cfg, [str(x) for x in lines], _notes_for(coll, bench)))
     payload = {
         "version": JSON_VERSION,
+        **extra,
         "nranks": n,
-        "backend": dist.get_backend(),
+        "backend": dist.get_backend(group),
         "avg_busbw": avg_busbw(rows),
         "rows": [r.__dict__ for r in rows],
     }
     text.append(JSON_MARKER + json.dumps(payload, separators=(",", ":")) + "\n")
+    return rows, payload, "".join(text)
+
+
+class PlanError(ValueError):
+    """--rounds names a node this run does not have."""
+
+
+def _node_rank() -> int:
+    """This process's node: the launcher's node rank, else torchrun's GROUP_RANK."""
+    return int(os.environ.get(NODE_RANK_ENV) or os.environ.get("GROUP_RANK") or 0)
+
+
+def _sweep_rounds(
+    cfg: SweepConfig, device: torch.device, emit: Callable[[str], None] | None
+) -> tuple[list[SweepRow], dict[str, Any], str]:
+    """One sweep per group of each round of cfg.rounds, the groups of a round at once, each on a
+    process group of its own; global rank 0 prints every group's tables and JSON line."""
+    assert cfg.rounds is not None
+    rank, n = dist.get_rank(), dist.get_world_size()
+    node_of: list[object] = [None] * n
+    dist.all_gather_object(node_of, _node_rank())
+    ranks_of: dict[int, list[int]] = {}
+    for r, node in enumerate(node_of):
+        ranks_of.setdefault(int(node), []).append(r)  # type: ignore[arg-type]
+    # Every rank sees the same nodes, so every rank raises the same error, before any group.
+    missing = sorted({nd for rnd in cfg.rounds for grp in rnd for nd in grp} - set(ranks_of))
+    if missing:
+        raise PlanError(f"--rounds names node {missing[0]}, but this run's nodes are "
+                        f"{', '.join(map(str, sorted(ranks_of)))} ({NODE_RANK_ENV}, else GROUP_RANK)")
+    smallest = min(sum(len(ranks_of[nd]) for nd in grp) for rnd in cfg.rounds for grp in rnd)
+    if cfg.root >= smallest:
+        raise PlanError(f"root {cfg.root} is not a rank of every group (the smallest has {smallest} "
+                        "ranks); pass -r 0")
+    rows: list[SweepRow] = []
+    docs: list[dict[str, Any]] = []
+    text: list[str] = []
+    for i, rnd in enumerate(cfg.rounds):
+        t0 = time.perf_counter()
+        members = [sorted(r for nd in grp for r in ranks_of[nd]) for grp in rnd]
+        mine, _ = dist.new_subgroups_by_enumeration(members)
+        result = None
+        if mine is not None:
+            k = next(j for j, m in enumerate(members) if rank in m)
+            extra = {"round": i, "nodes": list(rnd[k])}
+            grows, doc, gtext = _group_sweep(cfg, device, mine, extra)
+            if rank == members[k][0]:
+                result = (k, [r.__dict__ for r in grows], doc, gtext)
+        gathered: list[object] = [None] * n
+        dist.all_gather_object(gathered, result)
+        if mine is not None:
+            dist.destroy_process_group(mine)
+        for k, grows, doc, gtext in sorted((g for g in gathered if g is not None), key=lambda g: g[0]):
+            rows += [SweepRow(**d) for d in grows]
+            docs.append(doc)
+            text.append(f"# round {i + 1}: nodes {'+'.join(map(str, rnd[k]))}\n{gtext}")
+        text.append(f"# round {i + 1} of {len(cfg.rounds)} done in {time.perf_counter() - t0:.1f} s\n")
+        if emit is not None and rank == 0:
+            emit("".join(text))
+            text = []
+    payload = {"version": JSON_VERSION, "groups": docs}
     return rows, payload, ("".join(text) if rank == 0 else "")
 
 
@@ -619,6 +804,13 @@ def _list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return conv
 
 
+def _rounds_arg(text: str) -> Plan:
+    try:
+        return parse_rounds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--rounds {text!r}: {e}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p = _Parser(prog="python -m workloads.sweep", description=__doc__.split("\n")[0])
     p.add_argument("--ops", "--collective", dest="collectives", type=_list(COLLECTIVES),
@@ -634,13 +826,17 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("-o", "--op", type=_list(REDOPS), default=("sum",))
     p.add_argument("-r", "--root", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="cut a size's calls short once they would take longer (see SweepConfig)")
+    p.add_argument("--rounds", type=_rounds_arg, default=None, metavar="PLAN",
+                   help="one sweep per node group, e.g. 0+3,1+2;0+2,3+1 (gpufleet.groups)")
     a = p.parse_args(argv)
     try:
         return SweepConfig(
             collectives=a.collectives, minbytes=a.minbytes, maxbytes=a.maxbytes,
             stepfactor=a.stepfactor, stepbytes=a.stepbytes, iters=a.iters,
             warmup_iters=a.warmup_iters, check=a.check, datatypes=a.datatype, ops=a.op,
-            root=a.root, json_path=a.json_path,
+            root=a.root, json_path=a.json_path, time_budget=a.time_budget, rounds=a.rounds,
         )
     except ValueError as e:
         p.error(str(e))
@@ -675,7 +871,12 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"sweep: {problem[0]}", file=sys.stderr)
             return 2
-        rows, payload, text = _sweep(cfg, device)
+        try:
+            rows, payload, text = _sweep(cfg, device, _emit if rank == 0 else None)
+        except PlanError as e:
+            if rank == 0:
+                print(f"sweep: {e}", file=sys.stderr)
+            return 2
         if rank == 0:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -689,6 +890,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failed else 0
     finally:
         dist.destroy_process_group()
+
+
+def _emit(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _json_tmp(path: str) -> str:

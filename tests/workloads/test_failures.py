@@ -24,7 +24,7 @@ from tests.workloads.conftest import (
     wait_for,
     workers,
 )
-from workloads.checkpoint import load_file
+from workloads.checkpoint import load_checkpoint
 
 
 def _latest(ckpt) -> str:
@@ -47,21 +47,20 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_
     proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, HALF_WRITTEN_SAVE))
     try:
         def half_written() -> bool:
-            return ckpt.exists() and any(p.name.startswith(".step_00000004.pt.tmp-") and p.stat().st_size
-                                         for p in ckpt.iterdir())
+            return any(f.stat().st_size for d in ckpt.glob(".step_00000004.tmp-*") for f in d.iterdir())
         wait_for(half_written, timeout=120, interval=0.01, proc=proc)
     finally:
         # The machine "dies": every process at once, no handler runs anywhere.
         kill_tree(proc)
     assert [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]  # the torn file is there...
-    assert _latest(ckpt) == "step_00000002.pt"  # ...but latest still names the whole one
-    assert load_file(ckpt / "step_00000002.pt")["step"] == 2
+    assert _latest(ckpt) == "step_00000002"  # ...but latest still names the whole one
+    assert load_checkpoint(ckpt / "step_00000002")["step"] == 2
     # A resumed run drops the torn file and continues from latest.
     run = train(args + ["--steps", "3", "--resume"], nproc=0)
     assert run.returncode == 0, run.stderr
     assert "at step 2" in run.stdout
     assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
-    assert _latest(ckpt) == "step_00000003.pt"
+    assert _latest(ckpt) == "step_00000003"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -69,17 +68,17 @@ def test_a_full_checkpoint_disk_is_one_clear_line_and_the_previous_checkpoint_su
     probe = tmp_path / "probe"
     assert train(["--steps", "1", "--checkpoint-dir", str(probe), "--global-batch", "4",
                   "--micro-batch", "2"], nproc=0).returncode == 0
-    size = (probe / "step_00000001.pt").stat().st_size
+    size = sum(f.stat().st_size for f in (probe / "step_00000001").iterdir())
     disk = small_tmpfs(int(size * 1.5))  # room for one checkpoint, not for a second beside it
     run = train(["--steps", "4", "--checkpoint-dir", str(disk), "--checkpoint-every", "1",
                  "--global-batch", "4", "--micro-batch", "2", "--straggler-every", "0"])
     assert run.returncode != 0
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, run.stderr
-    assert str(disk / "step_00000002.pt") in errors[0] and "No space left on device" in errors[0]
+    assert str(disk / "step_00000002") in errors[0] and "No space left on device" in errors[0]
     assert "[rank" not in run.stderr  # no worker traceback
-    assert _latest(disk) == "step_00000001.pt"
-    assert load_file(disk / "step_00000001.pt")["step"] == 1
+    assert _latest(disk) == "step_00000001"
+    assert load_checkpoint(disk / "step_00000001")["step"] == 1
     assert not [p for p in disk.iterdir() if ".tmp-" in p.name]  # the partial file is removed
 
 
@@ -99,8 +98,13 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):
         kill_tree(proc)
     assert proc.returncode == 0, err  # the workers saved and exited 0, so torchrun did too
     assert "SIGTERM: saving a checkpoint at step" in out
-    step = load_file(ckpt / _latest(ckpt))["step"]
+    step = load_checkpoint(ckpt / _latest(ckpt))["step"]
     assert step >= 5
+    # The save is timed and checked against the notice (the default 30 s --preemption-budget).
+    (line,) = [ln for ln in out.splitlines() if ln.startswith(f"SIGTERM: checkpoint step {step} saved in ")]
+    seconds = float(line.split(" saved in ")[1].split(" s ")[0])
+    assert 0 < seconds < 30 and f"-> {ckpt / _latest(ckpt)};" in line, line
+    assert line.endswith("within the 30 s --preemption-budget"), line
     run = train(base + ["--steps", str(step + 2), "--resume"])
     assert run.returncode == 0, run.stderr
     assert f"resumed from {ckpt} at step {step}" in run.stdout
@@ -171,18 +175,21 @@ def test_a_corrupt_checkpoint_stops_every_rank_with_one_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
     assert train(args + ["--steps", "2"], nproc=0).returncode == 0
-    torn = ckpt / "step_00000002.pt"
-    torn.write_bytes(torn.read_bytes()[:1000])
+    shard = ckpt / "step_00000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
     run = train(args + ["--steps", "4", "--resume"], timeout=90)
     assert run.returncode != 0
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, run.stderr
-    assert errors[0].startswith(f"error: {torn} is not a readable checkpoint (")
-    assert f"point {ckpt / 'latest'} at an older step_*.pt" in errors[0]
+    assert errors[0].startswith(f"error: {ckpt / 'step_00000002'} is not a readable checkpoint (rank 0: ")
+    assert f"point {ckpt / 'latest'} at an older step_*" in errors[0]
     assert "[rank" not in run.stderr and "Traceback" not in run.stderr.split("exitcode")[0]
     assert "exitcode  : 1" in run.stderr
-    # A file that loads but is not this trainer's checkpoint (no "meta", ...) is named the same way.
+    # A full-state file of the previous release that loads but is not this trainer's checkpoint
+    # (no "meta", ...) is named the same way.
+    torn = ckpt / "step_00000002.pt"
     torch.save({"step": 2}, torn)
+    (ckpt / "latest").write_text("step_00000002.pt\n")
     run = train(args + ["--steps", "4", "--resume"], nproc=0, timeout=60)
     assert run.returncode == 1
     assert run.stderr.count("\n") == 1, run.stderr

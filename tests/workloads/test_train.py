@@ -13,7 +13,7 @@ from tests.workloads.conftest import (
     params,
     train,
 )
-from workloads.checkpoint import load_file
+from workloads.checkpoint import load_checkpoint
 
 
 
@@ -58,7 +58,7 @@ def test_stop_at_10_and_resume_to_20_equals_an_uninterrupted_run(tmp_path, refer
     ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.pt"
     first = train(REF_ARGS + ["--steps", "10", "--checkpoint-dir", str(ckpt)])
     assert first.returncode == 0, first.stderr
-    assert (ckpt / "latest").read_text().strip() == "step_00000010.pt"
+    assert (ckpt / "latest").read_text().strip() == "step_00000010"
     second = train(REF_ARGS + ["--steps", "20", "--checkpoint-dir", str(ckpt), "--resume",
                                "--save-params", str(out)])
     assert second.returncode == 0, second.stderr
@@ -71,8 +71,10 @@ def test_fsdp_trains_checkpoints_and_matches_ddp(tmp_path, reference):
     ckpt, out = tmp_path / "ckpt", tmp_path / "fsdp.pt"
     first = train(REF_ARGS + ["--steps", "10", "--parallelism", "fsdp", "--checkpoint-dir", str(ckpt)])
     assert first.returncode == 0, first.stderr
-    state = load_file(ckpt / "step_00000010.pt")
-    # The checkpoint holds the full (unsharded) tensors, loadable without the sharding.
+    # Each rank wrote its own shards; read back in one process they are the full tensors.
+    assert sorted(p.name for p in (ckpt / "step_00000010").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                          "__1_0.distcp"]
+    state = load_checkpoint(ckpt / "step_00000010")
     assert state["model"]["wte.weight"].shape == (64, 32)
     assert state["step"] == 10 and state["data"]["samples_seen"] == 640
     second = train(REF_ARGS + ["--steps", "20", "--parallelism", "fsdp", "--checkpoint-dir", str(ckpt),
@@ -88,8 +90,8 @@ def test_keep_last_n_checkpoints_and_latest_points_at_the_newest(tmp_path):
                  "--keep-checkpoints", "2", "--global-batch", "4", "--micro-batch", "2",
                  "--straggler-every", "0"], nproc=0)
     assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000006.pt", "step_00000008.pt"]
-    assert (ckpt / "latest").read_text().strip() == "step_00000008.pt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000006", "step_00000008"]
+    assert (ckpt / "latest").read_text().strip() == "step_00000008"
 
 
 def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator, monkeypatch):
@@ -98,7 +100,7 @@ def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator, mo
     url, out = "gs://ckpt/runs/a", tmp_path / "gcs.pt"
     first = train(REF_ARGS + ["--steps", "10", "--checkpoint-dir", url], env=gcs_emulator)
     assert first.returncode == 0, first.stderr
-    assert "checkpoint step 10 -> gs://ckpt/runs/a/step_00000010.pt" in first.stdout
+    assert "checkpoint step 10 -> gs://ckpt/runs/a/step_00000010 (" in first.stdout
     second = train(REF_ARGS + ["--steps", "20", "--checkpoint-dir", url, "--resume",
                                "--save-params", str(out)], env=gcs_emulator)
     assert second.returncode == 0, second.stderr
@@ -107,8 +109,10 @@ def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator, mo
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator["STORAGE_EMULATOR_HOST"])
     bucket = storage.Client().bucket("ckpt")
     names = sorted(b.name for b in bucket.list_blobs(prefix="runs/a/"))
-    assert bucket.blob("runs/a/latest").download_as_bytes().decode().strip() == "step_00000020.pt"
-    assert names == ["runs/a/latest", "runs/a/step_00000010.pt", "runs/a/step_00000020.pt"]
+    assert bucket.blob("runs/a/latest").download_as_bytes().decode().strip() == "step_00000020"
+    # Both ranks uploaded their own shards; .metadata marks each checkpoint complete.
+    assert names == ["runs/a/latest"] + [f"runs/a/step_000000{s}/{f}" for s in ("10", "20")
+                                         for f in (".metadata", "__0_0.distcp", "__1_0.distcp")]
 
 
 @pytest.mark.parametrize("bucket, why", [("nope", "does not exist"), ("ckpt", "cannot reach")])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.checkpoint import CheckpointError, LocalStore, checkpoint_name
+from workloads.checkpoint import CheckpointError, LocalStore, checkpoint_name, encode_state, load_checkpoint
 from workloads.config import MODEL_SIZES, ConfigError, TrainConfig, build_parser, config_from_args
 from workloads.data import BatchStream, SyntheticTokens
 from workloads.metrics import RankInfo, find_stragglers, format_log_line, straggler_warning
@@ -108,25 +108,50 @@ def test_synthetic_sequences_are_learnable_arithmetic():
     assert torch.equal((x[0, :-1] + stride) % 64, x[0, 1:])
 
 
+def _dcp_save(store, step: int, state: dict) -> str:
+    """What Trainer.save does on one rank: begin, every rank writes (DCP), commit."""
+    import torch.distributed.checkpoint as dcp
+
+    name = checkpoint_name(step)
+    token = store.begin(name)
+    dcp.save(state, storage_writer=store.storage_writer(name, token), no_dist=True)
+    return store.commit(name, token)
+
+
 def test_latest_moves_only_after_a_whole_write_and_pruning_keeps_the_newest(tmp_path):
-    store = LocalStore(str(tmp_path / "c"))
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "c"
+    store = LocalStore(str(root))
     store.check()
     assert store.latest() is None
     for step in (1, 2, 3):
-        store.save(checkpoint_name(step), {"step": step})
-    assert store.latest() == "step_00000003.pt"
-    assert store.prune(2) == ["step_00000001.pt"]
-    assert store.load("step_00000003.pt") == {"step": 3}
+        assert _dcp_save(store, step, {"w": torch.full((4,), float(step)), "trainer": encode_state({"step": step})}) \
+            == str(root / f"step_0000000{step}")
+    assert store.latest() == "step_00000003"
+    assert store.prune(2) == ["step_00000001"]
+    back = load_checkpoint(root / "step_00000003")
+    assert sorted(back) == ["step", "w"] and back["step"] == 3
+    assert torch.equal(back["w"], torch.full((4,), 3.0))
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom mid-write")
 
-    with pytest.raises(CheckpointError, match=r"cannot write .*step_00000004.pt: boom mid-write"):
-        store.save(checkpoint_name(4), {"bad": Unpicklable()})
-    assert store.latest() == "step_00000003.pt"
-    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["latest", "step_00000002.pt",
-                                                                  "step_00000003.pt"]
+    # A save that fails half-way leaves its staging directory, never a step_ name or a new latest.
+    token = store.begin("step_00000004")
+    with pytest.raises(BaseException, match="boom mid-write"):
+        dcp.save({"w": torch.zeros(4), "bad": Unpicklable()},
+                 storage_writer=store.storage_writer("step_00000004", token), no_dist=True)
+    assert store.latest() == "step_00000003"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".step_00000004.tmp-")]
+    store.abort("step_00000004", token)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    # A directory without .metadata (a save cut short before its end) is never taken for latest.
+    (root / "latest").write_text("step_00000009\n")
+    (root / "step_00000009").mkdir()
+    with pytest.raises(CheckpointError, match="names 'step_00000009', which is not a complete checkpoint"):
+        store.latest()
 
 
 def test_an_unwritable_checkpoint_dir_is_named(tmp_path):
@@ -136,25 +161,26 @@ def test_an_unwritable_checkpoint_dir_is_named(tmp_path):
         LocalStore(str(blocker / "sub")).check()
 
 
-def test_a_corrupt_checkpoint_file_is_one_line_naming_it_and_the_fix(tmp_path):
+def test_a_corrupt_full_state_file_of_the_previous_release_is_one_line_naming_it_and_the_fix(tmp_path):
     store = LocalStore(str(tmp_path))
     store.check()
-    store.save(checkpoint_name(1), {"step": 1})
-    store.save(checkpoint_name(2), {"step": 2})
+    torch.save({"step": 1}, tmp_path / "step_00000001.pt")
+    torch.save({"step": 2}, tmp_path / "step_00000002.pt")
+    (tmp_path / "latest").write_text("step_00000002.pt\n")
     whole = (tmp_path / "step_00000002.pt").read_bytes()
     for spoiled in (whole[: len(whole) // 2], b"not a checkpoint at all", b""):
         (tmp_path / "step_00000002.pt").write_bytes(spoiled)
         with pytest.raises(CheckpointError) as info:
-            store.load(store.latest())
+            store.load_full_state(store.latest())
         msg = str(info.value)
         assert "\n" not in msg
         assert msg.startswith(f"{tmp_path / 'step_00000002.pt'} is not a readable checkpoint (")
-        assert f"point {tmp_path / 'latest'} at an older step_*.pt" in msg
+        assert f"point {tmp_path / 'latest'} at an older step_*" in msg
     # Not a dict: readable, but no checkpoint.
     torch.save([1, 2], tmp_path / "step_00000002.pt")
     with pytest.raises(CheckpointError, match=r"it holds a list, not a dict"):
-        store.load("step_00000002.pt")
-    assert store.load("step_00000001.pt") == {"step": 1}  # the older one is still there to use
+        store.load_full_state("step_00000002.pt")
+    assert store.load_full_state("step_00000001.pt") == {"step": 1}  # the older one is still there to use
 
 
 def test_a_latest_pointer_that_cannot_be_read_is_a_checkpoint_error(tmp_path):
@@ -179,3 +205,36 @@ def test_a_bucket_without_google_credentials_is_one_line_naming_the_bucket_and_t
     assert "\n" not in msg
     assert msg.startswith("cannot open gs://my-bucket: ") and "no-such-key.json" in msg
     assert "GOOGLE_APPLICATION_CREDENTIALS" in msg and "--checkpoint-dir" in msg
+
+
+def test_the_preemption_save_is_checked_against_the_budget_and_names_what_to_change():
+    from workloads.metrics import format_bytes, preemption_report
+
+    assert (format_bytes(512), format_bytes(3.2e6), format_bytes(16.1e9)) == ("512 B", "3.2 MB", "16.1 GB")
+    fits, line = preemption_report(24, 1.5, 0.5, 30.0, 3_000_000_000, 16, "/ckpt/step_00000024")
+    assert fits
+    assert line == ("SIGTERM: checkpoint step 24 saved in 1.50 s (3.0 GB from 16 ranks, 2.0 GB/s) -> "
+                    "/ckpt/step_00000024; 2.00 s since the notice, within the 30 s --preemption-budget")
+    fits, line = preemption_report(24, 40.0, 2.0, 30.0, 16_000_000_000, 16, "gs://b/step_00000024")
+    assert not fits
+    # 16 GB in the 28 s the step left: 571 MB/s needed; the knobs that give it are named.
+    assert "42.00 s since the notice, over the 30 s --preemption-budget" in line
+    assert "it needs 571.4 MB/s to fit" in line
+    for knob in ("local SSD", "more ranks", "--async-checkpoint"):
+        assert knob in line
+
+
+@pytest.mark.parametrize("text, seconds", [("30s", 30.0), ("45", 45.0), ("1.5m", 90.0)])
+def test_the_preemption_budget_takes_seconds_or_minutes(text, seconds):
+    assert TrainConfig(preemption_budget=text).preemption_budget_s == seconds
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"preemption_budget": "soon"}, "--preemption-budget 'soon' is not a duration; use seconds like 30s"),
+    ({"preemption_budget": "-3s"}, "--preemption-budget '-3s' is not a duration"),
+    ({"async_checkpoint": True, "checkpoint_dir": "x"}, "--async-checkpoint overlaps the periodic saves "
+                                                        "with training; it needs --checkpoint-every K"),
+])
+def test_checkpoint_flags_that_cannot_work_are_named(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**kwargs)

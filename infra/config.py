@@ -32,6 +32,7 @@ __all__ = [
     "parse_spec",
     "read_spec",
     "read_stack_file",
+    "read_stack_config",
     "main",
 ]
 
@@ -428,8 +429,17 @@ def _not_config(value: Any) -> Any:
 
 def read_stack_file(path: str) -> FleetSpec:
     """Validate a stack file (`Pulumi.<stack>.yaml`) without Pulumi: what `pulumi up` would refuse,
-    said before it starts. Values are turned into the engine's strings first (structured values
-    as JSON text), and a bare key belongs to the project's namespace, as Pulumi reads them."""
+    said before it starts."""
+    raw, stack = read_stack_config(path)
+    return parse_spec(raw, stack=stack)
+
+
+def read_stack_config(path: str) -> tuple[dict[str, Any], str]:
+    """A stack file's config as the engine passes it, and the stack name its file name gives
+    (`Pulumi.<stack>.yaml`; "dev" otherwise). Values are turned into the engine's strings
+    (structured values as JSON text), and a bare key belongs to the project's namespace, as
+    Pulumi reads them. Raises ConfigError for a file Pulumi could not read; the values are
+    checked by parse_spec."""
     import os
 
     import yaml  # a dependency of the pulumi SDK itself
@@ -469,7 +479,7 @@ def read_stack_file(path: str) -> FleetSpec:
                               "a list or a map (no YAML !! tags)") from None
     name = os.path.basename(path)
     stack = name[len("Pulumi."):-len(".yaml")] if name.startswith("Pulumi.") and name.endswith(".yaml") else "dev"
-    return parse_spec(raw, stack=stack)
+    return raw, stack
 
 
 def main(argv: list[str] | None = None) -> int:

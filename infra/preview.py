@@ -1,9 +1,20 @@
-"""Run the Pulumi program the way Pulumi runs it, under Pulumi's documented mocks, and record it.
+"""What `pulumi up` would build, without a cloud account: `python -m infra.preview Pulumi.<stack>.yaml`.
 
-`preview_program(config)` executes `infra/__main__.py` as `__main__` with the stack config in the
-`PULUMI_CONFIG` environment variable (as the engine passes it) under
-`pulumi.runtime.set_mocks(..., preview=True)`, waits for every registration, and returns what was
-declared and the resolved stack outputs. No credentials, no network. Tests and bench/ use it.
+    python -m infra.preview Pulumi.example.yaml               # tables: resources, nodes, NICs, firewalls
+    python -m infra.preview --stack dev                        # reads Pulumi.dev.yaml
+    python -m infra.preview Pulumi.example.yaml --json         # the same, machine-readable, on stdout
+    python -m infra.preview Pulumi.example.yaml --outputs o.json && launch train --outputs o.json --dry-run
+
+The stack file is checked first, with the same one-line errors as `python -m infra.config` (exit
+2). Then `infra/__main__.py` runs as Pulumi runs it (as `__main__`, config in `PULUMI_CONFIG`)
+under Pulumi's mocks (infra/mocks.py): no credentials, no network, nothing created. `--outputs`
+writes the stack outputs the program exports; their addresses are placeholders the mocks hand
+out from the subnets the program declares, and the file says so.
+
+Library: `check_stack_file(path)` gives a stack file's checked config; `preview_program(config)`
+returns a `Preview` (every declared resource and the stack outputs); `summarize()` turns one into
+the plain data `--json` prints, `outputs_document()` into what `--outputs` writes. Tests and bench/
+use them.
 """
 
 from __future__ import annotations
@@ -12,90 +23,51 @@ import ipaddress
 import json
 import os
 import runpy
+import sys
+import tempfile
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import click
 import pulumi
-from pulumi.runtime import settings as _settings
-from pulumi.runtime.mocks import MockMonitor
-from pulumi.runtime.stack import run_pulumi_func
-from pulumi.runtime.sync_await import _sync_await
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
-__all__ = ["MAIN", "Declared", "Preview", "RecordingMocks", "preview_program", "run_under_mocks"]
+from infra.config import ConfigError, parse_spec, read_stack_config
+from infra.contract import LABEL_NODE
+from infra.mocks import Declared, RecordingMocks, run_under_mocks
+
+__all__ = [
+    "MAIN",
+    "NOTE_KEY",
+    "OUTPUTS_NOTE",
+    "Preview",
+    "preview_program",
+    "check_stack_file",
+    "summarize",
+    "outputs_document",
+    "main",
+]
 
 MAIN = str(Path(__file__).with_name("__main__.py"))
 
+# The key `--outputs` adds to the stack outputs. JSON has no comments; the launcher reads only the
+# output keys it knows (infra.contract.OUTPUT_KEYS), so this one is ignored there.
+NOTE_KEY = "_preview"
+_PLACEHOLDERS = (
+    "Addresses are placeholders from the subnets the program declares (node i: the subnet's "
+    "address .2+i; external IPs from 203.0.113.0/24, a documentation range). After `pulumi up`, "
+    "`pulumi stack output --json` gives the real ones."
+)
+OUTPUTS_NOTE = f"Written by `python -m infra.preview` under Pulumi's mocks: nothing was created. {_PLACEHOLDERS}"
+_SUMMARY_NOTE = f"A preview under Pulumi's mocks: nothing was created. {_PLACEHOLDERS}"
 
-@dataclass(frozen=True)
-class Declared:
-    type: str
-    name: str
-    inputs: dict[str, Any]
-    depends_on: tuple[str, ...] = ()
-    """Names of the resources the engine was told this one waits for (explicit and via inputs)."""
-
-
-class RecordingMocks(pulumi.runtime.Mocks):
-    """Mocks that behave like the provider where the program reads back: self links, emails,
-    and an internal IP per NIC handed out in declaration order from the subnet's range."""
-
-    def __init__(self) -> None:
-        self.declared: list[Declared] = []
-        self._next_host: dict[str, int] = {}
-        self._cidr: dict[str, ipaddress.IPv4Network] = {}
-        self._pending_deps: tuple[str, ...] = ()
-
-    def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
-        inputs = dict(args.inputs)
-        self.declared.append(Declared(args.typ, args.name, inputs, self._pending_deps))
-        state = dict(inputs)
-        name = inputs.get("name", args.name)
-        state["name"] = name  # the provider's auto-name, here just the logical name
-        project = inputs.get("project", "project")
-        if args.typ == "gcp:compute/network:Network":
-            state["selfLink"] = f"projects/{project}/global/networks/{name}"
-        elif args.typ == "gcp:compute/subnetwork:Subnetwork":
-            state["selfLink"] = f"projects/{project}/regions/{inputs.get('region')}/subnetworks/{name}"
-            self._next_host[state["selfLink"]] = 2  # .0 and .1 are GCE's (network, gateway)
-            self._cidr[state["selfLink"]] = ipaddress.IPv4Network(inputs["ipCidrRange"])
-        elif args.typ == "gcp:compute/resourcePolicy:ResourcePolicy":
-            state["selfLink"] = f"projects/{project}/regions/{inputs.get('region')}/resourcePolicies/{name}"
-        elif args.typ == "gcp:serviceaccount/account:Account":
-            state["email"] = f"{inputs['accountId']}@{project}.iam.gserviceaccount.com"
-        elif args.typ == "gcp:compute/instance:Instance":
-            nics = []
-            for nic in inputs.get("networkInterfaces", []):
-                nic = dict(nic)
-                sub = nic.get("subnetwork")
-                host = self._next_host.get(sub, 2)
-                self._next_host[sub] = host + 1
-                net = self._cidr.get(sub) or ipaddress.IPv4Network("10.255.0.0/16")
-                nic["networkIp"] = str(net.network_address + host)
-                access = []
-                for k, ac in enumerate(nic.get("accessConfigs") or []):
-                    access.append({**ac, "natIp": f"203.0.113.{(host + k) % 250 + 1}"})
-                if access:
-                    nic["accessConfigs"] = access
-                nics.append(nic)
-            state["networkInterfaces"] = nics
-        return f"{name}-id", state
-
-    def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict, list | None]:
-        return {}, None
-
-
-class _RecordingMonitor(MockMonitor):
-    """The mock monitor, also handing each registration's dependencies to the mocks."""
-
-    def __init__(self, mocks: RecordingMocks) -> None:
-        super().__init__(mocks)
-        self._recording = mocks
-
-    def RegisterResource(self, request: Any) -> Any:
-        self._recording._pending_deps = tuple(sorted(u.rsplit("::", 1)[-1] for u in request.dependencies))
-        return super().RegisterResource(request)
+# A VPC without an explicit MTU gets 1460 (https://cloud.google.com/vpc/docs/mtu).
+_VPC_DEFAULT_MTU = 1460
 
 
 @dataclass
@@ -114,33 +86,6 @@ class Preview:
         return found[0]
 
 
-def run_under_mocks(
-    program: Any, *, stack: str = "dev", project: str = "gpufleet", mocks: RecordingMocks | None = None
-) -> tuple[RecordingMocks, dict[str, Any]]:
-    """Run `program()` (which declares resources and exports outputs) under mocks, preview mode;
-    return the mocks and the resolved stack outputs. Exceptions from the program propagate (pass
-    your own `mocks` to see what was declared before one)."""
-    mocks = mocks if mocks is not None else RecordingMocks()
-    _settings.ROOT.set(None)  # a fresh root stack per run
-    pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=True, monitor=_RecordingMonitor(mocks))
-    _settings.SETTINGS.rpc_manager.clear()
-    _settings.SETTINGS.outputs.clear()
-    outputs: dict[str, Any] = {}
-    exported: dict[str, Any] = {}
-
-    def body() -> pulumi.Output:
-        program()
-        exported.update(getattr(_settings.get_root_resource(), "outputs", {}))
-        return pulumi.Output.from_input(exported).apply(outputs.update)
-
-    _sync_await(run_pulumi_func(lambda: _sync_await(pulumi.Output.from_input(body()).future())))
-    if set(outputs) != set(exported):
-        # In preview an output that depends on an unknown value never resolves; say so rather
-        # than return a partial result.
-        raise RuntimeError(f"stack outputs unknown in preview: {', '.join(sorted(set(exported) - set(outputs)))}")
-    return mocks, outputs
-
-
 def preview_program(
     config: Mapping[str, Any],
     *,
@@ -149,7 +94,8 @@ def preview_program(
     main: str = MAIN,
     mocks: RecordingMocks | None = None,
 ) -> Preview:
-    """Run infra/__main__.py as Pulumi would, with `config` (full keys, e.g. "gpufleet:nodes")."""
+    """Run infra/__main__.py as Pulumi would, with `config` (full keys, e.g. "gpufleet:nodes"),
+    under Pulumi's mocks in preview mode. A refused config raises `pulumi.RunError`."""
     previous = os.environ.get("PULUMI_CONFIG")
     # The engine passes every value as a string; structured values as JSON text.
     os.environ["PULUMI_CONFIG"] = json.dumps(
@@ -165,3 +111,338 @@ def preview_program(
         else:
             os.environ["PULUMI_CONFIG"] = previous
     return Preview(mocks.declared, outputs)
+
+
+def check_stack_file(path: str) -> tuple[dict[str, Any], str]:
+    """A stack file's config and stack name, checked as `python -m infra.config` checks it
+    (ConfigError: the same one line) before anything runs: `preview_program(config, stack=stack)`."""
+    raw, stack = read_stack_config(path)
+    parse_spec(raw, stack=stack)
+    return raw, stack
+
+
+# ---- the preview as plain data (what --json prints) -------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Inputs as the mocks see them carry numbers as floats (protobuf Struct); 8244.0 -> 8244."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _last(path: str | None) -> str | None:
+    return path.rsplit("/", 1)[-1] if path else None
+
+
+def _rank(inst: Declared) -> tuple[int, str]:
+    index = (inst.inputs.get("labels") or {}).get(LABEL_NODE, "")
+    return (int(index) if index.isdigit() else sys.maxsize, inst.inputs.get("name", inst.name))
+
+
+def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
+    """What `pulumi up` would create, as plain data: resource counts by type, networks, each node
+    (machine type, zone, NICs, placement, scheduling, service account, labels), the service
+    account's roles, the bucket, firewall rules, and the stack outputs (placeholder addresses)."""
+    inputs = {d.name: _plain(d.inputs) for d in preview.declared}
+    networks = {i["name"]: i for d in preview.of_type("Network") for i in [inputs[d.name]]}
+    subnets = {i["name"]: i for d in preview.of_type("Subnetwork") for i in [inputs[d.name]]}
+    addresses = {n["name"]: n for n in preview.outputs.get("nodes") or []}
+    roles = {n["name"]: n.get("role") for n in preview.outputs.get("networks") or []}
+
+    counts = Counter((d.type, d.custom) for d in preview.declared)
+    resources = [
+        {"type": t, "count": n, "component": not custom}
+        for (t, custom), n in sorted(counts.items(), key=lambda kv: (not kv[0][1], kv[0][0]))
+    ]
+
+    def mtu(network: str) -> int:
+        return networks.get(network, {}).get("mtu") or _VPC_DEFAULT_MTU
+
+    nodes = []
+    for inst in sorted(preview.of_type("Instance"), key=_rank):
+        i = inputs[inst.name]
+        nics = []
+        for k, nic in enumerate(i.get("networkInterfaces") or []):
+            subnet = _last(nic.get("subnetwork"))
+            network = _last(subnets.get(subnet, {}).get("network") or nic.get("network"))
+            nics.append({
+                "nic": f"nic{k}", "network": network, "subnet": subnet,
+                "cidr": subnets.get(subnet, {}).get("ipCidrRange"), "nicType": nic.get("nicType"),
+                "mtu": mtu(network), "externalIp": bool(nic.get("accessConfigs")),
+            })
+        sched = i.get("scheduling") or {}
+        affinity = i.get("reservationAffinity") or {}
+        max_run = (sched.get("maxRunDuration") or {}).get("seconds")
+        disk = i.get("bootDisk", {}).get("initializeParams", {})
+        node = addresses.get(i["name"], {})
+        nodes.append({
+            "name": i["name"],
+            "index": node.get("index"),
+            "machineType": i.get("machineType"),
+            "zone": i.get("zone"),
+            "internalIp": node.get("internalIp"),
+            "externalIp": node.get("externalIp"),
+            "nics": nics,
+            "placementPolicy": _last(i.get("resourcePolicies")),
+            "scheduling": {
+                "provisioningModel": sched.get("provisioningModel"),
+                "onHostMaintenance": sched.get("onHostMaintenance"),
+                "instanceTerminationAction": sched.get("instanceTerminationAction"),
+                "automaticRestart": sched.get("automaticRestart"),
+                "maxRunHours": int(max_run) // 3600 if max_run is not None else None,
+            },
+            "reservation": (affinity.get("specificReservation") or {}).get("values", [None])[0],
+            "serviceAccount": (i.get("serviceAccount") or {}).get("email"),
+            "labels": dict(sorted((i.get("labels") or {}).items())),
+            "bootDisk": {"image": disk.get("image"), "type": disk.get("type"), "sizeGb": disk.get("size")},
+        })
+
+    email = nodes[0]["serviceAccount"] if nodes else None
+    member = f"serviceAccount:{email}"
+    account = {
+        "email": email,
+        "created": bool(preview.of_type("gcp:serviceaccount/account:Account")),
+        "projectRoles": sorted(inputs[g.name]["role"] for g in preview.of_type("gcp:projects/iAMMember:IAMMember")
+                               if inputs[g.name].get("member") == member),
+        "bucketRoles": [{"bucket": inputs[g.name]["bucket"], "role": inputs[g.name]["role"]}
+                        for g in preview.of_type("BucketIAMMember") if inputs[g.name].get("member") == member],
+    }
+    # Networks in the program's NIC order (the `networks` output), subnets by address: the
+    # mocks see registrations in whatever order they arrive.
+    order = [n["name"] for n in preview.outputs.get("networks") or []]
+
+    def place(network: str | None) -> int:
+        return order.index(network) if network in order else len(order)
+
+    network_rows = [
+        {
+            "name": name, "role": roles.get(name), "mtu": mtu(name), "profile": _last(n.get("networkProfile")),
+            "subnets": [{"name": s["name"], "cidr": s["ipCidrRange"]}
+                        for s in sorted(subnets.values(), key=lambda s: ipaddress.ip_network(s["ipCidrRange"]))
+                        if _last(s.get("network")) == name],
+        }
+        for name, n in sorted(networks.items(), key=lambda kv: place(kv[0]))
+    ]
+    firewalls = [
+        {
+            "name": f["name"], "network": _last(f.get("network")), "direction": f.get("direction"),
+            "allow": [a["protocol"] + (":" + ",".join(a["ports"]) if a.get("ports") else "") for a in f.get("allows") or []],
+            "sourceRanges": f.get("sourceRanges") or [], "targetTags": f.get("targetTags") or [],
+        }
+        for f in sorted((inputs[d.name] for d in preview.of_type("Firewall")),
+                        key=lambda f: (place(_last(f.get("network"))), f["name"]))
+    ]
+    policies = [
+        {"name": p["name"], **p.get("groupPlacementPolicy", {})}
+        for p in (inputs[d.name] for d in preview.of_type("ResourcePolicy"))
+    ]
+    buckets = [
+        {k: b.get(k) for k in ("name", "location", "uniformBucketLevelAccess", "publicAccessPrevention")}
+        for b in (inputs[d.name] for d in preview.of_type("gcp:storage/bucket:Bucket"))
+    ]
+    out = preview.outputs
+    return {
+        "stack": stack,
+        "cluster": out.get("cluster"),
+        "project": out.get("project"),
+        "zone": out.get("zone"),
+        "machineType": out.get("machineType"),
+        "note": _SUMMARY_NOTE,
+        "resources": resources,
+        "networks": network_rows,
+        "placementPolicies": policies,
+        "nodes": nodes,
+        "serviceAccount": account,
+        "buckets": buckets,
+        "firewalls": firewalls,
+        "outputs": out,
+    }
+
+
+def outputs_document(preview: Preview) -> dict[str, Any]:
+    """The stack outputs as `pulumi stack output --json` would print them, plus the note that
+    their addresses are placeholders."""
+    return {NOTE_KEY: OUTPUTS_NOTE, **preview.outputs}
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def _render(summary: dict[str, Any], console: Console) -> None:
+    """The summary as rich tables (the edge: summarize() is the data)."""
+
+    def table(title: str, *columns: str) -> Table:
+        t = Table(title=title, title_justify="left", title_style="bold")
+        for c in columns:
+            t.add_column(c)
+        return t
+
+    s = summary
+    console.print(
+        f"[bold]pulumi up[/bold] would create stack [bold]{escape(s['stack'])}[/bold]: cluster "
+        f"{escape(str(s['cluster']))}, {len(s['nodes'])} x {escape(str(s['machineType']))} in "
+        f"{escape(str(s['zone']))} (project {escape(str(s['project']))})"
+    )
+    t = table("Resources", "type")
+    t.add_column("count", justify="right")
+    for r in s["resources"]:
+        t.add_row(escape(r["type"]) + (" [dim](component)[/dim]" if r["component"] else ""), str(r["count"]))
+    cloud = sum(r["count"] for r in s["resources"] if not r["component"])
+    comps = sum(r["count"] for r in s["resources"] if r["component"])
+    t.caption = f"{cloud} Google Cloud resources, {comps} gpufleet components"
+    console.print(t)
+
+    t = table("Networks", "network", "role", "MTU", "subnets", "network profile")
+    for n in s["networks"]:
+        subs = "\n".join(f"{x['name']} {x['cidr']}" for x in n["subnets"])
+        t.add_row(n["name"], n["role"] or "", str(n["mtu"]), escape(subs), n["profile"] or "")
+    console.print(t)
+
+    t = table("Nodes", "node", "name", "machine type", "zone", "internal IP*", "placement policy",
+              "provisioning", "on host maintenance", "on termination", "labels")
+    for n in s["nodes"]:
+        sc = n["scheduling"]
+        prov = sc["provisioningModel"] or ""
+        if n["reservation"]:
+            prov += f" (reservation {n['reservation']})"
+        term = sc["instanceTerminationAction"] or "-"
+        if sc["maxRunHours"]:
+            term += f" after {sc['maxRunHours']} h"
+        labels = ", ".join(f"{k}={v}" for k, v in n["labels"].items())
+        t.add_row(str(n["index"]), n["name"], n["machineType"], n["zone"], str(n["internalIp"] or ""),
+                  n["placementPolicy"] or "-", escape(prov), sc["onHostMaintenance"] or "", term, escape(labels))
+    t.caption = "* placeholder addresses from the declared subnets; Compute Engine assigns the real ones"
+    console.print(t)
+
+    # Nodes with the same NIC layout share one table (every node of a fleet, today).
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for n in s["nodes"]:
+        groups.setdefault(json.dumps(n["nics"]), []).append(n)
+    for layout, members in groups.items():
+        names = [m["name"] for m in members]
+        if len(groups) == 1 and len(names) > 1:
+            who = f"every node ({names[0]} … {names[-1]})"
+        else:
+            who = ", ".join(names)
+        t = table(f"NICs: {who}", "NIC", "network", "subnet", "CIDR", "NIC type", "MTU", "external IP")
+        for nic in json.loads(layout):
+            t.add_row(nic["nic"], nic["network"] or "", nic["subnet"] or "", nic["cidr"] or "",
+                      nic["nicType"] or "", str(nic["mtu"]), "yes" if nic["externalIp"] else "no")
+        console.print(t)
+
+    a = s["serviceAccount"]
+    t = table("Service account", "account", "role", "on")
+    how = "created" if a["created"] else "existing, used as is"
+    rows = [(r, f"project {s['project']}") for r in a["projectRoles"]]
+    rows += [(b["role"], f"bucket {b['bucket']}") for b in a["bucketRoles"]]
+    for k, (role, on) in enumerate(rows or [("(none granted here)", "")]):
+        t.add_row(f"{a['email']} ({how})" if k == 0 else "", role, escape(on))
+    console.print(t)
+    for p in s["placementPolicies"]:
+        extra = f", max distance {p['maxDistance']}" if p.get("maxDistance") else ""
+        console.print(f"placement policy [bold]{p['name']}[/bold]: {p.get('collocation')}, {p.get('vmCount')} VMs{extra}")
+    for b in s["buckets"]:
+        console.print(f"bucket [bold]{b['name']}[/bold]: {b['location']}, uniform access "
+                      f"{'on' if b['uniformBucketLevelAccess'] else 'off'}, public access {b['publicAccessPrevention']}")
+
+    t = table("Firewall rules", "rule", "network", "direction", "allow", "sources", "target tags")
+    for f in s["firewalls"]:
+        t.add_row(f["name"], f["network"] or "", f["direction"] or "", ", ".join(f["allow"]),
+                  ", ".join(f["sourceRanges"]), ", ".join(f["targetTags"]))
+    console.print(t)
+    console.print("[dim]Preview under Pulumi's mocks: no credentials used, nothing created.[/dim]")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _open_outputs(path: Path) -> IO[str]:
+    """A temporary file beside `path`, opened now so an unwritable place fails before the preview;
+    renamed over `path` only once it is complete (an existing file is never left half-written)."""
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+        return tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+        )
+    except OSError as e:
+        raise click.ClickException(f"outputs file {str(path)!r} cannot be written: {e.strerror}") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("stack_file", required=False, metavar="[Pulumi.<stack>.yaml]")
+@click.option("--stack", "stack_name", metavar="NAME", help="Read Pulumi.NAME.yaml from the current directory.")
+@click.option("--outputs", "outputs_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write the stack outputs the program would export (placeholder addresses) to FILE, "
+                   "for `launch ... --outputs FILE --dry-run`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the preview as JSON on stdout, and nothing else.")
+def _command(stack_file: str | None, stack_name: str | None, outputs_file: Path | None, as_json: bool) -> int:
+    """Show what `pulumi up` would create for a stack file, under Pulumi's mocks: no cloud account,
+    no credentials, no network."""
+    if (stack_file is None) == (stack_name is None):
+        raise click.UsageError("give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both")
+    path = stack_file if stack_file is not None else f"Pulumi.{stack_name}.yaml"
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        raw, stack = check_stack_file(path)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    sink = _open_outputs(outputs_file) if outputs_file is not None else None
+    try:
+        with err.status("running the program under Pulumi's mocks…"):
+            try:
+                preview = preview_program(raw, stack=stack)
+            except pulumi.RunError as e:
+                raise click.ClickException(str(e)) from None
+        if sink is not None:
+            json.dump(outputs_document(preview), sink, indent=2)
+            sink.write("\n")
+            sink.close()
+            os.chmod(sink.name, 0o666 & ~_umask())  # as open() would have made it, not 0600
+            os.replace(sink.name, outputs_file)
+            sink = None
+    finally:
+        if sink is not None:
+            sink.close()
+            os.unlink(sink.name)
+    summary = summarize(preview, stack=stack)
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        # A pipe or a file gets whole tables, not ones squeezed into 80 columns.
+        _render(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+    if outputs_file is not None:
+        shown = escape(str(outputs_file))
+        err.print(f"wrote {shown}: the stack outputs, with placeholder addresses; next: "
+                  f"launch train --outputs {shown} --dry-run")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m infra.preview`: exit 0, or 2 with one line (`error: ...`) for a bad stack file
+    or usage, as `python -m infra.config` and `launch` do."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        rv = _command.main(args=argv, prog_name="python -m infra.preview", standalone_mode=False)
+    except click.UsageError as e:
+        err.print(f"[red]error: {escape(e.format_message())} (`python -m infra.preview -h` lists the options)[/red]")
+        return 2
+    except click.ClickException as e:
+        err.print(f"[red]error: {escape(e.format_message())}[/red]")
+        return 2
+    except click.Abort:
+        err.print("[red]aborted[/red]")
+        return 130
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,8 @@ import pytest
 
 from gpufleet.catalog import lookup
 from infra.contract import LABEL_CLUSTER, LABEL_NODE, OUTPUT_KEYS
-from infra.preview import RecordingMocks, preview_program
+from infra.mocks import RecordingMocks
+from infra.preview import preview_program
 
 from tests.infra.conftest import BASE
 

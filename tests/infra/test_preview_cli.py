@@ -1,0 +1,262 @@
+"""`python -m infra.preview`: what `pulumi up` would create for a stack file, offline, and the
+stack outputs it writes for `launch ... --outputs FILE --dry-run`."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pulumi
+import pytest
+
+from gpufleet.catalog import lookup
+from infra import config as infra_config
+from infra.contract import OUTPUT_KEYS
+from infra.mocks import run_under_mocks
+from infra.preview import NOTE_KEY, OUTPUTS_NOTE, main, preview_program
+
+from tests.infra.conftest import BASE
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "Pulumi.example.yaml"
+
+# One stack file per family, and what its preview must show:
+# (nodes, networks, NIC types in order, MTU, provisioning model, termination action, placement
+#  policy, service account created, reservation)
+FAMILY_FILES = {
+    "Pulumi.example.yaml": (2, 9, ["GVNIC"] * 9, 8244, "STANDARD", None, "llm-dev-placement", True, None),
+    "examples/Pulumi.a2.yaml": (2, 1, ["GVNIC"], 1460, "SPOT", "STOP", "a2-spot-placement", True, None),
+    "examples/Pulumi.a3-high.yaml": (4, 5, ["GVNIC"] * 5, 8244, "STANDARD", None, "a3-high-placement", True, None),
+    "examples/Pulumi.a3-mega.yaml": (2, 9, ["GVNIC"] * 9, 8244, "FLEX_START", "DELETE", "a3-mega-flex-placement", False, None),
+    "examples/Pulumi.a4.yaml": (2, 3, ["GVNIC"] * 2 + ["MRDMA"] * 8, 8896, "RESERVATION_BOUND", None, None, True, "my-a4-reservation"),
+}
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_every_family_has_an_example_stack_file_the_config_check_accepts():
+    families = {infra_config.read_stack_file(str(ROOT / f)).machine.family for f in FAMILY_FILES}
+    assert {"a2", "a3-high", "a3-mega"} <= families and families & {"a3-ultra", "a4"}
+
+
+@pytest.mark.parametrize("name", FAMILY_FILES)
+def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
+    nodes, n_nets, nic_types, mtu, model, term, policy, created, reservation = FAMILY_FILES[name]
+    spec = infra_config.read_stack_file(str(ROOT / name))
+    rc, out, err = run_main(capsys, str(ROOT / name), "--json")
+    assert rc == 0, err
+    s = json.loads(out)  # stdout holds the JSON document and nothing else
+    counts = {r["type"]: r["count"] for r in s["resources"]}
+    assert counts["gcp:compute/instance:Instance"] == nodes
+    assert counts["gcp:compute/network:Network"] == n_nets
+    assert counts.get("gcp:compute/resourcePolicy:ResourcePolicy", 0) == (1 if policy else 0)
+    assert {r["type"] for r in s["resources"] if r["component"]} <= {
+        "gpufleet:infra:GpuNetworks", "gpufleet:infra:NodeIdentity", "gpufleet:infra:NodePool", "gpufleet:infra:PlacementPolicy"}
+    assert [n["name"] for n in s["nodes"]] == [f"{spec.cluster}-{i}" for i in range(nodes)]
+    assert len(s["networks"]) == n_nets and all(n["mtu"] == mtu for n in s["networks"])
+    subnets = {sub["name"]: (n["name"], sub["cidr"]) for n in s["networks"] for sub in n["subnets"]}
+    for i, node in enumerate(s["nodes"]):
+        assert (node["index"], node["machineType"], node["zone"]) == (i, spec.machine_type, spec.zone)
+        assert [nic["nicType"] for nic in node["nics"]] == nic_types == [
+            "MRDMA" if n.role == "rdma" else "GVNIC" for n in lookup(spec.machine_type).nics]
+        for nic in node["nics"]:
+            assert subnets[nic["subnet"]] == (nic["network"], nic["cidr"]) and nic["mtu"] == mtu
+        assert ipaddress.ip_address(node["internalIp"]) in ipaddress.ip_network(node["nics"][0]["cidr"])
+        assert node["placementPolicy"] == policy and node["reservation"] == reservation
+        sched = node["scheduling"]
+        assert (sched["provisioningModel"], sched["onHostMaintenance"], sched["instanceTerminationAction"]) == (
+            model, "TERMINATE", term)
+        assert node["labels"] == {**dict(spec.labels), "gpufleet-cluster": spec.cluster, "gpufleet-node": str(i)}
+        assert node["serviceAccount"] == s["serviceAccount"]["email"]
+    account = s["serviceAccount"]
+    assert account["created"] is created
+    assert account["projectRoles"] == (
+        ["roles/artifactregistry.reader", "roles/logging.logWriter", "roles/monitoring.metricWriter"] if created else [])
+    if spec.checkpoint_bucket:
+        assert account["bucketRoles"] == [{"bucket": spec.checkpoint_bucket, "role": "roles/storage.objectUser"}]
+    ssh = [f for f in s["firewalls"] if f["allow"] == ["tcp:22"]]
+    assert [f["sourceRanges"] for f in ssh] == [list(spec.ssh_source_ranges)]
+    assert all("0.0.0.0/0" not in f["sourceRanges"] for f in s["firewalls"])
+    assert sorted(s["outputs"]) == sorted(OUTPUT_KEYS)
+
+
+def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
+    rc, out, err = run_main(capsys, str(EXAMPLE))
+    assert rc == 0, err
+
+    def row(*cells: str) -> re.Pattern[str]:
+        return re.compile(r"│\s*" + r"\s*│\s*".join(re.escape(c) for c in cells) + r"\s*│")
+
+    assert row("gcp:compute/instance:Instance", "2").search(out)
+    assert row("gcp:compute/network:Network", "9").search(out)
+    assert row("gcp:compute/subnetwork:Subnetwork", "9").search(out)
+    assert row("gcp:compute/firewall:Firewall", "10").search(out)
+    for i in range(2):
+        assert row(str(i), f"llm-dev-{i}", "a3-megagpu-8g", "us-central1-a", f"10.0.0.{2 + i}", "llm-dev-placement",
+                   "STANDARD", "TERMINATE", "-").search(out), out
+    assert "NICs: every node (llm-dev-0 … llm-dev-1)" in out
+    assert row("nic0", "llm-dev-net", "llm-dev-net-subnet", "10.0.0.0/20", "GVNIC", "8244", "no").search(out)
+    assert row("nic8", "llm-dev-gpu-net-8", "llm-dev-gpu-net-8-subnet", "10.8.0.0/20", "GVNIC", "8244", "no").search(out)
+    assert row("llm-dev-nodes@my-project-id.iam.gserviceaccount.com (created)", "roles/artifactregistry.reader",
+               "project my-project-id").search(out)
+    assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(out)
+    assert row("llm-dev-ssh", "llm-dev-net", "INGRESS", "tcp:22", "35.235.240.0/20", "llm-dev").search(out)
+    assert "gpufleet-cluster=llm-dev, gpufleet-node=1, team=research" in out
+
+
+def test_stack_name_reads_that_stack_file_in_the_current_directory(capsys, tmp_path, monkeypatch):
+    (tmp_path / "Pulumi.research-7.yaml").write_text(
+        "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  machineType: a2-highgpu-1g\n  nodes: 1\n")
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_main(capsys, "--stack", "research-7", "--json")
+    assert rc == 0, err
+    s = json.loads(out)
+    # No gpufleet:name: the stack name names the cluster, as `pulumi up --stack research-7` would.
+    assert (s["stack"], s["cluster"], [n["name"] for n in s["nodes"]]) == ("research-7", "research-7", ["research-7-0"])
+    assert s["nodes"][0]["placementPolicy"] is None
+
+
+BAD_FILES = {
+    "unknown key": "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  gpufleet:node: 2\n",
+    "bad value": "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  gpufleet:nodes: two\n",
+    "no project": "config:\n  gcp:zone: us-central1-a\n",
+    "not yaml": "config: [\n",
+    "secret": "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  gpufleet:name:\n    secure: AAE=\n",
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_FILES, "missing file"])
+def test_a_bad_stack_file_is_the_config_checks_one_line_and_exit_2(capsys, tmp_path, case):
+    path = tmp_path / "Pulumi.dev.yaml"
+    if case != "missing file":
+        path.write_text(BAD_FILES[case])
+    outputs = tmp_path / "o.json"
+    outputs.write_text('{"kept": true}\n')
+    assert infra_config.main([str(path)]) == 2
+    expected = capsys.readouterr().err
+    rc, out, err = run_main(capsys, str(path), "--outputs", str(outputs))
+    assert (rc, out, err) == (2, "", expected)
+    assert err.startswith("error: ") and err.count("\n") == 1
+    # Nothing written: the old outputs file is untouched and no temporary file is left.
+    assert outputs.read_text() == '{"kept": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["Pulumi.dev.yaml", "o.json"][case == "missing file":])
+
+
+def test_the_installed_command_and_the_config_check_print_the_same_line(tmp_path):
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(BAD_FILES["bad value"])
+    check = subprocess.run([sys.executable, "-m", "infra.config", str(path)], capture_output=True, text=True, cwd=ROOT)
+    preview = subprocess.run([sys.executable, "-m", "infra.preview", str(path)], capture_output=True, text=True, cwd=ROOT)
+    assert (preview.returncode, preview.stdout, preview.stderr) == (2, "", check.stderr)
+    assert check.returncode == 2 and check.stderr == (
+        "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both"),
+    (("Pulumi.example.yaml", "--stack", "example"), "give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both"),
+    (("Pulumi.example.yaml", "--jsn"), "No such option '--jsn'. Did you mean '--json'?"),
+])
+def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
+    rc, out, err = run_main(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_outputs_file_holds_the_stack_outputs_and_says_they_are_placeholders(capsys, tmp_path):
+    target = tmp_path / "o.json"
+    target.write_text("old")
+    rc, out, err = run_main(capsys, str(EXAMPLE), "--outputs", str(target), "--json")
+    assert rc == 0, err
+    doc = json.loads(target.read_text())
+    assert doc[NOTE_KEY] == OUTPUTS_NOTE and "placeholder" in OUTPUTS_NOTE
+    assert sorted(k for k in doc if k != NOTE_KEY) == sorted(OUTPUT_KEYS)
+    assert {k: doc[k] for k in OUTPUT_KEYS} == json.loads(out)["outputs"]
+    assert [(n["name"], n["index"], n["internalIp"]) for n in doc["nodes"]] == [
+        ("llm-dev-0", 0, "10.0.0.2"), ("llm-dev-1", 1, "10.0.0.3")]
+    assert (doc["cluster"], doc["machineType"], doc["zone"]) == ("llm-dev", "a3-megagpu-8g", "us-central1-a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.json"]  # replaced whole, no temp file left
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # as any file the user writes, not 0600
+    assert f"wrote {target}" in err
+
+
+@pytest.mark.parametrize("where", ["missing/o.json", "."])
+def test_an_unwritable_outputs_path_is_one_line_before_the_preview_runs(capsys, tmp_path, where):
+    target = tmp_path / where
+    rc, out, err = run_main(capsys, str(EXAMPLE), "--outputs", str(target))
+    assert rc == 2 and out == ""
+    assert re.fullmatch(rf"error: outputs file {re.escape(repr(str(target)))} cannot be written: .+\n", err), err
+
+
+def test_placeholder_addresses_follow_the_rank_every_run():
+    config = {**BASE, "gpufleet:machineType": "a3-highgpu-8g", "gpufleet:nodes": "16", "gpufleet:externalIp": "true",
+              "gpufleet:sshSourceRanges": '["198.51.100.0/24"]'}
+    for _ in range(3):  # registrations reach the mocks in a different order from run to run
+        nodes = preview_program(config).outputs["nodes"]
+        assert [n["internalIp"] for n in nodes] == [f"10.0.0.{2 + i}" for i in range(16)]
+        # External placeholders stay in the documentation range 203.0.113.0/24 (RFC 5737).
+        assert [n["externalIp"] for n in nodes] == [f"203.0.113.{3 + i}" for i in range(16)]
+
+
+def test_runs_in_one_process_do_not_see_each_others_exports():
+    _, first = run_under_mocks(lambda: pulumi.export("a", 1))
+    mocks, second = run_under_mocks(lambda: pulumi.export("b", 2))
+    assert (first, second, mocks.declared) == ({"a": 1}, {"b": 2}, [])
+
+
+def test_no_pulumi_runtime_internals_outside_the_sdk():
+    # The review found _sync_await and _settings.SETTINGS.rpc_manager in the shipped package;
+    # infra/mocks.py uses only pulumi.runtime's public API, and so must everything else.
+    internals = re.compile(r"_sync_await|rpc_manager|pulumi\.runtime\.settings|pulumi\.runtime\.stack|_settings\.")
+    found = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for top in ("infra", "launcher", "gpufleet", "workloads", "tests", "bench")
+        for p in (ROOT / top).rglob("*.py")
+        if p != Path(__file__)
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if internals.search(line)
+    ]
+    assert found == []
+
+
+@pytest.mark.slow
+def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
+    """The README's third "Start here" step, as a user runs it: two installed commands."""
+    env = {**os.environ, "NO_COLOR": "1"}
+    preview = subprocess.run(
+        [sys.executable, "-m", "infra.preview", str(EXAMPLE), "--outputs", "o.json", "--json"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )
+    assert preview.returncode == 0, preview.stderr
+    json.loads(preview.stdout)  # a real process prints nothing else on stdout (no warnings, no status)
+    launch = Path(sys.executable).with_name("launch")  # .venv/bin/launch, the console script
+    dry = subprocess.run([str(launch), "train", "--outputs", "o.json", "--dry-run"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert len(lines) == 2, dry.stdout
+    for rank, line in enumerate(lines):
+        host, command = line.split("\t", 1)
+        ip = f"10.0.0.{2 + rank}"
+        assert host == ip
+        script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT
+        (torchrun,) = re.findall(r"python3 -m torch\.distributed\.run [^)]*", script)
+        args = torchrun.split()
+        assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d"], torchrun
+        assert "--rdzv-endpoint=10.0.0.2:29500" in args and f"--local-addr={ip}" in args
+        assert f"is_host={int(rank == 0)}" in torchrun and args[-2:] == ["-m", "workloads.train"]
+        assert f"GPUFLEET_NODE_RANK={rank} GPUFLEET_NNODES=2" in script
+        # a3-megagpu-8g: the TCPXO environment, with the host NIC for the control path.
+        assert "NCCL_FASTRAK_CTRL_DEV=enp0s12" in script and "NCCL_SOCKET_IFNAME=enp0s12" in script

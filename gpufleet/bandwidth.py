@@ -1,4 +1,4 @@
-"""Bandwidth arithmetic of NVIDIA nccl-tests, and a cost model for what a machine type should give.
+"""Bandwidth arithmetic of NVIDIA nccl-tests, and the α-β curve the expected-bandwidth model uses.
 
 Pure: no torch, no I/O. The sweep (`workloads/sweep.py`, on the nodes) and the report
 (`launcher/nccl_report.py`, on the laptop) both compute with these functions, so a number printed
@@ -14,14 +14,8 @@ and `*GetBw` in `src/<coll>.cu`, `src/util.cu`), summarised in
 - ``busbw = algbw × factor`` with factor 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
   reduce_scatter, alltoall), 1 (broadcast, reduce, sendrecv).
 
-The cost model (perf-anchors §5.1, §5.3) is the α-β form t(S) = A + f·S/B, i.e.
-
-    busbw(S) = B / (1 + A·B / (f·S))
-
-with B the plateau bus bandwidth, A a fixed per-op latency and f the collective's bus factor.
-B comes from the catalog's per-node GPU network rate times an efficiency η per network stack
-(`EFFICIENCY`); A is fitted on the small sizes of a measured sweep (`fit_latency`), or taken
-from `DEFAULT_LATENCY_S` when the sweep has none.
+`model_busbw` is the α-β (Hockney) curve busbw(S) = B / (1 + A·B/(f·S)) of perf-anchors §5.1;
+what B and A are for a machine type, and where the curve is trusted, is `gpufleet.expected`.
 """
 
 from __future__ import annotations
@@ -30,15 +24,12 @@ import math
 import re
 from dataclasses import dataclass
 
-from gpufleet.catalog import MachineType, NetStack
-
 __all__ = [
     "JSON_MARKER",
     "SweepRow",
     "COLLECTIVES",
     "DTYPE_SIZES",
     "REDOPS",
-    "EFFICIENCY",
     "CollSizes",
     "SizeError",
     "bus_factor",
@@ -52,9 +43,6 @@ __all__ = [
     "model_busbw",
     "fit_latency",
     "SMALL_MAX_BYTES",
-    "DEFAULT_LATENCY_S",
-    "plateau_busbw",
-    "uses_single_nic",
 ]
 
 # The sweep's machine-readable line (workloads/sweep.py writes it, launcher/nccl_report.py reads
@@ -86,6 +74,9 @@ class SweepRow:
     ip_busbw: float | None
     ip_wrong: float | None
     error_column: bool = False
+    iters: int | None = None
+    """Timed calls behind each block's time: -n, or fewer where the sweep's --time-budget cut a
+    slow size short (workloads/sweep.py); None where the output does not say (nccl-tests)."""
 
     @property
     def best_busbw(self) -> float:
@@ -267,53 +258,6 @@ def size_ladder(minbytes: int, maxbytes: int, stepfactor: int = 2, stepbytes: in
 
 # ---- cost model ---------------------------------------------------------------------------
 
-# η = measured multi-node busbw plateau / per-node aggregate GPU NIC rate, per network stack.
-# Values are the [derived] ratios of perf-anchors §3.3 ("Efficiency of measured multi-node busbw
-# vs per-node aggregate NIC rate"); we take the GCP measurement of each stack, not the best case
-# of another cloud, so "below expected" means below what Google's own examples showed.
-EFFICIENCY: dict[NetStack, float] = {
-    # A3 Mega TCPXO, 2 nodes, all_gather: 188.8 / 200 GB/s (cluster-toolkit gke-a3-megagpu README).
-    NetStack.TCPXO: 0.94,
-    # A3 Ultra / A4 RoCE (gIB), 2 nodes, all_gather: 329–336 / 400 = 0.82–0.84 (cluster-toolkit
-    # gke-a4-highgpu README); the middle, 0.83. IB/EFA reach 0.95–0.98, but not on GCP's sample.
-    NetStack.RDMA: 0.83,
-    # A3 High TCPX, 2 nodes, all_gather: >= 70.9 / 100 at 512 MiB, still rising (cluster-toolkit
-    # gke-a3-highgpu multi-node-test-plan). A lower bound, so the check errs towards silence.
-    NetStack.TCPX: 0.71,
-    # A2 Fast Socket: no published GCP number (perf-anchors §6). Fast Socket is NCCL over kernel
-    # TCP like TCPX's control path; we borrow TCPX's 0.71 rather than invent a figure.
-    NetStack.FAST_SOCKET: 0.71,
-    # Plain NCCL sockets: A3 Mega all_reduce over eth0 (200 Gbps = 25 GB/s) reached 3.5–3.74 GB/s
-    # (MG-Cafe TCPXO benchmark report): 3.74 / 25 = 0.15.
-    NetStack.NONE: 0.15,
-}
-
-# alltoall cannot aggregate NICs ("the performance you should see is the performance of a single
-# NIC", sjeaugey, nccl-tests#267; perf-anchors §5.3 item 5). sendrecv's ring r→r+1 crosses each
-# node boundary with one pair of GPUs, i.e. one NIC, so it is bounded the same way.
-_SINGLE_NIC = frozenset({"alltoall", "sendrecv"})
-
-
-def uses_single_nic(collective: str) -> bool:
-    """True when the collective's multi-node busbw is bounded by one NIC, not the node aggregate."""
-    _check_collective(collective)
-    return collective in _SINGLE_NIC
-
-
-def plateau_busbw(machine: MachineType, collective: str, nnodes: int) -> float | None:
-    """B of the cost model in GB/s: η × the per-node GPU network rate; None within one node.
-
-    Within one node NVLink, not the network, sets the plateau and the catalog holds no NVLink
-    rate, so no expectation is given (perf-anchors §3.1 has the numbers should one be added).
-    """
-    _check_collective(collective)
-    if nnodes < 2:
-        return None
-    rate = machine.gpu_network_bytes_per_s / 1e9
-    if uses_single_nic(collective):
-        rate /= max(1, len(machine.gpu_nics))
-    return EFFICIENCY[machine.net_stack] * rate
-
 
 def model_busbw(size: float, plateau: float, latency_s: float, factor: float) -> float:
     """busbw(S) = B / (1 + A·B / (f·S)), B in GB/s, A in seconds, S in bytes (perf-anchors §5.1)."""
@@ -328,18 +272,6 @@ def model_busbw(size: float, plateau: float, latency_s: float, factor: float) ->
 # dominated by A, and A is what they measure.
 SMALL_MAX_BYTES = 1 << 20
 
-# A per stack when a sweep has no small sizes to fit on: solved from one published point each,
-# busbw(16 MiB) = B / (1 + A·B/(f·S)) with f = 15/16 (16-rank all_gather) [derived]:
-# A3 Mega TCPXO 79.5 of 188.8 GB/s → 115 µs; A3 High TCPX 14.8 of 70.9 → 840 µs; A4 RoCE 128 of
-# 332 → 76 µs (perf-anchors §3.3). FAST_SOCKET and NONE have no published point; they get TCPX's.
-DEFAULT_LATENCY_S: dict[NetStack, float] = {
-    NetStack.TCPXO: 115e-6,
-    NetStack.TCPX: 840e-6,
-    NetStack.RDMA: 76e-6,
-    NetStack.FAST_SOCKET: 840e-6,
-    NetStack.NONE: 840e-6,
-}
-
 
 def fit_latency(
     points: list[tuple[int, float]], plateau: float, factor: float, max_size: int = SMALL_MAX_BYTES
@@ -349,7 +281,8 @@ def fit_latency(
     `points` are (size bytes, measured busbw GB/s). The model's time is t(S) = A + f·S/B and the
     measured bus time is f·S/busbw, so each point gives A_i = f·S·(1/busbw − 1/B). We take the
     median of the A_i: it ignores one hiccup, where a least-squares mean would not. Never
-    negative. None when the sweep has no point at or below max_size (use DEFAULT_LATENCY_S).
+    negative. None when the sweep has no point at or below max_size. (The expected-bandwidth
+    check no longer fits on the run it judges: see gpufleet.expected.)
     """
     if plateau <= 0 or factor <= 0:
         raise ValueError(f"plateau ({plateau}) and factor ({factor}) must be > 0")
@@ -361,3 +294,18 @@ def fit_latency(
     mid = len(est) // 2
     a = est[mid] if len(est) % 2 else (est[mid - 1] + est[mid]) / 2.0
     return max(0.0, a) if math.isfinite(a) else 0.0
+
+
+# The calibrated model (η per stack, the latency constants, the plateau per machine type and
+# collective) lives in gpufleet.expected, which imports this module. These names were public here
+# before it existed: they still import from here, looked up there on first use (not in __all__,
+# which lists what this module defines).
+_IN_EXPECTED = frozenset({"EFFICIENCY", "DEFAULT_LATENCY_S", "plateau_busbw", "uses_single_nic"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _IN_EXPECTED:
+        from gpufleet import expected
+
+        return getattr(expected, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,16 +4,17 @@ Two implementations: `--impl torch` (default) runs `workloads.sweep` under torch
 node; `--impl nccl-tests` runs NVIDIA's binaries with mpirun from node 0. `--find-bad-nodes`
 sweeps every pair of nodes (disjoint pairs at once), ranks nodes by their pairs' bandwidth,
 confirms with a suspect half against a clean half, and prints an `--exclude` list.
+`--from FILE` runs nothing: it reports on output that exists (`launcher.nccl_from`).
 Parsing, judging, plots and the pair schedule live in `launcher.nccl_report` (pure).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from gpufleet.catalog import lookup
+from gpufleet.groups import format_rounds, group_documents
 from infra.contract import NCCL_TESTS_DIR
 from launcher import nccl_report
 from launcher.cli import (
@@ -38,6 +40,7 @@ from launcher.cli import (
 from launcher.command import nproc_for
 from launcher.env import node_env
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.nccl_from import FROM_OPTIONS, report_from, verdict
 from launcher.run import Interrupted, launch
 
 
@@ -67,6 +70,9 @@ _SWEEP_OPTIONS = [
     click.option("--find-bad-nodes", is_flag=True, help="Sweep every pair of nodes; name the slow ones."),
     click.option("--threshold", type=float, default=0.8, show_default=True,
                  help="--find-bad-nodes: name nodes below this fraction of the median."),
+    click.option("--pair-budget", type=float, default=1.0, show_default=True, metavar="SECONDS",
+                 help="--find-bad-nodes: seconds each size of a pair's sweep may take; a slower "
+                      "pair is timed with fewer calls (one, if one call takes longer)."),
 ]
 
 
@@ -122,26 +128,27 @@ def _judge(rows, cluster: Cluster, config: LaunchConfig, o: dict[str, Any], out:
     avg = nccl_report.avg_busbw(rows)
     out.print(f"# Avg bus bandwidth    : {avg:.4g} GB/s")
     err.print(f"[dim]rows: {paths['json']}  {paths['csv']}  plot: {paths['png']}[/dim]")
-    if mt:
-        for line in nccl_report.expected_report(rows, mt, nranks, nnodes):
-            err.print(f"[yellow]{escape(line)}[/yellow]")
-    code = 0
-    wrong = nccl_report.failures(rows)
-    for r in wrong:
-        err.print(f"[red]{r.collective} at {r.size} B: wrong results (out-of-place {r.oop_wrong}, "
-                  f"in-place {r.ip_wrong})[/red]")
-        code = 1
-    if o.get("min_busbw") is not None and avg < o["min_busbw"]:
-        err.print(f"[red]average bus bandwidth {avg:.3g} GB/s is below --min-busbw {o['min_busbw']:g}[/red]")
-        code = 1
-    return code
+    lines = verdict([("", rows)], o.get("min_busbw"))
+    for line in lines:
+        err.print(f"[red]{escape(line)}[/red]")
+    if mt:  # the expected-bandwidth report; its one-line verdict ends the output
+        env = dict(e.split("=", 1) for e in o.get("env", ()) if "=" in e)  # NCCL_ALGO picks the model
+        for style, line in nccl_report.expected_judgement(rows, mt, nranks, nnodes, env=env).styled():
+            err.print(f"[{style}]{escape(line)}[/{style}]")
+    return 1 if lines else 0
 
 
 @click.command(name="nccl-tests")
-@_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS + _SWEEP_OPTIONS)
+@_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS)
 @_user_errors
 def nccl_tests(**o: Any) -> None:
-    """Measure collective bandwidth across the nodes (an nccl-tests style sweep)."""
+    """Measure collective bandwidth across the nodes (an nccl-tests style sweep), or report on
+    nccl-tests output that exists (--from FILE)."""
+    if o["from_files"]:  # results that exist: read and report, run nothing (launcher.nccl_from)
+        raise SystemExit(report_from(o, _out()))
+    if o["as_json"]:
+        raise UserError("--json prints the rows read with --from; a live run streams its nodes' "
+                        "output to stdout: add --from FILE or drop --json")
     o["env"] = _extra_env(o)
     if o["find_bad_nodes"]:
         raise SystemExit(_find_bad_nodes(o))
@@ -196,17 +203,45 @@ def _run_nccl_tests_binary(o: dict[str, Any]) -> int:
     return code
 
 
-class _PairFailed(Exception):
-    """A sweep of --find-bad-nodes did not give a number: the search ends with `code`."""
+class _SearchFailed(Exception):
+    """A launch of --find-bad-nodes did not give numbers: the search ends with `code`."""
 
-    def __init__(self, message: str, code: int, stopped: bool = False):
+    def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-        self.stopped = stopped  # stopped by the launcher (a signal, or another pair's failure)
+
+
+@dataclasses.dataclass
+class _Group:
+    """One group's result in a --find-bad-nodes launch: its busbw at the largest size."""
+
+    busbw: float
+    iters: int | None  # timed calls behind it (fewer than -n where --pair-budget cut them)
+    wrong: list[nccl_report.SweepRow]
+
+
+def _group_result(doc: dict[str, Any]) -> _Group:
+    fields = {f.name for f in dataclasses.fields(nccl_report.SweepRow)}
+    rows = [nccl_report.SweepRow(**{k: v for k, v in d.items() if k in fields}) for d in doc["rows"]]
+    if not rows:
+        return _Group(0.0, None, [])
+    largest = max(r.size for r in rows)
+    iters = [d.get("iters") for d in doc["rows"] if d["size"] == largest and d.get("iters") is not None]
+    return _Group(max(r.best_busbw for r in rows if r.size == largest), min(iters, default=None),
+                  nccl_report.failures(rows))
 
 
 def _find_bad_nodes(o: dict[str, Any]) -> int:
-    """Pairs, a round of disjoint pairs at a time; then halves to confirm."""
+    """Every pair of nodes, a round of disjoint pairs at a time, all in ONE launch of the sweep
+    (`--rounds`, gpufleet.groups); then, unless the pairs settle it, halves to confirm.
+
+    Each pair's sweep runs under `--time-budget` (--pair-budget): a pair far slower than the
+    others is timed with one call per size instead of -w + 2 x (1 + -n + -c), so the search takes
+    about (rounds x the slow pair's one call) plus one launch, however slow the bad node is.
+    """
+    budget = o.get("pair_budget", 1.0)
+    if not (budget > 0 and math.isfinite(budget)):
+        raise UserError(f"--pair-budget {budget} must be a number of seconds > 0")
     _setup_logging()
     cluster = find_cluster(o)
     if cluster.local:
@@ -218,9 +253,10 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
         raise UserError(f"--find-bad-nodes needs 3 or more nodes to tell a bad one apart; found {len(cluster.nodes)}")
     if not 0 < o["threshold"] <= 1:
         raise UserError(f"--threshold {o['threshold']} must be in (0, 1]")
-    base = build_config(o, Workload("torchrun", ("-m", "workloads.sweep", *sweep_argv(o))), cluster)
+    argv = [*sweep_argv(o), "--time-budget", repr(float(budget))]
+    base = build_config(o, Workload("torchrun", ("-m", "workloads.sweep", *argv)), cluster)
     parent = base.run_dir
-    by_host = {n.host: n for n in cluster.nodes}
+    hosts = [n.host for n in cluster.nodes]
     stop = threading.Event()
     received: list[int] = []
 
@@ -228,76 +264,61 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
         received.append(signum)
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    counter = iter(range(1 << 20))
-
-    def sweep(hosts: list[str], label: str) -> float:
-        sub = dataclasses.replace(cluster, nodes=tuple(
-            dataclasses.replace(by_host[h], rank=i) for i, h in enumerate(hosts)))
-        idx = next(counter)
-        cfg = dataclasses.replace(base, job_id=f"{base.job_id}-{label}", runs_dir=parent,
-                                  rdzv_port=base.rdzv_port + idx % 100)
-        where = f"the sweep on {', '.join(hosts)}"
+    def run_plan(groups: list[list[list[str]]], label: str) -> dict[tuple[str, ...], _Group]:
+        """One launch on every node running `groups` (rounds of host groups) as --rounds."""
+        plan = [[tuple(hosts.index(h) for h in g) for g in rnd] for rnd in groups]
+        work = Workload("torchrun", ("-m", "workloads.sweep", *argv, "--rounds", format_rounds(plan)))
+        cfg = dataclasses.replace(base, workload=work, job_id=f"{base.job_id}-{label}", runs_dir=parent)
         try:
-            res = launch(sub, cfg, handle_signals=False, stop=stop)
+            res = launch(cluster, cfg, handle_signals=False, stop=stop)
         except Interrupted:
-            raise _PairFailed(f"{where} was stopped before it started", 1, stopped=True) from None
+            raise _SearchFailed("stopped before the sweep started", 128 + (received or [2])[0]) from None
         except UserError as e:
-            stop.set()  # the search cannot finish: stop the other pairs of the round
-            raise _PairFailed(f"{where} could not start: {e}", 1) from None
-        if res.signal is not None:
-            raise _PairFailed(f"{where} was stopped", res.exit_code, stopped=True)
+            raise _SearchFailed(f"the {label} sweep could not start: {e}", 1) from None
+        if res.signal is not None or received:
+            raise _SearchFailed("stopped", res.exit_code or 1)
+        text = "".join(p.read_text(errors="replace") for p in sorted(res.run_dir.glob("node-*.log")))
+        found = {tuple(hosts[i] for i in doc["nodes"]): _group_result(doc) for doc in group_documents(text)}
+        wrong = [(g, r) for g, grp in found.items() for r in grp.wrong]
+        for g, r in wrong:
+            err.print(f"[red]{escape('+'.join(g))}: {r.collective} at {r.size} B: wrong results "
+                      f"(out-of-place {r.oop_wrong}, in-place {r.ip_wrong})[/red]")
         if res.exit_code != 0:
-            stop.set()
-            raise _PairFailed(f"{where} failed ({res.exit_code}); see {res.run_dir}/node-*.log", res.exit_code)
-        rows = rank0_rows(res, _nranks(sub, cfg))
-        if not rows:
-            stop.set()
-            raise _PairFailed(f"{where} printed no rows; see {res.run_dir}/node-*.log", 1)
-        largest = max(r.size for r in rows)
-        return max(r.best_busbw for r in rows if r.size == largest)
+            raise _SearchFailed(f"the {label} sweep failed ({res.exit_code}); see {res.run_dir}/node-*.log",
+                                res.exit_code)
+        missing = [g for rnd in groups for g in rnd if tuple(g) not in found]
+        if missing:
+            raise _SearchFailed(f"the {label} sweep printed no rows for {'+'.join(missing[0])}; "
+                                f"see {res.run_dir}/node-*.log", 1)
+        return found
 
-    def gather(futs: dict) -> dict:
-        """Each future's result; on a failure, exit with the pair that failed (not one the
-        launcher stopped because of it), or with the signal that stopped the search."""
-        done, failed = {}, []
-        for key, fut in futs.items():
-            try:
-                done[key] = fut.result()
-            except _PairFailed as e:
-                failed.append(e)
-        if received:
-            err.print(f"[red]stopped on {signal.Signals(received[0]).name}; no verdict[/red]")
-            raise SystemExit(128 + received[0])
-        if failed:
-            first = next((e for e in failed if not e.stopped), failed[0])
-            err.print(f"[red]error: {escape(str(first))}; no verdict[/red]")
-            raise SystemExit(first.code)
-        return done
-
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        hosts = [n.host for n in cluster.nodes]
-        pair_bw: dict[tuple[str, str], float] = {}
-        for i, rnd in enumerate(nccl_report.pair_schedule(hosts)):
+        rounds = nccl_report.pair_schedule(hosts)
+        for i, rnd in enumerate(rounds):
             err.print(f"[dim]round {i + 1}: {', '.join(f'{a}+{b}' for a, b in rnd)}[/dim]")
-            with ThreadPoolExecutor(max_workers=len(rnd)) as pool:
-                pair_bw.update(gather({pair: pool.submit(sweep, list(pair), f"pair-{pair[0]}-{pair[1]}")
-                                       for pair in rnd}))
+        err.print(f"[dim]one launch for all {len(rounds)} rounds; each size of a pair gets "
+                  f"{budget:g} s (--pair-budget)[/dim]")
+        pairs = run_plan([[list(p) for p in rnd] for rnd in rounds], "pairs")
+        pair_bw: dict[tuple[str, str], float] = {(g[0], g[1]): r.busbw for g, r in pairs.items()}
         report = nccl_report.rank_nodes(pair_bw, o["threshold"])
-        for (a, b), bw in sorted(pair_bw.items()):
-            click.echo(f"pair {a} {b}: busbw {bw:.3f} GB/s")
+        for (a, b), grp in sorted(pairs.items()):
+            cut = (f"  ({grp.iters} of {o['iters']} timed calls fit --pair-budget {budget:g} s)"
+                   if grp.iters is not None and grp.iters < o["iters"] else "")
+            click.echo(f"pair {a} {b}: busbw {grp.busbw:.3f} GB/s{cut}")
         click.echo(f"median node score: {report.median:.3f} GB/s")
         suspects = report.bad
-        if suspects:
+        if suspects and report.decisive:
+            click.echo(f"every pair with {', '.join(suspects)} is below {o['threshold']:g} x the slowest "
+                       "pair without; no confirming pass")
+        elif suspects:
             try:
                 clean, dirty = nccl_report.confirm_halves(hosts, suspects)
             except ValueError as e:
                 err.print(f"[yellow]no confirming pass: {escape(str(e))}[/yellow]")
             else:
-                with ThreadPoolExecutor(max_workers=2) as pool:
-                    halves = gather({"clean": pool.submit(sweep, clean, "clean-half"),
-                                     "dirty": pool.submit(sweep, dirty, "suspect-half")})
-                clean_bw, dirty_bw = halves["clean"], halves["dirty"]
+                halves = run_plan([[clean, dirty]], "halves")
+                clean_bw, dirty_bw = halves[tuple(clean)].busbw, halves[tuple(dirty)].busbw
                 click.echo(f"clean half {','.join(clean)}: {clean_bw:.3f} GB/s; "
                            f"suspect half {','.join(dirty)}: {dirty_bw:.3f} GB/s")
                 confirmed = nccl_report.confirm_suspects(clean_bw, dirty_bw, suspects, o["threshold"])
@@ -311,6 +332,12 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
             err.print(f"[red]{escape(line)}[/red]")
         click.echo(f"--exclude {report.exclude}")
         return 1
+    except _SearchFailed as e:
+        if received:
+            err.print(f"[red]stopped on {signal.Signals(received[0]).name}; no verdict[/red]")
+            return 128 + received[0]
+        err.print(f"[red]error: {escape(str(e))}; no verdict[/red]")
+        return e.code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

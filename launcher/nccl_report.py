@@ -6,11 +6,11 @@ plain data, so it is tested without a cluster. matplotlib is imported only insid
 API (what the CLI calls):
 
 ``parse_output(text, *, collective=None, nranks=None) -> list[SweepRow]``
-    Rows from rank 0's stdout. Reads our sweep's ``#gpufleet-json`` line when present, else the
-    table. The table reader also reads NVIDIA nccl-tests output: it finds columns by header
-    name, so both ``#wrong`` and the old ``error`` column work, with or without redop/root.
-    The collective of a row comes from ``# Collective test starting: X_perf`` (nccl-tests ≥ 2.13)
-    or the `collective` argument; nranks from the ``#  Rank`` lines or the `nranks` argument.
+    Rows from rank 0's stdout (from ``launcher.nccl_parse``, which documents how): our sweep's
+    ``#gpufleet-json`` line when present, else every nccl-tests table, columns found by header
+    name (``#wrong`` or the old ``error``, with or without redop/root), through the prefixes
+    of kubectl, srun, mpirun and launch. The collective and rank count are what the output
+    says (or the `collective`/`nranks` arguments), "unknown" and 0 when it does not say.
 ``avg_busbw(rows)``, ``failures(rows)``
     nccl-tests' "Avg bus bandwidth" (mean busbw of every block of every row; re-exported from
     ``gpufleet.bandwidth``, which the sweep uses too); rows with
@@ -21,8 +21,13 @@ API (what the CLI calls):
     rows.json, rows.csv and busbw.png (busbw against size on a log2 axis, one line per
     collective, the expected curve dashed when the machine type is known). An existing file is
     never overwritten: the next free name ``rows.1.json`` is used instead (like nccl-tests -J).
-``expected_report(rows, machine_type, nranks, nnodes, *, margin=0.1) -> list[str]``
-    "below expected by X%" lines from the cost model of ``gpufleet.bandwidth``.
+``expected_judgement(rows, machine_type, nranks, nnodes, *, margin=0.1, env=None) -> ExpectedReport``
+    The rows against the calibrated model of ``gpufleet.expected``: per collective its basis
+    and which sizes were judged how (busbw in the trusted range, time against a latency bound
+    below it, or not at all), one warning per size that falls short, and a one-line verdict
+    ("consistent with a healthy a3-megagpu-8g cluster of 2 nodes" / "below expected from
+    64 MiB up by 38-45%: the network is slow (see --find-bad-nodes)").
+    ``expected_report(...)`` is its ``.lines``, the verdict last.
 ``pair_schedule(hosts) -> list[list[tuple[str, str]]]``
     Rounds of disjoint pairs covering every pair once; the pairs of a round can run at once.
 ``rank_nodes(pair_busbw, threshold=0.8) -> BadNodeReport``
@@ -48,17 +53,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from gpufleet.bandwidth import (
-    DEFAULT_LATENCY_S,
-    JSON_MARKER,
-    SweepRow,
-    avg_busbw,
-    bus_factor,
-    fit_latency,
-    model_busbw,
-    plateau_busbw,
-)
-from gpufleet.catalog import lookup
+from gpufleet.bandwidth import JSON_MARKER, SweepRow, avg_busbw
+from gpufleet.expected import MARGIN, Expectation, Finding, Judgement, expectation, judge
+from launcher.nccl_parse import parse_output
 
 __all__ = [
     "JSON_MARKER",
@@ -69,7 +66,9 @@ __all__ = [
     "failures",
     "rich_table",
     "write_results",
+    "ExpectedReport",
     "expected_curve",
+    "expected_judgement",
     "expected_report",
     "pair_schedule",
     "rank_nodes",
@@ -87,134 +86,7 @@ DEFAULT_ERROR_TOLERANCE = 1e-3
 _FIELDS = [f.name for f in dataclasses.fields(SweepRow)]
 
 
-# ---- parsing -------------------------------------------------------------------------------
-
-_STARTING = re.compile(r"^#\s*Collective test starting:\s*(\S+)")
-_RANK_LINE = re.compile(r"^#\s+Rank\s+\d+\s+Group")
-_INT = re.compile(r"^-?\d+$")
-
-
-def _collective_name(prog: str) -> str:
-    """`./build/all_reduce_perf_mpi` → `all_reduce`."""
-    name = os.path.basename(prog)
-    return re.sub(r"_perf(_\w+)?$", "", name)
-
-
-def _num(tok: str) -> float | None:
-    if tok.upper() == "N/A":
-        return None
-    return float(tok)
-
-
-def _from_json(line: str) -> list[SweepRow]:
-    """The rows of our sweep's JSON line; [] for a line cut short (a node log ends mid-line when
-    its node dies), so the table printed above it is read instead."""
-    try:
-        payload = json.loads(line[len(JSON_MARKER):])
-        return [SweepRow(**{k: d[k] for k in _FIELDS if k in d}) for d in payload["rows"]]
-    except (ValueError, KeyError, TypeError):
-        return []
-
-
-def _header_columns(line: str) -> list[str] | None:
-    """Column names if `line` is the names line of an nccl-tests header, else None."""
-    toks = line.lstrip("#").split()
-    if "size" in toks and "busbw" in toks and ("time" in toks or "cputime" in toks):
-        return toks
-    return None
-
-
-def _parse_table_line(
-    toks: list[str], cols: list[str], collective: str, nranks: int
-) -> SweepRow | None:
-    if not toks or not _INT.match(toks[0]):
-        return None
-    time_cols = [i for i, c in enumerate(cols) if c in ("time", "cputime")]
-    if not time_cols:
-        return None
-    width = len(cols)
-    pre = time_cols[0]  # columns before the first block
-    block = (time_cols[1] - time_cols[0]) if len(time_cols) > 1 else width - pre
-    oop_missing = False
-    if len(toks) < width:
-        # nccl-tests writeBenchMarkLineNullBody prints blanks for an absent out-of-place block.
-        if len(toks) == width - block and len(time_cols) > 1:
-            oop_missing = True
-        else:
-            return None
-    try:
-        head = dict(zip(cols[:pre], toks[:pre]))
-        size, count = int(head["size"]), int(head.get("count", 0))
-
-        def blockvals(start: int) -> tuple[float | None, ...]:
-            names = cols[time_cols[0] : time_cols[0] + block]
-            vals = dict(zip(names, toks[start : start + block]))
-            wrong_key = "#wrong" if "#wrong" in vals else ("error" if "error" in vals else None)
-            return (
-                _num(vals.get("time", vals.get("cputime", "N/A"))),
-                _num(vals.get("algbw", "N/A")),
-                _num(vals.get("busbw", "N/A")),
-                _num(vals[wrong_key]) if wrong_key else None,
-            )
-
-        none4 = (None, None, None, None)
-        if oop_missing:
-            oop, ip = none4, blockvals(pre)
-        else:
-            oop = blockvals(pre)
-            ip = blockvals(pre + block) if len(time_cols) > 1 else none4
-    except (KeyError, ValueError):
-        return None  # a line of other output that happens to start with a number
-    return SweepRow(
-        collective=collective,
-        size=size,
-        count=count,
-        type=head.get("type", ""),
-        redop=head.get("redop", "none"),
-        root=int(head.get("root", -1)),
-        nranks=nranks,
-        oop_time_us=oop[0], oop_algbw=oop[1], oop_busbw=oop[2], oop_wrong=oop[3],
-        ip_time_us=ip[0], ip_algbw=ip[1], ip_busbw=ip[2], ip_wrong=ip[3],
-        error_column="error" in cols and "#wrong" not in cols,
-    )
-
-
-def parse_output(
-    text: str, *, collective: str | None = None, nranks: int | None = None
-) -> list[SweepRow]:
-    """Rows from a sweep's or nccl-tests' stdout (see the module docstring)."""
-    json_rows: list[SweepRow] = []
-    for line in text.splitlines():
-        if line.startswith(JSON_MARKER):
-            json_rows += _from_json(line)
-    if json_rows:
-        return json_rows
-
-    rows: list[SweepRow] = []
-    current = collective or "unknown"
-    cols: list[str] | None = None
-    ranks_seen = 0
-    for line in text.splitlines():
-        m = _STARTING.match(line)
-        if m:
-            current = collective or _collective_name(m.group(1))
-            cols, ranks_seen = None, 0
-            continue
-        if _RANK_LINE.match(line):
-            ranks_seen += 1
-            continue
-        if line.startswith("#"):
-            hdr = _header_columns(line)
-            if hdr:
-                cols = hdr
-            continue
-        if cols is None:
-            continue
-        row = _parse_table_line(line.split(), cols, current, nranks or ranks_seen)
-        if row is not None:
-            rows.append(row)
-    return rows
-
+# ---- parsing (launcher.nccl_parse; re-exported: parse_output is this module's API too) ------
 
 # ---- judging -------------------------------------------------------------------------------
 
@@ -272,58 +144,138 @@ def _groups(rows: list[SweepRow]) -> dict[tuple[str, str, str], list[SweepRow]]:
     return out
 
 
-def expected_curve(
-    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int
-) -> tuple[float, float, float] | None:
-    """(B GB/s, A seconds, f) of the cost model for rows of one collective; None within a node.
+def _label(coll: str, typ: str, op: str) -> str:
+    return coll if op == "none" else f"{coll} ({typ}, {op})"
 
-    B = η × the catalog's per-node GPU network rate (gpufleet.bandwidth.plateau_busbw), A fitted
-    on the rows' sizes <= 1 MiB, else the stack's DEFAULT_LATENCY_S; f = the bus factor.
-    Raises UnknownMachineType for a type the catalog does not know.
+
+def _span(sizes: list[int]) -> str:
+    if not sizes:
+        return "none"
+    lo, hi = min(sizes), max(sizes)
+    return _human(lo) if lo == hi else f"{_human(lo)}-{_human(hi)}"
+
+
+def _pct_span(pcts: list[float]) -> str:
+    lo, hi = round(min(pcts)), round(max(pcts))
+    return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
+
+
+def expected_curve(
+    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int,
+    env: dict[str, str] | None = None,
+) -> Expectation | None:
+    """The model (gpufleet.expected) for rows of one collective; None within one node.
+
+    `env`: the user's NCCL variables (NCCL_ALGO decides ring or NVLS tree for all_reduce).
+    Raises UnknownMachineType for a type the catalog does not know, ValueError for a
+    collective it cannot model ("unknown": the output did not say).
     """
-    machine = lookup(machine_type)
-    coll = rows[0].collective
-    plateau = plateau_busbw(machine, coll, nnodes)
-    if plateau is None:
-        return None
-    f = bus_factor(coll, nranks)
-    if f == 0:
-        return None
-    a = fit_latency([(r.size, r.best_busbw) for r in rows], plateau, f)
-    if a is None:
-        a = DEFAULT_LATENCY_S[machine.net_stack]
-    return plateau, a, f
+    return expectation(machine_type, rows[0].collective, nranks, nnodes, env)
+
+
+@dataclass
+class ExpectedReport:
+    """The rows against the expected-bandwidth model: what to print, and the verdict."""
+
+    notes: list[str]  # per collective: the model's basis, and which sizes were judged how
+    warnings: list[str]  # one per size that fell short
+    verdict: str  # one line
+    healthy: bool | None  # None: nothing could be judged
+    judgements: list[Judgement]
+
+    @property
+    def lines(self) -> list[str]:
+        return [*self.notes, *self.warnings, self.verdict]
+
+    def styled(self) -> list[tuple[str, str]]:
+        """(rich style, line) for the CLI: notes dim, warnings yellow, the verdict green when
+        healthy, bold yellow when not, plain when nothing could be judged."""
+        style = {True: "green", False: "bold yellow", None: "default"}[self.healthy]
+        return [*(("dim", n) for n in self.notes), *(("yellow", w) for w in self.warnings),
+                (style, self.verdict)]
+
+
+def _finding_line(label: str, f: Finding) -> str:
+    at = f"{label} at {_human(f.size)}"
+    if f.kind == "latency":
+        return f"{at}: {f.measured:.1f} us per op, above the latency bound of {f.expected:.0f} us"
+    if f.pct is None:
+        return f"{at}: busbw prints 0.00 GB/s where {f.expected:.2f} GB/s is expected"
+    return f"{at}: busbw {f.measured:.2f} GB/s, below expected {f.expected:.2f} GB/s by {f.pct:.0f}%"
+
+
+def _scope_line(label: str, j: Judgement) -> str:
+    e = j.expectation
+    parts = [f"busbw judged at {_span(j.judged)} (trusted from {_human(int(e.trusted_from))})"]
+    if j.bounded:
+        parts.append(f"time judged against a {e.latency_bound_s * 1e6:.0f} us latency bound at "
+                     f"{_span(j.bounded)}")
+    if j.skipped:
+        why = ("protocol and algorithm switches" if e.latency_bound_s is not None
+               else "below the trusted range; no published small-size times to bound them")
+        parts.append(f"not judged at {_span(j.skipped)} ({why})")
+    return f"{label}: " + "; ".join(parts)
+
+
+def _verdict(judgements: list[Judgement], machine_type: str, nnodes: int) -> tuple[str, bool | None]:
+    slow = [(j, [f for f in j.findings if f.kind == "busbw"]) for j in judgements]
+    slow = [(j, fs) for j, fs in slow if fs]
+    late = [f for j in judgements for f in j.findings if f.kind == "latency"]
+    if not any(j.judged or j.bounded for j in judgements):
+        return "no verdict: no size in the model's trusted range or under a latency bound", None
+    if not slow and not late:
+        caveat = "" if any(j.judged for j in judgements) else " (judged by latency only: no size reached the trusted range)"
+        return f"consistent with a healthy {machine_type} cluster of {nnodes} nodes{caveat}", True
+    if slow:
+        first = min(f.size for _, fs in slow for f in fs)
+        flagged = {f.size for _, fs in slow for f in fs}
+        judged_up = sorted({s for j in judgements for s in j.judged if s >= first})
+        pcts = [f.pct for _, fs in slow for f in fs if f.pct is not None]
+        by = f" by {_pct_span(pcts)}" if pcts else ""
+        where = (f"from {_human(first)} up" if all(s in flagged for s in judged_up)
+                 else f"at {len(flagged)} of {len(judged_up)} sizes from {_human(first)} to {_human(max(judged_up))}")
+        line = f"below expected {where}{by}: the network is slow (see --find-bad-nodes)"
+        if late:
+            line += "; small messages are slower than the latency bound too"
+        return line, False
+    return (f"slower than the latency bound at {_span([f.size for f in late])}: small messages are "
+            "slow (see --find-bad-nodes)"), False
+
+
+def expected_judgement(
+    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int, *, margin: float = MARGIN,
+    env: dict[str, str] | None = None,
+) -> ExpectedReport:
+    """Judge every collective (type, op) of `rows` against the model; see gpufleet.expected."""
+    if nnodes < 2:
+        line = ("no verdict: within one node NVLink, not the network, sets the bandwidth and no "
+                "published GCP sweep calibrates it")
+        return ExpectedReport([], [], line, None, [])
+    notes, warnings, judgements = [], [], []
+    for (coll, typ, op), grp in _groups(rows).items():
+        label = _label(coll, typ, op)
+        try:
+            exp = expected_curve(grp, machine_type, nranks, nnodes, env)
+        except ValueError as e:
+            notes.append(f"{label}: {len(grp)} rows not judged ({e})")
+            continue
+        assert exp is not None  # nnodes >= 2
+        j = judge(grp, exp, margin)
+        judgements.append(j)
+        notes.append(f"{label} expected ({exp.algorithm.value}): {exp.basis}")
+        notes.append(_scope_line(label, j))
+        warnings += [_finding_line(label, f) for f in j.findings]
+    verdict, healthy = _verdict(judgements, machine_type, nnodes)
+    return ExpectedReport(notes, warnings, verdict, healthy, judgements)
 
 
 def expected_report(
-    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int, *, margin: float = 0.1
+    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int, *, margin: float = MARGIN,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
-    """One line per row whose busbw is more than `margin` below the cost model's prediction."""
-    if nnodes < 2:
-        return [
-            "no expected bandwidth within one node: NVLink, not the network, sets it and the "
-            "catalog holds no NVLink rate"
-        ]
-    lines = []
-    for (coll, typ, op), grp in _groups(rows).items():
-        model = expected_curve(grp, machine_type, nranks, nnodes)
-        if model is None:
-            continue
-        plateau, a, f = model
-        for r in sorted(grp, key=lambda r: r.size):
-            if r.size <= 0:
-                continue
-            exp = model_busbw(r.size, plateau, a, f)
-            got = r.best_busbw
-            if exp > 0 and got < (1.0 - margin) * exp:
-                pct = 100.0 * (1.0 - got / exp)
-                label = coll if op == "none" else f"{coll} ({typ}, {op})"
-                lines.append(
-                    f"{label} at {_human(r.size)}: busbw {got:.2f} GB/s, below expected "
-                    f"{exp:.2f} GB/s by {pct:.0f}% ({machine_type}, {nnodes} nodes, "
-                    f"B {plateau:.1f} GB/s, A {a * 1e6:.0f} us)"
-                )
-    return lines
+    """The report's lines: the model's basis and scope per collective, one warning per size
+    below it (or above the latency bound), and the one-line verdict last."""
+    return expected_judgement(rows, machine_type, nranks, nnodes, margin=margin, env=env).lines
 
 
 # ---- storing -------------------------------------------------------------------------------
@@ -359,15 +311,19 @@ def _plot(rows: list[SweepRow], path: Path, machine_type: str | None, nranks: in
         label = coll if len({(r.type, r.redop) for r in rows}) == 1 else f"{coll} {typ} {op}"
         line = ax.plot([r.size for r in grp], [r.best_busbw for r in grp], marker="o", label=label)[0]
         if machine_type is not None:
-            model = expected_curve(grp, machine_type, nranks, nnodes)
-            if model is not None:
-                plateau, a, f = model
-                ax.plot([r.size for r in grp], [model_busbw(r.size, plateau, a, f) for r in grp],
+            try:
+                model = expected_curve(grp, machine_type, nranks, nnodes)
+            except ValueError:  # a collective or rank count the model cannot take: no curve
+                model = None
+            sizes = [r.size for r in grp if model is not None and model.trusted(r.size)]
+            if model is not None and sizes:  # drawn over the trusted range only
+                ax.plot(sizes, [model.busbw(s) for s in sizes],
                         linestyle="--", color=line.get_color(), label=f"{label} expected")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
-    title = f"{nnodes} nodes, {nranks} ranks" + (f", {machine_type}" if machine_type else "")
+    # 0 is unknown: `launch nccl-tests --from` output that names no hosts or ranks.
+    title = f"{nnodes or '?'} nodes, {nranks or '?'} ranks" + (f", {machine_type}" if machine_type else "")
     ax.set_title(f"bus bandwidth — {title}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
@@ -446,6 +402,16 @@ class BadNodeReport:
     def exclude(self) -> str:
         """The comma list the launcher's --exclude accepts."""
         return ",".join(self.bad)
+
+    @property
+    def decisive(self) -> bool:
+        """True when the pairs alone settle it: every pair with a named node is below threshold ×
+        the slowest pair of two unnamed nodes. A confirming pass then has nothing to add (a pair
+        already far slower than all the others is the answer); the finder skips it."""
+        bad = set(self.bad)
+        named = [bw for n in bad for bw in self.pairs[n].values()]
+        clean = [bw for n, ps in self.pairs.items() if n not in bad for p, bw in ps.items() if p not in bad]
+        return bool(named) and bool(clean) and max(named) < self.threshold * min(clean)
 
     @property
     def lines(self) -> list[str]:

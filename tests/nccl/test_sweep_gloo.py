@@ -210,3 +210,100 @@ def test_the_json_file_is_the_printed_document(monkeypatch, capsys, tmp_path):
     assert doc == json.loads(line[len(rep.JSON_MARKER):])
     assert doc["backend"] == "gloo" and doc["avg_busbw"] == rep.avg_busbw([rep.SweepRow(**r) for r in doc["rows"]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+
+
+# ---- --time-budget and --rounds (the bad-node finder's sweep, issue 11) ------------------------
+
+
+def test_a_size_over_the_time_budget_is_answered_by_its_first_call(monkeypatch, capsys):
+    """A budget no call can meet: each size is one call, checked, in-place not run, and says so."""
+    import workloads.sweep as sweep
+
+    _one_process(monkeypatch)
+    calls = []
+    real = sweep._Bench.case
+
+    def counting_case(self, *a, **k):
+        c, size, count = real(self, *a, **k)
+        run = c.run
+        c.run = lambda: (calls.append(size), run())[1]
+        return c, size, count
+
+    monkeypatch.setattr(sweep._Bench, "case", counting_case)
+    assert sweep.main(["--ops", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "20", "-w", "3",
+                       "--time-budget", "1e-9"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [1024, 4096]  # one call per size: no warm-up, no untimed call, no other block
+    rows = _json_rows(out)
+    assert [(r["size"], r["iters"], r["ip_busbw"], r["oop_wrong"]) for r in rows] == [
+        (1024, 1, None, 0), (4096, 1, None, 0)]
+    assert rows[0]["oop_algbw"] > 0  # (busbw is 0 with one rank: 2(n-1)/n)
+    assert out.count("over --time-budget 1e-09 s: timed by that call alone") == 2
+    # The table says N/A for the block that was not run, and reads back as such.
+    table = rep.parse_output("\n".join(l for l in out.splitlines() if not l.startswith(rep.JSON_MARKER)))
+    assert [(r.size, r.ip_time_us, r.ip_busbw) for r in table] == [(1024, None, None), (4096, None, None)]
+
+
+def test_the_time_budget_sets_the_timed_calls_from_the_first_call(monkeypatch, capsys):
+    import workloads.sweep as sweep
+
+    _one_process(monkeypatch)
+    # The first call of every size took 0.3 s on the slowest rank: 3 calls fit 1 s.
+    monkeypatch.setattr(sweep._Bench, "sizing_call", lambda self, c: (c.run(), (0.3, 0.3))[1])
+    assert sweep.main(["--ops", "all_reduce", "-b", "1K", "-e", "1K", "-n", "20", "--time-budget", "1"]) == 0
+    out = capsys.readouterr().out
+    (row,) = _json_rows(out)
+    assert row["iters"] == 3 and row["ip_algbw"] > 0 and row["ip_wrong"] == 0
+    assert "all_reduce 1024 B float sum: 3 of 20 iterations fit --time-budget 1 s (first call 0.3 s)" in out
+    # Without a budget every size is timed -n times.
+    _one_process(monkeypatch)
+    assert sweep.main(["--ops", "all_reduce", "-b", "1K", "-e", "1K", "-n", "4"]) == 0
+    assert _json_rows(capsys.readouterr().out)[0]["iters"] == 4
+
+
+def test_rounds_naming_a_node_the_run_lacks_is_one_line(monkeypatch, capsys):
+    import workloads.sweep as sweep
+
+    _one_process(monkeypatch)
+    monkeypatch.setenv("GPUFLEET_NODE_RANK", "0")
+    assert sweep.main(["-b", "64", "-e", "64", "--rounds", "0+1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "sweep: --rounds names node 1, but this run's nodes are 0 (GPUFLEET_NODE_RANK, else GROUP_RANK)\n"
+
+
+@pytest.mark.slow
+def test_rounds_run_every_collective_correctly_within_each_group(tmp_path):
+    """3 nodes x 2 processes: round 1 is nodes 1+2 (node 0 waits), round 2 all three. The root is
+    group rank 1, i.e. global rank 3 in round 1: a wrong rank mapping gives wrong results."""
+    port = _free_port()
+    args = ["--ops", "all", "-b", "64", "-e", "1K", "-f", "4", "-n", "2", "-r", "1", "--rounds", "1+2;0+1+2"]
+    procs = [
+        subprocess.Popen(
+            [str(TORCHRUN), "--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", f"rounds{port}", "--max-restarts", "0", "-m", "workloads.sweep", *args],
+            cwd=REPO, env=dict(_env(), GPUFLEET_NODE_RANK=str(i)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(NNODES)
+    ]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * NNODES, [e[-2000:] for _, e in results]
+    (text,) = [so for so, _ in results if rep.JSON_MARKER in so]
+    from gpufleet.groups import group_documents
+
+    docs = group_documents(text)
+    assert [(d["round"], d["nodes"], d["nranks"]) for d in docs] == [(0, [1, 2], 4), (1, [0, 1, 2], 6)]
+    for d in docs:
+        assert {r["collective"] for r in d["rows"]} == set(COLLECTIVES)
+        for r in d["rows"]:
+            assert r["nranks"] == d["nranks"] and r["oop_wrong"] == 0, (d["nodes"], r)
+            assert r["ip_wrong"] == (None if r["collective"] in ("alltoall", "sendrecv") else 0), r
+            assert r["root"] == (1 if r["collective"] in ("broadcast", "reduce") else -1)
+    assert text.count("# round 1: nodes 1+2") == 1 and text.count("# round 2: nodes 0+1+2") == 1

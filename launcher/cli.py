@@ -1,6 +1,7 @@
-"""`launch`: the click edge. Each command maps its options into a `LaunchConfig`, finds the
-`Cluster`, and makes one library call (`launcher.run.launch`). rich lives only here: a status
-line and the final table on stderr, node output on stdout, one red line per error.
+"""`launch`: the click edge. Each command maps its options into a `LaunchConfig` (the typed
+request), finds the `Cluster`, and drives one `launcher.launch.Launch`, rendering its events.
+rich lives only here: a status line and the final table on stderr, node output on stdout, one
+red line per error.
 
 Exit status: the first failed node's status; 2 for a user error (nothing ran); 130/143 when
 stopped by SIGINT/SIGTERM; 255 when a node became unreachable.
@@ -21,12 +22,35 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher import discovery
-from launcher.command import READY_MARKER
+from launcher.command import READY_MARKER, node_commands
 from launcher.env import parse_env_pairs
-from launcher.model import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, SshConfig, UserError, Workload
-from launcher.run import Interrupted, launch, make_transport, new_job_id, node_commands, preflight
+from launcher.launch import Interrupted, Launch, NodeEvent, NodeState
+from launcher.model import (
+    EXIT_USER_ERROR,
+    Cluster,
+    LaunchConfig,
+    LaunchResult,
+    SshConfig,
+    UserError,
+    Workload,
+    new_job_id,
+)
+from launcher.transport import make_transport
 
-__all__ = ["main"]
+__all__ = [
+    "main",
+    "err",
+    "SOURCE_OPTIONS",
+    "TORCHRUN_OPTIONS",
+    "apply_options",
+    "setup_logging",
+    "user_errors",
+    "find_cluster",
+    "build_config",
+    "execute",
+    "execute_on",
+    "live_printer",
+]
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -39,7 +63,7 @@ class _RichHandler(logging.Handler):
         err.print(f"[{style}]{escape(record.getMessage())}[/{style}]")
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     root = logging.getLogger("launcher")
     if not any(isinstance(h, _RichHandler) for h in root.handlers):
         root.addHandler(_RichHandler())
@@ -52,7 +76,7 @@ def _fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     raise SystemExit(code)
 
 
-def _user_errors(fn):
+def user_errors(fn):
     """A UserError becomes one red line and exit 2: no traceback, nothing ran."""
 
     @functools.wraps(fn)
@@ -70,7 +94,7 @@ def _user_errors(fn):
 
 # ---- options ----------------------------------------------------------------------------
 
-_SOURCE_OPTIONS = [
+SOURCE_OPTIONS = [
     click.option("--stack", help="Infra stack name: read `pulumi stack output --json --stack NAME`."),
     click.option("--outputs", type=click.Path(path_type=Path), help="A saved stack-outputs JSON file."),
     click.option("--hostfile", type=click.Path(path_type=Path), help="One host per line, optional slots=N."),
@@ -100,7 +124,7 @@ _SOURCE_OPTIONS = [
 _ENV_OPTION = click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
                            help="Set or override a variable on every node (repeatable).")
 
-_TORCHRUN_OPTIONS = [
+TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),
     click.option("--max-restarts", type=int, default=0, show_default=True),
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
@@ -110,7 +134,7 @@ _TORCHRUN_OPTIONS = [
 ]
 
 
-def _apply(options):
+def apply_options(options):
     def deco(fn):
         for opt in reversed(options):
             fn = opt(fn)
@@ -227,27 +251,31 @@ def _free_port() -> int:
 _NAME_WAITING = 3
 
 
-def _printer(cluster: Cluster):
+def live_printer(cluster: Cluster):
+    """The live display of a launch: a status line (on stderr) while the nodes connect and
+    check, then each node's output on stdout as `[node N] line`. Returns (on_event, status)."""
     n = len(cluster.nodes)
     waiting = {node.rank: node.label for node in cluster.nodes}
     status = err.status(f"connecting to {n} node{'s' * (n != 1)}…")
     status.start()
 
-    def on_event(kind: str, rank: int, text: str) -> None:
-        if kind == "line":
-            sys.stdout.write(f"[node {rank}] {text}\n")
+    def on_event(event: NodeEvent) -> None:
+        rank = event.node.rank
+        if event.line is not None:
+            sys.stdout.write(f"[node {rank}] {event.line}\n")
             sys.stdout.flush()
-        elif kind == "checked":
-            waiting.pop(rank, None)
+        elif event.state is NodeState.RUNNING:
+            if rank == n - 1:
+                status.stop()
+                err.print(f"[dim]started on {n} node{'s' * (n != 1)}[/dim]")
+        elif event.state is not NodeState.CONNECTING and rank in waiting:
+            # The node answered its check (passed it, or ended): one fewer to wait for.
+            waiting.pop(rank)
             line = f"checked {n - len(waiting)}/{n} nodes"
             if 0 < len(waiting) <= _NAME_WAITING:
                 # The last few are the ones holding everyone up: say which.
                 line += "; waiting for " + ", ".join(waiting.values())
             status.update(escape(line))
-        elif kind == "started":
-            if rank == n - 1:
-                status.stop()
-                err.print(f"[dim]started on {n} node{'s' * (n != 1)}[/dim]")
     return on_event, status
 
 
@@ -279,7 +307,7 @@ def _render(result: LaunchResult, cluster: Cluster) -> None:
 
 def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
     """Find the nodes, build the config, run (or print for --dry-run). Returns None for dry runs."""
-    _setup_logging()
+    setup_logging()
     cluster = find_cluster(o)
     return execute_on(cluster, build_config(o, workload, cluster))
 
@@ -289,12 +317,12 @@ def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
     print each node's command and connect to nothing (returns None)."""
     if config.dry_run:
         transport = make_transport(cluster, config)
-        for rank, script in node_commands(cluster, config, transport).items():
+        for rank, script in node_commands(cluster, config).items():
             click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
         return None
-    on_event, status = _printer(cluster)
+    on_event, status = live_printer(cluster)
     try:
-        result = launch(cluster, config, on_event=on_event)
+        result = Launch(cluster, config, on_event=on_event).run()
     finally:
         status.stop()
     _render(result, cluster)
@@ -340,7 +368,8 @@ class _OneLineErrors(click.Group):
     # Commands that live in modules of their own, imported when named (click's documented lazy
     # loading): `launch exec` does not pay for the sweep's report, and launcher.nccl_cmd, which
     # imports this module, can be imported first.
-    _lazy = {"nccl-tests": ("launcher.nccl_cmd", "nccl_tests")}
+    _lazy = {"nccl-tests": ("launcher.nccl_cmd", "nccl_tests"), "doctor": ("launcher.doctor_cli", "doctor"),
+             "top": ("launcher.top_cli", "top")}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self._lazy])
@@ -355,23 +384,25 @@ class _OneLineErrors(click.Group):
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+# The installed distribution's version (importlib.metadata), so it always says what pip installed.
+@click.version_option(package_name="gpufleet", prog_name="launch")
 def main() -> None:
     """Launch torchrun (or any command) on every node of a GPU cluster over SSH."""
 
 
 @main.command(context_settings=_PASS_THROUGH)
-@_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:
     """Run the built-in training workload (workloads.train); extra ARGS go to it."""
     _finish(execute(o, Workload("torchrun", ("-m", "workloads.train", *args))))
 
 
 @main.command(context_settings=_PROGRAM_AFTER)
-@_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def run(args: tuple[str, ...], **o: Any) -> None:
     """Run SCRIPT [ARGS] (or -m MODULE [ARGS]) under torchrun on every node."""
     if not args:
@@ -382,9 +413,9 @@ def run(args: tuple[str, ...], **o: Any) -> None:
 
 
 @main.command(name="exec", context_settings=_PROGRAM_AFTER)
-@_apply(_SOURCE_OPTIONS + [_ENV_OPTION])
+@apply_options(SOURCE_OPTIONS + [_ENV_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def exec_(args: tuple[str, ...], **o: Any) -> None:
     """Run a plain command (CMD [ARGS]) on every node."""
     if not args:
@@ -393,11 +424,11 @@ def exec_(args: tuple[str, ...], **o: Any) -> None:
 
 
 @main.command()
-@_apply(_SOURCE_OPTIONS)
-@_user_errors
+@apply_options(SOURCE_OPTIONS)
+@user_errors
 def hosts(**o: Any) -> None:
     """List the nodes in rank order; check SSH and the startup script's ready marker."""
-    _setup_logging()
+    setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
     table = Table()
@@ -407,9 +438,8 @@ def hosts(**o: Any) -> None:
         for n in cluster.nodes:
             click.echo(f"{n.rank}\t{n.host}\t{n.address}\t{n.name}")
         return
-    transport = make_transport(cluster, config)
     with err.status(f"checking {len(cluster.nodes)} nodes…"):
-        probes = preflight(cluster, config, transport, check_torch=False)
+        probes = Launch(cluster, config).probe(check_torch=False)
     for n in cluster.nodes:
         p = probes[n.rank]
         ssh = "[green]ok[/green]" if p.ok else f"[red]{escape(p.error)}[/red]"
@@ -421,3 +451,11 @@ def hosts(**o: Any) -> None:
     err.print(f"[dim]ready marker: {READY_MARKER}[/dim]")
     if any(not p.ok for p in probes.values()):
         raise SystemExit(1)
+
+
+# The names launcher.nccl_cmd imports from here, until it drives a `Launch` itself.
+_SOURCE_OPTIONS = SOURCE_OPTIONS
+_TORCHRUN_OPTIONS = TORCHRUN_OPTIONS
+_apply = apply_options
+_setup_logging = setup_logging
+_user_errors = user_errors

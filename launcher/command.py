@@ -3,8 +3,9 @@
 Everything that crosses a shell goes through `shlex.quote`, so an argument such as
 `"; rm -rf ~` reaches the program as one literal argument.
 
-The remote side is one bash line (so `--dry-run` prints it on one line), in two halves, and one
-SSH session per node carries both:
+The remote side is one bash line (so `--dry-run` prints it on one line). It first exports the
+launch's environment (resolving the host NIC on the node when the catalog cannot name it), so the
+check sees what the run will; then come two halves, and one SSH session per node carries both:
 1. the check: it prints what the launcher compares across nodes as `key=value` lines (hostname,
    clock, ready marker, torch version, --workdir), takes node 0's lock on the rendezvous port
    for a torchrun job (so a second launch on the same port refuses instead of joining the first
@@ -13,8 +14,7 @@ SSH session per node carries both:
    failed the check, or Ctrl-C) makes it exit without running anything. Every node is checked
    before any workload starts, but no node pays for a second session, and each node's
    handshake overlaps the others' instead of waiting behind a barrier;
-2. the run: it exports the environment (resolving the host NIC on the node when the catalog
-   cannot name it) and starts the workload under `setsid` (its own session and process group)
+2. the run: it starts the workload under `setsid` (its own session and process group)
    with a unique `GPUFLEET_RUN` token in its environment. A watchdog reads the rest of stdin:
    when the launcher closes it, or the SSH connection drops, it sends SIGTERM to the workload's
    process group, waits, then SIGKILLs every process that carries the token (torchrun starts
@@ -30,10 +30,11 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
+from gpufleet.catalog import lookup
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from infra.contract import READY_MARKER
 
-from launcher.env import HOST_IFACE_ON_NODE
+from launcher.env import HOST_IFACE_ON_NODE, node_env
 from launcher.model import Cluster, LaunchConfig, Node, SshConfig
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "ssh_argv",
     "probe_script",
     "rdzv_lock_path",
+    "node_commands",
 ]
 
 EXIT_MARKER = "__GPUFLEET_EXIT__"
@@ -86,7 +88,10 @@ def torchrun_argv(
         config.python, "-m", "torch.distributed.run",
         f"--nnodes={len(cluster.nodes)}",
         f"--nproc-per-node={nproc}",
-        f"--node-rank={node.rank}",
+        # No --node-rank: with a c10d rendezvous torchrun ignores it and logs a warning saying so
+        # on every node but node 0 (torch/distributed/run.py, config_from_args: it is read only
+        # for rdzv_backend=static); each agent's group rank is assigned at the rendezvous. The
+        # node's own rank reaches the workload as GPUFLEET_NODE_RANK.
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={head.address}:{config.rdzv_port}",
         f"--rdzv-id={config.job_id}",
@@ -158,7 +163,10 @@ def remote_script(
     job = config.job_id
     token = shlex.quote(f"GPUFLEET_RUN={job}-{node.rank}")
     grace_ticks = max(1, int(config.stop_grace_s * 5))
-    s = _check_statements(config, facts=check, torch=check and check_torch)
+    # The environment first: the check must see what the run will (issue 11: `--env PATH=...`
+    # decides which `python3` has torch), so it is exported before the check's lines.
+    s = _env_statements(cluster, node, env)
+    s += _check_statements(config, facts=check, torch=check and check_torch)
     if lock_port is not None:
         lock = shlex.quote(rdzv_lock_path(node.address, lock_port))
         # Held from the check to the end of the run (torchrun inherits fd 9), so there is no
@@ -182,17 +190,6 @@ def remote_script(
         wd = config.workdir
         s.append(f"cd {_workdir(wd)} || {{ echo \"gpufleet: --workdir {shlex.quote(wd)} does not exist on "
                  f"{node.host}\" >&2; exit 71; }}")
-    unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
-    for key, value in env.items():
-        if value == HOST_IFACE_ON_NODE:
-            continue
-        if key in PREPEND_PATH_VARS:
-            s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
-        else:
-            s.append(f"export {key}={shlex.quote(value)}")
-    if unresolved:
-        s.append(_resolve_iface(node.address, cluster.nodes[0].address))
-        s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")
     s += [
         f"export GPUFLEET_JOB_ID={shlex.quote(job)} GPUFLEET_NODE_RANK={node.rank} "
         f"GPUFLEET_NNODES={len(cluster.nodes)}",
@@ -225,6 +222,24 @@ def remote_script(
         "exit $rc",
     ]
     return _join(s)
+
+
+def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> list[str]:
+    """`export` lines for `env`; PATH-like variables are prepended to the node's value, and a
+    HOST_IFACE_ON_NODE value is resolved on the node."""
+    s = []
+    unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
+    for key, value in env.items():
+        if value == HOST_IFACE_ON_NODE:
+            continue
+        if key in PREPEND_PATH_VARS:
+            s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
+        else:
+            s.append(f"export {key}={shlex.quote(value)}")
+    if unresolved:
+        s.append(_resolve_iface(node.address, cluster.nodes[0].address))
+        s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")
+    return s
 
 
 def _join(statements: list[str]) -> str:
@@ -284,3 +299,24 @@ def probe_script(config: LaunchConfig, check_torch: bool) -> str:
     as a launch's node does before `go`."""
     return _join([*_check_statements(config, facts=True, torch=check_torch), f"echo {CHECKED_MARKER}",
                   "IFS= read -r G", "exit 0"])
+
+
+def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
+    """The node-side program for every node, by rank (what --dry-run prints)."""
+    wl = config.workload
+    torchrun = wl.kind == "torchrun"
+    # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
+    env = node_env(cluster, config) if torchrun else dict(config.env)
+    gpus = None
+    if cluster.machine_type and not cluster.local:
+        gpus = lookup(cluster.machine_type).gpu_count
+    out = {}
+    for node in cluster.nodes:
+        if torchrun:
+            argv = torchrun_argv(cluster, node, config, nproc_for(node, gpus, config), wl.argv)
+            lock = config.rdzv_port if node.rank == 0 else None
+        else:
+            argv, lock = list(wl.argv), None
+        out[node.rank] = remote_script(cluster, node, config, env, argv, lock_port=lock, check=torchrun,
+                                       check_torch=torchrun and config.check_versions)
+    return out

@@ -186,6 +186,24 @@ def discover_by_label(
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", k) or not re.fullmatch(r"[a-z0-9_-]{0,63}", v):
             raise UserError(f"--label {k}={v} is not a valid Compute Engine label "
                             "(lowercase letters, digits, '-', '_')")
+    running = _running_instances(labels, project, zone, client)
+
+    def index(inst: Any) -> tuple[int, str]:
+        raw = inst.labels.get(LABEL_NODE)
+        return (int(raw) if raw is not None and raw.isdigit() else 1 << 30, inst.name)
+
+    running.sort(key=index)
+    nodes = [_instance_node(rank, inst, prefer_external) for rank, inst in enumerate(running)]
+    types = {inst.machine_type.rsplit("/", 1)[-1] for inst in running}
+    if machine_type is None and len(types) == 1 and next(iter(types)) in MACHINE_TYPES:
+        # A type outside the catalog (a CPU test VM) gets the plain-socket profile.
+        machine_type = types.pop()
+    name = "-".join(f"{k}-{v}" for k, v in sorted(labels.items()))
+    return Cluster(name=name, nodes=tuple(nodes), machine_type=machine_type, zone=zone, project=project)
+
+
+def _running_instances(labels: dict[str, str], project: str, zone: str, client: Any) -> list[Any]:
+    """The running instances that carry every label (InstancesClient.list with a filter)."""
     from google.api_core import exceptions as gexc
     from google.auth import exceptions as gauth
     from google.cloud import compute_v1
@@ -205,38 +223,25 @@ def discover_by_label(
         found = f"{len(instances)} not running" if instances else "none"
         raise UserError(f"no running instances with label(s) {_label_filter(labels)} in "
                         f"{project}/{zone} ({found}); check --label/--project/--zone")
-
-    def index(inst: Any) -> tuple[int, str]:
-        raw = inst.labels.get(LABEL_NODE)
-        return (int(raw) if raw is not None and raw.isdigit() else 1 << 30, inst.name)
-
-    running.sort(key=index)
-    nodes = []
-    types = set()
-    for rank, inst in enumerate(running):
-        nic = inst.network_interfaces[0] if inst.network_interfaces else None
-        internal = nic.network_i_p if nic else ""
-        external = ""
-        if nic and nic.access_configs:
-            external = nic.access_configs[0].nat_i_p
-        if not internal:
-            raise UserError(f"instance {inst.name!r} has no internal IP")
-        host = external if (prefer_external and external) else internal
-        nodes.append(Node(rank=rank, host=host, address=internal, name=inst.name))
-        types.add(inst.machine_type.rsplit("/", 1)[-1])
-    if machine_type is None and len(types) == 1 and next(iter(types)) in MACHINE_TYPES:
-        # A type outside the catalog (a CPU test VM) gets the plain-socket profile.
-        machine_type = types.pop()
-    name = "-".join(f"{k}-{v}" for k, v in sorted(labels.items()))
-    return Cluster(name=name, nodes=tuple(nodes), machine_type=machine_type, zone=zone, project=project)
+    return running
 
 
-def local_cluster(nodes: int) -> Cluster:
-    """`nodes` nodes as process groups on this machine; the rendezvous is on 127.0.0.1."""
-    if nodes < 1:
-        raise UserError(f"--nodes {nodes} is not allowed; ask for at least 1 node")
+def _instance_node(rank: int, inst: Any, prefer_external: bool) -> Node:
+    nic = inst.network_interfaces[0] if inst.network_interfaces else None
+    internal = nic.network_i_p if nic else ""
+    external = nic.access_configs[0].nat_i_p if nic and nic.access_configs else ""
+    if not internal:
+        raise UserError(f"instance {inst.name!r} has no internal IP")
+    host = external if (prefer_external and external) else internal
+    return Node(rank=rank, host=host, address=internal, name=inst.name)
+
+
+def local_cluster(node_count: int) -> Cluster:
+    """`node_count` nodes as process groups on this machine; the rendezvous is on 127.0.0.1."""
+    if node_count < 1:
+        raise UserError(f"--nodes {node_count} is not allowed; ask for at least 1 node")
     return Cluster(
         name="local",
-        nodes=tuple(Node(rank=i, host="localhost", address="127.0.0.1") for i in range(nodes)),
+        nodes=tuple(Node(rank=i, host="localhost", address="127.0.0.1") for i in range(node_count)),
         local=True,
     )

@@ -3,14 +3,17 @@ what happened (`LaunchResult`, with outcomes and failures keyed by node).
 
 Vocabulary (the same as gpufleet.catalog):
 - *node*: one machine (a VM, a simulated namespace, or one process group under `--local`).
-- *rank* of a node: its position in the cluster's order; node 0 hosts the c10d rendezvous and
-  torchrun's `--node-rank` is this number.
+- *rank* of a node: its position in the cluster's order; node 0 hosts the c10d rendezvous, and
+  the node's program sees it as GPUFLEET_NODE_RANK (torchrun's group rank is assigned at the
+  c10d rendezvous, so it need not match).
 - *local rank*: a process's index among the `nproc_per_node` processes torchrun starts on a node.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +28,7 @@ __all__ = [
     "LaunchResult",
     "EXIT_CONNECTION_LOST",
     "EXIT_USER_ERROR",
+    "new_job_id",
 ]
 
 # The launcher's own exit codes. 2 = a usage error (click's convention); 255 = what ssh returns
@@ -87,8 +91,9 @@ class Cluster:
                 f"host {dupes[0]!r} is listed more than once; each node must appear once"
             )
 
-    def select(self, nodes: int | None, exclude: tuple[str, ...] = ()) -> "Cluster":
-        """Drop `exclude`d hosts, then keep the first `nodes`, renumbering ranks from 0."""
+    def select(self, node_count: int | None, exclude: tuple[str, ...] = ()) -> "Cluster":
+        """Drop `exclude`d hosts, then keep the first `node_count` (`--nodes N`), renumbering
+        ranks from 0."""
         known = {n.host for n in self.nodes} | {n.name for n in self.nodes if n.name}
         unknown = [h for h in exclude if h not in known]
         if unknown:
@@ -97,16 +102,16 @@ class Cluster:
                 f"{len(self.nodes)} nodes found; run `launch hosts` to list them"
             )
         kept = [n for n in self.nodes if n.host not in exclude and n.name not in exclude]
-        if nodes is not None:
-            if nodes < 1:
-                raise UserError(f"--nodes {nodes} is not allowed; ask for at least 1 node")
-            if nodes > len(kept):
+        if node_count is not None:
+            if node_count < 1:
+                raise UserError(f"--nodes {node_count} is not allowed; ask for at least 1 node")
+            if node_count > len(kept):
                 raise UserError(
-                    f"--nodes {nodes} asks for more nodes than exist: {len(kept)} found"
+                    f"--nodes {node_count} asks for more nodes than exist: {len(kept)} found"
                     + (f" after --exclude" if exclude else "")
                     + f" in {self.name!r}"
                 )
-            kept = kept[:nodes]
+            kept = kept[:node_count]
         if not kept:
             raise UserError("--exclude removed every node; nothing left to run on")
         renumbered = tuple(
@@ -145,9 +150,15 @@ class SshConfig:
     control_persist: str = "10m"
 
 
+def new_job_id() -> str:
+    """Sortable and unique: the rendezvous id, the run directory and the node-side token."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
-    """What the user asked for, built by the CLI and handed to `launcher.run.launch()`."""
+    """What the user asked for (the typed request), built by the CLI and handed to a
+    `launcher.launch.Launch`."""
 
     workload: Workload
     nproc_per_node: int | None = None  # None: the catalog's GPU count, or 1 on CPU / unknown

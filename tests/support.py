@@ -100,9 +100,9 @@ def params(path: Path) -> dict[str, torch.Tensor]:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step of the checkpoint `latest` names, loaded in full (so a torn file would fail)."""
-    from workloads.checkpoint import load_file
+    from workloads.checkpoint import load_checkpoint
 
-    return load_file(ckpt / (ckpt / "latest").read_text().strip())["step"]
+    return load_checkpoint(ckpt / (ckpt / "latest").read_text().strip())["step"]
 
 
 def sigkill(pid: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -257,8 +258,7 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_a
                 launch_opts=("--env", f"PYTHONPATH={site}"))
     try:
         def torn() -> bool:
-            return ckpt.exists() and any(p.name.startswith(".step_00000004.pt.tmp-") and p.stat().st_size
-                                         for p in ckpt.iterdir())
+            return any(f.stat().st_size for d in ckpt.glob(".step_00000004.tmp-*") for f in d.iterdir())
         wait_for(torn, 120, "a half-written checkpoint", run, interval=0.01)
         (writer,) = [pid for i in range(2) for r, pid in workers(c, i).items() if r == 0]
         sigkill(writer)  # the crash: rank 0 dies mid-write, no handler runs
@@ -267,7 +267,7 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_a
         run.kill()
     assert rc not in (0, 2), run.out
     assert [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]  # the torn file is there...
-    assert (ckpt / "latest").read_text().strip() == "step_00000002.pt"  # ...latest is not it
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"  # ...latest is not it
     assert checkpoint_step(ckpt) == 2  # and loads whole (tests/workloads resumes from such a state)
     c.assert_nothing_left(within=2)
 
@@ -278,7 +278,7 @@ def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint
                         "--checkpoint-dir", str(probe)], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert r.returncode == 0, r.stderr
-    size = (probe / "step_00000001.pt").stat().st_size
+    size = sum(f.stat().st_size for f in (probe / "step_00000001").iterdir())
     disk = small_tmpfs(int(size * 1.5))  # room for one checkpoint, not for a second beside it
     c = sim_cluster(2)
     run = train(c, tmp_path, "--global-batch", "2", "--steps", "4", "--checkpoint-dir", str(disk),
@@ -290,9 +290,9 @@ def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint
     # The node named is the one that said what went wrong (rank 0's), not a peer whose
     # collective broke as a consequence: its own error line is in the block.
     errors = [ln.strip() for ln in report.splitlines() if ln.strip().startswith("error:")]
-    assert errors and f"{disk / 'step_00000002.pt'}" in errors[0] and "No space left on device" in errors[0], report
+    assert errors and f"{disk / 'step_00000002'}" in errors[0] and "No space left on device" in errors[0], report
     assert "[rank" not in errors[0]
-    assert (disk / "latest").read_text().strip() == "step_00000001.pt"
+    assert (disk / "latest").read_text().strip() == "step_00000001"
     assert checkpoint_step(disk) == 1
     c.assert_nothing_left(within=2)
 
@@ -339,11 +339,12 @@ def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_an
                   *TRAIN, "--global-batch", "3", "--steps", "2"], tmp_path / "warn.log")
     assert run.wait(120) == 0, run.out
     out = run.out
-    clock = f"node 1 ({c.nodes[1].address}): clock differs from this machine by +5"  # +599.x s
+    # +600 s less the time a probe takes to cross: +599.x or +600.0 s as printed.
+    clock = re.compile(rf"node 1 \({re.escape(c.nodes[1].address)}\): clock differs from this machine by \+(599|600)\.\d s")
     host = f"node 2 ({c.nodes[2].address}): hostname is 'elsewhere', expected 'simnode2'"
-    assert clock in out and host in out, out
+    assert clock.search(out) and host in out, out
     first_node_line = out.index("[node ")
-    assert out.index(clock) < first_node_line and out.index(host) < first_node_line  # before training
+    assert clock.search(out).start() < first_node_line and out.index(host) < first_node_line  # before training
     assert "node 0 (" not in out.split("[node ")[0]  # the agreeing node is not warned about
     assert "done: 2 steps" in out
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from launcher.cli import main
 from launcher.env import TORCHRUN_DEFAULTS, node_env
 from launcher.model import Cluster, LaunchConfig, Node, NodeOutcome, Workload
-from launcher.run import root_cause, worker_failure_note
+from launcher.output import root_cause, worker_failure_note
 
 NODES = [Node(rank=i, host=f"10.0.0.{i + 2}", address=f"10.0.0.{i + 2}") for i in range(3)]
 

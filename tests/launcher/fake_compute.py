@@ -36,12 +36,14 @@ class FakeInstance:
     status: str = "RUNNING"
     machine_type: str = "n2-standard-2"
     external_ip: str | None = None
+    physical_host: str | None = None  # resourceStatus.physicalHost: only VMs with a placement policy
 
     def resource(self, project: str, zone: str) -> dict:
         nic: dict = {"networkIP": self.internal_ip, "name": "nic0"}
         if self.external_ip:
             nic["accessConfigs"] = [{"natIP": self.external_ip, "type": "ONE_TO_ONE_NAT"}]
-        return {
+        extra = {"resourceStatus": {"physicalHost": self.physical_host}} if self.physical_host else {}
+        return {**extra,
             "kind": "compute#instance",
             "name": self.name,
             "status": self.status,

@@ -50,6 +50,22 @@ def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path)
     # gloo was told each node's own interface, resolved on the node from its address.
     assert all("gloo_if=eth0" in l for l in lines)
     assert {l.split("]")[0] for l in lines} == {"[node 0", "[node 1", "[node 2"}
+    # torchrun is not handed a --node-rank it would ignore with c10d, and warn about (issue 11).
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    logs = "".join(p.read_text() for p in run_dir.glob("node-*.log"))
+    assert "node_rank is only used" not in r.output + logs
+    c.assert_nothing_left()
+
+
+def test_env_path_decides_which_python3_the_check_and_the_run_use(sim_cluster, tmp_path):
+    """`--env PATH=VENV/bin:...` without --python: the nodes' own python3 has no torch, this
+    venv's does; the check must ask the same python3 the run starts (issue 11)."""
+    c = sim_cluster(2)
+    venv_bin = str(REPO / ".venv" / "bin")
+    r = CliRunner().invoke(main, ["run", *source_args(c, tmp_path), "--workdir", str(REPO), "--nproc-per-node", "1",
+                                  "--env", f"PATH={venv_bin}", "--env", "OMP_NUM_THREADS=1", "--", SCRIPT])
+    assert r.exit_code == 0, r.output
+    assert sum("world=2 sum=3 expected=3" in l for l in r.output.splitlines()) == 2
     c.assert_nothing_left()
 
 
@@ -190,6 +206,9 @@ def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster
     assert doc["nranks"] == 4 and doc["nnodes"] == 2 and doc["rows"][0]["collective"] == "all_reduce"
     assert doc["rows"][0]["oop_wrong"] == 0 and doc["avg_busbw"] > 0
     assert (run_dir / "rows.csv").exists() and (run_dir / "busbw.png").stat().st_size > 0
+    # The sweep's several-kB JSON line is read from the log, not shown (issue 11).
+    assert "#gpufleet-json" not in r.output
+    assert any("#gpufleet-json" in p.read_text() for p in run_dir.glob("node-*.log"))
 
 
 @pytest.mark.slow

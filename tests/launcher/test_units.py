@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -21,8 +22,8 @@ from launcher.cli import main
 from launcher.command import CHECKED_MARKER, EXIT_MARKER, join_timeout_s, remote_command, remote_script, torchrun_argv
 from launcher.discovery import cluster_from_outputs, local_cluster, parse_hostfile
 from launcher.env import node_env, parse_env_pairs
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload
-from launcher.run import new_job_id
+from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
+from tests.support import LAUNCH, REPO
 
 HOSTILE = '"; rm -rf ~'
 
@@ -159,11 +160,13 @@ def test_bad_env_pair_and_unknown_machine_type_are_user_errors():
 # ---- command building -------------------------------------------------------------------------
 
 
-def test_torchrun_argv_has_rendezvous_on_node_zero_and_node_rank():
+def test_torchrun_argv_has_rendezvous_on_node_zero_and_no_node_rank():
     c = _cluster(3)
     argv = torchrun_argv(c, c.nodes[2], _cfg(max_restarts=2, rdzv_port=29511), 8, ["-m", "workloads.train"])
     assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
-    for flag in ("--nnodes=3", "--nproc-per-node=8", "--node-rank=2", "--rdzv-backend=c10d",
+    # torchrun ignores --node-rank with c10d and warns on every node that gets one (issue 11).
+    assert not any(a.startswith(("--node-rank", "--node_rank")) for a in argv)
+    for flag in ("--nnodes=3", "--nproc-per-node=8", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=10.0.0.2:29511", "--rdzv-id=job1", "--max-restarts=2",
                  "--local-addr=10.0.0.4"):
         assert flag in argv
@@ -270,7 +273,8 @@ def test_rendezvous_lock_is_held_from_the_check_to_the_end_and_a_second_holder_r
     finally:
         p.stdin.close()
         p.wait(timeout=30)
-    out = subprocess.run(["bash", "-c", second], input="go\n", capture_output=True, text=True, timeout=30)
+    # stdin held open after `go` (end of input would stop `true` before it ran, under load).
+    out = _run_wrapper(["bash", "-c", second])
     assert out.returncode == 0 and "port=free" in out.stdout
 
 
@@ -371,19 +375,25 @@ def test_rank_count_follows_each_nodes_slots():
 
 
 def test_the_status_line_names_the_last_nodes_still_to_answer():
-    from launcher.cli import _printer
+    from launcher.cli import live_printer
+    from launcher.launch import NodeEvent, NodeState
 
     c = _cluster(5)
-    on_event, status = _printer(c)
+    on_event, status = live_printer(c)
+
+    def checked(rank: int) -> None:
+        on_event(NodeEvent(c.nodes[rank], state=NodeState.CONNECTING))
+        on_event(NodeEvent(c.nodes[rank], state=NodeState.CHECKED))
+
     try:
-        on_event("checked", 0, "ok")
+        checked(0)
         assert str(status.status) == "checked 1/5 nodes"
-        on_event("checked", 2, "ok")
+        checked(2)
         assert str(status.status) == "checked 2/5 nodes; waiting for node 1 (10.0.0.3), node 3 (10.0.0.5), node 4 (10.0.0.6)"
-        on_event("checked", 4, "ok")
-        on_event("checked", 1, "ok")
+        checked(4)
+        on_event(NodeEvent(c.nodes[1], state=NodeState.UNREACHABLE, detail="Connection refused"))
         assert str(status.status) == "checked 4/5 nodes; waiting for node 3 (10.0.0.5)"
-        on_event("checked", 3, "ok")
+        checked(3)
         assert str(status.status) == "checked 5/5 nodes"
     finally:
         status.stop()
@@ -450,21 +460,21 @@ def test_local_cluster_has_loopback_nodes():
 
 
 def _probes(facts: list[dict], skews=None):
-    from launcher.run import Probe
+    from launcher.preflight import Probe
     c = _cluster(len(facts))
     return c, {n.rank: Probe(n, True, facts=f, skew_s=(skews or [0.0] * len(facts))[n.rank])
                for n, f in zip(c.nodes, facts)}
 
 
 def test_preflight_refuses_different_torch_versions_naming_each_node():
-    from launcher.run import check_probes
+    from launcher.preflight import check_probes
     c, probes = _probes([{"host": "a", "torch": "2.13.0"}, {"host": "b", "torch": "2.12.1"}])
     with pytest.raises(UserError, match=r"torch versions differ .*node 1 \(10.0.0.3\): 2.12.1"):
         check_probes(c, probes, _cfg())
 
 
 def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
-    from launcher.run import Probe, check_probes
+    from launcher.preflight import Probe, check_probes
     c, probes = _probes([{"host": "a", "port": "busy:job0"}, {"host": "b"}, {"host": "c"}])
     with pytest.raises(UserError, match="in use by another launch \\(job job0\\)"):
         check_probes(c, probes, _cfg())
@@ -477,9 +487,9 @@ def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
 
 
 def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
-    from launcher.run import check_probes
+    from launcher.preflight import check_probes
     c = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2", name="gpu-0"), Node(1, "10.0.0.3", "10.0.0.3", name="gpu-1")))
-    from launcher.run import Probe
+    from launcher.preflight import Probe
     probes = {0: Probe(c.nodes[0], True, facts={"host": "gpu-0"}, skew_s=0.1),
               1: Probe(c.nodes[1], True, facts={"host": "old-box"}, skew_s=-7.5)}
     warnings = check_probes(c, probes, _cfg())
@@ -491,13 +501,14 @@ def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
 def test_connections_through_a_proxy_are_bounded_below_maxstartups():
     from launcher.command import ssh_base_argv
     from launcher.model import SshConfig
-    from launcher.run import Transport, _through_gateway
+    from launcher.preflight import through_gateway
+    from launcher.transport import Transport
     node = Node(0, "10.0.0.2", "10.0.0.2")
     for opts, iap, expect in [((), False, False), (("ProxyJump=bastion",), False, True),
                               (("ProxyCommand=nc %h %p",), False, True), ((), True, True)]:
         ssh = SshConfig(options=opts, iap=iap, zone="z")
         t = Transport(False, ssh_base_argv(ssh, "/tmp/ctl", "/tmp/kh"))
-        assert _through_gateway(t, node, _cfg(ssh=ssh)) is expect, opts
+        assert through_gateway(t, node, _cfg(ssh=ssh)) is expect, opts
 
 
 def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():
@@ -530,3 +541,116 @@ def test_local_exec_passes_env_and_a_dash_command_literally(tmp_path):
 def test_misspelt_launcher_option_is_an_error_not_a_command(tmp_path):
     r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--nodez", "2", "--", "true"])
     assert r.exit_code == 2 and "No such option" in r.output
+
+
+# ---- issue 11: what the terminal shows, one environment, small things ---------------------------
+
+
+def test_the_check_sees_the_launch_environment(tmp_path):
+    """`--env PATH=...` decides which `python3` the check asks for torch, as it does for the run."""
+    import importlib.metadata
+
+    c = _cluster(1)
+    venv_bin = str(Path(sys.executable).parent)
+    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {"PATH": venv_bin},
+                           ["true"], check=True, check_torch=True)
+    # A PATH without this venv: its `python3` (if any) has no torch, so only --env can find it.
+    out = subprocess.run(["bash", "-c", script], input="", capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"})
+    facts = dict(l.split("=", 1) for l in out.stdout.splitlines() if "=" in l)
+    assert facts["torch"] == importlib.metadata.version("torch"), out.stdout + out.stderr
+
+
+def test_launch_version_names_the_installed_package():
+    import importlib.metadata
+
+    version = importlib.metadata.version("gpufleet")
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.exit_code == 0 and r.output == f"launch, version {version}\n"
+    p = subprocess.run([LAUNCH, "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == f"launch, version {version}\n", p.stderr
+
+
+def test_pyproject_license_is_an_spdx_string_setuptools_reads_without_a_warning():
+    # setuptools deprecates `license = { text = ... }` with a warning block on every build (PEP 639).
+    prog = ("from setuptools.config.pyprojecttoml import apply_configuration; "
+            "from setuptools.dist import Distribution; "
+            "print(apply_configuration(Distribution(), 'pyproject.toml').metadata.license_expression)")
+    p = subprocess.run([sys.executable, "-W", "error", "-c", prog], capture_output=True, text=True,
+                       cwd=REPO, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "Apache-2.0", p.stderr[-2000:]
+
+
+def test_a_sweep_error_line_names_its_node_as_the_cause(tmp_path):
+    """Node 1's sweep says what is wrong, then node 0 exits first: node 1 is still the cause."""
+    cmd = ('if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo "sweep: root 5 is not a rank of this run" >&2; '
+           "sleep 30; else sleep 2; exit 1; fi")
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"),
+                                  "--", "sh", "-c", cmd])
+    assert r.exit_code != 0, r.output
+    assert "node 1 (localhost) failed first" in r.output, r.output
+    assert "  sweep: root 5 is not a rank of this run" in r.output
+
+
+def test_the_sweep_json_line_and_c10d_dns_warnings_stay_in_the_log_not_the_live_stream(tmp_path):
+    dns = ("[W1123 09:18:02.123456789 socket.cpp:204] [c10d] The hostname of the client socket cannot "
+           "be retrieved. err=-3")
+    cmd = f'echo "#gpufleet-json {{\\"rows\\": []}}"; echo "{dns}" >&2; echo visible'
+    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--runs-dir", str(tmp_path / "runs"),
+                                  "--", "sh", "-c", cmd])
+    assert r.exit_code == 0, r.output
+    assert "[node 0] visible" in r.output
+    assert "gpufleet-json" not in r.output and "hostname of the client socket" not in r.output
+    (log,) = (tmp_path / "runs").glob("*/node-0.log")
+    assert log.read_text().splitlines() == ['#gpufleet-json {"rows": []}', dns, "visible"]
+
+
+# ---- the Launch object (issue 12) ----------------------------------------------------------------
+
+
+def test_launch_moves_each_node_through_its_states_and_reports_them(tmp_path):
+    from launcher.launch import Launch, NodeState
+
+    cmd = 'if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo bye; exit 3; fi; sleep 30'
+    cfg = LaunchConfig(workload=Workload("exec", ("sh", "-c", cmd)), job_id=new_job_id(), runs_dir=tmp_path)
+    events = []
+    launch = Launch(local_cluster(2), cfg, on_event=events.append)
+    result = launch.run(handle_signals=False)
+    states = {r: [e.state for e in events if e.node.rank == r and e.state] for r in (0, 1)}
+    path = [NodeState.CONNECTING, NodeState.CHECKED, NodeState.RUNNING]
+    assert states == {0: [*path, NodeState.STOPPED], 1: [*path, NodeState.FAILED]}
+    assert launch.states == {0: NodeState.STOPPED, 1: NodeState.FAILED}
+    assert [e.line for e in events if e.line] == ["bye"]
+    assert result is launch.result and result.first_failure == 1 and result.exit_code == 3
+
+
+def test_a_node_that_never_answers_its_check_is_unreachable_and_the_rest_go_home(tmp_path):
+    from launcher.launch import Launch, NodeState
+
+    c = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"), Node(1, "127.0.0.2", "127.0.0.2")))
+    cfg = LaunchConfig(workload=Workload("exec", ("true",)), job_id=new_job_id(), runs_dir=tmp_path)
+    launch = Launch(c, cfg, transport=_BashHereSshToNode1(tmp_path))
+    probes = launch.probe(check_torch=False)
+    assert probes[0].ok and not probes[1].ok and "Connection refused" in probes[1].error
+    assert launch.states == {0: NodeState.STOPPED, 1: NodeState.UNREACHABLE}
+
+
+class _BashHereSshToNode1:
+    """Node 0 runs in bash here (as --local does); node 1 through real ssh to a port where
+    nothing listens, so its connection is refused."""
+
+    local = False
+
+    def __init__(self, tmp_path):
+        from launcher.command import ssh_base_argv
+        from launcher.model import SshConfig
+
+        ssh = SshConfig(options=("Port=1",), connect_timeout=3)
+        self.ssh_base = ssh_base_argv(ssh, str(tmp_path), str(tmp_path / "known_hosts"))
+
+    def argv(self, node, script):
+        from launcher.command import remote_command, ssh_argv
+
+        if node.rank == 0:
+            return ["bash", "--norc", "--noprofile", "-c", script]
+        return ssh_argv(self.ssh_base, node, remote_command(script))

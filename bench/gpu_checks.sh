@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU path of gpufleet, run on a GPU machine (issue 17); bench/RESULTS.md records what it printed.
+#   bash bench/gpu_checks.sh [STAGE...]    stages: env train compile paths sweep smi (default: all)
+# Needs python3 with a CUDA torch, click and rich; writes metrics and logs under $OUT (default
+# /tmp/gpufleet-gpu). Nothing here runs in the test suite or CI: they have no GPU.
+set -uo pipefail
+out=${OUT:-/tmp/gpufleet-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+launch() { python3 -m launcher "$@"; }
+stages=${*:-env train compile paths sweep smi}
+
+# One node, one process: the GPU's own throughput (the launcher adds nothing per step).
+train() {  # model micro_batch steps [extra train args...]
+    local model=$1 mb=$2 steps=$3 tag; shift 3
+    tag="$model-mb$mb$(printf '%s' "$*" | tr -c 'a-zA-Z0-9' '_')"
+    launch train --local --nodes 1 --runs-dir "$out/runs" -- --model "$model" --steps "$steps" \
+        --micro-batch "$mb" --global-batch "$mb" --warmup-steps 5 --log-every 10 \
+        --metrics-file "$out/train-$tag.jsonl" "$@" 2>&1 | tail -n 8
+}
+
+for stage in $stages; do
+    echo "== $stage"
+    case $stage in
+        env)
+            nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+            python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+            ;;
+        train)
+            train 124M 16 60
+            train 350M 16 60
+            ;;
+        compile)
+            train 124M 16 60 --compile
+            train 350M 16 60 --compile
+            train 350M 32 60 --compile
+            ;;
+        paths)
+            # The other GPU-only paths once each: FSDP2, fp16 with its GradScaler, the profiler
+            # (CUDA activities, NVTX ranges), the straggler check's CUDA events, checkpoints on a
+            # CUDA model saved and resumed, and `launch run` of a script using NCCL.
+            train 350M 16 30 --parallelism fsdp --compile --straggler-every 10
+            train 124M 16 20 --precision fp16
+            train 124M 16 20 --profile-steps 10:12 --profile-dir "$out/profile"
+            find "$out/profile" -type f | head -n 3
+            train 124M 16 20 --checkpoint-dir "$out/ckpt" --checkpoint-every 10
+            train 124M 16 30 --checkpoint-dir "$out/ckpt" --resume
+            cat >"$out/nccl_check.py" <<'PY'
+import os, torch, torch.distributed as dist
+dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+t = torch.ones(1 << 20, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+n = dist.get_world_size()
+print(f"nccl all_reduce ok={bool((t == n * (n + 1) / 2).all())} world={n} nccl={torch.cuda.nccl.version()}")
+dist.destroy_process_group()
+PY
+            launch run --local --nodes 1 --runs-dir "$out/runs" -- "$out/nccl_check.py" 2>&1 | tail -n 3
+            ;;
+        sweep)
+            launch nccl-tests --local --nodes 1 --runs-dir "$out/runs" -b 8M -e 1G -f 4 --ops all_reduce,all_gather 2>&1 | tail -n 20
+            ;;
+        smi)
+            # The documented CSV query that a node health check reads (kept as a test fixture).
+            nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,memory.total,driver_version,persistence_mode,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.pending,temperature.gpu,power.draw,utilization.gpu \
+                --format=csv,noheader,nounits | tee "$out/nvidia-smi-query.csv"
+            nvidia-smi | tee "$out/nvidia-smi.txt"
+            ;;
+        *) echo "unknown stage $stage" >&2; exit 2 ;;
+    esac
+done

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli import _SOURCE_OPTIONS, _apply, _setup_logging, _user_errors, build_config, err, find_cluster
+from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.render import err, setup_logging, user_errors
 from launcher.doctor import CHECKS, FAIL, OK, WARN, Report, expectation, judge, node_script
 from launcher.env import node_env
 from launcher.model import Cluster, LaunchConfig, Workload
@@ -109,7 +110,7 @@ def to_json(report: Report, order: RankOrder) -> dict:
 
 
 @click.command()
-@_apply(_SOURCE_OPTIONS)
+@apply_options(SOURCE_OPTIONS)
 @click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
               help="Set a variable on every node, as a launch would (e.g. PATH for --python's lookup).")
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image.")
@@ -118,10 +119,10 @@ def to_json(report: Report, order: RankOrder) -> dict:
               help="Free space each node needs in its working directory and on its local SSDs.")
 @click.option("--rank-order", type=click.Choice(RANK_ORDERS),
               help="Which rank order to report: topology (default when every node has a physical host) or given.")
-@_user_errors
+@user_errors
 def doctor(as_json: bool, min_free_gb: float, rank_order: str | None, **o: Any) -> None:
     """Check every node's GPUs, NICs, network stack, versions, disk and clock (reading only)."""
-    _setup_logging()
+    setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
     if config.dry_run:

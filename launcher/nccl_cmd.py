@@ -26,17 +26,8 @@ from gpufleet.catalog import lookup
 from gpufleet.groups import format_rounds, group_documents
 from infra.contract import NCCL_TESTS_DIR
 from launcher import nccl_report
-from launcher.cli import (
-    _SOURCE_OPTIONS,
-    _TORCHRUN_OPTIONS,
-    _apply,
-    _setup_logging,
-    _user_errors,
-    build_config,
-    err,
-    execute_on,
-    find_cluster,
-)
+from launcher.options import SOURCE_OPTIONS, TORCHRUN_OPTIONS, apply_options, build_config, find_cluster
+from launcher.render import err, execute_on, setup_logging, user_errors
 from launcher.command import nproc_for
 from launcher.env import node_env
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
@@ -139,8 +130,8 @@ def _judge(rows, cluster: Cluster, config: LaunchConfig, o: dict[str, Any], out:
 
 
 @click.command(name="nccl-tests")
-@_apply(_SOURCE_OPTIONS + _TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS)
-@_user_errors
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS)
+@user_errors
 def nccl_tests(**o: Any) -> None:
     """Measure collective bandwidth across the nodes (an nccl-tests style sweep), or report on
     nccl-tests output that exists (--from FILE)."""
@@ -154,7 +145,7 @@ def nccl_tests(**o: Any) -> None:
         raise SystemExit(_find_bad_nodes(o))
     if o["impl"] == "nccl-tests":
         raise SystemExit(_run_nccl_tests_binary(o))
-    _setup_logging()
+    setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, Workload("torchrun", ("-m", "workloads.sweep", *sweep_argv(o))), cluster)
     result = execute_on(cluster, config)
@@ -169,7 +160,7 @@ def nccl_tests(**o: Any) -> None:
 
 def _run_nccl_tests_binary(o: dict[str, Any]) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment."""
-    _setup_logging()
+    setup_logging()
     cluster = find_cluster(o)
     probe_cfg = build_config(o, Workload("torchrun", ("true",)), cluster)
     env = {k: v for k, v in node_env(cluster, probe_cfg).items() if not v.startswith("@")}
@@ -242,7 +233,7 @@ def _find_bad_nodes(o: dict[str, Any]) -> int:
     budget = o.get("pair_budget", 1.0)
     if not (budget > 0 and math.isfinite(budget)):
         raise UserError(f"--pair-budget {budget} must be a number of seconds > 0")
-    _setup_logging()
+    setup_logging()
     cluster = find_cluster(o)
     if cluster.local:
         raise UserError("--find-bad-nodes compares machines; --local has only this one")

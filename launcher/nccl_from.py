@@ -29,7 +29,7 @@ from rich.markup import escape
 from gpufleet.bandwidth import COLLECTIVES
 from gpufleet.catalog import UnknownMachineType, lookup
 from launcher import nccl_parse, nccl_report
-from launcher.cli import err
+from launcher.render import err
 from launcher.model import UserError
 from launcher.run import new_job_id
 

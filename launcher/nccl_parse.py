@@ -51,7 +51,7 @@ _PREFIXES = (
     r"\[\d+,\d+\]<std(?:out|err|diag)>: ?",
     # srun --label: the task id, right-aligned to the widest id, then ": " (srun(1) -l).
     r" *\d+: ",
-    # launch's own live stream: `[node N] ` before each node's line (launcher.cli._printer).
+    # launch's own live stream: `[node N] ` before each node's line (launcher.render.live_printer).
     r"\[node \d+\] ",
 )
 # Any run of them, in any order: they stack (kubectl logs of mpirun's pod). One match per line.

@@ -24,8 +24,8 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
-# The underscored names are the ones launcher.cli has offered its sibling commands all along.
-from launcher.cli import _SOURCE_OPTIONS, _apply, _setup_logging, _user_errors, build_config, err, find_cluster
+from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.render import err, setup_logging, user_errors
 from launcher.model import UserError, Workload, new_job_id
 from launcher.top import (
     FLAG_FRACTION,
@@ -237,7 +237,7 @@ def _summary(stats: _ViewStats, sampler: TopSampler, recorder: Recorder | None) 
 
 
 @click.command(name="top")
-@_apply(_SOURCE_OPTIONS)
+@apply_options(SOURCE_OPTIONS)
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image (NIC roles).")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between samples and redraws.")
 @click.option("--record", type=click.Path(path_type=Path), metavar="FILE.jsonl",
@@ -246,11 +246,11 @@ def _summary(stats: _ViewStats, sampler: TopSampler, recorder: Recorder | None) 
 @click.option("--plot", "plot_from", type=click.Path(path_type=Path), metavar="FILE.jsonl",
               help="Draw a recorded FILE.jsonl as a PNG (per-node GPU util and NIC timelines) and exit.")
 @click.option("--output", "-o", type=click.Path(path_type=Path), help="The PNG for --plot [default: FILE.png].")
-@_user_errors
+@user_errors
 def top(interval: float, record: Path | None, duration: float | None, plot_from: Path | None,
         output: Path | None, **o: Any) -> None:
     """Live view of every node: GPU util, memory, power, temperature, CPU, NIC Gbit/s by role."""
-    _setup_logging()
+    setup_logging()
     if plot_from is not None:
         given = [f for f in ("stack", "outputs", "hostfile", "labels", "local") if o.get(f)]
         if given or record or duration:

@@ -375,7 +375,7 @@ def test_rank_count_follows_each_nodes_slots():
 
 
 def test_the_status_line_names_the_last_nodes_still_to_answer():
-    from launcher.cli import live_printer
+    from launcher.render import live_printer
     from launcher.launch import NodeEvent, NodeState
 
     c = _cluster(5)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path of gpufleet, run on a GPU machine (issue 17); bench/RESULTS.md records what it printed.
-#   bash bench/gpu_checks.sh [STAGE...]    stages: env train compile paths sweep smi (default: all)
+#   bash bench/gpu_checks.sh [STAGE...]    stages: env train compile paths sweep smi doctor top (default: all)
 # Needs python3 with a CUDA torch, click and rich; writes metrics and logs under $OUT (default
 # /tmp/gpufleet-gpu). Nothing here runs in the test suite or CI: they have no GPU.
 set -uo pipefail
@@ -8,7 +8,7 @@ out=${OUT:-/tmp/gpufleet-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 launch() { python3 -m launcher "$@"; }
-stages=${*:-env train compile paths sweep smi}
+stages=${*:-env train compile paths sweep smi doctor top}
 
 # One node, one process: the GPU's own throughput (the launcher adds nothing per step).
 train() {  # model micro_batch steps [extra train args...]
@@ -45,6 +45,8 @@ for stage in $stages; do
             find "$out/profile" -type f | head -n 3
             train 124M 16 20 --checkpoint-dir "$out/ckpt" --checkpoint-every 10
             train 124M 16 30 --checkpoint-dir "$out/ckpt" --resume
+            train 124M 16 40 --checkpoint-dir "$out/ckpt" --resume --checkpoint-every 5 --async-checkpoint
+            ls "$out/ckpt"
             cat >"$out/nccl_check.py" <<'PY'
 import os, torch, torch.distributed as dist
 dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
@@ -64,6 +66,19 @@ PY
             nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,memory.total,driver_version,persistence_mode,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.pending,temperature.gpu,power.draw,utilization.gpu \
                 --format=csv,noheader,nounits | tee "$out/nvidia-smi-query.csv"
             nvidia-smi | tee "$out/nvidia-smi.txt"
+            ;;
+        doctor)
+            # The node health check against the real nvidia-smi and kernel log of this machine.
+            launch doctor --local --nodes 1 --runs-dir "$out/runs" 2>&1 | tail -n 12
+            launch doctor --local --nodes 1 --runs-dir "$out/runs" --json >"$out/doctor.json"; echo "doctor exit $?"
+            ;;
+        top)
+            # The live view's GPU columns from the real nvidia-smi while a training runs.
+            train 124M 16 400 >/dev/null 2>&1 &
+            sleep 20
+            launch top --local --nodes 1 --duration 8 --record "$out/top.jsonl" 2>&1 | tail -n 8
+            wait
+            head -c 1500 "$out/top.jsonl"; echo
             ;;
         *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac

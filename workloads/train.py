@@ -121,6 +121,7 @@ class Trainer:
                                           "bf16_compress_hook); on CPU use fp16 or powersgd"))
         self.stop_requested = False
         self.notice_at = 0.0  # time.monotonic() of this rank's first SIGTERM
+        self._stop_posted: tuple[torch.Tensor, Any, float] | None = None  # CUDA: last step's flag
         self.forward_s = 0.0  # this rank's own compute time since the last straggler check
         self._forward_events: list[tuple[Any, Any]] = []
         if self.cuda:
@@ -345,13 +346,31 @@ class Trainer:
 
     def _stop_notice(self) -> float | None:
         """Collective: None while no rank has had a SIGTERM, else the age in seconds of the
-        oldest notice any rank got (what the preemption budget has already spent)."""
+        oldest notice any rank got (what the preemption budget has already spent).
+
+        On CUDA the answer lags one step: this step's flag is reduced on the GPU and copied to
+        pinned memory behind an event, and the previous step's is read, so the host never waits
+        for the step it just queued (an `.item()` here would drain the GPU's queue every step).
+        """
         age = time.monotonic() - self.notice_at if self.stop_requested else -1.0
-        if self.world > 1:
-            t = torch.tensor([age], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if self.world == 1:
+            return age if age >= 0 else None
+        t = torch.tensor([age], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if not self.cuda:
             age = t.item()
-        return age if age >= 0 else None
+            return age if age >= 0 else None
+        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        posted, self._stop_posted = self._stop_posted, (host, done, time.monotonic())
+        if posted is None:
+            return None
+        host, done, at = posted
+        done.synchronize()
+        age = float(host[0])
+        return age + (time.monotonic() - at) if age >= 0 else None
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -823,6 +842,9 @@ def _check_writable_file(flag: str, path: str) -> None:
 
 def _init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL: bind the group to this rank's GPU up front (barrier() and the first collective would
+    # otherwise guess the device, and torch warns "using the device under current context").
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else None
     timeout = datetime.timedelta(minutes=10)
     env = os.environ
     restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -836,11 +858,12 @@ def _init_distributed() -> None:
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
                               is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(f"gpufleet/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device)
     elif "RANK" in env:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
     else:  # plain `python -m workloads.train`: a world of one, no rendezvous needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from launcher.command import READY_MARKER
 from launcher.launch import Launch
 from launcher.model import UserError, Workload
 from launcher.options import (
+    DETACH_OPTION,
     ENV_OPTION,
     PASS_THROUGH,
     PROGRAM_AFTER,
@@ -70,7 +71,9 @@ class _OneLineErrors(click.Group):
     # Commands that live in modules of their own, imported when named (click's documented lazy
     # loading), so `launch exec` does not pay for the sweep's report or the doctor's checks.
     _lazy = {"nccl-tests": ("launcher.nccl_cmd", "nccl_tests"), "doctor": ("launcher.doctor_cli", "doctor"),
-             "top": ("launcher.top_cli", "top")}
+             "top": ("launcher.top_cli", "top"), "jobs": ("launcher.jobs_cli", "jobs"),
+             "logs": ("launcher.jobs_cli", "logs"), "stop": ("launcher.jobs_cli", "stop"),
+             "attach": ("launcher.jobs_cli", "attach")}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self._lazy])
@@ -82,6 +85,16 @@ class _OneLineErrors(click.Group):
         return super().get_command(ctx, name)
 
 
+def _start(o: dict[str, Any], workload: Workload) -> None:
+    """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
+    if o.pop("detach", False):
+        from launcher.jobs_cli import start_detached  # loaded only when asked for, as _lazy's commands
+
+        start_detached(o, workload)
+    else:
+        finish(execute(o, workload))
+
+
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 # The installed distribution's version (importlib.metadata), so it always says what pip installed.
 @click.version_option(package_name="gpufleet", prog_name="launch")
@@ -90,16 +103,16 @@ def main() -> None:
 
 
 @main.command(context_settings=PASS_THROUGH)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:
     """Run the built-in training workload (workloads.train); extra ARGS go to it."""
-    finish(execute(o, Workload("torchrun", ("-m", "workloads.train", *args))))
+    _start(o, Workload("torchrun", ("-m", "workloads.train", *args)))
 
 
 @main.command(context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def run(args: tuple[str, ...], **o: Any) -> None:
@@ -108,18 +121,18 @@ def run(args: tuple[str, ...], **o: Any) -> None:
         raise UserError("nothing to run: `launch run ... -- SCRIPT [ARGS]` or `-- -m MODULE [ARGS]`")
     if args[0] == "-m" and len(args) < 2:
         raise UserError("`-m` needs a module name: `launch run ... -- -m package.module`")
-    finish(execute(o, Workload("torchrun", tuple(args))))
+    _start(o, Workload("torchrun", tuple(args)))
 
 
 @main.command(name="exec", context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + [ENV_OPTION])
+@apply_options(SOURCE_OPTIONS + [ENV_OPTION, DETACH_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def exec_(args: tuple[str, ...], **o: Any) -> None:
     """Run a plain command (CMD [ARGS]) on every node."""
     if not args:
         raise UserError("nothing to run: `launch exec ... -- CMD [ARGS]`")
-    finish(execute(o, Workload("exec", tuple(args))))
+    _start(o, Workload("exec", tuple(args)))
 
 
 @main.command()

@@ -15,7 +15,7 @@ from launcher import discovery
 from launcher.env import parse_env_pairs
 from launcher.model import Cluster, LaunchConfig, SshConfig, UserError, Workload, new_job_id
 
-__all__ = ["SOURCE_OPTIONS", "ENV_OPTION", "TORCHRUN_OPTIONS", "PASS_THROUGH", "PROGRAM_AFTER", "apply_options",
+__all__ = ["SOURCE_OPTIONS", "ENV_OPTION", "TORCHRUN_OPTIONS", "DETACH_OPTION", "PASS_THROUGH", "PROGRAM_AFTER", "apply_options",
            "find_cluster", "build_config"]
 
 
@@ -48,6 +48,11 @@ SOURCE_OPTIONS = [
 
 ENV_OPTION = click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
                            help="Set or override a variable on every node (repeatable).")
+
+# Issue 13: the job goes to a controller on node 0 (launcher.handoff) and outlives this client.
+DETACH_OPTION = click.option("--detach", is_flag=True,
+                             help="Check every node, hand the job to a controller on node 0, print `job ID` "
+                                  "and return; see `launch jobs/logs/stop/attach`.")
 
 TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),

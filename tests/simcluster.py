@@ -112,7 +112,9 @@ class SimCluster:
         hostnames: dict[int, str] | None = None,
     ):
         """`node_env` adds environment variables to every session of the given nodes (sshd
-        SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock.
+        SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock;
+        {0: {"HOME": d}} gives node 0 a home of its own (created, with its ~/.ssh/authorized_keys
+        honoured by that node's sshd), so nothing passes by reading the client's files.
 
         `hostnames` gives the listed nodes a hostname of their own: their sshd starts in a new
         UTS namespace (`unshare --uts`), so `hostname` in every session there reports it. Nodes
@@ -259,11 +261,18 @@ class SimCluster:
         key = self.dir / f"host_key_{node.index}"
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"node{node.index}", "-f", str(key))
         node.host_key_pub = Path(f"{key}.pub").read_text().strip()
+        # A node given its own HOME (node_env) also reads that home's ~/.ssh/authorized_keys, as
+        # a real node reads its user's: a key authorized there (the cluster key) works.
+        keys = f"{self.dir}/authorized_keys"
+        home = self.node_env.get(node.index, {}).get("HOME")
+        if home:
+            Path(home, ".ssh").mkdir(parents=True, exist_ok=True)
+            keys += f" {home}/.ssh/authorized_keys"
         cfg = self.dir / f"gpufleet-sshd-{self.id}-{node.index}.conf"  # leftovers() greps this name
         cfg.write_text(
             f"# gpufleet-simnode {self.id}-{node.index}\n"
             f"ListenAddress {node.address}\nPort {node.port}\nHostKey {key}\n"
-            f"AuthorizedKeysFile {self.dir}/authorized_keys\n"
+            f"AuthorizedKeysFile {keys}\n"
             "PidFile none\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\n"
             "LogLevel ERROR\nMaxStartups 100:30:200\nMaxSessions 100\n"

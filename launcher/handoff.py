@@ -1,0 +1,142 @@
+"""`--detach` on the client (issue 13): check every node as an attached launch does, then hand
+the job to a controller on node 0 and return its id.
+
+1. The check: each node runs the same node-side program an attached launch runs
+   (launcher.command.node_commands) up to its gate, and is sent home instead of told to go; the
+   check session also authorizes the cluster key and reads the node's host keys
+   (launcher.cluster_key). A node that cannot run is refused as today: one UserError, nothing
+   started. A busy rendezvous port is not a refusal here: the queue on node 0 decides when the
+   job may take it.
+2. The hand-off: one more session to node 0 receives a tar archive on stdin (the launcher's own
+   code, so node 0 runs this version; the cluster key, mode 600, and known_hosts; the request;
+   the --env values in a file of their own, mode 600), and starts `python -m launcher.controller
+   JOBDIR` in a session of its own (setsid, stdin from /dev/null, output to a file), so it
+   outlives this SSH connection. It returns once the controller has written its record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import shlex
+import subprocess
+import tarfile
+from pathlib import Path
+
+import launcher
+from launcher.cluster_key import (
+    NODE_KEY_DIR,
+    authorize_statements,
+    cluster_slug,
+    controller_ssh,
+    ensure_key,
+    known_hosts_text,
+    ssh_target,
+)
+from launcher.command import node_commands
+from launcher.jobs import JOBS_DIR, request_json
+from launcher.launch import Launch
+from launcher.model import Cluster, LaunchConfig, UserError
+from launcher.preflight import Probe, check_probes
+from launcher.transport import Transport, make_transport
+
+__all__ = ["detach", "STARTED_MARKER"]
+
+log = logging.getLogger("launcher")
+
+STARTED_MARKER = "__GPUFLEET_STARTED__"
+# What node 0 needs to run the controller: the launcher and what it imports (pure Python).
+_SHIPPED = (("launcher", "*.py"), ("gpufleet", "*.py"), ("infra", "__init__.py"), ("infra", "contract.py"))
+
+
+def detach(cluster: Cluster, config: LaunchConfig) -> str:
+    """Check every node, hand the job to node 0's controller, return the job id."""
+    if cluster.local:
+        raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: "
+                        "drop --detach")
+    key = ensure_key(cluster)
+    transport = make_transport(cluster, config)
+    user, port = ssh_target(transport, cluster.nodes[0])
+    probes = _check(cluster, config, transport, key.with_name("id_ed25519.pub").read_text(), port)
+    known = known_hosts_text(cluster, probes, port)
+    slug = cluster_slug(cluster)
+    files = {
+        f"{NODE_KEY_DIR}/{slug}/id_ed25519": key.read_bytes(),
+        f"{NODE_KEY_DIR}/{slug}/known_hosts": known.encode(),
+        f"{JOBS_DIR}/{config.job_id}/request.json":
+            json.dumps(request_json(cluster, config, controller_ssh(user, port, slug)), indent=1).encode(),
+        f"{JOBS_DIR}/{config.job_id}/env.json": json.dumps([list(kv) for kv in config.env]).encode(),
+    }
+    code, code_hash = _code_files()
+    files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
+    _hand_off(cluster, config, transport, _archive(files), code_hash)
+    return config.job_id
+
+
+def _check(cluster: Cluster, config: LaunchConfig, transport: Transport, public_key: str,
+           port: int) -> dict[int, Probe]:
+    scripts = {rank: "; ".join([*authorize_statements(public_key, cluster, cluster.nodes[rank], port), script])
+               for rank, script in node_commands(cluster, config).items()}
+    probes = Launch(cluster, config, transport=transport).ask(scripts)
+    for p in probes.values():
+        p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port
+    for warning in check_probes(cluster, probes, config):
+        log.warning(warning)
+    return probes
+
+
+def _code_files() -> tuple[dict[str, bytes], str]:
+    root = Path(launcher.__file__).resolve().parent.parent
+    files = {}
+    for package, pattern in _SHIPPED:
+        for path in sorted((root / package).glob(pattern)):
+            files[f"{package}/{path.name}"] = path.read_bytes()
+    digest = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    return files, digest.hexdigest()[:16]
+
+
+def _archive(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o600
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _handoff_script(config: LaunchConfig, code_hash: str) -> str:
+    job = shlex.quote(config.job_id)
+    return "\n".join([
+        "umask 077",
+        'G="$HOME/.gpufleet"',
+        'mkdir -p "$G"',
+        'tar -x -z -f - -C "$HOME" || { echo "cannot unpack the job on node 0" >&2; exit 1; }',
+        f'J="$G/jobs/"{job}',
+        'cd "$J"',
+        # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
+        # connection, which ends right after.
+        f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(config.python)} -m launcher.controller "$J" '
+        '</dev/null >>"$J/controller.log" 2>&1 &',
+        'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
+        "i=$((i+1)); done",
+        f'if [ -f "$J/state.json" ]; then echo {STARTED_MARKER} {job}; else echo "the controller did not start:" '
+        '>&2; tail -n 5 "$J/controller.log" >&2; exit 1; fi',
+    ])
+
+
+def _hand_off(cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str) -> None:
+    head = cluster.nodes[0]
+    argv = transport.argv(head, _handoff_script(config, code_hash))
+    try:
+        r = subprocess.run(argv, input=archive, capture_output=True, timeout=60 + config.ssh.connect_timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{head.label} did not confirm the hand-off within 60 s; the job may not have started: "
+                        "check `launch jobs`") from None
+    if f"{STARTED_MARKER} {config.job_id}".encode() not in r.stdout:
+        lines = r.stderr.decode("utf-8", "replace").strip().splitlines() or [f"exit {r.returncode}"]
+        raise UserError(f"{head.label} could not start the job's controller: {' / '.join(lines[-5:])}")

@@ -1,0 +1,118 @@
+"""Detached jobs (issue 13) against the simulated cluster: real sshd nodes, real torchrun over gloo.
+
+The client and every node have homes of their own (the client's HOME is a directory of the
+test's, each node's is set by its sshd), so nothing here passes by the client reading files the
+controller wrote, or the controller reading the client's key: node 0 holds the job records, the
+cluster key and its known_hosts, and the client reaches them only over SSH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.simcluster import SimCluster
+from tests.support import LAUNCH, REPO, TRAIN, source_args, torch_args, wait_for, workers
+
+pytestmark = pytest.mark.cluster
+
+
+def cluster(sim_cluster, tmp_path: Path, n: int) -> SimCluster:
+    if os.geteuid() != 0:
+        pytest.skip("detached jobs need the netns simulated cluster (root): from= needs each node's address")
+    return sim_cluster(n, mode="netns", node_env={i: {"HOME": str(tmp_path / f"home{i}")} for i in range(n)})
+
+
+def client_env(tmp_path: Path) -> dict[str, str]:
+    """The client's own HOME (its cluster key lands in its ~/.cache/gpufleet), not the nodes'."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUFLEET_STATE_DIR"}
+    env["HOME"] = str(tmp_path / "client")
+    (tmp_path / "client").mkdir(exist_ok=True)
+    return env
+
+
+def launch(tmp_path: Path, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+    r = subprocess.run([LAUNCH, *args], capture_output=True, text=True, cwd=tmp_path, env=client_env(tmp_path),
+                       timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def detach(c: SimCluster, tmp_path: Path, *args: str) -> str:
+    """`launch ARGS --detach ...`: returns the job id, after the client process has exited."""
+    kind, rest = args[0], args[1:]
+    r = launch(tmp_path, kind, *source_args(c, tmp_path), "--detach", *rest, check=True)
+    (line,) = r.stdout.splitlines()
+    assert line.startswith("job "), r.stdout
+    return line.split()[1]
+
+
+def jobs(c: SimCluster, tmp_path: Path) -> list[dict]:
+    r = launch(tmp_path, "jobs", *source_args(c, tmp_path), "--json", check=True)
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def job(c: SimCluster, tmp_path: Path, job_id: str) -> dict:
+    (found,) = [j for j in jobs(c, tmp_path) if j["id"] == job_id]
+    return found
+
+
+def wait_state(c: SimCluster, tmp_path: Path, job_id: str, states: set[str], timeout: float = 120) -> dict:
+    seen: dict = {}
+
+    def reached() -> bool:
+        seen.update(job(c, tmp_path, job_id))
+        return seen["state"] in states
+
+    wait_for(reached, timeout, f"job {job_id} in {states} (last: {seen})", interval=0.5)
+    return seen
+
+
+def jobdir(tmp_path: Path, job_id: str) -> Path:
+    return tmp_path / "home0" / ".gpufleet" / "jobs" / job_id
+
+
+def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 3)
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--", *TRAIN, "--global-batch", "3", "--steps", "20",
+                    "--log-every", "5")
+    # The client has exited; the controller (node 0) runs the job on its own.
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
+    assert done["state"] == "SUCCEEDED" and done["exit"] == 0 and done["failed_node"] is None, done
+    r = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True)
+    assert "[node 0] step 20/20 |" in r.stdout, r.stdout
+    # What `logs` showed is also in the client's runs dir.
+    assert (tmp_path / "runs" / job_id / "output.log").read_text() == r.stdout
+    one = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, "--node", "0", check=True)
+    assert "step 20/20 |" in one.stdout and "[node 0]" not in one.stdout
+    table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
+    assert job_id in table and "SUCCEEDED" in table
+    # The records are on node 0, in its home, never on the client.
+    assert (jobdir(tmp_path, job_id) / "state.json").exists()
+    assert not (tmp_path / "client" / ".gpufleet").exists()
+    c.assert_nothing_left()
+
+
+def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 3)
+    cmd = 'echo "up $GPUFLEET_NODE_RANK"; if [ "$GPUFLEET_NODE_RANK" = 2 ]; then sleep 2; echo dying; exit 3; fi; sleep 120'
+    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", cmd)
+    t0 = time.monotonic()
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
+    assert time.monotonic() - t0 < 20, done
+    assert done["state"] == "FAILED" and done["exit"] == 3 and done["failed_node"] == 2, done
+    assert f"node 2 ({c.nodes[2].address}) failed first: exit 3" in done["why"]
+    assert "dying" in done["tail"]
+    c.assert_nothing_left()
+    # -f on an ended job prints everything and exits with the job's status.
+    r = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, "-f")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert {"[node 0] up 0", "[node 1] up 1", "[node 2] up 2", "[node 2] dying"} <= set(r.stdout.splitlines())

@@ -1,0 +1,119 @@
+"""Detached jobs' pure parts (issue 13): records, the request, the node-side reader programs and the
+cluster key's authorized_keys entry, without a network."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from launcher.cluster_key import authorize_statements, controller_ssh, known_hosts_text
+from launcher.jobs import (
+    LIST_MARKER,
+    JobRecord,
+    JobState,
+    check_job_id,
+    list_script,
+    logs_script,
+    parse_listing,
+    process_start,
+    request_from_json,
+    request_json,
+    stop_script,
+    write_json_atomic,
+)
+from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload
+from launcher.preflight import Probe
+
+CLUSTER = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3", slots=2)))
+
+
+def record(**kw) -> JobRecord:
+    base = dict(id="20260101-000000-aaaaaa", state=JobState.RUNNING, what="exec true", nodes=["a"], submitted=1.0)
+    return JobRecord(**{**base, **kw})
+
+
+def test_a_running_record_whose_controller_is_gone_reads_as_failed_with_why():
+    r = record(pid=123, pid_start="456")
+    seen = r.seen_with(alive=False)
+    assert seen.state is JobState.FAILED and seen.exit == 1 and "controller (pid 123)" in seen.why
+    assert r.seen_with(alive=True).state is JobState.RUNNING
+    done = record(state=JobState.SUCCEEDED, exit=0)
+    assert done.seen_with(alive=False).state is JobState.SUCCEEDED
+
+
+def test_listing_is_newest_first_and_ignores_banners_and_torn_lines():
+    older, newer = record(id="20260101-000000-aaaaaa", submitted=1.0), record(id="20260101-000001-bbbbbb", submitted=2.0)
+    text = "\n".join(["Welcome to node 0", f"{LIST_MARKER} 1 {json.dumps(older.to_json())}",
+                      f"{LIST_MARKER} 0 {json.dumps(newer.to_json())}", f"{LIST_MARKER} 1 {{\"id\": "])
+    got = parse_listing(text)
+    assert [r.id for r in got] == [newer.id, older.id]
+    assert got[0].state is JobState.FAILED  # its controller is not alive
+    assert got[1].state is JobState.RUNNING
+
+
+def test_list_script_tells_a_live_controller_from_a_dead_one(tmp_path):
+    jobs = tmp_path / ".gpufleet" / "jobs"
+    for job_id, pid in (("20260101-000000-aaaaaa", os.getpid()), ("20260101-000001-bbbbbb", 999999)):
+        (jobs / job_id).mkdir(parents=True)
+        write_json_atomic(jobs / job_id / "state.json", record(id=job_id, pid=pid).to_json())
+        (jobs / job_id / "controller.pid").write_text(f"{pid} {process_start(os.getpid())}\n")
+    out = subprocess.run(["bash", "-c", list_script()], capture_output=True, text=True,
+                         env={**os.environ, "HOME": str(tmp_path)}).stdout
+    states = {r.id: r.state for r in parse_listing(out)}
+    assert states == {"20260101-000000-aaaaaa": JobState.RUNNING, "20260101-000001-bbbbbb": JobState.FAILED}
+
+
+@pytest.mark.parametrize("bad", ["../x", "20260101-000000-aaaaaa; rm -rf ~", "", "*"])
+def test_a_job_id_that_is_not_one_is_refused_before_it_reaches_a_shell(bad):
+    with pytest.raises(UserError, match="is not a job id"):
+        check_job_id(bad)
+
+
+def test_the_request_carries_no_env_values_and_round_trips(tmp_path):
+    config = LaunchConfig(Workload("exec", ("sh", "-c", "echo $TOKEN")), env=(("TOKEN", "s3cret"),), job_id="j",
+                          rdzv_port=29600)
+    d = request_json(CLUSTER, config, controller_ssh("root", 2222, "c-abc"))
+    assert "s3cret" not in json.dumps(d) and d["config"]["env_keys"] == ["TOKEN"]
+    cluster, back = request_from_json(json.loads(json.dumps(d)), [["TOKEN", "s3cret"]], tmp_path, tmp_path / "jobs")
+    assert cluster.nodes == CLUSTER.nodes and back.workload == config.workload and back.env == config.env
+    assert back.rdzv_port == 29600 and back.run_dir == tmp_path / "jobs" / "j"
+    assert back.ssh.key == tmp_path / ".gpufleet/clusters/c-abc/id_ed25519"
+    # Host keys are checked for real from node 0, and its sessions share no connection.
+    assert "StrictHostKeyChecking=yes" in back.ssh.options and "Port=2222" in back.ssh.options
+    assert "ControlMaster=no" in back.ssh.options
+
+
+def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path):
+    (auth, _) = authorize_statements("ssh-ed25519 AAAAC3Nz comment", CLUSTER, CLUSTER.nodes[1], 22)
+    env = {**os.environ, "HOME": str(tmp_path)}
+    for _ in range(2):  # twice: one entry
+        subprocess.run(["bash", "-c", auth], check=True, env=env)
+    keys = (tmp_path / ".ssh" / "authorized_keys").read_text().splitlines()
+    assert len(keys) == 1 and keys[0].startswith('from="10.0.0.2,10.0.0.3",') and "ssh-ed25519 AAAAC3Nz" in keys[0]
+    assert (tmp_path / ".ssh" / "authorized_keys").stat().st_mode & 0o077 == 0
+
+
+def test_known_hosts_needs_every_node_s_host_key():
+    probes = {0: Probe(CLUSTER.nodes[0], True, facts={"hostkey1": "ssh-ed25519 K0"}),
+              1: Probe(CLUSTER.nodes[1], True, facts={"hostkey1": "ssh-ed25519 K1", "hostkey2": "ecdsa K1b"})}
+    assert known_hosts_text(CLUSTER, probes, 2222).splitlines() == [
+        "[10.0.0.2]:2222 ssh-ed25519 K0", "[10.0.0.3]:2222 ssh-ed25519 K1", "[10.0.0.3]:2222 ecdsa K1b"]
+    probes[1].facts.clear()
+    with pytest.raises(UserError, match=r"host key of node 1 \(10.0.0.3\)"):
+        known_hosts_text(CLUSTER, probes, 22)
+
+
+def test_records_are_replaced_whole(tmp_path):
+    p = tmp_path / "state.json"
+    write_json_atomic(p, {"a": 1})
+    write_json_atomic(p, {"a": 2})
+    assert json.loads(p.read_text()) == {"a": 2} and [f.name for f in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_stop_and_logs_scripts_quote_the_job_dir():
+    for script in (logs_script("20260101-000000-aaaaaa", 2, True), stop_script("20260101-000000-aaaaaa")):
+        assert '"$HOME"/.gpufleet/jobs/20260101-000000-aaaaaa' in script
+        assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0

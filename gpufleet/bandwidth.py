@@ -24,9 +24,11 @@ import math
 import re
 from dataclasses import dataclass
 
+# The sweep's JSON line and its row type are a contract between packages: moved to
+# gpufleet.contracts. Re-exported here for modules that still import them from this one.
+from gpufleet.contracts import JSON_MARKER, SweepRow  # noqa: F401
+
 __all__ = [
-    "JSON_MARKER",
-    "SweepRow",
     "COLLECTIVES",
     "DTYPE_SIZES",
     "REDOPS",
@@ -44,45 +46,6 @@ __all__ = [
     "fit_latency",
     "SMALL_MAX_BYTES",
 ]
-
-# The sweep's machine-readable line (workloads/sweep.py writes it, launcher/nccl_report.py reads
-# it). It starts with '#' so that anything reading the output as an nccl-tests table skips it.
-JSON_MARKER = "#gpufleet-json "
-
-
-@dataclass
-class SweepRow:
-    """One table line: a collective at one size, out-of-place then in-place.
-
-    `*_wrong` is the number of wrong elements (`#wrong`), or with `error_column` True the old
-    max-error value; None where the output said N/A (not checked) or printed no block.
-    """
-
-    collective: str
-    size: int
-    count: int
-    type: str
-    redop: str
-    root: int
-    nranks: int
-    oop_time_us: float | None
-    oop_algbw: float | None
-    oop_busbw: float | None
-    oop_wrong: float | None
-    ip_time_us: float | None
-    ip_algbw: float | None
-    ip_busbw: float | None
-    ip_wrong: float | None
-    error_column: bool = False
-    iters: int | None = None
-    """Timed calls behind each block's time: -n, or fewer where the sweep's --time-budget cut a
-    slow size short (workloads/sweep.py); None where the output does not say (nccl-tests)."""
-
-    @property
-    def best_busbw(self) -> float:
-        """The better of the two blocks: what the fabric can do at this size."""
-        return max((b for b in (self.oop_busbw, self.ip_busbw) if b is not None), default=0.0)
-
 
 # The seven collectives of the nccl-tests suite we mirror, by the name of their binary minus
 # "_perf" (`src/all_reduce.cu` → all_reduce_perf → "all_reduce").

@@ -101,6 +101,16 @@ class MachineType:
     provisioning: frozenset[str]  # allowed: standard, spot, flex-start
     default_image: str
     image_os: str  # "ubuntu" or "cos": picks the interface names
+    boot_disk_type: str = "pd-ssd"
+    """The boot disk's type. A3 Ultra / A4 take Hyperdisk only (CTK A3 Ultra/A4 VM blueprints use
+    hyperdisk-balanced; DSTACK: persistent disk unsupported on a4-; gcp-facts 2.4)."""
+    reservation_bound: bool = False
+    """Whether VMs that consume a specific reservation use the RESERVATION_BOUND provisioning
+    model instead of STANDARD (CTK A3 Ultra/A4 VM blueprints: "if you have a reservation, keep
+    RESERVATION_BOUND"; gcp-facts 2.4)."""
+    min_placement_distance: int = 1
+    """The smallest max distance a compact placement policy may ask for (1-3). CTK slurm
+    nodeset: "A3 machines do not support a placement_max_distance of 1" (gcp-facts 3.2)."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -123,6 +133,15 @@ class MachineType:
     @property
     def gpu_network_bytes_per_s(self) -> float:
         return self.gpu_network_gbps * 1e9 / 8
+
+    @property
+    def image_oses(self) -> tuple[str, ...]:
+        """Image OSes a node of this type can boot with gpufleet's startup script: the TCPXO and
+        RDMA stacks install their NCCL plugin, DKMS module and gIB packages with apt
+        (infra/templates tcpxo.sh, rdma.sh), and Container-Optimized OS has no package manager."""
+        if self.net_stack in (NetStack.TCPXO, NetStack.RDMA):
+            return ("ubuntu",)
+        return ("ubuntu", "cos")
 
     def interface_names(self, image_os: str | None = None) -> tuple[str | None, ...]:
         """Names of every NIC, in order, on the given OS (default: this type's default image)."""
@@ -179,6 +198,10 @@ _ALL_MODELS = frozenset({"standard", "spot", "flex-start"})
 _SPOT_OR_FLEX = frozenset({"spot", "flex-start"})
 
 
+# CTK slurm nodeset: "A3 machines do not support a placement_max_distance of 1" (gcp-facts 3.2).
+_A3_MIN_DISTANCE = 2
+
+
 def _a2(name: str, gpu: GPU, n: int, vcpus: int, ram: int, lssd: int, gbps: int) -> MachineType:
     # vCPU, RAM, GPU count, bandwidth: T-A2. Local SSD: SKY-LSSD (A2 Ultra bundles 1 per GPU;
     # A2 Standard: "supported", none bundled). MTU: the VPC default; our sources give no jumbo
@@ -198,7 +221,7 @@ def _a3_small(name: str, n: int, vcpus: int, ram: int, lssd: int, gbps: int) -> 
         name=name, family="a3-high", gpu=H100, gpu_count=n, vcpus=vcpus, ram_gb=ram,
         local_ssd_count=lssd, nics=_ONE_NIC, network_gbps=gbps, gpu_network_gbps=gbps,
         net_stack=NetStack.NONE, gpu_mtu=None, provisioning=_SPOT_OR_FLEX,
-        default_image=UBUNTU_ACCEL, image_os="ubuntu",
+        default_image=UBUNTU_ACCEL, image_os="ubuntu", min_placement_distance=_A3_MIN_DISTANCE,
     )
 
 
@@ -227,7 +250,7 @@ _TYPES = [
         net_stack=NetStack.TCPX,  # NETBW overview "A3 High ... GPUDirect-TCPX"
         gpu_mtu=8244,  # CTK gke-a3-highgpu.yaml, SKY, DSTACK
         provisioning=_ALL_MODELS,
-        default_image=COS_TCPX, image_os="cos",
+        default_image=COS_TCPX, image_os="cos", min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
         name="a3-edgegpu-8g", family="a3-edge", gpu=H100, gpu_count=8,
@@ -240,7 +263,7 @@ _TYPES = [
         network_gbps=600,
         gpu_network_gbps=400,
         net_stack=NetStack.TCPX, gpu_mtu=8244, provisioning=_ALL_MODELS,
-        default_image=COS_TCPX, image_os="cos",
+        default_image=COS_TCPX, image_os="cos", min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
         name="a3-megagpu-8g", family="a3-mega", gpu=H100_MEGA, gpu_count=8,
@@ -253,6 +276,7 @@ _TYPES = [
         gpu_mtu=8244,  # CTK gke-a3-megagpu.yaml; Vertex doc "For A3 Mega nodes: Use an MTU of 8244."
         provisioning=_ALL_MODELS,
         default_image=UBUNTU_ACCEL, image_os="ubuntu",  # CTK a3mega blueprint base image
+        min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
         name="a3-ultragpu-8g", family="a3-ultra", gpu=H200, gpu_count=8,
@@ -265,6 +289,8 @@ _TYPES = [
         gpu_mtu=8896,  # CTK gpu-rdma-vpc default; Vertex doc "For A3 Ultra and A4 nodes: ... 8896"
         provisioning=_ALL_MODELS,
         default_image=UBUNTU_ACCEL, image_os="ubuntu",
+        boot_disk_type="hyperdisk-balanced", reservation_bound=True,  # CTK A3 Ultra VM blueprint
+        min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
         name="a4-highgpu-8g", family="a4", gpu=B200, gpu_count=8,
@@ -274,6 +300,7 @@ _TYPES = [
         network_gbps=3600, gpu_network_gbps=3200,  # NETBW
         net_stack=NetStack.RDMA, gpu_mtu=8896, provisioning=_ALL_MODELS,
         default_image=UBUNTU_ACCEL, image_os="ubuntu",
+        boot_disk_type="hyperdisk-balanced", reservation_bound=True,  # CTK A4 VM blueprint, DSTACK
     ),
 ]
 

@@ -1,7 +1,8 @@
 """The gpufleet Pulumi program: stack config -> networks, placement, identity, nodes -> outputs.
 
 Pulumi runs this file as `__main__` (Pulumi.yaml `main: infra/`). It only wires: the config is
-read once into a validated FleetSpec (infra/config.py) before any resource is declared.
+read once into a validated FleetSpec (infra/config.py) before any resource is declared, and the
+outputs are the launcher's contract (gpufleet.contracts.stack_outputs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ if _ROOT not in sys.path:
 
 import pulumi  # noqa: E402
 
+from gpufleet.contracts import stack_outputs  # noqa: E402
 from infra.config import ConfigError, read_spec  # noqa: E402
 from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
 from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
@@ -68,14 +70,13 @@ def main() -> None:
         ),
     )
 
-    pulumi.export("cluster", spec.cluster)
-    pulumi.export("project", spec.project)
-    pulumi.export("zone", spec.zone)
-    pulumi.export("machineType", spec.machine_type)
-    pulumi.export("nodes", pool.nodes)
-    pulumi.export("placementPolicy", placement.policy.name if placement else None)
-    pulumi.export("networks", networks.summary)
-    pulumi.export("checkpointBucket", identity.bucket_name)
+    outputs = stack_outputs(
+        cluster=spec.cluster, project=spec.project, zone=spec.zone, machine_type=spec.machine_type,
+        nodes=pool.nodes, placement_policy=placement.policy.name if placement else None,
+        networks=networks.summary, checkpoint_bucket=identity.bucket_name,
+    )
+    for key, value in outputs.items():
+        pulumi.export(key, value)
 
 
 main()

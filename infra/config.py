@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
-
-from infra.contract import LABEL_CLUSTER, LABEL_NODE
+from gpufleet.catalog import MachineType, UnknownMachineType, lookup
+from gpufleet.contracts import LABEL_CLUSTER, LABEL_NODE
 
 __all__ = [
     "ConfigError",
@@ -100,10 +99,6 @@ _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 # dots, each dot-separated part at most 63); not an IP address; no "goog" prefix, no "google".
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
-
-# Network stacks whose startup template installs packages with apt unconditionally (tcpxo.sh,
-# rdma.sh): they cannot boot on Container-Optimized OS.
-_APT_NET_STACKS = (NetStack.TCPXO, NetStack.RDMA)
 
 
 class ConfigError(ValueError):
@@ -367,10 +362,8 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
 
     max_distance = None
     if get("maxDistance") is not None:
-        # CTK slurm nodeset: valid values null, 1, 2, 3; "A3 machines do not support a
-        # placement_max_distance of 1" (gcp-facts 3.2).
-        lo = 2 if machine.family.startswith("a3") else 1
-        max_distance = _int("maxDistance", get("maxDistance"), lo, 3, 2)
+        # CTK slurm nodeset: valid values null, 1, 2, 3; the catalog knows which types refuse 1.
+        max_distance = _int("maxDistance", get("maxDistance"), machine.min_placement_distance, 3, 2)
         if placement != "compact":
             raise _fail(_key("maxDistance"), get("maxDistance"), "only with gpufleet:placement compact")
 
@@ -380,9 +373,9 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
             "image", get("image"), _IMAGE_RE,
             "an image path such as projects/ubuntu-os-accelerator-images/global/images/family/NAME",
         )
-        if machine.net_stack in _APT_NET_STACKS and _image_os(image) == "cos":
+        if _image_os(image) not in machine.image_oses:
             # tcpxo.sh and rdma.sh install their plugin, DKMS module and gIB packages with apt;
-            # COS has no package manager, so the node would fail at boot.
+            # COS has no package manager, so the node would fail at boot (catalog image_oses).
             raise _fail(
                 _key("image"), image,
                 f"an Ubuntu image: {machine.name} ({machine.net_stack.value}) installs its NCCL "

@@ -21,7 +21,7 @@ from typing import Any
 import pulumi
 from pulumi.runtime.mocks import MockMonitor
 
-from infra.contract import LABEL_NODE
+from gpufleet.contracts import LABEL_NODE
 
 __all__ = ["Declared", "RecordingMocks", "run_under_mocks"]
 

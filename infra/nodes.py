@@ -8,14 +8,10 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
+from gpufleet.contracts import node_output
 from infra.config import FleetSpec
 
-__all__ = ["BOOT_DISK_TYPES", "scheduling_for", "NodePoolArgs", "NodePool"]
-
-# Boot disk type by family. A3 Ultra / A4 take Hyperdisk only (CTK A3 Ultra/A4 VM blueprints use
-# hyperdisk-balanced; DSTACK: persistent disk unsupported on a4-; gcp-facts 2.4); pd-ssd elsewhere.
-BOOT_DISK_TYPES = {"a3-ultra": "hyperdisk-balanced", "a4": "hyperdisk-balanced"}
-_DEFAULT_BOOT_DISK = "pd-ssd"
+__all__ = ["scheduling_for", "NodePoolArgs", "NodePool"]
 
 
 def scheduling_for(spec: FleetSpec) -> gcp.compute.InstanceSchedulingArgs:
@@ -43,9 +39,8 @@ def scheduling_for(spec: FleetSpec) -> gcp.compute.InstanceSchedulingArgs:
             instance_termination_action="DELETE",
             max_run_duration=gcp.compute.InstanceSchedulingMaxRunDurationArgs(seconds=spec.max_run_hours * 3600),
         )
-    # A3 Ultra / A4 in a reservation: CTK's VM blueprints use RESERVATION_BOUND ("if you have a
-    # reservation, keep RESERVATION_BOUND"; gcp-facts 2.4).
-    model = "RESERVATION_BOUND" if spec.reservation and spec.machine.family in BOOT_DISK_TYPES else "STANDARD"
+    # A3 Ultra / A4 in a reservation are RESERVATION_BOUND (catalog MachineType.reservation_bound).
+    model = "RESERVATION_BOUND" if spec.reservation and spec.machine.reservation_bound else "STANDARD"
     return gcp.compute.InstanceSchedulingArgs(
         provisioning_model=model,
         automatic_restart=True,
@@ -81,7 +76,8 @@ class NodePoolArgs:
 
 
 class NodePool(pulumi.ComponentResource):
-    """`instances` in rank order; `nodes` is the `nodes` stack output (entries hold Outputs)."""
+    """`instances` in rank order; `nodes` is the `nodes` stack output (gpufleet.contracts
+    node_output entries, holding Outputs)."""
 
     def __init__(self, name: str, args: NodePoolArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("gpufleet:infra:NodePool", name, None, opts)
@@ -92,7 +88,7 @@ class NodePool(pulumi.ComponentResource):
             initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(
                 image=spec.image,
                 size=spec.boot_disk_size_gb,
-                type=BOOT_DISK_TYPES.get(spec.machine.family, _DEFAULT_BOOT_DISK),
+                type=spec.machine.boot_disk_type,
             ),
         )
         scheduling = scheduling_for(spec)
@@ -150,13 +146,13 @@ class NodePool(pulumi.ComponentResource):
         # name and zone are this program's own inputs. (An Output.all over name, zone and NICs
         # per node doubled the time to declare 128 nodes; bench/bench_infra.py.)
         self.nodes: list[dict] = [
-            {
-                "name": f"{spec.cluster}-{i}",
-                "index": i,
-                "internalIp": inst.network_interfaces[0].network_ip,
-                "externalIp": inst.network_interfaces[0].access_configs[0].nat_ip if spec.external_ip else None,
-                "zone": spec.zone,
-            }
+            node_output(
+                name=f"{spec.cluster}-{i}",
+                index=i,
+                internal_ip=inst.network_interfaces[0].network_ip,
+                external_ip=inst.network_interfaces[0].access_configs[0].nat_ip if spec.external_ip else None,
+                zone=spec.zone,
+            )
             for i, inst in enumerate(self.instances)
         ]
         self.register_outputs({"nodes": self.nodes})

@@ -38,7 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from infra.config import ConfigError, parse_spec, read_stack_config
-from infra.contract import LABEL_NODE
+from gpufleet.contracts import LABEL_NODE
 from infra.mocks import Declared, RecordingMocks, run_under_mocks
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
 MAIN = str(Path(__file__).with_name("__main__.py"))
 
 # The key `--outputs` adds to the stack outputs. JSON has no comments; the launcher reads only the
-# output keys it knows (infra.contract.OUTPUT_KEYS), so this one is ignored there.
+# output keys it knows (gpufleet.contracts.OUTPUT_KEYS), so this one is ignored there.
 NOTE_KEY = "_preview"
 _PLACEHOLDERS = (
     "Addresses are placeholders from the subnets the program declares (node i: the subnet's "

@@ -13,8 +13,7 @@ from functools import cache
 from importlib import resources
 
 from gpufleet.catalog import MachineType, NetStack
-
-from infra.contract import LOCAL_SSD_MOUNT, NCCL_TESTS_DIR, READY_MARKER
+from gpufleet.contracts import LOCAL_SSD_MOUNT, NCCL_TESTS_DIR, READY_MARKER
 
 __all__ = ["STACK_TEMPLATES", "render_startup_script"]
 

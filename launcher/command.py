@@ -30,16 +30,15 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
-from gpufleet.catalog import lookup
+from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from infra.contract import READY_MARKER
 
 from launcher.env import HOST_IFACE_ON_NODE, node_env
 from launcher.model import Cluster, LaunchConfig, Node, SshConfig
 
 __all__ = [
     "EXIT_MARKER",
-    "READY_MARKER",
+    "READY_MARKER",  # moved to gpufleet.contracts; re-exported for launcher.cli until it imports it there
     "CHECKED_MARKER",
     "join_timeout_s",
     "nproc_for",
@@ -188,8 +187,9 @@ def remote_script(
     ]
     if config.workdir:
         wd = config.workdir
-        s.append(f"cd {_workdir(wd)} || {{ echo \"gpufleet: --workdir {shlex.quote(wd)} does not exist on "
-                 f"{node.host}\" >&2; exit 71; }}")
+        # A line the launcher reads as this node's own error (gpufleet.contracts.is_error_line).
+        s.append(f"cd {_workdir(wd)} || {{ echo \"{LAUNCHER_ERROR_PREFIX}--workdir {shlex.quote(wd)} does not "
+                 f"exist on {node.host}\" >&2; exit 71; }}")
     s += [
         f"export GPUFLEET_JOB_ID={shlex.quote(job)} GPUFLEET_NODE_RANK={node.rank} "
         f"GPUFLEET_NNODES={len(cluster.nodes)}",
@@ -307,9 +307,7 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
     torchrun = wl.kind == "torchrun"
     # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
     env = node_env(cluster, config) if torchrun else dict(config.env)
-    gpus = None
-    if cluster.machine_type and not cluster.local:
-        gpus = lookup(cluster.machine_type).gpu_count
+    gpus = cluster.gpus_per_node
     out = {}
     for node in cluster.nodes:
         if torchrun:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.catalog import MACHINE_TYPES
-from infra.contract import LABEL_NODE
+from gpufleet.contracts import LABEL_NODE, OutputsError, parse_stack_outputs
 
 from launcher.model import Cluster, Node, UserError
 
@@ -80,52 +80,29 @@ def _cluster_name(source: str) -> str:
 
 
 def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_external: bool = False) -> Cluster:
-    """The infra stack's outputs: {cluster, project, zone, machineType, nodes: [{name, index,
-    internalIp, externalIp|null, zone}]}. Nodes are ranked by `index`.
+    """The infra stack's outputs (gpufleet.contracts: {cluster, project, zone, machineType,
+    nodes: [{name, index, internalIp, externalIp|null, zone}]}). A node's `index` is its rank;
+    indexes must be exactly 0 .. N-1, so a node missing from the outputs is an error, not a
+    silent renumbering.
 
     SSH goes to the external IP when there is one and `prefer_external` (a laptop outside the
     VPC); the rendezvous always uses internal IPs, which every node can reach.
     """
-    def bad(what: str) -> UserError:
-        return UserError(f"{source}: {what}; expected the infra stack's outputs "
-                         "(cluster, zone, machineType, nodes: [{name, index, internalIp, externalIp}])")
-
-    if not isinstance(outputs, dict):
-        raise bad(f"top level is {type(outputs).__name__}, not an object")
-    raw_nodes = outputs.get("nodes")
-    if not isinstance(raw_nodes, list):
-        raise bad("'nodes' is missing" if raw_nodes is None else "'nodes' is not a list")
-    if not raw_nodes:
-        raise bad("'nodes' is empty")
-    entries = []
-    for i, n in enumerate(raw_nodes):
-        if not isinstance(n, dict):
-            raise bad(f"nodes[{i}] is not an object")
-        ip, index = n.get("internalIp"), n.get("index", i)
-        if not isinstance(ip, str) or not ip:
-            raise bad(f"nodes[{i}] has no internalIp")
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise bad(f"nodes[{i}].index is {index!r}, not an integer")
-        ext = n.get("externalIp")
-        host = ext if (prefer_external and isinstance(ext, str) and ext) else ip
-        entries.append((index, host, ip, str(n.get("name") or "")))
-    entries.sort()
-    indexes = [e[0] for e in entries]
-    if len(set(indexes)) != len(indexes):
-        raise bad(f"node indexes repeat: {indexes}")
-    machine_type = outputs.get("machineType")
-    if machine_type is not None and not isinstance(machine_type, str):
-        raise bad(f"machineType is {machine_type!r}, not a string")
     try:
-        nodes = tuple(Node(rank=r, host=h, address=a, name=nm) for r, (_, h, a, nm) in enumerate(entries))
-    except UserError as e:
+        parsed = parse_stack_outputs(outputs)
+        nodes = tuple(
+            Node(rank=n.index, host=(n.external_ip if prefer_external and n.external_ip else n.internal_ip),
+                 address=n.internal_ip, name=n.name)
+            for n in parsed.nodes
+        )
+    except (OutputsError, UserError) as e:
         raise UserError(f"{source}: {e}") from None
     return Cluster(
-        name=str(outputs.get("cluster") or "cluster"),
+        name=parsed.cluster or "cluster",
         nodes=nodes,
-        machine_type=machine_type,
-        zone=outputs.get("zone") if isinstance(outputs.get("zone"), str) else None,
-        project=outputs.get("project") if isinstance(outputs.get("project"), str) else None,
+        machine_type=parsed.machine_type,
+        zone=parsed.zone,
+        project=parsed.project,
     )
 
 
@@ -179,7 +156,7 @@ def discover_by_label(
 ) -> Cluster:
     """Running instances with all `labels`, through google-cloud-compute's InstancesClient.
 
-    Rank order: instances with infra's node-index label (`infra.contract.LABEL_NODE`) first, by
+    Rank order: instances with infra's node-index label (`gpufleet.contracts.LABEL_NODE`) first, by
     that index, then the rest by instance name. `client` lets tests point at a local endpoint.
     """
     for k, v in labels.items():

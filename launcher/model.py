@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpufleet.catalog import lookup
+
 __all__ = [
     "UserError",
     "Node",
@@ -119,6 +121,14 @@ class Cluster:
             for i, n in enumerate(kept)
         )
         return Cluster(self.name, renumbered, self.machine_type, self.zone, self.project, self.local)
+
+    @property
+    def gpus_per_node(self) -> int | None:
+        """The catalog's GPU count for the machine type; None when it is unknown or the nodes are
+        local process groups. Raises UnknownMachineType for a type the catalog does not know."""
+        if self.machine_type is None or self.local:
+            return None
+        return lookup(self.machine_type).gpu_count
 
 
 @dataclass(frozen=True)

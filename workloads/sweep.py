@@ -23,7 +23,7 @@ one sweep per node group, the groups of a round at the same time on process grou
 
 Rank 0 prints one nccl-tests table per collective (same header lines and column layout, the
 "Out of bounds values" and "Avg bus bandwidth" footer), then one line ``#gpufleet-json {...}``
-with every row (the launcher parses it; see ``launcher/nccl_report.py``). Exit status: 0 when
+with every row (the launcher parses it; the format is ``gpufleet.contracts``). Exit status: 0 when
 every checked result is right, 1 when any ``#wrong`` > 0, 2 for bad arguments (a ``--json`` path
 that cannot be written is found before the sweep starts).
 """
@@ -47,8 +47,6 @@ import torch.distributed as dist
 
 from gpufleet.bandwidth import (
     COLLECTIVES,
-    JSON_MARKER,
-    SweepRow,
     DTYPE_SIZES,
     REDOPS,
     SizeError,
@@ -59,11 +57,12 @@ from gpufleet.bandwidth import (
     parse_size,
     size_ladder,
 )
+from gpufleet.contracts import JSON_MARKER, SWEEP_ERROR_PREFIX, SWEEP_JSON_VERSION, SweepRow, sweep_json_line
 from gpufleet.groups import NODE_RANK_ENV, Plan, parse_rounds
 
 __all__ = ["JSON_MARKER", "SweepConfig", "SweepRow", "run_sweep", "format_table", "main"]
 
-JSON_VERSION = 1
+JSON_VERSION = SWEEP_JSON_VERSION  # the document's format: gpufleet.contracts
 
 # nccl-tests type names that torch.distributed can carry. uint32/uint64 are NCCL types, but torch's
 # collectives reject them ("Invalid scalar type" on gloo, torch 2.13).
@@ -716,7 +715,7 @@ def _group_sweep(
         "avg_busbw": avg_busbw(rows),
         "rows": [r.__dict__ for r in rows],
     }
-    text.append(JSON_MARKER + json.dumps(payload, separators=(",", ":")) + "\n")
+    text.append(sweep_json_line(payload))
     return rows, payload, "".join(text)
 
 
@@ -785,7 +784,7 @@ def _sweep_rounds(
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump, exit 2
-        print(f"sweep: {message}", file=sys.stderr)
+        print(f"{SWEEP_ERROR_PREFIX}{message}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -846,7 +845,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print("sweep: RANK/WORLD_SIZE are not set; run it under torchrun "
+        print(f"{SWEEP_ERROR_PREFIX}RANK/WORLD_SIZE are not set; run it under torchrun "
               "(torchrun --nproc-per-node 2 -m workloads.sweep ...)", file=sys.stderr)
         return 2
     if torch.cuda.is_available():
@@ -869,13 +868,13 @@ def main(argv: list[str] | None = None) -> int:
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             if rank == 0:
-                print(f"sweep: {problem[0]}", file=sys.stderr)
+                print(f"{SWEEP_ERROR_PREFIX}{problem[0]}", file=sys.stderr)
             return 2
         try:
             rows, payload, text = _sweep(cfg, device, _emit if rank == 0 else None)
         except PlanError as e:
             if rank == 0:
-                print(f"sweep: {e}", file=sys.stderr)
+                print(f"{SWEEP_ERROR_PREFIX}{e}", file=sys.stderr)
             return 2
         if rank == 0:
             sys.stdout.write(text)
@@ -884,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     _write_json(cfg.json_path, payload)
                 except OSError as e:
-                    print(f"sweep: cannot write --json {cfg.json_path}: {e.strerror or e}", file=sys.stderr)
+                    print(f"{SWEEP_ERROR_PREFIX}cannot write --json {cfg.json_path}: {e.strerror or e}", file=sys.stderr)
                     return 2
         failed = any((r.oop_wrong or 0) + (r.ip_wrong or 0) > 0 for r in rows)
         return 1 if failed else 0

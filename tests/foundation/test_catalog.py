@@ -83,3 +83,28 @@ def test_peak_flops_by_cuda_device_name():
 def test_interface_names_reject_an_unknown_os():
     with pytest.raises(ValueError, match="one of: ubuntu, cos"):
         lookup("a3-highgpu-8g").interface_names("windows")
+
+
+# ---- facts infra reads from the catalog instead of testing family names (issue 12) -------------
+
+
+@pytest.mark.parametrize("name", LISTED)
+def test_hyperdisk_and_reservation_bound_are_the_a3_ultra_and_a4_facts(name):
+    t = lookup(name)
+    rdma = t.family in ("a3-ultra", "a4")
+    assert t.boot_disk_type == ("hyperdisk-balanced" if rdma else "pd-ssd")
+    assert t.reservation_bound is rdma
+
+
+@pytest.mark.parametrize("name", LISTED)
+def test_every_a3_refuses_a_placement_distance_of_1(name):
+    t = lookup(name)
+    assert t.min_placement_distance == (2 if name.startswith("a3-") else 1)
+
+
+@pytest.mark.parametrize("name", LISTED)
+def test_only_stacks_that_install_with_apt_refuse_container_optimized_os(name):
+    t = lookup(name)
+    apt = t.net_stack in (NetStack.TCPXO, NetStack.RDMA)
+    assert t.image_oses == (("ubuntu",) if apt else ("ubuntu", "cos"))
+    assert t.image_os in t.image_oses  # the default image boots

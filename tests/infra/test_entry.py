@@ -1,5 +1,5 @@
 """How the program is entered: Pulumi.yaml points at `infra/`, Pulumi runs that directory's
-__main__.py; and which modules stay free of pulumi (the launcher may read infra.contract)."""
+__main__.py; and which modules stay free of pulumi (the launcher reads gpufleet.contracts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from infra.contract import OUTPUT_KEYS
+from gpufleet.contracts import OUTPUT_KEYS
 from infra.preview import MAIN, preview_program
 
 from tests.infra.conftest import BASE
@@ -40,7 +40,7 @@ def test_running_the_directory_as_pulumi_does_declares_the_fleet():
 
 def test_config_contract_layout_and_startup_do_not_import_pulumi():
     code = (
-        "import sys, infra, infra.contract, infra.config, infra.layout, infra.startup; "
+        "import sys, infra, infra.contract, infra.config, infra.layout, infra.startup, gpufleet.contracts; "
         "from gpufleet.catalog import lookup; "
         "infra.config.parse_spec({'gcp:project': 'gpufleet-test', 'gcp:zone': 'us-central1-a'}, stack='dev'); "
         "infra.startup.render_startup_script(lookup('a3-megagpu-8g'), cluster='x', image_os='ubuntu'); "

@@ -16,8 +16,8 @@ import pulumi
 import pytest
 
 from gpufleet.catalog import lookup
+from gpufleet.contracts import OUTPUT_KEYS
 from infra import config as infra_config
-from infra.contract import OUTPUT_KEYS
 from infra.mocks import run_under_mocks
 from infra.preview import NOTE_KEY, OUTPUTS_NOTE, main, preview_program
 

@@ -4,12 +4,16 @@ PULUMI_CONFIG) under pulumi.runtime.set_mocks(..., preview=True): what it declar
 from __future__ import annotations
 
 import ipaddress
+import json
 
 import pulumi
 import pytest
+from click.testing import CliRunner
 
 from gpufleet.catalog import lookup
-from infra.contract import LABEL_CLUSTER, LABEL_NODE, OUTPUT_KEYS
+from gpufleet.contracts import LABEL_CLUSTER, LABEL_NODE, NODE_KEYS, OUTPUT_KEYS, parse_stack_outputs
+from launcher.cli import main as launch
+from launcher.discovery import cluster_from_outputs
 from infra.mocks import RecordingMocks
 from infra.preview import preview_program
 
@@ -137,10 +141,38 @@ def test_outputs_list_nodes_in_rank_order(fleet, machine, nodes):
     host_subnet = ipaddress.ip_network(out["networks"][0]["cidrs"][0])
     ips = [n["internalIp"] for n in out["nodes"]]
     assert len(set(ips)) == nodes and all(ipaddress.ip_address(ip) in host_subnet for ip in ips)
-    assert all(set(n) == {"name", "index", "internalIp", "externalIp", "zone"} for n in out["nodes"])
+    assert all(set(n) == {"name", "index", "internalIp", "externalIp", "zone"} == set(NODE_KEYS) for n in out["nodes"])
     assert sorted(n["name"] for n in out["networks"]) == sorted(n.inputs["name"] for n in p.of_type("Network"))
     assert out["networks"][0]["role"] == "host" and out["networks"][0]["name"] == "dev-net"
     assert out["checkpointBucket"] is None
+
+
+@pytest.mark.parametrize("machine, nodes, external", [
+    ("a3-megagpu-8g", 16, False), ("a2-highgpu-8g", 1, False), ("a4-highgpu-8g", 2, True)])
+def test_the_exported_outputs_are_what_the_launcher_reads(fleet, tmp_path, machine, nodes, external):
+    """The contract round-trips: the outputs infra exports, saved as `pulumi stack output --json`
+    prints them, are read by the launcher's parser and by `launch hosts --outputs F --dry-run`
+    with each node's index as its rank."""
+    extra = {"externalIp": True, "sshSourceRanges": ["203.0.113.0/24"]} if external else {}
+    out = run(fleet, machine, nodes, **extra).outputs
+    parsed = parse_stack_outputs(json.loads(json.dumps(out)))
+    assert (parsed.cluster, parsed.project, parsed.zone, parsed.machine_type) == (
+        "dev", BASE["gcp:project"], "us-central1-a", machine)
+    assert [(n.index, n.name, n.internal_ip, n.external_ip, n.zone) for n in parsed.nodes] == [
+        (k, f"dev-{k}", out["nodes"][k]["internalIp"], out["nodes"][k]["externalIp"], "us-central1-a")
+        for k in range(nodes)]
+    assert all(bool(n.external_ip) == external for n in parsed.nodes)
+    # The machine type infra exports is the catalog's: the launcher gets each node's GPU count.
+    assert cluster_from_outputs(out).gpus_per_node == lookup(machine).gpu_count == 8
+
+    path = tmp_path / "o.json"
+    path.write_text(json.dumps(out))
+    args = ["hosts", "--outputs", str(path), "--dry-run", *(["--external-ip"] if external else [])]
+    r = CliRunner().invoke(launch, args)
+    assert r.exit_code == 0, r.output
+    host = "externalIp" if external else "internalIp"
+    assert r.output.splitlines() == [
+        f"{k}\t{n[host]}\t{n['internalIp']}\t{n['name']}" for k, n in enumerate(out["nodes"])]
 
 
 @pytest.mark.parametrize("machine", FAMILIES)

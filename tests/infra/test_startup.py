@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.catalog import MACHINE_TYPES, NetStack, lookup
-from infra.contract import READY_MARKER
+from gpufleet.contracts import READY_MARKER
 from infra.startup import STACK_TEMPLATES, render_startup_script
 
 SCRIPTS = [(t, os_) for t in sorted(MACHINE_TYPES) for os_ in ("ubuntu", "cos")]

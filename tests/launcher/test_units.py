@@ -103,6 +103,18 @@ def test_bad_outputs_are_one_clear_error(doc, culprit):
     assert culprit in str(e.value)
 
 
+def test_a_gap_in_the_outputs_indexes_is_one_line_naming_the_missing_index_not_a_renumbering(tmp_path):
+    nodes = [{"name": f"n{i}", "index": i, "internalIp": f"10.0.0.{2 + i}", "externalIp": None} for i in (0, 1, 3)]
+    f = tmp_path / "o.json"
+    f.write_text(json.dumps({"cluster": "x", "nodes": nodes}))
+    r = CliRunner().invoke(main, ["hosts", "--outputs", str(f), "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    (line,) = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert line.startswith(f"error: {f}: node index 2 is missing"), line
+    assert "pulumi up" in line and "--hostfile" in line
+
+
 def test_select_takes_first_n_after_exclude_and_renumbers():
     c = _cluster(4).select(2, exclude=("10.0.0.2",))
     assert [(n.rank, n.host) for n in c.nodes] == [(0, "10.0.0.3"), (1, "10.0.0.4")]

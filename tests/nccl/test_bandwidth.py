@@ -6,6 +6,7 @@ import pytest
 
 from gpufleet import bandwidth as bw
 from gpufleet.catalog import NetStack, lookup
+from gpufleet.contracts import SweepRow
 
 # (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (perf-anchors §1.1).
 HAND_FACTORS = {
@@ -156,7 +157,7 @@ def test_plateau_uses_catalog_rate_times_stack_efficiency():
 
 def test_avg_busbw_is_the_mean_of_every_printed_block_and_skips_missing_ones():
     def row(oop, ip):
-        return bw.SweepRow("all_reduce", 8, 2, "float", "sum", -1, 2, 1.0, oop, oop, 0, 1.0, ip, ip, 0)
+        return SweepRow("all_reduce", 8, 2, "float", "sum", -1, 2, 1.0, oop, oop, 0, 1.0, ip, ip, 0)
 
     assert bw.avg_busbw([row(2.0, 4.0), row(6.0, None)]) == pytest.approx((2.0 + 4.0 + 6.0) / 3)
     assert bw.avg_busbw([row(None, None)]) == 0.0

@@ -1,0 +1,289 @@
+"""The formats that cross a package boundary, each written once: producer and consumer import it.
+
+Pure data and small pure functions: importing this module imports neither pulumi nor torch nor
+click, so `infra/` (Pulumi), `launcher/` (the laptop) and `workloads/` (the nodes) all read it.
+
+- The stack outputs: `infra/__main__.py` exports `stack_outputs(...)` (one `node_output(...)`
+  per node); the launcher reads `pulumi stack output --json` back with `parse_stack_outputs`,
+  which refuses anything it would have to guess at (a gap in the node indexes, a repeated one).
+- Instance labels: infra sets `LABEL_CLUSTER` and `LABEL_NODE` on every node; the launcher's
+  `--label` discovery ranks instances by `LABEL_NODE`.
+- Paths on a node that the startup script makes and the launcher reads: `READY_MARKER`,
+  `NCCL_TESTS_DIR`, `LOCAL_SSD_MOUNT`.
+- The sweep's machine-readable line: `workloads.sweep` prints `sweep_json_line(doc)`, the
+  launcher finds lines that start with `JSON_MARKER` and reads their rows as `SweepRow`s.
+- A node program's own one-line error: it starts with one of `ERROR_LINE_PREFIXES`, and the
+  launcher names the node that printed one as the cause of a failure (`is_error_line`).
+
+Words: a *node* is one VM; its *index* in the stack outputs (and its `LABEL_NODE` value) is its
+*rank* in the launch, 0 .. N-1, node 0 hosting the rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "LABEL_CLUSTER",
+    "LABEL_NODE",
+    "READY_MARKER",
+    "NCCL_TESTS_DIR",
+    "LOCAL_SSD_MOUNT",
+    "OUTPUT_KEYS",
+    "NODE_KEYS",
+    "OUTPUTS_SHAPE",
+    "OutputsError",
+    "StackNode",
+    "StackOutputs",
+    "node_output",
+    "stack_outputs",
+    "parse_stack_outputs",
+    "JSON_MARKER",
+    "SWEEP_JSON_VERSION",
+    "SweepRow",
+    "sweep_json_line",
+    "ERROR_PREFIX",
+    "SWEEP_ERROR_PREFIX",
+    "LAUNCHER_ERROR_PREFIX",
+    "ERROR_LINE_PREFIXES",
+    "is_error_line",
+]
+
+
+# ---- labels and paths on a node ------------------------------------------------------------------
+
+# Instance labels (GCE label keys: lowercase letters, digits, '-' and '_').
+LABEL_CLUSTER = "gpufleet-cluster"  # value: the cluster name
+LABEL_NODE = "gpufleet-node"  # value: the node's index (its rank), "0" .. "N-1"
+
+# Written last by the startup script, atomically, on every boot once the node is usable. JSON:
+# {"cluster", "node", "machine_type", "net_stack", "driver", "cuda", "nccl", "plugin", "nccl_tests",
+#  "booted_at"}; a version the script could not determine is the string "unknown".
+# /var/lib is writable on both Ubuntu and Container-Optimized OS (COS keeps / read-only).
+READY_MARKER = "/var/lib/gpufleet/ready.json"
+
+# nccl-tests binaries (all_reduce_perf, all_gather_perf, ...) are built here.
+NCCL_TESTS_DIR = "/var/lib/gpufleet/nccl-tests/build"
+
+# The RAID0 of the local NVMe SSDs, by image OS. Ubuntu: CTK setup-raid.yml mounts at /mnt/localssd
+# (gcp-facts 4.5). COS keeps / read-only; /mnt/disks is its writable place for extra disks.
+LOCAL_SSD_MOUNT = {"ubuntu": "/mnt/localssd", "cos": "/mnt/disks/localssd"}
+
+
+# ---- the stack outputs ---------------------------------------------------------------------------
+
+# The stack outputs, exactly (issue 3 "Outputs"), in the order infra exports them.
+OUTPUT_KEYS = (
+    "cluster",
+    "project",
+    "zone",
+    "machineType",
+    "nodes",
+    "placementPolicy",
+    "networks",
+    "checkpointBucket",
+)
+# One entry of `nodes`. externalIp is null unless the stack asks for external IPs.
+NODE_KEYS = ("name", "index", "internalIp", "externalIp", "zone")
+
+# What a reader is told to expect when a document is not the stack outputs.
+OUTPUTS_SHAPE = ("expected the infra stack's outputs "
+                 "(cluster, zone, machineType, nodes: [{name, index, internalIp, externalIp}])")
+
+
+class OutputsError(ValueError):
+    """Stack outputs the launcher refuses. str() is one line: what is wrong, and the fix."""
+
+
+@dataclass(frozen=True)
+class StackNode:
+    """One node of the stack outputs; `index` is its rank."""
+
+    index: int
+    internal_ip: str  # what every node reaches it at (the rendezvous uses these)
+    external_ip: str | None = None
+    name: str = ""
+    zone: str | None = None
+
+
+@dataclass(frozen=True)
+class StackOutputs:
+    """The stack outputs the launcher uses; `nodes` in rank order, indexes exactly 0 .. N-1."""
+
+    nodes: tuple[StackNode, ...]
+    cluster: str | None = None
+    project: str | None = None
+    zone: str | None = None
+    machine_type: str | None = None
+
+
+def node_output(*, name: Any, index: int, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
+    """One entry of the `nodes` output, as infra exports it. Values may be Pulumi Outputs."""
+    return dict(zip(NODE_KEYS, (name, index, internal_ip, external_ip, zone)))
+
+
+def stack_outputs(
+    *,
+    cluster: Any,
+    project: Any,
+    zone: Any,
+    machine_type: Any,
+    nodes: list[dict[str, Any]],
+    placement_policy: Any,
+    networks: Any,
+    checkpoint_bucket: Any,
+) -> dict[str, Any]:
+    """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports."""
+    return dict(zip(OUTPUT_KEYS, (cluster, project, zone, machine_type, nodes, placement_policy,
+                                  networks, checkpoint_bucket)))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_str(where: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise OutputsError(f"{where} is {value!r}, not a string; {OUTPUTS_SHAPE}")
+    return value or None
+
+
+def _stack_node(i: int, entry: Any) -> StackNode:
+    def bad(what: str) -> OutputsError:
+        return OutputsError(f"nodes[{i}] {what}; {OUTPUTS_SHAPE}")
+
+    if not isinstance(entry, dict):
+        raise bad("is not an object")
+    ip = entry.get("internalIp")
+    if not isinstance(ip, str) or not ip:
+        raise bad("has no internalIp")
+    if "index" not in entry:
+        raise bad("has no index")
+    index = entry["index"]
+    if not _is_int(index):
+        raise OutputsError(f"nodes[{i}].index is {index!r}, not an integer; {OUTPUTS_SHAPE}")
+    if index < 0:
+        raise OutputsError(f"nodes[{i}].index is {index}; node indexes count from 0; {OUTPUTS_SHAPE}")
+    return StackNode(
+        index=index,
+        internal_ip=ip,
+        external_ip=_optional_str(f"nodes[{i}].externalIp", entry.get("externalIp")),
+        name=_optional_str(f"nodes[{i}].name", entry.get("name")) or "",
+        zone=_optional_str(f"nodes[{i}].zone", entry.get("zone")),
+    )
+
+
+def _check_indexes(nodes: list[StackNode]) -> None:
+    """Indexes are the ranks: exactly 0 .. N-1. A gap is not closed up (nodes 0, 1, 3 would
+    silently become ranks 0, 1, 2, and `--exclude`, logs and labels would name the wrong node)."""
+    indexes = sorted(n.index for n in nodes)
+    if len(set(indexes)) != len(indexes):
+        raise OutputsError(f"node indexes repeat: {indexes}; each node must have its own index")
+    missing = sorted(set(range(len(indexes))) - set(indexes))
+    if missing:
+        shown = ", ".join(map(str, indexes))
+        raise OutputsError(
+            f"node index {missing[0]} is missing (the nodes have indexes {shown}; ranks must be 0 .. "
+            f"{len(indexes) - 1}); bring node {missing[0]} back with `pulumi up` and save the outputs "
+            "again (`pulumi stack output --json > FILE`), or list the nodes to use in a --hostfile"
+        )
+
+
+def parse_stack_outputs(doc: Any) -> StackOutputs:
+    """Read `pulumi stack output --json` (or a saved copy) into StackOutputs, nodes in rank order.
+
+    Keys other than OUTPUT_KEYS are ignored (`python -m infra.preview --outputs` adds a note).
+    Raises OutputsError (one line) for: a top level that is not an object; `nodes` missing,
+    empty or not a list; a node without an internalIp or an integer index >= 0; a top-level
+    string or a node's name/externalIp/zone of another type; a repeated index; a gap in the
+    indexes (0, 1, 3 names index 2)."""
+    if not isinstance(doc, Mapping):
+        raise OutputsError(f"top level is {type(doc).__name__}, not an object; {OUTPUTS_SHAPE}")
+    raw_nodes = doc.get("nodes")
+    if not isinstance(raw_nodes, list):
+        what = "'nodes' is missing" if raw_nodes is None else "'nodes' is not a list"
+        raise OutputsError(f"{what}; {OUTPUTS_SHAPE}")
+    if not raw_nodes:
+        raise OutputsError(f"'nodes' is empty; {OUTPUTS_SHAPE}")
+    nodes = [_stack_node(i, n) for i, n in enumerate(raw_nodes)]
+    _check_indexes(nodes)
+    top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType")}
+    return StackOutputs(
+        nodes=tuple(sorted(nodes, key=lambda n: n.index)),
+        cluster=top["cluster"],
+        project=top["project"],
+        zone=top["zone"],
+        machine_type=top["machineType"],
+    )
+
+
+# ---- the sweep's JSON line -----------------------------------------------------------------------
+
+# The sweep's machine-readable line (workloads/sweep.py writes it, the launcher's nccl-tests
+# reader reads it). It starts with '#' so that anything reading the output as an nccl-tests
+# table skips it. The document: {"version", "nranks", "backend", "avg_busbw", "rows": [SweepRow
+# fields]}, plus "round" and "nodes" for one group of a --rounds plan (gpufleet.groups).
+JSON_MARKER = "#gpufleet-json "
+SWEEP_JSON_VERSION = 1
+
+
+@dataclass
+class SweepRow:
+    """One table line: a collective at one size, out-of-place then in-place.
+
+    `*_wrong` is the number of wrong elements (`#wrong`), or with `error_column` True the old
+    max-error value; None where the output said N/A (not checked) or printed no block.
+    """
+
+    collective: str
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    nranks: int
+    oop_time_us: float | None
+    oop_algbw: float | None
+    oop_busbw: float | None
+    oop_wrong: float | None
+    ip_time_us: float | None
+    ip_algbw: float | None
+    ip_busbw: float | None
+    ip_wrong: float | None
+    error_column: bool = False
+    iters: int | None = None
+    """Timed calls behind each block's time: -n, or fewer where the sweep's --time-budget cut a
+    slow size short (workloads/sweep.py); None where the output does not say (nccl-tests)."""
+
+    @property
+    def best_busbw(self) -> float:
+        """The better of the two blocks: what the fabric can do at this size."""
+        return max((b for b in (self.oop_busbw, self.ip_busbw) if b is not None), default=0.0)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SweepRow:
+        """A row of the JSON document; keys this version does not know are left out."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def sweep_json_line(doc: Mapping[str, Any]) -> str:
+    """The one line (newline included) that carries a sweep's document."""
+    return JSON_MARKER + json.dumps(doc, separators=(",", ":")) + "\n"
+
+
+# ---- a node program's own error line ----------------------------------------------------------------
+
+# A program's own one-line error, a statement of the cause rather than a consequence. The
+# launcher names the node that printed one before it was stopped as the cause of a failure.
+ERROR_PREFIX = "error: "  # workloads.train
+SWEEP_ERROR_PREFIX = "sweep: "  # workloads.sweep
+LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.command)
+ERROR_LINE_PREFIXES = (ERROR_PREFIX, SWEEP_ERROR_PREFIX, LAUNCHER_ERROR_PREFIX)
+
+
+def is_error_line(line: str) -> bool:
+    """Whether `line` is a node program's own statement of what went wrong."""
+    return line.startswith(ERROR_LINE_PREFIXES)

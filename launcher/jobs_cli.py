@@ -132,6 +132,7 @@ def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
                 sys.stdout.buffer.write(raw)
                 sys.stdout.flush()
                 f.write(raw)
+                f.flush()
         proc.wait()
     except KeyboardInterrupt:
         proc.kill()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.simcluster import SimCluster
-from tests.support import LAUNCH, REPO, TRAIN, source_args, torch_args, wait_for, workers
+from tests.support import LAUNCH, TRAIN, checkpoint_step, source_args, torch_args, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -116,3 +115,68 @@ def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing
     r = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, "-f")
     assert r.returncode == 3, r.stdout + r.stderr
     assert {"[node 0] up 0", "[node 1] up 1", "[node 2] up 2", "[node 2] dying"} <= set(r.stdout.splitlines())
+
+
+def test_stop_during_detached_training_stops_every_node_keeps_the_checkpoint_and_leaves_nothing(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--", *TRAIN, "--global-batch", "2", "--steps", "100000",
+                    "--log-every", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
+    t0 = time.monotonic()
+    r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
+    c.assert_nothing_left(within=2)
+    assert time.monotonic() - t0 < 10, r.stderr
+    assert "STOPPED" in r.stderr
+    done = job(c, tmp_path, job_id)
+    assert done["state"] == "STOPPED" and done["exit"] == 128 + signal.SIGTERM, done
+    assert checkpoint_step(ckpt) >= 10  # latest names a whole checkpoint that loads
+    assert not [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
+    # Stopping an ended job says so and changes nothing.
+    again = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
+    assert "STOPPED" in again.stderr
+
+
+def test_attach_follows_to_the_end_and_shows_the_summary_ctrl_c_on_logs_leaves_the_job_running(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    go = tmp_path / "go"
+    cmd = f'echo "hello $GPUFLEET_NODE_RANK"; while [ ! -f {go} ]; do sleep 0.1; done; echo "bye $GPUFLEET_NODE_RANK"'
+    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", cmd)
+    follow = subprocess.Popen([LAUNCH, "logs", *source_args(c, tmp_path), job_id, "-f"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=client_env(tmp_path))
+    try:
+        wait_for(lambda: (tmp_path / "runs" / job_id / "output.log").exists()
+                 and (tmp_path / "runs" / job_id / "output.log").read_text().count("hello") == 2, 60, "hello x2")
+        follow.send_signal(signal.SIGINT)  # Ctrl-C: stops following, never the job
+        out, errs = follow.communicate(timeout=30)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 130 and "stopped following" in errs, errs
+    assert job(c, tmp_path, job_id)["state"] == "RUNNING"
+    attach = subprocess.Popen([LAUNCH, "attach", *source_args(c, tmp_path), job_id], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=client_env(tmp_path))
+    time.sleep(1)
+    go.touch()
+    out, errs = attach.communicate(timeout=60)
+    assert attach.returncode == 0, out + errs
+    assert {"[node 0] hello 0", "[node 1] hello 1", "[node 0] bye 0", "[node 1] bye 1"} <= set(out.splitlines())
+    assert f"job {job_id}: SUCCEEDED" in errs and c.nodes[1].address in errs, errs
+    c.assert_nothing_left()
+
+
+def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not_outlive_it(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", 'echo "up $GPUFLEET_NODE_RANK"; sleep 300')
+    wait_for(lambda: c.processes(1) and "up 1" in (jobdir(tmp_path, job_id) / "output.log").read_text(), 60,
+             "node 1 up")
+    pid = int((jobdir(tmp_path, job_id) / "controller.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    # The nodes' watchdogs read the end of their input and stop everything (grace 5 s, then SIGKILL).
+    c.assert_nothing_left(within=15)
+    assert time.monotonic() - t0 < 15
+    done = job(c, tmp_path, job_id)
+    assert done["state"] == "FAILED" and f"controller (pid {pid})" in done["why"], done
+    # The record on node 0 was never half-written: it still reads, as RUNNING, with the dead pid.
+    assert json.loads((jobdir(tmp_path, job_id) / "state.json").read_text())["pid"] == pid

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,17 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
 
-from gpufleet.bandwidth import COLLECTIVES
+from gpufleet.bandwidth import COLLECTIVES, avg_busbw
 from gpufleet.catalog import UnknownMachineType, lookup
-from launcher import nccl_parse, nccl_report
+from gpufleet.contracts import SweepRow
+from launcher import nccl_parse
+from launcher.model import UserError, new_job_id
+from launcher.nccl_judge import expected_judgement, verdict
+from launcher.nccl_parse import ParsedTest
+from launcher.nccl_render import rich_table, write_results
 from launcher.render import err
-from launcher.model import UserError
-from launcher.run import new_job_id
 
-__all__ = ["FROM_OPTIONS", "report_from", "verdict"]
+__all__ = ["FROM_OPTIONS", "FromRequest", "from_request", "report_from"]
 
 FROM_OPTIONS = [
     click.option("--from", "from_files", multiple=True, metavar="FILE",
@@ -47,20 +51,17 @@ FROM_OPTIONS = [
 _APPLIES = frozenset({"from_files", "as_json", "machine_type", "nodes", "min_busbw", "runs_dir", "ops"})
 
 
-def verdict(groups: list[tuple[str, list[nccl_report.SweepRow]]], min_busbw: float | None) -> list[str]:
-    """One line per failure, [] when the run passes: each row with wrong results (#wrong > 0, or
-    an old error column above tolerance), prefixed by its group's label (a file name, or ""),
-    then the average bus bandwidth of all rows when it is below `min_busbw`."""
-    lines = [
-        f"{where}{r.collective} at {r.size} B: wrong results (out-of-place {r.oop_wrong}, "
-        f"in-place {r.ip_wrong})"
-        for where, rows in groups
-        for r in nccl_report.failures(rows)
-    ]
-    avg = nccl_report.avg_busbw([r for _, rows in groups for r in rows])
-    if min_busbw is not None and avg < min_busbw:
-        lines.append(f"average bus bandwidth {avg:.3g} GB/s is below --min-busbw {min_busbw:g}")
-    return lines
+@dataclass(frozen=True)
+class FromRequest:
+    """What `launch nccl-tests --from` was asked, checked (built by `from_request`)."""
+
+    files: tuple[str, ...]  # file names; "-" is stdin
+    ops: str | None = None  # given on the command line: the collective the output is of
+    machine_type: str | None = None  # known to the catalog
+    nodes: int | None = None  # >= 1
+    min_busbw: float | None = None
+    runs_dir: Path = Path("runs")
+    as_json: bool = False
 
 
 def _refuse_what_does_not_apply(ctx: click.Context) -> None:
@@ -71,6 +72,33 @@ def _refuse_what_does_not_apply(ctx: click.Context) -> None:
             flag = max(p.opts, key=len)
             raise UserError(f"{flag} does not apply to --from, which reads results that exist and "
                             f"runs nothing: drop {flag}")
+
+
+def from_request(o: dict[str, Any]) -> FromRequest:
+    """The command's options as a FromRequest; a UserError for an option that does not apply
+    or a value that cannot be right (before any file is read)."""
+    ctx = click.get_current_context()
+    _refuse_what_does_not_apply(ctx)
+    names: tuple[str, ...] = tuple(o["from_files"])
+    if names.count("-") > 1:
+        raise UserError("--from - is given twice; stdin can be read once")
+    ops = o.get("ops") if ctx.get_parameter_source("ops") == ParameterSource.COMMANDLINE else None
+    if ops is not None and ops not in COLLECTIVES:
+        raise UserError(f"--ops {ops!r} with --from names the collective the output is of: one of "
+                        f"{', '.join(COLLECTIVES)}")
+    mt = o.get("machine_type")
+    if mt:
+        try:
+            lookup(mt)
+        except UnknownMachineType as e:
+            raise UserError(str(e)) from None
+    if o.get("nodes") is not None and o["nodes"] < 1:
+        raise UserError(f"--nodes {o['nodes']}: a run has 1 or more nodes")
+    return FromRequest(names, ops, mt or None, o.get("nodes"), o.get("min_busbw"),
+                       Path(o.get("runs_dir") or "runs"), bool(o.get("as_json")))
+
+
+# ---- reading -----------------------------------------------------------------------------------
 
 
 def _read(name: str) -> str:
@@ -90,7 +118,7 @@ def _read(name: str) -> str:
         raise UserError(f"--from {name}: cannot read it ({e.strerror or e})") from None
 
 
-def _named(tests: list[nccl_parse.ParsedTest], ops: str | None, label: str) -> list[nccl_parse.ParsedTest]:
+def _named(tests: list[ParsedTest], ops: str | None, label: str) -> list[ParsedTest]:
     """Tests whose collective the output does not say take --ops; one it does say must agree."""
     if ops is None:
         return tests
@@ -105,7 +133,34 @@ def _named(tests: list[nccl_parse.ParsedTest], ops: str | None, label: str) -> l
     return out
 
 
-def _summary(label: str, t: nccl_parse.ParsedTest) -> str:
+def _read_tests(request: FromRequest) -> list[tuple[str, ParsedTest]]:
+    """(label, test) for every table of every input; a UserError for an input without one."""
+    texts = [("stdin" if name == "-" else name, _read(name)) for name in request.files]  # all, first
+    tests: list[tuple[str, ParsedTest]] = []
+    for label, text in texts:
+        found = _named(nccl_parse.parse_tests(text), request.ops, label)
+        if not found:
+            n = len(text.splitlines())
+            raise UserError(f"--from {label}: no nccl-tests table or #gpufleet-json line in its {n} "
+                            f"line{'s' * (n != 1)}; give the stdout of an *_perf binary or of launch nccl-tests")
+        tests += [(label, t) for t in found]
+    return tests
+
+
+def _make_run_dir(runs_dir: Path) -> Path:
+    run_dir = runs_dir / new_job_id()
+    try:  # before anything is printed: a run directory that cannot be made is one line
+        run_dir.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"--runs-dir {run_dir.parent}: cannot make {run_dir.name} there "
+                        f"({e.strerror or e}); pass a writable --runs-dir") from None
+    return run_dir
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def _summary(label: str, t: ParsedTest) -> str:
     ranks = f"{t.nranks} rank{'s' * (t.nranks != 1)}" if t.nranks else "rank count unknown (no '# Rank' lines)"
     nodes = f" on {len(t.hosts)} node{'s' * (len(t.hosts) != 1)}" if t.hosts else ""
     if t.collective == nccl_parse.UNKNOWN:
@@ -120,87 +175,66 @@ def _one(values: set[int]) -> int:
     return values.pop() if len(values) == 1 else 0
 
 
-def report_from(o: dict[str, Any], out: Console) -> int:
+def _node_count(request: FromRequest, tests: list[tuple[str, ParsedTest]]) -> int:
+    """--nodes, else the hosts every test's '# Rank' lines agree on, else 0 (unknown)."""
+    hosts = _one({len(t.hosts) for _, t in tests if t.hosts})
+    if request.nodes and hosts and hosts != request.nodes:
+        err.print(f"[yellow]--nodes {request.nodes}, but the '# Rank' lines name {hosts} hosts; "
+                  f"using --nodes {request.nodes}[/yellow]")
+    return request.nodes or hosts
+
+
+def _lacking(tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[str]:
+    """What the expected curve needs and the output does not say: a collective the model knows,
+    its rank count and the node count. Named rather than compared against a guess."""
+    lacking = [] if nnodes else ["pass --nodes N (the output does not name its hosts)"]
+    for label, t in tests:
+        if t.collective not in COLLECTIVES:
+            lacking.append(f"the collective of {label} is {t.collective}; pass --ops NAME")
+        elif not t.nranks:
+            lacking.append(f"{label} does not say its rank count")
+    return lacking
+
+
+def _print_expected(mt: str, tests: list[tuple[str, ParsedTest]], nnodes: int) -> None:
+    """As a live run: the expected-bandwidth report, its one-line verdict last."""
+    for line in _lacking(tests, nnodes):
+        err.print(f"[yellow]no expected bandwidth: {escape(line)}[/yellow]")
+    if not nnodes:
+        return
+    by_ranks: dict[int, list[SweepRow]] = {}
+    for _, t in tests:
+        if t.collective in COLLECTIVES and t.nranks:
+            by_ranks.setdefault(t.nranks, []).extend(t.rows)
+    for n, grp in by_ranks.items():
+        for style, line in expected_judgement(grp, mt, n, nnodes).styled():
+            err.print(f"[{style}]{escape(line)}[/{style}]")
+
+
+def report_from(request: FromRequest, out: Console) -> int:
     """Read every --from input, report on their rows, and return the exit status."""
-    ctx = click.get_current_context()
-    _refuse_what_does_not_apply(ctx)
-    names: tuple[str, ...] = o["from_files"]
-    if names.count("-") > 1:
-        raise UserError("--from - is given twice; stdin can be read once")
-    ops = o.get("ops") if ctx.get_parameter_source("ops") == ParameterSource.COMMANDLINE else None
-    if ops is not None and ops not in COLLECTIVES:
-        raise UserError(f"--ops {ops!r} with --from names the collective the output is of: one of "
-                        f"{', '.join(COLLECTIVES)}")
-    mt = o.get("machine_type")
-    if mt:
-        try:
-            lookup(mt)
-        except UnknownMachineType as e:
-            raise UserError(str(e)) from None
-    if o.get("nodes") is not None and o["nodes"] < 1:
-        raise UserError(f"--nodes {o['nodes']}: a run has 1 or more nodes")
-
-    texts = [(name, "stdin" if name == "-" else name, _read(name)) for name in names]
-    run_dir = Path(o.get("runs_dir") or "runs") / new_job_id()
-    tests: list[tuple[str, nccl_parse.ParsedTest]] = []
-    for _, label, text in texts:
-        found = _named(nccl_parse.parse_tests(text), ops, label)
-        if not found:
-            n = len(text.splitlines())
-            raise UserError(f"--from {label}: no nccl-tests table or #gpufleet-json line in its {n} "
-                            f"line{'s' * (n != 1)}; give the stdout of an *_perf binary or of launch nccl-tests")
-        tests += [(label, t) for t in found]
-
-    try:  # before anything is printed: a run directory that cannot be made is one line
-        run_dir.mkdir(parents=True)
-    except OSError as e:
-        raise UserError(f"--runs-dir {run_dir.parent}: cannot make {run_dir.name} there "
-                        f"({e.strerror or e}); pass a writable --runs-dir") from None
-
+    tests = _read_tests(request)
+    run_dir = _make_run_dir(request.runs_dir)
     for label, t in tests:
         err.print(f"[dim]{escape(_summary(label, t))}[/dim]")
     rows = [r for _, t in tests for r in t.rows]
-    if o.get("as_json"):
+    if request.as_json:
         out = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
-    out.print(nccl_report.rich_table(rows))
-
+    out.print(rich_table(rows))
     nranks = _one({t.nranks for _, t in tests})
-    hosts = _one({len(t.hosts) for _, t in tests if t.hosts})
-    nnodes = o.get("nodes") or hosts
-    if o.get("nodes") and hosts and hosts != o["nodes"]:
-        err.print(f"[yellow]--nodes {o['nodes']}, but the '# Rank' lines name {hosts} hosts; "
-                  f"using --nodes {o['nodes']}[/yellow]")
-    # The expected curve needs what each table is of: a collective the model knows, its rank
-    # count and the node count. Say which are missing rather than compare against a guess.
-    comparable = [t for _, t in tests if t.collective in COLLECTIVES and t.nranks]
-    lacking = []
-    if mt:
-        if not nnodes:
-            lacking.append("pass --nodes N (the output does not name its hosts)")
-        for label, t in tests:
-            if t.collective not in COLLECTIVES:
-                lacking.append(f"the collective of {label} is {t.collective}; pass --ops NAME")
-            elif not t.nranks:
-                lacking.append(f"{label} does not say its rank count")
-    plot_mt = mt if mt and nnodes and nranks and len(comparable) == len(tests) else None
-    paths = nccl_report.write_results(rows, run_dir, machine_type=plot_mt, nranks=nranks, nnodes=nnodes)
-    avg = nccl_report.avg_busbw(rows)
-    out.print(f"# Avg bus bandwidth    : {avg:.4g} GB/s")
+    nnodes = _node_count(request, tests)
+    mt = request.machine_type
+    complete = all(t.collective in COLLECTIVES and t.nranks for _, t in tests)
+    plot_mt = mt if mt and nnodes and nranks and complete else None
+    paths = write_results(rows, run_dir, machine_type=plot_mt, nranks=nranks, nnodes=nnodes)
+    out.print(f"# Avg bus bandwidth    : {avg_busbw(rows):.4g} GB/s")
     err.print(f"[dim]rows: {paths['json']}  {paths['csv']}  plot: {paths['png']}[/dim]")
-    if o.get("as_json"):
+    if request.as_json:
         for r in rows:
             click.echo(json.dumps(dataclasses.asdict(r)))
-    lines = verdict([(f"{label}: ", t.rows) for label, t in tests], o.get("min_busbw"))
+    lines = verdict([(f"{label}: ", t.rows) for label, t in tests], request.min_busbw)
     for line in lines:
         err.print(f"[red]{escape(line)}[/red]")
-    if mt:  # as a live run: the expected-bandwidth report, its one-line verdict last
-        for line in lacking:
-            err.print(f"[yellow]no expected bandwidth: {escape(line)}[/yellow]")
-        if nnodes:
-            by_ranks: dict[int, list[nccl_report.SweepRow]] = {}
-            for t in comparable:
-                by_ranks.setdefault(t.nranks, []).extend(t.rows)
-            for n, grp in by_ranks.items():
-                for style, line in nccl_report.expected_judgement(grp, mt, n, nnodes).styled():
-                    err.print(f"[{style}]{escape(line)}[/{style}]")
+    if mt:
+        _print_expected(mt, tests, nnodes)
     return 1 if lines else 0

@@ -31,15 +31,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from gpufleet.bandwidth import DTYPE_SIZES, JSON_MARKER, SweepRow
+from gpufleet.bandwidth import DTYPE_SIZES
+from gpufleet.contracts import JSON_MARKER, SweepRow
 
 __all__ = ["UNKNOWN", "ParsedTest", "decode_output", "parse_output", "parse_tests", "strip_prefixes"]
 
 UNKNOWN = "unknown"
-
-_FIELDS = [f.name for f in fields(SweepRow)]
 
 # ---- lines as pipes deliver them -------------------------------------------------------------
 
@@ -314,7 +313,7 @@ def _from_json(line: str) -> list[SweepRow]:
     its node dies), so the table printed above it is read instead."""
     try:
         payload = json.loads(line[len(JSON_MARKER):])
-        return [SweepRow(**{k: d[k] for k in _FIELDS if k in d}) for d in payload["rows"]]
+        return [SweepRow.from_dict(d) for d in payload["rows"]]
     except (ValueError, KeyError, TypeError):
         return []
 

@@ -27,6 +27,7 @@ from rich.text import Text
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
 from launcher.render import err, setup_logging, user_errors
 from launcher.model import UserError, Workload, new_job_id
+from launcher.transport import make_transport
 from launcher.top import (
     FLAG_FRACTION,
     NodeRow,
@@ -268,8 +269,6 @@ def top(interval: float, record: Path | None, duration: float | None, plot_from:
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
     plan = role_plan(cluster.machine_type, o.get("image_os"))
-    from launcher.run import make_transport
-
     transport = make_transport(cluster, config)
     if config.dry_run:
         from launcher.sampler import node_program

@@ -13,8 +13,11 @@ LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 # Modules moved onto the Launch object in issue 12, and the command modules that share the CLI's
 # options (launcher.options) and display (launcher.render) by their public names.
 SPLIT = ["cli", "command", "discovery", "env", "launch", "model", "options", "output", "preflight", "render",
-         "run", "session", "transport"]
+         "session", "transport"]
 COMMANDS = ["doctor_cli", "top_cli", "nccl_cmd", "nccl_from"]
+# The collective sweep's report, split by job in issue 12: parse, judge, render and store, find a
+# bad node, the mpirun command; nccl_report gathers their public names.
+REPORT = ["nccl_parse", "nccl_judge", "nccl_render", "badnodes", "nccl_mpirun", "nccl_report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
 BUILDERS = {("command", "remote_script")}
 
@@ -28,14 +31,14 @@ def _launcher_imports(tree: ast.Module) -> list[ast.ImportFrom]:
             and n.module.split(".")[0] == "launcher"]
 
 
-@pytest.mark.parametrize("name", SPLIT + COMMANDS)
+@pytest.mark.parametrize("name", SPLIT + COMMANDS + REPORT)
 def test_no_private_name_of_another_launcher_module_is_imported(name):
     private = [f"{n.module}.{a.name}" for n in _launcher_imports(_tree(name)) for a in n.names
                if a.name.startswith("_")]
     assert not private, f"launcher.{name} imports {private}"
 
 
-@pytest.mark.parametrize("name", SPLIT)
+@pytest.mark.parametrize("name", SPLIT + COMMANDS + REPORT)
 def test_every_function_is_under_60_lines(name):
     long = [f"{f.name} ({f.end_lineno - f.lineno + 1} lines)" for f in ast.walk(_tree(name))
             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -53,13 +56,13 @@ def test_the_launcher_modules_import_no_cycle():
             assert dep not in path, "import cycle: " + " -> ".join((*path, dep))
             visit(dep, (*path, dep))
 
-    for name in SPLIT + COMMANDS:
+    for name in SPLIT + COMMANDS + REPORT:
         visit(name, (name,))
 
 
 def test_library_modules_never_print():
     """rich and print() belong to the CLI, which renders the launch's events and result."""
-    for name in set(SPLIT) - {"cli", "render"}:
+    for name in (set(SPLIT) | set(REPORT)) - {"cli", "render", "nccl_render", "nccl_report"}:
         tree = _tree(name)
         calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
         assert "print" not in calls, f"launcher.{name} prints"
@@ -79,3 +82,34 @@ def test_node_state_changes_in_one_place():
                     if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "states":
                         writers.add(fn.name)
     assert writers == {"_set_state"}
+
+
+def _calls_of(tree: ast.Module, module: str, attr: str) -> list[int]:
+    """Lines that call `module.attr(...)`, or `attr(...)` imported from `module`."""
+    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == module
+                for a in n.names if a.name == attr}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+        (isinstance(n.func, ast.Attribute) and n.func.attr == attr and isinstance(n.func.value, ast.Name)
+         and n.func.value.id == module) or (isinstance(n.func, ast.Name) and n.func.id in imported))]
+
+
+@pytest.mark.parametrize("name", ["nccl_cmd", "badnodes"])
+def test_nccl_tests_and_the_bad_node_search_leave_signals_to_launch(name):
+    """Signal handling is Launch's (launcher.launch): the nccl-tests command and the bad-node
+    search install no handler of their own, and drive `Launch` rather than copying it."""
+    tree = _tree(name)
+    assert not _calls_of(tree, "signal", "signal"), f"launcher.{name} installs a signal handler"
+    assert not _calls_of(tree, "signal", "set_wakeup_fd"), f"launcher.{name} touches signal delivery"
+    if name == "badnodes":
+        assert _calls_of(tree, "launcher.launch", "Launch"), "the bad-node search does not drive Launch"
+
+
+def test_the_compatibility_module_run_is_gone_and_nothing_imports_it():
+    assert not (LAUNCHER / "run.py").exists()
+    repo = LAUNCHER.parent
+    for path in [*LAUNCHER.glob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "bench").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        bad = [n.lineno for n in ast.walk(tree) if (isinstance(n, ast.ImportFrom) and n.module == "launcher.run")
+               or (isinstance(n, ast.Import) and any(a.name == "launcher.run" for a in n.names))
+               or (isinstance(n, ast.ImportFrom) and n.module == "launcher" and any(a.name == "run" for a in n.names))]
+        assert not bad, f"{path.relative_to(repo)}:{bad[0]} imports launcher.run"

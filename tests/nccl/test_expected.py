@@ -227,7 +227,7 @@ def test_bandwidth_keeps_its_old_names():
 
 
 def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_path, capsys):
-    """What `launch nccl-tests` prints after a run (launcher.nccl_cmd._judge), on 09 slowed to 60%."""
+    """What `launch nccl-tests` prints after a run (launcher.nccl_cmd.report_rows), on 09 slowed to 60%."""
     import io
 
     from rich.console import Console
@@ -238,7 +238,8 @@ def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_
     rows = _slowed(_rows("09-a3mega-slurm-allreduce-2node.txt"), 0.6)
     cluster = Cluster("c", (Node(0, "a", "10.0.0.1"), Node(1, "b", "10.0.0.2")), machine_type="a3-megagpu-8g")
     config = LaunchConfig(Workload("exec", ("true",)), runs_dir=tmp_path, job_id="j")
-    code = nccl_cmd._judge(rows, cluster, config, {"env": ("NCCL_DEBUG=WARN",)}, Console(file=io.StringIO()))
+    request = nccl_cmd.NcclRequest(env=("NCCL_DEBUG=WARN",))
+    code = nccl_cmd.report_rows(rows, cluster, config, request, Console(file=io.StringIO()))
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert code == 0  # a slow network is a warning; wrong results and --min-busbw decide the exit
     assert err[-1] == "below expected from 64 MiB up by 37-41%: the network is slow (see --find-bad-nodes)"

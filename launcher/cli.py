@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from typing import Any
 
 import click
@@ -19,8 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.command import READY_MARKER
-from launcher.launch import Launch
-from launcher.model import UserError, Workload
+from launcher.launch import Interrupted, Launch
+from launcher.model import LaunchResult, UserError, Workload
 from launcher.options import (
     DETACH_OPTION,
     ENV_OPTION,
@@ -32,7 +33,7 @@ from launcher.options import (
     build_config,
     find_cluster,
 )
-from launcher.render import err, execute, finish, setup_logging, user_errors
+from launcher.render import err, execute_on, finish, live_printer, render_result, setup_logging, user_errors
 
 __all__ = ["main"]
 
@@ -92,7 +93,32 @@ def _start(o: dict[str, Any], workload: Workload) -> None:
 
         start_detached(o, workload)
     else:
-        finish(execute(o, workload))
+        finish(_attached(o, workload))
+
+
+def _attached(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
+    """render.execute, refusing (one line, nothing started) when a detached job holds the nodes."""
+    setup_logging()
+    cluster = find_cluster(o)
+    config = build_config(o, workload, cluster)
+    if config.dry_run or cluster.local:
+        return execute_on(cluster, config)
+    from launcher.busy import BusyCheck
+
+    stop = threading.Event()
+    busy = BusyCheck(cluster, config, stop)
+    on_event, status = live_printer(cluster)
+    try:
+        result = Launch(cluster, config, on_event=busy.gate(on_event), stop=stop).run()
+    except Interrupted:
+        if busy.busy is not None:
+            raise busy.refusal() from None
+        raise
+    finally:
+        status.stop()
+        busy.close()
+    render_result(result, cluster)
+    return result
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

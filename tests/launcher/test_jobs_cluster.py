@@ -180,3 +180,33 @@ def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not
     assert done["state"] == "FAILED" and f"controller (pid {pid})" in done["why"], done
     # The record on node 0 was never half-written: it still reads, as RUNNING, with the dead pid.
     assert json.loads((jobdir(tmp_path, job_id) / "state.json").read_text())["pid"] == pid
+
+
+def test_jobs_on_busy_nodes_queue_fifo_stop_removes_a_pending_one_and_attached_launches_are_refused(sim_cluster,
+                                                                                                   tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    go = tmp_path / "go"
+    first = detach(c, tmp_path, "exec", "--", "sh", "-c", f"while [ ! -f {go} ]; do sleep 0.1; done; echo first")
+    wait_state(c, tmp_path, first, {"RUNNING"}, timeout=30)
+    second = detach(c, tmp_path, "exec", "--", "sh", "-c", "echo second")
+    third = detach(c, tmp_path, "exec", "--", "sh", "-c", "echo third")
+    listed = jobs(c, tmp_path)
+    assert [(j["id"], j["state"]) for j in listed] == [(third, "PENDING"), (second, "PENDING"), (first, "RUNNING")]
+    # An attached launch on these nodes is refused, naming the job that holds them; nothing starts.
+    r = launch(tmp_path, "exec", *source_args(c, tmp_path), "--", "touch", str(tmp_path / "attached-ran"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [l for l in r.stderr.splitlines() if l.strip()]
+    assert line.startswith("error: ") and f"busy with detached job {first} (RUNNING" in line, r.stderr
+    assert not (tmp_path / "attached-ran").exists()
+    # Stopping a pending job takes it out of the queue.
+    stopped = launch(tmp_path, "stop", *source_args(c, tmp_path), third, check=True)
+    assert "STOPPED" in stopped.stderr
+    assert job(c, tmp_path, third)["state"] == "STOPPED"
+    go.touch()
+    done = wait_state(c, tmp_path, second, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
+    assert done["state"] == "SUCCEEDED", done
+    ran_first = job(c, tmp_path, first)
+    assert ran_first["state"] == "SUCCEEDED" and done["started"] >= ran_first["ended"], (ran_first, done)
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), third, check=True).stdout
+    assert out == ""  # it never ran
+    c.assert_nothing_left()

@@ -392,6 +392,19 @@ class SimCluster:
         for pid in victims:
             self._kill(pid)
 
+    def new_host_key(self, i: int) -> None:
+        """Node i's sshd comes back with a new host key (a rebuilt node, or someone in between):
+        sessions already open go on; new connections are offered the new key. The cluster's
+        known_hosts keeps the old one."""
+        node = self.nodes[i]
+        if node.sshd:
+            node.sshd.terminate()  # the listener only: open connections are children it leaves
+            node.sshd.wait(timeout=10)
+        for suffix in ("", ".pub"):
+            (self.dir / f"host_key_{i}{suffix}").unlink(missing_ok=True)
+        self._start_sshd(node)
+        self._wait_listening(node)
+
     def block(self, i: int) -> None:
         """Cut node i off the network (its sshd keeps running but nothing reaches it)."""
         node = self.nodes[i]

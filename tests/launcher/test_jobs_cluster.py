@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -209,4 +210,43 @@ def test_jobs_on_busy_nodes_queue_fifo_stop_removes_a_pending_one_and_attached_l
     assert ran_first["state"] == "SUCCEEDED" and done["started"] >= ran_first["ended"], (ran_first, done)
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), third, check=True).stdout
     assert out == ""  # it never ran
+    c.assert_nothing_left()
+
+
+def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_changed_host_key_is_refused(
+        sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 3)
+    go = tmp_path / "go"
+    first = detach(c, tmp_path, "exec", "--env", "SECRET=hunter2", "--", "sh", "-c",
+                   f'[ "${{#SECRET}}" = 7 ] || exit 9; while [ ! -f {go} ]; do sleep 0.1; done')
+    wait_state(c, tmp_path, first, {"RUNNING"}, timeout=30)
+    second = detach(c, tmp_path, "exec", "--", "true")
+    # The client's key: in the client's own ~/.cache/gpufleet/<cluster>/, mode 600.
+    (client_key,) = (tmp_path / "client" / ".cache" / "gpufleet").glob("*/id_ed25519")
+    assert stat.S_IMODE(client_key.stat().st_mode) == 0o600
+    # The private key: node 0 only, mode 600; the same key, by its public half.
+    (node_key,) = (tmp_path / "home0" / ".gpufleet" / "clusters").glob("*/id_ed25519")
+    assert stat.S_IMODE(node_key.stat().st_mode) == 0o600 and node_key.read_bytes() == client_key.read_bytes()
+    assert not (tmp_path / "home1" / ".gpufleet").exists() and not (tmp_path / "home2" / ".gpufleet").exists()
+    public = client_key.with_name("id_ed25519.pub").read_text().split()[1]
+    frm = 'from="' + ",".join(sorted(c.addresses)) + '"'
+    for i in range(3):
+        (entry,) = [l for l in (tmp_path / f"home{i}" / ".ssh" / "authorized_keys").read_text().splitlines()
+                    if public in l]
+        assert entry.startswith(frm + ","), entry
+    # Node 0's known_hosts holds each node's host key as its sshd presents it.
+    known = (node_key.parent / "known_hosts").read_text()
+    for n in c.nodes:
+        assert f"{n.address} {' '.join(n.host_key_pub.split()[:2])}" in known
+    # No --env value in any record.
+    assert not [p for p in (tmp_path / "home0" / ".gpufleet" / "jobs").rglob("*") if p.is_file()
+                and b"hunter2" in p.read_bytes()]
+    # Node 2 comes back with another host key while the second job waits: it is refused, by name.
+    c.new_host_key(2)
+    go.touch()
+    assert wait_state(c, tmp_path, first, {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
+    done = wait_state(c, tmp_path, second, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
+    assert done["state"] == "FAILED" and done["failed_node"] == 2, done
+    assert f"node 2 ({c.nodes[2].address}): Host key verification failed" in done["why"], done
+    assert "node 0 (" not in done["why"] and "node 1 (" not in done["why"]
     c.assert_nothing_left()

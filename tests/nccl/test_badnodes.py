@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import pytest
 from click.testing import CliRunner
 
 from gpufleet.groups import format_rounds, group_documents, parse_rounds
-from launcher import nccl_report as rep
+from gpufleet.contracts import JSON_MARKER
+from launcher import badnodes
 from launcher.cli import main
-from tests.support import source_args, torch_args
+from tests.support import Launch, source_args, torch_args, wait_for, workers
 
 # ---- the plan: launcher -> sweep -------------------------------------------------------------
 
@@ -21,7 +23,7 @@ from tests.support import source_args, torch_args
 @pytest.mark.parametrize("n", [3, 4, 7, 16])
 def test_the_pair_schedule_survives_the_plan_text(n):
     hosts = [f"h{i}" for i in range(n)]
-    plan = [[tuple(hosts.index(h) for h in p) for p in rnd] for rnd in rep.pair_schedule(hosts)]
+    plan = [[tuple(hosts.index(h) for h in p) for p in rnd] for rnd in badnodes.pair_schedule(hosts)]
     text = format_rounds(plan)
     assert parse_rounds(text) == plan
     assert text.count(";") == len(plan) - 1
@@ -47,9 +49,9 @@ def test_group_documents_are_the_json_lines_with_nodes_and_skip_a_torn_one():
     plain = {"version": 1, "nranks": 2, "rows": []}  # a sweep without --rounds
     text = "\n".join([
         "# round 1: nodes 0+3",
-        rep.JSON_MARKER + json.dumps(doc),
-        rep.JSON_MARKER + json.dumps(plain),
-        rep.JSON_MARKER + json.dumps(doc)[:20],  # its node died mid-line
+        JSON_MARKER + json.dumps(doc),
+        JSON_MARKER + json.dumps(plain),
+        JSON_MARKER + json.dumps(doc)[:20],  # its node died mid-line
     ])
     assert group_documents(text) == [doc]
 
@@ -63,7 +65,7 @@ def _pairs(nodes: list[str], slow: set[str], fast: float = 10.0, slow_bw: float 
 
 def test_a_node_far_below_every_other_pair_is_decisive():
     nodes = [f"n{i}" for i in range(6)]
-    report = rep.rank_nodes(_pairs(nodes, {"n4"}))
+    report = badnodes.rank_nodes(_pairs(nodes, {"n4"}))
     assert report.bad == ["n4"] and report.decisive
 
 
@@ -71,17 +73,17 @@ def test_overlapping_pairs_are_not_decisive_and_need_the_halves():
     nodes = [f"n{i}" for i in range(6)]
     pairs = _pairs(nodes, {"n4"}, slow_bw=5.0)
     pairs[("n0", "n1")] = 5.5  # one healthy pair nearly as slow as the suspect's
-    report = rep.rank_nodes(pairs)
+    report = badnodes.rank_nodes(pairs)
     assert report.bad == ["n4"]
     assert not report.decisive  # 5.0 is not below 0.8 x 5.5
 
 
 def test_nothing_named_or_no_clean_pair_is_not_decisive():
     nodes = [f"n{i}" for i in range(4)]
-    assert not rep.rank_nodes(_pairs(nodes, set())).decisive
+    assert not badnodes.rank_nodes(_pairs(nodes, set())).decisive
     three = {("a", "b"): 0.1, ("a", "c"): 0.1, ("b", "c"): 0.1}
-    assert not rep.BadNodeReport({}, {"a": {"b": 0.1}, "b": {"a": 0.1}}, 0.1, 0.8, ["a", "b"]).decisive
-    assert not rep.rank_nodes(three).decisive
+    assert not badnodes.BadNodeReport({}, {"a": {"b": 0.1}, "b": {"a": 0.1}}, 0.1, 0.8, ["a", "b"]).decisive
+    assert not badnodes.rank_nodes(three).decisive
 
 
 def test_a_bad_pair_budget_is_one_line_before_anything_runs(tmp_path):
@@ -143,7 +145,7 @@ def test_a_throttled_node_is_named_in_bounded_time_by_its_pairs_one_call_each(si
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_when_the_pairs_do_not_settle_it_the_halves_run_in_one_more_launch(sim_cluster, tmp_path, monkeypatch):
-    monkeypatch.setattr(rep.BadNodeReport, "decisive", property(lambda self: False))
+    monkeypatch.setattr(badnodes.BadNodeReport, "decisive", property(lambda self: False))
     c = sim_cluster(4, mode="netns")
     c.throttle(1, "40mbit")
     slow = c.nodes[1].address
@@ -157,4 +159,29 @@ def test_when_the_pairs_do_not_settle_it_the_halves_run_in_one_more_launch(sim_c
     assert "did not confirm" not in r.output and f"--exclude {slow}\n" in r.output
     (parent,) = (tmp_path / "runs").iterdir()
     assert sorted(p.name.rsplit("-", 1)[1] for p in parent.iterdir() if p.is_dir()) == ["halves", "pairs"]
+    c.assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_pairs_stops_every_node_and_gives_no_verdict(sim_cluster, tmp_path, signum):
+    """The search leaves signals to Launch: the running launch stops its nodes in order, the
+    search starts no other launch, and it ends with 128+signal and no verdict."""
+    c = sim_cluster(3, mode="netns")
+    # Long enough that the signal lands while the pairs' sweep runs: 1000 timed 8 MiB calls a size.
+    args = ["nccl-tests", *source_args(c, tmp_path), *torch_args(), "--ops", "all_reduce", "-b", "8M", "-e", "8M",
+            "-n", "1000", "--pair-budget", "600", "--find-bad-nodes"]
+    run = Launch(args, tmp_path / "launch.out")
+    try:
+        wait_for(lambda: all(workers(c, i) for i in range(3)), 120, "sweep workers on every node", run)
+        run.signal(signum)
+        assert run.wait(60) == 128 + signum, run.out
+    finally:
+        run.kill()
+    name = signal.Signals(signum).name
+    assert f"stopped on {name}; no verdict" in run.out, run.out
+    assert "--exclude" not in run.out and not [l for l in run.out.splitlines() if l.startswith("pair ")]
+    (parent,) = (tmp_path / "runs").iterdir()
+    assert [p.name.rsplit("-", 1)[1] for p in parent.iterdir() if p.is_dir()] == ["pairs"]  # no halves
     c.assert_nothing_left()

@@ -35,6 +35,7 @@ from gpufleet.nccl_env import PREPEND_PATH_VARS
 
 from launcher.env import HOST_IFACE_ON_NODE, node_env
 from launcher.model import Cluster, LaunchConfig, Node, SshConfig
+from launcher.prestart import prestart_statements
 
 __all__ = [
     "EXIT_MARKER",
@@ -166,6 +167,8 @@ def remote_script(
     # decides which `python3` has torch), so it is exported before the check's lines.
     s = _env_statements(cluster, node, env)
     s += _check_statements(config, facts=check, torch=check and check_torch)
+    if check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
+        s += prestart_statements(cluster, config.image_os)
     if lock_port is not None:
         lock = shlex.quote(rdzv_lock_path(node.address, lock_port))
         # Held from the check to the end of the run (torchrun inherits fd 9), so there is no

@@ -15,8 +15,8 @@ launch (launcher.command), so it rides the same SSH sessions. Nothing it runs wr
 
 Test hooks, read on the node, each defaulting to the real thing: GCE_METADATA_HOST (the metadata
 server's host:port, as google-auth honours it), GPUFLEET_READY_MARKER (the ready marker's path,
-infra.contract.READY_MARKER) and GPUFLEET_LOCAL_SSD_MOUNT (the local-SSD RAID's mount point,
-infra.contract.LOCAL_SSD_MOUNT for the image OS). The simulated nodes share one filesystem and
+gpufleet.contracts.READY_MARKER) and GPUFLEET_LOCAL_SSD_MOUNT (the local-SSD RAID's mount point,
+gpufleet.contracts.LOCAL_SSD_MOUNT for the image OS). The simulated nodes share one filesystem and
 have no metadata server, so the tests give each node its own through these.
 """
 
@@ -38,7 +38,7 @@ from gpufleet.health import (
     parse_xids,
 )
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from infra.contract import READY_MARKER
+from gpufleet.contracts import READY_MARKER
 
 from launcher.command import CHECKED_MARKER
 from launcher.model import Cluster, LaunchConfig, Node, UserError
@@ -144,7 +144,7 @@ def node_script(node: Node, expect: Expectation, python: str = "python3", workdi
         # (infra/templates/*.sh nccl_version); else the libnccl2 package.
         s.append(f"v=; for f in {d}/libnccl.so.2.*; do [ -e \"$f\" ] && v=${{f##*/libnccl.so.}}; done; "
                  "[ -n \"$v\" ] || v=$(dpkg-query -W -f='${Version}' libnccl2 2>/dev/null); echo nccl=$v")
-    # The ready marker the startup script writes last (infra.contract.READY_MARKER), and the
+    # The ready marker the startup script writes last (gpufleet.contracts.READY_MARKER), and the
     # error file it leaves beside it when a boot failed (infra/templates/base.sh).
     s.append(f"M=${{{_READY_ENV}:-{q(READY_MARKER)}}}; if [ -f \"$M\" ]; then echo \"ready=$(head -c 4096 \"$M\" "
              "| tr -d '\\n')\"; else echo ready=missing; fi; "

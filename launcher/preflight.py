@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
+from launcher.doctor import prestart_verdict
 from launcher.model import Cluster, LaunchConfig, Node, UserError
 from launcher.transport import Transport
 
@@ -87,7 +88,9 @@ def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfi
     _refuse_busy_port(probes, config)
     _refuse_missing_workdir(probes, config)
     _refuse_torch(probes, config)
-    return _clock_warnings(probes) + _hostname_warnings(cluster, probes)
+    # What launcher.prestart's statements reported: a missing GPU or NIC refuses, drift warns.
+    drift = prestart_verdict(cluster, probes, config)
+    return _clock_warnings(probes) + _hostname_warnings(cluster, probes) + drift
 
 
 def _refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:

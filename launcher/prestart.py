@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
+from gpufleet.contracts import LOCAL_SSD_MOUNT
 from gpufleet.health import GPU_QUERY_FIELDS
-from infra.contract import LOCAL_SSD_MOUNT
 
 from launcher.model import Cluster, UserError
 

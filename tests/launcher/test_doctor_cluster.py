@@ -204,3 +204,38 @@ def test_the_installed_console_script_prints_json_only_on_stdout(cluster, tmp_pa
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     assert doc["exclude"] == [cluster.sim.addresses[2]]
+
+
+def _run(c: GpuSimCluster, tmp_path: Path):
+    """`launch run` of a one-line script on these nodes (the installed console script)."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('ran on node', os.environ['GROUP_RANK'], flush=True)\n")
+    args = [a for a in c.args(tmp_path) if a not in ("--min-free-gb", "0.01")]
+    return subprocess.run([LAUNCH, "run", *args, "--nproc-per-node", "1", "--", str(script)], capture_output=True, text=True, cwd=REPO,
+                          timeout=180, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift_warns(cluster, tmp_path):
+    """The cheap part of doctor runs in every launch's check (issue 16): a node short of a GPU is
+    refused by name before anything starts; another driver on one node is a warning, and it runs."""
+    ok = _run(cluster, tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(ln for ln in ok.stdout.splitlines() if "ran on node" in ln) == [
+        f"[node {i}] ran on node {i}" for i in range(N)]
+    assert "GPU" not in ok.stderr and "driver" not in ok.stderr
+
+    _missing_gpu(cluster)
+    refused = _run(cluster, tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("error:")]
+    assert f"node 1 ({cluster.sim.addresses[1]}): 7 GPUs found, a3-highgpu-8g has 8" in line
+    assert "nothing was started" in line and "--exclude" in line
+    assert "ran on node" not in refused.stdout
+    cluster.heal(1)
+
+    _driver(cluster)
+    warned = _run(cluster, tmp_path)
+    assert warned.returncode == 0, warned.stderr
+    assert f"node 3 ({cluster.sim.addresses[3]}): driver 570.172.08, while 3 of 4 nodes have 580.159.04" in warned.stderr
+    assert warned.stderr.index("driver 570.172.08") < warned.stderr.index("started on 4 nodes")
+    cluster.sim.assert_nothing_left()

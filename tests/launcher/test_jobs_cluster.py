@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.simcluster import SimCluster
-from tests.support import LAUNCH, TRAIN, checkpoint_step, source_args, torch_args, wait_for
+from tests.support import LAUNCH, TRAIN, checkpoint_step, params, source_args, torch_args, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -82,8 +83,8 @@ def jobdir(tmp_path: Path, job_id: str) -> Path:
 
 def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 3)
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--", *TRAIN, "--global-batch", "3", "--steps", "20",
-                    "--log-every", "5")
+    common = [*TRAIN, "--global-batch", "3", "--steps", "20", "--log-every", "5"]
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--", *common, "--save-params", str(tmp_path / "detached.pt"))
     # The client has exited; the controller (node 0) runs the job on its own.
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0 and done["failed_node"] is None, done
@@ -99,6 +100,12 @@ def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, 
     assert (jobdir(tmp_path, job_id) / "state.json").exists()
     assert not (tmp_path / "client" / ".gpufleet").exists()
     c.assert_nothing_left()
+    # The same run attached ends with the same parameters.
+    launch(tmp_path, "train", *source_args(c, tmp_path), *torch_args(), "--", *common, "--save-params",
+           str(tmp_path / "attached.pt"), check=True)
+    detached, attached = params(tmp_path / "detached.pt"), params(tmp_path / "attached.pt")
+    assert detached.keys() == attached.keys()
+    assert all(torch.equal(detached[k], attached[k]) for k in detached)
 
 
 def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing(sim_cluster, tmp_path):

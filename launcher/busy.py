@@ -2,9 +2,10 @@
 naming that job.
 
 The question goes to node 0 (where detached jobs' records live, launcher.jobs) in a session of
-its own that starts with the launch and overlaps the nodes' checks, so it costs the launch no
-time; the launch waits for the answer only once every node has answered its check, before any
-is told to go. Node 0 not answering is no refusal: the launch's own check names it.
+its own, started as soon as node 0 has passed its check: it then rides node 0's open connection
+(ControlMaster) instead of paying a handshake of its own, and it overlaps the other nodes' checks.
+The launch waits for the answer only once every node has answered its check, before any is told
+to go. Node 0 not answering is no refusal: the launch's own check names it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ class BusyCheck:
         self.stop = stop
         self.busy: JobRecord | None = None
         self._answered: set[int] = set()  # ranks whose check has ended, one way or another
-        transport = make_transport(cluster, config)
+        self._transport = make_transport(cluster, config)
         self._timeout = config.ssh.connect_timeout + 10.0
-        self._proc = subprocess.Popen(transport.argv(cluster.nodes[0], list_script()), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                      start_new_session=True)
+        self._proc: subprocess.Popen | None = None
+
+    def _ask(self) -> None:
+        self._proc = subprocess.Popen(self._transport.argv(self.cluster.nodes[0], list_script()),
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True, start_new_session=True)
 
     def gate(self, on_event: Callable[[NodeEvent], None]) -> Callable[[NodeEvent], None]:
         def gated(event: NodeEvent) -> None:
@@ -43,11 +47,15 @@ class BusyCheck:
             rank = event.node.rank
             if event.state is not None and event.state is not NodeState.CONNECTING and rank not in self._answered:
                 self._answered.add(rank)
+                if rank == 0 and event.state is NodeState.CHECKED:
+                    self._ask()
                 if len(self._answered) == len(self.cluster.nodes):  # every node has answered; none has gone
                     self._wait()
         return gated
 
     def _wait(self) -> None:
+        if self._proc is None:
+            return  # node 0 did not pass its check: the launch refuses on its own
         try:
             out, _ = self._proc.communicate(timeout=self._timeout)
         except subprocess.TimeoutExpired:
@@ -60,7 +68,7 @@ class BusyCheck:
             self.stop.set()
 
     def close(self) -> None:
-        if self._proc.poll() is None:
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
 

@@ -184,7 +184,8 @@ def _expected_verdict(judgements: list[Judgement], machine_type: str, nnodes: in
     if not any(j.judged or j.bounded for j in judgements):
         return "no verdict: no size in the model's trusted range or under a latency bound", None
     if not slow and not late:
-        caveat = "" if any(j.judged for j in judgements) else " (judged by latency only: no size reached the trusted range)"
+        caveat = ("" if any(j.judged for j in judgements)
+                  else " (judged by latency only: no size reached the trusted range)")
         return f"consistent with a healthy {machine_type} cluster of {nnodes} nodes{caveat}", True
     if slow:
         line = _slow_line(slow, judgements)

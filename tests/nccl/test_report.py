@@ -1,4 +1,5 @@
-"""launcher.nccl_report: parsing, judging, storing, bad-node ranking, the mpirun argv."""
+"""The sweep report through launcher.nccl_report, the one import of its library API: parsing,
+judging, storing, bad-node ranking, the mpirun argv (each owned by its own module)."""
 
 from __future__ import annotations
 
@@ -200,3 +201,23 @@ def test_nccl_tests_command_builds_a_hostfile_free_mpirun():
         rep.nccl_tests_command("x", ["h1,h2"], 8, [], {})
     with pytest.raises(ValueError, match="'BAD-NAME'"):
         rep.nccl_tests_command("x", ["h1"], 8, [], {"BAD-NAME": "1"})
+
+
+def test_the_report_api_is_the_owning_modules_names():
+    """README "Library API": every name nccl_report offers is the object its owning module defines."""
+    import importlib
+
+    owners = {
+        "launcher.nccl_parse": ["parse_output"],
+        "launcher.nccl_judge": ["failures", "ExpectedReport", "expected_curve", "expected_judgement", "expected_report"],
+        "launcher.nccl_render": ["rich_table", "write_results"],
+        "launcher.badnodes": ["BadNodeReport", "pair_schedule", "rank_nodes", "confirm_halves", "confirm_suspects"],
+        "launcher.nccl_mpirun": ["nccl_tests_command"],
+        "gpufleet.contracts": ["JSON_MARKER", "SweepRow"],
+        "gpufleet.bandwidth": ["avg_busbw"],
+    }
+    assert sorted(n for names in owners.values() for n in names) == sorted(rep.__all__)
+    for module, names in owners.items():
+        owner = importlib.import_module(module)
+        for name in names:
+            assert getattr(rep, name) is getattr(owner, name), f"nccl_report.{name} is not {module}.{name}"

@@ -147,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # stderr: controller.log
     logging.getLogger("launcher").setLevel(logging.INFO)
-    return Controller(Path(args[0]).resolve()).run()
+    controller = Controller(Path(args[0]).resolve())
+    try:
+        return controller.run()
+    except Exception as e:  # a record must never say RUNNING for a controller that has gone
+        log.exception("the controller failed")
+        return controller.end(JobState.FAILED, 1, why=f"the controller on node 0 failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

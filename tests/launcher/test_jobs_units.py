@@ -117,3 +117,23 @@ def test_stop_and_logs_scripts_quote_the_job_dir():
     for script in (logs_script("20260101-000000-aaaaaa", 2, True), stop_script("20260101-000000-aaaaaa")):
         assert '"$HOME"/.gpufleet/jobs/20260101-000000-aaaaaa' in script
         assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["exec", "--local", "--nodes", "2", "--detach", "--", "true"], "--detach needs SSH nodes"),
+    (["exec", "--hostfile", "HOSTS", "--dry-run", "--detach", "--", "true"], "--detach and --dry-run"),
+    (["logs", "--hostfile", "HOSTS", "../../etc"], "is not a job id"),
+    (["stop", "--hostfile", "HOSTS", "20260101-000000-aaaaaa; reboot"], "is not a job id"),
+    (["jobs", "--local", "--nodes", "2"], "detached jobs live on node 0 of an SSH cluster"),
+])
+def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from launcher.cli import main
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.0.0.2\n")
+    r = CliRunner().invoke(main, [str(hosts) if a == "HOSTS" else a for a in args])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output

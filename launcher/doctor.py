@@ -67,7 +67,7 @@ CHECKS = ("gpus", "driver", "cuda", "persistence", "ecc", "xid", "nics", "net", 
 RXDM_CONTAINER = "receive-datapath-manager"
 
 # Beyond a couple of seconds, log timestamps and timeouts stop lining up across nodes (the same
-# bound the launch's pre-start check warns at, launcher.run.check_probes).
+# bound the launch's pre-start check warns at, launcher.preflight.check_probes).
 CLOCK_WARN_S = 2.0
 
 # A GPU reporting less memory than this share of the catalog's figure is not the catalog's GPU:

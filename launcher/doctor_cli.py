@@ -33,12 +33,7 @@ def _check_sessions(cluster: Cluster, config: LaunchConfig, scripts: dict[int, s
     sent home once it has answered: {rank: Probe}."""
     from launcher.launch import Launch
 
-    launch = Launch(cluster, config)
-    try:
-        launch._check(scripts)
-        return {r: s.probe() for r, s in launch._sessions.items()}
-    finally:
-        launch._send_home()
+    return Launch(cluster, config).ask(scripts)
 
 
 def run_doctor(cluster: Cluster, config: LaunchConfig, image_os: str | None, min_free_gb: float,

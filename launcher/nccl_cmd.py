@@ -52,7 +52,7 @@ def _out() -> Console:
 
 
 _SWEEP_OPTIONS = [
-    click.option("--ops", "--op", "ops", default=_SPEC.ops, show_default=True,
+    click.option("--ops", "ops", default=_SPEC.ops, show_default=True,
                  help="Collectives: a comma list, or all."),
     # -b -e -f -n -w -c -d -o, as nccl-tests and workloads.sweep read them (gpufleet.collectives).
     *(click.option(flag, "--" + name.replace("_", "-"), type=type(getattr(_SPEC, name)),

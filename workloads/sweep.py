@@ -31,7 +31,6 @@ that cannot be written is found before the sweep starts).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpufleet import atomic
 from gpufleet.bandwidth import (
     COLLECTIVES,
     DTYPE_SIZES,
@@ -917,16 +917,7 @@ def _json_path_problem(path: str) -> str | None:
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
     """Write the document atomically: a reader never sees half a file, an old file is replaced whole."""
-    tmp = _json_tmp(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    atomic.write_text(path, json.dumps(payload, indent=1) + "\n")
 
 
 if __name__ == "__main__":

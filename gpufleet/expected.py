@@ -52,7 +52,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpufleet.bandwidth import SweepRow, bus_factor, model_busbw
+from gpufleet.bandwidth import bus_factor, model_busbw
+from gpufleet.contracts import SweepRow
 from gpufleet.catalog import MachineType, NetStack, lookup
 from gpufleet.nccl_env import PROFILES
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gpufleet.bandwidth import JSON_MARKER
+from gpufleet.contracts import JSON_MARKER
 
 __all__ = ["NODE_RANK_ENV", "Plan", "format_rounds", "parse_rounds", "group_documents"]
 

@@ -7,21 +7,16 @@ from __future__ import annotations
 import re
 import signal
 
-from gpufleet.bandwidth import JSON_MARKER
+from gpufleet.contracts import JSON_MARKER, is_error_line
 
 from launcher.model import NodeOutcome
 
-__all__ = ["worker_failure_note", "is_error_line", "shown_live", "root_cause"]
+__all__ = ["worker_failure_note", "shown_live", "root_cause"]
 
 # torchrun's agent logs a failed worker at ERROR level, also when it is about to restart the
 # group (torch/distributed/elastic/multiprocessing/api.py): "failed (exitcode: -9) local_rank: 0
 # (pid: 123) of binary: ...". Its "will restart worker group" line is INFO, hidden by default.
 _WORKER_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
-
-# A program's own one-line error, as workloads.train ("error: ..."), workloads.sweep ("sweep: ...")
-# and this launcher's node-side wrapper ("gpufleet: ...") print them: a statement of the cause,
-# not a consequence.
-_ERROR_LINE_RE = re.compile(r"^(error|sweep|gpufleet): ")
 
 # Lines that stay in the node's log but out of the live stream (and the failure tail): the
 # sweep's machine-readable row document (several kB on one line, read back from the log), and
@@ -45,11 +40,6 @@ def worker_failure_note(line: str) -> str | None:
     else:
         how = f"exit {code}"
     return f"worker local_rank {local_rank} (pid {m.group(3)}) {how}"
-
-
-def is_error_line(line: str) -> bool:
-    """Whether `line` is a program's own statement of what went wrong ("error: ...")."""
-    return _ERROR_LINE_RE.match(line) is not None
 
 
 def shown_live(line: str) -> bool:

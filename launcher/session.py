@@ -17,9 +17,11 @@ from collections import deque
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from gpufleet.contracts import is_error_line
+
 from launcher.command import CHECKED_MARKER, EXIT_MARKER
 from launcher.model import Node, NodeOutcome
-from launcher.output import is_error_line, shown_live
+from launcher.output import shown_live
 from launcher.preflight import Probe, clock_skew
 
 __all__ = ["Report", "NodeSession"]

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from gpufleet.contracts import ERROR_PREFIX
 from gpufleet.catalog import peak_flops_for_device
 from workloads.checkpoint import (
     CheckpointError,
@@ -877,11 +878,11 @@ def main(argv: list[str] | None = None) -> int:
             return  # the rank that failed printed why
         if getattr(err, _EVERY_RANK, False):
             if rank == 0:
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
             return
         # Met by this rank alone: only it can say so, and says where it runs.
         where = f"rank {rank} (host {socket.gethostname()}): " if world > 1 else ""
-        print(f"error: {where}{err}", file=sys.stderr, flush=True)
+        print(f"{ERROR_PREFIX}{where}{err}", file=sys.stderr, flush=True)
 
     try:
         cfg = config_from_args(argv)

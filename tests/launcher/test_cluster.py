@@ -15,7 +15,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from infra.contract import LABEL_NODE
+from gpufleet.contracts import LABEL_NODE
 from launcher.cli import main
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.support import LAUNCH, REPO, source_args, torch_args, wait_for

@@ -3,26 +3,30 @@
 - The key is made once per cluster on the client (ed25519, `ssh-keygen`), kept under the
   client's state directory (`~/.cache/gpufleet/<cluster>/id_ed25519`, mode 600).
 - The check session of a detached launch authorizes its public key on every node, restricted
-  with `from=` to the cluster's addresses (sshd(8), AUTHORIZED_KEYS FILE FORMAT), and reads each
-  node's host key over that same, already-verified session (`ssh-keyscan` of the node's own sshd,
-  run on the node). Node 0's known_hosts is made from those answers: the controller checks host
-  keys for real (StrictHostKeyChecking=yes), with no first-use trust inside the cluster.
+  with `from=` to the cluster's addresses (sshd(8), AUTHORIZED_KEYS FILE FORMAT).
+- Node 0's known_hosts holds, for every node, the host key the client's own ssh verified that
+  very check session with (read back from the client's known_hosts files with `ssh-keygen -F`,
+  the files `ssh -G` names): the controller checks host keys for real (StrictHostKeyChecking=yes),
+  with no first-use trust inside the cluster, and trusts exactly what the client trusted. (Asking
+  each node for its keys, `ssh-keyscan` over the session, gave the same keys but cost a handshake
+  per node.)
 - The private key goes to node 0 only (launcher.handoff), mode 600.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shlex
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.model import Cluster, Node, SshConfig, UserError
-from launcher.preflight import Probe
 from launcher.transport import Transport, state_dir
 
-__all__ = ["cluster_slug", "ensure_key", "ssh_target", "authorize_statements", "known_hosts_text",
-           "controller_ssh", "NODE_KEY_DIR"]
+__all__ = ["cluster_slug", "ensure_key", "SshTarget", "ssh_target", "verified_host_keys", "authorize_statements",
+           "known_hosts_text", "controller_ssh", "NODE_KEY_DIR"]
 
 # Where node 0 keeps the cluster's private key and known_hosts, relative to its home.
 NODE_KEY_DIR = ".gpufleet/clusters"
@@ -53,46 +57,76 @@ def ensure_key(cluster: Cluster) -> Path:
     return key
 
 
-def ssh_target(transport: Transport, node: Node) -> tuple[str | None, int]:
-    """The user and port the client's ssh uses for `node` (`ssh -G`), which node 0 uses too."""
+@dataclass(frozen=True)
+class SshTarget:
+    """What the client's ssh uses for a node (`ssh -G`): node 0 uses the same user and port."""
+
+    user: str | None
+    port: int
+    known_hosts: tuple[str, ...]  # the user's then the global known_hosts files
+    alias: str | None = None  # HostKeyAlias: the name host keys are recorded under
+
+
+def ssh_target(transport: Transport, node: Node) -> SshTarget:
     try:
         out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True,
                              timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         out = ""
     conf = dict(line.partition(" ")[::2] for line in out.splitlines())
-    port = int(conf.get("port", "22") or 22)
-    return conf.get("user") or None, port
+    files = [os.path.expanduser(f) for key in ("userknownhostsfile", "globalknownhostsfile")
+             for f in conf.get(key, "").split() if f != "/dev/null"]
+    alias = conf.get("hostkeyalias")
+    return SshTarget(conf.get("user") or None, int(conf.get("port", "22") or 22), tuple(files),
+                     None if alias in (None, "", "none") else alias)
 
 
-def authorize_statements(public_key: str, cluster: Cluster, node: Node, port: int) -> list[str]:
-    """Node-side statements for the check session: authorize the cluster key (once; from the
-    cluster's addresses only), and print the node's host keys as `hostkeyN=TYPE KEY` lines."""
+def _known_name(host: str, port: int) -> str:
+    return host if port == 22 else f"[{host}]:{port}"
+
+
+def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[str]]:
+    """Each node's host keys (`TYPE BASE64`) as the client's known_hosts records them, i.e. the
+    keys its ssh has verified the node's sessions with."""
+    keys: dict[int, list[str]] = {}
+    for node in cluster.nodes:
+        found: list[str] = []
+        name = _known_name(target.alias or node.host, target.port)
+        for f in target.known_hosts:
+            if not os.path.exists(f):
+                continue
+            out = subprocess.run(["ssh-keygen", "-F", name, "-f", f], capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                parts = line.split()
+                if len(parts) >= 3 and not line.startswith(("#", "@")) and f"{parts[1]} {parts[2]}" not in found:
+                    found.append(f"{parts[1]} {parts[2]}")
+        keys[node.rank] = found
+    return keys
+
+
+def authorize_statements(public_key: str, cluster: Cluster) -> list[str]:
+    """Node-side statements for the check session: authorize the cluster key, once, from the
+    cluster's addresses only."""
     kind, b64 = public_key.split()[:2]
     addresses = ",".join(sorted({n.address for n in cluster.nodes}))
     entry = (f'from="{addresses}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding,no-pty '
              f"{kind} {b64} gpufleet-{cluster_slug(cluster)}")
     e = shlex.quote(entry)
-    return [
-        '( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
-        f'{{ grep -qxF {e} "$K" || printf "%s\\n" {e} >> "$K"; }} )',
-        f"ssh-keyscan -T 5 -p {int(port)} {shlex.quote(node.host)} 2>/dev/null | "
-        "awk '!/^#/ && NF >= 3 {n++; print \"hostkey\" n \"=\" $2 \" \" $3}'",
-    ]
+    return ['( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
+            f'{{ grep -qxF {e} "$K" || printf "%s\\n" {e} >> "$K"; }} )']
 
 
-def known_hosts_text(cluster: Cluster, probes: dict[int, Probe], port: int) -> str:
-    """Node 0's known_hosts: every node's host keys as its own sshd presented them."""
+def known_hosts_text(cluster: Cluster, keys: dict[int, list[str]], port: int) -> str:
+    """Node 0's known_hosts: every node's verified host keys, under the name node 0 connects to."""
     lines, missing = [], []
     for node in cluster.nodes:
-        keys = [v for k, v in sorted(probes[node.rank].facts.items()) if k.startswith("hostkey")]
-        if not keys:
+        if not keys.get(node.rank):
             missing.append(node.label)
-        host = node.host if port == 22 else f"[{node.host}]:{port}"
-        lines += [f"{host} {k}" for k in keys]
+        lines += [f"{_known_name(node.host, port)} {k}" for k in keys.get(node.rank, [])]
     if missing:
-        raise UserError(f"could not read the SSH host key of {', '.join(missing)} (ssh-keyscan on the node); "
-                        "nothing was started. Install openssh-client there, or launch without --detach")
+        raise UserError(f"the host key of {', '.join(missing)} is not in this machine's known_hosts files, so node "
+                        "0 could not check it; nothing was started. Connect once without --detach (or pass "
+                        "--known-hosts) so it is recorded, then detach")
     return "\n".join(lines) + "\n"
 
 

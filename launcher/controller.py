@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from launcher.jobs import JobRecord, JobState, controller_alive, process_start, request_from_json, write_json_atomic
-from launcher.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.model import LaunchResult, UserError
 
 __all__ = ["main", "Controller"]
@@ -60,6 +59,9 @@ class Controller:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if not self.wait_turn():
             return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
+        # Imported once the record is written: the hand-off waits for the record, not for these.
+        from launcher.launch import Interrupted, Launch
+
         home = Path(os.path.expanduser("~"))
         cluster, config = request_from_json(self.request, self.env, home, self.jobdir.parent)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
@@ -72,7 +74,7 @@ class Controller:
                 return self.end(JobState.STOPPED, 128 + e.signum, why="stopped while connecting; nothing ran")
         return self.finish(result)
 
-    def on_event(self, out, event: NodeEvent) -> None:
+    def on_event(self, out, event) -> None:  # a launcher.launch.NodeEvent
         if event.line is not None:
             out.write(f"[node {event.node.rank}] {event.line}\n")
 
@@ -135,7 +137,9 @@ class Controller:
         return code
 
 
-def _first_bad(launch: Launch) -> int | None:
+def _first_bad(launch) -> int | None:  # a launcher.launch.Launch
+    from launcher.launch import NodeState
+
     bad = launch.in_state(NodeState.UNREACHABLE) + launch.in_state(NodeState.FAILED)
     return min(bad) if bad else None
 

@@ -3,8 +3,8 @@ the job to a controller on node 0 and return its id.
 
 1. The check: each node runs the same node-side program an attached launch runs
    (launcher.command.node_commands) up to its gate, and is sent home instead of told to go; the
-   check session also authorizes the cluster key and reads the node's host keys
-   (launcher.cluster_key). A node that cannot run is refused as today: one UserError, nothing
+   check session also authorizes the cluster key, and node 0's known_hosts is made of the host
+   keys this check was verified with (launcher.cluster_key). A node that cannot run is refused as today: one UserError, nothing
    started. A busy rendezvous port is not a refusal here: the queue on node 0 decides when the
    job may take it.
 2. The hand-off: one more session to node 0 receives a tar archive on stdin (the launcher's own
@@ -34,6 +34,7 @@ from launcher.cluster_key import (
     ensure_key,
     known_hosts_text,
     ssh_target,
+    verified_host_keys,
 )
 from launcher.command import node_commands
 from launcher.jobs import JOBS_DIR, request_json
@@ -58,15 +59,17 @@ def detach(cluster: Cluster, config: LaunchConfig) -> str:
                         "drop --detach")
     key = ensure_key(cluster)
     transport = make_transport(cluster, config)
-    user, port = ssh_target(transport, cluster.nodes[0])
-    probes = _check(cluster, config, transport, key.with_name("id_ed25519.pub").read_text(), port)
-    known = known_hosts_text(cluster, probes, port)
+    target = ssh_target(transport, cluster.nodes[0])
+    _check(cluster, config, transport, key.with_name("id_ed25519.pub").read_text())
+    # After the check: a first contact has just recorded its key (StrictHostKeyChecking=accept-new).
+    known = known_hosts_text(cluster, verified_host_keys(target, cluster), target.port)
     slug = cluster_slug(cluster)
     files = {
         f"{NODE_KEY_DIR}/{slug}/id_ed25519": key.read_bytes(),
         f"{NODE_KEY_DIR}/{slug}/known_hosts": known.encode(),
         f"{JOBS_DIR}/{config.job_id}/request.json":
-            json.dumps(request_json(cluster, config, controller_ssh(user, port, slug)), indent=1).encode(),
+            json.dumps(request_json(cluster, config, controller_ssh(target.user, target.port, slug)),
+                       indent=1).encode(),
         f"{JOBS_DIR}/{config.job_id}/env.json": json.dumps([list(kv) for kv in config.env]).encode(),
     }
     code, code_hash = _code_files()
@@ -75,10 +78,9 @@ def detach(cluster: Cluster, config: LaunchConfig) -> str:
     return config.job_id
 
 
-def _check(cluster: Cluster, config: LaunchConfig, transport: Transport, public_key: str,
-           port: int) -> dict[int, Probe]:
-    scripts = {rank: "; ".join([*authorize_statements(public_key, cluster, cluster.nodes[rank], port), script])
-               for rank, script in node_commands(cluster, config).items()}
+def _check(cluster: Cluster, config: LaunchConfig, transport: Transport, public_key: str) -> dict[int, Probe]:
+    authorize = authorize_statements(public_key, cluster)
+    scripts = {rank: "; ".join([*authorize, script]) for rank, script in node_commands(cluster, config).items()}
     probes = Launch(cluster, config, transport=transport).ask(scripts)
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port

@@ -116,6 +116,8 @@ def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
     assert time.monotonic() - t0 < 20, done
     assert done["state"] == "FAILED" and done["exit"] == 3 and done["failed_node"] == 2, done
+    # From its turn (before the checks) to the end: node 2's 2 s, then every other node stopped within 10 s.
+    assert done["ended"] - done["started"] < 12, done
     assert f"node 2 ({c.nodes[2].address}) failed first: exit 3" in done["why"]
     assert "dying" in done["tail"]
     c.assert_nothing_left()

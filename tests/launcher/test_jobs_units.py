@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from launcher.cluster_key import authorize_statements, controller_ssh, known_hosts_text
+from launcher.cluster_key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
 from launcher.jobs import (
     LIST_MARKER,
     JobRecord,
@@ -25,7 +25,6 @@ from launcher.jobs import (
     write_json_atomic,
 )
 from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload
-from launcher.preflight import Probe
 
 CLUSTER = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3", slots=2)))
 
@@ -87,7 +86,7 @@ def test_the_request_carries_no_env_values_and_round_trips(tmp_path):
 
 
 def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path):
-    (auth, _) = authorize_statements("ssh-ed25519 AAAAC3Nz comment", CLUSTER, CLUSTER.nodes[1], 22)
+    (auth,) = authorize_statements("ssh-ed25519 AAAAC3Nz comment", CLUSTER)
     env = {**os.environ, "HOME": str(tmp_path)}
     for _ in range(2):  # twice: one entry
         subprocess.run(["bash", "-c", auth], check=True, env=env)
@@ -96,14 +95,19 @@ def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path)
     assert (tmp_path / ".ssh" / "authorized_keys").stat().st_mode & 0o077 == 0
 
 
-def test_known_hosts_needs_every_node_s_host_key():
-    probes = {0: Probe(CLUSTER.nodes[0], True, facts={"hostkey1": "ssh-ed25519 K0"}),
-              1: Probe(CLUSTER.nodes[1], True, facts={"hostkey1": "ssh-ed25519 K1", "hostkey2": "ecdsa K1b"})}
-    assert known_hosts_text(CLUSTER, probes, 2222).splitlines() == [
-        "[10.0.0.2]:2222 ssh-ed25519 K0", "[10.0.0.3]:2222 ssh-ed25519 K1", "[10.0.0.3]:2222 ecdsa K1b"]
-    probes[1].facts.clear()
-    with pytest.raises(UserError, match=r"host key of node 1 \(10.0.0.3\)"):
-        known_hosts_text(CLUSTER, probes, 22)
+def test_node_0_gets_the_host_keys_the_client_verified_even_from_a_hashed_known_hosts(tmp_path):
+    mine = tmp_path / "known_hosts"
+    mine.write_text("[10.0.0.2]:2222 ssh-ed25519 K0\n10.0.0.2 ssh-ed25519 WRONGPORT\n"
+                    "[10.0.0.3]:2222 ssh-ed25519 K1\n@revoked [10.0.0.3]:2222 ssh-rsa R\n")
+    subprocess.run(["ssh-keygen", "-H", "-f", str(mine)], check=True, capture_output=True)
+    assert "10.0.0.2" not in mine.read_text()  # hashed, as HashKnownHosts=yes writes them
+    target = SshTarget("root", 2222, (str(mine), str(tmp_path / "missing")))
+    keys = verified_host_keys(target, CLUSTER)
+    assert keys == {0: ["ssh-ed25519 K0"], 1: ["ssh-ed25519 K1"]}
+    assert known_hosts_text(CLUSTER, keys, 2222).splitlines() == [
+        "[10.0.0.2]:2222 ssh-ed25519 K0", "[10.0.0.3]:2222 ssh-ed25519 K1"]
+    with pytest.raises(UserError, match=r"host key of node 1 \(10.0.0.3\) is not in this machine's known_hosts"):
+        known_hosts_text(CLUSTER, {0: keys[0], 1: []}, 22)
 
 
 def test_records_are_replaced_whole(tmp_path):

@@ -5,8 +5,8 @@
 - The check session of a detached launch authorizes its public key on every node, restricted
   with `from=` to the cluster's addresses (sshd(8), AUTHORIZED_KEYS FILE FORMAT).
 - Node 0's known_hosts holds, for every node, the host key the client's own ssh verified that
-  very check session with (read back from the client's known_hosts files with `ssh-keygen -F`,
-  the files `ssh -G` names): the controller checks host keys for real (StrictHostKeyChecking=yes),
+  very check session with (read back from the client's known_hosts files, hashed or not, the
+  files `ssh -G` names): the controller checks host keys for real (StrictHostKeyChecking=yes),
   with no first-use trust inside the cluster, and trusts exactly what the client trusted. (Asking
   each node for its keys, `ssh-keyscan` over the session, gave the same keys but cost a handshake
   per node.)
@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import hmac
 import os
 import shlex
 import subprocess
@@ -85,22 +88,36 @@ def _known_name(host: str, port: int) -> str:
     return host if port == 22 else f"[{host}]:{port}"
 
 
+def _host_matches(field: str, name: str) -> bool:
+    """Whether a known_hosts host field names `name`: a hashed entry (`|1|salt|HMAC-SHA1`, as
+    HashKnownHosts writes it, sshd(8) SSH_KNOWN_HOSTS FILE FORMAT) or a list of plain names.
+    Wildcard patterns are not followed: ssh records the hosts it verified by their names."""
+    if field.startswith("|1|"):
+        try:
+            salt, digest = field[3:].split("|")
+            return hmac.compare_digest(hmac.new(base64.b64decode(salt), name.encode(), hashlib.sha1).digest(),
+                                       base64.b64decode(digest))
+        except (ValueError, binascii.Error):
+            return False
+    return name in field.split(",")
+
+
 def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[str]]:
-    """Each node's host keys (`TYPE BASE64`) as the client's known_hosts records them, i.e. the
-    keys its ssh has verified the node's sessions with."""
+    """Each node's host keys (`TYPE BASE64`) as the client's known_hosts files record them, i.e.
+    the keys its ssh has verified the node's sessions with (revoked and CA lines left out)."""
+    entries = []
+    for f in target.known_hosts:
+        try:
+            text = Path(f).read_text(errors="replace")
+        except OSError:
+            continue
+        entries += [line.split() for line in text.splitlines()
+                    if line.strip() and not line.lstrip().startswith(("#", "@"))]
     keys: dict[int, list[str]] = {}
     for node in cluster.nodes:
-        found: list[str] = []
         name = _known_name(target.alias or node.host, target.port)
-        for f in target.known_hosts:
-            if not os.path.exists(f):
-                continue
-            out = subprocess.run(["ssh-keygen", "-F", name, "-f", f], capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                parts = line.split()
-                if len(parts) >= 3 and not line.startswith(("#", "@")) and f"{parts[1]} {parts[2]}" not in found:
-                    found.append(f"{parts[1]} {parts[2]}")
-        keys[node.rank] = found
+        found = [f"{e[1]} {e[2]}" for e in entries if len(e) >= 3 and _host_matches(e[0], name)]
+        keys[node.rank] = list(dict.fromkeys(found))
     return keys
 
 

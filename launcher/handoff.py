@@ -4,9 +4,9 @@ the job to a controller on node 0 and return its id.
 1. The check: each node runs the same node-side program an attached launch runs
    (launcher.command.node_commands) up to its gate, and is sent home instead of told to go; the
    check session also authorizes the cluster key, and node 0's known_hosts is made of the host
-   keys this check was verified with (launcher.cluster_key). A node that cannot run is refused as today: one UserError, nothing
-   started. A busy rendezvous port is not a refusal here: the queue on node 0 decides when the
-   job may take it.
+   keys this check was verified with (launcher.cluster_key). A node that cannot run is refused
+   as today: one UserError, nothing started. A busy rendezvous port is not a refusal here: the
+   queue on node 0 decides when the job may take it.
 2. The hand-off: one more session to node 0 receives a tar archive on stdin (the launcher's own
    code, so node 0 runs this version; the cluster key, mode 600, and known_hosts; the request;
    the --env values in a file of their own, mode 600), and starts `python -m launcher.controller
@@ -122,7 +122,8 @@ def _handoff_script(config: LaunchConfig, code_hash: str) -> str:
         'cd "$J"',
         # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
         # connection, which ends right after.
-        f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(config.python)} -m launcher.controller "$J" '
+        # -S: no site-packages; the controller needs the standard library and the code shipped here.
+        f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(config.python)} -S -m launcher.controller "$J" '
         '</dev/null >>"$J/controller.log" 2>&1 &',
         'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
         "i=$((i+1)); done",

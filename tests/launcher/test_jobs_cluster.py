@@ -110,7 +110,8 @@ def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, 
 
 def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 3)
-    cmd = 'echo "up $GPUFLEET_NODE_RANK"; if [ "$GPUFLEET_NODE_RANK" = 2 ]; then sleep 2; echo dying; exit 3; fi; sleep 120'
+    cmd = ('echo "up $GPUFLEET_NODE_RANK"; if [ "$GPUFLEET_NODE_RANK" = 2 ]; then sleep 2; echo dying; exit 3; fi; '
+           "sleep 120")
     job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", cmd)
     t0 = time.monotonic()
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)

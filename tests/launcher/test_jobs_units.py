@@ -44,7 +44,8 @@ def test_a_running_record_whose_controller_is_gone_reads_as_failed_with_why():
 
 
 def test_listing_is_newest_first_and_ignores_banners_and_torn_lines():
-    older, newer = record(id="20260101-000000-aaaaaa", submitted=1.0), record(id="20260101-000001-bbbbbb", submitted=2.0)
+    older = record(id="20260101-000000-aaaaaa", submitted=1.0)
+    newer = record(id="20260101-000001-bbbbbb", submitted=2.0)
     text = "\n".join(["Welcome to node 0", f"{LIST_MARKER} 1 {json.dumps(older.to_json())}",
                       f"{LIST_MARKER} 0 {json.dumps(newer.to_json())}", f"{LIST_MARKER} 1 {{\"id\": "])
     got = parse_listing(text)

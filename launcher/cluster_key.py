@@ -147,13 +147,14 @@ def known_hosts_text(cluster: Cluster, keys: dict[int, list[str]], port: int) ->
     return "\n".join(lines) + "\n"
 
 
-def controller_ssh(user: str | None, port: int, slug: str) -> SshConfig:
-    """How node 0 reaches the nodes: the cluster key and known_hosts (paths relative to node 0's
-    home), host keys checked strictly, no connection sharing (each session is its own, so a
-    killed controller's sessions all end with it)."""
+def controller_ssh(user: str | None, port: int, slug: str, known_hosts: str) -> SshConfig:
+    """How node 0 reaches the nodes: the cluster key and the job's own known_hosts (paths relative
+    to node 0's home; a job keeps the keys of its own nodes, whatever later jobs on a subset of
+    the cluster bring), host keys checked strictly, no connection sharing (each session is its
+    own, so a killed controller's sessions all end with it)."""
     options = ["StrictHostKeyChecking=yes", "IdentitiesOnly=yes", "GlobalKnownHostsFile=/dev/null",
                "UpdateHostKeys=no", "ControlMaster=no", "ControlPath=none"]
     if port != 22:
         options.append(f"Port={port}")
     return SshConfig(user=user, key=Path(NODE_KEY_DIR, slug, "id_ed25519"), options=tuple(options),
-                     known_hosts=Path(NODE_KEY_DIR, slug, "known_hosts"))
+                     known_hosts=Path(known_hosts))

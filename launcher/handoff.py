@@ -8,7 +8,7 @@ the job to a controller on node 0 and return its id.
    as today: one UserError, nothing started. A busy rendezvous port is not a refusal here: the
    queue on node 0 decides when the job may take it.
 2. The hand-off: one more session to node 0 receives a tar archive on stdin (the launcher's own
-   code, so node 0 runs this version; the cluster key, mode 600, and known_hosts; the request;
+   code, so node 0 runs this version; the cluster key, mode 600; the job's known_hosts; the request;
    the --env values in a file of their own, mode 600), and starts `python -m launcher.controller
    JOBDIR` in a session of its own (setsid, stdin from /dev/null, output to a file), so it
    outlives this SSH connection. It returns once the controller has written its record.
@@ -66,15 +66,15 @@ def detach(cluster: Cluster, config: LaunchConfig) -> str:
     slug = cluster_slug(cluster)
     files = {
         f"{NODE_KEY_DIR}/{slug}/id_ed25519": key.read_bytes(),
-        f"{NODE_KEY_DIR}/{slug}/known_hosts": known.encode(),
+        f"{JOBS_DIR}/{config.job_id}/known_hosts": known.encode(),
         f"{JOBS_DIR}/{config.job_id}/request.json":
-            json.dumps(request_json(cluster, config, controller_ssh(target.user, target.port, slug)),
-                       indent=1).encode(),
+            json.dumps(request_json(cluster, config, controller_ssh(
+                target.user, target.port, slug, f"{JOBS_DIR}/{config.job_id}/known_hosts")), indent=1).encode(),
         f"{JOBS_DIR}/{config.job_id}/env.json": json.dumps([list(kv) for kv in config.env]).encode(),
     }
     code, code_hash = _code_files()
     files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
-    _hand_off(cluster, config, transport, _archive(files), code_hash)
+    _hand_off(cluster, config, transport, _archive(files), code_hash, slug)
     return config.job_id
 
 
@@ -111,13 +111,23 @@ def _archive(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def _handoff_script(config: LaunchConfig, code_hash: str) -> str:
+def _handoff_script(config: LaunchConfig, code_hash: str, slug: str) -> str:
     job = shlex.quote(config.job_id)
+    key_dir = shlex.quote(f"{NODE_KEY_DIR}/{slug}")
     return "\n".join([
         "umask 077",
         'G="$HOME/.gpufleet"',
-        'mkdir -p "$G"',
-        'tar -x -z -f - -C "$HOME" || { echo "cannot unpack the job on node 0" >&2; exit 1; }',
+        # Unpacked aside, then renamed into place (rename(2) is atomic): a controller starting
+        # now never reads half a key, and the job's directory appears whole.
+        f'S="$G/.incoming-"{job}',
+        f'K="$HOME"/{key_dir}',
+        f'N="$S"/{key_dir}',
+        'mkdir -p "$S" "$G/jobs" "$G/code" "$K"',
+        'tar -x -z -f - -C "$S" || { echo "cannot unpack the job on node 0" >&2; rm -rf "$S"; exit 1; }',
+        'cmp -s "$N/id_ed25519" "$K/id_ed25519" || mv -f "$N/id_ed25519" "$K/id_ed25519"',
+        f'[ -d "$G/code/{code_hash}" ] || mv -T "$S/.gpufleet/code/{code_hash}" "$G/code/{code_hash}" 2>/dev/null',
+        f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
+        'rm -rf "$S"',
         f'J="$G/jobs/"{job}',
         'cd "$J"',
         # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
@@ -132,9 +142,10 @@ def _handoff_script(config: LaunchConfig, code_hash: str) -> str:
     ])
 
 
-def _hand_off(cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str) -> None:
+def _hand_off(cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str,
+              slug: str) -> None:
     head = cluster.nodes[0]
-    argv = transport.argv(head, _handoff_script(config, code_hash))
+    argv = transport.argv(head, _handoff_script(config, code_hash, slug))
     try:
         r = subprocess.run(argv, input=archive, capture_output=True, timeout=60 + config.ssh.connect_timeout)
     except subprocess.TimeoutExpired:

@@ -246,10 +246,14 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
         (entry,) = [l for l in (tmp_path / f"home{i}" / ".ssh" / "authorized_keys").read_text().splitlines()
                     if public in l]
         assert entry.startswith(frm + ","), entry
-    # Node 0's known_hosts holds each node's host key as its sshd presents it.
-    known = (node_key.parent / "known_hosts").read_text()
+    # The job's known_hosts on node 0 holds each node's host key as its sshd presents it.
+    known = (jobdir(tmp_path, first) / "known_hosts").read_text()
     for n in c.nodes:
         assert f"{n.address} {' '.join(n.host_key_pub.split()[:2])}" in known
+    # A later job on part of the cluster brings its own known_hosts; the waiting job keeps node 2's key.
+    third = detach(c, tmp_path, "exec", "--nodes", "2", "--", "true")
+    assert c.nodes[2].address not in (jobdir(tmp_path, third) / "known_hosts").read_text()
+    assert c.nodes[2].address in (jobdir(tmp_path, second) / "known_hosts").read_text()
     # No --env value in any record.
     assert not [p for p in (tmp_path / "home0" / ".gpufleet" / "jobs").rglob("*") if p.is_file()
                 and b"hunter2" in p.read_bytes()]
@@ -261,4 +265,6 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
     assert done["state"] == "FAILED" and done["failed_node"] == 2, done
     assert f"node 2 ({c.nodes[2].address}): Host key verification failed" in done["why"], done
     assert "node 0 (" not in done["why"] and "node 1 (" not in done["why"]
+    # The queue goes on: the job on nodes 0 and 1 runs next.
+    assert wait_state(c, tmp_path, third, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)["state"] == "SUCCEEDED"
     c.assert_nothing_left()

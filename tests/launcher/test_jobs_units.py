@@ -75,12 +75,13 @@ def test_a_job_id_that_is_not_one_is_refused_before_it_reaches_a_shell(bad):
 def test_the_request_carries_no_env_values_and_round_trips(tmp_path):
     config = LaunchConfig(Workload("exec", ("sh", "-c", "echo $TOKEN")), env=(("TOKEN", "s3cret"),), job_id="j",
                           rdzv_port=29600)
-    d = request_json(CLUSTER, config, controller_ssh("root", 2222, "c-abc"))
+    d = request_json(CLUSTER, config, controller_ssh("root", 2222, "c-abc", ".gpufleet/jobs/j/known_hosts"))
     assert "s3cret" not in json.dumps(d) and d["config"]["env_keys"] == ["TOKEN"]
     cluster, back = request_from_json(json.loads(json.dumps(d)), [["TOKEN", "s3cret"]], tmp_path, tmp_path / "jobs")
     assert cluster.nodes == CLUSTER.nodes and back.workload == config.workload and back.env == config.env
     assert back.rdzv_port == 29600 and back.run_dir == tmp_path / "jobs" / "j"
     assert back.ssh.key == tmp_path / ".gpufleet/clusters/c-abc/id_ed25519"
+    assert back.ssh.known_hosts == tmp_path / ".gpufleet/jobs/j/known_hosts"
     # Host keys are checked for real from node 0, and its sessions share no connection.
     assert "StrictHostKeyChecking=yes" in back.ssh.options and "Port=2222" in back.ssh.options
     assert "ControlMaster=no" in back.ssh.options

@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -46,7 +47,7 @@ class Controller:
         pid = os.getpid()
         self.record = JobRecord(
             id=self.request["config"]["job_id"], state=JobState.PENDING,
-            what=" ".join([wl["kind"], *wl["argv"]]), nodes=[n["host"] for n in self.request["cluster"]["nodes"]],
+            what=shlex.join([wl["kind"], *wl["argv"]]), nodes=[n["host"] for n in self.request["cluster"]["nodes"]],
             submitted=time.time(), pid=pid, pid_start=process_start(pid) or "")
 
     def save(self) -> None:

@@ -90,11 +90,10 @@ def _when(t: float | None) -> str:
 
 def _row(r: JobRecord) -> list[str]:
     dur = r.duration_s
-    failed = "" if r.failed_node is None else f"node {r.failed_node}: "
     what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
     return [r.id, escape(what), f"[{_STYLE[r.state.value]}]{r.state.value}[/]", str(len(r.nodes)), _when(r.started),
             "-" if dur is None else f"{dur:.0f} s", "-" if r.exit is None else str(r.exit),
-            escape(failed + r.why) if r.state.value in ("FAILED", "STOPPED") else ""]
+            escape(r.why) if r.state.value in ("FAILED", "STOPPED") else ""]
 
 
 @click.command(name="jobs")

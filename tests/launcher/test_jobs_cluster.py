@@ -268,3 +268,20 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
     # The queue goes on: the job on nodes 0 and 1 runs next.
     assert wait_state(c, tmp_path, third, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)["state"] == "SUCCEEDED"
     c.assert_nothing_left()
+
+
+def test_detach_refuses_as_an_attached_launch_does_and_hands_nothing_off(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    dead = c.unused_address()
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{c.nodes[0].address}\n{dead}\n{c.nodes[1].address}\n")
+    r = launch(tmp_path, "exec", *source_args(c, tmp_path, hosts), "--ssh-option", "ConnectTimeout=3", "--detach",
+               "--", "touch", str(tmp_path / "ran"))
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and dead in errors[0] and "nothing was started" in errors[0], r.stderr
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "home0" / ".gpufleet").exists()
+    # Asking about a job that is not there is one line too.
+    missing = launch(tmp_path, "stop", *source_args(c, tmp_path), "20260101-000000-aaaaaa")
+    assert missing.returncode == 2 and "no job 20260101-000000-aaaaaa on node 0" in missing.stderr, missing.stderr
+    c.assert_nothing_left()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -121,6 +122,13 @@ def _copy_path(o: dict[str, Any], job_id: str, node: int | None) -> Path:
     return d / ("output.log" if node is None else f"node-{node}.log")
 
 
+def _reader_gone() -> None:
+    """stdout's reader went away (`launch logs ID | head`): stop quietly, as cat does; the job
+    is untouched. stdout goes to /dev/null so the interpreter's final flush cannot fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(0)
+
+
 def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
     """Print the job's stream as it grows until the job ends; Ctrl-C stops following only."""
     proc = subprocess.Popen(n0.argv(logs_script(job_id, node, follow=True)), stdout=subprocess.PIPE,
@@ -133,6 +141,9 @@ def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
                 f.write(raw)
                 f.flush()
         proc.wait()
+    except BrokenPipeError:
+        proc.kill()
+        _reader_gone()
     except KeyboardInterrupt:
         proc.kill()
         proc.wait()
@@ -162,7 +173,11 @@ def logs(job_id: str, node: int | None, follow: bool, **o: Any) -> None:
         raise SystemExit(record.exit or 0)
     text = n0.run(logs_script(job_id, node, follow=False))
     copy.write_text(text)
-    sys.stdout.write(text)
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_gone()
 
 
 def _wait_final(n0: _Node0, job_id: str, timeout: float) -> JobRecord:

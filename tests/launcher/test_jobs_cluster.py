@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -285,3 +286,17 @@ def test_detach_refuses_as_an_attached_launch_does_and_hands_nothing_off(sim_clu
     missing = launch(tmp_path, "stop", *source_args(c, tmp_path), "20260101-000000-aaaaaa")
     assert missing.returncode == 2 and "no job 20260101-000000-aaaaaa on node 0" in missing.stderr, missing.stderr
     c.assert_nothing_left()
+
+
+def test_logs_into_a_pipe_that_closes_early_ends_quietly(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", "seq 1 20000")
+    wait_state(c, tmp_path, job_id, {"SUCCEEDED"}, timeout=60)
+    for follow in ([], ["-f"]):
+        cmd = " ".join([LAUNCH, "logs", *source_args(c, tmp_path), job_id, *follow]) + " | head -n 2"
+        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
+                           env=client_env(tmp_path), timeout=60)
+        lines = r.stdout.splitlines()
+        assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr
+        assert all(re.fullmatch(r"\[node [01]\] [12]", line) for line in lines), lines
+        assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr

@@ -58,7 +58,7 @@ class FromRequest:
     files: tuple[str, ...]  # file names; "-" is stdin
     ops: str | None = None  # given on the command line: the collective the output is of
     machine_type: str | None = None  # known to the catalog
-    nodes: int | None = None  # >= 1
+    nnodes: int | None = None  # --nodes, >= 1
     min_busbw: float | None = None
     runs_dir: Path = Path("runs")
     as_json: bool = False
@@ -178,10 +178,10 @@ def _one(values: set[int]) -> int:
 def _node_count(request: FromRequest, tests: list[tuple[str, ParsedTest]]) -> int:
     """--nodes, else the hosts every test's '# Rank' lines agree on, else 0 (unknown)."""
     hosts = _one({len(t.hosts) for _, t in tests if t.hosts})
-    if request.nodes and hosts and hosts != request.nodes:
-        err.print(f"[yellow]--nodes {request.nodes}, but the '# Rank' lines name {hosts} hosts; "
-                  f"using --nodes {request.nodes}[/yellow]")
-    return request.nodes or hosts
+    if request.nnodes and hosts and hosts != request.nnodes:
+        err.print(f"[yellow]--nodes {request.nnodes}, but the '# Rank' lines name {hosts} hosts; "
+                  f"using --nodes {request.nnodes}[/yellow]")
+    return request.nnodes or hosts
 
 
 def _lacking(tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[str]:

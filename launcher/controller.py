@@ -43,6 +43,7 @@ class Controller:
         self.env = json.loads(env_file.read_text()) if env_file.exists() else []
         env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
         self.stop = threading.Event()
+        self.metrics = None  # the job's sampling (launcher.job_metrics), while it runs
         wl = self.request["workload"]
         pid = os.getpid()
         self.record = JobRecord(
@@ -65,6 +66,9 @@ class Controller:
 
         home = Path(os.path.expanduser("~"))
         cluster, config = request_from_json(self.request, self.env, home, self.jobdir.parent)
+        from launcher import job_metrics
+
+        self.metrics = job_metrics.start(cluster, config, self.jobdir / job_metrics.RECORD)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
             launch = Launch(cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop)
             try:
@@ -131,6 +135,8 @@ class Controller:
 
     def end(self, state: JobState, code: int, why: str = "", node: int | None = None,
             tail: list[str] | None = None) -> int:
+        if self.metrics is not None:  # sampling ends first: a final record's samples are whole
+            self.metrics.stop()
         r = self.record
         r.state, r.exit, r.why, r.failed_node, r.tail, r.ended = state, code, why, node, tail or [], time.time()
         self.save()

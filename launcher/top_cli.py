@@ -1,6 +1,10 @@
 """`launch top`: the click edge over launcher.top. A live table, one row per node, refreshed every
 `--interval`; `--record FILE.jsonl` keeps every sample; `--plot FILE.jsonl` draws a record.
 
+`launch top JOB_ID` views a detached job's nodes only, read from the job's record on node 0 of
+the cluster the node flags name (launcher.jobs); `--plot JOB_ID` copies the samples the job's
+controller took (launcher.job_metrics) to RUNS_DIR/JOB_ID/top.jsonl and draws them.
+
 On a terminal the table redraws in place (rich Live); into a pipe or file it is printed once per
 refresh, one after the other, like `top -b`, so a script or a test reads the whole history.
 Ctrl-C (or `--duration`) ends the view: every node's session reads end of input and its loop
@@ -12,9 +16,10 @@ from __future__ import annotations
 
 import signal
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +29,12 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
+from launcher.job_metrics import INTERVAL_S as JOB_INTERVAL_S
+from launcher.job_metrics import RECORD, record_script
+from launcher.jobs import check_job_id, list_script, parse_listing
+from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
 from launcher.render import err, setup_logging, user_errors
-from launcher.model import UserError, Workload, new_job_id
-from launcher.transport import make_transport
 from launcher.top import (
     FLAG_FRACTION,
     NodeRow,
@@ -38,6 +45,7 @@ from launcher.top import (
     slowest,
     sparkline,
 )
+from launcher.transport import Transport, make_transport
 
 __all__ = ["top", "render_table"]
 
@@ -237,39 +245,119 @@ def _summary(stats: _ViewStats, sampler: TopSampler, recorder: Recorder | None) 
     return s
 
 
+def _on_node0(transport: Transport, head: Node, script: str) -> str:
+    """What `script` prints on node 0 (where detached jobs keep their records)."""
+    try:
+        r = subprocess.run(transport.argv(head, script), capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{head.label} did not answer within 60 s") from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        raise UserError(f"{head.label}: {why}")
+    return r.stdout
+
+
+def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, LaunchConfig, Transport]:
+    """The cluster whose node 0 holds `job_id`'s record, from the node-source flags."""
+    check_job_id(job_id)
+    if not any(o.get(f) for f in ("stack", "outputs", "hostfile", "labels", "local")):
+        raise UserError(f"{what}: a job's record is on node 0 of its cluster; give that cluster's node flags "
+                        "(--hostfile, --stack, ...) as for `launch jobs`")
+    cluster = find_cluster(o)
+    if cluster.local:
+        raise UserError(f"{what}: detached jobs live on node 0 of an SSH cluster; --local has none")
+    if o.get("dry_run"):
+        raise UserError(f"{what} reads the job's record on node 0, and --dry-run connects to nothing; drop one")
+    config = build_config(o, Workload("exec", ("true",)), cluster)
+    return cluster, config, make_transport(cluster, config)
+
+
+def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
+    """`cluster` narrowed to the nodes of detached job `job_id`, ranked as in the job."""
+    head = cluster.nodes[0]
+    found = parse_listing(_on_node0(transport, head, list_script(job_id)))
+    if not found:
+        raise UserError(f"no job {job_id} on {head.label}; `launch jobs` lists the jobs there")
+    job = found[0]
+    if job.state.final:
+        raise UserError(f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
+                        "its controller sampled")
+    by_host = {n.host: n for n in cluster.nodes}
+    missing = [h for h in job.nodes if h not in by_host]
+    if missing:
+        raise UserError(f"job {job_id} runs on {', '.join(missing)}, which the node flags do not name; give the "
+                        "node flags the job was started with")
+    return replace(cluster, nodes=tuple(replace(by_host[h], rank=i) for i, h in enumerate(job.nodes)))
+
+
+def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, LaunchConfig, Transport]:
+    """The nodes to view: the flags' cluster, or detached job `job_id`'s nodes of it."""
+    if job_id:
+        cluster, config, transport = _job_source(o, job_id, f"launch top {job_id}")
+        return _job_nodes(cluster, transport, job_id), config, transport
+    cluster = find_cluster(o)
+    config = build_config(o, Workload("exec", ("true",)), cluster)
+    return cluster, config, make_transport(cluster, config)
+
+
+def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
+    """--plot FILE.jsonl, or --plot JOB_ID: the job's samples copied from node 0 to
+    RUNS_DIR/JOB_ID/top.jsonl (as `launch logs` copies logs), then drawn."""
+    from launcher.top_plot import plot_record
+
+    try:
+        job_id = check_job_id(plot_from)
+    except UserError:
+        job_id = None
+    if job_id is None or Path(plot_from).exists():
+        if any(o.get(f) for f in ("stack", "outputs", "hostfile", "labels", "local")):
+            raise UserError("--plot draws a record and connects to nothing; drop the node source (a detached "
+                            "job's samples: --plot JOB_ID with its node flags)")
+        return plot_record(Path(plot_from), output)
+    cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
+    text = _on_node0(transport, cluster.nodes[0], record_script(job_id))
+    if not text.strip():
+        raise UserError(f"job {job_id} has no samples yet (its controller samples every "
+                        f"{JOB_INTERVAL_S:g} s while it runs); try again later")
+    copy = Path(o.get("runs_dir") or "runs") / job_id / RECORD
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(text)
+    err.print(f"[dim]copied job {job_id}'s samples to {escape(str(copy))}[/dim]")
+    return plot_record(copy, output)
+
+
 @click.command(name="top")
 @apply_options(SOURCE_OPTIONS)
+@click.argument("job_id", required=False, metavar="[JOB_ID]")
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image (NIC roles).")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between samples and redraws.")
 @click.option("--record", type=click.Path(path_type=Path), metavar="FILE.jsonl",
               help="Append every sample, one JSON object per node per sample (README: launch top).")
 @click.option("--duration", type=float, help="Stop after this many seconds (for scripts; default: until Ctrl-C).")
-@click.option("--plot", "plot_from", type=click.Path(path_type=Path), metavar="FILE.jsonl",
-              help="Draw a recorded FILE.jsonl as a PNG (per-node GPU util and NIC timelines) and exit.")
-@click.option("--output", "-o", type=click.Path(path_type=Path), help="The PNG for --plot [default: FILE.png].")
+@click.option("--plot", "plot_from", metavar="JOB_ID|FILE.jsonl",
+              help="Draw a record as a PNG (per-node GPU util and NIC timelines) and exit: a --record file, or "
+                   "what a detached job's controller sampled (with the node flags).")
+@click.option("--output", "-o", type=click.Path(path_type=Path),
+              help="The PNG for --plot [default: FILE.png; RUNS_DIR/JOB_ID/top.png].")
 @user_errors
-def top(interval: float, record: Path | None, duration: float | None, plot_from: Path | None,
+def top(job_id: str | None, interval: float, record: Path | None, duration: float | None, plot_from: str | None,
         output: Path | None, **o: Any) -> None:
-    """Live view of every node: GPU util, memory, power, temperature, CPU, NIC Gbit/s by role."""
+    """Live view of every node (or of detached job JOB_ID's nodes): GPU util, memory, power,
+    temperature, CPU, NIC Gbit/s by role."""
     setup_logging()
     if plot_from is not None:
-        given = [f for f in ("stack", "outputs", "hostfile", "labels", "local") if o.get(f)]
-        if given or record or duration:
-            raise UserError("--plot draws a record and connects to nothing; drop the node source, "
-                            "--record and --duration")
-        from launcher.top_plot import plot_record
-
-        out = plot_record(plot_from, output)
+        if job_id or record or duration:
+            raise UserError("--plot draws a record and exits; drop JOB_ID, --record and --duration "
+                            "(a job's record: launch top --plot JOB_ID)")
+        out = _plot(plot_from, output, o)
         err.print(f"[dim]wrote {escape(str(out))}[/dim]")
         return
     if not 0.1 <= interval <= 3600:
         raise UserError(f"--interval {interval:g} is outside 0.1..3600 seconds")
     if duration is not None and duration <= 0:
         raise UserError(f"--duration {duration:g} must be more than 0 seconds")
-    cluster = find_cluster(o)
-    config = build_config(o, Workload("exec", ("true",)), cluster)
+    cluster, config, transport = _view_source(o, job_id)
     plan = role_plan(cluster.machine_type, o.get("image_os"))
-    transport = make_transport(cluster, config)
     if config.dry_run:
         from launcher.sampler import node_program
 
@@ -283,7 +371,8 @@ def top(interval: float, record: Path | None, duration: float | None, plot_from:
     sampler = TopSampler(cluster, transport.argv, interval_s=interval, plan=plan,
                          on_row=recorder.write if recorder else None, concurrency=config.ssh.concurrency)
     n = len(cluster.nodes)
-    title = f"launch top: {n} node{'s' * (n != 1)}" + (f", {cluster.machine_type}" if cluster.machine_type else "")
+    title = (f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}"
+             + (f", {cluster.machine_type}" if cluster.machine_type else ""))
     sampler.start()
     try:
         stats = _view(sampler, duration, title)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -197,3 +198,18 @@ def test_a_stopped_job_stops_its_sampling_and_leaves_nothing_on_any_node(sim_clu
     assert len(_records(path)) == n, "the job's samples went on after it was stopped"
     r = _launch(tmp_path, "top", "--plot", "20260101-000000-000000", *source_args(c, tmp_path))
     assert r.returncode == 2 and "no job 20260101-000000-000000" in r.stderr, r.stderr
+
+
+def test_a_killed_controller_takes_its_sampling_sessions_with_it(sim_cluster, tmp_path):
+    """SIGKILL leaves stop() no chance: each node's loop ends because its session's input closes
+    with the controller (and the nodes' watchdogs stop the job), so nothing is left anywhere."""
+    c = _cluster(sim_cluster, tmp_path, 2)
+    job_id = _detach(c, tmp_path, c.hostfile, "sleep", "300")
+    path = _job_record(tmp_path, job_id)
+    wait_for(lambda: all(_rated(_records(path), n) for n in range(2)), 60, "a rated sample of every node")
+    pid = int((path.parent / "controller.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)
+    c.assert_nothing_left(within=15)
+    n = len(_records(path))
+    time.sleep(2.5)
+    assert len(_records(path)) == n

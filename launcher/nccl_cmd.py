@@ -38,7 +38,14 @@ from launcher.nccl_judge import expected_judgement, verdict
 from launcher.nccl_mpirun import nccl_tests_command
 from launcher.nccl_parse import parse_output
 from launcher.nccl_render import rich_table, write_results
-from launcher.options import SOURCE_OPTIONS, TORCHRUN_OPTIONS, apply_options, build_config, find_cluster
+from launcher.options import (
+    DETACH_OPTION,
+    SOURCE_OPTIONS,
+    TORCHRUN_OPTIONS,
+    apply_options,
+    build_config,
+    find_cluster,
+)
 from launcher.render import err, execute_on, setup_logging, user_errors
 
 __all__ = ["nccl_tests", "NcclRequest", "nccl_request", "rank0_rows", "report_rows"]
@@ -152,7 +159,7 @@ def report_rows(rows: list[SweepRow], cluster: Cluster, config: LaunchConfig, re
 
 
 @click.command(name="nccl-tests")
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS + [DETACH_OPTION])
 @user_errors
 def nccl_tests(**o: Any) -> None:
     """Measure collective bandwidth across the nodes (an nccl-tests style sweep), or report on
@@ -164,8 +171,11 @@ def nccl_tests(**o: Any) -> None:
                         "output to stdout: add --from FILE or drop --json")
     request = nccl_request(o)
     setup_logging()
-    cluster = find_cluster(o)
     workload = Workload("torchrun", ("-m", SWEEP_MODULE, *request.sweep.sweep_argv()))
+    if o.pop("detach", False):
+        _detach(o, request, workload)
+        return
+    cluster = find_cluster(o)
     config = build_config({**o, "env": request.env}, workload, cluster)
     if request.find_bad_nodes:
         raise SystemExit(_find_bad_nodes(cluster, config, request))
@@ -179,6 +189,18 @@ def nccl_tests(**o: Any) -> None:
         raise SystemExit(result.exit_code)
     code = report_rows(rank0_rows(result, _nranks(cluster, config)), cluster, config, request, _out())
     raise SystemExit(result.exit_code or code)
+
+
+def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None:
+    """The sweep as a detached job: node 0's controller runs it; its report is read back with
+    `launch logs ID --node 0 | launch nccl-tests --from -` (the node log keeps the JSON rows)."""
+    if request.find_bad_nodes or request.impl == "nccl-tests":
+        what = "--find-bad-nodes" if request.find_bad_nodes else "--impl nccl-tests"
+        raise UserError(f"--detach hands one sweep to node 0; {what} runs several launches from this "
+                        "machine: drop --detach, or run it from a machine that stays up")
+    from launcher.jobs_cli import start_detached  # loaded only when asked for, as cli's --detach does
+
+    start_detached({**o, "env": request.env}, workload)
 
 
 def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:

@@ -326,6 +326,38 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
     return plot_record(copy, output)
 
 
+def _cloud_exporter(o: dict[str, Any], cluster: Cluster, sampler: TopSampler):
+    """--cloud-monitoring: a launcher.top_cloud.CloudExporter of the view's rows, or None."""
+    if not o.get("cloud_monitoring"):
+        return None
+    project = o.get("project") or cluster.project
+    if not project:
+        raise UserError("--cloud-monitoring needs the project to write to: the stack's outputs carry it; with "
+                        "another node source pass --project")
+    from launcher.top_cloud import CloudExporter
+
+    return CloudExporter(cluster, project, sampler.rows, sampler.interval_s, endpoint=o.get("monitoring_endpoint"))
+
+
+def _stop_all(sampler: TopSampler, exporter, recorder: Recorder | None) -> tuple[bool, int]:
+    """End the view's sessions (and its export and record); whether any node answered, and how
+    many were still connecting."""
+    # Ignore a second Ctrl-C while every session ends: stopping is quick and leaves nothing.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        final = sampler.rows()
+        answered = any(r.t is not None for r in final)
+        connecting = sum(r.status is NodeStatus.CONNECTING for r in final)
+        if exporter:
+            exporter.stop()
+        sampler.stop()
+        if recorder:
+            recorder.close()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return answered, connecting
+
+
 @click.command(name="top")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id", required=False, metavar="[JOB_ID]")
@@ -339,6 +371,10 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
                    "what a detached job's controller sampled (with the node flags).")
 @click.option("--output", "-o", type=click.Path(path_type=Path),
               help="The PNG for --plot [default: FILE.png; RUNS_DIR/JOB_ID/top.png].")
+@click.option("--cloud-monitoring", is_flag=True,
+              help="Also write the samples to Cloud Monitoring as custom metrics (the stack's project, or --project).")
+@click.option("--monitoring-endpoint", hidden=True, metavar="HOST:PORT",
+              help="A Cloud Monitoring stand-in over plain gRPC (tests).")
 @user_errors
 def top(job_id: str | None, interval: float, record: Path | None, duration: float | None, plot_from: str | None,
         output: Path | None, **o: Any) -> None:
@@ -373,22 +409,18 @@ def top(job_id: str | None, interval: float, record: Path | None, duration: floa
     n = len(cluster.nodes)
     title = (f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}"
              + (f", {cluster.machine_type}" if cluster.machine_type else ""))
+    exporter = _cloud_exporter(o, cluster, sampler)
     sampler.start()
+    if exporter:
+        exporter.start()
     try:
         stats = _view(sampler, duration, title)
     finally:
-        # Ignore a second Ctrl-C while every session ends: stopping is quick and leaves nothing.
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            final = sampler.rows()
-            answered = any(r.t is not None for r in final)
-            connecting = sum(r.status is NodeStatus.CONNECTING for r in final)
-            sampler.stop()
-            if recorder:
-                recorder.close()
-        finally:
-            signal.signal(signal.SIGINT, old)
+        answered, connecting = _stop_all(sampler, exporter, recorder)
     err.print(f"[dim]{escape(_summary(stats, sampler, recorder))}[/dim]")
+    if exporter:
+        err.print(f"[dim]{exporter.written} time series written to Cloud Monitoring (project "
+                  f"{escape(exporter.project)})[/dim]")
     if stats.signum == signal.SIGTERM:
         raise SystemExit(128 + stats.signum)
     if not answered:

@@ -27,6 +27,7 @@ from launcher.options import (
     ENV_OPTION,
     PASS_THROUGH,
     PROGRAM_AFTER,
+    RECOVER_OPTIONS,
     SOURCE_OPTIONS,
     TORCHRUN_OPTIONS,
     apply_options,
@@ -88,6 +89,11 @@ class _OneLineErrors(click.Group):
 
 def _start(o: dict[str, Any], workload: Workload) -> None:
     """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
+    if not o.get("detach") and any(o.get(k) is not None and o.get(k) is not False
+                                   for k in ("recover", "max_recoveries", "recover_timeout")):
+        from launcher.recover import recover_policy
+
+        recover_policy(o, workload.argv, detach=False)  # refuses: --recover lives on node 0's controller
     if o.pop("detach", False):
         from launcher.jobs_cli import start_detached  # loaded only when asked for, as _lazy's commands
 
@@ -129,7 +135,7 @@ def main() -> None:
 
 
 @main.command(context_settings=PASS_THROUGH)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION])
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION] + RECOVER_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:

@@ -5,6 +5,8 @@ an attached launch runs (node 0 reaching every node, itself included, over SSH w
 key) and keeps the job's record (launcher.jobs) up to date:
 
     PENDING ──> RUNNING ──> SUCCEEDED | FAILED | STOPPED
+       │           ↑  └──> RECOVERING ──> FAILED | STOPPED   (--recover: launcher.recover)
+       │           └────────────┘  (every node back and checked: relaunched with --resume)
        └──────────────────> STOPPED   (`launch stop` while it waited)
 
 PENDING: an earlier job (first in, first out) on any of the same nodes is still pending or
@@ -44,6 +46,7 @@ class Controller:
         env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
         self.stop = threading.Event()
         self.metrics = None  # the job's sampling (launcher.job_metrics), while it runs
+        self.preempted, self.last_step = False, None  # this attempt's, for launcher.recover
         wl = self.request["workload"]
         pid = os.getpid()
         self.record = JobRecord(
@@ -77,11 +80,24 @@ class Controller:
                 return self.end(JobState.FAILED, 2, why=str(e), node=_first_bad(launch))
             except Interrupted as e:
                 return self.end(JobState.STOPPED, 128 + e.signum, why="stopped while connecting; nothing ran")
-        return self.finish(result)
+        if self.request.get("recover") is None:
+            return self.finish(result)
+        from launcher.recover import Recoverer, RecoverPolicy
+
+        return Recoverer(self, cluster, config, RecoverPolicy(**self.request["recover"])).run(result)
 
     def on_event(self, out, event) -> None:  # a launcher.launch.NodeEvent
         if event.line is not None:
             out.write(f"[node {event.node.rank}] {event.line}\n")
+            if self.request.get("recover") is not None:
+                from launcher.recover import PREEMPTED_TEXT, step_of
+
+                self.last_step = step_of(event.line) or self.last_step
+                self.preempted = self.preempted or PREEMPTED_TEXT in event.line
+
+    def reset_attempt(self) -> None:
+        """A relaunch starts: what the last attempt's output said is forgotten."""
+        self.preempted, self.last_step = False, None
 
     def wait_turn(self) -> bool:
         """Wait (PENDING) until no earlier job, and no running one, uses any of this job's nodes;
@@ -114,7 +130,8 @@ class Controller:
             if other.id == self.record.id or other.state.final or not set(other.nodes) & mine:
                 continue
             earlier = (other.submitted, other.id) < (self.record.submitted, self.record.id)
-            if (earlier or other.state is JobState.RUNNING) and controller_alive(other):
+            holds = other.state in (JobState.RUNNING, JobState.RECOVERING)
+            if (earlier or holds) and controller_alive(other):
                 out.append(other)
         return out
 

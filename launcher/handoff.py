@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import launcher
 from launcher.cluster_key import (
@@ -52,8 +53,9 @@ STARTED_MARKER = "__GPUFLEET_STARTED__"
 _SHIPPED = (("launcher", "*.py"), ("gpufleet", "*.py"), ("infra", "__init__.py"), ("infra", "contract.py"))
 
 
-def detach(cluster: Cluster, config: LaunchConfig) -> str:
-    """Check every node, hand the job to node 0's controller, return the job id."""
+def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | None = None) -> str:
+    """Check every node, hand the job to node 0's controller, return the job id. `recover`:
+    --recover's settings (launcher.recover.RecoverPolicy.to_json), carried in the request."""
     if cluster.local:
         raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: "
                         "drop --detach")
@@ -67,9 +69,8 @@ def detach(cluster: Cluster, config: LaunchConfig) -> str:
     files = {
         f"{NODE_KEY_DIR}/{slug}/id_ed25519": key.read_bytes(),
         f"{JOBS_DIR}/{config.job_id}/known_hosts": known.encode(),
-        f"{JOBS_DIR}/{config.job_id}/request.json":
-            json.dumps(request_json(cluster, config, controller_ssh(
-                target.user, target.port, slug, f"{JOBS_DIR}/{config.job_id}/known_hosts")), indent=1).encode(),
+        f"{JOBS_DIR}/{config.job_id}/request.json": json.dumps(request_json(cluster, config, controller_ssh(
+            target.user, target.port, slug, f"{JOBS_DIR}/{config.job_id}/known_hosts"), recover), indent=1).encode(),
         f"{JOBS_DIR}/{config.job_id}/env.json": json.dumps([list(kv) for kv in config.env]).encode(),
     }
     code, code_hash = _code_files()

@@ -64,6 +64,7 @@ class JobState(str, enum.Enum):
 
     PENDING = "PENDING"
     RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"  # --recover (issue 14): a node failed; waiting for every node, then --resume
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     STOPPED = "STOPPED"
@@ -90,6 +91,7 @@ class JobRecord:
     failed_node: int | None = None  # rank of the node that failed first
     why: str = ""  # for FAILED/STOPPED: what happened, in one line
     tail: list[str] = field(default_factory=list)  # the failed node's last lines
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # launcher.recover.Recovery, in order
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -154,10 +156,13 @@ def controller_alive(record: JobRecord) -> bool:
 # ---- the request: what the controller needs to run the same Launch ----
 
 
-def request_json(cluster: Cluster, config: LaunchConfig, ssh: SshConfig) -> dict[str, Any]:
+def request_json(cluster: Cluster, config: LaunchConfig, ssh: SshConfig,
+                 recover: dict[str, Any] | None = None) -> dict[str, Any]:
     """The request without secrets: --env values are left out (they go to env.json); `ssh` names
-    the key and known_hosts by their paths relative to node 0's home."""
+    the key and known_hosts by their paths relative to node 0's home; `recover`: --recover's
+    settings (launcher.recover.RecoverPolicy), None without it."""
     return {
+        "recover": recover,
         "cluster": {"name": cluster.name, "machine_type": cluster.machine_type, "zone": cluster.zone,
                     "project": cluster.project,
                     "nodes": [{"rank": n.rank, "host": n.host, "address": n.address, "slots": n.slots,

@@ -26,12 +26,14 @@ from launcher.handoff import detach
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.recover import recover_policy
 from launcher.render import err, setup_logging, user_errors
 from launcher.transport import make_transport
 
 __all__ = ["start_detached", "jobs", "logs", "stop", "attach"]
 
-_STYLE = {"PENDING": "cyan", "RUNNING": "blue", "SUCCEEDED": "green", "FAILED": "red", "STOPPED": "yellow"}
+_STYLE = {"PENDING": "cyan", "RUNNING": "blue", "RECOVERING": "magenta", "SUCCEEDED": "green", "FAILED": "red",
+          "STOPPED": "yellow"}
 
 
 def start_detached(o: dict[str, Any], workload: Workload) -> None:
@@ -39,11 +41,12 @@ def start_detached(o: dict[str, Any], workload: Workload) -> None:
     setup_logging()
     if o.get("dry_run"):
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
+    policy = recover_policy(o, workload.argv, detach=True)
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
     n = len(cluster.nodes)
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
-        job_id = detach(cluster, config)
+        job_id = detach(cluster, config, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")
     err.print(f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop "
               f"{job_id}[/dim]")
@@ -94,7 +97,7 @@ def _row(r: JobRecord) -> list[str]:
     what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
     return [r.id, escape(what), f"[{_STYLE[r.state.value]}]{r.state.value}[/]", str(len(r.nodes)), _when(r.started),
             "-" if dur is None else f"{dur:.0f} s", "-" if r.exit is None else str(r.exit),
-            escape(r.why) if r.state.value in ("FAILED", "STOPPED") else ""]
+            escape(r.why) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else ""]
 
 
 @click.command(name="jobs")

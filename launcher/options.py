@@ -15,7 +15,8 @@ from launcher import discovery
 from launcher.env import parse_env_pairs
 from launcher.model import Cluster, LaunchConfig, SshConfig, UserError, Workload, new_job_id
 
-__all__ = ["SOURCE_OPTIONS", "ENV_OPTION", "TORCHRUN_OPTIONS", "DETACH_OPTION", "PASS_THROUGH", "PROGRAM_AFTER", "apply_options",
+__all__ = ["SOURCE_OPTIONS", "ENV_OPTION", "TORCHRUN_OPTIONS", "DETACH_OPTION", "RECOVER_OPTIONS",
+           "PASS_THROUGH", "PROGRAM_AFTER", "apply_options",
            "find_cluster", "build_config"]
 
 
@@ -53,6 +54,16 @@ ENV_OPTION = click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
 DETACH_OPTION = click.option("--detach", is_flag=True,
                              help="Check every node, hand the job to a controller on node 0, print `job ID` "
                                   "and return; see `launch jobs/logs/stop/attach`.")
+
+# Issue 14: a detached training job that loses a node comes back on its own (launcher.recover).
+RECOVER_OPTIONS = [
+    click.option("--recover", is_flag=True,
+                 help="With --detach: when a node is lost, preempted or a worker crashes, wait for every node to "
+                      "pass its check again and relaunch with --resume (needs --checkpoint-dir)."),
+    click.option("--max-recoveries", type=int, help="Give up after N recoveries [default: 3]."),
+    click.option("--recover-timeout", metavar="DURATION",
+                 help="How long a lost node may take to come back, e.g. 90s, 30m [default: 30m]."),
+]
 
 TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),

@@ -405,6 +405,54 @@ class SimCluster:
         self._start_sshd(node)
         self._wait_listening(node)
 
+    def preempt(self, i: int, save_s: float = 10.0) -> None:
+        """Node i is preempted, as Compute Engine stops a Spot VM: its training workers (the
+        processes torchrun started, which carry LOCAL_RANK) get SIGTERM and up to `save_s` to
+        save and exit; then the node goes away: its sshd and every process started through it
+        are killed at once. `restart_sshd(i)` brings it back, with its disk (and host key)."""
+        workers = [p for p in self.processes(i) if any(v.startswith(b"LOCAL_RANK=")
+                                                         for v in _environ(p).split(b"\0"))]
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + save_s
+        while time.monotonic() < deadline and any(_alive(p) for p in workers):
+            time.sleep(0.05)
+        self.power_off(i)
+
+    def power_off(self, i: int) -> None:
+        """Node i goes away at once: its sshd listener, its sessions and everything they started
+        are killed (nothing answers on its address until `restart_sshd(i)`)."""
+        node = self.nodes[i]
+        victims = set(self.processes(i))
+        if node.sshd:
+            victims |= set(_descendants(node.sshd.pid)) | {node.sshd.pid}
+        for pid in victims:
+            self._kill(pid)
+        if node.sshd:
+            node.sshd.wait(timeout=10)
+        for pid in self.processes(i):  # reparented session processes still carry the tag
+            self._kill(pid)
+
+    def restart_sshd(self, i: int) -> None:
+        """Node i boots again: its sshd starts with the same host key and configuration."""
+        node = self.nodes[i]
+        if node.sshd and node.sshd.poll() is None:
+            raise RuntimeError(f"node {i}'s sshd is still running")
+        cfg = self.dir / f"gpufleet-sshd-{self.id}-{node.index}.conf"
+        argv = [SSHD, "-D", "-e", "-f", str(cfg)]
+        name = self.hostnames.get(node.index)
+        if name:
+            argv = ["unshare", "--uts", "sh", "-c", f"hostname {name} && exec \"$@\"", "sh", *argv]
+        if node.netns:
+            argv = ["ip", "netns", "exec", node.netns] + argv
+        log = open(self.dir / f"sshd_{node.index}.log", "ab")
+        node.sshd = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        self._wait_listening(node)
+
     def block(self, i: int) -> None:
         """Cut node i off the network (its sshd keeps running but nothing reaches it)."""
         node = self.nodes[i]

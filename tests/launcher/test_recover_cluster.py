@@ -1,0 +1,122 @@
+"""--recover (issue 14) against the simulated cluster: real sshd nodes, real torchrun over gloo, the
+controller on node 0. A node is "preempted" as Compute Engine stops a Spot VM (its workers get
+SIGTERM and save, then its sshd and everything started through it die) and brought back later
+with its disk and host key (SimCluster.preempt / restart_sshd)."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
+from tests.support import TRAIN, checkpoint_step, params, source_args, torch_args, wait_for
+
+pytestmark = pytest.mark.cluster
+
+FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+NODES = 2
+
+
+def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_uninterrupted_one(sim_cluster,
+                                                                                                 tmp_path):
+    c = cluster(sim_cluster, tmp_path, NODES)
+    ckpt = tmp_path / "ckpt"
+    common = [*TRAIN, "--global-batch", str(NODES), "--steps", "300", "--log-every", "10", "--checkpoint-every", "10"]
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--recover-timeout", "2m", "--", *common,
+                    "--checkpoint-dir", str(ckpt), "--save-params", str(tmp_path / "recovered.pt"))
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    c.preempt(1)
+    t_gone = time.monotonic()
+    seen = wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
+    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["node"] == 1, 20, "node 1 named", interval=0.5)
+    assert checkpoint_step(ckpt) < 300, "the preemption came after the end: make the run longer"
+    time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
+    recovering = job(c, tmp_path, job_id)
+    assert recovering["state"] == "RECOVERING" and "recovery 1 of 3: node 1" in recovering["why"], recovering
+    c.restart_sshd(1)
+    done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
+    assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
+    (rec,) = done["recoveries"]
+    assert rec["node"] == 1 and rec["waited_s"] >= 9, rec
+    assert "preempted" in rec["cause"] or "unreachable" in rec["cause"], rec
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
+    assert "resumed from" in out and "] step 300/300 |" in out, seen
+    c.assert_nothing_left()
+    # The same run, uninterrupted and attached, ends with the same parameters.
+    launch(tmp_path, "train", *source_args(c, tmp_path), *torch_args(), "--", *common, "--checkpoint-dir",
+           str(tmp_path / "ckpt2"), "--save-params", str(tmp_path / "straight.pt"), check=True, timeout=300)
+    got, want = params(tmp_path / "recovered.pt"), params(tmp_path / "straight.pt")
+    assert sorted(got) == sorted(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in got)
+    assert worst == 0.0, f"parameters differ by up to {worst:g}\n{out}"
+
+
+def test_a_node_that_never_comes_back_fails_the_job_after_the_timeout_naming_it_and_leaves_nothing(sim_cluster,
+                                                                                                   tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--recover-timeout", "6s", "--", *TRAIN,
+                    "--global-batch", "2", "--steps", "100000", "--checkpoint-dir", str(ckpt),
+                    "--checkpoint-every", "5")
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
+    c.power_off(1)
+    done = wait_state(c, tmp_path, job_id, FINAL, timeout=90)
+    assert done["state"] == "FAILED" and done["failed_node"] == 1, done
+    assert "node 1 was not back within --recover-timeout 6 s" in done["why"] and c.nodes[1].address in done["why"]
+    (rec,) = done["recoveries"]
+    assert rec["node"] == 1 and rec["waited_s"] is None, rec
+    c.assert_nothing_left()
+
+
+CRASH_AT_STEP_5 = """
+    import os
+    if "LOCAL_RANK" in os.environ and os.environ.get("RANK") == "0":
+        import torch
+        _step = torch.optim.AdamW.step
+        def step(self, *a, **k):
+            s = next(iter(self.state.values()), {}).get("step")
+            if s is not None and int(s) == 4:  # the optimizer's own count: step 5 also after a resume
+                print("error: injected crash at step 5", flush=True)
+                os._exit(3)
+            return _step(self, *a, **k)
+        torch.optim.AdamW.step = step
+"""
+
+
+def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(CRASH_AT_STEP_5))
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--env", f"PYTHONPATH={site}", "--recover", "--", *TRAIN,
+                    "--global-batch", "2", "--steps", "20", "--log-every", "1", "--checkpoint-dir", str(ckpt),
+                    "--checkpoint-every", "2")
+    done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
+    assert done["state"] == "FAILED" and done["exit"] != 0, done
+    assert "same error at step 4" in done["why"] and "injected crash at step 5" in done["why"], done
+    first, second = done["recoveries"]
+    assert first["waited_s"] is not None and second["waited_s"] is None, done["recoveries"]
+    assert first["signature"] == second["signature"] and first["step"] == second["step"] == 4
+    assert checkpoint_step(ckpt) == 4
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
+    assert out.count("injected crash at step 5") == 2 and "resumed from" in out
+    c.assert_nothing_left()
+
+
+def test_recover_without_a_checkpoint_dir_is_refused_before_anything_starts(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    r = launch(tmp_path, "train", *source_args(c, tmp_path), *torch_args(), "--detach", "--recover", "--", *TRAIN,
+               "--steps", "5")
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    (line,) = [l for l in r.stderr.splitlines() if l.strip()]
+    assert line.startswith("error: ") and "--checkpoint-dir" in line, r.stderr
+    attached = launch(tmp_path, "train", *source_args(c, tmp_path), "--recover", "--", *TRAIN, "--checkpoint-dir",
+                      str(tmp_path / "ckpt"))
+    assert attached.returncode == 2 and "--recover needs --detach" in attached.stderr, attached.stderr
+    assert not (tmp_path / "home0" / ".gpufleet").exists() and not (tmp_path / "ckpt").exists()
+    c.assert_nothing_left()

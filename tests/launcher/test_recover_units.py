@@ -1,0 +1,74 @@
+"""--recover's pure parts (issue 14): the options, the failure a result calls for, the step a line
+says the run is at, without a network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.model import LaunchResult, Node, NodeOutcome, UserError
+from launcher.recover import RecoverPolicy, failure_of, parse_duration, recover_policy, resume_argv, step_of
+
+TRAIN_ARGV = ("-m", "workloads.train", "--steps", "10", "--checkpoint-dir", "/ckpt")
+
+
+def test_durations_read_seconds_minutes_and_hours_and_a_bad_one_names_the_flag():
+    assert parse_duration("90") == 90 and parse_duration("90s") == 90
+    assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400
+    for bad in ("", "soon", "10d", "-5", "0"):
+        with pytest.raises(UserError, match="--recover-timeout"):
+            parse_duration(bad)
+
+
+def test_recover_policy_defaults_and_settings():
+    assert recover_policy({}, TRAIN_ARGV, detach=True) is None
+    assert recover_policy({"recover": True}, TRAIN_ARGV, detach=True) == RecoverPolicy(3, 1800.0)
+    got = recover_policy({"recover": True, "max_recoveries": 1, "recover_timeout": "20s"}, TRAIN_ARGV, True)
+    assert got == RecoverPolicy(1, 20.0)
+    assert recover_policy({"recover": True}, ("-m", "workloads.train", "--checkpoint-dir=gs://b/r"), True)
+
+
+@pytest.mark.parametrize("o, argv, detach, words", [
+    ({"recover": True}, ("-m", "workloads.train", "--steps", "10"), True, "--checkpoint-dir"),
+    ({"recover": True}, TRAIN_ARGV, False, "--detach"),
+    ({"max_recoveries": 2}, TRAIN_ARGV, True, "--max-recoveries needs --recover"),
+    ({"recover_timeout": "5m"}, TRAIN_ARGV, True, "--recover-timeout needs --recover"),
+    ({"recover": True, "max_recoveries": 0}, TRAIN_ARGV, True, "--max-recoveries 0"),
+])
+def test_recover_without_what_it_needs_is_one_line_naming_it(o, argv, detach, words):
+    with pytest.raises(UserError) as e:
+        recover_policy(o, argv, detach)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resume_is_added_once():
+    assert resume_argv(TRAIN_ARGV) == (*TRAIN_ARGV, "--resume")
+    assert resume_argv((*TRAIN_ARGV, "--resume")) == (*TRAIN_ARGV, "--resume")
+
+
+def test_step_lines_and_resume_lines_give_the_step():
+    assert step_of("step 12/100 | loss 3.2 | 20 ms") == 12
+    assert step_of("resumed from /ckpt at step 4 (epoch 0, 16 samples seen)") == 4
+    assert step_of("steps: 12/100") is None and step_of("hello") is None
+
+
+def _result(code: int, outcome: NodeOutcome | None = None, signal: int | None = None) -> LaunchResult:
+    r = LaunchResult("j", Path("/tmp/x"), {1: outcome} if outcome else {})
+    r.first_failure = 1 if outcome else None
+    r.signal = signal
+    if outcome is None and code:
+        r.outcomes[0] = NodeOutcome(Node(0, "a", "a"), exit_code=code)
+    return r
+
+
+def test_which_results_call_for_a_recovery():
+    node = Node(1, "10.0.0.3", "10.0.0.3")
+    assert failure_of(_result(0), preempted=False, step=9) is None  # done
+    assert failure_of(_result(130, signal=2), preempted=False, step=9) is None  # a person stopped it
+    pre = failure_of(_result(0), preempted=True, step=9)
+    assert pre is not None and "preempted" in pre.cause and pre.node is None and pre.step == 9
+    lost = failure_of(_result(255, NodeOutcome(node, connection_lost=True, error="Connection reset")), False, 3)
+    assert lost.node == 1 and "unreachable (Connection reset)" in lost.cause and not lost.signature
+    crash = failure_of(_result(1, NodeOutcome(node, exit_code=1, error_lines=["error: boom"])), False, 4)
+    assert crash.node == 1 and "exit 1: error: boom" in crash.cause and crash.signature == "exit 1 / error: boom"

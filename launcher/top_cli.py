@@ -18,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,7 +32,7 @@ from rich.text import Text
 
 from launcher.job_metrics import INTERVAL_S as JOB_INTERVAL_S
 from launcher.job_metrics import RECORD, record_script
-from launcher.jobs import check_job_id, list_script, parse_listing
+from launcher.jobs import JobRecord, check_job_id, list_script, parse_listing
 from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
 from launcher.render import err, setup_logging, user_errors
@@ -181,8 +182,8 @@ class _ViewStats:
         return [b - a for a, b in zip(self.frames, self.frames[1:])]
 
 
-def _view(sampler: TopSampler, duration: float | None, title: str) -> _ViewStats:
-    """Redraw every interval until `duration` or a signal."""
+def _view(sampler: TopSampler, duration: float | None, title: str, until: threading.Event | None = None) -> _ViewStats:
+    """Redraw every interval until `duration`, a signal or `until` is set."""
     out = Console(highlight=False, soft_wrap=False)
     batch = not out.is_terminal
     if batch:
@@ -205,6 +206,8 @@ def _view(sampler: TopSampler, duration: float | None, title: str) -> _ViewStats
                 time.sleep(max(0.0, start + duration - time.monotonic()))
                 break
             time.sleep(max(0.0, start + due - time.monotonic()))
+            if until is not None and until.is_set():
+                break
             t0 = time.monotonic()
             stats.frames.append(t0)
             rows = sampler.rows()
@@ -290,14 +293,45 @@ def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
     return replace(cluster, nodes=tuple(replace(by_host[h], rank=i) for i, h in enumerate(job.nodes)))
 
 
-def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, LaunchConfig, Transport]:
-    """The nodes to view: the flags' cluster, or detached job `job_id`'s nodes of it."""
+def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, LaunchConfig, Transport, Node]:
+    """The nodes to view (the flags' cluster, or detached job `job_id`'s nodes of it), and the
+    flags' node 0 (where the job's record is)."""
     if job_id:
         cluster, config, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return _job_nodes(cluster, transport, job_id), config, transport
+        return _job_nodes(cluster, transport, job_id), config, transport, cluster.nodes[0]
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config)
+    return cluster, config, make_transport(cluster, config), cluster.nodes[0]
+
+
+class _JobWatch:
+    """Asks node 0 for a detached job's state every `every_s` seconds; `ended` is set, and
+    `record` holds the job's record, once it has ended (the view of its nodes ends with it)."""
+
+    def __init__(self, transport: Transport, head: Node, job_id: str, every_s: float = 5.0):
+        self.transport, self.head, self.job_id, self.every_s = transport, head, job_id, every_s
+        self.ended = threading.Event()
+        self.record: JobRecord | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="top-job-watch")
+
+    def start(self) -> "_JobWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                found = parse_listing(_on_node0(self.transport, self.head, list_script(self.job_id)))
+            except UserError:
+                continue  # node 0 did not answer this time: the view goes on, as for any node
+            if found and found[0].state.final:
+                self.record = found[0]
+                self.ended.set()
+                return
 
 
 def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
@@ -392,7 +426,7 @@ def top(job_id: str | None, interval: float, record: Path | None, duration: floa
         raise UserError(f"--interval {interval:g} is outside 0.1..3600 seconds")
     if duration is not None and duration <= 0:
         raise UserError(f"--duration {duration:g} must be more than 0 seconds")
-    cluster, config, transport = _view_source(o, job_id)
+    cluster, config, transport, head = _view_source(o, job_id)
     plan = role_plan(cluster.machine_type, o.get("image_os"))
     if config.dry_run:
         from launcher.sampler import node_program
@@ -410,14 +444,20 @@ def top(job_id: str | None, interval: float, record: Path | None, duration: floa
     title = (f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}"
              + (f", {cluster.machine_type}" if cluster.machine_type else ""))
     exporter = _cloud_exporter(o, cluster, sampler)
+    watch = _JobWatch(transport, head, job_id).start() if job_id else None
     sampler.start()
     if exporter:
         exporter.start()
     try:
-        stats = _view(sampler, duration, title)
+        stats = _view(sampler, duration, title, watch.ended if watch else None)
     finally:
+        if watch:
+            watch.stop()
         answered, connecting = _stop_all(sampler, exporter, recorder)
     err.print(f"[dim]{escape(_summary(stats, sampler, recorder))}[/dim]")
+    if watch and watch.record:
+        err.print(f"job {job_id} ended ({watch.record.state.value}); launch top --plot {job_id} draws what its "
+                  "controller sampled")
     if exporter:
         err.print(f"[dim]{exporter.written} time series written to Cloud Monitoring (project "
                   f"{escape(exporter.project)})[/dim]")

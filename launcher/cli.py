@@ -89,8 +89,8 @@ class _OneLineErrors(click.Group):
 
 def _start(o: dict[str, Any], workload: Workload) -> None:
     """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
-    if not o.get("detach") and any(o.get(k) is not None and o.get(k) is not False
-                                   for k in ("recover", "max_recoveries", "recover_timeout")):
+    given = [k for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped") if o.get(k) is not None]
+    if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
         from launcher.recover import recover_policy
 
         recover_policy(o, workload.argv, detach=False)  # refuses: --recover lives on node 0's controller

@@ -63,6 +63,9 @@ RECOVER_OPTIONS = [
     click.option("--max-recoveries", type=int, help="Give up after N recoveries [default: 3]."),
     click.option("--recover-timeout", metavar="DURATION",
                  help="How long a lost node may take to come back, e.g. 90s, 30m [default: 30m]."),
+    click.option("--restart-stopped/--no-restart-stopped", default=None,
+                 help="With --recover: start a node's VM again when Compute Engine stopped it (TERMINATED); "
+                      "needs the cluster from --stack, --outputs or --label [default: on with --recover]."),
 ]
 
 TORCHRUN_OPTIONS = [

@@ -41,6 +41,8 @@ class RecoverPolicy:
 
     max_recoveries: int = 3
     timeout_s: float = 1800.0  # how long a node may take to come back, per recovery
+    restart_stopped: bool = True  # start a TERMINATED instance again (launcher.restart_vms)
+    api_endpoint: str | None = None  # the Compute Engine API's, when not the default (tests)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,6 +58,7 @@ class Recovery:
     step: int | None = None  # the last step the job logged before it failed
     waited_s: float | None = None  # from the failure to the relaunch (None: it never relaunched)
     signature: str = ""  # the failure's status and error lines: a repeat at the same step is a bug
+    restarted: dict[str, str] = dataclasses.field(default_factory=dict)  # instance -> what start did
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,8 +76,8 @@ def parse_duration(text: str) -> float:
 def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool) -> RecoverPolicy | None:
     """`--recover` and its settings from the CLI options, refused (one line, nothing started)
     where there is nothing to resume from or no controller to do it."""
-    given = [f for f, k in (("--max-recoveries", "max_recoveries"), ("--recover-timeout", "recover_timeout"))
-             if o.get(k) is not None]
+    given = [f for f, k in (("--max-recoveries", "max_recoveries"), ("--recover-timeout", "recover_timeout"),
+                            ("--restart-stopped/--no-restart-stopped", "restart_stopped")) if o.get(k) is not None]
     if not o.get("recover"):
         if given:
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
@@ -88,7 +91,9 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
     if n is not None and n < 1:
         raise UserError(f"--max-recoveries {n} must be at least 1")
     timeout = parse_duration(o["recover_timeout"]) if o.get("recover_timeout") is not None else 1800.0
-    return RecoverPolicy(max_recoveries=3 if n is None else n, timeout_s=timeout)
+    restart = o.get("restart_stopped") is not False  # on by default with --recover
+    return RecoverPolicy(max_recoveries=3 if n is None else n, timeout_s=timeout, restart_stopped=restart,
+                         api_endpoint=o.get("api_endpoint") if restart else None)
 
 
 def resume_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
@@ -209,6 +214,7 @@ class Recoverer:
             if rec.node is None and bad is not None:
                 rec.node = bad
                 self._note(node=bad)
+            self._restart_stopped(launch, rec)
             waited = time.monotonic() - t0
             if waited > self.policy.timeout_s:
                 self._note(waited_s=None)
@@ -218,6 +224,26 @@ class Recoverer:
                                       f"(recovery {len(self.c.record.recoveries)}, {rec.cause}): {why}")
             if self.c.stop.wait(1.0):
                 return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
+
+    def _restart_stopped(self, launch: Any, rec: Recovery) -> None:
+        """Start the unreachable nodes' instances that Compute Engine stopped (once each per
+        recovery), when the request knows where they are and --restart-stopped is on."""
+        c = self.cluster
+        if not (self.policy.restart_stopped and c.project and c.zone):
+            return
+        by_rank = {n.rank: n for n in c.nodes}
+        names = [by_rank[r].name for r, s in launch.states.items() if s.value == "unreachable" and by_rank[r].name]
+        names = [n for n in names if n not in rec.restarted]
+        if not names:
+            return
+        from launcher.restart_vms import instances_client, start_terminated
+
+        try:
+            done = start_terminated(instances_client(self.policy.api_endpoint), c.project, c.zone, names)
+        except Exception as e:  # no google-cloud-compute on node 0, no credentials: say so, keep waiting
+            done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
+        rec.restarted.update(done)
+        self._note(restarted=dict(rec.restarted))
 
     def _on_event(self, out: Any, t0: float) -> Any:
         started = []

@@ -7,6 +7,17 @@ unquoted values and `:`/`eq` forms are refused with 400 as unsupported here), op
 parentheses, ANDed when listed side by side or joined by AND
 (https://cloud.google.com/compute/docs/reference/rest/v1/instances/list, `filter`). FIELD is
 `name`, `status`, `machineType` or `labels.KEY`. Paging: `maxResults` and `pageToken`.
+
+Also, for --recover's restart of stopped Spot VMs (issue 14), as documented:
+- `instances.get`: GET .../instances/{instance}, the instance resource, 404 for an unknown one
+  (https://cloud.google.com/compute/docs/reference/rest/v1/instances/get);
+- `instances.start`: POST .../instances/{instance}/start, an Operation (`compute#operation`,
+  operationType `start`, targetLink the instance); a TERMINATED instance goes to STAGING, then
+  to RUNNING once `on_start(instance)` (the test's way to boot the simulated node) has returned;
+  starting a RUNNING instance is a no-op operation
+  (https://cloud.google.com/compute/docs/reference/rest/v1/instances/start,
+  https://cloud.google.com/compute/docs/instances/instance-life-cycle).
+Every request is in `requests` (`method`, `project`, `zone`, `instance` where there is one).
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -22,6 +34,7 @@ __all__ = ["FakeInstance", "FakeCompute", "FilterError", "parse_filter", "matche
 
 _EXPR = re.compile(r'\(?\s*([A-Za-z][A-Za-z0-9_.\-]*)\s*(=|!=)\s*"([^"]*)"\s*\)?')
 _PATH = re.compile(r"^/compute/v1/projects/([^/]+)/zones/([^/]+)/instances$")
+_ONE = re.compile(r"^/compute/v1/projects/([^/]+)/zones/([^/]+)/instances/([^/]+)(/start)?$")
 
 
 class FilterError(ValueError):
@@ -90,9 +103,14 @@ def matches(resource: dict, terms: list[tuple[str, str, str]]) -> bool:
 class FakeCompute:
     """A threaded HTTP server; use as a context manager. `endpoint` is for client_options."""
 
-    def __init__(self, instances: dict[tuple[str, str], list[FakeInstance]]):
+    def __init__(self, instances: dict[tuple[str, str], list[FakeInstance]],
+                 on_start: Callable[[FakeInstance], None] | None = None, host: str = "127.0.0.1"):
+        """`host`: the address to serve on (a simulated cluster's gateway, for a controller
+        that asks from inside a node's network namespace)."""
         self.instances = instances  # by (project, zone)
         self.requests: list[dict] = []
+        self.on_start = on_start
+        self._ops = 0
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,7 +125,32 @@ class FakeCompute:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _one(self, method: str) -> bool:
+                """instances.get / instances.start; False when the path is not one of theirs."""
+                m = _ONE.match(urlparse(self.path).path)
+                if not m or (method == "GET") == bool(m.group(4)):
+                    return False
+                project, zone, name = m.group(1), m.group(2), m.group(3)
+                fake.requests.append({"method": "start" if m.group(4) else "get", "project": project, "zone": zone,
+                                      "instance": name})
+                found = [i for i in fake.instances.get((project, zone), []) if i.name == name]
+                if not found:
+                    self._send(404, {"error": {"code": 404, "message":
+                                     f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found"}})
+                    return True
+                if m.group(4):
+                    self._send(200, fake.start(found[0], project, zone))
+                else:
+                    self._send(200, found[0].resource(project, zone))
+                return True
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                if not self._one("POST"):
+                    self._send(404, {"error": {"code": 404, "message": f"no route {self.path}"}})
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self._one("GET"):
+                    return
                 url = urlparse(self.path)
                 m = _PATH.match(url.path)
                 if not m:
@@ -134,12 +177,31 @@ class FakeCompute:
                     body["nextPageToken"] = str(start + size)
                 self._send(200, body)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((host, 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def start(self, inst: FakeInstance, project: str, zone: str) -> dict:
+        """instances.start: the Operation; a stopped instance boots (STAGING, on_start, RUNNING)."""
+        self._ops += 1
+        booting = inst.status in ("TERMINATED", "STOPPED")
+        if booting:
+            inst.status = "STAGING"
+            threading.Thread(target=self._boot, args=(inst,), daemon=True).start()
+        base = f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}"
+        return {"kind": "compute#operation", "id": str(self._ops), "name": f"operation-start-{self._ops}",
+                "operationType": "start", "targetLink": f"{base}/instances/{inst.name}",
+                "zone": base, "status": "RUNNING" if booting else "DONE", "progress": 0 if booting else 100,
+                "selfLink": f"{base}/operations/operation-start-{self._ops}"}
+
+    def _boot(self, inst: FakeInstance) -> None:
+        if self.on_start is not None:
+            self.on_start(inst)
+        inst.status = "RUNNING"
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
 
     def __enter__(self) -> "FakeCompute":
         self._thread.start()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
+from gpufleet.contracts import LABEL_NODE
+from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
 from tests.support import TRAIN, checkpoint_step, params, source_args, torch_args, wait_for
 
@@ -119,4 +119,62 @@ def test_recover_without_a_checkpoint_dir_is_refused_before_anything_starts(sim_
                       str(tmp_path / "ckpt"))
     assert attached.returncode == 2 and "--recover needs --detach" in attached.stderr, attached.stderr
     assert not (tmp_path / "home0" / ".gpufleet").exists() and not (tmp_path / "ckpt").exists()
+    c.assert_nothing_left()
+
+
+def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_through_the_api(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    instances = [FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in
+                 enumerate(c.nodes)]
+
+    def boot(inst: FakeInstance) -> None:  # what instances.start does: the VM boots, its sshd answers
+        time.sleep(2)
+        c.restart_sshd(int(inst.name.split("-")[1]))
+
+    # On the bridge's address: the controller asks from inside node 0's network namespace.
+    with FakeCompute({("proj", "us-central1-a"): instances}, on_start=boot, host=c.gateway) as api:
+        labels = ["--label", "cluster=t", "--project", "proj", "--zone", "us-central1-a", "--api-endpoint",
+                  api.endpoint, *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
+        ckpt = tmp_path / "ckpt"
+        r = launch(tmp_path, "train", *labels, *torch_args(), "--detach", "--recover", "--recover-timeout", "2m",
+                   "--", *TRAIN, "--global-batch", "2", "--steps", "300", "--log-every", "10",
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", check=True)
+        job_id = r.stdout.split()[1]
+        wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+        c.preempt(1)
+        instances[1].status = "TERMINATED"  # a Spot VM stops (instanceTerminationAction STOP)
+        assert checkpoint_step(ckpt) < 300, "the preemption came after the end: make the run longer"
+        done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
+    assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
+    (rec,) = done["recoveries"]
+    assert rec["node"] == 1 and rec["restarted"] == {"gpu-1": "started (it was TERMINATED)"}, rec
+    # start went to that instance only, once; get asked about no node that answered.
+    starts = [q["instance"] for q in api.requests if q.get("method") == "start"]
+    gets = {q["instance"] for q in api.requests if q.get("method") == "get"}
+    assert starts == ["gpu-1"] and gets == {"gpu-1"}, api.requests
+    assert instances[1].status == "RUNNING"
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
+    assert "resumed from" in out and "] step 300/300 |" in out
+    c.assert_nothing_left()
+
+
+def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_the_timeout(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    instances = [FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in
+                 enumerate(c.nodes)]
+    with FakeCompute({("proj", "us-central1-a"): instances}, host=c.gateway) as api:
+        labels = ["--label", "cluster=t", "--project", "proj", "--zone", "us-central1-a", "--api-endpoint",
+                  api.endpoint, *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
+        ckpt = tmp_path / "ckpt"
+        r = launch(tmp_path, "train", *labels, *torch_args(), "--detach", "--recover", "--no-restart-stopped",
+                   "--recover-timeout", "5s", "--", *TRAIN, "--global-batch", "2", "--steps", "100000",
+                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", check=True)
+        job_id = r.stdout.split()[1]
+        wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
+        c.power_off(1)
+        instances[1].status = "TERMINATED"
+        done = wait_state(c, tmp_path, job_id, FINAL, timeout=90)
+    assert done["state"] == "FAILED" and done["failed_node"] == 1 and "not back within" in done["why"], done
+    assert [q for q in api.requests if q.get("method")] == [] and instances[1].status == "TERMINATED"
+    assert done["recoveries"][0]["restarted"] == {}
     c.assert_nothing_left()

@@ -27,6 +27,11 @@ def test_recover_policy_defaults_and_settings():
     got = recover_policy({"recover": True, "max_recoveries": 1, "recover_timeout": "20s"}, TRAIN_ARGV, True)
     assert got == RecoverPolicy(1, 20.0)
     assert recover_policy({"recover": True}, ("-m", "workloads.train", "--checkpoint-dir=gs://b/r"), True)
+    # --restart-stopped is on by default with --recover; the API endpoint (tests) travels with it.
+    on = recover_policy({"recover": True, "api_endpoint": "http://127.0.0.1:1"}, TRAIN_ARGV, True)
+    assert on.restart_stopped and on.api_endpoint == "http://127.0.0.1:1"
+    off = recover_policy({"recover": True, "restart_stopped": False, "api_endpoint": "http://x"}, TRAIN_ARGV, True)
+    assert not off.restart_stopped and off.api_endpoint is None
 
 
 @pytest.mark.parametrize("o, argv, detach, words", [
@@ -34,6 +39,7 @@ def test_recover_policy_defaults_and_settings():
     ({"recover": True}, TRAIN_ARGV, False, "--detach"),
     ({"max_recoveries": 2}, TRAIN_ARGV, True, "--max-recoveries needs --recover"),
     ({"recover_timeout": "5m"}, TRAIN_ARGV, True, "--recover-timeout needs --recover"),
+    ({"restart_stopped": False}, TRAIN_ARGV, True, "--no-restart-stopped needs --recover"),
     ({"recover": True, "max_recoveries": 0}, TRAIN_ARGV, True, "--max-recoveries 0"),
 ])
 def test_recover_without_what_it_needs_is_one_line_naming_it(o, argv, detach, words):

@@ -24,6 +24,7 @@ from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
 from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
 from infra.nodes import NodePool, NodePoolArgs  # noqa: E402
 from infra.placement import PlacementPolicy, PlacementPolicyArgs  # noqa: E402
+from infra.restart_grant import RestartGrant, RestartGrantArgs  # noqa: E402
 from infra.startup import render_startup_script  # noqa: E402
 
 
@@ -67,6 +68,15 @@ def main() -> None:
             startup_script=render_startup_script(spec.machine, cluster=spec.cluster, image_os=spec.image_os),
             placement_policy=placement.self_link if placement else None,
             depends_on=[*networks.attach_after, *identity.grants, *([placement.policy] if placement else [])],
+        ),
+    )
+
+    # --recover's restart of a stopped Spot node: start and get on these instances, nothing more.
+    RestartGrant(
+        f"{spec.cluster}-restart",
+        RestartGrantArgs(
+            cluster=spec.cluster, project=spec.project, zone=spec.zone, member=f"serviceAccount:{identity.email}",
+            instances=[(f"{spec.cluster}-{i}", inst) for i, inst in enumerate(pool.instances)],
         ),
     )
 

@@ -61,7 +61,8 @@ def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
     assert counts["gcp:compute/network:Network"] == n_nets
     assert counts.get("gcp:compute/resourcePolicy:ResourcePolicy", 0) == (1 if policy else 0)
     assert {r["type"] for r in s["resources"] if r["component"]} <= {
-        "gpufleet:infra:GpuNetworks", "gpufleet:infra:NodeIdentity", "gpufleet:infra:NodePool", "gpufleet:infra:PlacementPolicy"}
+        "gpufleet:infra:GpuNetworks", "gpufleet:infra:NodeIdentity", "gpufleet:infra:NodePool", "gpufleet:infra:PlacementPolicy",
+        "gpufleet:infra:RestartGrant"}
     assert [n["name"] for n in s["nodes"]] == [f"{spec.cluster}-{i}" for i in range(nodes)]
     assert len(s["networks"]) == n_nets and all(n["mtu"] == mtu for n in s["networks"])
     subnets = {sub["name"]: (n["name"], sub["cidr"]) for n in s["networks"] for sub in n["subnets"]}

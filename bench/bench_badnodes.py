@@ -39,8 +39,18 @@ def bench(n: int, rate: str, budget: float | None, extra: list[str]) -> tuple[fl
         slow = n // 2
         c.throttle(slow, rate)
         runs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-badnodes-"))
-        argv = [LAUNCH, "nccl-tests", "--hostfile", str(c.hostfile), *c.launch_flags, "--runs-dir", str(runs),
-                *torch_args(), "--find-bad-nodes", *extra]
+        argv = [
+            LAUNCH,
+            "nccl-tests",
+            "--hostfile",
+            str(c.hostfile),
+            *c.launch_flags,
+            "--runs-dir",
+            str(runs),
+            *torch_args(),
+            "--find-bad-nodes",
+            *extra,
+        ]
         if budget is not None:
             argv += ["--pair-budget", str(budget)]
         env = dict(os.environ, GPUFLEET_STATE_DIR=str(runs / "state"))
@@ -61,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sweep", nargs="*", help="more `launch nccl-tests` flags, after --")
     a = p.parse_args(argv)
     if not netns_available():
-        print("bench_badnodes: needs root with `ip netns` (the throttle is tc on a namespace's link)",
-              file=sys.stderr)
+        print("bench_badnodes: needs root with `ip netns` (the throttle is tc on a namespace's link)", file=sys.stderr)
         return 1
     missed = []
     print(f"{'nodes':>5} {'seconds':>8} {'target s':>9} {'ratio':>6}  named  pairs cut by the budget (timed calls)")
@@ -71,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         target = TARGET_S.get(n, 240.0)
         cut = re.findall(r"\((\d+) of \d+ timed calls fit", out)
         cut = [f"{k} x{cut.count(k)}" for k in sorted(set(cut), key=int)]
-        print(f"{n:>5} {dt:>8.1f} {target:>9.0f} {dt / target:>6.2f}  {'yes' if ok else 'NO':>5}  "
-              f"{', '.join(cut) or '-'}", flush=True)
+        print(
+            f"{n:>5} {dt:>8.1f} {target:>9.0f} {dt / target:>6.2f}  {'yes' if ok else 'NO':>5}  "
+            f"{', '.join(cut) or '-'}",
+            flush=True,
+        )
         if not ok:
             print(out[-3000:], file=sys.stderr)
             missed.append(f"{n} nodes: the throttled node was not named")

@@ -60,14 +60,21 @@ def _free_port() -> int:
 
 def _full_state_save(trainer: Any, url: str, name: str) -> None:
     """The anchor: the previous release's Trainer.save and LocalStore/GCSStore.save, in one."""
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_sd, optim_sd = get_state_dict(
+        trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     rngs: list[Any] = [None] * trainer.world
     dist.all_gather_object(rngs, trainer._rng_state())
     if trainer.rank == 0:
-        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": trainer.scheduler.state_dict(),
-                 "scaler": trainer.scaler.state_dict(), "step": trainer.step, "rng": rngs,
-                 "meta": trainer._meta()}
+        state = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": trainer.scheduler.state_dict(),
+            "scaler": trainer.scaler.state_dict(),
+            "step": trainer.step,
+            "rng": rngs,
+            "meta": trainer._meta(),
+        }
         if url.startswith("gs://"):
             store = trainer.store
             with tempfile.NamedTemporaryFile(suffix=".pt") as f:
@@ -95,14 +102,30 @@ def _max_over_ranks(value: float) -> float:
 
 
 def _worker(rank: int, world: int, port: int, model: str, url: str, repeats: int, out: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
     from workloads.train import Trainer
 
-    cfg = TrainConfig(model=model, seq_len=16, global_batch=world, micro_batch=1, steps=1, world_size=world,
-                      parallelism="fsdp", checkpoint_dir=url, keep_checkpoints=1, straggler_every=0)
+    cfg = TrainConfig(
+        model=model,
+        seq_len=16,
+        global_batch=world,
+        micro_batch=1,
+        steps=1,
+        world_size=world,
+        parallelism="fsdp",
+        checkpoint_dir=url,
+        keep_checkpoints=1,
+        straggler_every=0,
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's log lines are not the benchmark's
         trainer = Trainer(cfg)
     results: dict[str, list[float]] = {k: [] for k in (*KINDS, "dcp-async-total")}
@@ -146,8 +169,22 @@ def _measure(model: str, world: int, url: str, repeats: int) -> dict[str, Any]:
 def _emulator() -> Any:
     port = _free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
-                             "--default-bucket", "bench", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
+            "--default-bucket",
+            "bench",
+            "-q",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -198,23 +235,31 @@ def main() -> int:
                 rows.append((model, world, store, res))
                 _print_row(model, world, store, res)
     missed = [r for r in rows if r[1] == 4 and r[3]["dcp-async"] > TARGET * r[3]["full-state"]]
-    print(f"target: DCP async blocked time <= {TARGET:.3f} x the full-state save on 4 ranks: "
-          + ("met" if not missed else "MISSED for " + ", ".join(f"{m} {s}" for m, _, s, _ in missed)))
+    print(
+        f"target: DCP async blocked time <= {TARGET:.3f} x the full-state save on 4 ranks: "
+        + ("met" if not missed else "MISSED for " + ", ".join(f"{m} {s}" for m, _, s, _ in missed))
+    )
     return 1 if missed else 0
 
 
 def _print_row(model: str, world: int, store: str, res: dict[str, Any]) -> None:
     full = res["full-state"]
     state_gb = res["params"] * 12 / 1e9  # fp32 weights + 2 fp32 AdamW moments (n_params excludes wpe)
-    print(f"{model} ({res['params'] / 1e6:.0f}M params, ~{state_gb:.1f} GB of state), FSDP x {world} CPU ranks, "
-          f"{store}, best of {len(res['rounds']['dcp'])}:")
+    print(
+        f"{model} ({res['params'] / 1e6:.0f}M params, ~{state_gb:.1f} GB of state), FSDP x {world} CPU ranks, "
+        f"{store}, best of {len(res['rounds']['dcp'])}:"
+    )
     print(f"  full-state save (anchor)   : {full:8.2f} s")
     print(f"  DCP sync save              : {res['dcp']:8.2f} s   ratio {res['dcp'] / full:.3f}")
-    print(f"  DCP async, step blocked    : {res['dcp-async']:8.2f} s   ratio {res['dcp-async'] / full:.3f}"
-          f"   (target <= {TARGET:.3f})")
+    print(
+        f"  DCP async, step blocked    : {res['dcp-async']:8.2f} s   ratio {res['dcp-async'] / full:.3f}"
+        f"   (target <= {TARGET:.3f})"
+    )
     print(f"  DCP async, until published : {res['dcp-async-total']:8.2f} s")
-    print("  rounds: " + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v) for k, v in res["rounds"].items()),
-          flush=True)
+    print(
+        "  rounds: " + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v) for k, v in res["rounds"].items()),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

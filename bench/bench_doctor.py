@@ -41,8 +41,18 @@ def bench(n: int, repeats: int, c: GpuSimCluster, work: Path) -> dict[str, float
     hostfile = work / f"hosts{n}"
     hostfile.write_text("\n".join(c.sim.addresses[:n]) + "\n")
     common = ["--hostfile", str(hostfile), *c.sim.launch_flags, "--runs-dir", str(work / "runs")]
-    doctor = ["doctor", *common, "--machine-type", MTYPE, "--python", sys.executable,
-              "--env", f"LD_LIBRARY_PATH={c.plugin}", "--min-free-gb", "0.01"]
+    doctor = [
+        "doctor",
+        *common,
+        "--machine-type",
+        MTYPE,
+        "--python",
+        sys.executable,
+        "--env",
+        f"LD_LIBRARY_PATH={c.plugin}",
+        "--min-free-gb",
+        "0.01",
+    ]
     exec_ = ["exec", *common, "--", "true"]
     out: dict[str, list[float]] = {k: [] for k in ("exec", "doctor", "exec warm", "doctor warm")}
     for _ in range(repeats):
@@ -54,8 +64,11 @@ def bench(n: int, repeats: int, c: GpuSimCluster, work: Path) -> dict[str, float
             out[name].append(_time(full))
             out[f"{name} warm"].append(_time(full))
             for h in c.sim.addresses[:n]:  # close this run's masters so the next cold run is cold
-                subprocess.run(["ssh", *c.sim.ssh_options, "-o", f"ControlPath={ctl}/%C", "-O", "exit", h],
-                               capture_output=True, timeout=30)
+                subprocess.run(
+                    ["ssh", *c.sim.ssh_options, "-o", f"ControlPath={ctl}/%C", "-O", "exit", h],
+                    capture_output=True,
+                    timeout=30,
+                )
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -74,13 +87,18 @@ def main() -> int:
         c = GpuSimCluster(work / "cluster", places)
         try:
             print(f"simulated cluster: {most} sshd nodes ({c.sim.mode}), {MTYPE} fakes; median of {a.repeats} runs")
-            print(f"{'nodes':>5} {'exec s':>8} {'doctor s':>9} {'ratio':>6} {'exec warm s':>12} {'doctor warm s':>14} "
-                  f"{'warm ratio':>11}")
+            print(
+                f"{'nodes':>5} {'exec s':>8} {'doctor s':>9} {'ratio':>6} {'exec warm s':>12} {'doctor warm s':>14} "
+                f"{'warm ratio':>11}"
+            )
             for n in sizes:
                 r = bench(n, a.repeats, c, work)
                 ratio, warm = r["doctor"] / r["exec"], r["doctor warm"] / r["exec warm"]
-                print(f"{n:>5} {r['exec']:>8.2f} {r['doctor']:>9.2f} {ratio:>6.2f} {r['exec warm']:>12.2f} "
-                      f"{r['doctor warm']:>14.2f} {warm:>11.2f}", flush=True)
+                print(
+                    f"{n:>5} {r['exec']:>8.2f} {r['doctor']:>9.2f} {ratio:>6.2f} {r['exec warm']:>12.2f} "
+                    f"{r['doctor warm']:>14.2f} {warm:>11.2f}",
+                    flush=True,
+                )
                 if ratio > TARGET:
                     missed.append(f"doctor {ratio:.2f} x exec at {n} nodes")
         finally:

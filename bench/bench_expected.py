@@ -40,10 +40,22 @@ A4_ALL_GATHER = [(16 << 20, 128.0), (128 << 20, 254.0), (1 << 30, 324.0), (8 << 
 
 # Published figures no constant was fitted on: (what, machine type, collective, size, busbw, source).
 INFORMATION = [
-    ("A3 High all_reduce, TCPX VM", "a3-highgpu-8g", "all_reduce", 2 << 30, 65.72,
-     "skypilot examples/gcp_gpu_direct_tcpx/README.md (gcp-facts §5)"),
-    ("A4 all_reduce, gIB", "a4-highgpu-8g", "all_reduce", 8 << 30, 683.52,
-     "dstack docs examples/clusters/gcp.md (gcp-facts §5)"),
+    (
+        "A3 High all_reduce, TCPX VM",
+        "a3-highgpu-8g",
+        "all_reduce",
+        2 << 30,
+        65.72,
+        "skypilot examples/gcp_gpu_direct_tcpx/README.md (gcp-facts §5)",
+    ),
+    (
+        "A4 all_reduce, gIB",
+        "a4-highgpu-8g",
+        "all_reduce",
+        8 << 30,
+        683.52,
+        "dstack docs examples/clusters/gcp.md (gcp-facts §5)",
+    ),
 ]
 
 
@@ -51,8 +63,9 @@ def _human(n: int) -> str:
     return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
-def _check(label: str, machine: str, collective: str, points: list[tuple[int, float]],
-           source: str) -> tuple[list[str], bool]:
+def _check(
+    label: str, machine: str, collective: str, points: list[tuple[int, float]], source: str
+) -> tuple[list[str], bool]:
     """Table rows for one calibrating sweep, and whether it met every target."""
     m = lookup(machine)
     exp = expectation(m, collective, 16, 2)
@@ -79,10 +92,11 @@ def _sizes(title: str, machine: str, collective: str, points: list[tuple[int, fl
     """Model vs published at every size of the sweep the model judges by busbw."""
     exp = expectation(machine, collective, 16, 2)
     assert exp is not None
-    head = (f"{title}: B {exp.plateau:.1f} GB/s, A {exp.latency_s * 1e6:.0f} us, trusted from "
-            f"{exp.trusted_from / 2**20:.1f} MiB")
-    out = ["", head, "", "| size | published busbw (best block) | model | model / published |",
-           "|---|---|---|---|"]
+    head = (
+        f"{title}: B {exp.plateau:.1f} GB/s, A {exp.latency_s * 1e6:.0f} us, trusted from "
+        f"{exp.trusted_from / 2**20:.1f} MiB"
+    )
+    out = ["", head, "", "| size | published busbw (best block) | model | model / published |", "|---|---|---|---|"]
     for s, bw in points:
         if exp.trusted(s):
             out.append(f"| {_human(s)} | {bw:.2f} | {exp.busbw(s):.2f} | {exp.busbw(s) / bw:.3f} |")
@@ -95,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", action="store_true", help="also print model vs published at every trusted size")
     args = ap.parse_args(argv)
     expected = json.loads((args.corpus / "EXPECTED.json").read_text())["files"]
-    print("| sweep (2 nodes, 16 ranks) | algorithm | published busbw GB/s | model B | B vs published "
-          "| model at that size | worst trusted size | A const / refit (us) | source |")
+    print(
+        "| sweep (2 nodes, 16 ranks) | algorithm | published busbw GB/s | model B | B vs published "
+        "| model at that size | worst trusted size | A const / refit (us) | source |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ok = True
     details: list[str] = []
@@ -104,14 +120,24 @@ def main(argv: list[str] | None = None) -> int:
         coll = expected[name]["collective"]
         rows = parse_output((args.corpus / name).read_text(), collective=coll, nranks=16)
         points = [(r.size, r.best_busbw) for r in rows if r.size > 0]
-        lines, good = _check(f"{machine} {coll} (corpus {name[:2]})", machine, coll, points,
-                             expected[name]["source"].split(" ")[0].removeprefix("https://github.com/"))
+        lines, good = _check(
+            f"{machine} {coll} (corpus {name[:2]})",
+            machine,
+            coll,
+            points,
+            expected[name]["source"].split(" ")[0].removeprefix("https://github.com/"),
+        )
         print("\n".join(lines))
         ok &= good
         if args.sizes:
             details += _sizes(f"corpus {name[:2]}: {machine} {coll}", machine, coll, points)
-    lines, good = _check("a4-highgpu-8g all_gather (perf-anchors §3.3)", "a4-highgpu-8g", "all_gather",
-                         A4_ALL_GATHER, "cluster-toolkit examples/gke-a4-highgpu/README.md")
+    lines, good = _check(
+        "a4-highgpu-8g all_gather (perf-anchors §3.3)",
+        "a4-highgpu-8g",
+        "all_gather",
+        A4_ALL_GATHER,
+        "cluster-toolkit examples/gke-a4-highgpu/README.md",
+    )
     print("\n".join(lines))
     ok &= good
     for line in details:
@@ -121,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     for what, machine, coll, size, bw, source in INFORMATION:
         exp = expectation(machine, coll, 16, 2)
         assert exp is not None
-        print(f"- {what}: published {bw:.2f} GB/s @ {_human(size)}; model {exp.busbw(size):.1f} "
-              f"({exp.busbw(size) / bw - 1.0:+.1%}, {exp.algorithm.value}, B {exp.plateau:.1f}) — {source}")
-    print(f"\n{'all targets met' if ok else 'a target was MISSED'} (B within {PLATEAU_TOLERANCE:.0%} "
-          f"of the largest published busbw; A within {LATENCY_TOLERANCE[0] * 1e6:.0f} us or "
-          f"{LATENCY_TOLERANCE[1]:.0%} of its refit)")
+        print(
+            f"- {what}: published {bw:.2f} GB/s @ {_human(size)}; model {exp.busbw(size):.1f} "
+            f"({exp.busbw(size) / bw - 1.0:+.1%}, {exp.algorithm.value}, B {exp.plateau:.1f}) — {source}"
+        )
+    print(
+        f"\n{'all targets met' if ok else 'a target was MISSED'} (B within {PLATEAU_TOLERANCE:.0%} "
+        f"of the largest published busbw; A within {LATENCY_TOLERANCE[0] * 1e6:.0f} us or "
+        f"{LATENCY_TOLERANCE[1]:.0%} of its refit)"
+    )
     return 0 if ok else 1
 
 

@@ -7,9 +7,9 @@ Target: the gpufleet program (infra/__main__.py run as Pulumi runs it, preview m
 1.5x a minimal program that declares the same number of bare instances (one NIC, no networks)
 in the same process, under the same mocks. Both run --repeats times, interleaved, after one
 warm-up run each; the best process CPU times are compared (wall time is printed too; this
-machine's cores are shared, which wall time shows and CPU time mostly does not). A cold run (a fresh interpreter: imports included)
-of the full program is timed too (best of 3), since that is what `pulumi preview` pays. Exit 1 when a target
-is missed.
+machine's cores are shared, which wall time shows and CPU time mostly does not). A cold run (a
+fresh interpreter: imports included) of the full program is timed too (best of 3), since that is
+what `pulumi preview` pays. Exit 1 when a target is missed.
 
 `python -m infra.preview FILE` is timed too, as a user runs it (a fresh interpreter, tables
 rendered), for Pulumi.example.yaml and each family's file in examples/: best of --cli-repeats,
@@ -79,7 +79,9 @@ def _bare(nodes: int) -> tuple[float, float]:
                     machine_type="a3-megagpu-8g",
                     zone="us-central1-a",
                     boot_disk=gcp.compute.InstanceBootDiskArgs(
-                        initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(image="debian-cloud/debian-12")
+                        initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(
+                            image="debian-cloud/debian-12"
+                        )
                     ),
                     network_interfaces=[gcp.compute.InstanceNetworkInterfaceArgs(network="default")],
                 ),
@@ -130,11 +132,19 @@ def _program(args: argparse.Namespace) -> bool:
     def runs(xs: list[tuple[float, float]]) -> str:
         return ", ".join(f"{c:.2f}" for _, c in xs)
 
-    print(f"fleet   {args.nodes} x a3-megagpu-8g ({args.nodes * 9} NICs): best {fc:.3f} s CPU, {fw:.3f} s wall  (CPU runs: {runs(fleet)})")
-    print(f"bare    {args.nodes} instances, 1 NIC each:         best {bc:.3f} s CPU, {bw:.3f} s wall  (CPU runs: {runs(bare)})")
+    print(
+        f"fleet   {args.nodes} x a3-megagpu-8g ({args.nodes * 9} NICs): best {fc:.3f} s CPU, {fw:.3f} s wall  "
+        f"(CPU runs: {runs(fleet)})"
+    )
+    print(
+        f"bare    {args.nodes} instances, 1 NIC each:         best {bc:.3f} s CPU, {bw:.3f} s wall  "
+        f"(CPU runs: {runs(bare)})"
+    )
     print(f"cold    fleet in a fresh interpreter, imports included: best of 3 {cold:.3f} s wall")
-    print(f"ratio   fleet / bare = {ratio:.2f}x CPU, {fw / bw:.2f}x wall (target <= {TARGET_RATIO}x); "
-          f"whole preview {cold:.2f} s cold (target < {TARGET_SECONDS} s)")
+    print(
+        f"ratio   fleet / bare = {ratio:.2f}x CPU, {fw / bw:.2f}x wall (target <= {TARGET_RATIO}x); "
+        f"whole preview {cold:.2f} s cold (target < {TARGET_SECONDS} s)"
+    )
     return ratio <= TARGET_RATIO and cold < TARGET_SECONDS
 
 
@@ -148,9 +158,11 @@ def _cli(args: argparse.Namespace) -> bool:
         w, c = min(w for w, _ in runs), min(c for _, c in runs)
         met = c < TARGET_SECONDS and c / fc <= TARGET_RATIO
         ok &= met
-        print(f"preview python -m infra.preview {name}: best {c:.2f} s CPU, {w:.2f} s wall; "
-              f"{c / fc:.2f}x the anchor's CPU (target < {TARGET_SECONDS} s, <= {TARGET_RATIO}x)"
-              f"{'' if met else '  MISSED'}")
+        print(
+            f"preview python -m infra.preview {name}: best {c:.2f} s CPU, {w:.2f} s wall; "
+            f"{c / fc:.2f}x the anchor's CPU (target < {TARGET_SECONDS} s, <= {TARGET_RATIO}x)"
+            f"{'' if met else '  MISSED'}"
+        )
     return ok
 
 

@@ -33,8 +33,22 @@ from tests.simcluster import SimCluster
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "launcher"]
 PY = str(REPO / ".venv" / "bin" / "python")
-TRAIN = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--straggler-every", "0", "--steps", "100000",
-         "--log-every", "1", "--global-batch", "16"]
+TRAIN = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "1",
+    "--straggler-every",
+    "0",
+    "--steps",
+    "100000",
+    "--log-every",
+    "1",
+    "--global-batch",
+    "16",
+]
 
 
 class Bench:
@@ -45,8 +59,15 @@ class Bench:
         self.env = {k: v for k, v in os.environ.items() if k != "GPUFLEET_STATE_DIR"}
         self.env["HOME"] = str(work / "client")
         (work / "client").mkdir(exist_ok=True)
-        self.flags = ["--hostfile", str(c.hostfile), *c.launch_flags, "--ssh-option", f"ControlPath={self.ctl}/%C",
-                      "--runs-dir", str(work / "runs")]
+        self.flags = [
+            "--hostfile",
+            str(c.hostfile),
+            *c.launch_flags,
+            "--ssh-option",
+            f"ControlPath={self.ctl}/%C",
+            "--runs-dir",
+            str(work / "runs"),
+        ]
         self.torch = ["--python", PY, "--workdir", str(REPO), "--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
 
     def run(self, *args: str) -> tuple[float, str]:
@@ -67,8 +88,14 @@ class Bench:
     def attached(self) -> tuple[float, float]:
         """(until every node is told to go, until the first training step is logged)."""
         t0 = time.perf_counter()
-        p = subprocess.Popen([*LAUNCH, "train", *self.flags, *self.torch, "--", *TRAIN], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=self.env, cwd=REPO)
+        p = subprocess.Popen(
+            [*LAUNCH, "train", *self.flags, *self.torch, "--", *TRAIN],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+        )
         go = None
         try:
             for line in p.stdout:
@@ -88,8 +115,19 @@ class Bench:
         return go or step, step
 
     def cat(self, files: str) -> float:
-        argv = ["ssh", *self.c.ssh_options, "-o", f"ControlPath={self.ctl}/%C", "-o", "ControlMaster=auto",
-                "-o", "ControlPersist=10m", "-T", self.c.nodes[0].address, f"cat {files}"]
+        argv = [
+            "ssh",
+            *self.c.ssh_options,
+            "-o",
+            f"ControlPath={self.ctl}/%C",
+            "-o",
+            "ControlMaster=auto",
+            "-o",
+            "ControlPersist=10m",
+            "-T",
+            self.c.nodes[0].address,
+            f"cat {files}",
+        ]
         t0 = time.perf_counter()
         r = subprocess.run(argv, capture_output=True, timeout=60)
         dt = time.perf_counter() - t0
@@ -126,16 +164,27 @@ def main() -> int:
         jobs = _median(lambda: b.run("jobs", *b.flags)[0], a.repeats * 2)
         cat_jobs = _median(lambda: b.cat(f"{d}/*/state.json"), a.repeats * 2)
         floor = _median(lambda: b.run("--version")[0], a.repeats * 2)
-    print(f"simulated cluster: {a.nodes} sshd nodes (netns); medians of {a.repeats} (detach) / "
-          f"{a.repeats * 2} (jobs, logs) runs, warm connections")
-    print(f"detach {detach:.2f} s vs attached until training (first step) {attach:.2f} s: {detach / attach:.2f}x "
-          "(target <= 1.2x)")
+    print(
+        f"simulated cluster: {a.nodes} sshd nodes (netns); medians of {a.repeats} (detach) / "
+        f"{a.repeats * 2} (jobs, logs) runs, warm connections"
+    )
+    print(
+        f"detach {detach:.2f} s vs attached until training (first step) {attach:.2f} s: {detach / attach:.2f}x "
+        "(target <= 1.2x)"
+    )
     print(f"  and vs attached until every node is told to go {attach_go:.2f} s: {detach / attach_go:.2f}x")
     print(f"logs {logs:.3f} s vs ssh cat {cat_logs:.3f} s: {logs / cat_logs:.2f}x (target <= 1.5x)")
     print(f"jobs {jobs:.3f} s vs ssh cat {cat_jobs:.3f} s: {jobs / cat_jobs:.2f}x (target <= 1.5x)")
     print(f"floor: `launch --version` {floor:.3f} s (the launcher's interpreter start, paid by jobs and logs)")
-    missed = [name for name, ok in (("detach", detach <= 1.2 * attach), ("logs", logs <= 1.5 * cat_logs),
-                                    ("jobs", jobs <= 1.5 * cat_jobs)) if not ok]
+    missed = [
+        name
+        for name, ok in (
+            ("detach", detach <= 1.2 * attach),
+            ("logs", logs <= 1.5 * cat_logs),
+            ("jobs", jobs <= 1.5 * cat_jobs),
+        )
+        if not ok
+    ]
     if missed:
         print(f"bench_jobs: target missed ({', '.join(missed)})", file=sys.stderr)
         return 1

@@ -48,8 +48,15 @@ def _time(argv: list[str], env: dict | None = None, cwd: str | None = None) -> f
 def _sessions(hosts: list[str], ssh_opts: list[str]) -> float:
     """`ssh HOST true` to every host at once (as pdsh -f 1024 would), over open connections."""
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(["ssh", *ssh_opts, "-T", h, "true"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for h in hosts]
+    procs = [
+        subprocess.Popen(
+            ["ssh", *ssh_opts, "-T", h, "true"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for h in hosts
+    ]
     bad = [(h, p.communicate()[1]) for h, p in zip(hosts, procs) if p.wait() != 0]
     dt = time.perf_counter() - t0
     if bad:
@@ -79,23 +86,42 @@ def bench(n: int, repeats: int, c: SimCluster, baseline: str | None = None) -> d
     runs = Path(tempfile.mkdtemp(prefix="gpufleet-bench-runs-"))
     pdsh_env = dict(os.environ, PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=" ".join(ssh_opts))
     pdsh = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "true"]
-    out: dict[str, list[float]] = {"pdsh": [], "cold": [], "repeat": [], "floor": [], "cold_base": [],
-                                   "repeat_base": []}
+    out: dict[str, list[float]] = {
+        "pdsh": [],
+        "cold": [],
+        "repeat": [],
+        "floor": [],
+        "cold_base": [],
+        "repeat_base": [],
+    }
     for i in range(repeats):
         out["pdsh"].append(_time(pdsh, pdsh_env))
         kinds = [("", None), *([("_base", baseline)] if baseline else [])]
         for tag, cwd in kinds if i % 2 == 0 else kinds[::-1]:
             ctl = Path(tempfile.mkdtemp(prefix="gfb-", dir="/tmp"))
-            argv = [*LAUNCH, "exec", "--hostfile", str(hostfile), *flags, "--ssh-option", f"ControlPath={ctl}/%C",
-                    "--runs-dir", str(runs), "--", "true"]
+            argv = [
+                *LAUNCH,
+                "exec",
+                "--hostfile",
+                str(hostfile),
+                *flags,
+                "--ssh-option",
+                f"ControlPath={ctl}/%C",
+                "--runs-dir",
+                str(runs),
+                "--",
+                "true",
+            ]
             _cold_and_repeat(argv, cwd, out, tag)
             if not tag:
-                out["floor"].append(_sessions(hosts, [*ssh_opts, "-o", f"ControlPath={ctl}/%C",
-                                                      "-o", "ControlMaster=no"]))
+                out["floor"].append(
+                    _sessions(hosts, [*ssh_opts, "-o", f"ControlPath={ctl}/%C", "-o", "ControlMaster=no"])
+                )
             # Close this round's kept-open connections so the next cold run is cold.
             for h in hosts:
-                subprocess.run(["ssh", *ssh_opts, "-o", f"ControlPath={ctl}/%C", "-O", "exit", h],
-                               capture_output=True, timeout=30)
+                subprocess.run(
+                    ["ssh", *ssh_opts, "-o", f"ControlPath={ctl}/%C", "-O", "exit", h], capture_output=True, timeout=30
+                )
     return {k: statistics.median(v) for k, v in out.items() if v}
 
 
@@ -110,17 +136,24 @@ def main() -> int:
     missed = []
     with SimCluster(max(sizes)) as c:
         print(f"simulated cluster: {max(sizes)} sshd nodes ({c.mode}); median of {a.repeats} runs")
-        print(f"{'nodes':>5} {'pdsh s':>8} {'cold s':>8} {'repeat s':>9} {'floor s':>8} {'cold/pdsh':>10} "
-              f"{'repeat/pdsh':>12} {'floor/pdsh':>11}")
+        print(
+            f"{'nodes':>5} {'pdsh s':>8} {'cold s':>8} {'repeat s':>9} {'floor s':>8} {'cold/pdsh':>10} "
+            f"{'repeat/pdsh':>12} {'floor/pdsh':>11}"
+        )
         for n in sizes:
             r = bench(n, a.repeats, c, baseline)
-            print(f"{n:>5} {r['pdsh']:>8.2f} {r['cold']:>8.2f} {r['repeat']:>9.2f} {r['floor']:>8.2f} "
-                  f"{r['cold'] / r['pdsh']:>10.2f} {r['repeat'] / r['pdsh']:>12.2f} "
-                  f"{r['floor'] / r['pdsh']:>11.2f}", flush=True)
+            print(
+                f"{n:>5} {r['pdsh']:>8.2f} {r['cold']:>8.2f} {r['repeat']:>9.2f} {r['floor']:>8.2f} "
+                f"{r['cold'] / r['pdsh']:>10.2f} {r['repeat'] / r['pdsh']:>12.2f} "
+                f"{r['floor'] / r['pdsh']:>11.2f}",
+                flush=True,
+            )
             if baseline:
-                print(f"{'':>5} {a.baseline}: cold {r['cold_base']:.2f} s, repeat {r['repeat_base']:.2f} s; "
-                      f"cold/base {r['cold'] / r['cold_base']:.2f}, repeat/base {r['repeat'] / r['repeat_base']:.2f}",
-                      flush=True)
+                print(
+                    f"{'':>5} {a.baseline}: cold {r['cold_base']:.2f} s, repeat {r['repeat_base']:.2f} s; "
+                    f"cold/base {r['cold'] / r['cold_base']:.2f}, repeat/base {r['repeat'] / r['repeat_base']:.2f}",
+                    flush=True,
+                )
             if r["cold"] > r["pdsh"]:
                 missed.append(f"cold > pdsh at {n} nodes")
             if n >= 64 and r["repeat"] > 0.5 * r["pdsh"]:

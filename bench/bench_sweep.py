@@ -42,8 +42,9 @@ def _worker(size: int, iters: int, repeats: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         n = dist.get_world_size()
-        cfg = SweepConfig(collectives=("all_reduce",), minbytes=8, maxbytes=size, stepfactor=4,
-                          iters=iters, warmup_iters=1, check=0)
+        cfg = SweepConfig(
+            collectives=("all_reduce",), minbytes=8, maxbytes=size, stepfactor=4, iters=iters, warmup_iters=1, check=0
+        )
         top = cfg.sizes[-1]
         buf = torch.ones(top // 4, dtype=torch.float32, device=device)
         sweep_bw, bare_bw = [], []
@@ -72,8 +73,13 @@ def _worker(size: int, iters: int, repeats: int) -> None:
             dist.all_reduce(t)
             bare_bw.append(busbw("all_reduce", top, t.item() / n, n))
         if dist.get_rank() == 0:
-            print(_MARK + json.dumps({"nranks": n, "size": top, "sweep": sweep_bw, "bare": bare_bw,
-                                      "backend": dist.get_backend()}), flush=True)
+            print(
+                _MARK
+                + json.dumps(
+                    {"nranks": n, "size": top, "sweep": sweep_bw, "bare": bare_bw, "backend": dist.get_backend()}
+                ),
+                flush=True,
+            )
     finally:
         dist.destroy_process_group()
 
@@ -93,18 +99,33 @@ def main(argv: list[str] | None = None) -> int:
         _worker(size, a.iters, a.repeats)
         return 0
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-               PYTHONWARNINGS="ignore")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(a.nproc), "-m", "bench.bench_sweep",
-           "--worker", "--size", a.size, "--iters", str(a.iters), "--repeats", str(a.repeats)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parents[1])
-    lines = [l for l in r.stdout.splitlines() if l.startswith(_MARK)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        PYTHONWARNINGS="ignore",
+    )
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        str(a.nproc),
+        "-m",
+        "bench.bench_sweep",
+        "--worker",
+        "--size",
+        a.size,
+        "--iters",
+        str(a.iters),
+        "--repeats",
+        str(a.repeats),
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(_MARK)]
     if r.returncode != 0 or not lines:
-        print(f"bench_sweep: torchrun exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}",
-              file=sys.stderr)
+        print(f"bench_sweep: torchrun exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return 1
-    d = json.loads(lines[0][len(_MARK):])
+    d = json.loads(lines[0][len(_MARK) :])
     sweep, bare = statistics.median(d["sweep"]), statistics.median(d["bare"])
     # Each sweep run is paired with the bare loop right after it, under the same machine load; the
     # median of the paired ratios is steadier on a shared machine than a ratio of medians.

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,10 +94,24 @@ def main() -> int:
     rec, out = work / "top.jsonl", work / "top.out"
     t_start = time.perf_counter()
     with SimCluster(a.nodes) as c:
-        print(f"simulated cluster: {a.nodes} sshd nodes ({c.mode}), up in {time.perf_counter() - t_start:.0f} s; "
-              f"`launch top --interval {a.interval:g} --duration {a.seconds:g}`", flush=True)
-        argv = [*LAUNCH, "top", "--hostfile", str(c.hostfile), *c.launch_flags, "--interval", str(a.interval),
-                "--duration", str(a.seconds), "--record", str(rec)]
+        print(
+            f"simulated cluster: {a.nodes} sshd nodes ({c.mode}), up in {time.perf_counter() - t_start:.0f} s; "
+            f"`launch top --interval {a.interval:g} --duration {a.seconds:g}`",
+            flush=True,
+        )
+        argv = [
+            *LAUNCH,
+            "top",
+            "--hostfile",
+            str(c.hostfile),
+            *c.launch_flags,
+            "--interval",
+            str(a.interval),
+            "--duration",
+            str(a.seconds),
+            "--record",
+            str(rec),
+        ]
         with open(out, "w") as fh:
             view = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 120
@@ -113,7 +126,8 @@ def main() -> int:
             sshd = _ppid(pid)
             anchor = subprocess.Popen(
                 (["ip", "netns", "exec", c.nodes[0].netns] if c.nodes[0].netns else [])
-                + ["bash", "--norc", "--noprofile", "-c", "while :; do sleep 1; done"])
+                + ["bash", "--norc", "--noprofile", "-c", "while :; do sleep 1; done"]
+            )
             time.sleep(2.0)
             load0 = os.getloadavg()[0]
             c0 = (_cpu_s(pid), _cpu_s(sshd), _cpu_s(anchor.pid), time.monotonic(), _tree_cpu(view.pid))
@@ -162,12 +176,16 @@ def main() -> int:
     print(f"{'samples delivered, worst node':<34} {min(shares):>10.1%} {0.9:>10.0%} {min(shares) / 0.9:>7.3f}")
     print(f"{'sample lag node->view, p95 (s)':<34} {lag_p95:>10.3f}")
     print(f"{'sampler CPU, node 0 (% of 1 CPU)':<34} {sampler_pct:>10.3f} {1.0:>10.3f} {sampler_pct / 1.0:>7.3f}")
-    print(f"{'  anchor: sleep-1 loop (%)':<34} {anchor_pct:>10.3f} {'':>10} "
-          f"{sampler_pct / anchor_pct if anchor_pct else float('nan'):>7.3f}")
+    print(
+        f"{'  anchor: sleep-1 loop (%)':<34} {anchor_pct:>10.3f} {'':>10} "
+        f"{sampler_pct / anchor_pct if anchor_pct else float('nan'):>7.3f}"
+    )
     print(f"{'  its sshd session (%)':<34} {sshd_pct:>10.3f}")
     print(f"{'view CPU: launch + ssh (% of 1 CPU)':<34} {view_pct:>10.1f}")
-    print(f"(CPU over {window:.0f} s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs; "
-          "ratios: value / target, and sampler / anchor on the anchor's line)")
+    print(
+        f"(CPU over {window:.0f} s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs; "
+        "ratios: value / target, and sampler / anchor on the anchor's line)"
+    )
     if mean > 1.05 * a.interval:
         missed.append(f"mean refresh {mean:.3f} s > {1.05 * a.interval:.2f} s")
     if p95 > 1.25 * a.interval:

@@ -34,8 +34,17 @@ SEQ, MICRO = 128, 8
 
 
 def _cfg(model: str, steps: int) -> TrainConfig:
-    return TrainConfig(model=model, seq_len=SEQ, global_batch=MICRO, micro_batch=MICRO, steps=steps,
-                       log_every=10**6, straggler_every=0, warmup_steps=2, world_size=1)
+    return TrainConfig(
+        model=model,
+        seq_len=SEQ,
+        global_batch=MICRO,
+        micro_batch=MICRO,
+        steps=steps,
+        log_every=10**6,
+        straggler_every=0,
+        warmup_steps=2,
+        world_size=1,
+    )
 
 
 def trainer_tokens_per_s(model: str, steps: int, warmup: int = 3) -> float:
@@ -74,8 +83,9 @@ def bare_loop_tokens_per_s(model: str, steps: int, warmup: int = 3) -> float:
 
 def _overlap_worker(rank: int, port: int, model: str, steps: int, rounds: int, out: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(minutes=5))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=5)
+    )
     size = MODEL_SIZES[model]
     data = BatchStream(SyntheticTokens(1 << 16, SEQ, size.vocab_size, 0), rank, 2, MICRO, 1, 0)
     torch.manual_seed(0)

@@ -204,8 +204,7 @@ def size_ladder(minbytes: int, maxbytes: int, stepfactor: int = 2, stepbytes: in
         raise SizeError(f"sizes must be >= 0 bytes, got -b {minbytes} -e {maxbytes}")
     if minbytes > maxbytes:
         raise SizeError(
-            f"minbytes {format_size(minbytes)} is larger than maxbytes {format_size(maxbytes)}; "
-            "swap -b and -e"
+            f"minbytes {format_size(minbytes)} is larger than maxbytes {format_size(maxbytes)}; swap -b and -e"
         )
     if stepfactor <= 1 and stepbytes <= 0:
         raise SizeError(f"step factor {stepfactor} would never reach maxbytes; use -f 2 or more")

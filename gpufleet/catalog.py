@@ -169,9 +169,7 @@ _A3_HIGH_NICS = (NIC("host", "eth0", "enp0s12"),) + tuple(
 # run-nccl-tests.sh; COS: CEA gpudirect-tcpxo README (eth0 + eth1..eth8).
 _A3_MEGA_NICS = (NIC("host", "eth0", "enp0s12"),) + tuple(
     NIC("gpu", f"eth{i + 1}", u)
-    for i, u in enumerate(
-        ("enp6s0", "enp7s0", "enp13s0", "enp14s0", "enp134s0", "enp135s0", "enp141s0", "enp142s0")
-    )
+    for i, u in enumerate(("enp6s0", "enp7s0", "enp13s0", "enp14s0", "enp134s0", "enp135s0", "enp141s0", "enp142s0"))
 )
 
 # A3 Ultra / A4: 2 gVNIC + 8 CX-7 (NETBW: "eight ... CX7 ... and two Google virtual NICs").
@@ -187,7 +185,9 @@ _RDMA_NICS = (
 
 # Ubuntu accelerator images ship the NVIDIA driver (gcp-facts 4.1; CTK a3mega blueprint base image
 # ubuntu-accelerator-2404-amd64-with-nvidia-580-v20260522, of this family).
-UBUNTU_ACCEL = "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accelerator-2404-amd64-with-nvidia-580"
+UBUNTU_ACCEL = (
+    "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accelerator-2404-amd64-with-nvidia-580"
+)
 # A3 High TCPX on VMs: Google's GPUDirect-TCPX VM doc uses cos-105-lts; the Ubuntu path needs a
 # private TCPX kernel PPA (gcp-facts 2.2), so COS is the default a user can actually boot.
 COS_TCPX = "projects/cos-cloud/global/images/family/cos-105-lts"
@@ -207,10 +207,21 @@ def _a2(name: str, gpu: GPU, n: int, vcpus: int, ram: int, lssd: int, gbps: int)
     # A2 Standard: "supported", none bundled). MTU: the VPC default; our sources give no jumbo
     # frame guidance for A2. Stack: Fast Socket (optimize-gpus page, FASTSOCK README).
     return MachineType(
-        name=name, family="a2", gpu=gpu, gpu_count=n, vcpus=vcpus, ram_gb=ram,
-        local_ssd_count=lssd, nics=_ONE_NIC, network_gbps=gbps, gpu_network_gbps=gbps,
-        net_stack=NetStack.FAST_SOCKET, gpu_mtu=None, provisioning=_ALL_MODELS,
-        default_image=UBUNTU_ACCEL, image_os="ubuntu",
+        name=name,
+        family="a2",
+        gpu=gpu,
+        gpu_count=n,
+        vcpus=vcpus,
+        ram_gb=ram,
+        local_ssd_count=lssd,
+        nics=_ONE_NIC,
+        network_gbps=gbps,
+        gpu_network_gbps=gbps,
+        net_stack=NetStack.FAST_SOCKET,
+        gpu_mtu=None,
+        provisioning=_ALL_MODELS,
+        default_image=UBUNTU_ACCEL,
+        image_os="ubuntu",
     )
 
 
@@ -218,10 +229,22 @@ def _a3_small(name: str, n: int, vcpus: int, ram: int, lssd: int, gbps: int) -> 
     # T-A3H row; local SSD count SKY-LSSD (2/4/8 x 375 GiB = 750/1500/3000 GiB in T-A3H).
     # One NIC, no GPUDirect (TCPX needs the 8g's 4 GPU NICs: SKY GPU_DIRECT_TCPX_INSTANCE_TYPES).
     return MachineType(
-        name=name, family="a3-high", gpu=H100, gpu_count=n, vcpus=vcpus, ram_gb=ram,
-        local_ssd_count=lssd, nics=_ONE_NIC, network_gbps=gbps, gpu_network_gbps=gbps,
-        net_stack=NetStack.NONE, gpu_mtu=None, provisioning=_SPOT_OR_FLEX,
-        default_image=UBUNTU_ACCEL, image_os="ubuntu", min_placement_distance=_A3_MIN_DISTANCE,
+        name=name,
+        family="a3-high",
+        gpu=H100,
+        gpu_count=n,
+        vcpus=vcpus,
+        ram_gb=ram,
+        local_ssd_count=lssd,
+        nics=_ONE_NIC,
+        network_gbps=gbps,
+        gpu_network_gbps=gbps,
+        net_stack=NetStack.NONE,
+        gpu_mtu=None,
+        provisioning=_SPOT_OR_FLEX,
+        default_image=UBUNTU_ACCEL,
+        image_os="ubuntu",
+        min_placement_distance=_A3_MIN_DISTANCE,
     )
 
 
@@ -239,8 +262,12 @@ _TYPES = [
     _a3_small("a3-highgpu-2g", 2, 52, 468, 4, 50),
     _a3_small("a3-highgpu-4g", 4, 104, 936, 8, 100),
     MachineType(
-        name="a3-highgpu-8g", family="a3-high", gpu=H100, gpu_count=8,
-        vcpus=208, ram_gb=1872,  # T-A3H
+        name="a3-highgpu-8g",
+        family="a3-high",
+        gpu=H100,
+        gpu_count=8,
+        vcpus=208,
+        ram_gb=1872,  # T-A3H
         local_ssd_count=16,  # SKY-LSSD; T-A3H 6,000 GiB = 16 x 375
         nics=_A3_HIGH_NICS,  # T-A3H: 5 physical NICs
         network_gbps=1000,  # T-A3H and NETBW agree
@@ -250,11 +277,18 @@ _TYPES = [
         net_stack=NetStack.TCPX,  # NETBW overview "A3 High ... GPUDirect-TCPX"
         gpu_mtu=8244,  # CTK gke-a3-highgpu.yaml, SKY, DSTACK
         provisioning=_ALL_MODELS,
-        default_image=COS_TCPX, image_os="cos", min_placement_distance=_A3_MIN_DISTANCE,
+        default_image=COS_TCPX,
+        image_os="cos",
+        min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
-        name="a3-edgegpu-8g", family="a3-edge", gpu=H100, gpu_count=8,
-        vcpus=208, ram_gb=1872, local_ssd_count=16,  # T-A3E, SKY-LSSD
+        name="a3-edgegpu-8g",
+        family="a3-edge",
+        gpu=H100,
+        gpu_count=8,
+        vcpus=208,
+        ram_gb=1872,
+        local_ssd_count=16,  # T-A3E, SKY-LSSD
         nics=_A3_HIGH_NICS,  # T-A3E: 5 NICs, same TCPX layout (SKY GPU_DIRECT_TCPX_INSTANCE_TYPES)
         # Sources disagree: T-A3E 600 (asia-south1, northamerica-northeast2) / 400 elsewhere;
         # NETBW overview 600; a newer NETBW copy and DSTACK 800. We keep the NETBW overview's 600 as
@@ -262,12 +296,21 @@ _TYPES = [
         # bandwidth check errs towards not crying wolf.
         network_gbps=600,
         gpu_network_gbps=400,
-        net_stack=NetStack.TCPX, gpu_mtu=8244, provisioning=_ALL_MODELS,
-        default_image=COS_TCPX, image_os="cos", min_placement_distance=_A3_MIN_DISTANCE,
+        net_stack=NetStack.TCPX,
+        gpu_mtu=8244,
+        provisioning=_ALL_MODELS,
+        default_image=COS_TCPX,
+        image_os="cos",
+        min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
-        name="a3-megagpu-8g", family="a3-mega", gpu=H100_MEGA, gpu_count=8,
-        vcpus=208, ram_gb=1872, local_ssd_count=16,  # T-A3M, SKY-LSSD
+        name="a3-megagpu-8g",
+        family="a3-mega",
+        gpu=H100_MEGA,
+        gpu_count=8,
+        vcpus=208,
+        ram_gb=1872,
+        local_ssd_count=16,  # T-A3M, SKY-LSSD
         nics=_A3_MEGA_NICS,  # T-A3M: 9 NICs
         # T-A3M and NETBW overview 1,800; one NETBW copy 1,600. 1,800 = 8 x 200 GPU + 200 host.
         network_gbps=1800,
@@ -275,12 +318,17 @@ _TYPES = [
         net_stack=NetStack.TCPXO,  # NETBW overview
         gpu_mtu=8244,  # CTK gke-a3-megagpu.yaml; Vertex doc "For A3 Mega nodes: Use an MTU of 8244."
         provisioning=_ALL_MODELS,
-        default_image=UBUNTU_ACCEL, image_os="ubuntu",  # CTK a3mega blueprint base image
+        default_image=UBUNTU_ACCEL,
+        image_os="ubuntu",  # CTK a3mega blueprint base image
         min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
-        name="a3-ultragpu-8g", family="a3-ultra", gpu=H200, gpu_count=8,
-        vcpus=224, ram_gb=2952,  # SKYCAT
+        name="a3-ultragpu-8g",
+        family="a3-ultra",
+        gpu=H200,
+        gpu_count=8,
+        vcpus=224,
+        ram_gb=2952,  # SKYCAT
         local_ssd_count=32,  # SKY-LSSD, CTK-LSSD
         nics=_RDMA_NICS,  # NETBW: 8 CX-7 + 2 gVNIC
         network_gbps=3600,  # NETBW overview
@@ -288,19 +336,30 @@ _TYPES = [
         net_stack=NetStack.RDMA,
         gpu_mtu=8896,  # CTK gpu-rdma-vpc default; Vertex doc "For A3 Ultra and A4 nodes: ... 8896"
         provisioning=_ALL_MODELS,
-        default_image=UBUNTU_ACCEL, image_os="ubuntu",
-        boot_disk_type="hyperdisk-balanced", reservation_bound=True,  # CTK A3 Ultra VM blueprint
+        default_image=UBUNTU_ACCEL,
+        image_os="ubuntu",
+        boot_disk_type="hyperdisk-balanced",
+        reservation_bound=True,  # CTK A3 Ultra VM blueprint
         min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
-        name="a4-highgpu-8g", family="a4", gpu=B200, gpu_count=8,
-        vcpus=224, ram_gb=3968,  # SKYCAT
+        name="a4-highgpu-8g",
+        family="a4",
+        gpu=B200,
+        gpu_count=8,
+        vcpus=224,
+        ram_gb=3968,  # SKYCAT
         local_ssd_count=32,  # SKY-LSSD, CTK-LSSD
         nics=_RDMA_NICS,
-        network_gbps=3600, gpu_network_gbps=3200,  # NETBW
-        net_stack=NetStack.RDMA, gpu_mtu=8896, provisioning=_ALL_MODELS,
-        default_image=UBUNTU_ACCEL, image_os="ubuntu",
-        boot_disk_type="hyperdisk-balanced", reservation_bound=True,  # CTK A4 VM blueprint, DSTACK
+        network_gbps=3600,
+        gpu_network_gbps=3200,  # NETBW
+        net_stack=NetStack.RDMA,
+        gpu_mtu=8896,
+        provisioning=_ALL_MODELS,
+        default_image=UBUNTU_ACCEL,
+        image_os="ubuntu",
+        boot_disk_type="hyperdisk-balanced",
+        reservation_bound=True,  # CTK A4 VM blueprint, DSTACK
     ),
 ]
 
@@ -323,9 +382,7 @@ def lookup(name: str) -> MachineType:
     try:
         return MACHINE_TYPES[name]
     except KeyError:
-        raise UnknownMachineType(
-            f"machine type {name!r} is unknown; one of: {', '.join(known_types())}"
-        ) from None
+        raise UnknownMachineType(f"machine type {name!r} is unknown; one of: {', '.join(known_types())}") from None
 
 
 # H100 variants that GCP does not offer but a user may run the workload on: TT get_peak_flops

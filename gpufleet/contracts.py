@@ -90,8 +90,9 @@ OUTPUT_KEYS = (
 NODE_KEYS = ("name", "index", "internalIp", "externalIp", "zone")
 
 # What a reader is told to expect when a document is not the stack outputs.
-OUTPUTS_SHAPE = ("expected the infra stack's outputs "
-                 "(cluster, zone, machineType, nodes: [{name, index, internalIp, externalIp}])")
+OUTPUTS_SHAPE = (
+    "expected the infra stack's outputs (cluster, zone, machineType, nodes: [{name, index, internalIp, externalIp}])"
+)
 
 
 class OutputsError(ValueError):
@@ -137,8 +138,9 @@ def stack_outputs(
     checkpoint_bucket: Any,
 ) -> dict[str, Any]:
     """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports."""
-    return dict(zip(OUTPUT_KEYS, (cluster, project, zone, machine_type, nodes, placement_policy,
-                                  networks, checkpoint_bucket)))
+    return dict(
+        zip(OUTPUT_KEYS, (cluster, project, zone, machine_type, nodes, placement_policy, networks, checkpoint_bucket))
+    )
 
 
 def _is_int(value: Any) -> bool:

@@ -53,8 +53,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpufleet.bandwidth import bus_factor, model_busbw
-from gpufleet.contracts import SweepRow
 from gpufleet.catalog import MachineType, NetStack, lookup
+from gpufleet.contracts import SweepRow
 from gpufleet.nccl_env import PROFILES
 
 __all__ = [
@@ -166,31 +166,39 @@ CALIBRATIONS: dict[tuple[NetStack, str, Algorithm], Calibration] = {
     # φ 0.25: below 8 MiB the time jumps at protocol switches (98 → 130 us at 256 KiB).
     # Small sizes: 129.67 us at 256 KiB.
     (NetStack.TCPXO, "all_gather", Algorithm.RING): Calibration(
-        125e-6, 0.25, 129.67e-6,
-        "2 x a3-megagpu-8g all_gather, cluster-toolkit examples/gke-a3-megagpu/README.md"),
+        125e-6, 0.25, 129.67e-6, "2 x a3-megagpu-8g all_gather, cluster-toolkit examples/gke-a3-megagpu/README.md"
+    ),
     # 2 x a3-megagpu-8g all_reduce (NVLS tree; NCCL_ALGO unset): -4.6%..+2.3% from 64 MiB. φ 0.25:
     # 8-16 MiB sit at 27-33 GB/s (another algorithm) before the tree takes over at 32 MiB.
     # Small sizes: 203.2 us at 1 MiB.
     (NetStack.TCPXO, "all_reduce", Algorithm.NVLS_TREE): Calibration(
-        965e-6, 0.25, 203.2e-6,
-        "2 x a3-megagpu-8g all_reduce, lessizzmore/create-a3mega-ztan-fork ztan-NCCL-test-result"),
+        965e-6,
+        0.25,
+        203.2e-6,
+        "2 x a3-megagpu-8g all_reduce, lessizzmore/create-a3mega-ztan-fork ztan-NCCL-test-result",
+    ),
     # 2 x a3-highgpu-8g all_gather: -10.0%..+5.0% from 64 to 512 MiB. TCPX holds ~1 ms per op up
     # to 16 MiB, so the α-β form overshoots until 2/3 of the plateau: φ 0.6. Small sizes:
     # 996.7 us at 1 MiB (the smallest size published).
     (NetStack.TCPX, "all_gather", Algorithm.RING): Calibration(
-        385e-6, 0.6, 996.7e-6,
-        "2 x a3-highgpu-8g all_gather, cluster-toolkit examples/gke-a3-highgpu/multi-node-test-plan.md"),
+        385e-6,
+        0.6,
+        996.7e-6,
+        "2 x a3-highgpu-8g all_gather, cluster-toolkit examples/gke-a3-highgpu/multi-node-test-plan.md",
+    ),
     # 2 x a4-highgpu-8g all_gather: 128 @16 MiB, 254 @128 MiB, 324 @1 GiB, 335.67 @8 GiB
     # (perf-anchors §3.3): -10.6%..+5.6%; no small sizes published.
     (NetStack.RDMA, "all_gather", Algorithm.RING): Calibration(
-        90e-6, 0.25, None, "2 x a4-highgpu-8g all_gather, cluster-toolkit examples/gke-a4-highgpu/README.md"),
+        90e-6, 0.25, None, "2 x a4-highgpu-8g all_gather, cluster-toolkit examples/gke-a4-highgpu/README.md"
+    ),
 }
 
 # A of each stack's ring all_gather calibration (the stacks without a published sweep borrow
 # TCPX's, the other TCP stack): what `gpufleet.bandwidth.DEFAULT_LATENCY_S` used to hold.
 DEFAULT_LATENCY_S: dict[NetStack, float] = {
-    s: CALIBRATIONS[(s if s in (NetStack.TCPXO, NetStack.TCPX, NetStack.RDMA) else NetStack.TCPX,
-                     "all_gather", Algorithm.RING)].latency_s
+    s: CALIBRATIONS[
+        (s if s in (NetStack.TCPXO, NetStack.TCPX, NetStack.RDMA) else NetStack.TCPX, "all_gather", Algorithm.RING)
+    ].latency_s
     for s in NetStack
 }
 
@@ -257,12 +265,21 @@ def _calibration(stack: NetStack, collective: str, algorithm: Algorithm) -> tupl
     if key in CALIBRATIONS:
         return CALIBRATIONS[key], collective, algorithm, ""
     if algorithm is Algorithm.NVLS_TREE:
-        return (CALIBRATIONS[(NetStack.TCPXO, "all_reduce", algorithm)], "all_reduce", algorithm,
-                "A and φ borrowed from A3 Mega's all_reduce (no published sweep for this stack)")
+        return (
+            CALIBRATIONS[(NetStack.TCPXO, "all_reduce", algorithm)],
+            "all_reduce",
+            algorithm,
+            "A and φ borrowed from A3 Mega's all_reduce (no published sweep for this stack)",
+        )
     own = stack if (stack, "all_gather", Algorithm.RING) in CALIBRATIONS else NetStack.TCPX
     cal = CALIBRATIONS[(own, "all_gather", Algorithm.RING)]
     if own is not stack:
-        return cal, "all_gather", Algorithm.RING, "A and φ borrowed from A3 High's all_gather (no published sweep for this stack)"
+        return (
+            cal,
+            "all_gather",
+            Algorithm.RING,
+            "A and φ borrowed from A3 High's all_gather (no published sweep for this stack)",
+        )
     return cal, "all_gather", Algorithm.RING, f"A and φ from all_gather's ring ({collective} not published)"
 
 
@@ -295,7 +312,10 @@ def _machine(machine: MachineType | str) -> MachineType:
 
 
 def expectation(
-    machine: MachineType | str, collective: str, nranks: int, nnodes: int,
+    machine: MachineType | str,
+    collective: str,
+    nranks: int,
+    nnodes: int,
     env: Mapping[str, str] | None = None,
 ) -> Expectation | None:
     """The model for `collective` on `nnodes` nodes of `machine` with `nranks` ranks in all.
@@ -357,9 +377,7 @@ def plateau_busbw(machine: MachineType, collective: str, nnodes: int) -> float |
     return None if e is None else e.plateau
 
 
-def fit_calibration(
-    points: list[tuple[int, float]], plateau: float, factor: float, trusted_fraction: float
-) -> float:
+def fit_calibration(points: list[tuple[int, float]], plateau: float, factor: float, trusted_fraction: float) -> float:
     """A (seconds) for a published sweep: `points` (size bytes, busbw GB/s) at or above φ·B.
 
     Minimises the largest relative error of the model over those points, an overshoot (a false

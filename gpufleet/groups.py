@@ -46,13 +46,16 @@ def parse_rounds(text: str) -> Plan:
         for gtext in rtext.split(","):
             parts = gtext.strip().split("+")
             if not all(p.strip().isdigit() for p in parts):
-                raise ValueError(f"round {i + 1}: group {gtext.strip()!r} is not node ranks joined by '+' "
-                                 "(e.g. 0+3,1+2;0+2,3+1)")
+                raise ValueError(
+                    f"round {i + 1}: group {gtext.strip()!r} is not node ranks joined by '+' (e.g. 0+3,1+2;0+2,3+1)"
+                )
             group = tuple(int(p) for p in parts)
             twice = sorted(seen.intersection(group) | {n for n in group if group.count(n) > 1})
             if twice:
-                raise ValueError(f"round {i + 1}: node {twice[0]} appears twice; the groups of a round "
-                                 "run at the same time and must not share a node")
+                raise ValueError(
+                    f"round {i + 1}: node {twice[0]} appears twice; the groups of a round "
+                    "run at the same time and must not share a node"
+                )
             seen.update(group)
             groups.append(group)
         rounds.append(groups)
@@ -67,7 +70,7 @@ def group_documents(text: str) -> list[dict[str, Any]]:
         if not line.startswith(JSON_MARKER):
             continue
         try:
-            doc = json.loads(line[len(JSON_MARKER):])
+            doc = json.loads(line[len(JSON_MARKER) :])
         except ValueError:
             continue
         if isinstance(doc, dict) and isinstance(doc.get("nodes"), list) and isinstance(doc.get("rows"), list):

@@ -60,8 +60,16 @@ GPU_QUERY_FIELDS = (
 )
 
 # What nvidia-smi prints for a value it cannot give (nvidia-smi(1) prints these bracketed).
-_NOT_A_VALUE = {"[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]",
-                "[GPU is lost]", "[Requires Pstate Change]", ""}
+_NOT_A_VALUE = {
+    "[N/A]",
+    "N/A",
+    "[Not Supported]",
+    "[Unknown Error]",
+    "[Insufficient Permissions]",
+    "[GPU is lost]",
+    "[Requires Pstate Change]",
+    "",
+}
 
 
 @dataclass(frozen=True)
@@ -111,28 +119,32 @@ def parse_gpu_query(text: str) -> list[GpuRow]:
     """Every GPU in `nvidia-smi --query-gpu=<GPU_QUERY_FIELDS> --format=csv,noheader,nounits`
     output. Raises ValueError naming the line when a line is not that format."""
     rows = []
-    lines = [l for l in text.splitlines() if l.strip()]
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     for lineno, fields in enumerate(csv.reader(lines, skipinitialspace=True), 1):
         if len(fields) != len(GPU_QUERY_FIELDS):
-            raise ValueError(f"nvidia-smi line {lineno} has {len(fields)} fields, expected "
-                             f"{len(GPU_QUERY_FIELDS)} ({','.join(GPU_QUERY_FIELDS)}): {lines[lineno - 1]!r}")
+            raise ValueError(
+                f"nvidia-smi line {lineno} has {len(fields)} fields, expected "
+                f"{len(GPU_QUERY_FIELDS)} ({','.join(GPU_QUERY_FIELDS)}): {lines[lineno - 1]!r}"
+            )
         f = dict(zip(GPU_QUERY_FIELDS, fields))
         try:
-            rows.append(GpuRow(
-                index=int(f["index"]),
-                name=f["name"].strip(),
-                uuid=f["uuid"].strip(),
-                bus_id=f["pci.bus_id"].strip(),
-                memory_mib=_int(f["memory.total"]),
-                driver=(_value(f["driver_version"]) or ""),
-                persistence=_flag(f["persistence_mode"], "Enabled", "Disabled"),
-                ecc_uncorrected=_int(f["ecc.errors.uncorrected.volatile.total"]),
-                retired_pending=_flag(f["retired_pages.pending"], "Yes", "No"),
-                remapped_pending=_flag(f["remapped_rows.pending"], "Yes", "No"),
-                temperature_c=_int(f["temperature.gpu"]),
-                power_w=_float(f["power.draw"]),
-                utilization_pct=_int(f["utilization.gpu"]),
-            ))
+            rows.append(
+                GpuRow(
+                    index=int(f["index"]),
+                    name=f["name"].strip(),
+                    uuid=f["uuid"].strip(),
+                    bus_id=f["pci.bus_id"].strip(),
+                    memory_mib=_int(f["memory.total"]),
+                    driver=(_value(f["driver_version"]) or ""),
+                    persistence=_flag(f["persistence_mode"], "Enabled", "Disabled"),
+                    ecc_uncorrected=_int(f["ecc.errors.uncorrected.volatile.total"]),
+                    retired_pending=_flag(f["retired_pages.pending"], "Yes", "No"),
+                    remapped_pending=_flag(f["remapped_rows.pending"], "Yes", "No"),
+                    temperature_c=_int(f["temperature.gpu"]),
+                    power_w=_float(f["power.draw"]),
+                    utilization_pct=_int(f["utilization.gpu"]),
+                )
+            )
         except ValueError as e:
             raise ValueError(f"nvidia-smi line {lineno}: {e}: {lines[lineno - 1]!r}") from None
     return rows
@@ -194,7 +206,7 @@ class PhysicalHost:
 
 
 def parse_physical_host(value: str) -> PhysicalHost | None:
-    """"/CLUSTER/BLOCK/SUBBLOCK/HOST" or "/CLUSTER/RACK/HOST" (the rack is the block); None for
+    """ "/CLUSTER/BLOCK/SUBBLOCK/HOST" or "/CLUSTER/RACK/HOST" (the rack is the block); None for
     an empty value (no placement policy: "The physical location information is available for VMs
     configured with a placement policy", CTK docs/slurm-topology.md). ValueError otherwise."""
     value = value.strip()

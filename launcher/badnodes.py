@@ -197,8 +197,9 @@ def group_result(doc: dict[str, Any]) -> GroupResult:
         return GroupResult(0.0, None, ())
     largest = max(r.size for r in rows)
     iters = [d.get("iters") for d in doc["rows"] if d["size"] == largest and d.get("iters") is not None]
-    return GroupResult(max(r.best_busbw for r in rows if r.size == largest), min(iters, default=None),
-                       tuple(failures(rows)))
+    return GroupResult(
+        max(r.best_busbw for r in rows if r.size == largest), min(iters, default=None), tuple(failures(rows))
+    )
 
 
 # ---- the search --------------------------------------------------------------------------------
@@ -245,8 +246,10 @@ def _check_cluster(cluster: Cluster, config: LaunchConfig) -> None:
     if cluster.local:
         raise UserError("--find-bad-nodes compares machines; --local has only this one")
     if config.dry_run:
-        raise UserError("--find-bad-nodes runs many launches, chosen as results come in; --dry-run "
-                        "shows one: drop --find-bad-nodes to see the sweep's command")
+        raise UserError(
+            "--find-bad-nodes runs many launches, chosen as results come in; --dry-run "
+            "shows one: drop --find-bad-nodes to see the sweep's command"
+        )
     if len(cluster.nodes) < 3:
         raise UserError(f"--find-bad-nodes needs 3 or more nodes to tell a bad one apart; found {len(cluster.nodes)}")
 
@@ -256,8 +259,14 @@ class BadNodeSearch:
     of `config` (its job id and run directory are the parent of the search's runs) running the
     sweep of `sweep`. Every launch shares `stop`; `signals` holds those the launches received."""
 
-    def __init__(self, cluster: Cluster, config: LaunchConfig, sweep: SweepSpec, options: SearchOptions,
-                 on_wrong: OnWrong | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        config: LaunchConfig,
+        sweep: SweepSpec,
+        options: SearchOptions,
+        on_wrong: OnWrong | None = None,
+    ):
         _check_cluster(cluster, config)
         self.cluster = cluster
         self.config = config
@@ -296,8 +305,9 @@ class BadNodeSearch:
         """One Launch on every node running `plan` (rounds of host groups) as --rounds."""
         ranks = [[tuple(self.hosts.index(h) for h in g) for g in rnd] for rnd in plan]
         work = Workload("torchrun", ("-m", SWEEP_MODULE, *self._argv, "--rounds", format_rounds(ranks)))
-        config = dataclasses.replace(self.config, workload=work, job_id=f"{self.config.job_id}-{label}",
-                                     runs_dir=self.parent)
+        config = dataclasses.replace(
+            self.config, workload=work, job_id=f"{self.config.job_id}-{label}", runs_dir=self.parent
+        )
         launch = Launch(self.cluster, config, stop=self.stop)
         try:
             result = launch.run()  # Launch handles SIGINT/SIGTERM while it runs
@@ -319,10 +329,12 @@ class BadNodeSearch:
             for row in grp.wrong:
                 self._on_wrong(group, row)
         if result.exit_code != 0:
-            raise SearchFailed(f"the {label} sweep failed ({result.exit_code}); see {result.run_dir}/node-*.log",
-                               result.exit_code)
+            raise SearchFailed(
+                f"the {label} sweep failed ({result.exit_code}); see {result.run_dir}/node-*.log", result.exit_code
+            )
         missing = [g for rnd in plan for g in rnd if tuple(g) not in found]
         if missing:
-            raise SearchFailed(f"the {label} sweep printed no rows for {'+'.join(missing[0])}; "
-                               f"see {result.run_dir}/node-*.log", 1)
+            raise SearchFailed(
+                f"the {label} sweep printed no rows for {'+'.join(missing[0])}; see {result.run_dir}/node-*.log", 1
+            )
         return found

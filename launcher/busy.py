@@ -37,9 +37,14 @@ class BusyCheck:
         self._proc: subprocess.Popen | None = None
 
     def _ask(self) -> None:
-        self._proc = subprocess.Popen(self._transport.argv(self.cluster.nodes[0], list_script()),
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True, start_new_session=True)
+        self._proc = subprocess.Popen(
+            self._transport.argv(self.cluster.nodes[0], list_script()),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
 
     def gate(self, on_event: Callable[[NodeEvent], None]) -> Callable[[NodeEvent], None]:
         def gated(event: NodeEvent) -> None:
@@ -51,6 +56,7 @@ class BusyCheck:
                     self._ask()
                 if len(self._answered) == len(self.cluster.nodes):  # every node has answered; none has gone
                     self._wait()
+
         return gated
 
     def _wait(self) -> None:
@@ -75,6 +81,8 @@ class BusyCheck:
     def refusal(self) -> UserError:
         r = self.busy
         assert r is not None
-        return UserError(f"the nodes are busy with detached job {r.id} ({r.state.value}: {r.what}); nothing was "
-                         f"started. Wait for it (launch logs {r.id} -f), stop it (launch stop {r.id}), or add "
-                         "--detach to queue behind it")
+        return UserError(
+            f"the nodes are busy with detached job {r.id} ({r.state.value}: {r.what}); nothing was "
+            f"started. Wait for it (launch logs {r.id} -f), stop it (launch stop {r.id}), or add "
+            "--detach to queue behind it"
+        )

@@ -28,8 +28,17 @@ from pathlib import Path
 from launcher.model import Cluster, Node, SshConfig, UserError
 from launcher.transport import Transport, state_dir
 
-__all__ = ["cluster_slug", "ensure_key", "SshTarget", "ssh_target", "verified_host_keys", "authorize_statements",
-           "known_hosts_text", "controller_ssh", "NODE_KEY_DIR"]
+__all__ = [
+    "cluster_slug",
+    "ensure_key",
+    "SshTarget",
+    "ssh_target",
+    "verified_host_keys",
+    "authorize_statements",
+    "known_hosts_text",
+    "controller_ssh",
+    "NODE_KEY_DIR",
+]
 
 # Where node 0 keeps the cluster's private key and known_hosts, relative to its home.
 NODE_KEY_DIR = ".gpufleet/clusters"
@@ -51,11 +60,17 @@ def ensure_key(cluster: Cluster) -> Path:
         return key
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     d.chmod(0o700)
-    r = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpufleet-{cluster_slug(cluster)}",
-                        "-f", str(key)], capture_output=True, text=True, input="n\n")
+    r = subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpufleet-{cluster_slug(cluster)}", "-f", str(key)],
+        capture_output=True,
+        text=True,
+        input="n\n",
+    )
     if r.returncode != 0 or not key.exists():
-        raise UserError(f"cannot make the cluster key {key}: {r.stderr.strip() or 'ssh-keygen failed'}; nothing "
-                        "was started. Check that ssh-keygen is installed and the directory is writable")
+        raise UserError(
+            f"cannot make the cluster key {key}: {r.stderr.strip() or 'ssh-keygen failed'}; nothing "
+            "was started. Check that ssh-keygen is installed and the directory is writable"
+        )
     key.chmod(0o600)
     return key
 
@@ -72,16 +87,23 @@ class SshTarget:
 
 def ssh_target(transport: Transport, node: Node) -> SshTarget:
     try:
-        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         out = ""
     conf = dict(line.partition(" ")[::2] for line in out.splitlines())
-    files = [os.path.expanduser(f) for key in ("userknownhostsfile", "globalknownhostsfile")
-             for f in conf.get(key, "").split() if f != "/dev/null"]
+    files = [
+        os.path.expanduser(f)
+        for key in ("userknownhostsfile", "globalknownhostsfile")
+        for f in conf.get(key, "").split()
+        if f != "/dev/null"
+    ]
     alias = conf.get("hostkeyalias")
-    return SshTarget(conf.get("user") or None, int(conf.get("port", "22") or 22), tuple(files),
-                     None if alias in (None, "", "none") else alias)
+    return SshTarget(
+        conf.get("user") or None,
+        int(conf.get("port", "22") or 22),
+        tuple(files),
+        None if alias in (None, "", "none") else alias,
+    )
 
 
 def _known_name(host: str, port: int) -> str:
@@ -95,8 +117,9 @@ def _host_matches(field: str, name: str) -> bool:
     if field.startswith("|1|"):
         try:
             salt, digest = field[3:].split("|")
-            return hmac.compare_digest(hmac.new(base64.b64decode(salt), name.encode(), hashlib.sha1).digest(),
-                                       base64.b64decode(digest))
+            return hmac.compare_digest(
+                hmac.new(base64.b64decode(salt), name.encode(), hashlib.sha1).digest(), base64.b64decode(digest)
+            )
         except (ValueError, binascii.Error):
             return False
     return name in field.split(",")
@@ -111,8 +134,9 @@ def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[st
             text = Path(f).read_text(errors="replace")
         except OSError:
             continue
-        entries += [line.split() for line in text.splitlines()
-                    if line.strip() and not line.lstrip().startswith(("#", "@"))]
+        entries += [
+            line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("#", "@"))
+        ]
     keys: dict[int, list[str]] = {}
     for node in cluster.nodes:
         name = _known_name(target.alias or node.host, target.port)
@@ -126,11 +150,15 @@ def authorize_statements(public_key: str, cluster: Cluster) -> list[str]:
     cluster's addresses only."""
     kind, b64 = public_key.split()[:2]
     addresses = ",".join(sorted({n.address for n in cluster.nodes}))
-    entry = (f'from="{addresses}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding,no-pty '
-             f"{kind} {b64} gpufleet-{cluster_slug(cluster)}")
+    entry = (
+        f'from="{addresses}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding,no-pty '
+        f"{kind} {b64} gpufleet-{cluster_slug(cluster)}"
+    )
     e = shlex.quote(entry)
-    return ['( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
-            f'{{ grep -qxF {e} "$K" || printf "%s\\n" {e} >> "$K"; }} )']
+    return [
+        '( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
+        f'{{ grep -qxF {e} "$K" || printf "%s\\n" {e} >> "$K"; }} )'
+    ]
 
 
 def known_hosts_text(cluster: Cluster, keys: dict[int, list[str]], port: int) -> str:
@@ -141,9 +169,11 @@ def known_hosts_text(cluster: Cluster, keys: dict[int, list[str]], port: int) ->
             missing.append(node.label)
         lines += [f"{_known_name(node.host, port)} {k}" for k in keys.get(node.rank, [])]
     if missing:
-        raise UserError(f"the host key of {', '.join(missing)} is not in this machine's known_hosts files, so node "
-                        "0 could not check it; nothing was started. Connect once without --detach (or pass "
-                        "--known-hosts) so it is recorded, then detach")
+        raise UserError(
+            f"the host key of {', '.join(missing)} is not in this machine's known_hosts files, so node "
+            "0 could not check it; nothing was started. Connect once without --detach (or pass "
+            "--known-hosts) so it is recorded, then detach"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -152,9 +182,16 @@ def controller_ssh(user: str | None, port: int, slug: str, known_hosts: str) -> 
     to node 0's home; a job keeps the keys of its own nodes, whatever later jobs on a subset of
     the cluster bring), host keys checked strictly, no connection sharing (each session is its
     own, so a killed controller's sessions all end with it)."""
-    options = ["StrictHostKeyChecking=yes", "IdentitiesOnly=yes", "GlobalKnownHostsFile=/dev/null",
-               "UpdateHostKeys=no", "ControlMaster=no", "ControlPath=none"]
+    options = [
+        "StrictHostKeyChecking=yes",
+        "IdentitiesOnly=yes",
+        "GlobalKnownHostsFile=/dev/null",
+        "UpdateHostKeys=no",
+        "ControlMaster=no",
+        "ControlPath=none",
+    ]
     if port != 22:
         options.append(f"Port={port}")
-    return SshConfig(user=user, key=Path(NODE_KEY_DIR, slug, "id_ed25519"), options=tuple(options),
-                     known_hosts=Path(known_hosts))
+    return SshConfig(
+        user=user, key=Path(NODE_KEY_DIR, slug, "id_ed25519"), options=tuple(options), known_hosts=Path(known_hosts)
+    )

@@ -32,7 +32,6 @@ from collections.abc import Mapping, Sequence
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-
 from launcher.env import HOST_IFACE_ON_NODE, node_env
 from launcher.model import Cluster, LaunchConfig, Node, SshConfig
 from launcher.prestart import prestart_statements
@@ -85,7 +84,9 @@ def torchrun_argv(
     """`python -m torch.distributed.run ...` for one node, with a c10d rendezvous on node 0."""
     head = cluster.nodes[0]
     return [
-        config.python, "-m", "torch.distributed.run",
+        config.python,
+        "-m",
+        "torch.distributed.run",
         f"--nnodes={len(cluster.nodes)}",
         f"--nproc-per-node={nproc}",
         # No --node-rank: with a c10d rendezvous torchrun ignores it and logs a warning saying so
@@ -98,8 +99,7 @@ def torchrun_argv(
         # is_host: node 0 hosts the store. Left to torch, it guesses from hostname and addresses,
         # which fails where nodes share a hostname (network namespaces) or NICs are secondary
         # (torch/distributed/elastic/rendezvous/utils.py `_matches_machine_hostname`).
-        f"--rdzv-conf=join_timeout={join_timeout_s(len(cluster.nodes))},"
-        f"is_host={1 if node.rank == 0 else 0}",
+        f"--rdzv-conf=join_timeout={join_timeout_s(len(cluster.nodes))},is_host={1 if node.rank == 0 else 0}",
         # The address the other nodes reach this one at; it becomes the workers' MASTER_ADDR on
         # node 0. Left out, torch uses socket.getfqdn(), which on a node whose /etc/hosts maps
         # its hostname to 127.0.0.1 is "localhost" and strands every other node's workers.
@@ -134,8 +134,10 @@ def _check_statements(config: LaunchConfig, facts: bool, torch: bool) -> list[st
         ]
     if torch:
         # importlib.metadata reads the version without importing torch (seconds on a busy node).
-        s.append(f"echo torch=$({shlex.quote(config.python)} -c 'import importlib.metadata as m; "
-                 "print(m.version(\"torch\"))' 2>/dev/null || echo missing)")
+        s.append(
+            f"echo torch=$({shlex.quote(config.python)} -c 'import importlib.metadata as m; "
+            "print(m.version(\"torch\"))' 2>/dev/null || echo missing)"
+        )
     if config.workdir:
         s.append(f"if [ -d {_workdir(config.workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
     return s
@@ -191,8 +193,10 @@ def remote_script(
     if config.workdir:
         wd = config.workdir
         # A line the launcher reads as this node's own error (gpufleet.contracts.is_error_line).
-        s.append(f"cd {_workdir(wd)} || {{ echo \"{LAUNCHER_ERROR_PREFIX}--workdir {shlex.quote(wd)} does not "
-                 f"exist on {node.host}\" >&2; exit 71; }}")
+        s.append(
+            f"cd {_workdir(wd)} || {{ echo \"{LAUNCHER_ERROR_PREFIX}--workdir {shlex.quote(wd)} does not "
+            f"exist on {node.host}\" >&2; exit 71; }}"
+        )
     s += [
         f"export GPUFLEET_JOB_ID={shlex.quote(job)} GPUFLEET_NODE_RANK={node.rank} "
         f"GPUFLEET_NNODES={len(cluster.nodes)}",
@@ -273,21 +277,33 @@ def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[st
         if not ssh.zone:
             raise ValueError("--iap needs the zone")
         # gcloud's documented tunnel-through-IAP ProxyCommand for OpenSSH.
-        argv += ["-o", "ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin "
-                       f"--zone {shlex.quote(ssh.zone)}"]
+        argv += [
+            "-o",
+            f"ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin --zone {shlex.quote(ssh.zone)}",
+        ]
     argv += [
-        "-o", "BatchMode=yes",
-        "-o", f"ConnectTimeout={ssh.connect_timeout}",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={ssh.connect_timeout}",
         # Keep-alives: a node that vanished is noticed within 3 x 2 s.
-        "-o", "ServerAliveInterval=2",
-        "-o", "ServerAliveCountMax=3",
-        "-o", f"UserKnownHostsFile={known_hosts}",
+        "-o",
+        "ServerAliveInterval=2",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        f"UserKnownHostsFile={known_hosts}",
         # First contact records the key; a changed key is refused. Never "no".
-        "-o", "StrictHostKeyChecking=accept-new",
-        "-o", "ControlMaster=auto",
-        "-o", f"ControlPath={control_dir}/%C",
-        "-o", f"ControlPersist={ssh.control_persist}",
-        "-o", "LogLevel=ERROR",
+        "-o",
+        "StrictHostKeyChecking=accept-new",
+        "-o",
+        "ControlMaster=auto",
+        "-o",
+        f"ControlPath={control_dir}/%C",
+        "-o",
+        f"ControlPersist={ssh.control_persist}",
+        "-o",
+        "LogLevel=ERROR",
         "-T",
     ]
     return argv
@@ -300,8 +316,14 @@ def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
 def probe_script(config: LaunchConfig, check_torch: bool) -> str:
     """`launch hosts`' program: the check lines and CHECKED_MARKER, then it waits for end of input,
     as a launch's node does before `go`."""
-    return _join([*_check_statements(config, facts=True, torch=check_torch), f"echo {CHECKED_MARKER}",
-                  "IFS= read -r G", "exit 0"])
+    return _join(
+        [
+            *_check_statements(config, facts=True, torch=check_torch),
+            f"echo {CHECKED_MARKER}",
+            "IFS= read -r G",
+            "exit 0",
+        ]
+    )
 
 
 def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
@@ -318,6 +340,14 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
             lock = config.rdzv_port if node.rank == 0 else None
         else:
             argv, lock = list(wl.argv), None
-        out[node.rank] = remote_script(cluster, node, config, env, argv, lock_port=lock, check=torchrun,
-                                       check_torch=torchrun and config.check_versions)
+        out[node.rank] = remote_script(
+            cluster,
+            node,
+            config,
+            env,
+            argv,
+            lock_port=lock,
+            check=torchrun,
+            check_torch=torchrun and config.check_versions,
+        )
     return out

@@ -15,7 +15,6 @@ from typing import Any
 
 from gpufleet.catalog import MACHINE_TYPES
 from gpufleet.contracts import LABEL_NODE, OutputsError, parse_stack_outputs
-
 from launcher.model import Cluster, Node, UserError
 
 __all__ = [
@@ -47,8 +46,7 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
             m = _SLOTS_RE.match(word)
             if not m or int(m.group(1)) < 1:
                 raise UserError(
-                    f"{source} line {lineno}: {word!r} is not understood; "
-                    "write `HOST` or `HOST slots=N` (N >= 1)"
+                    f"{source} line {lineno}: {word!r} is not understood; write `HOST` or `HOST slots=N` (N >= 1)"
                 )
             slots = int(m.group(1))
         try:
@@ -66,8 +64,9 @@ def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
     except OSError as e:
         raise UserError(f"hostfile {str(path)!r} cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}); "
-                        "write one host name or address per line") from None
+        raise UserError(
+            f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}); write one host name or address per line"
+        ) from None
     return parse_hostfile(text, source=str(path), machine_type=machine_type)
 
 
@@ -91,8 +90,12 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
     try:
         parsed = parse_stack_outputs(outputs)
         nodes = tuple(
-            Node(rank=n.index, host=(n.external_ip if prefer_external and n.external_ip else n.internal_ip),
-                 address=n.internal_ip, name=n.name)
+            Node(
+                rank=n.index,
+                host=(n.external_ip if prefer_external and n.external_ip else n.internal_ip),
+                address=n.internal_ip,
+                name=n.name,
+            )
             for n in parsed.nodes
         )
     except (OutputsError, UserError) as e:
@@ -112,8 +115,10 @@ def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:
     except OSError as e:
         raise UserError(f"outputs file {str(path)!r} cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"outputs file {str(path)!r} is not UTF-8 text (byte {e.start}); save it with "
-                        "`pulumi stack output --json > FILE`") from None
+        raise UserError(
+            f"outputs file {str(path)!r} is not UTF-8 text (byte {e.start}); save it with "
+            "`pulumi stack output --json > FILE`"
+        ) from None
     except json.JSONDecodeError as e:
         raise UserError(f"outputs file {str(path)!r} is not JSON: {e.msg} at line {e.lineno}") from None
     return cluster_from_outputs(data, source=str(path), prefer_external=prefer_external)
@@ -122,14 +127,19 @@ def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:
 def read_stack(stack: str, prefer_external: bool = False) -> Cluster:
     """`pulumi stack output --json --stack NAME`, in the current directory's Pulumi project."""
     if shutil.which("pulumi") is None:
-        raise UserError("--stack needs the `pulumi` CLI on PATH; or save the outputs "
-                        "(`pulumi stack output --json > out.json`) and pass --outputs out.json")
+        raise UserError(
+            "--stack needs the `pulumi` CLI on PATH; or save the outputs "
+            "(`pulumi stack output --json > out.json`) and pass --outputs out.json"
+        )
     try:
-        proc = subprocess.run(["pulumi", "stack", "output", "--json", "--stack", stack],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            ["pulumi", "stack", "output", "--json", "--stack", stack], capture_output=True, text=True, timeout=120
+        )
     except subprocess.TimeoutExpired:
-        raise UserError(f"`pulumi stack output --stack {stack}` did not answer within 120 s (logged in? "
-                        "`pulumi whoami`); or save the outputs and pass --outputs") from None
+        raise UserError(
+            f"`pulumi stack output --stack {stack}` did not answer within 120 s (logged in? "
+            "`pulumi whoami`); or save the outputs and pass --outputs"
+        ) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise UserError(f"`pulumi stack output --stack {stack}` failed: {last}")
@@ -161,8 +171,9 @@ def discover_by_label(
     """
     for k, v in labels.items():
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", k) or not re.fullmatch(r"[a-z0-9_-]{0,63}", v):
-            raise UserError(f"--label {k}={v} is not a valid Compute Engine label "
-                            "(lowercase letters, digits, '-', '_')")
+            raise UserError(
+                f"--label {k}={v} is not a valid Compute Engine label (lowercase letters, digits, '-', '_')"
+            )
     running = _running_instances(labels, project, zone, client)
 
     def index(inst: Any) -> tuple[int, str]:
@@ -193,13 +204,17 @@ def _running_instances(labels: dict[str, str], project: str, zone: str, client: 
     except gexc.GoogleAPICallError as e:
         raise UserError(f"listing instances in {project}/{zone} failed: {e.message}") from None
     except gauth.GoogleAuthError as e:
-        raise UserError(f"no Google credentials to list instances in {project}/{zone} ({e.__class__.__name__}); "
-                        "run `gcloud auth application-default login`, or use --hostfile/--outputs") from None
+        raise UserError(
+            f"no Google credentials to list instances in {project}/{zone} ({e.__class__.__name__}); "
+            "run `gcloud auth application-default login`, or use --hostfile/--outputs"
+        ) from None
     running = [i for i in instances if i.status in ("RUNNING", "")]
     if not running:
         found = f"{len(instances)} not running" if instances else "none"
-        raise UserError(f"no running instances with label(s) {_label_filter(labels)} in "
-                        f"{project}/{zone} ({found}); check --label/--project/--zone")
+        raise UserError(
+            f"no running instances with label(s) {_label_filter(labels)} in "
+            f"{project}/{zone} ({found}); check --label/--project/--zone"
+        )
     return running
 
 

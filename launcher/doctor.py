@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpufleet.contracts import READY_MARKER
 from gpufleet.health import (
     GpuRow,
     PhysicalHost,
@@ -38,8 +39,6 @@ from gpufleet.health import (
     parse_xids,
 )
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from gpufleet.contracts import READY_MARKER
-
 from launcher.command import CHECKED_MARKER
 from launcher.model import Cluster, LaunchConfig, Node, UserError
 from launcher.prestart import Expectation, expectation, gpu_statement, nic_statements
@@ -60,8 +59,7 @@ __all__ = [
 ]
 
 # The columns of the table, in order: one per check.
-CHECKS = ("gpus", "driver", "cuda", "persistence", "ecc", "xid", "nics", "net", "versions", "disk",
-          "clock", "topology")
+CHECKS = ("gpus", "driver", "cuda", "persistence", "ecc", "xid", "nics", "net", "versions", "disk", "clock", "topology")
 
 # The container infra/templates/tcpx.sh and tcpxo.sh start (Google's GPUDirect VM sequence).
 RXDM_CONTAINER = "receive-datapath-manager"
@@ -90,15 +88,19 @@ def _is_ip(address: str) -> bool:
         return False
 
 
-def node_script(node: Node, expect: Expectation, python: str = "python3", workdir: str | None = None,
-                env: Sequence[tuple[str, str]] = ()) -> str:
+def node_script(
+    node: Node,
+    expect: Expectation,
+    python: str = "python3",
+    workdir: str | None = None,
+    env: Sequence[tuple[str, str]] = (),
+) -> str:
     """The read-only bash program that reports on `node` as `key=value` lines, then prints
     CHECKED_MARKER and waits for end of input (one line: launcher.command's `_join` form).
     `env` is the user's --env, exported first as a launch does, so `--env PATH=...` picks the
     same python3 here as in the run (PATH-like values are prepended, as launcher.command does)."""
     q = shlex.quote
-    s = [f"export {k}={q(v)}${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else f"export {k}={q(v)}"
-         for k, v in env]
+    s = [f"export {k}={q(v)}${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else f"export {k}={q(v)}" for k, v in env]
     s += [
         "echo host=$(hostname)",
         "echo time=$(date +%s.%N)",
@@ -127,35 +129,46 @@ def node_script(node: Node, expect: Expectation, python: str = "python3", workdi
     if _is_ip(node.address):
         # The interface that holds the address we reached the node at (`ip -o` prints one line
         # per address: "2: eth0    inet 10.0.0.2/24 ...").
-        s.append(f"echo addr_iface=$(ip -o addr show 2>/dev/null | awk -v a={q(node.address)} "
-                 "'{split($4,p,\"/\"); if (p[1]==a) {print $2; exit}}')")
+        s.append(
+            f"echo addr_iface=$(ip -o addr show 2>/dev/null | awk -v a={q(node.address)} "
+            "'{split($4,p,\"/\"); if (p[1]==a) {print $2; exit}}')"
+        )
     if expect.rdma_devices:
         s.append("n=0; for d in /sys/class/infiniband/*; do [ -e \"$d\" ] && n=$((n+1)); done; echo rdma=$n")
     if expect.rxdm:
         name = q(f"name=^{RXDM_CONTAINER}$")
         # docker needs root or the docker group; sudo -n never asks for a password.
-        s.append(f"R=$(docker ps -q -f {name} 2>&1); rc=$?; if [ $rc != 0 ]; then "
-                 f"R2=$(sudo -n docker ps -q -f {name} 2>/dev/null) && {{ R=$R2; rc=0; }}; fi; "
-                 "echo rxdm_rc=$rc; echo \"rxdm=$(printf '%s' \"$R\" | head -n 1)\"")
+        s.append(
+            f"R=$(docker ps -q -f {name} 2>&1); rc=$?; if [ $rc != 0 ]; then "
+            f"R2=$(sudo -n docker ps -q -f {name} 2>/dev/null) && {{ R=$R2; rc=0; }}; fi; "
+            "echo rxdm_rc=$rc; echo \"rxdm=$(printf '%s' \"$R\" | head -n 1)\""
+        )
     if expect.plugin_dir:
         d = q(expect.plugin_dir)
         s.append(f"set -- {d}/libnccl-net*.so*; if [ -e \"$1\" ]; then echo plugin=$1; else echo plugin=missing; fi")
         # NCCL's version: the plugin installers put their own libnccl.so.2.X.Y next to the plugin
         # (infra/templates/*.sh nccl_version); else the libnccl2 package.
-        s.append(f"v=; for f in {d}/libnccl.so.2.*; do [ -e \"$f\" ] && v=${{f##*/libnccl.so.}}; done; "
-                 "[ -n \"$v\" ] || v=$(dpkg-query -W -f='${Version}' libnccl2 2>/dev/null); echo nccl=$v")
+        s.append(
+            f"v=; for f in {d}/libnccl.so.2.*; do [ -e \"$f\" ] && v=${{f##*/libnccl.so.}}; done; "
+            "[ -n \"$v\" ] || v=$(dpkg-query -W -f='${Version}' libnccl2 2>/dev/null); echo nccl=$v"
+        )
     # The ready marker the startup script writes last (gpufleet.contracts.READY_MARKER), and the
     # error file it leaves beside it when a boot failed (infra/templates/base.sh).
-    s.append(f"M=${{{_READY_ENV}:-{q(READY_MARKER)}}}; if [ -f \"$M\" ]; then echo \"ready=$(head -c 4096 \"$M\" "
-             "| tr -d '\\n')\"; else echo ready=missing; fi; "
-             "if [ -f \"${M%/*}/startup-error.txt\" ]; then echo \"startup_error=$(head -n 1 \"${M%/*}/startup-error.txt\")\"; fi")
+    s.append(
+        f"M=${{{_READY_ENV}:-{q(READY_MARKER)}}}; if [ -f \"$M\" ]; then echo \"ready=$(head -c 4096 \"$M\" "
+        "| tr -d '\\n')\"; else echo ready=missing; fi; "
+        "if [ -f \"${M%/*}/startup-error.txt\" ]; then "
+        "echo \"startup_error=$(head -n 1 \"${M%/*}/startup-error.txt\")\"; fi"
+    )
     # Free space where the workload writes (its working directory) and on the local SSDs.
     wd = ("~/" + q(workdir[2:])) if workdir and workdir.startswith("~/") else q(workdir) if workdir else "~"
     s.append(f"echo disk.work=$(df -Pk {wd} 2>/dev/null | awk 'NR==2 {{print $4, $6}}')")
     if expect.local_ssd_mount:
-        s.append(f"L=${{{_LSSD_ENV}:-{q(expect.local_ssd_mount)}}}; if mountpoint -q \"$L\"; then echo lssd=mounted; "
-                 "echo disk.lssd=$(df -Pk \"$L\" 2>/dev/null | awk 'NR==2 {print $4, $6}'); else echo lssd=not-mounted; fi; "
-                 "echo lssd_path=$L")
+        s.append(
+            f"L=${{{_LSSD_ENV}:-{q(expect.local_ssd_mount)}}}; if mountpoint -q \"$L\"; then echo lssd=mounted; "
+            "echo disk.lssd=$(df -Pk \"$L\" 2>/dev/null | awk 'NR==2 {print $4, $6}'); else echo lssd=not-mounted; fi; "
+            "echo lssd_path=$L"
+        )
     s += ["wait", f"echo {CHECKED_MARKER}", "IFS= read -r G", "exit 0"]
     # `a &; b` is a syntax error: a statement ending in `&` is already terminated.
     return " ".join(st if st.endswith("&") else st + ";" for st in s).rstrip(";")
@@ -239,8 +252,12 @@ class Report:
             "warnings": self.warnings,
             "nodes": [
                 {
-                    "rank": n.rank, "host": n.host, "name": n.name, "status": n.status,
-                    "reachable": n.reachable, "error": n.error,
+                    "rank": n.rank,
+                    "host": n.host,
+                    "name": n.name,
+                    "status": n.status,
+                    "reachable": n.reachable,
+                    "error": n.error,
                     "physical_host": None if n.physical_host is None else asdict(n.physical_host),
                     "gpus": [asdict(g) for g in n.gpus],
                     "versions": n.versions,
@@ -265,8 +282,9 @@ def _kib(value: str) -> float | None:
 def _gpus(r: NodeReport, facts: Mapping[str, str], expect: Expectation) -> None:
     gpus, cuda, pers, ecc = (r.checks[k] for k in ("gpus", "cuda", "persistence", "ecc"))
     rc = facts.get("smi_rc", "")
-    raw = "\n".join(facts[k] for k in sorted((k for k in facts if k.startswith("gpu.")),
-                                             key=lambda k: int(k.split(".")[1])))
+    raw = "\n".join(
+        facts[k] for k in sorted((k for k in facts if k.startswith("gpu.")), key=lambda k: int(k.split(".")[1]))
+    )
     if rc == "127":
         if expect.gpu_count:
             gpus.add(FAIL, f"nvidia-smi is not installed; {expect.machine_type} has {expect.gpu_count} GPUs")
@@ -290,11 +308,18 @@ def _gpus(r: NodeReport, facts: Mapping[str, str], expect: Expectation) -> None:
     for g in rows:
         if expect.device_names and not any(d in g.name for d in expect.device_names):
             gpus.add(FAIL, f"GPU {g.index} is {g.name!r}, {expect.machine_type} has {expect.gpu_model}")
-        if expect.gpu_memory_gb and g.memory_mib is not None and g.memory_mib / 1024 < _MEMORY_SHARE * expect.gpu_memory_gb:
+        if (
+            expect.gpu_memory_gb
+            and g.memory_mib is not None
+            and g.memory_mib / 1024 < _MEMORY_SHARE * expect.gpu_memory_gb
+        ):
             gpus.add(FAIL, f"GPU {g.index} has {g.memory_mib} MiB, {expect.gpu_model} has {expect.gpu_memory_gb} GB")
         if g.ecc_uncorrected:
-            ecc.add(FAIL, f"GPU {g.index} has {g.ecc_uncorrected} uncorrected ECC errors since the driver "
-                          "loaded (reset the GPU or replace the node)")
+            ecc.add(
+                FAIL,
+                f"GPU {g.index} has {g.ecc_uncorrected} uncorrected ECC errors since the driver "
+                "loaded (reset the GPU or replace the node)",
+            )
         if g.remapped_pending:
             ecc.add(FAIL, f"GPU {g.index} has remapped rows pending (they take effect at the next GPU reset)")
         if g.retired_pending:
@@ -323,8 +348,10 @@ def _xids(r: NodeReport, facts: Mapping[str, str]) -> None:
     xids = parse_xids(v for k, v in facts.items() if k.startswith("xid."))
     for x in xids:
         kind = "a hardware fault" if x.hardware else "usually the program's fault"
-        c.add(FAIL if x.hardware else WARN, f"XID {x.code} on GPU {x.pci} since boot ({kind}; "
-                                            "docs.nvidia.com/deploy/xid-errors)")
+        c.add(
+            FAIL if x.hardware else WARN,
+            f"XID {x.code} on GPU {x.pci} since boot ({kind}; docs.nvidia.com/deploy/xid-errors)",
+        )
     c.settle(",".join(str(x.code) for x in xids) if xids else "none")
 
 
@@ -361,7 +388,9 @@ def _nics(r: NodeReport, facts: Mapping[str, str], expect: Expectation, node: No
     if expect.rdma_devices:
         n = int(facts.get("rdma", "0") or 0)
         if n < expect.rdma_devices:
-            c.add(FAIL, f"{n} RDMA devices under /sys/class/infiniband, {expect.machine_type} has {expect.rdma_devices}")
+            c.add(
+                FAIL, f"{n} RDMA devices under /sys/class/infiniband, {expect.machine_type} has {expect.rdma_devices}"
+            )
     if "addr_iface" in facts:
         if not facts["addr_iface"]:
             c.add(FAIL, f"no interface holds {node.address}, the address the node was reached at")
@@ -406,8 +435,10 @@ def _ready(r: NodeReport, facts: Mapping[str, str], expect: Expectation) -> None
     if raw == "missing":
         err = facts.get("startup_error")
         why = f" (it failed: {err})" if err else ""
-        c.add(FAIL if expect.machine_type else WARN,
-              f"no ready marker {READY_MARKER}: the startup script has not finished{why}")
+        c.add(
+            FAIL if expect.machine_type else WARN,
+            f"no ready marker {READY_MARKER}: the startup script has not finished{why}",
+        )
     else:
         try:
             marker = json.loads(raw)
@@ -420,7 +451,9 @@ def _ready(r: NodeReport, facts: Mapping[str, str], expect: Expectation) -> None
         if isinstance(marker.get(key), str):
             r.versions[f"ready.{key}"] = marker[key]
     if expect.machine_type and marker.get("machine_type") not in (None, expect.machine_type):
-        c.add(FAIL, f"the ready marker says machine type {marker['machine_type']}, the cluster is {expect.machine_type}")
+        c.add(
+            FAIL, f"the ready marker says machine type {marker['machine_type']}, the cluster is {expect.machine_type}"
+        )
     for key in ("python", "torch", "nccl"):
         if facts.get(key):
             r.versions[key] = facts[key]
@@ -476,10 +509,18 @@ def _topology(r: NodeReport, facts: Mapping[str, str], node: Node) -> None:
 
 # Versions that must agree across nodes (issue 16), by the column their drift shows in.
 _DRIFT = {
-    "driver": "driver", "cuda": "cuda", "gpus": "gpus",
-    "nccl": "versions", "plugin_file": "versions", "torch": "versions", "python": "versions",
-    "ready.driver": "versions", "ready.cuda": "versions", "ready.nccl": "versions",
-    "ready.plugin": "versions", "ready.nccl_tests": "versions",
+    "driver": "driver",
+    "cuda": "cuda",
+    "gpus": "gpus",
+    "nccl": "versions",
+    "plugin_file": "versions",
+    "torch": "versions",
+    "python": "versions",
+    "ready.driver": "versions",
+    "ready.cuda": "versions",
+    "ready.nccl": "versions",
+    "ready.plugin": "versions",
+    "ready.nccl_tests": "versions",
 }
 
 
@@ -500,8 +541,7 @@ def _drift(reports: list[NodeReport], expect: Expectation) -> None:
             continue
         for k, v in values.items():
             if v != top:
-                by_rank[k].checks[column].add(
-                    FAIL, f"{key} {v}, while {count} of {len(values)} nodes have {top}")
+                by_rank[k].checks[column].add(FAIL, f"{key} {v}, while {count} of {len(values)} nodes have {top}")
 
 
 def judge(
@@ -518,8 +558,9 @@ def judge(
     reports = []
     for node in nodes:
         f = facts.get(node.rank)
-        r = NodeReport(node.rank, node.host, node.name, reachable=f is not None,
-                       error=errors.get(node.rank, "no answer"))
+        r = NodeReport(
+            node.rank, node.host, node.name, reachable=f is not None, error=errors.get(node.rank, "no answer")
+        )
         if f is not None:
             r.checks = {k: Check() for k in CHECKS}
             _gpus(r, f, expect)
@@ -568,8 +609,12 @@ def prestart_verdict(cluster: Cluster, probes: Mapping[int, Any], config: Launch
             (warnings if kind == "mtu" else errors).append(f"{node.label}: {p}")
     _drift(reports, expect)
     for r in reports:
-        warnings += [f"{r.label}: {p}" for col in ("driver", "cuda", "ecc", "persistence") for p in r.checks[col].problems]
+        warnings += [
+            f"{r.label}: {p}" for col in ("driver", "cuda", "ecc", "persistence") for p in r.checks[col].problems
+        ]
     if errors:
-        raise UserError(f"{'; '.join(errors)}; nothing was started. `launch doctor` checks every node in full; "
-                        "fix the node or --exclude it")
+        raise UserError(
+            f"{'; '.join(errors)}; nothing was started. `launch doctor` checks every node in full; "
+            "fix the node or --exclude it"
+        )
     return warnings

@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
-from launcher.render import err, setup_logging, user_errors
 from launcher.doctor import CHECKS, FAIL, OK, WARN, Report, expectation, judge, node_script
 from launcher.env import node_env
 from launcher.model import Cluster, LaunchConfig, Workload
+from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.render import err, setup_logging, user_errors
 from launcher.topology import RANK_ORDERS, RankOrder, rank_order
 
 __all__ = ["doctor", "run_doctor", "render"]
@@ -36,8 +36,9 @@ def _check_sessions(cluster: Cluster, config: LaunchConfig, scripts: dict[int, s
     return Launch(cluster, config).ask(scripts)
 
 
-def run_doctor(cluster: Cluster, config: LaunchConfig, image_os: str | None, min_free_gb: float,
-               mode: str | None) -> tuple[Report, RankOrder]:
+def run_doctor(
+    cluster: Cluster, config: LaunchConfig, image_os: str | None, min_free_gb: float, mode: str | None
+) -> tuple[Report, RankOrder]:
     """Check every node and judge the answers; also the rank order a launch would use."""
     expect = expectation(cluster.machine_type, image_os, node_env(cluster, config))
     scripts = {n.rank: node_script(n, expect, config.python, config.workdir, config.env) for n in cluster.nodes}
@@ -58,8 +59,10 @@ def run_doctor(cluster: Cluster, config: LaunchConfig, image_os: str | None, min
 def render(report: Report, order: RankOrder, console: Console) -> None:
     """The table on `console`, then one line per problem, the cluster's warnings, the rank order
     and, when a node failed, the --exclude list."""
-    table = Table(title=f"launch doctor: {len(report.nodes)} nodes"
-                        + (f", {report.machine_type}" if report.machine_type else ""), title_justify="left")
+    table = Table(
+        title=f"launch doctor: {len(report.nodes)} nodes" + (f", {report.machine_type}" if report.machine_type else ""),
+        title_justify="left",
+    )
     table.add_column("node")
     table.add_column("host")
     for col in CHECKS:
@@ -99,21 +102,37 @@ def render(report: Report, order: RankOrder, console: Console) -> None:
 
 def to_json(report: Report, order: RankOrder) -> dict:
     doc = report.to_json()
-    doc["rank_order"] = {"topology": order.reordered, "message": order.message,
-                         "hosts": [n.host for n in order.cluster.nodes]}
+    doc["rank_order"] = {
+        "topology": order.reordered,
+        "message": order.message,
+        "hosts": [n.host for n in order.cluster.nodes],
+    }
     return doc
 
 
 @click.command()
 @apply_options(SOURCE_OPTIONS)
-@click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
-              help="Set a variable on every node, as a launch would (e.g. PATH for --python's lookup).")
+@click.option(
+    "--env",
+    "env",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Set a variable on every node, as a launch would (e.g. PATH for --python's lookup).",
+)
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the table.")
-@click.option("--min-free-gb", type=float, default=10.0, show_default=True,
-              help="Free space each node needs in its working directory and on its local SSDs.")
-@click.option("--rank-order", type=click.Choice(RANK_ORDERS),
-              help="Which rank order to report: topology (default when every node has a physical host) or given.")
+@click.option(
+    "--min-free-gb",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Free space each node needs in its working directory and on its local SSDs.",
+)
+@click.option(
+    "--rank-order",
+    type=click.Choice(RANK_ORDERS),
+    help="Which rank order to report: topology (default when every node has a physical host) or given.",
+)
 @user_errors
 def doctor(as_json: bool, min_free_gb: float, rank_order: str | None, **o: Any) -> None:
     """Check every node's GPUs, NICs, network stack, versions, disk and clock (reading only)."""

@@ -9,7 +9,6 @@ import re
 
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
-
 from launcher.model import Cluster, LaunchConfig, UserError
 
 __all__ = ["node_env", "parse_env_pairs", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]

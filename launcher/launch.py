@@ -107,8 +107,14 @@ class Launch:
     the result; `probe()` runs the check alone. `stop` may be shared by launches running at
     once (the bad-node finder's pairs): setting it stops all of them."""
 
-    def __init__(self, cluster: Cluster, config: LaunchConfig, on_event: OnEvent | None = None,
-                 stop: threading.Event | None = None, transport: Transport | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        config: LaunchConfig,
+        on_event: OnEvent | None = None,
+        stop: threading.Event | None = None,
+        transport: Transport | None = None,
+    ):
         self.cluster = cluster
         self.config = config
         self.transport = transport or make_transport(cluster, config)
@@ -204,8 +210,9 @@ class Launch:
         while (pending or deadlines) and not self.stop_event.is_set():
             while pending and len(deadlines) < limit:
                 node = pending.popleft()
-                self._sessions[node.rank] = NodeSession(node, self.transport.argv(node, scripts[node.rank]),
-                                                        self._reports)
+                self._sessions[node.rank] = NodeSession(
+                    node, self.transport.argv(node, scripts[node.rank]), self._reports
+                )
                 self._set_state(node.rank, NodeState.CONNECTING)
                 deadlines[node.rank] = time.monotonic() + timeout
             try:
@@ -218,8 +225,11 @@ class Launch:
                 self._set_state(report.rank, NodeState.CHECKED)
             elif report.kind == "exit":
                 answered = self.states[report.rank] is NodeState.CHECKED
-                self._set_state(report.rank, NodeState.FAILED if answered else NodeState.UNREACHABLE,
-                                self._sessions[report.rank].probe().error)
+                self._set_state(
+                    report.rank,
+                    NodeState.FAILED if answered else NodeState.UNREACHABLE,
+                    self._sessions[report.rank].probe().error,
+                )
 
     def _time_out_checks(self, deadlines: dict[int, float], timeout: float) -> None:
         now = time.monotonic()
@@ -240,8 +250,10 @@ class Launch:
         try:
             self.config.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UserError(f"cannot create the run directory {self.config.run_dir}: {e.strerror}; nothing was "
-                            "started. Pass --runs-dir with a directory you can write") from None
+            raise UserError(
+                f"cannot create the run directory {self.config.run_dir}: {e.strerror}; nothing was "
+                "started. Pass --runs-dir with a directory you can write"
+            ) from None
 
     def _send_home(self, wait_s: float = 3.0) -> None:
         """End every session before `go`, and wait (briefly) for them to go away."""
@@ -308,9 +320,15 @@ class Launch:
         seen = self._worker_failures[rank] = self._worker_failures.get(rank, 0) + 1
         limit = self.config.max_restarts
         if seen <= limit:
-            log.warning("%s: %s; torchrun restarts the workers on every node (restart %d of "
-                        "--max-restarts %d; they resume from the latest checkpoint if the "
-                        "workload has one)", node.label, note, seen, limit)
+            log.warning(
+                "%s: %s; torchrun restarts the workers on every node (restart %d of "
+                "--max-restarts %d; they resume from the latest checkpoint if the "
+                "workload has one)",
+                node.label,
+                note,
+                seen,
+                limit,
+            )
         else:
             log.warning("%s: %s; no restarts left (--max-restarts %d)", node.label, note, limit)
 
@@ -326,14 +344,25 @@ class Launch:
             self._stop_running()
 
 
-def launch(cluster: Cluster, config: LaunchConfig, on_event: OnEvent | None = None,
-           handle_signals: bool = True, stop: threading.Event | None = None) -> LaunchResult:
+def launch(
+    cluster: Cluster,
+    config: LaunchConfig,
+    on_event: OnEvent | None = None,
+    handle_signals: bool = True,
+    stop: threading.Event | None = None,
+) -> LaunchResult:
     """`Launch(cluster, config, on_event, stop).run(handle_signals)`: the one library call."""
     return Launch(cluster, config, on_event=on_event, stop=stop).run(handle_signals)
 
 
-def preflight(cluster: Cluster, config: LaunchConfig, transport: Transport, check_torch: bool,
-              stop: threading.Event | None = None, on_event: OnEvent | None = None) -> dict[int, Probe]:
+def preflight(
+    cluster: Cluster,
+    config: LaunchConfig,
+    transport: Transport,
+    check_torch: bool,
+    stop: threading.Event | None = None,
+    on_event: OnEvent | None = None,
+) -> dict[int, Probe]:
     """The check alone on every node: `Launch(...).probe(check_torch)`."""
     return Launch(cluster, config, on_event=on_event, stop=stop, transport=transport).probe(check_torch)
 
@@ -346,8 +375,14 @@ def write_summary(result: LaunchResult, cluster: Cluster) -> None:
         "exit_code": result.exit_code,
         "first_failure": result.first_failure,
         "nodes": [
-            {"rank": o.node.rank, "host": o.node.host, "exit": o.exit_code, "status": o.status,
-             "duration_s": round(o.duration_s, 3), "connection_lost": o.connection_lost}
+            {
+                "rank": o.node.rank,
+                "host": o.node.host,
+                "exit": o.exit_code,
+                "status": o.status,
+                "duration_s": round(o.duration_s, 3),
+                "connection_lost": o.connection_lost,
+            }
             for o in sorted(result.outcomes.values(), key=lambda o: o.node.rank)
         ],
     }

@@ -89,9 +89,7 @@ class Cluster:
         hosts = [n.host for n in self.nodes]
         dupes = sorted({h for h in hosts if hosts.count(h) > 1})
         if dupes and not self.local:
-            raise UserError(
-                f"host {dupes[0]!r} is listed more than once; each node must appear once"
-            )
+            raise UserError(f"host {dupes[0]!r} is listed more than once; each node must appear once")
 
     def select(self, node_count: int | None, exclude: tuple[str, ...] = ()) -> "Cluster":
         """Drop `exclude`d hosts, then keep the first `node_count` (`--nodes N`), renumbering
@@ -110,15 +108,14 @@ class Cluster:
             if node_count > len(kept):
                 raise UserError(
                     f"--nodes {node_count} asks for more nodes than exist: {len(kept)} found"
-                    + (f" after --exclude" if exclude else "")
+                    + (" after --exclude" if exclude else "")
                     + f" in {self.name!r}"
                 )
             kept = kept[:node_count]
         if not kept:
             raise UserError("--exclude removed every node; nothing left to run on")
         renumbered = tuple(
-            Node(rank=i, host=n.host, address=n.address, slots=n.slots, name=n.name)
-            for i, n in enumerate(kept)
+            Node(rank=i, host=n.host, address=n.address, slots=n.slots, name=n.name) for i, n in enumerate(kept)
         )
         return Cluster(self.name, renumbered, self.machine_type, self.zone, self.project, self.local)
 

@@ -59,24 +59,45 @@ def _out() -> Console:
 
 
 _SWEEP_OPTIONS = [
-    click.option("--ops", "ops", default=_SPEC.ops, show_default=True,
-                 help="Collectives: a comma list, or all."),
+    click.option("--ops", "ops", default=_SPEC.ops, show_default=True, help="Collectives: a comma list, or all."),
     # -b -e -f -n -w -c -d -o, as nccl-tests and workloads.sweep read them (gpufleet.collectives).
-    *(click.option(flag, "--" + name.replace("_", "-"), type=type(getattr(_SPEC, name)),
-                   default=getattr(_SPEC, name), show_default=True) for name, flag in SWEEP_FLAGS),
+    *(
+        click.option(
+            flag,
+            "--" + name.replace("_", "-"),
+            type=type(getattr(_SPEC, name)),
+            default=getattr(_SPEC, name),
+            show_default=True,
+        )
+        for name, flag in SWEEP_FLAGS
+    ),
     click.option("--impl", type=click.Choice(["torch", "nccl-tests"]), default="torch", show_default=True),
-    click.option("--nccl-tests-dir", default=NCCL_TESTS_DIR, show_default=True,
-                 help="Where the nodes hold NVIDIA's *_perf binaries (--impl nccl-tests)."),
+    click.option(
+        "--nccl-tests-dir",
+        default=NCCL_TESTS_DIR,
+        show_default=True,
+        help="Where the nodes hold NVIDIA's *_perf binaries (--impl nccl-tests).",
+    ),
     click.option("--min-busbw", type=float, help="Exit 1 when the average bus bandwidth (GB/s) is below this."),
     click.option("--nccl-algo", help="NCCL_ALGO for the run."),
     click.option("--nccl-proto", help="NCCL_PROTO for the run."),
     click.option("--find-bad-nodes", is_flag=True, help="Sweep every pair of nodes; name the slow ones."),
-    click.option("--threshold", type=float, default=SearchOptions.threshold, show_default=True,
-                 help="--find-bad-nodes: name nodes below this fraction of the median."),
-    click.option("--pair-budget", type=float, default=SearchOptions.pair_budget, show_default=True,
-                 metavar="SECONDS",
-                 help="--find-bad-nodes: seconds each size of a pair's sweep may take; a slower "
-                      "pair is timed with fewer calls (one, if one call takes longer)."),
+    click.option(
+        "--threshold",
+        type=float,
+        default=SearchOptions.threshold,
+        show_default=True,
+        help="--find-bad-nodes: name nodes below this fraction of the median.",
+    ),
+    click.option(
+        "--pair-budget",
+        type=float,
+        default=SearchOptions.pair_budget,
+        show_default=True,
+        metavar="SECONDS",
+        help="--find-bad-nodes: seconds each size of a pair's sweep may take; a slower "
+        "pair is timed with fewer calls (one, if one call takes longer).",
+    ),
 ]
 
 
@@ -108,8 +129,12 @@ def nccl_request(o: dict[str, Any]) -> NcclRequest:
     env = list(o.get("env", ()))
     env += [f"{var}={o[key]}" for var, key in (("NCCL_ALGO", "nccl_algo"), ("NCCL_PROTO", "nccl_proto")) if o.get(key)]
     return NcclRequest(
-        sweep=sweep, impl=o["impl"], nccl_tests_dir=o["nccl_tests_dir"], min_busbw=o.get("min_busbw"),
-        env=tuple(env), find_bad_nodes=o["find_bad_nodes"],
+        sweep=sweep,
+        impl=o["impl"],
+        nccl_tests_dir=o["nccl_tests_dir"],
+        min_busbw=o.get("min_busbw"),
+        env=tuple(env),
+        find_bad_nodes=o["find_bad_nodes"],
         # Checked only where they apply: a bad --threshold alone changes nothing.
         search=SearchOptions(o["threshold"], o["pair_budget"]) if o["find_bad_nodes"] else SearchOptions(),
         allow_run_as_root=o.get("ssh_user") in (None, "root"),
@@ -137,8 +162,9 @@ def _nranks(cluster: Cluster, config: LaunchConfig) -> int:
     return sum(_nprocs(cluster, config))
 
 
-def report_rows(rows: list[SweepRow], cluster: Cluster, config: LaunchConfig, request: NcclRequest,
-                out: Console) -> int:
+def report_rows(
+    rows: list[SweepRow], cluster: Cluster, config: LaunchConfig, request: NcclRequest, out: Console
+) -> int:
     """Print the table, store the results, and say whether the run passes (0) or not (1)."""
     if not rows:
         err.print(f"[red]error: no node printed sweep rows; see {config.run_dir}/node-*.log[/red]")
@@ -167,8 +193,10 @@ def nccl_tests(**o: Any) -> None:
     if o["from_files"]:  # results that exist: read and report, run nothing (launcher.nccl_from)
         raise SystemExit(report_from(from_request(o), _out()))
     if o["as_json"]:
-        raise UserError("--json prints the rows read with --from; a live run streams its nodes' "
-                        "output to stdout: add --from FILE or drop --json")
+        raise UserError(
+            "--json prints the rows read with --from; a live run streams its nodes' "
+            "output to stdout: add --from FILE or drop --json"
+        )
     request = nccl_request(o)
     setup_logging()
     workload = Workload("torchrun", ("-m", SWEEP_MODULE, *request.sweep.sweep_argv()))
@@ -196,8 +224,10 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
     `launch logs ID --node 0 | launch nccl-tests --from -` (the node log keeps the JSON rows)."""
     if request.find_bad_nodes or request.impl == "nccl-tests":
         what = "--find-bad-nodes" if request.find_bad_nodes else "--impl nccl-tests"
-        raise UserError(f"--detach hands one sweep to node 0; {what} runs several launches from this "
-                        "machine: drop --detach, or run it from a machine that stays up")
+        raise UserError(
+            f"--detach hands one sweep to node 0; {what} runs several launches from this "
+            "machine: drop --detach, or run it from a machine that stays up"
+        )
     from launcher.jobs_cli import start_detached  # loaded only when asked for, as cli's --detach does
 
     start_detached({**o, "env": request.env}, workload)
@@ -209,15 +239,21 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
     env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     nprocs = set(_nprocs(cluster, config))
     if len(nprocs) != 1:
-        raise UserError(f"--impl nccl-tests starts the same number of processes on every node (mpirun "
-                        f"-npernode); the nodes' slots differ ({sorted(nprocs)}): pass --nproc-per-node")
+        raise UserError(
+            f"--impl nccl-tests starts the same number of processes on every node (mpirun "
+            f"-npernode); the nodes' slots differ ({sorted(nprocs)}): pass --nproc-per-node"
+        )
     nproc = nprocs.pop()
     head = dataclasses.replace(cluster, nodes=cluster.nodes[:1])
     code = 0
     for op in request.sweep.collectives:
         argv = nccl_tests_command(
-            f"{request.nccl_tests_dir}/{op}_perf", [n.address for n in cluster.nodes], nproc,
-            [*request.sweep.flags(), "-g", "1"], env, allow_run_as_root=request.allow_run_as_root,
+            f"{request.nccl_tests_dir}/{op}_perf",
+            [n.address for n in cluster.nodes],
+            nproc,
+            [*request.sweep.flags(), "-g", "1"],
+            env,
+            allow_run_as_root=request.allow_run_as_root,
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())
         result = execute_on(head, op_config)
@@ -235,15 +271,20 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
 
 
 def _print_wrong(group: tuple[str, ...], r: SweepRow) -> None:
-    err.print(f"[red]{escape('+'.join(group))}: {r.collective} at {r.size} B: wrong results "
-              f"(out-of-place {r.oop_wrong}, in-place {r.ip_wrong})[/red]")
+    err.print(
+        f"[red]{escape('+'.join(group))}: {r.collective} at {r.size} B: wrong results "
+        f"(out-of-place {r.oop_wrong}, in-place {r.ip_wrong})[/red]"
+    )
 
 
 def _print_pairs(pairs: dict[tuple[str, ...], GroupResult], median: float, request: NcclRequest) -> None:
     iters, budget = request.sweep.iters, request.search.pair_budget
     for (a, b), grp in sorted(pairs.items()):
-        cut = (f"  ({grp.iters} of {iters} timed calls fit --pair-budget {budget:g} s)"
-               if grp.iters is not None and grp.iters < iters else "")
+        cut = (
+            f"  ({grp.iters} of {iters} timed calls fit --pair-budget {budget:g} s)"
+            if grp.iters is not None and grp.iters < iters
+            else ""
+        )
         click.echo(f"pair {a} {b}: busbw {grp.busbw:.3f} GB/s{cut}")
     click.echo(f"median node score: {median:.3f} GB/s")
 
@@ -255,8 +296,10 @@ def _confirm(search: BadNodeSearch, suspects: list[str]) -> None:
     except ValueError as e:
         err.print(f"[yellow]no confirming pass: {escape(str(e))}[/yellow]")
         return
-    click.echo(f"clean half {','.join(halves.clean)}: {halves.clean_busbw:.3f} GB/s; "
-               f"suspect half {','.join(halves.suspect)}: {halves.suspect_busbw:.3f} GB/s")
+    click.echo(
+        f"clean half {','.join(halves.clean)}: {halves.clean_busbw:.3f} GB/s; "
+        f"suspect half {','.join(halves.suspect)}: {halves.suspect_busbw:.3f} GB/s"
+    )
     if not halves.confirmed:
         err.print("[yellow]the halves did not confirm the suspects; reporting the pair results[/yellow]")
 
@@ -268,8 +311,10 @@ def _search(search: BadNodeSearch, request: NcclRequest) -> int:
     report = search.rank(pairs)
     _print_pairs(pairs, report.median, request)
     if report.bad and report.decisive:
-        click.echo(f"every pair with {', '.join(report.bad)} is below {threshold:g} x the slowest "
-                   "pair without; no confirming pass")
+        click.echo(
+            f"every pair with {', '.join(report.bad)} is below {threshold:g} x the slowest "
+            "pair without; no confirming pass"
+        )
     elif report.bad:
         _confirm(search, report.bad)
     search.write_pairs(pairs)
@@ -288,8 +333,10 @@ def _find_bad_nodes(cluster: Cluster, config: LaunchConfig, request: NcclRequest
     search = BadNodeSearch(cluster, config, request.sweep, request.search, on_wrong=_print_wrong)
     for i, rnd in enumerate(search.rounds):
         err.print(f"[dim]round {i + 1}: {', '.join(f'{a}+{b}' for a, b in rnd)}[/dim]")
-    err.print(f"[dim]one launch for all {len(search.rounds)} rounds; each size of a pair gets "
-              f"{request.search.pair_budget:g} s (--pair-budget)[/dim]")
+    err.print(
+        f"[dim]one launch for all {len(search.rounds)} rounds; each size of a pair gets "
+        f"{request.search.pair_budget:g} s (--pair-budget)[/dim]"
+    )
     try:
         return _search(search, request)
     except KeyboardInterrupt:  # Ctrl-C between two launches, when nothing runs on any node

@@ -40,11 +40,19 @@ from launcher.render import err
 __all__ = ["FROM_OPTIONS", "FromRequest", "from_request", "report_from"]
 
 FROM_OPTIONS = [
-    click.option("--from", "from_files", multiple=True, metavar="FILE",
-                 help="Report on nccl-tests or sweep output that exists instead of running "
-                      "(repeatable; - for stdin)."),
-    click.option("--json", "as_json", is_flag=True,
-                 help="With --from: each row as one JSON object per line on stdout, nothing else there."),
+    click.option(
+        "--from",
+        "from_files",
+        multiple=True,
+        metavar="FILE",
+        help="Report on nccl-tests or sweep output that exists instead of running (repeatable; - for stdin).",
+    ),
+    click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="With --from: each row as one JSON object per line on stdout, nothing else there.",
+    ),
 ]
 
 # The options that mean something for results that exist; the others run or place a sweep.
@@ -70,8 +78,9 @@ def _refuse_what_does_not_apply(ctx: click.Context) -> None:
             continue
         if ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             flag = max(p.opts, key=len)
-            raise UserError(f"{flag} does not apply to --from, which reads results that exist and "
-                            f"runs nothing: drop {flag}")
+            raise UserError(
+                f"{flag} does not apply to --from, which reads results that exist and runs nothing: drop {flag}"
+            )
 
 
 def from_request(o: dict[str, Any]) -> FromRequest:
@@ -84,8 +93,9 @@ def from_request(o: dict[str, Any]) -> FromRequest:
         raise UserError("--from - is given twice; stdin can be read once")
     ops = o.get("ops") if ctx.get_parameter_source("ops") == ParameterSource.COMMANDLINE else None
     if ops is not None and ops not in COLLECTIVES:
-        raise UserError(f"--ops {ops!r} with --from names the collective the output is of: one of "
-                        f"{', '.join(COLLECTIVES)}")
+        raise UserError(
+            f"--ops {ops!r} with --from names the collective the output is of: one of {', '.join(COLLECTIVES)}"
+        )
     mt = o.get("machine_type")
     if mt:
         try:
@@ -94,8 +104,15 @@ def from_request(o: dict[str, Any]) -> FromRequest:
             raise UserError(str(e)) from None
     if o.get("nodes") is not None and o["nodes"] < 1:
         raise UserError(f"--nodes {o['nodes']}: a run has 1 or more nodes")
-    return FromRequest(names, ops, mt or None, o.get("nodes"), o.get("min_busbw"),
-                       Path(o.get("runs_dir") or "runs"), bool(o.get("as_json")))
+    return FromRequest(
+        names,
+        ops,
+        mt or None,
+        o.get("nodes"),
+        o.get("min_busbw"),
+        Path(o.get("runs_dir") or "runs"),
+        bool(o.get("as_json")),
+    )
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -109,11 +126,13 @@ def _read(name: str) -> str:
     try:
         return nccl_parse.decode_output(Path(name).read_bytes())
     except FileNotFoundError:
-        raise UserError(f"--from {name}: no such file; give a saved nccl-tests or sweep output, "
-                        "or - for stdin") from None
+        raise UserError(
+            f"--from {name}: no such file; give a saved nccl-tests or sweep output, or - for stdin"
+        ) from None
     except IsADirectoryError:
-        raise UserError(f"--from {name} is a directory; give a file in it (a node-0.log, a Slurm "
-                        "output file)") from None
+        raise UserError(
+            f"--from {name} is a directory; give a file in it (a node-0.log, a Slurm output file)"
+        ) from None
     except OSError as e:
         raise UserError(f"--from {name}: cannot read it ({e.strerror or e})") from None
 
@@ -141,8 +160,10 @@ def _read_tests(request: FromRequest) -> list[tuple[str, ParsedTest]]:
         found = _named(nccl_parse.parse_tests(text), request.ops, label)
         if not found:
             n = len(text.splitlines())
-            raise UserError(f"--from {label}: no nccl-tests table or #gpufleet-json line in its {n} "
-                            f"line{'s' * (n != 1)}; give the stdout of an *_perf binary or of launch nccl-tests")
+            raise UserError(
+                f"--from {label}: no nccl-tests table or #gpufleet-json line in its {n} "
+                f"line{'s' * (n != 1)}; give the stdout of an *_perf binary or of launch nccl-tests"
+            )
         tests += [(label, t) for t in found]
     return tests
 
@@ -152,8 +173,10 @@ def _make_run_dir(runs_dir: Path) -> Path:
     try:  # before anything is printed: a run directory that cannot be made is one line
         run_dir.mkdir(parents=True)
     except OSError as e:
-        raise UserError(f"--runs-dir {run_dir.parent}: cannot make {run_dir.name} there "
-                        f"({e.strerror or e}); pass a writable --runs-dir") from None
+        raise UserError(
+            f"--runs-dir {run_dir.parent}: cannot make {run_dir.name} there "
+            f"({e.strerror or e}); pass a writable --runs-dir"
+        ) from None
     return run_dir
 
 
@@ -179,8 +202,10 @@ def _node_count(request: FromRequest, tests: list[tuple[str, ParsedTest]]) -> in
     """--nodes, else the hosts every test's '# Rank' lines agree on, else 0 (unknown)."""
     hosts = _one({len(t.hosts) for _, t in tests if t.hosts})
     if request.nnodes and hosts and hosts != request.nnodes:
-        err.print(f"[yellow]--nodes {request.nnodes}, but the '# Rank' lines name {hosts} hosts; "
-                  f"using --nodes {request.nnodes}[/yellow]")
+        err.print(
+            f"[yellow]--nodes {request.nnodes}, but the '# Rank' lines name {hosts} hosts; "
+            f"using --nodes {request.nnodes}[/yellow]"
+        )
     return request.nnodes or hosts
 
 

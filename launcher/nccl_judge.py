@@ -57,8 +57,7 @@ def verdict(groups: list[tuple[str, list[SweepRow]]], min_busbw: float | None) -
     an old error column above tolerance), prefixed by its group's label (a file name, or ""),
     then the average bus bandwidth of all rows when it is below `min_busbw`."""
     lines = [
-        f"{where}{r.collective} at {r.size} B: wrong results (out-of-place {r.oop_wrong}, "
-        f"in-place {r.ip_wrong})"
+        f"{where}{r.collective} at {r.size} B: wrong results (out-of-place {r.oop_wrong}, in-place {r.ip_wrong})"
         for where, rows in groups
         for r in failures(rows)
     ]
@@ -108,7 +107,10 @@ def _pct_span(pcts: list[float]) -> str:
 
 
 def expected_curve(
-    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int,
+    rows: list[SweepRow],
+    machine_type: str,
+    nranks: int,
+    nnodes: int,
     env: dict[str, str] | None = None,
 ) -> Expectation | None:
     """The model (gpufleet.expected) for rows of one collective; None within one node.
@@ -138,8 +140,7 @@ class ExpectedReport:
         """(rich style, line) for the CLI: notes dim, warnings yellow, the verdict green when
         healthy, bold yellow when not, plain when nothing could be judged."""
         style = {True: "green", False: "bold yellow", None: "default"}[self.healthy]
-        return [*(("dim", n) for n in self.notes), *(("yellow", w) for w in self.warnings),
-                (style, self.verdict)]
+        return [*(("dim", n) for n in self.notes), *(("yellow", w) for w in self.warnings), (style, self.verdict)]
 
 
 def _finding_line(label: str, f: Finding) -> str:
@@ -155,11 +156,13 @@ def _scope_line(label: str, j: Judgement) -> str:
     e = j.expectation
     parts = [f"busbw judged at {_span(j.judged)} (trusted from {human_size(int(e.trusted_from))})"]
     if j.bounded:
-        parts.append(f"time judged against a {e.latency_bound_s * 1e6:.0f} us latency bound at "
-                     f"{_span(j.bounded)}")
+        parts.append(f"time judged against a {e.latency_bound_s * 1e6:.0f} us latency bound at {_span(j.bounded)}")
     if j.skipped:
-        why = ("protocol and algorithm switches" if e.latency_bound_s is not None
-               else "below the trusted range; no published small-size times to bound them")
+        why = (
+            "protocol and algorithm switches"
+            if e.latency_bound_s is not None
+            else "below the trusted range; no published small-size times to bound them"
+        )
         parts.append(f"not judged at {_span(j.skipped)} ({why})")
     return f"{label}: " + "; ".join(parts)
 
@@ -171,9 +174,11 @@ def _slow_line(slow: list[tuple[Judgement, list[Finding]]], judgements: list[Jud
     judged_up = sorted({s for j in judgements for s in j.judged if s >= first})
     pcts = [f.pct for _, fs in slow for f in fs if f.pct is not None]
     by = f" by {_pct_span(pcts)}" if pcts else ""
-    where = (f"from {human_size(first)} up" if all(s in flagged for s in judged_up)
-             else f"at {len(flagged)} of {len(judged_up)} sizes from {human_size(first)} to "
-                  f"{human_size(max(judged_up))}")
+    where = (
+        f"from {human_size(first)} up"
+        if all(s in flagged for s in judged_up)
+        else f"at {len(flagged)} of {len(judged_up)} sizes from {human_size(first)} to {human_size(max(judged_up))}"
+    )
     return f"below expected {where}{by}: the network is slow (see --find-bad-nodes)"
 
 
@@ -184,26 +189,36 @@ def _expected_verdict(judgements: list[Judgement], machine_type: str, nnodes: in
     if not any(j.judged or j.bounded for j in judgements):
         return "no verdict: no size in the model's trusted range or under a latency bound", None
     if not slow and not late:
-        caveat = ("" if any(j.judged for j in judgements)
-                  else " (judged by latency only: no size reached the trusted range)")
+        caveat = (
+            "" if any(j.judged for j in judgements) else " (judged by latency only: no size reached the trusted range)"
+        )
         return f"consistent with a healthy {machine_type} cluster of {nnodes} nodes{caveat}", True
     if slow:
         line = _slow_line(slow, judgements)
         if late:
             line += "; small messages are slower than the latency bound too"
         return line, False
-    return (f"slower than the latency bound at {_span([f.size for f in late])}: small messages are "
-            "slow (see --find-bad-nodes)"), False
+    return (
+        f"slower than the latency bound at {_span([f.size for f in late])}: small messages are "
+        "slow (see --find-bad-nodes)"
+    ), False
 
 
 def expected_judgement(
-    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int, *, margin: float = MARGIN,
+    rows: list[SweepRow],
+    machine_type: str,
+    nranks: int,
+    nnodes: int,
+    *,
+    margin: float = MARGIN,
     env: dict[str, str] | None = None,
 ) -> ExpectedReport:
     """Judge every collective (type, op) of `rows` against the model; see gpufleet.expected."""
     if nnodes < 2:
-        line = ("no verdict: within one node NVLink, not the network, sets the bandwidth and no "
-                "published GCP sweep calibrates it")
+        line = (
+            "no verdict: within one node NVLink, not the network, sets the bandwidth and no "
+            "published GCP sweep calibrates it"
+        )
         return ExpectedReport([], [], line, None, [])
     notes, warnings, judgements = [], [], []
     for (coll, typ, op), grp in by_collective(rows).items():
@@ -224,7 +239,12 @@ def expected_judgement(
 
 
 def expected_report(
-    rows: list[SweepRow], machine_type: str, nranks: int, nnodes: int, *, margin: float = MARGIN,
+    rows: list[SweepRow],
+    machine_type: str,
+    nranks: int,
+    nnodes: int,
+    *,
+    margin: float = MARGIN,
     env: dict[str, str] | None = None,
 ) -> list[str]:
     """The report's lines: the model's basis and scope per collective, one warning per size

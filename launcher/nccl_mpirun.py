@@ -16,8 +16,13 @@ _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def nccl_tests_command(
-    binary: str, hosts: list[str], nproc_per_node: int, args: list[str], env: dict[str, str],
-    *, allow_run_as_root: bool = False,
+    binary: str,
+    hosts: list[str],
+    nproc_per_node: int,
+    args: list[str],
+    env: dict[str, str],
+    *,
+    allow_run_as_root: bool = False,
 ) -> list[str]:
     """The Open MPI argv that runs an nccl-tests binary on `hosts`, nproc_per_node ranks each.
 
@@ -37,9 +42,12 @@ def nccl_tests_command(
     if allow_run_as_root:
         cmd.append("--allow-run-as-root")
     cmd += [
-        "-np", str(len(hosts) * nproc_per_node),
-        "-H", ",".join(f"{h}:{nproc_per_node}" for h in hosts),
-        "--bind-to", "none",
+        "-np",
+        str(len(hosts) * nproc_per_node),
+        "-H",
+        ",".join(f"{h}:{nproc_per_node}" for h in hosts),
+        "--bind-to",
+        "none",
     ]
     for k, v in env.items():
         if not _ENV_RE.match(k):

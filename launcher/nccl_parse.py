@@ -60,7 +60,7 @@ _PREFIX_RUN = re.compile("(?:" + "|".join(_PREFIXES) + ")+")
 def strip_prefixes(line: str) -> str:
     """`line` without the prefixes pipes add before it."""
     m = _PREFIX_RUN.match(line)
-    return line[m.end():] if m else line
+    return line[m.end() :] if m else line
 
 
 def decode_output(data: bytes) -> str:
@@ -79,6 +79,7 @@ _CONCLUDED = re.compile(r"^#\s*Collective test concluded:")
 _RANK_LINE = re.compile(r"^#\s*Rank\s+(\d+)\s+(?:Group\s+\d+\s+)?Pid\s+\d+\s+on\s+(\S+)\s+device\b")
 _INT = re.compile(r"^-?\d+$")
 _NUMBER = re.compile(r"^-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
 
 # busbw / algbw at n ranks (src/<coll>.cu *GetBw; perf-anchors §1.1).
 def _twice_frac(n: int) -> float:
@@ -155,8 +156,7 @@ class _Row:
 def _block(toks: list[str], start: int, names: list[str]) -> tuple[str, ...]:
     vals = dict(zip(names, toks[start : start + len(names)]))
     wrong = vals.get("#wrong", vals.get("error", "N/A"))
-    return (vals.get("time", vals.get("cputime", "N/A")), vals.get("algbw", "N/A"),
-            vals.get("busbw", "N/A"), wrong)
+    return (vals.get("time", vals.get("cputime", "N/A")), vals.get("algbw", "N/A"), vals.get("busbw", "N/A"), wrong)
 
 
 def _table_line(toks: list[str], cols: list[str]) -> _Row | None:
@@ -286,9 +286,17 @@ def _infer(table: _Table, nranks: int) -> tuple[str, str]:
     rooted = any(x >= 0 for x in roots)
     k = _count_ratio(table)
     per_rank = None if k is None else k > 1
-    pairs = [(blk[1], blk[2]) for r in table.rows for blk in (r.oop, r.ip)
-             if blk and _NUMBER.match(blk[1]) and _NUMBER.match(blk[2]) and "e" not in blk[1].lower()
-             and "e" not in blk[2].lower() and float(blk[1]) >= 0.1]
+    pairs = [
+        (blk[1], blk[2])
+        for r in table.rows
+        for blk in (r.oop, r.ip)
+        if blk
+        and _NUMBER.match(blk[1])
+        and _NUMBER.match(blk[2])
+        and "e" not in blk[1].lower()
+        and "e" not in blk[2].lower()
+        and float(blk[1]) >= 0.1
+    ]
     fits = []
     for coll, (red, root, pr, fns) in _SHAPES.items():
         if red != reduces or root != rooted or (per_rank is not None and pr != per_rank):
@@ -296,10 +304,12 @@ def _infer(table: _Table, nranks: int) -> tuple[str, str]:
         if pairs and not any(_factor_fits(fn, pairs, m) for fn in fns for m in _rank_candidates(fn, pairs, nranks)):
             continue
         fits.append(coll)
-    what = (f"redop {', '.join(sorted(ops)) if ops else 'none'}, "
-            f"{'root ' + ','.join(map(str, sorted(roots))) if roots else 'no root'}"
-            + ("" if per_rank is None else f", count {'per rank' if per_rank else '= size/type size'}")
-            + (", busbw/algbw" if pairs else ""))
+    what = (
+        f"redop {', '.join(sorted(ops)) if ops else 'none'}, "
+        f"{'root ' + ','.join(map(str, sorted(roots))) if roots else 'no root'}"
+        + ("" if per_rank is None else f", count {'per rank' if per_rank else '= size/type size'}")
+        + (", busbw/algbw" if pairs else "")
+    )
     if len(fits) == 1:
         return fits[0], f"from its rows: {what}"
     return UNKNOWN, f"the output does not say; its rows ({what}) fit {' or '.join(fits) or 'no nccl-tests binary'}"
@@ -312,7 +322,7 @@ def _from_json(line: str) -> list[SweepRow]:
     """The rows of our sweep's JSON line; [] for a line cut short (a node log ends mid-line when
     its node dies), so the table printed above it is read instead."""
     try:
-        payload = json.loads(line[len(JSON_MARKER):])
+        payload = json.loads(line[len(JSON_MARKER) :])
         return [SweepRow.from_dict(d) for d in payload["rows"]]
     except (ValueError, KeyError, TypeError):
         return []
@@ -375,15 +385,19 @@ def _sweep_row(r: _Row, collective: str, nranks: int, error_column: bool) -> Swe
         redop=r.head.get("redop") or "none",
         root=int(r.head.get("root", "-1")),
         nranks=nranks,
-        oop_time_us=oop[0], oop_algbw=oop[1], oop_busbw=oop[2], oop_wrong=oop[3],
-        ip_time_us=ip[0], ip_algbw=ip[1], ip_busbw=ip[2], ip_wrong=ip[3],
+        oop_time_us=oop[0],
+        oop_algbw=oop[1],
+        oop_busbw=oop[2],
+        oop_wrong=oop[3],
+        ip_time_us=ip[0],
+        ip_algbw=ip[1],
+        ip_busbw=ip[2],
+        ip_wrong=ip[3],
         error_column=error_column,
     )
 
 
-def parse_tests(
-    text: str, *, collective: str | None = None, nranks: int | None = None
-) -> list[ParsedTest]:
+def parse_tests(text: str, *, collective: str | None = None, nranks: int | None = None) -> list[ParsedTest]:
     """The tables of a sweep's or nccl-tests' output (see the module docstring).
 
     `collective` and `nranks`, when given, are what the caller knows (it ran the binary); they
@@ -398,8 +412,9 @@ def parse_tests(
         by_coll: dict[str, list[SweepRow]] = {}
         for r in json_rows:
             by_coll.setdefault(r.collective, []).append(r)
-        return [ParsedTest(c, "the sweep's #gpufleet-json line", rows[0].nranks, (), rows)
-                for c, rows in by_coll.items()]
+        return [
+            ParsedTest(c, "the sweep's #gpufleet-json line", rows[0].nranks, (), rows) for c, rows in by_coll.items()
+        ]
 
     out = []
     for t in _tables(lines):
@@ -420,8 +435,6 @@ def parse_tests(
     return out
 
 
-def parse_output(
-    text: str, *, collective: str | None = None, nranks: int | None = None
-) -> list[SweepRow]:
+def parse_output(text: str, *, collective: str | None = None, nranks: int | None = None) -> list[SweepRow]:
     """Every row of `text`: the sweep's #gpufleet-json line when present, else every table."""
     return [r for t in parse_tests(text, collective=collective, nranks=nranks) for r in t.rows]

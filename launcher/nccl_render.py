@@ -46,9 +46,20 @@ def rich_table(rows: list[SweepRow]) -> Table:
     bad = {id(r) for r in failures(rows)}
     for r in rows:
         t.add_row(
-            r.collective, human_size(r.size), str(r.count), r.type, r.redop, str(r.root),
-            _fmt(r.oop_time_us), _fmt(r.oop_algbw), _fmt(r.oop_busbw), _fmt(r.oop_wrong, "g"),
-            _fmt(r.ip_time_us), _fmt(r.ip_algbw), _fmt(r.ip_busbw), _fmt(r.ip_wrong, "g"),
+            r.collective,
+            human_size(r.size),
+            str(r.count),
+            r.type,
+            r.redop,
+            str(r.root),
+            _fmt(r.oop_time_us),
+            _fmt(r.oop_algbw),
+            _fmt(r.oop_busbw),
+            _fmt(r.oop_wrong, "g"),
+            _fmt(r.ip_time_us),
+            _fmt(r.ip_algbw),
+            _fmt(r.ip_busbw),
+            _fmt(r.ip_wrong, "g"),
             style="red" if id(r) in bad else None,
         )
     return t
@@ -83,8 +94,13 @@ def _draw(ax, rows: list[SweepRow], machine_type: str | None, nranks: int, nnode
             model = None
         sizes = [r.size for r in grp if model is not None and model.trusted(r.size)]
         if model is not None and sizes:
-            ax.plot(sizes, [model.busbw(s) for s in sizes],
-                    linestyle="--", color=line.get_color(), label=f"{label} expected")
+            ax.plot(
+                sizes,
+                [model.busbw(s) for s in sizes],
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{label} expected",
+            )
 
 
 def _plot(rows: list[SweepRow], path: Path, machine_type: str | None, nranks: int, nnodes: int) -> None:
@@ -120,7 +136,11 @@ def _write_csv(rows: list[SweepRow], path: Path) -> None:
 
 
 def write_results(
-    rows: list[SweepRow], run_dir: str | Path, *, machine_type: str | None = None, nranks: int,
+    rows: list[SweepRow],
+    run_dir: str | Path,
+    *,
+    machine_type: str | None = None,
+    nranks: int,
     nnodes: int,
 ) -> dict[str, Path]:
     """Write rows.json, rows.csv and busbw.png into run_dir; returns their paths by kind."""

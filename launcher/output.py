@@ -7,8 +7,7 @@ from __future__ import annotations
 import re
 import signal
 
-from gpufleet.contracts import JSON_MARKER, is_error_line
-
+from gpufleet.contracts import JSON_MARKER
 from launcher.model import NodeOutcome
 
 __all__ = ["worker_failure_note", "shown_live", "root_cause"]
@@ -23,7 +22,8 @@ _WORKER_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) 
 # c10d's warning when reverse DNS of a peer's address fails (torch/csrc/distributed/c10d/socket.cpp;
 # harmless, and printed on every connection where the nodes' addresses have no PTR record).
 _HIDDEN_LINE_RE = re.compile(
-    "^" + re.escape(JSON_MARKER) + r"|\[c10d\] The hostname of the client socket cannot be retrieved")
+    "^" + re.escape(JSON_MARKER) + r"|\[c10d\] The hostname of the client socket cannot be retrieved"
+)
 
 
 def worker_failure_note(line: str) -> str | None:
@@ -54,11 +54,13 @@ def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | No
     "Connection reset by peer", an abort), and a peer's torchrun may report before the failing
     node's does. So: a node that became unreachable first; then a node whose program said what
     went wrong (an error line) before the launcher stopped it; then the first to exit."""
+
     def rank_of(r: int) -> tuple[int, int]:
         o = outcomes[r]
         kind = 0 if o.connection_lost else 1 if o.reported_error_before_stop else 2
         return kind, arrival.index(r)
 
-    candidates = [r for r in arrival if not outcomes[r].ok and
-                  (not outcomes[r].stopped or outcomes[r].reported_error_before_stop)]
+    candidates = [
+        r for r in arrival if not outcomes[r].ok and (not outcomes[r].stopped or outcomes[r].reported_error_before_stop)
+    ]
     return min(candidates, key=rank_of) if candidates else None

@@ -44,8 +44,7 @@ def through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> b
     if config.ssh.iap:
         return True
     try:
-        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return True
     for line in out.splitlines():
@@ -97,43 +96,54 @@ def _refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:
     bad = [p for p in probes.values() if not p.ok]
     if bad:
         listed = "; ".join(f"{p.node.label}: {p.error}" for p in bad)
-        raise UserError(f"{len(bad)} of {len(cluster.nodes)} nodes cannot be reached, nothing was "
-                        f"started: {listed}. Check the address, --ssh-user/--ssh-key, or --exclude them")
+        raise UserError(
+            f"{len(bad)} of {len(cluster.nodes)} nodes cannot be reached, nothing was "
+            f"started: {listed}. Check the address, --ssh-user/--ssh-key, or --exclude them"
+        )
 
 
 def _refuse_busy_port(probes: dict[int, Probe], config: LaunchConfig) -> None:
     head = probes.get(0)
     if head and head.facts.get("port", "free").startswith("busy"):
         other = head.facts["port"].partition(":")[2] or "unknown"
-        raise UserError(f"rendezvous port {config.rdzv_port} on {head.node.label} is in use by "
-                        f"another launch (job {other}); nothing was started. Wait for it, or pass "
-                        "--rdzv-port with a free port")
+        raise UserError(
+            f"rendezvous port {config.rdzv_port} on {head.node.label} is in use by "
+            f"another launch (job {other}); nothing was started. Wait for it, or pass "
+            "--rdzv-port with a free port"
+        )
 
 
 def _refuse_missing_workdir(probes: dict[int, Probe], config: LaunchConfig) -> None:
     missing = [p.node.label for p in probes.values() if p.facts.get("workdir") == "missing"]
     if missing:
-        raise UserError(f"--workdir {config.workdir!r} does not exist on {', '.join(missing)}; nothing "
-                        "was started. Create it there or pass another --workdir")
+        raise UserError(
+            f"--workdir {config.workdir!r} does not exist on {', '.join(missing)}; nothing "
+            "was started. Create it there or pass another --workdir"
+        )
 
 
 def _refuse_torch(probes: dict[int, Probe], config: LaunchConfig) -> None:
     torch = {r: p.facts["torch"] for r, p in probes.items() if "torch" in p.facts}
     no_torch = [probes[r].node.label for r, v in torch.items() if v == "missing"]
     if no_torch:
-        raise UserError(f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; nothing "
-                        "was started. Install it there or pass --python with the right interpreter")
+        raise UserError(
+            f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; nothing "
+            "was started. Install it there or pass --python with the right interpreter"
+        )
     if len(set(torch.values())) > 1:
         by = "; ".join(f"{probes[r].node.label}: {v}" for r, v in sorted(torch.items()))
-        raise UserError(f"torch versions differ across nodes ({by}); nothing was started. Every "
-                        "node must run the same version")
+        raise UserError(
+            f"torch versions differ across nodes ({by}); nothing was started. Every node must run the same version"
+        )
 
 
 def _clock_warnings(probes: dict[int, Probe]) -> list[str]:
     # Beyond a couple of seconds, log timestamps and timeouts stop lining up across nodes.
-    return [f"{probes[r].node.label}: clock differs from this machine by {p.skew_s:+.1f} s "
-            "(check chrony/NTP on the node)"
-            for r, p in sorted(probes.items()) if p.skew_s is not None and abs(p.skew_s) > 2.0]
+    return [
+        f"{probes[r].node.label}: clock differs from this machine by {p.skew_s:+.1f} s (check chrony/NTP on the node)"
+        for r, p in sorted(probes.items())
+        if p.skew_s is not None and abs(p.skew_s) > 2.0
+    ]
 
 
 def _hostname_warnings(cluster: Cluster, probes: dict[int, Probe]) -> list[str]:
@@ -142,8 +152,7 @@ def _hostname_warnings(cluster: Cluster, probes: dict[int, Probe]) -> list[str]:
         host = p.facts.get("host", "")
         expect = p.node.name or ("" if _is_ip(p.node.address) or cluster.local else p.node.host)
         if expect and host and host.split(".")[0] != expect.split(".")[0].split("@")[-1]:
-            warnings.append(f"{p.node.label}: hostname is {host!r}, expected {expect!r} "
-                            "(is the host list stale?)")
+            warnings.append(f"{p.node.label}: hostname is {host!r}, expected {expect!r} (is the host list stale?)")
     hosts = [p.facts.get("host") for p in probes.values()]
     if not cluster.local and len(hosts) > 1 and len(set(hosts)) == 1 and cluster.machine_type:
         warnings.append(f"every node reports the same hostname {hosts[0]!r}: are they one machine?")

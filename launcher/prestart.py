@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
 from gpufleet.contracts import LOCAL_SSD_MOUNT
 from gpufleet.health import GPU_QUERY_FIELDS
-
 from launcher.model import Cluster, UserError
 
 __all__ = ["Expectation", "expectation", "gpu_statement", "nic_statements", "prestart_statements"]
@@ -41,8 +40,9 @@ class Expectation:
     local_ssd_mount: str | None = None  # the RAID0 of the bundled local SSDs, when it has some
 
 
-def expectation(machine_type: str | None, image_os: str | None = None,
-                env: Mapping[str, str] | None = None) -> Expectation:
+def expectation(
+    machine_type: str | None, image_os: str | None = None, env: Mapping[str, str] | None = None
+) -> Expectation:
     """The catalog's entry for `machine_type` on `image_os`, as checks. `env` is the environment
     a launch exports on the nodes (launcher.env.node_env): the NCCL plugin must be in the first
     directory of its LD_LIBRARY_PATH, which is where NCCL will look (NCCL docs, NCCL_NET_PLUGIN)."""
@@ -54,8 +54,9 @@ def expectation(machine_type: str | None, image_os: str | None = None,
     except (UnknownMachineType, ValueError) as e:
         raise UserError(str(e)) from None
     os_ = image_os or mt.image_os
-    nics = tuple((name, nic.role, mt.gpu_mtu if nic.role == "gpu" else None)
-                 for name, nic in zip(names, mt.nics) if name)
+    nics = tuple(
+        (name, nic.role, mt.gpu_mtu if nic.role == "gpu" else None) for name, nic in zip(names, mt.nics) if name
+    )
     plugin_dir = None
     if mt.net_stack is not NetStack.NONE and env and env.get("LD_LIBRARY_PATH"):
         plugin_dir = env["LD_LIBRARY_PATH"].split(":")[0]
@@ -82,8 +83,10 @@ def gpu_statement(cuda: bool = False) -> str:
     runs `wait` before its marker. Each line is one write of a few hundred bytes, so lines of
     concurrent probes never mix (POSIX: pipe writes of at most PIPE_BUF bytes are atomic)."""
     fields = ",".join(GPU_QUERY_FIELDS)
-    s = (f"{{ O=$(nvidia-smi --query-gpu={fields} --format=csv,noheader,nounits 2>&1); echo smi_rc=$?; "
-         "printf '%s\\n' \"$O\" | awk 'NF {print \"gpu.\" n++ \"=\" $0}'; ")
+    s = (
+        f"{{ O=$(nvidia-smi --query-gpu={fields} --format=csv,noheader,nounits 2>&1); echo smi_rc=$?; "
+        "printf '%s\\n' \"$O\" | awk 'NF {print \"gpu.\" n++ \"=\" $0}'; "
+    )
     if cuda:
         s += "echo cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\\([0-9.]*\\).*/\\1/p' | head -n 1); "
     return s + "} &"
@@ -95,8 +98,10 @@ def nic_statements(expect: Expectation) -> list[str]:
     out = []
     for name, _, _ in expect.nics:
         d = f"/sys/class/net/{shlex.quote(name)}"
-        out.append(f"if [ -e {d} ]; then read -r o < {d}/operstate; read -r m < {d}/mtu; read -r f < {d}/flags; "
-                   f'echo "nic.{name}=$o $m $f"; else echo nic.{name}=missing; fi')
+        out.append(
+            f"if [ -e {d} ]; then read -r o < {d}/operstate; read -r m < {d}/mtu; read -r f < {d}/flags; "
+            f'echo "nic.{name}=$o $m $f"; else echo nic.{name}=missing; fi'
+        )
     return out
 
 

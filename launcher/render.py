@@ -24,8 +24,17 @@ from launcher.model import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult,
 from launcher.options import build_config, find_cluster
 from launcher.transport import make_transport
 
-__all__ = ["err", "setup_logging", "fail", "user_errors", "live_printer", "render_result", "execute", "execute_on",
-           "finish"]
+__all__ = [
+    "err",
+    "setup_logging",
+    "fail",
+    "user_errors",
+    "live_printer",
+    "render_result",
+    "execute",
+    "execute_on",
+    "finish",
+]
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -62,7 +71,7 @@ def user_errors(fn):
             fail(str(e))
         except Interrupted as e:
             err.print(f"[red]interrupted ({e}) while connecting; nothing was started[/red]")
-            raise SystemExit(128 + e.signum)
+            raise SystemExit(128 + e.signum) from None
 
     return wrapper
 
@@ -96,6 +105,7 @@ def live_printer(cluster: Cluster):
                 # The last few are the ones holding everyone up: say which.
                 line += "; waiting for " + ", ".join(waiting.values())
             status.update(escape(line))
+
     return on_event, status
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from gpufleet.contracts import is_error_line
-
 from launcher.command import CHECKED_MARKER, EXIT_MARKER
 from launcher.model import Node, NodeOutcome
 from launcher.output import shown_live
@@ -55,7 +54,10 @@ class NodeSession:
         self._log: IO[bytes] | None = None  # opened by go(): until then, output is the check's
         self._reports = reports
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher, which stops in order
         )
         self._readers = [
@@ -133,8 +135,9 @@ class NodeSession:
             else:
                 why = self.err[-1] if self.err else f"exit {rc}" if rc is not None else "no answer"
             return Probe(self.node, False, why)
-        return Probe(self.node, True, facts=dict(self.facts),
-                     skew_s=clock_skew(self.facts, self.asked_at, self.checked_at))
+        return Probe(
+            self.node, True, facts=dict(self.facts), skew_s=clock_skew(self.facts, self.asked_at, self.checked_at)
+        )
 
     def go(self, logfile: Path) -> None:
         """Start the workload: the node has passed its check and every other node has too."""
@@ -173,10 +176,16 @@ class NodeSession:
     def outcome(self, transport_rc: int) -> NodeOutcome:
         """What happened on the node, once its session has ended with `transport_rc`."""
         stopping = self.stop_sent_at is not None
-        o = NodeOutcome(self.node, duration_s=time.monotonic() - self.start, stopped=stopping,
-                        tail=list(self.tail), error_lines=list(self.error_lines))
+        o = NodeOutcome(
+            self.node,
+            duration_s=time.monotonic() - self.start,
+            stopped=stopping,
+            tail=list(self.tail),
+            error_lines=list(self.error_lines),
+        )
         o.reported_error_before_stop = self.error_at is not None and (
-            self.stop_sent_at is None or self.error_at <= self.stop_sent_at)
+            self.stop_sent_at is None or self.error_at <= self.stop_sent_at
+        )
         # The trailing blank line the wrapper prints before its marker is not output.
         if o.tail and o.tail[-1] == "":
             o.tail.pop()

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from gpufleet.health import PhysicalHost, parse_physical_host
-
 from launcher.model import Cluster, UserError
 
 __all__ = [
@@ -55,8 +54,10 @@ def metadata_statement() -> str:
     and `physical_host=` lines. The metadata server wants the `Metadata-Flavor: Google` header
     (compute/docs/metadata/querying-metadata); -m 2 bounds a machine that is not on GCE."""
     url = f"http://${{{METADATA_HOST_ENV}:-{METADATA_DEFAULT_HOST}}}{PHYSICAL_HOST_PATH}"
-    return (f"H=$(curl -sf -m 2 -H 'Metadata-Flavor: Google' \"{url}\" 2>/dev/null); echo metadata_rc=$?; "
-            "echo \"physical_host=$H\"")
+    return (
+        f"H=$(curl -sf -m 2 -H 'Metadata-Flavor: Google' \"{url}\" 2>/dev/null); echo metadata_rc=$?; "
+        "echo \"physical_host=$H\""
+    )
 
 
 def node_physical_hosts(cluster: Cluster, facts: Mapping[int, Mapping[str, str]]) -> dict[str, PhysicalHost | None]:
@@ -73,6 +74,7 @@ def node_physical_hosts(cluster: Cluster, facts: Mapping[int, Mapping[str, str]]
         except ValueError:
             out[node.host] = None
     return out
+
 
 T = TypeVar("T")
 
@@ -106,8 +108,7 @@ class RankOrder:
     message: str  # one line saying which order is used and why
 
 
-def rank_order(cluster: Cluster, hosts: Mapping[str, PhysicalHost | None], mode: str | None,
-               source: str) -> RankOrder:
+def rank_order(cluster: Cluster, hosts: Mapping[str, PhysicalHost | None], mode: str | None, source: str) -> RankOrder:
     """Order `cluster`'s ranks by topology (`mode` "topology"), keep them ("given"), or, with
     `mode` None, order by topology exactly when every node's physical host is known.
 
@@ -122,17 +123,25 @@ def rank_order(cluster: Cluster, hosts: Mapping[str, PhysicalHost | None], mode:
         return RankOrder(cluster, False, "ranks in the given order (--rank-order given)")
     if missing:
         if mode == "topology":
-            raise UserError(f"--rank-order topology: no physical host for {', '.join(missing)} (from "
-                            f"{source}; only VMs with a placement policy have one); pass --rank-order given")
-        return RankOrder(cluster, False, f"ranks in the given order: {len(missing)} of {n} nodes have no "
-                                         f"physical host (from {source})")
+            raise UserError(
+                f"--rank-order topology: no physical host for {', '.join(missing)} (from "
+                f"{source}; only VMs with a placement policy have one); pass --rank-order given"
+            )
+        return RankOrder(
+            cluster,
+            False,
+            f"ranks in the given order: {len(missing)} of {n} nodes have no physical host (from {source})",
+        )
     ordered = order(list(cluster.nodes), {node: hosts[node.host].path for node in cluster.nodes})
     renumbered = tuple(replace(node, rank=i) for i, node in enumerate(ordered))
     moved = sum(a.host != b.host for a, b in zip(cluster.nodes, renumbered))
     new = Cluster(cluster.name, renumbered, cluster.machine_type, cluster.zone, cluster.project, cluster.local)
     what = f"{moved} of {n} nodes moved" if moved else "the given order already was"
-    return RankOrder(new, True, f"ranks ordered by physical topology from {source} ({what}; "
-                                "--rank-order given keeps the given order)")
+    return RankOrder(
+        new,
+        True,
+        f"ranks ordered by physical topology from {source} ({what}; --rank-order given keeps the given order)",
+    )
 
 
 def api_rank_order(cluster: Cluster, mode: str | None) -> RankOrder | None:
@@ -148,10 +157,12 @@ def api_rank_order(cluster: Cluster, mode: str | None) -> RankOrder | None:
         return rank_order(cluster, {}, "given", "the Compute Engine API")
     if not any(raw.values()):
         if mode == "topology":
-            raise UserError("--rank-order topology needs each node's physical host before the nodes are contacted: "
-                            "the Compute Engine API gives it with --label. For other sources, `launch doctor` "
-                            "reads it from every node's metadata server and prints that order (rank_order.hosts "
-                            "with --json); a hostfile in that order keeps it")
+            raise UserError(
+                "--rank-order topology needs each node's physical host before the nodes are contacted: "
+                "the Compute Engine API gives it with --label. For other sources, `launch doctor` "
+                "reads it from every node's metadata server and prints that order (rank_order.hosts "
+                "with --json); a hostfile in that order keeps it"
+            )
         return None
     hosts = {}
     for host, value in raw.items():
@@ -178,7 +189,11 @@ def spread_warning(hosts: Mapping[str, PhysicalHost | None]) -> str | None:
     by_block = blocks(hosts)
     if len(by_block) <= 1:
         return None
-    parts = ", ".join(f"{b}: {len(v)} node{'s' * (len(v) != 1)}"
-                      for b, v in sorted(by_block.items(), key=lambda kv: (-len(kv[1]), kv[0])))
-    return (f"the nodes span {len(by_block)} blocks ({parts}); a compact placement keeps a cluster in "
-            "one block, so if this cluster has one, the placement did not hold")
+    parts = ", ".join(
+        f"{b}: {len(v)} node{'s' * (len(v) != 1)}"
+        for b, v in sorted(by_block.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    )
+    return (
+        f"the nodes span {len(by_block)} blocks ({parts}); a compact placement keeps a cluster in "
+        "one block, so if this cluster has one, the placement did not hold"
+    )

@@ -17,7 +17,8 @@ __all__ = ["Transport", "make_transport", "state_dir"]
 def state_dir() -> Path:
     """Where per-cluster known_hosts files live (GPUFLEET_STATE_DIR, else ~/.cache/gpufleet)."""
     base = os.environ.get("GPUFLEET_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpufleet")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpufleet"
+    )
     return Path(base)
 
 

@@ -13,8 +13,20 @@ import torch
 
 from tests.simcluster import SimCluster, _environ
 
-__all__ = ["REPO", "PY", "LAUNCH", "TRAIN", "Launch", "source_args", "torch_args", "workers", "wait_for",
-           "params", "checkpoint_step", "sigkill"]
+__all__ = [
+    "REPO",
+    "PY",
+    "LAUNCH",
+    "TRAIN",
+    "Launch",
+    "source_args",
+    "torch_args",
+    "workers",
+    "wait_for",
+    "params",
+    "checkpoint_step",
+    "sigkill",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 PY = str(REPO / ".venv" / "bin" / "python")
@@ -22,8 +34,18 @@ LAUNCH = str(REPO / ".venv" / "bin" / "launch")
 
 # The tiny model, one sample per rank per step, no straggler exchange: a step costs ~20 ms on
 # this 2-core machine, so a test's time goes to starting torchrun, not to training.
-TRAIN = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--straggler-every", "0",
-         "--lr-decay-steps", "1000"]
+TRAIN = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "1",
+    "--straggler-every",
+    "0",
+    "--lr-decay-steps",
+    "1000",
+]
 
 
 def source_args(c: SimCluster, tmp_path: Path, hostfile: Path | None = None) -> list[str]:
@@ -43,8 +65,7 @@ class Launch:
     def __init__(self, args: list[str], log: Path):
         self.log = log
         self._fh = open(log, "w")
-        self.proc = subprocess.Popen([LAUNCH, *args], stdout=self._fh, stderr=subprocess.STDOUT,
-                                     cwd=REPO, text=True)
+        self.proc = subprocess.Popen([LAUNCH, *args], stdout=self._fh, stderr=subprocess.STDOUT, cwd=REPO, text=True)
 
     @property
     def out(self) -> str:

@@ -47,9 +47,23 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-__all__ = ["CheckpointError", "CheckpointStore", "LocalStore", "GCSStore", "open_store",
-           "checkpoint_name", "is_full_state", "load_file", "load_checkpoint", "encode_state",
-           "decode_state", "failure_cause", "failure_line", "has_os_error", "METADATA"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointStore",
+    "LocalStore",
+    "GCSStore",
+    "open_store",
+    "checkpoint_name",
+    "is_full_state",
+    "load_file",
+    "load_checkpoint",
+    "encode_state",
+    "decode_state",
+    "failure_cause",
+    "failure_line",
+    "has_os_error",
+    "METADATA",
+]
 
 _NAME = re.compile(r"^step_(\d{8})$")  # a DCP checkpoint directory
 _PT_NAME = re.compile(r"^step_(\d{8})\.pt$")  # a full-state file of the previous release
@@ -136,11 +150,14 @@ def decode_state(blob: bytes, where: str) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{where} is not a readable checkpoint ({_first_line(e)}); point its "
-                              "latest at an older step_*, or pass another --checkpoint-dir") from None
+        raise CheckpointError(
+            f"{where} is not a readable checkpoint ({_first_line(e)}); point its "
+            "latest at an older step_*, or pass another --checkpoint-dir"
+        ) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{where} is not a checkpoint of workloads.train (its trainer state is a "
-                              f"{type(state).__name__})")
+        raise CheckpointError(
+            f"{where} is not a checkpoint of workloads.train (its trainer state is a {type(state).__name__})"
+        )
     return state
 
 
@@ -158,8 +175,9 @@ def load_file(path: str | os.PathLike[str], *, shown: str | None = None, fix: st
     except Exception as e:  # torch.load fails with RuntimeError, UnpicklingError, EOFError, ...
         raise CheckpointError(f"{where} is not a readable checkpoint ({_first_line(e)}){fix}") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{where} is not a readable checkpoint (it holds a "
-                              f"{type(state).__name__}, not a dict){fix}")
+        raise CheckpointError(
+            f"{where} is not a readable checkpoint (it holds a {type(state).__name__}, not a dict){fix}"
+        )
     return state
 
 
@@ -271,11 +289,15 @@ class LocalStore:
             name = pointer.read_text().strip()
             found = self._complete(name)
         except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"cannot read {pointer}: {getattr(e, 'strerror', None) or e}; "
-                                  "fix its permissions, or remove it to start from step 0") from None
+            raise CheckpointError(
+                f"cannot read {pointer}: {getattr(e, 'strerror', None) or e}; "
+                "fix its permissions, or remove it to start from step 0"
+            ) from None
         if not found:
-            raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint there; "
-                                  "point it at an existing step_* or remove it")
+            raise CheckpointError(
+                f"{pointer} names {name!r}, which is not a complete checkpoint there; "
+                "point it at an existing step_* or remove it"
+            )
         return name
 
     def _staging(self, name: str, token: str) -> Path:
@@ -338,8 +360,9 @@ class LocalStore:
         return FileSystemReader(self.root / name)
 
     def load_full_state(self, name: str) -> dict[str, Any]:
-        return load_file(self.root / name, fix=f"; point {self.root / LATEST} at an older step_*, "
-                                               "or pass another --checkpoint-dir")
+        return load_file(
+            self.root / name, fix=f"; point {self.root / LATEST} at an older step_*, or pass another --checkpoint-dir"
+        )
 
     def prune(self, keep: int) -> list[str]:
         latest = self.latest()
@@ -366,15 +389,17 @@ class GCSStore:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        bucket, _, prefix = self.url[len("gs://"):].partition("/")
+        bucket, _, prefix = self.url[len("gs://") :].partition("/")
         if not bucket:
             raise CheckpointError(f"--checkpoint-dir {url!r} names no bucket; use gs://BUCKET/PREFIX")
         self.prefix = prefix + "/" if prefix else ""
         try:
             from google.cloud import storage  # only runs that checkpoint to GCS need the package
         except ImportError:
-            raise CheckpointError(f"--checkpoint-dir gs://{bucket} needs google-cloud-storage; "
-                                  "pip install 'gpufleet[workloads]' on every node") from None
+            raise CheckpointError(
+                f"--checkpoint-dir gs://{bucket} needs google-cloud-storage; "
+                "pip install 'gpufleet[workloads]' on every node"
+            ) from None
         try:
             # Finds credentials now (google.auth.default): without any it raises
             # DefaultCredentialsError, which must reach the user as one line, not a traceback.
@@ -391,19 +416,25 @@ class GCSStore:
         return self.bucket.blob(self.prefix + name)
 
     def _fail(self, action: str, name: str, err: BaseException) -> CheckpointError:
-        return CheckpointError(f"cannot {action} {self.url}/{name}: {_first_line(err)}; check the bucket "
-                               "name, your credentials and the network, or pass another --checkpoint-dir")
+        return CheckpointError(
+            f"cannot {action} {self.url}/{name}: {_first_line(err)}; check the bucket "
+            "name, your credentials and the network, or pass another --checkpoint-dir"
+        )
 
     def check(self) -> None:
         try:
             exists = self.bucket.exists(timeout=self.TIMEOUT_S, retry=None)
         except Exception as e:  # any transport or auth failure means: unreachable
-            raise CheckpointError(f"cannot reach bucket gs://{self.bucket.name}: "
-                                  f"{_first_line(e)}; "
-                                  "check the name, credentials and network") from None
+            raise CheckpointError(
+                f"cannot reach bucket gs://{self.bucket.name}: "
+                f"{_first_line(e)}; "
+                "check the name, credentials and network"
+            ) from None
         if not exists:
-            raise CheckpointError(f"bucket gs://{self.bucket.name} does not exist; create it "
-                                  f"(gcloud storage buckets create gs://{self.bucket.name}) or fix --checkpoint-dir")
+            raise CheckpointError(
+                f"bucket gs://{self.bucket.name} does not exist; create it "
+                f"(gcloud storage buckets create gs://{self.bucket.name}) or fix --checkpoint-dir"
+            )
 
     def _complete(self, name: str) -> bool:
         if _NAME.match(name):
@@ -420,8 +451,7 @@ class GCSStore:
         except Exception as e:
             raise self._fail("read", LATEST, e) from None
         if not ok:
-            raise CheckpointError(f"{self.url}/{LATEST} names {name!r}, which is not a complete "
-                                  "checkpoint there")
+            raise CheckpointError(f"{self.url}/{LATEST} names {name!r}, which is not a complete checkpoint there")
         return name
 
     def _delete_under(self, name: str) -> None:
@@ -470,19 +500,23 @@ class GCSStore:
                     self._blob(name).download_to_filename(f.name, timeout=max(self.TIMEOUT_S, 600))
                 except Exception as e:
                     raise self._fail("download", name, e) from None
-                return load_file(f.name, shown=f"{self.url}/{name}",
-                                 fix=f"; point {self.url}/{LATEST} at an older step_*, "
-                                     "or pass another --checkpoint-dir")
+                return load_file(
+                    f.name,
+                    shown=f"{self.url}/{name}",
+                    fix=f"; point {self.url}/{LATEST} at an older step_*, or pass another --checkpoint-dir",
+                )
         except OSError as e:  # the temp file could not be created or removed
-            raise CheckpointError(f"cannot stage {self.url}/{name} in {tempfile.gettempdir()}: "
-                                  f"{e.strerror or e}; free space there or point TMPDIR at a larger disk") from None
+            raise CheckpointError(
+                f"cannot stage {self.url}/{name} in {tempfile.gettempdir()}: "
+                f"{e.strerror or e}; free space there or point TMPDIR at a larger disk"
+            ) from None
 
     def prune(self, keep: int) -> list[str]:
         latest = self.latest()
         try:
             found: set[str] = set()
             for b in self.client.list_blobs(self.bucket, prefix=self.prefix, timeout=self.TIMEOUT_S):
-                rel = b.name[len(self.prefix):]
+                rel = b.name[len(self.prefix) :]
                 top, _, rest = rel.partition("/")
                 if (_NAME.match(top) and rest == METADATA) or (_PT_NAME.match(top) and not rest):
                     found.add(top)

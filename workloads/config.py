@@ -156,8 +156,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r} is unknown; one of: {', '.join(MODEL_SIZES)}")
-        for name in ("steps", "global_batch", "micro_batch", "world_size", "log_every",
-                     "synthetic_samples", "keep_checkpoints", "powersgd_rank"):
+        for name in (
+            "steps",
+            "global_batch",
+            "micro_batch",
+            "world_size",
+            "log_every",
+            "synthetic_samples",
+            "keep_checkpoints",
+            "powersgd_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("seq_len", "warmup_steps", "lr_decay_steps", "checkpoint_every", "straggler_every"):
@@ -173,9 +181,11 @@ class TrainConfig:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.straggler_threshold <= 1:
             raise ConfigError(f"--straggler-threshold must be above 1, got {self.straggler_threshold}")
-        for name, value, allowed in (("precision", self.precision, PRECISIONS),
-                                     ("parallelism", self.parallelism, PARALLELISMS),
-                                     ("compression", self.compression, COMPRESSIONS)):
+        for name, value, allowed in (
+            ("precision", self.precision, PRECISIONS),
+            ("parallelism", self.parallelism, PARALLELISMS),
+            ("compression", self.compression, COMPRESSIONS),
+        ):
             if value not in allowed:
                 raise ConfigError(f"--{name} {value!r} is unknown; one of: {', '.join(allowed)}")
         if self.profile_steps is not None:
@@ -206,15 +216,18 @@ class TrainConfig:
                 "drop --compression or use --parallelism ddp"
             )
         if self.parallelism == "fsdp" and (self.static_graph or self.gradient_as_bucket_view):
-            raise ConfigError("--static-graph and --gradient-as-bucket-view are DDP knobs; "
-                              "drop them or use --parallelism ddp")
+            raise ConfigError(
+                "--static-graph and --gradient-as-bucket-view are DDP knobs; drop them or use --parallelism ddp"
+            )
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if self.async_checkpoint and not self.checkpoint_every:
-            raise ConfigError("--async-checkpoint overlaps the periodic saves with training; it needs "
-                              "--checkpoint-every K (the final and SIGTERM saves are always synchronous)")
+            raise ConfigError(
+                "--async-checkpoint overlaps the periodic saves with training; it needs "
+                "--checkpoint-every K (the final and SIGTERM saves are always synchronous)"
+            )
         if self._profile_range and self._profile_range[1] > self.steps:
             a, b = self._profile_range
             raise ConfigError(f"--profile-steps {a}:{b} ends after --steps {self.steps}")
@@ -280,8 +293,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field (except world_size), help text from the field docs."""
-    parser = _Parser(prog="python -m workloads.train",
-                     description="GPT training under torchrun (DDP or FSDP, NCCL or gloo).")
+    parser = _Parser(
+        prog="python -m workloads.train", description="GPT training under torchrun (DDP or FSDP, NCCL or gloo)."
+    )
     docs = _field_docs()
     for f in fields(TrainConfig):
         if f.name in ("world_size",) or f.name.startswith("_"):
@@ -289,12 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=docs.get(f.name, ""))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name, ""))
         else:
             kind = {int: int, float: float}.get(type(default), str)
-            parser.add_argument(flag, type=kind, default=default, metavar=f.name.upper(),
-                                help=f"{docs.get(f.name, '')} (default: {default})")
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=default,
+                metavar=f.name.upper(),
+                help=f"{docs.get(f.name, '')} (default: {default})",
+            )
     return parser
 
 
@@ -313,7 +331,11 @@ def _field_docs() -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
-                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+        ):
             docs[prev.target.id] = " ".join(str(node.value.value).split()).replace("%", "%%")
     return docs

@@ -56,20 +56,21 @@ class TokenFile(Dataset):
         self.seq_len = seq_len
         self.n = (len(self.tokens) - 1) // seq_len
         if self.n < 1:
-            raise ConfigError(f"--data {path} holds {len(self.tokens)} tokens, fewer than one "
-                              f"sample of {seq_len + 1}")
+            raise ConfigError(f"--data {path} holds {len(self.tokens)} tokens, fewer than one sample of {seq_len + 1}")
         # Only a prefix is checked: scanning a multi-GB file would stall start-up.
         top = int(self.tokens[: 1 << 20].max())
         if top >= vocab_size:
-            raise ConfigError(f"--data {path} has token id {top} >= the model's vocabulary "
-                              f"{vocab_size}; pick a model with a larger vocabulary")
+            raise ConfigError(
+                f"--data {path} has token id {top} >= the model's vocabulary "
+                f"{vocab_size}; pick a model with a larger vocabulary"
+            )
 
     def __len__(self) -> int:
         return self.n
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.seq_len
-        rows = np.stack([self.tokens[i * t: i * t + t + 1] for i in indices]).astype(np.int64)
+        rows = np.stack([self.tokens[i * t : i * t + t + 1] for i in indices]).astype(np.int64)
         seq = torch.from_numpy(rows)
         return seq[:, :-1], seq[:, 1:]
 
@@ -81,16 +82,26 @@ class TokenFile(Dataset):
 class BatchStream:
     """The micro-batches of one rank, addressable by (step, micro-step)."""
 
-    def __init__(self, dataset: SyntheticTokens | TokenFile, rank: int, world_size: int,
-                 micro_batch: int, grad_accum: int, seed: int) -> None:
+    def __init__(
+        self,
+        dataset: SyntheticTokens | TokenFile,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        grad_accum: int,
+        seed: int,
+    ) -> None:
         self.dataset = dataset
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=True, seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.steps_per_epoch = len(self.sampler) // (micro_batch * grad_accum)
         if self.steps_per_epoch < 1:
-            raise ConfigError(f"the data holds {len(dataset)} samples, fewer than one global batch "
-                              f"of {micro_batch * grad_accum * world_size}")
+            raise ConfigError(
+                f"the data holds {len(dataset)} samples, fewer than one global batch "
+                f"of {micro_batch * grad_accum * world_size}"
+            )
         self._epoch = -1
         self._order: list[int] = []
 
@@ -104,4 +115,4 @@ class BatchStream:
             self.sampler.set_epoch(epoch)
             self._order, self._epoch = list(self.sampler), epoch
         start = (k * self.grad_accum + micro) * self.micro_batch
-        return self.dataset.batch(self._order[start: start + self.micro_batch])
+        return self.dataset.batch(self._order[start : start + self.micro_batch])

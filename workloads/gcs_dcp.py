@@ -45,7 +45,7 @@ class GCSFileSystem(FileSystemBase):
         head = f"gs://{self.bucket.name}/"
         if not text.startswith(head):
             raise ValueError(f"{text} is not in gs://{self.bucket.name}")
-        return text[len(head):]
+        return text[len(head) :]
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -120,8 +120,9 @@ class GCSReader(FileSystemReader):
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> io.BytesIO:
         # One GET with a byte range per piece; checksum=None: the object's CRC covers the whole
         # object, not a range (google-cloud-storage disables it for ranges the same way).
-        data = file.blob.download_as_bytes(start=sinfo.offset, end=sinfo.offset + sinfo.length - 1,
-                                           checksum=None, timeout=_TIMEOUT_S)
+        data = file.blob.download_as_bytes(
+            start=sinfo.offset, end=sinfo.offset + sinfo.length - 1, checksum=None, timeout=_TIMEOUT_S
+        )
         return io.BytesIO(data)
 
     @classmethod

@@ -5,8 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["RankInfo", "find_stragglers", "straggler_warning", "format_log_line", "format_bytes",
-           "preemption_report"]
+__all__ = ["RankInfo", "find_stragglers", "straggler_warning", "format_log_line", "format_bytes", "preemption_report"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,25 @@ def straggler_warning(times: list[float], ranks: list[RankInfo], threshold: floa
     ]
 
 
-def format_log_line(step: int, steps: int, loss: float, lr: float, step_s: float, tokens_per_s: float,
-                    mfu: float | None, peak_mem_gib: float | None) -> str:
+def format_log_line(
+    step: int,
+    steps: int,
+    loss: float,
+    lr: float,
+    step_s: float,
+    tokens_per_s: float,
+    mfu: float | None,
+    peak_mem_gib: float | None,
+) -> str:
     """`step 10/100 | loss 3.2145 | lr 6.00e-04 | 123.4 ms/step | 12,345 tok/s | MFU 43.2% | mem 1.2 GiB`."""
-    parts = [f"step {step}/{steps}", f"loss {loss:.4f}", f"lr {lr:.2e}", f"{step_s * 1e3:.1f} ms/step",
-             f"{tokens_per_s:,.0f} tok/s", "MFU n/a" if mfu is None else f"MFU {mfu * 100:.1f}%"]
+    parts = [
+        f"step {step}/{steps}",
+        f"loss {loss:.4f}",
+        f"lr {lr:.2e}",
+        f"{step_s * 1e3:.1f} ms/step",
+        f"{tokens_per_s:,.0f} tok/s",
+        "MFU n/a" if mfu is None else f"MFU {mfu * 100:.1f}%",
+    ]
     if peak_mem_gib is not None:
         parts.append(f"mem {peak_mem_gib:.2f} GiB")
     return " | ".join(parts)
@@ -55,8 +68,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def preemption_report(step: int, save_s: float, notice_s: float, budget_s: float, nbytes: int,
-                      ranks: int, where: str) -> tuple[bool, str]:
+def preemption_report(
+    step: int, save_s: float, notice_s: float, budget_s: float, nbytes: int, ranks: int, where: str
+) -> tuple[bool, str]:
     """Whether the SIGTERM save fit the preemption notice, and the line that says so.
 
     `notice_s` is how long the notice had already run when the ranks agreed to stop (the step in
@@ -65,15 +79,20 @@ def preemption_report(step: int, save_s: float, notice_s: float, budget_s: float
     """
     total = notice_s + save_s
     rate = nbytes / save_s if save_s > 0 else float("inf")
-    head = (f"SIGTERM: checkpoint step {step} saved in {save_s:.2f} s ({format_bytes(nbytes)} from "
-            f"{ranks} ranks, {format_bytes(rate)}/s) -> {where}; {total:.2f} s since the notice")
+    head = (
+        f"SIGTERM: checkpoint step {step} saved in {save_s:.2f} s ({format_bytes(nbytes)} from "
+        f"{ranks} ranks, {format_bytes(rate)}/s) -> {where}; {total:.2f} s since the notice"
+    )
     if total <= budget_s:
         return True, f"{head}, within the {budget_s:g} s --preemption-budget"
     left = budget_s - notice_s
-    need = (f"it needs {format_bytes(nbytes / left)}/s to fit" if left > 0
-            else "the step in progress alone used the budget")
-    return False, (f"{head}, over the {budget_s:g} s --preemption-budget: the VM may stop before the "
-                   f"next one. {need}: write to faster storage (the local SSD RAID rather than gs://), "
-                   "spread the state over more ranks (more nodes; each rank writes its own shards), "
-                   "or shorten the steps (smaller --global-batch per step); and save often "
-                   "(--checkpoint-every K --async-checkpoint) so a cut save loses little")
+    need = (
+        f"it needs {format_bytes(nbytes / left)}/s to fit" if left > 0 else "the step in progress alone used the budget"
+    )
+    return False, (
+        f"{head}, over the {budget_s:g} s --preemption-budget: the VM may stop before the "
+        f"next one. {need}: write to faster storage (the local SSD RAID rather than gs://), "
+        "spread the state over more ranks (more nodes; each rank writes its own shards), "
+        "or shorten the steps (smaller --global-batch per step); and save often "
+        "(--checkpoint-every K --async-checkpoint) so a cut save loses little"
+    )

@@ -94,7 +94,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-
 # Check data is generated and compared in chunks so a multi-GiB buffer never needs a second
 # multi-GiB int64 index tensor next to it.
 _CHUNK = 1 << 24
@@ -236,9 +235,7 @@ def _fill(buf: torch.Tensor, start: int, values: Callable[[torch.Tensor], torch.
         buf[off : off + m].copy_(tile[ph : ph + m])
 
 
-def _count_wrong(
-    buf: torch.Tensor, start: int, expected: Callable[[torch.Tensor], torch.Tensor], tol: float
-) -> int:
+def _count_wrong(buf: torch.Tensor, start: int, expected: Callable[[torch.Tensor], torch.Tensor], tol: float) -> int:
     """Elements of buf that differ from expected(start + i) by more than tol (relative);
     expected must repeat every _PERIOD elements."""
     wrong = 0
@@ -285,9 +282,7 @@ class _Case:
 class _Bench:
     """One group's sweep. `rank` and `nranks` are within `group` (None: the whole world)."""
 
-    def __init__(
-        self, cfg: SweepConfig, rank: int, nranks: int, device: torch.device, group=None
-    ) -> None:
+    def __init__(self, cfg: SweepConfig, rank: int, nranks: int, device: torch.device, group=None) -> None:
         self.cfg, self.rank, self.n, self.device = cfg, rank, nranks, device
         self.group = group
         self.notes: list[str] = []
@@ -319,8 +314,14 @@ class _Bench:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def case(
-        self, coll: str, send: torch.Tensor, recv: torch.Tensor, nbytes: int, dtype_name: str,
-        op: str, in_place: bool,
+        self,
+        coll: str,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        nbytes: int,
+        dtype_name: str,
+        op: str,
+        in_place: bool,
     ) -> tuple[_Case, int, int]:
         """The case for one block, plus the printed size and count."""
         dtype = TORCH_DTYPES[dtype_name]
@@ -382,9 +383,7 @@ class _Bench:
             run = lambda: _all_gather(out, inp, group=g)  # noqa: E731
 
             def check() -> int:
-                return sum(
-                    _count_wrong(out[j * count : (j + 1) * count], 0, move(j), 0.0) for j in range(n)
-                )
+                return sum(_count_wrong(out[j * count : (j + 1) * count], 0, move(j), 0.0) for j in range(n))
         elif coll == "reduce_scatter":
             inp = (recv if in_place else send)[: count * n]
             # In place (nccl-tests recvInplaceOffset = base): the output is this rank's slice.
@@ -410,8 +409,7 @@ class _Bench:
                 # Chunk q of the output came from rank q's chunk r: indices r·count + i there.
                 def check() -> int:
                     return sum(
-                        _count_wrong(out[q * count : (q + 1) * count], r * count, move(q), 0.0)
-                        for q in range(n)
+                        _count_wrong(out[q * count : (q + 1) * count], r * count, move(q), 0.0) for q in range(n)
                     )
         elif coll == "sendrecv":
             out = recv[:count]
@@ -425,8 +423,10 @@ class _Bench:
 
             def run() -> None:
                 reqs = dist.batch_isend_irecv(
-                    [dist.P2POp(dist.isend, inp, self._global(nxt), group=g),
-                     dist.P2POp(dist.irecv, out, self._global(prv), group=g)]
+                    [
+                        dist.P2POp(dist.isend, inp, self._global(nxt), group=g),
+                        dist.P2POp(dist.irecv, out, self._global(prv), group=g),
+                    ]
                 )
                 for q in reqs:
                     q.wait()
@@ -521,8 +521,7 @@ class _Bench:
             c.run()
         if fit < cfg.iters:
             self.notes.append(
-                f"{label}: {fit} of {cfg.iters} iterations fit --time-budget {budget:g} s "
-                f"(first call {slowest:.3g} s)"
+                f"{label}: {fit} of {cfg.iters} iterations fit --time-budget {budget:g} s (first call {slowest:.3g} s)"
             )
         return fit
 
@@ -560,8 +559,20 @@ class _Bench:
                         wrong = self.wrong(c) if cfg.check > 0 else None
                         blocks.append(self.block(coll, size, sec, wrong))
                     root = cfg.root if coll in _ROOTED else -1
-                    rows.append(SweepRow(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1],
-                                         iters=iters if isinstance(iters, int) else 1))
+                    rows.append(
+                        SweepRow(
+                            coll,
+                            size,
+                            count,
+                            dname,
+                            op,
+                            root,
+                            self.n,
+                            *blocks[0],
+                            *blocks[1],
+                            iters=iters if isinstance(iters, int) else 1,
+                        )
+                    )
         return rows
 
 
@@ -607,16 +618,13 @@ HEADER = (
     "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n"
     % ("", "", "", "", "")
     + "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s \n"
-    % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-       "time", "algbw", "busbw", "#wrong")
+    % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong")
     + "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s \n"
     % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "")
 )
 
 
-def format_table(
-    coll: str, rows: list[SweepRow], cfg: SweepConfig, rank_lines: list[str], notes: list[str]
-) -> str:
+def format_table(coll: str, rows: list[SweepRow], cfg: SweepConfig, rank_lines: list[str], notes: list[str]) -> str:
     """The full nccl-tests style report of one collective, preamble to footer."""
     step = f"{cfg.stepfactor}(factor)" if cfg.stepfactor > 1 else f"{cfg.stepbytes}(bytes)"
     out = [
@@ -661,10 +669,18 @@ def _rank_line(rank: int, device: torch.device) -> str:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         bus = "%04x:%02x:%02x" % (
-            getattr(p, "pci_domain_id", 0), getattr(p, "pci_bus_id", 0), getattr(p, "pci_device_id", 0)
+            getattr(p, "pci_domain_id", 0),
+            getattr(p, "pci_bus_id", 0),
+            getattr(p, "pci_device_id", 0),
         )
         return "#  Rank %2d Group  0 Pid %6d on %10s device %2d [%s] %s" % (
-            rank, os.getpid(), host, device.index or 0, bus, p.name)
+            rank,
+            os.getpid(),
+            host,
+            device.index or 0,
+            bus,
+            p.name,
+        )
     return "#  Rank %2d Group  0 Pid %6d on %10s device  0 [cpu] CPU (gloo)" % (rank, os.getpid(), host)
 
 
@@ -743,12 +759,13 @@ def _sweep_rounds(
     # Every rank sees the same nodes, so every rank raises the same error, before any group.
     missing = sorted({nd for rnd in cfg.rounds for grp in rnd for nd in grp} - set(ranks_of))
     if missing:
-        raise PlanError(f"--rounds names node {missing[0]}, but this run's nodes are "
-                        f"{', '.join(map(str, sorted(ranks_of)))} ({NODE_RANK_ENV}, else GROUP_RANK)")
+        raise PlanError(
+            f"--rounds names node {missing[0]}, but this run's nodes are "
+            f"{', '.join(map(str, sorted(ranks_of)))} ({NODE_RANK_ENV}, else GROUP_RANK)"
+        )
     smallest = min(sum(len(ranks_of[nd]) for nd in grp) for rnd in cfg.rounds for grp in rnd)
     if cfg.root >= smallest:
-        raise PlanError(f"root {cfg.root} is not a rank of every group (the smallest has {smallest} "
-                        "ranks); pass -r 0")
+        raise PlanError(f"root {cfg.root} is not a rank of every group (the smallest has {smallest} ranks); pass -r 0")
     rows: list[SweepRow] = []
     docs: list[dict[str, Any]] = []
     text: list[str] = []
@@ -812,8 +829,14 @@ def _rounds_arg(text: str) -> Plan:
 
 def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p = _Parser(prog="python -m workloads.sweep", description=__doc__.split("\n")[0])
-    p.add_argument("--ops", "--collective", dest="collectives", type=_list(COLLECTIVES),
-                   default=("all_reduce",), help="comma list of collectives, or all")
+    p.add_argument(
+        "--ops",
+        "--collective",
+        dest="collectives",
+        type=_list(COLLECTIVES),
+        default=("all_reduce",),
+        help="comma list of collectives, or all",
+    )
     p.add_argument("-b", "--minbytes", type=_size_arg, default=32 * 1024**2)
     p.add_argument("-e", "--maxbytes", type=_size_arg, default=32 * 1024**2)
     p.add_argument("-i", "--stepbytes", type=_size_arg, default=1024**2)
@@ -825,17 +848,37 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("-o", "--op", type=_list(REDOPS), default=("sum",))
     p.add_argument("-r", "--root", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="cut a size's calls short once they would take longer (see SweepConfig)")
-    p.add_argument("--rounds", type=_rounds_arg, default=None, metavar="PLAN",
-                   help="one sweep per node group, e.g. 0+3,1+2;0+2,3+1 (gpufleet.groups)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="cut a size's calls short once they would take longer (see SweepConfig)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_rounds_arg,
+        default=None,
+        metavar="PLAN",
+        help="one sweep per node group, e.g. 0+3,1+2;0+2,3+1 (gpufleet.groups)",
+    )
     a = p.parse_args(argv)
     try:
         return SweepConfig(
-            collectives=a.collectives, minbytes=a.minbytes, maxbytes=a.maxbytes,
-            stepfactor=a.stepfactor, stepbytes=a.stepbytes, iters=a.iters,
-            warmup_iters=a.warmup_iters, check=a.check, datatypes=a.datatype, ops=a.op,
-            root=a.root, json_path=a.json_path, time_budget=a.time_budget, rounds=a.rounds,
+            collectives=a.collectives,
+            minbytes=a.minbytes,
+            maxbytes=a.maxbytes,
+            stepfactor=a.stepfactor,
+            stepbytes=a.stepbytes,
+            iters=a.iters,
+            warmup_iters=a.warmup_iters,
+            check=a.check,
+            datatypes=a.datatype,
+            ops=a.op,
+            root=a.root,
+            json_path=a.json_path,
+            time_budget=a.time_budget,
+            rounds=a.rounds,
         )
     except ValueError as e:
         p.error(str(e))
@@ -845,8 +888,11 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(f"{SWEEP_ERROR_PREFIX}RANK/WORLD_SIZE are not set; run it under torchrun "
-              "(torchrun --nproc-per-node 2 -m workloads.sweep ...)", file=sys.stderr)
+        print(
+            f"{SWEEP_ERROR_PREFIX}RANK/WORLD_SIZE are not set; run it under torchrun "
+            "(torchrun --nproc-per-node 2 -m workloads.sweep ...)",
+            file=sys.stderr,
+        )
         return 2
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -883,7 +929,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     _write_json(cfg.json_path, payload)
                 except OSError as e:
-                    print(f"{SWEEP_ERROR_PREFIX}cannot write --json {cfg.json_path}: {e.strerror or e}", file=sys.stderr)
+                    print(
+                        f"{SWEEP_ERROR_PREFIX}cannot write --json {cfg.json_path}: {e.strerror or e}", file=sys.stderr
+                    )
                     return 2
         failed = any((r.oop_wrong or 0) + (r.ip_wrong or 0) > 0 for r in rows)
         return 1 if failed else 0

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from gpufleet.contracts import ERROR_PREFIX
 from gpufleet.catalog import peak_flops_for_device
+from gpufleet.contracts import ERROR_PREFIX
 from workloads.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -118,8 +118,12 @@ class Trainer:
         self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.cuda else "fp32")
         self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
         if cfg.compression == "bf16" and not self.cuda:
-            raise _every_rank(ConfigError("--compression bf16 needs CUDA and NCCL 2.10+ (torch's "
-                                          "bf16_compress_hook); on CPU use fp16 or powersgd"))
+            raise _every_rank(
+                ConfigError(
+                    "--compression bf16 needs CUDA and NCCL 2.10+ (torch's "
+                    "bf16_compress_hook); on CPU use fp16 or powersgd"
+                )
+            )
         self.stop_requested = False
         self.notice_at = 0.0  # time.monotonic() of this rank's first SIGTERM
         self._stop_posted: tuple[torch.Tensor, Any, float] | None = None  # CUDA: last step's flag
@@ -161,8 +165,9 @@ class Trainer:
         self.batches = self._on_every_rank(self._open_data)  # --data may be missing on one node only
         size = cfg.size
         self.n_params = self.raw_model.num_params()
-        self.flops_token = flops_per_token(self.n_params, size.n_layer, size.n_head,
-                                           size.n_embd // size.n_head, seq_len)
+        self.flops_token = flops_per_token(
+            self.n_params, size.n_layer, size.n_head, size.n_embd // size.n_head, seq_len
+        )
         self.peak_flops = peak_flops_for_device(torch.cuda.get_device_name(self.device)) if self.cuda else None
         self.step = 0
 
@@ -205,11 +210,14 @@ class Trainer:
             (store.root / name).unlink(missing_ok=True)
         blind = [r for r in self.ranks if not sees[r.rank]]
         if blind:
-            raise _every_rank(ConfigError(
-                f"--checkpoint-dir {store.url} is not shared between the nodes: node {blind[0].node} "
-                f"(host {blind[0].host}) does not see what node 0 writes there. Every rank writes its "
-                "own checkpoint shards, so use gs://BUCKET/PREFIX or a directory every node mounts "
-                "(Filestore, NFS)"))
+            raise _every_rank(
+                ConfigError(
+                    f"--checkpoint-dir {store.url} is not shared between the nodes: node {blind[0].node} "
+                    f"(host {blind[0].host}) does not see what node 0 writes there. Every rank writes its "
+                    "own checkpoint shards, so use gs://BUCKET/PREFIX or a directory every node mounts "
+                    "(Filestore, NFS)"
+                )
+            )
 
     def _open_outputs(self) -> None:
         """Rank 0: open --metrics-file for the whole run and prove --save-params writable."""
@@ -230,14 +238,19 @@ class Trainer:
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as e:
-            raise ConfigError(f"--profile-dir {where}: cannot write traces there "
-                              f"({e.strerror or e}); fix its permissions or pass another --profile-dir") from None
+            raise ConfigError(
+                f"--profile-dir {where}: cannot write traces there "
+                f"({e.strerror or e}); fix its permissions or pass another --profile-dir"
+            ) from None
 
     def _open_data(self) -> BatchStream:
         cfg = self.cfg
         seq_len, vocab = cfg.tokens_per_sample, cfg.size.vocab_size
-        dataset = (TokenFile(cfg.data, seq_len, vocab) if cfg.data
-                   else SyntheticTokens(cfg.synthetic_samples, seq_len, vocab, cfg.seed))
+        dataset = (
+            TokenFile(cfg.data, seq_len, vocab)
+            if cfg.data
+            else SyntheticTokens(cfg.synthetic_samples, seq_len, vocab, cfg.seed)
+        )
         return BatchStream(dataset, self.rank, self.world, cfg.micro_batch, cfg.grad_accum, cfg.seed)
 
     def _build_model(self) -> tuple[torch.nn.Module, GPT]:
@@ -248,8 +261,11 @@ class Trainer:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
-            mp = (MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
-                  if self.precision in ("bf16", "fp16") else MixedPrecisionPolicy())
+            mp = (
+                MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
+                if self.precision in ("bf16", "fp16")
+                else MixedPrecisionPolicy()
+            )
             for block in raw.blocks:
                 fully_shard(block, mp_policy=mp)
             fully_shard(raw, mp_policy=mp)
@@ -261,10 +277,13 @@ class Trainer:
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            model = DDP(raw, device_ids=[self.local_rank] if self.cuda else None,
-                        bucket_cap_mb=cfg.bucket_cap_mb,
-                        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                        static_graph=cfg.static_graph)
+            model = DDP(
+                raw,
+                device_ids=[self.local_rank] if self.cuda else None,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                static_graph=cfg.static_graph,
+            )
             self._register_comm_hook(model)
         if cfg.compile:
             model = torch.compile(model)
@@ -282,17 +301,21 @@ class Trainer:
         elif kind == "powersgd":
             # start_powerSGD_iter: plain all-reduce for the first steps, as the PowerSGD paper and
             # the hook's docs advise (error feedback needs a warmed-up model).
-            state = powerSGD_hook.PowerSGDState(process_group=None,
-                                                matrix_approximation_rank=self.cfg.powersgd_rank,
-                                                start_powerSGD_iter=max(2, self.cfg.warmup_steps))
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=self.cfg.powersgd_rank,
+                start_powerSGD_iter=max(2, self.cfg.warmup_steps),
+            )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         # nanoGPT: decay the 2-D weights (matmuls, embeddings), not biases and LayerNorm gains.
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         lr = cfg.lr * (self.world if cfg.scale_lr else 1)
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=self.cuda)
 
@@ -376,9 +399,15 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------
 
     def _meta(self) -> dict[str, Any]:
-        return {"model": self.cfg.model, "size": asdict(self.cfg.size), "seq_len": self.cfg.tokens_per_sample,
-                "global_batch": self.cfg.global_batch, "world_size": self.world,
-                "parallelism": self.cfg.parallelism, "seed": self.cfg.seed}
+        return {
+            "model": self.cfg.model,
+            "size": asdict(self.cfg.size),
+            "seq_len": self.cfg.tokens_per_sample,
+            "global_batch": self.cfg.global_batch,
+            "world_size": self.world,
+            "parallelism": self.cfg.parallelism,
+            "seed": self.cfg.seed,
+        }
 
     def _rng_state(self) -> dict[str, Any]:
         state = {"cpu": torch.get_rng_state()}
@@ -391,11 +420,14 @@ class Trainer:
         rngs: list[Any] = [None] * self.world
         dist.all_gather_object(rngs, self._rng_state())
         epoch, in_epoch = self.batches.position(self.step)
-        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "rng": rngs,
-                "data": {"epoch": epoch, "step_in_epoch": in_epoch,
-                         "samples_seen": self.step * self.cfg.global_batch},
-                "meta": self._meta()}
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "rng": rngs,
+            "data": {"epoch": epoch, "step_in_epoch": in_epoch, "samples_seen": self.step * self.cfg.global_batch},
+            "meta": self._meta(),
+        }
 
     def save(self, asynchronous: bool = False) -> tuple[str, int] | None:
         """Collective: every rank writes its own shards (DCP); rank 0 publishes the checkpoint as
@@ -414,8 +446,9 @@ class Trainer:
         token = self._on_rank0(lambda: store.begin(name))
         writer = store.storage_writer(name, token)
         if asynchronous:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.ckpt_group,
-                                    async_stager=self.stager)
+            future = dcp.async_save(
+                state, storage_writer=writer, process_group=self.ckpt_group, async_stager=self.stager
+            )
             save = _Save(self.step, name, token, future, started, time.perf_counter() - started)
             self._pending = save
             if self.rank == 0:
@@ -438,19 +471,26 @@ class Trainer:
         where = self._on_rank0(publish)
         self._latest_name = name
         nbytes = _bytes_written(metadata)
-        self.log(f"checkpoint step {self.step} -> {where} ({format_bytes(nbytes)} in "
-                 f"{time.perf_counter() - started:.2f} s)")
+        self.log(
+            f"checkpoint step {self.step} -> {where} ({format_bytes(nbytes)} in {time.perf_counter() - started:.2f} s)"
+        )
         return where, nbytes
 
     def _write_failure(self, name: str, err: BaseException, token: str) -> str:
         """The one line for a failed save; call it before the store's abort frees the space."""
-        fix = ("check the bucket name, your credentials and the network" if (self.checkpoint_url or "").startswith("gs://")
-               else "free space or fix permissions there")
+        fix = (
+            "check the bucket name, your credentials and the network"
+            if (self.checkpoint_url or "").startswith("gs://")
+            else "free space or fix permissions there"
+        )
         rank, cause = failure_cause(err)
         if not has_os_error(err) and self.store is not None:
             cause = self.store.write_refused(name, token) or cause
         on = f" on rank {rank}" if rank is not None else ""
-        return f"cannot write checkpoint {self.checkpoint_url}/{name}{on}: {cause}; {fix}, or pass another --checkpoint-dir"
+        return (
+            f"cannot write checkpoint {self.checkpoint_url}/{name}{on}: {cause}; {fix}, "
+            "or pass another --checkpoint-dir"
+        )
 
     def _publish_async(self, save: _Save) -> None:
         """Rank 0, when an async save's future completes (in DCP's writer thread): commit it as
@@ -470,9 +510,11 @@ class Trainer:
             except CheckpointError as e:
                 save.error = str(e)
                 return
-            self.log(f"checkpoint step {save.step} -> {where} ({format_bytes(_bytes_written(metadata))}; "
-                     f"training blocked {save.blocked_s:.2f} s, written in the background in "
-                     f"{time.perf_counter() - save.started:.2f} s)")
+            self.log(
+                f"checkpoint step {save.step} -> {where} ({format_bytes(_bytes_written(metadata))}; "
+                f"training blocked {save.blocked_s:.2f} s, written in the background in "
+                f"{time.perf_counter() - save.started:.2f} s)"
+            )
         finally:
             save.done.set()
 
@@ -514,8 +556,9 @@ class Trainer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             body = {"model": model_sd, "optimizer": optim_sd}
             self._dcp_load(body, name, where)
-            set_state_dict(self.model, self.optimizer, model_state_dict=body["model"],
-                           optim_state_dict=body["optimizer"])
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=body["model"], optim_state_dict=body["optimizer"]
+            )
         self._latest_name = name
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.scaler.load_state_dict(trainer["scaler"])
@@ -527,17 +570,22 @@ class Trainer:
             torch.cuda.set_rng_state(mine["cuda"], self.device)
         saved_by = trainer["meta"].get("world_size", self.world)
         resharded = f"; saved by {saved_by} ranks, read by {self.world}" if saved_by != self.world else ""
-        self.log(f"resumed from {self.checkpoint_url} at step {self.step} "
-                 f"(epoch {trainer['data']['epoch']}, {trainer['data']['samples_seen']} samples seen{resharded})")
+        self.log(
+            f"resumed from {self.checkpoint_url} at step {self.step} "
+            f"(epoch {trainer['data']['epoch']}, {trainer['data']['samples_seen']} samples seen{resharded})"
+        )
 
     def _dcp_load(self, state: dict[str, Any], name: str, where: str) -> None:
         assert self.store is not None
         try:
             dcp.load(state, storage_reader=self.store.storage_reader(name), process_group=self.ckpt_group)
         except CheckpointException as e:  # every rank gets every rank's failure
-            raise _every_rank(CheckpointError(
-                f"{where} is not a readable checkpoint ({failure_line(e)}); point "
-                f"{self.checkpoint_url}/latest at an older step_*, or pass another --checkpoint-dir")) from None
+            raise _every_rank(
+                CheckpointError(
+                    f"{where} is not a readable checkpoint ({failure_line(e)}); point "
+                    f"{self.checkpoint_url}/latest at an older step_*, or pass another --checkpoint-dir"
+                )
+            ) from None
 
     def _check_trainer_state(self, state: dict[str, Any], where: str) -> None:
         """Every rank alike (rank 0 alone for a full-state file): fail on a checkpoint that is not
@@ -545,17 +593,22 @@ class Trainer:
         missing = [k for k in _TRAINER_KEYS if k not in state]
         if missing or not isinstance(state["meta"], dict):
             why = f"no {', '.join(missing)}" if missing else "its meta is not a dict"
-            raise _every_rank(CheckpointError(
-                f"{where} is not a checkpoint of workloads.train ({why}); point {self.checkpoint_url}/latest "
-                "at an older step_*, or pass another --checkpoint-dir"))
+            raise _every_rank(
+                CheckpointError(
+                    f"{where} is not a checkpoint of workloads.train ({why}); point {self.checkpoint_url}/latest "
+                    "at an older step_*, or pass another --checkpoint-dir"
+                )
+            )
         self._check_fits(where, state["meta"])
 
     def _load_full_state(self, name: str, where: str) -> dict[str, Any]:
         """A full-state `step_*.pt` of the previous release: rank 0 reads it and broadcasts."""
         store = self.store
         assert store is not None
-        self.log(f"notice: {where} is a full-state checkpoint of the previous release, read for this "
-                 "release only; this run saves sharded (DCP) checkpoints, step_*/ directories")
+        self.log(
+            f"notice: {where} is a full-state checkpoint of the previous release, read for this "
+            "release only; this run saves sharded (DCP) checkpoints, step_*/ directories"
+        )
         # Rank 0 keeps the tensors here; only the small parts go through the object broadcast,
         # the tensors go through set_*_state_dict's broadcast.
         full: dict[str, Any] = {"model": {}, "optimizer": {}}
@@ -564,10 +617,12 @@ class Trainer:
             state = store.load_full_state(name)
             missing = [k for k in ("model", "optimizer") if k not in state]
             if missing:
-                raise CheckpointError(f"{where} is not a checkpoint of workloads.train (no "
-                                      f"{', '.join(missing + [k for k in _TRAINER_KEYS if k not in state])}); "
-                                      f"point {store.url}/latest at an older step_*, or pass another "
-                                      "--checkpoint-dir")
+                raise CheckpointError(
+                    f"{where} is not a checkpoint of workloads.train (no "
+                    f"{', '.join(missing + [k for k in _TRAINER_KEYS if k not in state])}); "
+                    f"point {store.url}/latest at an older step_*, or pass another "
+                    "--checkpoint-dir"
+                )
             self._check_trainer_state(state, where)
             full["model"], full["optimizer"] = state.pop("model"), state.pop("optimizer")
             return state
@@ -584,14 +639,20 @@ class Trainer:
         mine = self._meta()
         for key in ("model", "seq_len", "global_batch"):
             if meta.get(key) != mine[key]:
-                raise _every_rank(ConfigError(
-                    f"checkpoint {where} was written with {key} {meta.get(key)}, this run has {mine[key]}; "
-                    f"use the same --{key.replace('_', '-')} or another --checkpoint-dir"))
+                raise _every_rank(
+                    ConfigError(
+                        f"checkpoint {where} was written with {key} {meta.get(key)}, this run has {mine[key]}; "
+                        f"use the same --{key.replace('_', '-')} or another --checkpoint-dir"
+                    )
+                )
         # The shape follows from --model; it differs only when MODEL_SIZES changed since the save.
         if meta.get("size") != mine["size"]:
-            raise _every_rank(ConfigError(
-                f"checkpoint {where} holds model {mine['model']} with shape {meta.get('size')}, "
-                f"but {mine['model']} is now {mine['size']}; pass another --checkpoint-dir"))
+            raise _every_rank(
+                ConfigError(
+                    f"checkpoint {where} holds model {mine['model']} with shape {meta.get('size')}, "
+                    f"but {mine['model']} is now {mine['size']}; pass another --checkpoint-dir"
+                )
+            )
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -696,13 +757,18 @@ class Trainer:
                     self._check_stragglers(cfg.straggler_every)
                 notice_s = self._stop_notice()
                 if notice_s is not None:
-                    self.log(f"SIGTERM: saving a checkpoint at step {self.step} and exiting; "
-                             "rerun with --resume to continue")
+                    self.log(
+                        f"SIGTERM: saving a checkpoint at step {self.step} and exiting; rerun with --resume to continue"
+                    )
                     if self.checkpoint_url:
                         self._preemption_save(notice_s)
                     return
-                if self.checkpoint_url and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 \
-                        and self.step < cfg.steps:
+                if (
+                    self.checkpoint_url
+                    and cfg.checkpoint_every
+                    and self.step % cfg.checkpoint_every == 0
+                    and self.step < cfg.steps
+                ):
                     self.save(asynchronous=cfg.async_checkpoint)
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -736,8 +802,9 @@ class Trainer:
         saved = self.save()  # waits for an async save under way first: the budget covers both
         save_s = time.perf_counter() - started
         where, nbytes = saved or (f"{self.checkpoint_url}/{self._latest_name}", 0)
-        fits, line = preemption_report(self.step, save_s, notice_s, self.cfg.preemption_budget_s, nbytes,
-                                       self.world, where)
+        fits, line = preemption_report(
+            self.step, save_s, notice_s, self.cfg.preemption_budget_s, nbytes, self.world, where
+        )
         if fits:
             self.log(line)
         else:
@@ -760,8 +827,10 @@ class Trainer:
         prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=a - self.step, warmup=0, active=b - a, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.cfg.profile_dir,
-                                                                    worker_name=f"rank{self.rank}"))
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                self.cfg.profile_dir, worker_name=f"rank{self.rank}"
+            ),
+        )
         prof.start()
         return prof
 
@@ -777,11 +846,13 @@ class Trainer:
     def _banner(self) -> str:
         cfg = self.cfg
         peak = f"{self.peak_flops:.3g} FLOP/s (gpufleet.catalog)" if self.peak_flops else "n/a"
-        return (f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {cfg.parallelism} x "
-                f"{self.world} ranks on {self.device.type} ({dist.get_backend()}) | {self.precision} | "
-                f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x {self.world} ranks x "
-                f"{cfg.grad_accum} accum | seq {cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
-                f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak}")
+        return (
+            f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {cfg.parallelism} x "
+            f"{self.world} ranks on {self.device.type} ({dist.get_backend()}) | {self.precision} | "
+            f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x {self.world} ranks x "
+            f"{cfg.grad_accum} accum | seq {cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
+            f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak}"
+        )
 
     def _log_step(self, loss: float, step_s: float, tokens_per_s: float) -> None:
         per_gpu_mfu = mfu(self.flops_token, tokens_per_s / self.world, self.peak_flops)
@@ -789,9 +860,16 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.log(format_log_line(self.step, self.cfg.steps, loss, lr, step_s, tokens_per_s, per_gpu_mfu, mem))
         if self.metrics_out:  # rank 0
-            record = {"step": self.step, "loss": loss, "lr": lr, "step_s": step_s,
-                      "tokens_per_s": tokens_per_s, "mfu": per_gpu_mfu, "peak_mem_gib": mem,
-                      "time": time.time()}
+            record = {
+                "step": self.step,
+                "loss": loss,
+                "lr": lr,
+                "step_s": step_s,
+                "tokens_per_s": tokens_per_s,
+                "mfu": per_gpu_mfu,
+                "peak_mem_gib": mem,
+                "time": time.time(),
+            }
             self.metrics_out.write(json.dumps(record) + "\n")
             self.metrics_out.flush()  # whole lines, readable while the run goes on
 
@@ -824,8 +902,10 @@ def _bytes_written(metadata: Any) -> int:
 
 
 def _unwritable(flag: str, path: str, err: OSError) -> str:
-    return (f"{flag} {path}: cannot write it ({err.strerror or err}); create its directory, "
-            f"fix its permissions or pass another {flag}")
+    return (
+        f"{flag} {path}: cannot write it ({err.strerror or err}); create its directory, "
+        f"fix its permissions or pass another {flag}"
+    )
 
 
 def _check_writable_file(flag: str, path: str) -> None:
@@ -856,11 +936,11 @@ def _init_distributed() -> None:
         # previous attempt and fail "connectFullMesh ... Connection refused". A prefix per attempt
         # (what older torch did) keeps each attempt's keys apart.
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                              is_master=False, timeout=timeout)
+        store = dist.TCPStore(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
+        )
         prefixed = dist.PrefixStore(f"gpufleet/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, device_id=device)
     elif "RANK" in env:
         dist.init_process_group(backend, timeout=timeout, device_id=device)
     else:  # plain `python -m workloads.train`: a world of one, no rendezvous needed

@@ -16,11 +16,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from infra.config import KEYS, main as check_stack
+from infra.config import KEYS
+from infra.config import main as check_stack
 from launcher.cli import main
-from tests.support import LAUNCH, REPO
 from tests.infra.test_config import WRONG_TYPES
 from tests.simcluster import SimCluster
+from tests.support import LAUNCH, REPO
 
 pytestmark = pytest.mark.cluster
 
@@ -137,8 +138,17 @@ def test_a_bad_node_source_or_flag_is_one_line_exit_2_and_nothing_runs(cluster, 
     paths = _files(cluster, tmp_path)
     marker = tmp_path / "ran"
     runs = tmp_path / "runs"
-    args = ["exec", *[paths[a[1:]] if a.startswith("@") else a for a in source], *extra, *cluster.launch_flags, "--runs-dir", str(runs),
-            "--", "touch", str(marker)]
+    args = [
+        "exec",
+        *[paths[a[1:]] if a.startswith("@") else a for a in source],
+        *extra,
+        *cluster.launch_flags,
+        "--runs-dir",
+        str(runs),
+        "--",
+        "touch",
+        str(marker),
+    ]
     r = CliRunner().invoke(main, args)
     _assert_refused(cluster, r.output, r.exit_code, culprit, runs, marker)
 
@@ -148,8 +158,20 @@ def test_a_bad_torchrun_option_is_one_line_exit_2_and_nothing_runs(cluster, tmp_
     marker, runs = tmp_path / "ran", tmp_path / "runs"
     script = tmp_path / "s.py"
     script.write_text(f"open({str(marker)!r}, 'w')\n")
-    r = CliRunner().invoke(main, ["run", "--hostfile", str(cluster.hostfile), *cluster.launch_flags, *extra,
-                                  "--runs-dir", str(runs), "--", str(script)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--hostfile",
+            str(cluster.hostfile),
+            *cluster.launch_flags,
+            *extra,
+            "--runs-dir",
+            str(runs),
+            "--",
+            str(script),
+        ],
+    )
     _assert_refused(cluster, r.output, r.exit_code, culprit, runs, marker)
 
 
@@ -157,10 +179,30 @@ def test_the_installed_console_script_refuses_hostile_hosts_without_a_traceback(
     """The same through `launch` itself (a real process: real stderr, real exit status)."""
     paths = _files(cluster, tmp_path)
     marker, runs = tmp_path / "ran", tmp_path / "runs"
-    for name, culprit in [("subshell.hosts", "line 2"), ("dash.hosts", "is not a valid host name"),
-                          ("binary.hosts", "is not UTF-8 text"), ("empty.hosts", "lists no hosts")]:
-        r = subprocess.run([LAUNCH, "train", "--hostfile", paths[name], *cluster.launch_flags, "--runs-dir", str(runs),
-                            "--", "--steps", "1"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    for name, culprit in [
+        ("subshell.hosts", "line 2"),
+        ("dash.hosts", "is not a valid host name"),
+        ("binary.hosts", "is not UTF-8 text"),
+        ("empty.hosts", "lists no hosts"),
+    ]:
+        r = subprocess.run(
+            [
+                LAUNCH,
+                "train",
+                "--hostfile",
+                paths[name],
+                *cluster.launch_flags,
+                "--runs-dir",
+                str(runs),
+                "--",
+                "--steps",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
         _assert_refused(cluster, r.stdout + r.stderr, r.returncode, culprit, runs, marker)
         assert r.stdout == ""  # the error is on stderr
     assert not Path("/tmp/pwned").exists()
@@ -190,26 +232,43 @@ def test_a_stack_file_with_a_wrong_type_for_a_key_is_one_line_exit_2(tmp_path, c
 
 
 def test_every_stack_key_is_in_the_corpus():
-    assert {f"gpufleet:{k}" for k in KEYS} | {"gcp:project", "gcp:zone"} == \
-        {k if ":" in k else f"gpufleet:{k}" for k in WRONG_TYPES}
+    assert {f"gpufleet:{k}" for k in KEYS} | {"gcp:project", "gcp:zone"} == {
+        k if ":" in k else f"gpufleet:{k}" for k in WRONG_TYPES
+    }
 
 
-@pytest.mark.parametrize("text, culprit", [
-    ("config: [unclosed\n", "is not YAML at line"),
-    ("- just\n- a list\n", "needs a `config:` map"),
-    ("config: 5\n", "needs a `config:` map"),
-    ("config:\n  gcp:zone: us-central1-a\n", "gcp:project is not set"),
-    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  nodez: 3\n", "gpufleet:nodez is not a gpufleet setting"),
-    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:nodes:\n    secure: AAAA\n",
-     "gpufleet:nodes is encrypted"),
-    # YAML dates stay text, as Pulumi reads them; an explicit tag JSON cannot hold names its key.
-    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:name: 2024-01-01\n",
-     "config gpufleet:name = '2024-01-01' is not allowed"),
-    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:labels: {created: !!timestamp 2024-01-01}\n",
-     "config gpufleet:labels is not allowed: it holds a date value"),
-    ("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:labels: {blob: !!binary aGk=}\n",
-     "config gpufleet:labels is not allowed: it holds a bytes value"),
-])
+@pytest.mark.parametrize(
+    "text, culprit",
+    [
+        ("config: [unclosed\n", "is not YAML at line"),
+        ("- just\n- a list\n", "needs a `config:` map"),
+        ("config: 5\n", "needs a `config:` map"),
+        ("config:\n  gcp:zone: us-central1-a\n", "gcp:project is not set"),
+        (
+            "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  nodez: 3\n",
+            "gpufleet:nodez is not a gpufleet setting",
+        ),
+        (
+            "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:nodes:\n    secure: AAAA\n",
+            "gpufleet:nodes is encrypted",
+        ),
+        # YAML dates stay text, as Pulumi reads them; an explicit tag JSON cannot hold names its key.
+        (
+            "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:name: 2024-01-01\n",
+            "config gpufleet:name = '2024-01-01' is not allowed",
+        ),
+        (
+            "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n"
+            "  gpufleet:labels: {created: !!timestamp 2024-01-01}\n",
+            "config gpufleet:labels is not allowed: it holds a date value",
+        ),
+        (
+            "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n"
+            "  gpufleet:labels: {blob: !!binary aGk=}\n",
+            "config gpufleet:labels is not allowed: it holds a bytes value",
+        ),
+    ],
+)
 def test_a_broken_stack_file_is_one_line_exit_2(tmp_path, capsys, text, culprit):
     path = tmp_path / "Pulumi.dev.yaml"
     path.write_text(text)
@@ -219,10 +278,21 @@ def test_a_broken_stack_file_is_one_line_exit_2(tmp_path, capsys, text, culprit)
 
 
 def test_the_stack_check_runs_as_a_module_and_accepts_the_example(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "infra.config", str(REPO / "Pulumi.example.yaml")],
-                        capture_output=True, text=True, cwd=REPO)
+    ok = subprocess.run(
+        [sys.executable, "-m", "infra.config", str(REPO / "Pulumi.example.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("ok: llm-dev: 2 x a3-megagpu-8g"), ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "infra.config", _stack_file(tmp_path, {**BASE, "gpufleet:nodes": "two"})],
-                         capture_output=True, text=True, cwd=REPO)
+    bad = subprocess.run(
+        [sys.executable, "-m", "infra.config", _stack_file(tmp_path, {**BASE, "gpufleet:nodes": "two"})],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip() == "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)"
+    assert (
+        bad.stderr.strip()
+        == "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)"
+    )

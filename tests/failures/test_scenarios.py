@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import HALF_WRITTEN_SAVE
 from tests.support import (
     PY,
     REPO,
@@ -32,7 +33,6 @@ from tests.support import (
     wait_for,
     workers,
 )
-from tests.faults import HALF_WRITTEN_SAVE
 
 pytestmark = pytest.mark.cluster
 
@@ -47,7 +47,7 @@ def train(c, tmp_path, *train_args: str, launch_opts: tuple[str, ...] = (), name
 def failed_first(out: str) -> str:
     """The launcher's 'failed first' line and the last lines it prints under it."""
     assert "failed first" in out, out
-    return out[out.rindex("failed first") - 40:]
+    return out[out.rindex("failed first") - 40 :]
 
 
 # ---- a worker dies -------------------------------------------------------------------------
@@ -55,8 +55,9 @@ def failed_first(out: str) -> str:
 
 def test_a_worker_killed_on_node_2_stops_every_node_within_10s_and_names_node_2(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    run = train(c, tmp_path, "--global-batch", "3", "--steps", "100000", "--log-every", "5",
-                launch_opts=("--max-restarts", "0"))
+    run = train(
+        c, tmp_path, "--global-batch", "3", "--steps", "100000", "--log-every", "5", launch_opts=("--max-restarts", "0")
+    )
     try:
         run.wait_for_text("step 10/")
         (pid,) = workers(c, 2).values()
@@ -78,12 +79,28 @@ def test_a_worker_killed_on_node_2_stops_every_node_within_10s_and_names_node_2(
 def test_a_killed_worker_is_restarted_and_training_ends_where_an_uninterrupted_run_ends(sim_cluster, tmp_path):
     c = sim_cluster(2)
     common = ["--global-batch", "2", "--steps", "40", "--log-every", "10", "--checkpoint-every", "10", "--resume"]
-    ref = train(c, tmp_path, *common, "--checkpoint-dir", str(tmp_path / "ref-ckpt"),
-                "--save-params", str(tmp_path / "ref.pt"), name="ref")
+    ref = train(
+        c,
+        tmp_path,
+        *common,
+        "--checkpoint-dir",
+        str(tmp_path / "ref-ckpt"),
+        "--save-params",
+        str(tmp_path / "ref.pt"),
+        name="ref",
+    )
     assert ref.wait(120) == 0, ref.out
     ckpt = tmp_path / "ckpt"
-    run = train(c, tmp_path, *common, "--checkpoint-dir", str(ckpt), "--save-params", str(tmp_path / "final.pt"),
-                launch_opts=("--max-restarts", "2"))
+    run = train(
+        c,
+        tmp_path,
+        *common,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--save-params",
+        str(tmp_path / "final.pt"),
+        launch_opts=("--max-restarts", "2"),
+    )
     try:
         wait_for(lambda: (ckpt / "latest").exists(), 120, "the first checkpoint", run, interval=0.005)
         (pid,) = workers(c, 1).values()
@@ -94,8 +111,10 @@ def test_a_killed_worker_is_restarted_and_training_ends_where_an_uninterrupted_r
     out = run.out
     assert rc == 0, out
     # The log says a restart happened, and why.
-    assert f"node 1 ({c.nodes[1].address}): worker local_rank 0 (pid {pid}) killed by SIGKILL; " \
-        "torchrun restarts the workers on every node (restart 1 of --max-restarts 2" in out, out
+    assert (
+        f"node 1 ({c.nodes[1].address}): worker local_rank 0 (pid {pid}) killed by SIGKILL; "
+        "torchrun restarts the workers on every node (restart 1 of --max-restarts 2" in out
+    ), out
     assert "resumed from" in out, out
     a, b = params(tmp_path / "ref.pt"), params(tmp_path / "final.pt")
     assert sorted(a) == sorted(b)
@@ -161,8 +180,9 @@ def test_a_second_preemption_while_the_checkpoint_is_being_saved_does_not_kill_t
     rank 0 is already saving. The save must finish and every worker exit 0."""
     c = sim_cluster(2)
     ckpt = tmp_path / "ckpt"
-    run = train(c, tmp_path, "--global-batch", "2", "--log-every", "5", "--checkpoint-dir", str(ckpt),
-                "--steps", "100000")
+    run = train(
+        c, tmp_path, "--global-batch", "2", "--log-every", "5", "--checkpoint-dir", str(ckpt), "--steps", "100000"
+    )
     try:
         run.wait_for_text("step 5/")
         late = [pid for pid in workers(c, 0).values()]
@@ -228,8 +248,20 @@ def test_ctrl_c_while_a_node_is_still_connecting_starts_nothing_and_exits_130(si
 def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint_whole(sim_cluster, tmp_path):
     c = sim_cluster(2)
     ckpt = tmp_path / "ckpt"
-    run = train(c, tmp_path, "--global-batch", "2", "--steps", "100000", "--log-every", "5",
-                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    run = train(
+        c,
+        tmp_path,
+        "--global-batch",
+        "2",
+        "--steps",
+        "100000",
+        "--log-every",
+        "5",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "5",
+    )
     try:
         wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved", run)
         run.signal(signal.SIGINT)
@@ -253,12 +285,24 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_a
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(HALF_WRITTEN_SAVE))
     ckpt = tmp_path / "ckpt"
-    run = train(c, tmp_path, "--global-batch", "2", "--checkpoint-dir", str(ckpt), "--steps", "100",
-                "--checkpoint-every", "2",
-                launch_opts=("--env", f"PYTHONPATH={site}"))
+    run = train(
+        c,
+        tmp_path,
+        "--global-batch",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--steps",
+        "100",
+        "--checkpoint-every",
+        "2",
+        launch_opts=("--env", f"PYTHONPATH={site}"),
+    )
     try:
+
         def torn() -> bool:
             return any(f.stat().st_size for d in ckpt.glob(".step_00000004.tmp-*") for f in d.iterdir())
+
         wait_for(torn, 120, "a half-written checkpoint", run, interval=0.01)
         (writer,) = [pid for i in range(2) for r, pid in workers(c, i).items() if r == 0]
         sigkill(writer)  # the crash: rank 0 dies mid-write, no handler runs
@@ -274,15 +318,21 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_a
 
 def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint(sim_cluster, tmp_path, small_tmpfs):
     probe = tmp_path / "probe"
-    r = subprocess.run([PY, "-m", "workloads.train", *TRAIN, "--global-batch", "1", "--steps", "1",
-                        "--checkpoint-dir", str(probe)], cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    r = subprocess.run(
+        [PY, "-m", "workloads.train", *TRAIN, "--global-batch", "1", "--steps", "1", "--checkpoint-dir", str(probe)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     size = sum(f.stat().st_size for f in (probe / "step_00000001").iterdir())
     disk = small_tmpfs(int(size * 1.5))  # room for one checkpoint, not for a second beside it
     c = sim_cluster(2)
-    run = train(c, tmp_path, "--global-batch", "2", "--steps", "4", "--checkpoint-dir", str(disk),
-                "--checkpoint-every", "1")
+    run = train(
+        c, tmp_path, "--global-batch", "2", "--steps", "4", "--checkpoint-dir", str(disk), "--checkpoint-every", "1"
+    )
     rc = run.wait(120)
     out = run.out
     assert rc not in (0, 2), out
@@ -302,16 +352,23 @@ def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint
 
 def _outputs(c, tmp_path: Path, ranks: list[int], name: str) -> Path:
     """Stack outputs naming the nodes simnode<i> (what the hostname check compares against)."""
-    doc = {"cluster": "sim", "zone": "us-central1-a", "machineType": None,
-           "nodes": [{"name": f"simnode{i}", "index": k, "internalIp": c.nodes[i].address, "externalIp": None}
-                     for k, i in enumerate(ranks)]}
+    doc = {
+        "cluster": "sim",
+        "zone": "us-central1-a",
+        "machineType": None,
+        "nodes": [
+            {"name": f"simnode{i}", "index": k, "internalIp": c.nodes[i].address, "externalIp": None}
+            for k, i in enumerate(ranks)
+        ],
+    }
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(doc))
     return path
 
 
 def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_and_a_torch_mismatch_refuses(
-        sim_cluster, tmp_path):
+    sim_cluster, tmp_path
+):
     # Node 3's python reports another torch version: a directory ahead of site-packages on its
     # PYTHONPATH holds a torch-2.12.1.dist-info, which importlib.metadata finds first (the
     # pre-flight reads the version that way, without importing torch).
@@ -331,16 +388,33 @@ def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_an
     c = sim_cluster(
         4,
         hostnames={0: "simnode0", 1: "simnode1", 2: "elsewhere", 3: "simnode3"},
-        node_env={1: {"PATH": f"{fake}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-                  3: {"PYTHONPATH": str(shadow)}},
+        node_env={
+            1: {"PATH": f"{fake}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+            3: {"PYTHONPATH": str(shadow)},
+        },
     )
     common = [*c.launch_flags, "--runs-dir", str(tmp_path / "runs"), *torch_args()]
-    run = Launch(["train", "--outputs", str(_outputs(c, tmp_path, [0, 1, 2], "three")), *common, "--",
-                  *TRAIN, "--global-batch", "3", "--steps", "2"], tmp_path / "warn.log")
+    run = Launch(
+        [
+            "train",
+            "--outputs",
+            str(_outputs(c, tmp_path, [0, 1, 2], "three")),
+            *common,
+            "--",
+            *TRAIN,
+            "--global-batch",
+            "3",
+            "--steps",
+            "2",
+        ],
+        tmp_path / "warn.log",
+    )
     assert run.wait(120) == 0, run.out
     out = run.out
     # +600 s less the time a probe takes to cross: +599.x or +600.0 s as printed.
-    clock = re.compile(rf"node 1 \({re.escape(c.nodes[1].address)}\): clock differs from this machine by \+(599|600)\.\d s")
+    clock = re.compile(
+        rf"node 1 \({re.escape(c.nodes[1].address)}\): clock differs from this machine by \+(599|600)\.\d s"
+    )
     host = f"node 2 ({c.nodes[2].address}): hostname is 'elsewhere', expected 'simnode2'"
     assert clock.search(out) and host in out, out
     first_node_line = out.index("[node ")
@@ -348,8 +422,10 @@ def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_an
     assert "node 0 (" not in out.split("[node ")[0]  # the agreeing node is not warned about
     assert "done: 2 steps" in out
 
-    bad = Launch(["train", "--outputs", str(_outputs(c, tmp_path, [0, 3], "mixed")), *common, "--",
-                  *TRAIN, "--steps", "2"], tmp_path / "torch.log")
+    bad = Launch(
+        ["train", "--outputs", str(_outputs(c, tmp_path, [0, 3], "mixed")), *common, "--", *TRAIN, "--steps", "2"],
+        tmp_path / "torch.log",
+    )
     assert bad.wait(120) == 2, bad.out
     errors = [ln for ln in bad.out.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, bad.out
@@ -382,8 +458,10 @@ def test_a_second_launch_on_the_same_port_refuses_and_stopping_another_never_sto
     go = tmp_path / "go"
 
     def launch_run(tag: str, port: str) -> Launch:
-        return Launch(["run", *source_args(c, tmp_path), *torch_args(), "--rdzv-port", port, "--",
-                       str(script), tag, str(go)], tmp_path / f"{tag}.log")
+        return Launch(
+            ["run", *source_args(c, tmp_path), *torch_args(), "--rdzv-port", port, "--", str(script), tag, str(go)],
+            tmp_path / f"{tag}.log",
+        )
 
     a = launch_run("A", "29621")
     b = other = None

@@ -44,18 +44,26 @@ def test_nothing_failed_names_nobody():
 
 
 def test_torchruns_worker_failure_line_is_read_in_words():
-    line = ("E1121 21:46:33.309000 11986 .venv/lib/python3.11/site-packages/torch/distributed/elastic/"
-            "multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 12486) of binary: /x/python")
+    line = (
+        "E1121 21:46:33.309000 11986 .venv/lib/python3.11/site-packages/torch/distributed/elastic/"
+        "multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 12486) of binary: /x/python"
+    )
     assert worker_failure_note(line) == "worker local_rank 0 (pid 12486) killed by SIGKILL"
-    assert worker_failure_note("... failed (exitcode: 1) local_rank: 3 (pid: 7) of binary: p") == \
-        "worker local_rank 3 (pid 7) exit 1"
+    assert (
+        worker_failure_note("... failed (exitcode: 1) local_rank: 3 (pid: 7) of binary: p")
+        == "worker local_rank 3 (pid 7) exit 1"
+    )
     assert worker_failure_note("[node 0] step 10/100 | loss 4.1") is None
 
 
 def test_every_torchrun_node_gets_a_fresh_worker_store_per_attempt_unless_overridden():
     c = Cluster("c", tuple(NODES))
     cfg = LaunchConfig(Workload("torchrun", ("x.py",)), job_id="j")
-    assert node_env(c, cfg)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" == TORCHRUN_DEFAULTS["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+    assert (
+        node_env(c, cfg)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+        == "1"
+        == TORCHRUN_DEFAULTS["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+    )
     cfg = LaunchConfig(Workload("torchrun", ("x.py",)), job_id="j", env=(("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0"),))
     assert node_env(c, cfg)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
 
@@ -63,8 +71,9 @@ def test_every_torchrun_node_gets_a_fresh_worker_store_per_attempt_unless_overri
 def test_a_bad_flag_is_one_red_line_naming_it_not_a_usage_block():
     r = CliRunner().invoke(main, ["train", "--nodes", "two", "--local"], prog_name="launch")
     assert r.exit_code == 2
-    assert r.output.strip() == ("error: Invalid value for '--nodes': 'two' is not a valid integer. "
-                                "(`launch train -h` lists the options)")
+    assert r.output.strip() == (
+        "error: Invalid value for '--nodes': 'two' is not a valid integer. (`launch train -h` lists the options)"
+    )
     r = CliRunner().invoke(main, ["trian"])
     assert r.exit_code == 2 and r.output.strip().startswith("error: No such command 'trian'")
     assert CliRunner().invoke(main, ["--help"]).exit_code == 0

@@ -24,39 +24,65 @@ from gpufleet.contracts import (
 
 
 def test_importing_the_contracts_imports_neither_pulumi_nor_torch_nor_click():
-    code = ("import sys, gpufleet.contracts; "
-            "print(sorted(m for m in ('pulumi', 'torch', 'click', 'infra', 'launcher') if m in sys.modules))")
+    code = (
+        "import sys, gpufleet.contracts; "
+        "print(sorted(m for m in ('pulumi', 'torch', 'click', 'infra', 'launcher') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def _node(i: int, ip: str | None = None, **kw) -> dict:
-    return {**node_output(name=f"n{i}", index=i, internal_ip=ip or f"10.0.0.{2 + i}", external_ip=None,
-                          zone="us-central1-a"), **kw}
+    return {
+        **node_output(
+            name=f"n{i}", index=i, internal_ip=ip or f"10.0.0.{2 + i}", external_ip=None, zone="us-central1-a"
+        ),
+        **kw,
+    }
 
 
 def _outputs(*indexes: int, **top) -> dict:
-    return stack_outputs(cluster="demo", project="proj-1", zone="us-central1-a", machine_type="a3-megagpu-8g",
-                         nodes=[_node(i) for i in indexes], placement_policy=None, networks=[],
-                         checkpoint_bucket=None) | top
+    return (
+        stack_outputs(
+            cluster="demo",
+            project="proj-1",
+            zone="us-central1-a",
+            machine_type="a3-megagpu-8g",
+            nodes=[_node(i) for i in indexes],
+            placement_policy=None,
+            networks=[],
+            checkpoint_bucket=None,
+        )
+        | top
+    )
 
 
 def test_infras_builders_make_every_output_key_and_every_node_key_in_order():
     doc = _outputs(0, 1)
     assert tuple(doc) == OUTPUT_KEYS
     assert tuple(doc["nodes"][0]) == NODE_KEYS
-    assert doc["nodes"][1] == {"name": "n1", "index": 1, "internalIp": "10.0.0.3", "externalIp": None,
-                               "zone": "us-central1-a"}
+    assert doc["nodes"][1] == {
+        "name": "n1",
+        "index": 1,
+        "internalIp": "10.0.0.3",
+        "externalIp": None,
+        "zone": "us-central1-a",
+    }
 
 
 def test_parsed_outputs_are_in_rank_order_and_other_keys_are_ignored():
     doc = _outputs(2, 0, 1, _preview="a note infra.preview adds")
     parsed = parse_stack_outputs(json.loads(json.dumps(doc)))
     assert [n.index for n in parsed.nodes] == [0, 1, 2]
-    assert parsed.nodes[0] == StackNode(index=0, internal_ip="10.0.0.2", external_ip=None, name="n0",
-                                        zone="us-central1-a")
+    assert parsed.nodes[0] == StackNode(
+        index=0, internal_ip="10.0.0.2", external_ip=None, name="n0", zone="us-central1-a"
+    )
     assert (parsed.cluster, parsed.project, parsed.zone, parsed.machine_type) == (
-        "demo", "proj-1", "us-central1-a", "a3-megagpu-8g")
+        "demo",
+        "proj-1",
+        "us-central1-a",
+        "a3-megagpu-8g",
+    )
 
 
 def test_a_hand_written_file_needs_only_index_and_internal_ip():
@@ -76,24 +102,30 @@ def test_a_gap_in_the_indexes_names_the_missing_index_and_the_fix(indexes, missi
     assert "\n" not in msg
 
 
-@pytest.mark.parametrize("doc, culprit", [
-    ([1, 2], "top level is list, not an object"),
-    ({"cluster": "x"}, "'nodes' is missing"),
-    ({"nodes": "10.0.0.1"}, "'nodes' is not a list"),
-    ({"nodes": []}, "'nodes' is empty"),
-    ({"nodes": ["10.0.0.1"]}, "nodes[0] is not an object"),
-    ({"nodes": [{"index": 0}]}, "nodes[0] has no internalIp"),
-    ({"nodes": [{"index": 0, "internalIp": ""}]}, "nodes[0] has no internalIp"),
-    ({"nodes": [{"internalIp": "10.0.0.2"}]}, "nodes[0] has no index"),
-    ({"nodes": [{"index": "0", "internalIp": "10.0.0.2"}]}, "nodes[0].index is '0', not an integer"),
-    ({"nodes": [{"index": True, "internalIp": "10.0.0.2"}]}, "nodes[0].index is True, not an integer"),
-    ({"nodes": [{"index": -1, "internalIp": "10.0.0.2"}]}, "nodes[0].index is -1"),
-    ({"nodes": [{"index": 0, "internalIp": "10.0.0.2", "externalIp": 7}]}, "nodes[0].externalIp is 7, not a string"),
-    ({"nodes": [{"index": 0, "internalIp": "10.0.0.2", "name": ["a"]}]}, "nodes[0].name is ['a'], not a string"),
-    ({"nodes": [_node(0), _node(0, "10.0.0.9")]}, "node indexes repeat: [0, 0]"),
-    ({"nodes": [_node(0)], "machineType": 8}, "machineType is 8, not a string"),
-    ({"nodes": [_node(0)], "zone": {"z": 1}}, "zone is {'z': 1}, not a string"),
-])
+@pytest.mark.parametrize(
+    "doc, culprit",
+    [
+        ([1, 2], "top level is list, not an object"),
+        ({"cluster": "x"}, "'nodes' is missing"),
+        ({"nodes": "10.0.0.1"}, "'nodes' is not a list"),
+        ({"nodes": []}, "'nodes' is empty"),
+        ({"nodes": ["10.0.0.1"]}, "nodes[0] is not an object"),
+        ({"nodes": [{"index": 0}]}, "nodes[0] has no internalIp"),
+        ({"nodes": [{"index": 0, "internalIp": ""}]}, "nodes[0] has no internalIp"),
+        ({"nodes": [{"internalIp": "10.0.0.2"}]}, "nodes[0] has no index"),
+        ({"nodes": [{"index": "0", "internalIp": "10.0.0.2"}]}, "nodes[0].index is '0', not an integer"),
+        ({"nodes": [{"index": True, "internalIp": "10.0.0.2"}]}, "nodes[0].index is True, not an integer"),
+        ({"nodes": [{"index": -1, "internalIp": "10.0.0.2"}]}, "nodes[0].index is -1"),
+        (
+            {"nodes": [{"index": 0, "internalIp": "10.0.0.2", "externalIp": 7}]},
+            "nodes[0].externalIp is 7, not a string",
+        ),
+        ({"nodes": [{"index": 0, "internalIp": "10.0.0.2", "name": ["a"]}]}, "nodes[0].name is ['a'], not a string"),
+        ({"nodes": [_node(0), _node(0, "10.0.0.9")]}, "node indexes repeat: [0, 0]"),
+        ({"nodes": [_node(0)], "machineType": 8}, "machineType is 8, not a string"),
+        ({"nodes": [_node(0)], "zone": {"z": 1}}, "zone is {'z': 1}, not a string"),
+    ],
+)
 def test_bad_outputs_are_one_line_naming_the_culprit(doc, culprit):
     with pytest.raises(OutputsError) as e:
         parse_stack_outputs(doc)
@@ -107,20 +139,23 @@ def test_the_sweep_json_line_carries_rows_that_read_back():
     line = sweep_json_line({"version": contracts.SWEEP_JSON_VERSION, "rows": [row.__dict__]})
     assert line.startswith(contracts.JSON_MARKER) and line.startswith("#") and line.endswith("}\n")
     assert line.count("\n") == 1
-    doc = json.loads(line[len(contracts.JSON_MARKER):])
+    doc = json.loads(line[len(contracts.JSON_MARKER) :])
     assert doc["version"] == 1
     assert SweepRow.from_dict(doc["rows"][0]) == row
     assert SweepRow.from_dict({**doc["rows"][0], "a_newer_field": 1}) == row
     assert row.best_busbw == 4.0
 
 
-@pytest.mark.parametrize("line, own", [
-    ("error: loss is NaN at step 3", True),
-    ("sweep: root 5 is not a rank of this run", True),
-    ("gpufleet: --workdir /x does not exist on n0", True),
-    ("[rank0]: RuntimeError: error: something", False),
-    ("errors: 3", False),
-    ("  error: indented is a consequence, not the program's line", False),
-])
+@pytest.mark.parametrize(
+    "line, own",
+    [
+        ("error: loss is NaN at step 3", True),
+        ("sweep: root 5 is not a rank of this run", True),
+        ("gpufleet: --workdir /x does not exist on n0", True),
+        ("[rank0]: RuntimeError: error: something", False),
+        ("errors: 3", False),
+        ("  error: indented is a consequence, not the program's line", False),
+    ],
+)
 def test_a_node_programs_own_error_line_is_known_by_its_prefix(line, own):
     assert is_error_line(line) is own

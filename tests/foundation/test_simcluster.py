@@ -12,7 +12,9 @@ from tests.simcluster import SimCluster, leftovers, netns_available
 def _ssh(cluster: SimCluster, address: str, command: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["ssh", *cluster.ssh_options, "-o", "ConnectTimeout=10", address, command],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -73,6 +75,7 @@ def test_a_killed_node_loses_its_sessions(sim_cluster):
     assert cluster.processes(0)
     cluster.kill_sessions(0)
     import time
+
     deadline = time.monotonic() + 5
     while cluster.processes(0) and time.monotonic() < deadline:
         time.sleep(0.05)

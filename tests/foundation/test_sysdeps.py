@@ -19,8 +19,14 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another 
 
 def _as_nobody(argv: list[str], sysdeps: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPUFLEET_SYSDEPS": sysdeps}
-    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @needs_root
@@ -29,8 +35,9 @@ def test_a_user_without_root_gets_the_one_apt_line_and_exit_2():
     assert r.returncode == 2
     assert r.stdout == ""
     # One line, naming only what is missing (procps is there), runnable as written.
-    assert r.stderr == (f"sysdeps: missing system packages; run as root: "
-                        f"apt-get update && apt-get install -y {MISSING}\n")
+    assert r.stderr == (
+        f"sysdeps: missing system packages; run as root: apt-get update && apt-get install -y {MISSING}\n"
+    )
 
 
 @needs_root
@@ -44,8 +51,13 @@ def test_make_test_stops_before_running_anything_when_packages_are_missing():
 
 
 def test_with_everything_installed_it_does_nothing_and_says_nothing():
-    r = subprocess.run(["bash", str(SCRIPT)], env={**os.environ, "GPUFLEET_SYSDEPS": "procps"},
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(SCRIPT)],
+        env={**os.environ, "GPUFLEET_SYSDEPS": "procps"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
 
 
@@ -61,6 +73,7 @@ def test_the_suite_and_ci_install_from_the_same_list():
 
 def test_the_script_passes_shellcheck():
     assert shutil.which("shellcheck"), "shellcheck is not installed (make sysdeps installs it)"
-    r = subprocess.run(["shellcheck", str(SCRIPT), str(ROOT / "bench" / "gpu_checks.sh")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["shellcheck", str(SCRIPT), str(ROOT / "bench" / "gpu_checks.sh")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout

@@ -15,8 +15,10 @@ def main() -> int:
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         expected = world * (world + 1) / 2
-        line = (f"rank={rank} world={world} sum={t.item():g} expected={expected:g} "
-                f"gloo_if={os.environ.get('GLOO_SOCKET_IFNAME', '')} node={os.environ['GPUFLEET_NODE_RANK']}\n")
+        line = (
+            f"rank={rank} world={world} sum={t.item():g} expected={expected:g} "
+            f"gloo_if={os.environ.get('GLOO_SOCKET_IFNAME', '')} node={os.environ['GPUFLEET_NODE_RANK']}\n"
+        )
         # One write(2) per line: two ranks of a node share its stdout pipe, and a write below
         # PIPE_BUF is atomic, whereas print() may write the text and the newline separately.
         os.write(1, line.encode())

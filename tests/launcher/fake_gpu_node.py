@@ -105,8 +105,10 @@ class FakeGpuNode:
         )
         csv = "".join(", ".join(g.values[f] for f in GPU_QUERY_FIELDS) + "\n" for g in self.gpus)
         listing = "".join(f"GPU {i}: {g.values['name']} (UUID: {g.values['uuid']})\n" for i, g in enumerate(self.gpus))
-        no_driver = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-                     "Make sure that the latest NVIDIA driver is installed and running.")
+        no_driver = (
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+            "Make sure that the latest NVIDIA driver is installed and running."
+        )
         return f"""#!/bin/bash
 # A fake nvidia-smi written by tests/launcher/fake_gpu_node.py: {len(self.gpus)} GPUs.
 {log}
@@ -118,10 +120,12 @@ case "$1" in
   --query-gpu={",".join(GPU_QUERY_FIELDS)})
     # doctor's own query, answered from the same table, precomputed (one printf, as a node's
     # nvidia-smi is a compiled program, not a bash loop on a shared CPU)
-    [ "$2" = --format=csv,noheader,nounits ] || {{ echo "fake nvidia-smi: only --format=csv,noheader,nounits" >&2; exit 2; }}
+    [ "$2" = --format=csv,noheader,nounits ] ||
+      {{ echo "fake nvidia-smi: only --format=csv,noheader,nounits" >&2; exit 2; }}
     printf %s {shlex.quote(csv)};;
   --query-gpu=*)
-    [ "$2" = --format=csv,noheader,nounits ] || {{ echo "fake nvidia-smi: only --format=csv,noheader,nounits" >&2; exit 2; }}
+    [ "$2" = --format=csv,noheader,nounits ] ||
+      {{ echo "fake nvidia-smi: only --format=csv,noheader,nounits" >&2; exit 2; }}
     IFS=, read -r -a F <<< "${{1#--query-gpu=}}"
     for f in "${{F[@]}}"; do
       case "$known" in *" $f "*) ;; *) echo "Field \\"$f\\" is not a valid field to query."; exit 2;; esac
@@ -138,11 +142,12 @@ esac
 """
 
     def _dmesg(self) -> str:
-        lines = ["[    0.000000] Linux version 6.8.0-1015-gcp (buildd@lcy02-amd64-050)",
-                 "[    5.123456] nvidia: loading out-of-tree module taints kernel."]
+        lines = [
+            "[    0.000000] Linux version 6.8.0-1015-gcp (buildd@lcy02-amd64-050)",
+            "[    5.123456] nvidia: loading out-of-tree module taints kernel.",
+        ]
         for k, (pci, code) in enumerate(self.xids):
-            lines.append(f"[ {1000 + k}.000000] NVRM: Xid (PCI:{pci}): {code}, pid=4242, name=python3, "
-                         "Ch 00000008")
+            lines.append(f"[ {1000 + k}.000000] NVRM: Xid (PCI:{pci}): {code}, pid=4242, name=python3, Ch 00000008")
         return "#!/bin/bash\nprintf '%s\\n' " + " ".join(shlex.quote(l) for l in lines) + "\n"
 
     def _docker(self) -> str:
@@ -225,17 +230,36 @@ class GpuSimCluster:
         self.plugin.mkdir(parents=True)
         for lib in ("libnccl-net.so", "libnccl.so.2.21.5"):
             (self.plugin / lib).write_text("")
-        self.sim.node_env = {i: {"PATH": f"{self.bin(i)}:{SYSTEM_PATH}", "GCE_METADATA_HOST": self.metadata[i].host,
-                                 "GPUFLEET_READY_MARKER": str(self.marker(i)), "GPUFLEET_LOCAL_SSD_MOUNT": "/"}
-                             for i in range(self.n)}
+        self.sim.node_env = {
+            i: {
+                "PATH": f"{self.bin(i)}:{SYSTEM_PATH}",
+                "GCE_METADATA_HOST": self.metadata[i].host,
+                "GPUFLEET_READY_MARKER": str(self.marker(i)),
+                "GPUFLEET_LOCAL_SSD_MOUNT": "/",
+            }
+            for i in range(self.n)
+        }
         for i in range(self.n):
             self.heal(i)
         try:
             self.sim.start()
             for i in range(self.n):
                 for k in range(1, 5):
-                    self._ip(i, "link", "add", f"eth{k}", "mtu", "8244", "type", "veth", "peer", "name", f"peer{k}",
-                             "mtu", "8244")
+                    self._ip(
+                        i,
+                        "link",
+                        "add",
+                        f"eth{k}",
+                        "mtu",
+                        "8244",
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        f"peer{k}",
+                        "mtu",
+                        "8244",
+                    )
                     self._ip(i, "link", "set", f"eth{k}", "up")
                     self._ip(i, "link", "set", f"peer{k}", "up")
         except BaseException:
@@ -257,17 +281,42 @@ class GpuSimCluster:
         """Node i healthy again (or as `fake` says), with its own ready marker and placement."""
         (fake or FakeGpuNode()).write(self.bin(i))
         (self.bin(i) / "calls.log").unlink(missing_ok=True)
-        self.marker(i).write_text(json.dumps({
-            "cluster": "doc", "node": f"gpu-{i}", "machine_type": MTYPE, "net_stack": "gpudirect-tcpx",
-            "driver": "580.159.04", "cuda": "13.0", "nccl": "2.21.5", "plugin": "gpudirecttcpx-v3.1.9+rxdm-v2.0.12",
-            "nccl_tests": "4bd4c13", "booted_at": "2026-11-23T08:00:00Z"}) + "\n")
+        self.marker(i).write_text(
+            json.dumps(
+                {
+                    "cluster": "doc",
+                    "node": f"gpu-{i}",
+                    "machine_type": MTYPE,
+                    "net_stack": "gpudirect-tcpx",
+                    "driver": "580.159.04",
+                    "cuda": "13.0",
+                    "nccl": "2.21.5",
+                    "plugin": "gpudirecttcpx-v3.1.9+rxdm-v2.0.12",
+                    "nccl_tests": "4bd4c13",
+                    "booted_at": "2026-11-23T08:00:00Z",
+                }
+            )
+            + "\n"
+        )
         self.metadata[i].physical_host = self.places[i]
 
     def args(self, runs: Path, python: str = sys.executable) -> list[str]:
         """`launch doctor` flags for these nodes (the hostfile, ssh, the machine type...)."""
-        return ["--hostfile", str(self.sim.hostfile), *self.sim.launch_flags, "--machine-type", MTYPE,
-                "--python", python, "--env", f"LD_LIBRARY_PATH={self.plugin}", "--min-free-gb", "0.01",
-                "--runs-dir", str(runs / "runs")]
+        return [
+            "--hostfile",
+            str(self.sim.hostfile),
+            *self.sim.launch_flags,
+            "--machine-type",
+            MTYPE,
+            "--python",
+            python,
+            "--env",
+            f"LD_LIBRARY_PATH={self.plugin}",
+            "--min-free-gb",
+            "0.01",
+            "--runs-dir",
+            str(runs / "runs"),
+        ]
 
     def close(self) -> None:
         self.sim.stop()

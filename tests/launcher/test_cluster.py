@@ -27,8 +27,17 @@ SCRIPT = "tests/launcher/allreduce_script.py"
 
 def test_exec_runs_on_every_node_with_prefixes_and_logs(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path), "--", "sh", "-c",
-                                  'echo "rank=$GPUFLEET_NODE_RANK $(ip -o -4 addr show eth0 | wc -l)"'])
+    r = CliRunner().invoke(
+        main,
+        [
+            "exec",
+            *source_args(c, tmp_path),
+            "--",
+            "sh",
+            "-c",
+            'echo "rank=$GPUFLEET_NODE_RANK $(ip -o -4 addr show eth0 | wc -l)"',
+        ],
+    )
     assert r.exit_code == 0, r.output
     for i in range(3):
         assert f"[node {i}] rank={i} 1" in r.output
@@ -41,8 +50,7 @@ def test_exec_runs_on_every_node_with_prefixes_and_logs(sim_cluster, tmp_path):
 
 def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    r = CliRunner().invoke(main, ["run", *source_args(c, tmp_path), *torch_args(nproc=2),
-                                  "--", SCRIPT])
+    r = CliRunner().invoke(main, ["run", *source_args(c, tmp_path), *torch_args(nproc=2), "--", SCRIPT])
     assert r.exit_code == 0, r.output
     lines = [l for l in r.output.splitlines() if "world=" in l]
     assert len(lines) == 6
@@ -62,8 +70,23 @@ def test_env_path_decides_which_python3_the_check_and_the_run_use(sim_cluster, t
     venv's does; the check must ask the same python3 the run starts (issue 11)."""
     c = sim_cluster(2)
     venv_bin = str(REPO / ".venv" / "bin")
-    r = CliRunner().invoke(main, ["run", *source_args(c, tmp_path), "--workdir", str(REPO), "--nproc-per-node", "1",
-                                  "--env", f"PATH={venv_bin}", "--env", "OMP_NUM_THREADS=1", "--", SCRIPT])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run",
+            *source_args(c, tmp_path),
+            "--workdir",
+            str(REPO),
+            "--nproc-per-node",
+            "1",
+            "--env",
+            f"PATH={venv_bin}",
+            "--env",
+            "OMP_NUM_THREADS=1",
+            "--",
+            SCRIPT,
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert sum("world=2 sum=3 expected=3" in l for l in r.output.splitlines()) == 2
     c.assert_nothing_left()
@@ -86,8 +109,20 @@ def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, 
     dead = c.unused_address()
     hf = tmp_path / "hosts"
     hf.write_text(f"{c.nodes[0].address}\n{dead}\n{c.nodes[1].address}\n")
-    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path, hf), "--ssh-option", "ConnectTimeout=3",
-                                  "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "exec",
+            *source_args(c, tmp_path, hf),
+            "--ssh-option",
+            "ConnectTimeout=3",
+            "--",
+            "sh",
+            "-c",
+            'touch "$0-$GPUFLEET_NODE_RANK"',
+            str(tmp_path / "ran"),
+        ],
+    )
     assert r.exit_code == 2, r.output
     # The reachable nodes passed their check and waited; told not to go, they ran nothing.
     assert not list(tmp_path.glob("ran-*"))
@@ -107,10 +142,27 @@ def test_label_discovery_through_the_compute_api_runs_only_matching_nodes(sim_cl
         FakeInstance("other", c.nodes[2].address, {"team": "web"}),
     ]
     with FakeCompute({("proj", "us-central1-a"): instances}) as api:
-        r = CliRunner().invoke(main, [
-            "exec", "--label", "team=ml", "--project", "proj", "--zone", "us-central1-a",
-            "--api-endpoint", api.endpoint, *c.launch_flags, "--runs-dir", str(tmp_path / "runs"),
-            "--", "sh", "-c", 'echo "i am $GPUFLEET_NODE_RANK of $GPUFLEET_NNODES"'])
+        r = CliRunner().invoke(
+            main,
+            [
+                "exec",
+                "--label",
+                "team=ml",
+                "--project",
+                "proj",
+                "--zone",
+                "us-central1-a",
+                "--api-endpoint",
+                api.endpoint,
+                *c.launch_flags,
+                "--runs-dir",
+                str(tmp_path / "runs"),
+                "--",
+                "sh",
+                "-c",
+                'echo "i am $GPUFLEET_NODE_RANK of $GPUFLEET_NNODES"',
+            ],
+        )
     assert r.exit_code == 0, r.output
     assert api.requests[0]["filter"] == '(labels.team = "ml")'
     assert "[node 0] i am 0 of 2" in r.output and "[node 1] i am 1 of 2" in r.output
@@ -120,8 +172,10 @@ def test_label_discovery_through_the_compute_api_runs_only_matching_nodes(sim_cl
 
 
 def test_local_mode_runs_two_nodes_as_process_groups_here(tmp_path):
-    r = CliRunner().invoke(main, ["run", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"),
-                                  "--workdir", str(REPO), "--", SCRIPT])
+    r = CliRunner().invoke(
+        main,
+        ["run", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"), "--workdir", str(REPO), "--", SCRIPT],
+    )
     assert r.exit_code == 0, r.output
     lines = [l for l in r.output.splitlines() if "world=" in l]
     assert len(lines) == 2 and all("world=2 sum=3 expected=3 gloo_if=lo" in l for l in lines)
@@ -133,8 +187,7 @@ def test_console_script_sigint_stops_everything_and_second_launch_on_same_port_r
     c = sim_cluster(2)
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
-    args = ["run", *source_args(c, tmp_path), *torch_args(), "--rdzv-port", "29611",
-            "--", str(sleeper)]
+    args = ["run", *source_args(c, tmp_path), *torch_args(), "--rdzv-port", "29611", "--", str(sleeper)]
     out_a = open(tmp_path / "a.out", "w+")
     a = subprocess.Popen([LAUNCH, *args], stdout=out_a, stderr=subprocess.STDOUT, text=True)
     try:
@@ -155,9 +208,13 @@ def test_console_script_sigint_stops_everything_and_second_launch_on_same_port_r
 
 def test_node_that_disappears_is_reported_unreachable_not_as_a_code_failure(sim_cluster, tmp_path):
     c = sim_cluster(3)
-    p = subprocess.Popen([sys.executable, "-m", "launcher", "exec", *source_args(c, tmp_path), "--", "sh", "-c",
-                          "echo up; sleep 120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=REPO)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "exec", *source_args(c, tmp_path), "--", "sh", "-c", "echo up; sleep 120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     try:
         seen = []
         while sum("] up" in l for l in seen) < 3:  # every node's command is running
@@ -197,8 +254,9 @@ SWEEP = ["--ops", "all_reduce", "-b", "512K", "-e", "512K", "-n", "5", "-w", "1"
 @pytest.mark.slow
 def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster, tmp_path):
     c = sim_cluster(2)
-    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(nproc=2),
-                                  *SWEEP, "--min-busbw", "1000000"])
+    r = CliRunner().invoke(
+        main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(nproc=2), *SWEEP, "--min-busbw", "1000000"]
+    )
     assert r.exit_code == 1, r.output
     assert "is below --min-busbw 1e+06" in r.output
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -215,8 +273,7 @@ def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster
 def test_find_bad_nodes_names_the_throttled_node_and_prints_an_exclude_list(sim_cluster, tmp_path):
     c = sim_cluster(4, mode="netns")
     c.throttle(2, "40mbit")
-    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(),
-                                  *SWEEP, "--find-bad-nodes"])
+    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(), *SWEEP, "--find-bad-nodes"])
     assert r.exit_code == 1, r.output
     assert r.output.count("pair ") >= 6
     assert f"--exclude {c.nodes[2].address}\n" in r.output

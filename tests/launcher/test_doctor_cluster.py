@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher.cli import main
 from tests.launcher.fake_gpu_node import FakeGpuNode, GpuSimCluster, healthy_gpus
 from tests.support import LAUNCH, REPO
 
@@ -47,6 +46,7 @@ def cluster(gc):
 
 def doctor(c: GpuSimCluster, tmp_path: Path, *extra: str):
     from launcher.doctor_cli import doctor as cmd
+
     r = CliRunner().invoke(cmd, [*c.args(tmp_path), *extra])
     return r
 
@@ -60,8 +60,10 @@ def test_a_healthy_cluster_exits_0_with_every_check_and_ranks_in_topology_order(
     assert r.output.count("8 x H100 80GB HBM3") == N and r.output.count("580.159.04") == N
     assert r.output.count("5/5 up") == N and r.output.count("gpudirect-tcpx, rxdm up, plugin ok") == N
     assert "blk1/s1" in r.output and "blk1/s2" in r.output
-    assert ("ranks ordered by physical topology from the metadata server (2 of 4 nodes moved; "
-            "--rank-order given keeps the given order)") in r.output
+    assert (
+        "ranks ordered by physical topology from the metadata server (2 of 4 nodes moved; "
+        "--rank-order given keeps the given order)"
+    ) in r.output
     assert "all 4 nodes healthy" in r.output and "--exclude" not in r.output
 
     j = doctor(cluster, tmp_path, "--json")
@@ -74,8 +76,22 @@ def test_a_healthy_cluster_exits_0_with_every_check_and_ranks_in_topology_order(
     assert node["physical_host"] == {"cluster": "clu", "block": "blk1", "subblock": "s2", "host": "h07"}
     assert node["versions"]["torch"] and node["versions"]["nccl"] == "2.21.5"
     assert {k: c["status"] for k, c in node["checks"].items()} == {
-        k: "ok" for k in ("gpus", "driver", "cuda", "persistence", "ecc", "xid", "nics", "net", "versions", "disk",
-                          "clock", "topology")}
+        k: "ok"
+        for k in (
+            "gpus",
+            "driver",
+            "cuda",
+            "persistence",
+            "ecc",
+            "xid",
+            "nics",
+            "net",
+            "versions",
+            "disk",
+            "clock",
+            "topology",
+        )
+    }
 
 
 def _missing_gpu(c: GpuSimCluster) -> int:
@@ -134,8 +150,10 @@ def test_a_nic_down_no_rxdm_and_a_hardware_xid_each_fail_their_node(cluster, tmp
     hosts = cluster.sim.addresses
     assert r.exit_code == 1, r.output
     assert f"node 1 ({hosts[1]}): gpu NIC eth2 is down, not up" in r.output
-    assert (f"node 2 ({hosts[2]}): receive-datapath-manager is not running (gpudirect-tcpx needs it; the startup "
-            "script starts it)") in r.output
+    assert (
+        f"node 2 ({hosts[2]}): receive-datapath-manager is not running (gpudirect-tcpx needs it; the startup "
+        "script starts it)"
+    ) in r.output
     assert f"node 3 ({hosts[3]}): XID 79 on GPU 0000:08:00 since boot (a hardware fault;" in r.output
     assert r.output.rstrip().splitlines()[-1] == f"--exclude {hosts[1]},{hosts[2]},{hosts[3]}"
 
@@ -158,8 +176,10 @@ def test_a_cluster_spread_over_two_blocks_is_warned_about(cluster, tmp_path):
     cluster.metadata[3].physical_host = "/clu/blk7/s1/h03"
     r = doctor(cluster, tmp_path)
     assert r.exit_code == 0, r.output
-    assert ("warning: the nodes span 2 blocks (clu/blk1: 3 nodes, clu/blk7: 1 node); a compact placement keeps "
-            "a cluster in one block, so if this cluster has one, the placement did not hold") in r.output
+    assert (
+        "warning: the nodes span 2 blocks (clu/blk1: 3 nodes, clu/blk7: 1 node); a compact placement keeps "
+        "a cluster in one block, so if this cluster has one, the placement did not hold"
+    ) in r.output
     assert "blk7/s1" in r.output
 
 
@@ -199,8 +219,14 @@ def test_doctor_changes_nothing_on_a_node(cluster, tmp_path):
 
 def test_the_installed_console_script_prints_json_only_on_stdout(cluster, tmp_path):
     _ecc(cluster)
-    p = subprocess.run([LAUNCH, "doctor", *cluster.args(tmp_path), "--json"], capture_output=True, text=True,
-                       cwd=REPO, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    p = subprocess.run(
+        [LAUNCH, "doctor", *cluster.args(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     assert doc["exclude"] == [cluster.sim.addresses[2]]
@@ -211,8 +237,14 @@ def _run(c: GpuSimCluster, tmp_path: Path):
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('ran on node', os.environ['GROUP_RANK'], flush=True)\n")
     args = [a for a in c.args(tmp_path) if a not in ("--min-free-gb", "0.01")]
-    return subprocess.run([LAUNCH, "run", *args, "--nproc-per-node", "1", "--", str(script)], capture_output=True, text=True, cwd=REPO,
-                          timeout=180, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run(
+        [LAUNCH, "run", *args, "--nproc-per-node", "1", "--", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+        env={**os.environ, "COLUMNS": "200"},
+    )
 
 
 def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift_warns(cluster, tmp_path):
@@ -221,7 +253,8 @@ def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift
     ok = _run(cluster, tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert sorted(ln for ln in ok.stdout.splitlines() if "ran on node" in ln) == [
-        f"[node {i}] ran on node {i}" for i in range(N)]
+        f"[node {i}] ran on node {i}" for i in range(N)
+    ]
     assert "GPU" not in ok.stderr and "driver" not in ok.stderr
 
     _missing_gpu(cluster)
@@ -236,6 +269,8 @@ def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift
     _driver(cluster)
     warned = _run(cluster, tmp_path)
     assert warned.returncode == 0, warned.stderr
-    assert f"node 3 ({cluster.sim.addresses[3]}): driver 570.172.08, while 3 of 4 nodes have 580.159.04" in warned.stderr
+    assert (
+        f"node 3 ({cluster.sim.addresses[3]}): driver 570.172.08, while 3 of 4 nodes have 580.159.04" in warned.stderr
+    )
     assert warned.stderr.index("driver 570.172.08") < warned.stderr.index("started on 4 nodes")
     cluster.sim.assert_nothing_left()

@@ -56,9 +56,11 @@ def test_a_query_line_with_other_fields_is_refused_naming_the_line():
 
 
 def test_xids_are_read_from_the_drivers_kernel_log_lines():
-    lines = ["[ 12.3] eth0: link up",
-             "[ 99.1] NVRM: Xid (PCI:0000:04:00): 79, pid=4242, name=python3, GPU has fallen off the bus.",
-             "[ 99.2] NVRM: Xid (PCI:0000:06:00): 13, pid=4242, Graphics Exception"]
+    lines = [
+        "[ 12.3] eth0: link up",
+        "[ 99.1] NVRM: Xid (PCI:0000:04:00): 79, pid=4242, name=python3, GPU has fallen off the bus.",
+        "[ 99.2] NVRM: Xid (PCI:0000:06:00): 13, pid=4242, Graphics Exception",
+    ]
     xids = parse_xids(lines)
     assert [(x.pci, x.code, x.hardware) for x in xids] == [("0000:04:00", 79, True), ("0000:06:00", 13, False)]
     assert 48 in XID_HARDWARE and 31 not in XID_HARDWARE
@@ -119,11 +121,12 @@ def test_the_node_program_is_valid_bash_and_writes_no_file():
 
 
 def _run_script(script: str, env: dict[str, str]) -> dict[str, str]:
-    out = subprocess.run(["bash", "-c", script], input="", capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **env}).stdout
+    out = subprocess.run(
+        ["bash", "-c", script], input="", capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    ).stdout
     lines = out.splitlines()
     assert CHECKED_MARKER in lines, out
-    return dict(l.split("=", 1) for l in lines[:lines.index(CHECKED_MARKER)] if "=" in l)
+    return dict(l.split("=", 1) for l in lines[: lines.index(CHECKED_MARKER)] if "=" in l)
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +139,30 @@ def healthy(tmp_path_factory) -> dict[str, str]:
     (d / "plugin" / "libnccl-net.so").write_text("")
     (d / "plugin" / "libnccl.so.2.21.5").write_text("")
     marker = d / "ready.json"
-    marker.write_text(json.dumps({"cluster": "c", "node": "n", "machine_type": "a3-highgpu-8g",
-                                  "driver": "580.159.04", "cuda": "13.0", "nccl": "2.21.5",
-                                  "plugin": "gpudirecttcpx-v3.1.9+rxdm-v2.0.12"}) + "\n")
+    marker.write_text(
+        json.dumps(
+            {
+                "cluster": "c",
+                "node": "n",
+                "machine_type": "a3-highgpu-8g",
+                "driver": "580.159.04",
+                "cuda": "13.0",
+                "nccl": "2.21.5",
+                "plugin": "gpudirecttcpx-v3.1.9+rxdm-v2.0.12",
+            }
+        )
+        + "\n"
+    )
     e = expectation("a3-highgpu-8g", None, {"LD_LIBRARY_PATH": str(d / "plugin")})
-    facts = _run_script(_script(e), {"PATH": f"{d / 'bin'}:{os.environ['PATH']}",
-                                     "GPUFLEET_READY_MARKER": str(marker), "GPUFLEET_LOCAL_SSD_MOUNT": "/",
-                                     "GCE_METADATA_HOST": "127.0.0.1:9"})
+    facts = _run_script(
+        _script(e),
+        {
+            "PATH": f"{d / 'bin'}:{os.environ['PATH']}",
+            "GPUFLEET_READY_MARKER": str(marker),
+            "GPUFLEET_LOCAL_SSD_MOUNT": "/",
+            "GCE_METADATA_HOST": "127.0.0.1:9",
+        },
+    )
     facts.update({f"nic.eth{i}": "up 8244 0x1003" for i in range(1, 5)}, **{"nic.eth0": "up 1460 0x1003"})
     facts.update(physical_host="/c1/b1/s1/h1", metadata_rc="0")
     return facts
@@ -164,12 +184,12 @@ def test_the_program_reports_every_gpu_the_driver_and_the_ready_marker(healthy):
 
 
 def test_a_healthy_cluster_passes_every_check_and_excludes_nothing(healthy):
-    r = judge(_nodes(3), {i: healthy for i in range(3)}, EXPECT, skews={0: 0.0, 1: 0.3, 2: -0.2},
-              min_free_gb=0)
+    r = judge(_nodes(3), {i: healthy for i in range(3)}, EXPECT, skews={0: 0.0, 1: 0.3, 2: -0.2}, min_free_gb=0)
     assert r.healthy and r.exclude == [] and r.warnings == []
     n = r.nodes[1]
-    assert set(n.checks) == set(CHECKS) and all(c.status == "ok" for c in n.checks.values()), \
-        {k: (c.status, c.problems) for k, c in n.checks.items()}
+    assert set(n.checks) == set(CHECKS) and all(c.status == "ok" for c in n.checks.values()), {
+        k: (c.status, c.problems) for k, c in n.checks.items()
+    }
     assert n.checks["gpus"].value == "8 x H100 80GB HBM3" and n.checks["topology"].value == "b1/s1"
     assert n.checks["driver"].value == "580.159.04" and n.checks["clock"].value == "+0.3 s"
 
@@ -192,10 +212,12 @@ def test_uncorrected_ecc_errors_and_pending_remaps_fail_the_node(healthy):
     r = judge(_nodes(3), {0: ecc, 1: healthy, 2: remap}, EXPECT, min_free_gb=0)
     assert r.exclude == ["gpu-0", "gpu-2"]
     assert r.nodes[0].checks["ecc"].problems == [
-        "GPU 3 has 2 uncorrected ECC errors since the driver loaded (reset the GPU or replace the node)"]
+        "GPU 3 has 2 uncorrected ECC errors since the driver loaded (reset the GPU or replace the node)"
+    ]
     assert r.nodes[0].checks["ecc"].value == "2"
     assert r.nodes[2].checks["ecc"].problems == [
-        "GPU 5 has remapped rows pending (they take effect at the next GPU reset)"]
+        "GPU 5 has remapped rows pending (they take effect at the next GPU reset)"
+    ]
 
 
 def test_a_different_driver_on_one_node_is_named_with_both_values(healthy):
@@ -211,18 +233,22 @@ def test_drift_without_a_majority_flags_both_sides(healthy):
     r = judge(_nodes(2), {0: _with(healthy, torch="2.13.0"), 1: other}, EXPECT, min_free_gb=0)
     assert r.exclude == ["gpu-0", "gpu-1"]
     assert r.nodes[0].checks["versions"].problems == [
-        "torch differs across nodes with no majority (node 0 (10.0.0.2): 2.13.0; node 1 (10.0.0.3): 2.12.0)"]
+        "torch differs across nodes with no majority (node 0 (10.0.0.2): 2.13.0; node 1 (10.0.0.3): 2.12.0)"
+    ]
 
 
 def test_nics_down_with_the_wrong_mtu_or_missing_and_no_rxdm(healthy):
     bad = _with(healthy, nic__eth2="down 8244 0x1002", nic__eth3="up 1460 0x1003", nic__eth4="missing", rxdm="")
     r = judge(_nodes(2), {0: healthy, 1: bad}, EXPECT, min_free_gb=0)
     assert r.nodes[1].checks["nics"].problems == [
-        "gpu NIC eth2 is down, not up", "gpu NIC eth3 has MTU 1460, a3-highgpu-8g needs 8244",
-        "gpu NIC eth4 is missing"]
+        "gpu NIC eth2 is down, not up",
+        "gpu NIC eth3 has MTU 1460, a3-highgpu-8g needs 8244",
+        "gpu NIC eth4 is missing",
+    ]
     assert r.nodes[1].checks["nics"].value.startswith("2/5 up")
     assert r.nodes[1].checks["net"].problems == [
-        "receive-datapath-manager is not running (gpudirect-tcpx needs it; the startup script starts it)"]
+        "receive-datapath-manager is not running (gpudirect-tcpx needs it; the startup script starts it)"
+    ]
 
 
 def test_a_hardware_xid_fails_and_a_programs_xid_warns(healthy):
@@ -234,8 +260,14 @@ def test_a_hardware_xid_fails_and_a_programs_xid_warns(healthy):
 
 
 def test_clock_skew_warns_without_excluding_and_unreachable_nodes_are_excluded(healthy):
-    r = judge(_nodes(3), {0: healthy, 1: healthy, 2: None}, EXPECT, errors={2: "Connection refused"},
-              skews={1: 7.5}, min_free_gb=0)
+    r = judge(
+        _nodes(3),
+        {0: healthy, 1: healthy, 2: None},
+        EXPECT,
+        errors={2: "Connection refused"},
+        skews={1: 7.5},
+        min_free_gb=0,
+    )
     assert r.exclude == ["gpu-2"]
     assert r.nodes[1].checks["clock"].status == "warn" and r.nodes[1].status == "warn"
     assert r.nodes[2].problems == ["node 2 (10.0.0.4): unreachable: Connection refused"]
@@ -248,8 +280,10 @@ def test_clock_skew_warns_without_excluding_and_unreachable_nodes_are_excluded(h
 def test_no_ready_marker_or_too_little_disk_fails(healthy):
     gone = _with(healthy, ready="missing", startup_error="line 97: cos-extensions install gpu")
     r = judge(_nodes(2), {0: gone, 1: healthy}, EXPECT, min_free_gb=1e9)
-    assert "no ready marker /var/lib/gpufleet/ready.json: the startup script has not finished (it failed: " \
-           "line 97: cos-extensions install gpu)" in r.nodes[0].checks["versions"].problems
+    assert (
+        "no ready marker /var/lib/gpufleet/ready.json: the startup script has not finished (it failed: "
+        "line 97: cos-extensions install gpu)" in r.nodes[0].checks["versions"].problems
+    )
     assert any("GiB wanted (--min-free-gb)" in p for p in r.nodes[1].checks["disk"].problems)
 
 
@@ -265,9 +299,14 @@ def test_without_a_machine_type_only_drift_is_judged(healthy):
 
 
 def test_order_groups_by_path_like_sort_nodes_keeping_the_first_node_first():
-    paths = {"a": ["c", "b1", "h1"], "b": ["c", "b2", "h1"], "c": ["c", "b1", "h2"], "d": ["c", "b2", "h2"],
-             "e": ["c", "b1", "h3"]}
-    assert order(list("abcde"), paths) == list("aceb" "d")
+    paths = {
+        "a": ["c", "b1", "h1"],
+        "b": ["c", "b2", "h1"],
+        "c": ["c", "b1", "h2"],
+        "d": ["c", "b2", "h2"],
+        "e": ["c", "b1", "h3"],
+    }
+    assert order(list("abcde"), paths) == list("acebd")
     # Equal paths keep the given order.
     assert order(["x", "y"], {"x": ["c", "b"], "y": ["c", "b"]}) == ["x", "y"]
 
@@ -278,13 +317,19 @@ def _cluster(n: int) -> Cluster:
 
 def test_rank_order_by_topology_when_every_node_has_one():
     c = _cluster(4)
-    hosts = {"10.0.0.2": PhysicalHost("c", "b1", "s1", "h1"), "10.0.0.3": PhysicalHost("c", "b2", "s1", "h1"),
-             "10.0.0.4": PhysicalHost("c", "b1", "s2", "h2"), "10.0.0.5": PhysicalHost("c", "b1", "s1", "h3")}
+    hosts = {
+        "10.0.0.2": PhysicalHost("c", "b1", "s1", "h1"),
+        "10.0.0.3": PhysicalHost("c", "b2", "s1", "h1"),
+        "10.0.0.4": PhysicalHost("c", "b1", "s2", "h2"),
+        "10.0.0.5": PhysicalHost("c", "b1", "s1", "h3"),
+    }
     r = rank_order(c, hosts, None, "the metadata server")
     assert [n.host for n in r.cluster.nodes] == ["10.0.0.2", "10.0.0.5", "10.0.0.4", "10.0.0.3"]
     assert [n.rank for n in r.cluster.nodes] == [0, 1, 2, 3] and r.reordered
-    assert r.message == ("ranks ordered by physical topology from the metadata server (2 of 4 nodes moved; "
-                         "--rank-order given keeps the given order)")
+    assert r.message == (
+        "ranks ordered by physical topology from the metadata server (2 of 4 nodes moved; "
+        "--rank-order given keeps the given order)"
+    )
     given = rank_order(c, hosts, "given", "the metadata server")
     assert given.cluster is c and not given.reordered
 
@@ -293,7 +338,10 @@ def test_rank_order_keeps_the_given_order_unless_every_node_is_known():
     c = _cluster(2)
     hosts = {"10.0.0.2": PhysicalHost("c", "b1", None, "h1"), "10.0.0.3": None}
     r = rank_order(c, hosts, None, "the Compute Engine API")
-    assert r.cluster is c and r.message == "ranks in the given order: 1 of 2 nodes have no physical host (from the Compute Engine API)"
+    assert (
+        r.cluster is c
+        and r.message == "ranks in the given order: 1 of 2 nodes have no physical host (from the Compute Engine API)"
+    )
     with pytest.raises(UserError, match=r"--rank-order topology: no physical host for node 1 \(10.0.0.3\)"):
         rank_order(c, hosts, "topology", "the Compute Engine API")
 
@@ -302,8 +350,10 @@ def test_a_cluster_across_two_blocks_is_warned_about():
     one = {"a": PhysicalHost("c", "b1", "s1", "h1"), "b": PhysicalHost("c", "b1", "s2", "h2")}
     assert spread_warning(one) is None
     two = {**one, "z": PhysicalHost("c", "b9", "s1", "h1")}
-    assert spread_warning(two) == ("the nodes span 2 blocks (c/b1: 2 nodes, c/b9: 1 node); a compact placement "
-                                   "keeps a cluster in one block, so if this cluster has one, the placement did not hold")
+    assert spread_warning(two) == (
+        "the nodes span 2 blocks (c/b1: 2 nodes, c/b9: 1 node); a compact placement "
+        "keeps a cluster in one block, so if this cluster has one, the placement did not hold"
+    )
 
 
 def test_fake_gpus_are_the_fixtures_values():
@@ -320,12 +370,24 @@ def test_a_nodes_physical_host_comes_from_its_metadata_server_else_from_the_api(
     class ApiNode(Node):  # a Node as --label discovery returns it, with the API's physicalHost
         physical_host: str = ""
 
-    c = Cluster("t", (Node(0, "10.0.0.2", "10.0.0.2"), ApiNode(1, "10.0.0.3", "10.0.0.3", physical_host="/c/b/s/h3"),
-                      Node(2, "10.0.0.4", "10.0.0.4")))
-    facts = {0: {"metadata_rc": "0", "physical_host": "/c/b/s/h1"}, 1: {"metadata_rc": "7", "physical_host": ""},
-             2: {"metadata_rc": "22", "physical_host": ""}}
-    assert node_physical_hosts(c, facts) == {"10.0.0.2": PhysicalHost("c", "b", "s", "h1"),
-                                             "10.0.0.3": PhysicalHost("c", "b", "s", "h3"), "10.0.0.4": None}
+    c = Cluster(
+        "t",
+        (
+            Node(0, "10.0.0.2", "10.0.0.2"),
+            ApiNode(1, "10.0.0.3", "10.0.0.3", physical_host="/c/b/s/h3"),
+            Node(2, "10.0.0.4", "10.0.0.4"),
+        ),
+    )
+    facts = {
+        0: {"metadata_rc": "0", "physical_host": "/c/b/s/h1"},
+        1: {"metadata_rc": "7", "physical_host": ""},
+        2: {"metadata_rc": "22", "physical_host": ""},
+    }
+    assert node_physical_hosts(c, facts) == {
+        "10.0.0.2": PhysicalHost("c", "b", "s", "h1"),
+        "10.0.0.3": PhysicalHost("c", "b", "s", "h3"),
+        "10.0.0.4": None,
+    }
     s = metadata_statement()
     assert "-H 'Metadata-Flavor: Google'" in s and "${GCE_METADATA_HOST:-metadata.google.internal}" in s
     assert "/computeMetadata/v1/instance/attributes/physical_host" in s
@@ -362,33 +424,43 @@ def test_the_pre_start_check_refuses_a_node_missing_a_gpu_or_nic_and_warns_about
     fine = {r: _Probe(n, healthy) for r, n in enumerate(cluster.nodes)}
     assert prestart_verdict(cluster, fine, config) == []
     drift = dict(fine)
-    drift[1] = _Probe(cluster.nodes[1], {k: (v.replace("580.159.04", "570.172.08") if k.startswith("gpu.") else v)
-                                         for k, v in healthy.items()})
+    drift[1] = _Probe(
+        cluster.nodes[1],
+        {k: (v.replace("580.159.04", "570.172.08") if k.startswith("gpu.") else v) for k, v in healthy.items()},
+    )
     drift[2] = _Probe(cluster.nodes[2], _with(healthy, nic__eth1="up 1460 0x1003"))
     assert prestart_verdict(cluster, drift, config) == [
         "node 2 (10.0.0.4): gpu NIC eth1 has MTU 1460, a3-highgpu-8g needs 8244",
-        "node 1 (10.0.0.3): driver 570.172.08, while 2 of 3 nodes have 580.159.04"]
+        "node 1 (10.0.0.3): driver 570.172.08, while 2 of 3 nodes have 580.159.04",
+    ]
     broken = dict(fine)
     broken[0] = _Probe(cluster.nodes[0], {k: v for k, v in healthy.items() if k != "gpu.7"})
     broken[2] = _Probe(cluster.nodes[2], _with(healthy, nic__eth3="missing"))
     with pytest.raises(UserError) as e:
         prestart_verdict(cluster, broken, config)
-    assert str(e.value) == ("node 0 (10.0.0.2): 7 GPUs found, a3-highgpu-8g has 8; node 2 (10.0.0.4): gpu NIC eth3 "
-                            "is missing; nothing was started. `launch doctor` checks every node in full; fix the "
-                            "node or --exclude it")
+    assert str(e.value) == (
+        "node 0 (10.0.0.2): 7 GPUs found, a3-highgpu-8g has 8; node 2 (10.0.0.4): gpu NIC eth3 "
+        "is missing; nothing was started. `launch doctor` checks every node in full; fix the "
+        "node or --exclude it"
+    )
     # A check without the statements (no machine type) has nothing to judge.
     plain = {r: _Probe(n, {"host": "x"}) for r, n in enumerate(cluster.nodes)}
     assert prestart_verdict(cluster, plain, config) == []
 
 
-
 def test_the_fake_nvidia_smi_applies_any_query_and_refuses_what_would_change_a_gpu(tmp_path):
     FakeGpuNode(gpus=healthy_gpus(2)).ecc(1, 5).write(tmp_path)
     smi = str(tmp_path / "nvidia-smi")
-    out = subprocess.run([smi, "--query-gpu=ecc.errors.uncorrected.volatile.total,index,name",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [smi, "--query-gpu=ecc.errors.uncorrected.volatile.total,index,name", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out == "0, 0, NVIDIA H100 80GB HBM3\n5, 1, NVIDIA H100 80GB HBM3\n"
-    bad = subprocess.run([smi, "--query-gpu=index,bogus", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [smi, "--query-gpu=index,bogus", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    )
     assert (bad.returncode, bad.stdout) == (2, 'Field "bogus" is not a valid field to query.\n')
     assert subprocess.run([smi, "-pm", "1"], capture_output=True).returncode == 3
     assert (tmp_path / "calls.log").read_text().splitlines()[-1] == "-pm 1"

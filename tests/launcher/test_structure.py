@@ -12,8 +12,20 @@ LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 
 # Modules moved onto the Launch object in issue 12, and the command modules that share the CLI's
 # options (launcher.options) and display (launcher.render) by their public names.
-SPLIT = ["cli", "command", "discovery", "env", "launch", "model", "options", "output", "preflight", "render",
-         "session", "transport"]
+SPLIT = [
+    "cli",
+    "command",
+    "discovery",
+    "env",
+    "launch",
+    "model",
+    "options",
+    "output",
+    "preflight",
+    "render",
+    "session",
+    "transport",
+]
 COMMANDS = ["doctor_cli", "top_cli", "nccl_cmd", "nccl_from"]
 # The collective sweep's report, split by job in issue 12: parse, judge, render and store, find a
 # bad node, the mpirun command; nccl_report gathers their public names.
@@ -27,29 +39,36 @@ def _tree(name: str) -> ast.Module:
 
 
 def _launcher_imports(tree: ast.Module) -> list[ast.ImportFrom]:
-    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-            and n.module.split(".")[0] == "launcher"]
+    return [
+        n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "launcher"
+    ]
 
 
 @pytest.mark.parametrize("name", SPLIT + COMMANDS + REPORT)
 def test_no_private_name_of_another_launcher_module_is_imported(name):
-    private = [f"{n.module}.{a.name}" for n in _launcher_imports(_tree(name)) for a in n.names
-               if a.name.startswith("_")]
+    private = [
+        f"{n.module}.{a.name}" for n in _launcher_imports(_tree(name)) for a in n.names if a.name.startswith("_")
+    ]
     assert not private, f"launcher.{name} imports {private}"
 
 
 @pytest.mark.parametrize("name", SPLIT + COMMANDS + REPORT)
 def test_every_function_is_under_60_lines(name):
-    long = [f"{f.name} ({f.end_lineno - f.lineno + 1} lines)" for f in ast.walk(_tree(name))
-            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and f.end_lineno - f.lineno + 1 >= 60 and (name, f.name) not in BUILDERS]
+    long = [
+        f"{f.name} ({f.end_lineno - f.lineno + 1} lines)"
+        for f in ast.walk(_tree(name))
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and f.end_lineno - f.lineno + 1 >= 60
+        and (name, f.name) not in BUILDERS
+    ]
     assert not long, f"launcher.{name}: {long}"
 
 
 def test_the_launcher_modules_import_no_cycle():
-    graph = {p.stem: {n.module.split(".")[1] for n in _launcher_imports(ast.parse(p.read_text()))
-                      if "." in n.module}
-             for p in LAUNCHER.glob("*.py")}
+    graph = {
+        p.stem: {n.module.split(".")[1] for n in _launcher_imports(ast.parse(p.read_text())) if "." in n.module}
+        for p in LAUNCHER.glob("*.py")
+    }
 
     def visit(name: str, path: tuple[str, ...]) -> None:
         for dep in graph.get(name, ()):
@@ -66,8 +85,9 @@ def test_library_modules_never_print():
         tree = _tree(name)
         calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
         assert "print" not in calls, f"launcher.{name} prints"
-        assert not any(n.module.startswith("rich") for n in ast.walk(tree)
-                       if isinstance(n, ast.ImportFrom) and n.module), f"launcher.{name} imports rich"
+        assert not any(
+            n.module.startswith("rich") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+        ), f"launcher.{name} imports rich"
 
 
 def test_node_state_changes_in_one_place():
@@ -86,11 +106,27 @@ def test_node_state_changes_in_one_place():
 
 def _calls_of(tree: ast.Module, module: str, attr: str) -> list[int]:
     """Lines that call `module.attr(...)`, or `attr(...)` imported from `module`."""
-    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == module
-                for a in n.names if a.name == attr}
-    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (
-        (isinstance(n.func, ast.Attribute) and n.func.attr == attr and isinstance(n.func.value, ast.Name)
-         and n.func.value.id == module) or (isinstance(n.func, ast.Name) and n.func.id in imported))]
+    imported = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == module
+        for a in n.names
+        if a.name == attr
+    }
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and (
+            (
+                isinstance(n.func, ast.Attribute)
+                and n.func.attr == attr
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id == module
+            )
+            or (isinstance(n.func, ast.Name) and n.func.id in imported)
+        )
+    ]
 
 
 @pytest.mark.parametrize("name", ["nccl_cmd", "badnodes"])
@@ -109,7 +145,11 @@ def test_the_compatibility_module_run_is_gone_and_nothing_imports_it():
     repo = LAUNCHER.parent
     for path in [*LAUNCHER.glob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "bench").glob("*.py")]:
         tree = ast.parse(path.read_text())
-        bad = [n.lineno for n in ast.walk(tree) if (isinstance(n, ast.ImportFrom) and n.module == "launcher.run")
-               or (isinstance(n, ast.Import) and any(a.name == "launcher.run" for a in n.names))
-               or (isinstance(n, ast.ImportFrom) and n.module == "launcher" and any(a.name == "run" for a in n.names))]
+        bad = [
+            n.lineno
+            for n in ast.walk(tree)
+            if (isinstance(n, ast.ImportFrom) and n.module == "launcher.run")
+            or (isinstance(n, ast.Import) and any(a.name == "launcher.run" for a in n.names))
+            or (isinstance(n, ast.ImportFrom) and n.module == "launcher" and any(a.name == "run" for a in n.names))
+        ]
         assert not bad, f"{path.relative_to(repo)}:{bad[0]} imports launcher.run"

@@ -31,8 +31,9 @@ HOSTILE = '"; rm -rf ~'
 def _run_wrapper(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a node-side program here as the launcher does: `go` once it is checked, then stdin
     held open (EOF = stop)."""
-    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     p.stdin.write("go\n")
     p.stdin.flush()
     out, err = p.stdout.read(), p.stderr.read()
@@ -56,19 +57,26 @@ def _cluster(n=3, machine_type=None) -> Cluster:
 
 def test_hostfile_reads_slots_comments_and_blank_lines_in_rank_order():
     c = parse_hostfile("# cluster\nnode-a slots=8\n\n  10.0.0.3   # second\nroot@node-c\n")
-    assert [(n.rank, n.host, n.slots) for n in c.nodes] == [(0, "node-a", 8), (1, "10.0.0.3", None), (2, "root@node-c", None)]
+    assert [(n.rank, n.host, n.slots) for n in c.nodes] == [
+        (0, "node-a", 8),
+        (1, "10.0.0.3", None),
+        (2, "root@node-c", None),
+    ]
     assert c.nodes[2].address == "node-c"
 
 
-@pytest.mark.parametrize("text, culprit", [
-    ("", "lists no hosts"),
-    ("# only a comment\n\n", "lists no hosts"),
-    ("a\nb\na\n", "'a' is listed more than once"),
-    ("node;reboot\n", "line 1"),
-    ("good\nnode$(id) slots=2\n", "line 2"),
-    ("a slots=0\n", "'slots=0'"),
-    ("a gpus=8\n", "'gpus=8'"),
-])
+@pytest.mark.parametrize(
+    "text, culprit",
+    [
+        ("", "lists no hosts"),
+        ("# only a comment\n\n", "lists no hosts"),
+        ("a\nb\na\n", "'a' is listed more than once"),
+        ("node;reboot\n", "line 1"),
+        ("good\nnode$(id) slots=2\n", "line 2"),
+        ("a slots=0\n", "'slots=0'"),
+        ("a gpus=8\n", "'gpus=8'"),
+    ],
+)
 def test_bad_hostfiles_name_the_line_or_host(text, culprit):
     with pytest.raises(UserError, match=None) as e:
         parse_hostfile(text)
@@ -77,10 +85,15 @@ def test_bad_hostfiles_name_the_line_or_host(text, culprit):
 
 
 def test_outputs_rank_nodes_by_index_and_keep_internal_ip_for_rendezvous():
-    out = {"cluster": "demo", "zone": "us-central1-a", "machineType": "a3-megagpu-8g", "nodes": [
-        {"name": "n1", "index": 1, "internalIp": "10.0.0.3", "externalIp": "34.1.1.1"},
-        {"name": "n0", "index": 0, "internalIp": "10.0.0.2", "externalIp": None},
-    ]}
+    out = {
+        "cluster": "demo",
+        "zone": "us-central1-a",
+        "machineType": "a3-megagpu-8g",
+        "nodes": [
+            {"name": "n1", "index": 1, "internalIp": "10.0.0.3", "externalIp": "34.1.1.1"},
+            {"name": "n0", "index": 0, "internalIp": "10.0.0.2", "externalIp": None},
+        ],
+    }
     c = cluster_from_outputs(out)
     assert [n.name for n in c.nodes] == ["n0", "n1"] and c.machine_type == "a3-megagpu-8g"
     ext = cluster_from_outputs(out, prefer_external=True)
@@ -88,15 +101,18 @@ def test_outputs_rank_nodes_by_index_and_keep_internal_ip_for_rendezvous():
     assert [n.address for n in ext.nodes] == ["10.0.0.2", "10.0.0.3"]
 
 
-@pytest.mark.parametrize("doc, culprit", [
-    ({"cluster": "x"}, "'nodes' is missing"),
-    ({"nodes": []}, "'nodes' is empty"),
-    ({"nodes": "10.0.0.1"}, "not a list"),
-    ({"nodes": [{"index": 0}]}, "nodes[0] has no internalIp"),
-    ({"nodes": [{"index": "0", "internalIp": "1.2.3.4"}]}, "not an integer"),
-    ({"nodes": [{"index": 0, "internalIp": "1.2.3.4"}, {"index": 0, "internalIp": "1.2.3.5"}]}, "repeat"),
-    ([1, 2], "top level is list"),
-])
+@pytest.mark.parametrize(
+    "doc, culprit",
+    [
+        ({"cluster": "x"}, "'nodes' is missing"),
+        ({"nodes": []}, "'nodes' is empty"),
+        ({"nodes": "10.0.0.1"}, "not a list"),
+        ({"nodes": [{"index": 0}]}, "nodes[0] has no internalIp"),
+        ({"nodes": [{"index": "0", "internalIp": "1.2.3.4"}]}, "not an integer"),
+        ({"nodes": [{"index": 0, "internalIp": "1.2.3.4"}, {"index": 0, "internalIp": "1.2.3.5"}]}, "repeat"),
+        ([1, 2], "top level is list"),
+    ],
+)
 def test_bad_outputs_are_one_clear_error(doc, culprit):
     with pytest.raises(UserError) as e:
         cluster_from_outputs(doc)
@@ -178,9 +194,15 @@ def test_torchrun_argv_has_rendezvous_on_node_zero_and_no_node_rank():
     assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
     # torchrun ignores --node-rank with c10d and warns on every node that gets one (issue 11).
     assert not any(a.startswith(("--node-rank", "--node_rank")) for a in argv)
-    for flag in ("--nnodes=3", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                 "--rdzv-endpoint=10.0.0.2:29511", "--rdzv-id=job1", "--max-restarts=2",
-                 "--local-addr=10.0.0.4"):
+    for flag in (
+        "--nnodes=3",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.2:29511",
+        "--rdzv-id=job1",
+        "--max-restarts=2",
+        "--local-addr=10.0.0.4",
+    ):
         assert flag in argv
     assert f"--rdzv-conf=join_timeout={join_timeout_s(3)},is_host=0" in argv
     assert argv[-2:] == ["-m", "workloads.train"]
@@ -212,11 +234,22 @@ def test_hostile_argument_arrives_as_one_literal_argument(tmp_path):
 
 def test_wrapper_exports_env_and_resolves_host_nic_from_the_address(tmp_path):
     c = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),))
-    env = {"NCCL_SOCKET_IFNAME": HOST_IFACE_ON_NODE, "GLOO_SOCKET_IFNAME": HOST_IFACE_ON_NODE,
-           "LD_LIBRARY_PATH": "/opt/x", "Q": "it's; $HOME"}
-    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), env,
-                           ["sh", "-c", 'echo "$GLOO_SOCKET_IFNAME|$NCCL_SOCKET_IFNAME|$LD_LIBRARY_PATH|$Q"'])
-    out = _run_wrapper(["bash", "-c", script], env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/keep"})
+    env = {
+        "NCCL_SOCKET_IFNAME": HOST_IFACE_ON_NODE,
+        "GLOO_SOCKET_IFNAME": HOST_IFACE_ON_NODE,
+        "LD_LIBRARY_PATH": "/opt/x",
+        "Q": "it's; $HOME",
+    }
+    script = remote_script(
+        c,
+        c.nodes[0],
+        _cfg(job_id=f"unit-{tmp_path.name}"),
+        env,
+        ["sh", "-c", 'echo "$GLOO_SOCKET_IFNAME|$NCCL_SOCKET_IFNAME|$LD_LIBRARY_PATH|$Q"'],
+    )
+    out = _run_wrapper(
+        ["bash", "-c", script], env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/keep"}
+    )
     assert "lo|lo|/opt/x:/keep|it's; $HOME" in out.stdout
 
 
@@ -231,10 +264,13 @@ def test_closing_stdin_stops_the_whole_tree_including_escaped_sessions(tmp_path)
     """EOF on stdin (launcher gone or stopping) kills the command and a child in its own session."""
     c = _cluster(1)
     pidfile = tmp_path / "child.pid"
-    prog = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
-            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('up', flush=True); time.sleep(300)")
-    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}", stop_grace_s=1.0), {},
-                           [sys.executable, "-c", prog])
+    prog = (
+        f"import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('up', flush=True); time.sleep(300)"
+    )
+    script = remote_script(
+        c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}", stop_grace_s=1.0), {}, [sys.executable, "-c", prog]
+    )
     p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == CHECKED_MARKER
     p.stdin.write("go\n")
@@ -254,8 +290,9 @@ def test_without_go_the_node_runs_nothing(tmp_path):
     """End of input at the gate (another node failed its check, or Ctrl-C): nothing starts."""
     c = _cluster(1)
     flag = tmp_path / "ran"
-    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["touch", str(flag)],
-                           check=True, check_torch=True)
+    script = remote_script(
+        c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["touch", str(flag)], check=True, check_torch=True
+    )
     out = subprocess.run(["bash", "-c", script], input="", capture_output=True, text=True, timeout=30)
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and lines[-1] == CHECKED_MARKER and EXIT_MARKER not in out.stdout
@@ -293,16 +330,26 @@ def test_rendezvous_lock_is_held_from_the_check_to_the_end_and_a_second_holder_r
 def test_the_workload_keeps_the_users_umask(tmp_path):
     """Checkpoints and logs a job writes must not turn private because the wrapper made a lock."""
     c = _cluster(1)
-    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["sh", "-c", "umask"],
-                           lock_port=20000 + os.getpid() % 10000)
+    script = remote_script(
+        c,
+        c.nodes[0],
+        _cfg(job_id=f"unit-{tmp_path.name}"),
+        {},
+        ["sh", "-c", "umask"],
+        lock_port=20000 + os.getpid() % 10000,
+    )
     out = _run_wrapper(["bash", "-c", f"umask 0022; {script}"])
     assert out.returncode == 0 and "0022" in out.stdout.splitlines(), out
 
 
 def test_result_exit_code_is_the_first_failure_and_signals_win():
     nodes = [Node(i, f"h{i}", f"h{i}") for i in range(2)]
-    r = LaunchResult("j", None, {0: NodeOutcome(nodes[0], exit_code=143, stopped=True),
-                                 1: NodeOutcome(nodes[1], exit_code=3)}, first_failure=1)
+    r = LaunchResult(
+        "j",
+        None,
+        {0: NodeOutcome(nodes[0], exit_code=143, stopped=True), 1: NodeOutcome(nodes[1], exit_code=3)},
+        first_failure=1,
+    )
     assert r.exit_code == 3 and list(r.failures) == [nodes[1]]
     r.outcomes[1] = NodeOutcome(nodes[1], exit_code=255, connection_lost=True)
     assert r.exit_code == 255 and r.outcomes[1].status.startswith("unreachable")
@@ -316,8 +363,10 @@ def test_result_exit_code_is_the_first_failure_and_signals_win():
 def test_dry_run_prints_host_tab_command_per_node_and_connects_to_nothing(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("192.0.2.10\n192.0.2.11 slots=2\n")  # TEST-NET-1: nothing answers there
-    r = CliRunner().invoke(main, ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs"),
-                                  "--", "train.py", HOSTILE])
+    r = CliRunner().invoke(
+        main,
+        ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs"), "--", "train.py", HOSTILE],
+    )
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
     assert [l.split("\t")[0] for l in lines] == ["192.0.2.10", "192.0.2.11"]
@@ -348,14 +397,30 @@ def test_label_discovery_without_google_credentials_is_one_line(tmp_path, monkey
 def test_runs_dir_that_cannot_be_created_is_one_line_and_nothing_runs(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--runs-dir", str(blocker / "runs"),
-                                  "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "exec",
+            "--local",
+            "--nodes",
+            "2",
+            "--runs-dir",
+            str(blocker / "runs"),
+            "--",
+            "sh",
+            "-c",
+            'touch "$0-$GPUFLEET_NODE_RANK"',
+            str(tmp_path / "ran"),
+        ],
+    )
     assert r.exit_code == 2, r.output
     assert "cannot create the run directory" in r.output and "--runs-dir" in r.output
     assert not list(tmp_path.glob("ran-*"))
 
 
-@pytest.mark.parametrize("extra, flag", [(["--exclude", "x"], "--exclude"), (["--machine-type", "a2-highgpu-1g"], "--machine-type")])
+@pytest.mark.parametrize(
+    "extra, flag", [(["--exclude", "x"], "--exclude"), (["--machine-type", "a2-highgpu-1g"], "--machine-type")]
+)
 def test_local_refuses_options_that_name_machines(extra, flag):
     r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", *extra, "--", "true"])
     assert r.exit_code == 2 and f"error: {flag} does not apply to --local" in r.output, r.output
@@ -364,7 +429,15 @@ def test_local_refuses_options_that_name_machines(extra, flag):
 def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("192.0.2.10\n192.0.2.11\n192.0.2.12\n")  # TEST-NET-1: nothing answers there
-    base = ["nccl-tests", "--hostfile", str(hf), "--machine-type", "a3-megagpu-8g", "--runs-dir", str(tmp_path / "runs")]
+    base = [
+        "nccl-tests",
+        "--hostfile",
+        str(hf),
+        "--machine-type",
+        "a3-megagpu-8g",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
     r = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run"])
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
@@ -387,8 +460,8 @@ def test_rank_count_follows_each_nodes_slots():
 
 
 def test_the_status_line_names_the_last_nodes_still_to_answer():
-    from launcher.render import live_printer
     from launcher.launch import NodeEvent, NodeState
+    from launcher.render import live_printer
 
     c = _cluster(5)
     on_event, status = live_printer(c)
@@ -401,7 +474,10 @@ def test_the_status_line_names_the_last_nodes_still_to_answer():
         checked(0)
         assert str(status.status) == "checked 1/5 nodes"
         checked(2)
-        assert str(status.status) == "checked 2/5 nodes; waiting for node 1 (10.0.0.3), node 3 (10.0.0.5), node 4 (10.0.0.6)"
+        assert (
+            str(status.status)
+            == "checked 2/5 nodes; waiting for node 1 (10.0.0.3), node 3 (10.0.0.5), node 4 (10.0.0.6)"
+        )
         checked(4)
         on_event(NodeEvent(c.nodes[1], state=NodeState.UNREACHABLE, detail="Connection refused"))
         assert str(status.status) == "checked 4/5 nodes; waiting for node 3 (10.0.0.5)"
@@ -414,48 +490,90 @@ def test_the_status_line_names_the_last_nodes_still_to_answer():
 def test_a_missing_workdir_is_found_by_the_check_and_nothing_runs(tmp_path):
     """--local nodes run the same node-side program as SSH nodes: the check fails, no node goes."""
     wd, runs = tmp_path / "nowhere", tmp_path / "runs"
-    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--workdir", str(wd), "--runs-dir", str(runs),
-                                  "--", "sh", "-c", 'touch "$0-$GPUFLEET_NODE_RANK"', str(tmp_path / "ran")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "exec",
+            "--local",
+            "--nodes",
+            "2",
+            "--workdir",
+            str(wd),
+            "--runs-dir",
+            str(runs),
+            "--",
+            "sh",
+            "-c",
+            'touch "$0-$GPUFLEET_NODE_RANK"',
+            str(tmp_path / "ran"),
+        ],
+    )
     assert r.exit_code == 2, r.output
     errors = [l for l in r.output.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and f"--workdir '{wd}' does not exist on" in errors[0], r.output
     assert not list(tmp_path.glob("ran-*")) and not runs.exists()
     # With the directory there, the same command runs on both nodes, in it.
     wd.mkdir()
-    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--workdir", str(wd), "--runs-dir", str(runs),
-                                  "--", "sh", "-c", 'touch "ran-$GPUFLEET_NODE_RANK"'])
+    r = CliRunner().invoke(
+        main,
+        [
+            "exec",
+            "--local",
+            "--nodes",
+            "2",
+            "--workdir",
+            str(wd),
+            "--runs-dir",
+            str(runs),
+            "--",
+            "sh",
+            "-c",
+            'touch "ran-$GPUFLEET_NODE_RANK"',
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert sorted(f.name for f in wd.iterdir()) == ["ran-0", "ran-1"]
 
 
-@pytest.mark.parametrize("args, culprit", [
-    (["exec", "--local", "--nodes", "0", "--", "true"], "--nodes 0"),
-    (["exec", "--hostfile", "{empty}", "--", "true"], "lists no hosts"),
-    (["exec", "--hostfile", "{spaces}", "--", "true"], "'one' is not understood"),
-    (["exec", "--hostfile", "{meta}", "--", "true"], "not a valid host"),
-    (["exec", "--outputs", "{nonodes}", "--", "true"], "'nodes' is missing"),
-    (["exec", "--outputs", "{notjson}", "--", "true"], "is not JSON"),
-    (["exec", "--hostfile", "{hosts}", "--local", "--nodes", "1", "--", "true"], "exactly one node source"),
-    (["exec", "--", "true"], "exactly one node source"),
-    (["exec", "--hostfile", "{hosts}", "--nodes", "9", "--", "true"], "2 found"),
-    (["run", "--hostfile", "{hosts}", "--env", "=x", "--", "a.py"], "--env"),
-    (["run", "--hostfile", "{hosts}", "--rdzv-port", "80", "--", "a.py"], "--rdzv-port 80"),
-    (["run", "--hostfile", "{hosts}", "--machine-type", "a3-mega", "--", "a.py"], "a3-mega"),
-    (["run", "--hostfile", "{hosts}"], "nothing to run"),
-    (["exec", "--hostfile", "{hosts}", "--ssh-option", "BatchMode", "--", "true"], "--ssh-option"),
-    (["exec", "--label", "team=a", "--", "true"], "--project and --zone"),
-])
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["exec", "--local", "--nodes", "0", "--", "true"], "--nodes 0"),
+        (["exec", "--hostfile", "{empty}", "--", "true"], "lists no hosts"),
+        (["exec", "--hostfile", "{spaces}", "--", "true"], "'one' is not understood"),
+        (["exec", "--hostfile", "{meta}", "--", "true"], "not a valid host"),
+        (["exec", "--outputs", "{nonodes}", "--", "true"], "'nodes' is missing"),
+        (["exec", "--outputs", "{notjson}", "--", "true"], "is not JSON"),
+        (["exec", "--hostfile", "{hosts}", "--local", "--nodes", "1", "--", "true"], "exactly one node source"),
+        (["exec", "--", "true"], "exactly one node source"),
+        (["exec", "--hostfile", "{hosts}", "--nodes", "9", "--", "true"], "2 found"),
+        (["run", "--hostfile", "{hosts}", "--env", "=x", "--", "a.py"], "--env"),
+        (["run", "--hostfile", "{hosts}", "--rdzv-port", "80", "--", "a.py"], "--rdzv-port 80"),
+        (["run", "--hostfile", "{hosts}", "--machine-type", "a3-mega", "--", "a.py"], "a3-mega"),
+        (["run", "--hostfile", "{hosts}"], "nothing to run"),
+        (["exec", "--hostfile", "{hosts}", "--ssh-option", "BatchMode", "--", "true"], "--ssh-option"),
+        (["exec", "--label", "team=a", "--", "true"], "--project and --zone"),
+    ],
+)
 def test_user_errors_are_one_line_exit_2_and_run_nothing(tmp_path, args, culprit):
     files = {
-        "empty": "", "spaces": "node one\n", "nonodes": json.dumps({"cluster": "x"}),
-        "notjson": "{", "hosts": "192.0.2.10\n192.0.2.11\n", "meta": "a;b\n",
+        "empty": "",
+        "spaces": "node one\n",
+        "nonodes": json.dumps({"cluster": "x"}),
+        "notjson": "{",
+        "hosts": "192.0.2.10\n192.0.2.11\n",
+        "meta": "a;b\n",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     args = [a.format(**{k: str(tmp_path / k) for k in files}) for a in args]
     runs = tmp_path / "runs"
-    r = CliRunner().invoke(main, args + ["--runs-dir", str(runs)] if "--" not in args else
-                           args[:args.index("--")] + ["--runs-dir", str(runs)] + args[args.index("--"):])
+    r = CliRunner().invoke(
+        main,
+        args + ["--runs-dir", str(runs)]
+        if "--" not in args
+        else args[: args.index("--")] + ["--runs-dir", str(runs)] + args[args.index("--") :],
+    )
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
     assert culprit in r.output
@@ -473,13 +591,16 @@ def test_local_cluster_has_loopback_nodes():
 
 def _probes(facts: list[dict], skews=None):
     from launcher.preflight import Probe
+
     c = _cluster(len(facts))
-    return c, {n.rank: Probe(n, True, facts=f, skew_s=(skews or [0.0] * len(facts))[n.rank])
-               for n, f in zip(c.nodes, facts)}
+    return c, {
+        n.rank: Probe(n, True, facts=f, skew_s=(skews or [0.0] * len(facts))[n.rank]) for n, f in zip(c.nodes, facts)
+    }
 
 
 def test_preflight_refuses_different_torch_versions_naming_each_node():
     from launcher.preflight import check_probes
+
     c, probes = _probes([{"host": "a", "torch": "2.13.0"}, {"host": "b", "torch": "2.12.1"}])
     with pytest.raises(UserError, match=r"torch versions differ .*node 1 \(10.0.0.3\): 2.12.1"):
         check_probes(c, probes, _cfg())
@@ -487,6 +608,7 @@ def test_preflight_refuses_different_torch_versions_naming_each_node():
 
 def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
     from launcher.preflight import Probe, check_probes
+
     c, probes = _probes([{"host": "a", "port": "busy:job0"}, {"host": "b"}, {"host": "c"}])
     with pytest.raises(UserError, match="in use by another launch \\(job job0\\)"):
         check_probes(c, probes, _cfg())
@@ -500,10 +622,14 @@ def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
 
 def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
     from launcher.preflight import check_probes
+
     c = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2", name="gpu-0"), Node(1, "10.0.0.3", "10.0.0.3", name="gpu-1")))
     from launcher.preflight import Probe
-    probes = {0: Probe(c.nodes[0], True, facts={"host": "gpu-0"}, skew_s=0.1),
-              1: Probe(c.nodes[1], True, facts={"host": "old-box"}, skew_s=-7.5)}
+
+    probes = {
+        0: Probe(c.nodes[0], True, facts={"host": "gpu-0"}, skew_s=0.1),
+        1: Probe(c.nodes[1], True, facts={"host": "old-box"}, skew_s=-7.5),
+    }
     warnings = check_probes(c, probes, _cfg())
     assert any("node 1 (10.0.0.3): clock differs from this machine by -7.5 s" in w for w in warnings)
     assert any("hostname is 'old-box', expected 'gpu-1'" in w for w in warnings)
@@ -515,9 +641,14 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
     from launcher.model import SshConfig
     from launcher.preflight import through_gateway
     from launcher.transport import Transport
+
     node = Node(0, "10.0.0.2", "10.0.0.2")
-    for opts, iap, expect in [((), False, False), (("ProxyJump=bastion",), False, True),
-                              (("ProxyCommand=nc %h %p",), False, True), ((), True, True)]:
+    for opts, iap, expect in [
+        ((), False, False),
+        (("ProxyJump=bastion",), False, True),
+        (("ProxyCommand=nc %h %p",), False, True),
+        ((), True, True),
+    ]:
         ssh = SshConfig(options=opts, iap=iap, zone="z")
         t = Transport(False, ssh_base_argv(ssh, "/tmp/ctl", "/tmp/kh"))
         assert through_gateway(t, node, _cfg(ssh=ssh)) is expect, opts
@@ -526,8 +657,12 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
 def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():
     from launcher.command import ssh_argv, ssh_base_argv
     from launcher.model import SshConfig
-    base = ssh_base_argv(SshConfig(user="ml", options=("StrictHostKeyChecking=yes",), iap=True, zone="us-east5-a"),
-                         "/tmp/ctl", "/home/u/.cache/gpufleet/known_hosts/c-1")
+
+    base = ssh_base_argv(
+        SshConfig(user="ml", options=("StrictHostKeyChecking=yes",), iap=True, zone="us-east5-a"),
+        "/tmp/ctl",
+        "/home/u/.cache/gpufleet/known_hosts/c-1",
+    )
     opts = [base[i + 1] for i, a in enumerate(base) if a == "-o"]
     # ssh keeps the first value of an option: the user's comes before the default.
     assert opts.index("StrictHostKeyChecking=yes") < opts.index("StrictHostKeyChecking=accept-new")
@@ -542,8 +677,23 @@ def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win()
 
 def test_local_exec_passes_env_and_a_dash_command_literally(tmp_path):
     runs = str(tmp_path / "runs")
-    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--env", "GREETING=a b;c", "--runs-dir", runs,
-                                  "--", "sh", "-c", 'echo "[$GREETING] $GPUFLEET_NODE_RANK"'])
+    r = CliRunner().invoke(
+        main,
+        [
+            "exec",
+            "--local",
+            "--nodes",
+            "2",
+            "--env",
+            "GREETING=a b;c",
+            "--runs-dir",
+            runs,
+            "--",
+            "sh",
+            "-c",
+            'echo "[$GREETING] $GPUFLEET_NODE_RANK"',
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "[node 0] [a b;c] 0" in r.output and "[node 1] [a b;c] 1" in r.output
     r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--runs-dir", runs, "--", "-x"])
@@ -564,11 +714,13 @@ def test_the_check_sees_the_launch_environment(tmp_path):
 
     c = _cluster(1)
     venv_bin = str(Path(sys.executable).parent)
-    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {"PATH": venv_bin},
-                           ["true"], check=True, check_torch=True)
+    script = remote_script(
+        c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {"PATH": venv_bin}, ["true"], check=True, check_torch=True
+    )
     # A PATH without this venv: its `python3` (if any) has no torch, so only --env can find it.
-    out = subprocess.run(["bash", "-c", script], input="", capture_output=True, text=True, timeout=60,
-                         env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        ["bash", "-c", script], input="", capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
+    )
     facts = dict(l.split("=", 1) for l in out.stdout.splitlines() if "=" in l)
     assert facts["torch"] == importlib.metadata.version("torch"), out.stdout + out.stderr
 
@@ -585,31 +737,39 @@ def test_launch_version_names_the_installed_package():
 
 def test_pyproject_license_is_an_spdx_string_setuptools_reads_without_a_warning():
     # setuptools deprecates `license = { text = ... }` with a warning block on every build (PEP 639).
-    prog = ("from setuptools.config.pyprojecttoml import apply_configuration; "
-            "from setuptools.dist import Distribution; "
-            "print(apply_configuration(Distribution(), 'pyproject.toml').metadata.license_expression)")
-    p = subprocess.run([sys.executable, "-W", "error", "-c", prog], capture_output=True, text=True,
-                       cwd=REPO, timeout=60)
+    prog = (
+        "from setuptools.config.pyprojecttoml import apply_configuration; "
+        "from setuptools.dist import Distribution; "
+        "print(apply_configuration(Distribution(), 'pyproject.toml').metadata.license_expression)"
+    )
+    p = subprocess.run(
+        [sys.executable, "-W", "error", "-c", prog], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert p.returncode == 0 and p.stdout.strip() == "Apache-2.0", p.stderr[-2000:]
 
 
 def test_a_sweep_error_line_names_its_node_as_the_cause(tmp_path):
     """Node 1's sweep says what is wrong, then node 0 exits first: node 1 is still the cause."""
-    cmd = ('if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo "sweep: root 5 is not a rank of this run" >&2; '
-           "sleep 30; else sleep 2; exit 1; fi")
-    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"),
-                                  "--", "sh", "-c", cmd])
+    cmd = (
+        'if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo "sweep: root 5 is not a rank of this run" >&2; '
+        "sleep 30; else sleep 2; exit 1; fi"
+    )
+    r = CliRunner().invoke(
+        main, ["exec", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"), "--", "sh", "-c", cmd]
+    )
     assert r.exit_code != 0, r.output
     assert "node 1 (localhost) failed first" in r.output, r.output
     assert "  sweep: root 5 is not a rank of this run" in r.output
 
 
 def test_the_sweep_json_line_and_c10d_dns_warnings_stay_in_the_log_not_the_live_stream(tmp_path):
-    dns = ("[W1123 09:18:02.123456789 socket.cpp:204] [c10d] The hostname of the client socket cannot "
-           "be retrieved. err=-3")
+    dns = (
+        "[W1123 09:18:02.123456789 socket.cpp:204] [c10d] The hostname of the client socket cannot be retrieved. err=-3"
+    )
     cmd = f'echo "#gpufleet-json {{\\"rows\\": []}}"; echo "{dns}" >&2; echo visible'
-    r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--runs-dir", str(tmp_path / "runs"),
-                                  "--", "sh", "-c", cmd])
+    r = CliRunner().invoke(
+        main, ["exec", "--local", "--nodes", "1", "--runs-dir", str(tmp_path / "runs"), "--", "sh", "-c", cmd]
+    )
     assert r.exit_code == 0, r.output
     assert "[node 0] visible" in r.output
     assert "gpufleet-json" not in r.output and "hostname of the client socket" not in r.output

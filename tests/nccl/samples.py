@@ -2,16 +2,19 @@
 
 # nccl-tests 2.13+: #wrong, redop and root columns; 2 nodes × 8 ranks (16 rank lines); one row
 # with 3 wrong elements in place; mpirun noise and an NCCL INFO line between the lines.
-MODERN_ALL_GATHER = """\
+MODERN_ALL_GATHER = (
+    """\
 # nccl-tests version 2.13.9 nccl-headers=21903 nccl-library=21903
 # Collective test starting: ./build/all_gather_perf
 # nThread 1 nGpus 1 minBytes 8388608 maxBytes 8589934592 step: 2(factor) warmup iters: 5 iters: 200 agg iters: 1 validation: 1 graph: 0
 #
 # Using devices
-""" + "".join(
-    f"#  Rank {r:2d} Group  0 Pid {1000 + r:6d} on a3mega-{r // 8} device {r % 8:2d} [0000:{r:02x}:00] NVIDIA H100 80GB HBM3\n"
-    for r in range(16)
-) + """\
+"""
+    + "".join(
+        f"#  Rank {r:2d} Group  0 Pid {1000 + r:6d} on a3mega-{r // 8} device {r % 8:2d} [0000:{r:02x}:00] NVIDIA H100 80GB HBM3\n"
+        for r in range(16)
+    )
+    + """\
 #
 #                                                              out-of-place                       in-place          
 #       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong 
@@ -26,6 +29,7 @@ Warning: Permanently added 'a3mega-1' (ED25519) to the list of known hosts.
 #
 # Collective test concluded: ./build/all_gather_perf
 """
+)
 
 # Before 2020: `error` (max abs error) instead of #wrong, no root column (all_reduce).
 OLD_ALL_REDUCE = """\

@@ -11,8 +11,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from gpufleet.groups import format_rounds, group_documents, parse_rounds
 from gpufleet.contracts import JSON_MARKER
+from gpufleet.groups import format_rounds, group_documents, parse_rounds
 from launcher import badnodes
 from launcher.cli import main
 from tests.support import Launch, source_args, torch_args, wait_for, workers
@@ -47,12 +47,14 @@ def test_a_bad_plan_names_the_round_and_the_part(text, needle):
 def test_group_documents_are_the_json_lines_with_nodes_and_skip_a_torn_one():
     doc = {"version": 1, "round": 0, "nodes": [0, 3], "nranks": 2, "rows": [{"size": 8}]}
     plain = {"version": 1, "nranks": 2, "rows": []}  # a sweep without --rounds
-    text = "\n".join([
-        "# round 1: nodes 0+3",
-        JSON_MARKER + json.dumps(doc),
-        JSON_MARKER + json.dumps(plain),
-        JSON_MARKER + json.dumps(doc)[:20],  # its node died mid-line
-    ])
+    text = "\n".join(
+        [
+            "# round 1: nodes 0+3",
+            JSON_MARKER + json.dumps(doc),
+            JSON_MARKER + json.dumps(plain),
+            JSON_MARKER + json.dumps(doc)[:20],  # its node died mid-line
+        ]
+    )
     assert group_documents(text) == [doc]
 
 
@@ -60,7 +62,7 @@ def test_group_documents_are_the_json_lines_with_nodes_and_skip_a_torn_one():
 
 
 def _pairs(nodes: list[str], slow: set[str], fast: float = 10.0, slow_bw: float = 0.1) -> dict:
-    return {(a, b): (slow_bw if {a, b} & slow else fast) for i, a in enumerate(nodes) for b in nodes[i + 1:]}
+    return {(a, b): (slow_bw if {a, b} & slow else fast) for i, a in enumerate(nodes) for b in nodes[i + 1 :]}
 
 
 def test_a_node_far_below_every_other_pair_is_decisive():
@@ -90,8 +92,19 @@ def test_a_bad_pair_budget_is_one_line_before_anything_runs(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("192.0.2.10\n192.0.2.11\n192.0.2.12\n")  # TEST-NET-1: nothing answers there
     for value in ("0", "-1", "nan"):
-        r = CliRunner().invoke(main, ["nccl-tests", "--hostfile", str(hf), "--find-bad-nodes",
-                                      "--pair-budget", value, "--runs-dir", str(tmp_path / "runs")])
+        r = CliRunner().invoke(
+            main,
+            [
+                "nccl-tests",
+                "--hostfile",
+                str(hf),
+                "--find-bad-nodes",
+                "--pair-budget",
+                value,
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ],
+        )
         assert r.exit_code == 2, r.output
         assert f"error: --pair-budget {float(value)} must be a number of seconds > 0" in r.output
     assert not (tmp_path / "runs").exists()
@@ -102,8 +115,7 @@ def test_a_bad_pair_budget_is_one_line_before_anything_runs(tmp_path):
 # 8 MiB all_reduce: one call between the throttled node and another moves 8 MiB each way, ~1.7 s
 # at 40 Mbit/s. Timed in full (-w 1, then per block 1 untimed + -n 20 + -c 1) a slow pair makes
 # 45 calls, ~75 s, in each of the 3 rounds: over 200 s. Under --pair-budget 0.5 it makes one.
-BOUNDED = ["--ops", "all_reduce", "-b", "8M", "-e", "8M", "-n", "20", "-w", "1", "-c", "1",
-           "--pair-budget", "0.5"]
+BOUNDED = ["--ops", "all_reduce", "-b", "8M", "-e", "8M", "-n", "20", "-w", "1", "-c", "1", "--pair-budget", "0.5"]
 LIMIT_S = 100.0
 
 
@@ -114,8 +126,7 @@ def test_a_throttled_node_is_named_in_bounded_time_by_its_pairs_one_call_each(si
     c.throttle(2, "40mbit")
     slow = c.nodes[2].address
     t0 = time.monotonic()
-    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(),
-                                  *BOUNDED, "--find-bad-nodes"])
+    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(), *BOUNDED, "--find-bad-nodes"])
     elapsed = time.monotonic() - t0
     assert r.exit_code == 1, r.output
     assert f"--exclude {slow}\n" in r.output and f"{slow}: busbw " in r.output
@@ -149,8 +160,23 @@ def test_when_the_pairs_do_not_settle_it_the_halves_run_in_one_more_launch(sim_c
     c = sim_cluster(4, mode="netns")
     c.throttle(1, "40mbit")
     slow = c.nodes[1].address
-    r = CliRunner().invoke(main, ["nccl-tests", *source_args(c, tmp_path), *torch_args(), "--ops", "all_reduce",
-                                  "-b", "512K", "-e", "512K", "-n", "5", "--find-bad-nodes"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "nccl-tests",
+            *source_args(c, tmp_path),
+            *torch_args(),
+            "--ops",
+            "all_reduce",
+            "-b",
+            "512K",
+            "-e",
+            "512K",
+            "-n",
+            "5",
+            "--find-bad-nodes",
+        ],
+    )
     assert r.exit_code == 1, r.output
     (line,) = [l for l in r.output.splitlines() if l.startswith("clean half ")]
     clean, suspect = (re.search(rf"{name} half (\S+): ([\d.]+) GB/s", line).groups() for name in ("clean", "suspect"))
@@ -170,8 +196,22 @@ def test_a_signal_during_the_pairs_stops_every_node_and_gives_no_verdict(sim_clu
     search starts no other launch, and it ends with 128+signal and no verdict."""
     c = sim_cluster(3, mode="netns")
     # Long enough that the signal lands while the pairs' sweep runs: 1000 timed 8 MiB calls a size.
-    args = ["nccl-tests", *source_args(c, tmp_path), *torch_args(), "--ops", "all_reduce", "-b", "8M", "-e", "8M",
-            "-n", "1000", "--pair-budget", "600", "--find-bad-nodes"]
+    args = [
+        "nccl-tests",
+        *source_args(c, tmp_path),
+        *torch_args(),
+        "--ops",
+        "all_reduce",
+        "-b",
+        "8M",
+        "-e",
+        "8M",
+        "-n",
+        "1000",
+        "--pair-budget",
+        "600",
+        "--find-bad-nodes",
+    ]
     run = Launch(args, tmp_path / "launch.out")
     try:
         wait_for(lambda: all(workers(c, i) for i in range(3)), 120, "sweep workers on every node", run)

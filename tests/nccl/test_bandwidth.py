@@ -10,14 +10,27 @@ from gpufleet.contracts import SweepRow
 
 # (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (perf-anchors §1.1).
 HAND_FACTORS = {
-    ("all_reduce", 2): 1.0, ("all_reduce", 3): 4 / 3, ("all_reduce", 6): 10 / 6,
-    ("all_reduce", 8): 1.75, ("all_reduce", 16): 1.875, ("all_reduce", 1): 0.0,
-    ("all_gather", 2): 0.5, ("all_gather", 6): 5 / 6, ("all_gather", 16): 0.9375,
-    ("reduce_scatter", 2): 0.5, ("reduce_scatter", 8): 0.875, ("reduce_scatter", 3): 2 / 3,
-    ("alltoall", 4): 0.75, ("alltoall", 8): 0.875, ("alltoall", 1): 0.0,
-    ("broadcast", 2): 1.0, ("broadcast", 16): 1.0,
-    ("reduce", 3): 1.0, ("reduce", 64): 1.0,
-    ("sendrecv", 2): 1.0, ("sendrecv", 8): 1.0,
+    ("all_reduce", 2): 1.0,
+    ("all_reduce", 3): 4 / 3,
+    ("all_reduce", 6): 10 / 6,
+    ("all_reduce", 8): 1.75,
+    ("all_reduce", 16): 1.875,
+    ("all_reduce", 1): 0.0,
+    ("all_gather", 2): 0.5,
+    ("all_gather", 6): 5 / 6,
+    ("all_gather", 16): 0.9375,
+    ("reduce_scatter", 2): 0.5,
+    ("reduce_scatter", 8): 0.875,
+    ("reduce_scatter", 3): 2 / 3,
+    ("alltoall", 4): 0.75,
+    ("alltoall", 8): 0.875,
+    ("alltoall", 1): 0.0,
+    ("broadcast", 2): 1.0,
+    ("broadcast", 16): 1.0,
+    ("reduce", 3): 1.0,
+    ("reduce", 64): 1.0,
+    ("sendrecv", 2): 1.0,
+    ("sendrecv", 8): 1.0,
 }
 
 
@@ -80,8 +93,7 @@ def test_coll_sizes_send_and_recv_sides():
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("8", 8), ("1K", 1024), ("1k", 1024), ("8M", 8 << 20), ("8G", 8 << 30), ("32m", 32 << 20),
-     (" 64 ", 64)],
+    [("8", 8), ("1K", 1024), ("1k", 1024), ("8M", 8 << 20), ("8G", 8 << 30), ("32m", 32 << 20), (" 64 ", 64)],
 )
 def test_parse_size_binary_suffixes(text, value):
     assert bw.parse_size(text) == value
@@ -168,5 +180,4 @@ def test_the_single_nic_collectives_get_one_nics_share_of_the_plateau():
     machine = lookup("a3-megagpu-8g")
     assert [c for c in bw.COLLECTIVES if bw.uses_single_nic(c)] == ["alltoall", "sendrecv"]
     nics = max(1, len(machine.gpu_nics))
-    assert bw.plateau_busbw(machine, "alltoall", 2) == pytest.approx(
-        bw.plateau_busbw(machine, "all_gather", 2) / nics)
+    assert bw.plateau_busbw(machine, "alltoall", 2) == pytest.approx(bw.plateau_busbw(machine, "all_gather", 2) / nics)

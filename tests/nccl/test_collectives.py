@@ -14,10 +14,35 @@ from launcher.cli import main
 
 
 def test_the_flags_are_nccl_tests_letters_in_its_order_with_the_request_values():
-    spec = SweepSpec(ops="all", minbytes="1K", maxbytes="8M", stepfactor=4, iters=7, warmup_iters=3, check=0,
-                     datatype="half", redop="max")
-    assert spec.flags() == ["-b", "1K", "-e", "8M", "-f", "4", "-n", "7", "-w", "3", "-c", "0", "-d", "half",
-                            "-o", "max"]
+    spec = SweepSpec(
+        ops="all",
+        minbytes="1K",
+        maxbytes="8M",
+        stepfactor=4,
+        iters=7,
+        warmup_iters=3,
+        check=0,
+        datatype="half",
+        redop="max",
+    )
+    assert spec.flags() == [
+        "-b",
+        "1K",
+        "-e",
+        "8M",
+        "-f",
+        "4",
+        "-n",
+        "7",
+        "-w",
+        "3",
+        "-c",
+        "0",
+        "-d",
+        "half",
+        "-o",
+        "max",
+    ]
     assert spec.sweep_argv() == ["--ops", "all", *spec.flags()]
     assert [flag for _, flag in SWEEP_FLAGS] == ["-b", "-e", "-f", "-n", "-w", "-c", "-d", "-o"]
 
@@ -25,8 +50,17 @@ def test_the_flags_are_nccl_tests_letters_in_its_order_with_the_request_values()
 def test_workloads_sweep_reads_the_request_as_it_was_meant():
     """The table is checked against the sweep's own parser: every flag lands on its field."""
     sweep = pytest.importorskip("workloads.sweep")
-    spec = SweepSpec(ops="all_gather,broadcast", minbytes="2K", maxbytes="64K", stepfactor=4, iters=7,
-                     warmup_iters=3, check=0, datatype="double", redop="min")
+    spec = SweepSpec(
+        ops="all_gather,broadcast",
+        minbytes="2K",
+        maxbytes="64K",
+        stepfactor=4,
+        iters=7,
+        warmup_iters=3,
+        check=0,
+        datatype="double",
+        redop="min",
+    )
     cfg = sweep.parse_args(spec.sweep_argv())
     assert cfg.collectives == ("all_gather", "broadcast")
     assert (cfg.minbytes, cfg.maxbytes, cfg.stepfactor) == (2048, 65536, 4)
@@ -49,8 +83,20 @@ def test_an_unknown_collective_is_one_line_before_any_node_is_contacted(tmp_path
     hf = tmp_path / "hosts"
     hf.write_text("192.0.2.10\n192.0.2.11\n")  # TEST-NET-1: nothing answers there
     for impl in ("torch", "nccl-tests"):
-        r = CliRunner().invoke(main, ["nccl-tests", "--hostfile", str(hf), "--ops", "allreduce", "--impl", impl,
-                                      "--runs-dir", str(tmp_path / "runs")])
+        r = CliRunner().invoke(
+            main,
+            [
+                "nccl-tests",
+                "--hostfile",
+                str(hf),
+                "--ops",
+                "allreduce",
+                "--impl",
+                impl,
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ],
+        )
         assert r.exit_code == 2, r.output
         (line,) = [ln for ln in r.output.splitlines() if ln.strip()]
         assert line.startswith("error: --ops allreduce: collective 'allreduce' is unknown; one of: all_reduce")

@@ -48,8 +48,9 @@ def _slowed(rows: list[rep.SweepRow], k: float, start: int = SLOW_FROM) -> list[
         if r.size >= start:
             ot, oa, ob = block(r.oop_time_us, r.oop_algbw, r.oop_busbw)
             it, ia, ib = block(r.ip_time_us, r.ip_algbw, r.ip_busbw)
-            r = dataclasses.replace(r, oop_time_us=ot, oop_algbw=oa, oop_busbw=ob,
-                                    ip_time_us=it, ip_algbw=ia, ip_busbw=ib)
+            r = dataclasses.replace(
+                r, oop_time_us=ot, oop_algbw=oa, oop_busbw=ob, ip_time_us=it, ip_algbw=ia, ip_busbw=ib
+            )
         out.append(r)
     return out
 
@@ -82,8 +83,7 @@ def test_a_cluster_at_60_percent_from_64_mib_up_is_named_slow_at_every_such_size
     assert all(33 <= p <= 45 for p in pcts), pcts
 
 
-@pytest.mark.parametrize("name", ["07-ctk-gke-a3mega-tcpxo-allgather-2node.txt",
-                                  "09-a3mega-slurm-allreduce-2node.txt"])
+@pytest.mark.parametrize("name", ["07-ctk-gke-a3mega-tcpxo-allgather-2node.txt", "09-a3mega-slurm-allreduce-2node.txt"])
 def test_a3_mega_at_85_percent_is_not_called_healthy(name):
     report = rep.expected_judgement(_slowed(_rows(name), 0.85), "a3-megagpu-8g", 16, 2)
     assert report.healthy is False
@@ -94,8 +94,9 @@ def test_a3_mega_at_85_percent_is_not_called_healthy(name):
 def test_a3_high_at_85_percent_still_gets_a_warning_where_the_model_is_tight():
     # A3 High's published sweep stops at 512 MiB, still rising: the model is a lower bound and
     # misses some 15% shortfalls. It must not call the cluster healthy when it sees one.
-    report = rep.expected_judgement(_slowed(_rows("08-ctk-gke-a3high-tcpx-allgather-2node-NA.txt"), 0.85),
-                                    "a3-highgpu-8g", 16, 2)
+    report = rep.expected_judgement(
+        _slowed(_rows("08-ctk-gke-a3high-tcpx-allgather-2node-NA.txt"), 0.85), "a3-highgpu-8g", 16, 2
+    )
     assert report.healthy is False and report.warnings
 
 
@@ -175,22 +176,30 @@ def test_small_sizes_are_judged_by_a_latency_bound_and_say_so():
     rows = _rows("07-ctk-gke-a3mega-tcpxo-allgather-2node.txt")
     report = rep.expected_judgement(rows, "a3-megagpu-8g", 16, 2)
     scope = report.notes[1]
-    assert scope == ("all_gather: busbw judged at 8 MiB-8 GiB (trusted from 8.0 MiB); time judged "
-                     "against a 259 us latency bound at 256 B-1 MiB; not judged at 2 MiB-4 MiB "
-                     "(protocol and algorithm switches)")
+    assert scope == (
+        "all_gather: busbw judged at 8 MiB-8 GiB (trusted from 8.0 MiB); time judged "
+        "against a 259 us latency bound at 256 B-1 MiB; not judged at 2 MiB-4 MiB "
+        "(protocol and algorithm switches)"
+    )
     # A path that adds latency (4x the published times) and leaves bandwidth alone.
-    slow_small = [dataclasses.replace(r, oop_time_us=r.oop_time_us * 4, ip_time_us=r.ip_time_us * 4)
-                  if 0 < r.size <= 1 << 20 else r for r in rows]
+    slow_small = [
+        dataclasses.replace(r, oop_time_us=r.oop_time_us * 4, ip_time_us=r.ip_time_us * 4)
+        if 0 < r.size <= 1 << 20
+        else r
+        for r in rows
+    ]
     report = rep.expected_judgement(slow_small, "a3-megagpu-8g", 16, 2)
     assert report.warnings and all("above the latency bound of 259 us" in w for w in report.warnings)
     assert not any("%" in w for w in report.warnings)
-    assert report.verdict == ("slower than the latency bound at 256 B-1 MiB: small messages are slow "
-                              "(see --find-bad-nodes)")
+    assert report.verdict == (
+        "slower than the latency bound at 256 B-1 MiB: small messages are slow (see --find-bad-nodes)"
+    )
 
 
 def test_a_stack_without_published_small_sizes_leaves_them_unjudged():
-    rows = [dataclasses.replace(r, collective="all_gather") for r in _rows(
-        "07-ctk-gke-a3mega-tcpxo-allgather-2node.txt")]
+    rows = [
+        dataclasses.replace(r, collective="all_gather") for r in _rows("07-ctk-gke-a3mega-tcpxo-allgather-2node.txt")
+    ]
     report = rep.expected_judgement(rows, "a4-highgpu-8g", 16, 2)
     assert "no published small-size times" in report.notes[1]
     assert report.judgements[0].bounded == []
@@ -212,8 +221,9 @@ def test_the_calibration_constants_are_what_the_published_sweeps_fit():
     exp = expected.expectation("a3-megagpu-8g", "all_reduce", 16, 2)
     points = [(r.size, r.best_busbw) for r in _rows(name) if r.size > 0]
     cal = expected.CALIBRATIONS[(lookup("a3-megagpu-8g").net_stack, "all_reduce", Algorithm.NVLS_TREE)]
-    assert expected.fit_calibration(points, exp.plateau, exp.factor, cal.trusted_fraction) == \
-        pytest.approx(cal.latency_s, abs=5e-6)
+    assert expected.fit_calibration(points, exp.plateau, exp.factor, cal.trusted_fraction) == pytest.approx(
+        cal.latency_s, abs=5e-6
+    )
 
 
 def test_bandwidth_keeps_its_old_names():

@@ -38,8 +38,10 @@ def _file(prefix: str) -> Path:
 
 def _kubectl_timestamps(text: str) -> str:
     """`kubectl logs --timestamps`: the kubelet's RFC 3339 time (nanoseconds, Z) and a space."""
-    return "".join(f"2026-11-23T09:{i // 60 % 60:02d}:{i % 60:02d}.{(i * 7919) % 10**9:09d}Z {line}\n"
-                   for i, line in enumerate(text.splitlines()))
+    return "".join(
+        f"2026-11-23T09:{i // 60 % 60:02d}:{i % 60:02d}.{(i * 7919) % 10**9:09d}Z {line}\n"
+        for i, line in enumerate(text.splitlines())
+    )
 
 
 def _srun_label(text: str) -> str:
@@ -49,8 +51,7 @@ def _srun_label(text: str) -> str:
 
 def _mpirun_tag_output(text: str) -> str:
     """`mpirun --tag-output`: `[jobid,rank]<stdout>:` (03 was published with it already)."""
-    return "".join(line + "\n" if line.startswith("[1,") else f"[1,0]<stdout>:{line}\n"
-                   for line in text.splitlines())
+    return "".join(line + "\n" if line.startswith("[1,") else f"[1,0]<stdout>:{line}\n" for line in text.splitlines())
 
 
 def _windows(text: str) -> str:
@@ -71,9 +72,19 @@ PIPES = {
 # both print (no op, no root, count per rank, busbw = (n-1)/n algbw): the file names in
 # EXPECTED.json's collective_basis are not in the output, so the parser says "unknown".
 SAYS = {
-    "01": "all_reduce", "02": "all_reduce", "03": "all_reduce", "04": "unknown",
-    "05": "unknown", "06": "broadcast", "07": "unknown", "08": "unknown", "09": "all_reduce",
-    "10": "all_reduce", "11": "all_reduce", "12": "all_reduce", "13": "all_reduce",
+    "01": "all_reduce",
+    "02": "all_reduce",
+    "03": "all_reduce",
+    "04": "unknown",
+    "05": "unknown",
+    "06": "broadcast",
+    "07": "unknown",
+    "08": "unknown",
+    "09": "all_reduce",
+    "10": "all_reduce",
+    "11": "all_reduce",
+    "12": "all_reduce",
+    "13": "all_reduce",
     "14": "all_reduce",
 }
 
@@ -109,14 +120,18 @@ def test_the_command_reads_every_corpus_file_from_stdin(tmp_path, name, pipe):
     assert len(rows) == exp["data_rows"]
     largest = max(rows, key=lambda o: o["size"])
     assert [f"{largest['oop_busbw']:.2f}", f"{largest['ip_busbw']:.2f}"] == [
-        exp["largest_out_of_place_busbw"], exp["largest_in_place_busbw"]]
+        exp["largest_out_of_place_busbw"],
+        exp["largest_in_place_busbw"],
+    ]
     assert f"stdin: {'collective unknown' if SAYS[name[:2]] == 'unknown' else SAYS[name[:2]]}" in r.stderr
 
 
 def test_unknown_says_which_binaries_fit_and_why():
     (test,) = nccl_parse.parse_tests(_file("05").read_text())
-    assert test.basis == ("the output does not say; its rows (redop none, no root, count per rank, "
-                          "busbw/algbw) fit all_gather or alltoall")
+    assert test.basis == (
+        "the output does not say; its rows (redop none, no root, count per rank, "
+        "busbw/algbw) fit all_gather or alltoall"
+    )
     (bcast,) = nccl_parse.parse_tests(_file("06").read_text())
     assert bcast.basis.startswith("from its rows: redop none, root 0, count = size/type size")
     (started,) = nccl_parse.parse_tests(_file("12").read_text())
@@ -137,8 +152,10 @@ def test_the_command_line_names_the_binary():
     assert loop.collective == "unknown"
 
 
-_HEADER = ("#       size         count      type   redop    root     time   algbw   busbw #wrong"
-           "     time   algbw   busbw #wrong\n")
+_HEADER = (
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+    "     time   algbw   busbw #wrong\n"
+)
 
 
 def _synthetic(op: str, root: int, per_rank: bool, factor: float, n: int = 8) -> str:
@@ -148,8 +165,10 @@ def _synthetic(op: str, root: int, per_rank: bool, factor: float, n: int = 8) ->
         count = size // 4 // (n if per_rank else 1)
         alg = 100.0 + size / (1 << 30)
         t = size / (alg * 1e9) * 1e6
-        lines.append(f"{size:12d}  {count:12d}  {'float':>8}  {op:>6}  {root:6d}  {t:7.1f}  {alg:6.2f}  "
-                     f"{alg * factor:6.2f}  {0:6d}  {t:7.1f}  {alg:6.2f}  {alg * factor:6.2f}  {0:6d}\n")
+        lines.append(
+            f"{size:12d}  {count:12d}  {'float':>8}  {op:>6}  {root:6d}  {t:7.1f}  {alg:6.2f}  "
+            f"{alg * factor:6.2f}  {0:6d}  {t:7.1f}  {alg:6.2f}  {alg * factor:6.2f}  {0:6d}\n"
+        )
     return "".join(lines)
 
 
@@ -224,7 +243,9 @@ def test_wrong_rows_exit_1_and_are_named_with_the_report_written(tmp_path):
     exp = EXPECTED[Path(f13).name]["wrong_nonzero_rows_oop_ip"]
     assert {s: [o, i] for s, o, i in named} == exp
     assert f"{f13}: all_reduce at 2097152 B: wrong results" in r.stderr
-    assert f"{f13}: all_reduce ('# Collective test starting: all_reduce_perf'); 16 ranks on 4 nodes; 28 rows" in r.stderr
+    assert (
+        f"{f13}: all_reduce ('# Collective test starting: all_reduce_perf'); 16 ranks on 4 nodes; 28 rows" in r.stderr
+    )
     assert "collective sweep" in r.stdout and "89.85" in r.stdout and "# Avg bus bandwidth    : 5.099 GB/s" in r.stdout
     run = _run_dir(tmp_path / "runs")
     doc = json.loads((run / "rows.json").read_text())
@@ -260,8 +281,7 @@ def test_stdin_through_kubectl_and_min_busbw(tmp_path):
 
 def test_expected_bandwidth_as_a_live_run_gives_it(tmp_path):
     f09 = _file("09")
-    r = _launch("--from", str(f09), "--machine-type", "a3-megagpu-8g", "--nodes", "2",
-                "--runs-dir", str(tmp_path))
+    r = _launch("--from", str(f09), "--machine-type", "a3-megagpu-8g", "--nodes", "2", "--runs-dir", str(tmp_path))
     assert r.exit_code == 0, r.output
     rows = rep.parse_output(f09.read_text())
     report = rep.expected_judgement(rows, "a3-megagpu-8g", 16, 2)
@@ -276,8 +296,18 @@ def test_expected_bandwidth_says_what_it_lacks(tmp_path):
     assert "no expected bandwidth: pass --nodes N (the output does not name its hosts)" in r.stderr
     assert f"no expected bandwidth: the collective of {f07} is unknown; pass --ops NAME" in r.stderr
     # Naming it with --ops and the node count gives the comparison.
-    named = _launch("--from", f07, "--ops", "all_gather", "--machine-type", "a3-megagpu-8g",
-                    "--nodes", "2", "--runs-dir", str(tmp_path / "b"))
+    named = _launch(
+        "--from",
+        f07,
+        "--ops",
+        "all_gather",
+        "--machine-type",
+        "a3-megagpu-8g",
+        "--nodes",
+        "2",
+        "--runs-dir",
+        str(tmp_path / "b"),
+    )
     assert named.exit_code == 0, named.output
     assert f"{f07}: all_gather (--ops); 16 ranks; 31 rows" in named.stderr
     rows = rep.parse_output(Path(f07).read_text(), collective="all_gather")
@@ -287,21 +317,32 @@ def test_expected_bandwidth_says_what_it_lacks(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--from", "/nonexistent/slurm-1234.out"],
-         "error: --from /nonexistent/slurm-1234.out: no such file; give a saved nccl-tests or sweep "
-         "output, or - for stdin"),
+        (
+            ["--from", "/nonexistent/slurm-1234.out"],
+            "error: --from /nonexistent/slurm-1234.out: no such file; give a saved nccl-tests or sweep "
+            "output, or - for stdin",
+        ),
         (["--from", str(CORPUS)], f"error: --from {CORPUS} is a directory; give a file in it"),
-        (["--from", str(CORPUS / "README.md")],
-         f"error: --from {CORPUS / 'README.md'}: no nccl-tests table or #gpufleet-json line in its"),
+        (
+            ["--from", str(CORPUS / "README.md")],
+            f"error: --from {CORPUS / 'README.md'}: no nccl-tests table or #gpufleet-json line in its",
+        ),
         (["--from", "-"], "error: --from stdin: no nccl-tests table or #gpufleet-json line in its 0 lines"),
         (["--from", "-", "--from", "-"], "error: --from - is given twice; stdin can be read once"),
-        (["--from", str(_file("09")), "--hostfile", "hosts.txt"],
-         "error: --hostfile does not apply to --from, which reads results that exist and runs nothing"),
+        (
+            ["--from", str(_file("09")), "--hostfile", "hosts.txt"],
+            "error: --hostfile does not apply to --from, which reads results that exist and runs nothing",
+        ),
         (["--from", str(_file("09")), "-b", "8"], "error: --minbytes does not apply to --from"),
-        (["--from", str(_file("09")), "--ops", "all_gather"],
-         f"error: --ops all_gather: {_file('09')} is all_reduce (from its rows"),
+        (
+            ["--from", str(_file("09")), "--ops", "all_gather"],
+            f"error: --ops all_gather: {_file('09')} is all_reduce (from its rows",
+        ),
         (["--from", str(_file("09")), "--ops", "allreduce"], "error: --ops 'allreduce' with --from names"),
-        (["--from", str(_file("09")), "--machine-type", "a3-mega"], "error: machine type 'a3-mega' is unknown; one of: a2-highgpu-1g"),
+        (
+            ["--from", str(_file("09")), "--machine-type", "a3-mega"],
+            "error: machine type 'a3-mega' is unknown; one of: a2-highgpu-1g",
+        ),
         (["--json"], "error: --json prints the rows read with --from"),
     ],
 )
@@ -325,8 +366,13 @@ def test_a_runs_dir_that_cannot_be_made_is_one_line_before_the_report(tmp_path):
 def test_installed_console_script_reads_a_pipe_and_fails_on_wrong_rows(tmp_path):
     launch = Path(sys.executable).parent / "launch"
     text = _srun_label(_file("13").read_text())
-    p = subprocess.run([str(launch), "nccl-tests", "--from", "-", "--json", "--runs-dir", str(tmp_path)],
-                       input=text, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [str(launch), "nccl-tests", "--from", "-", "--json", "--runs-dir", str(tmp_path)],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1, p.stderr
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(rows) == 28 and sum(1 for r in rows if r["oop_wrong"] or r["ip_wrong"]) == 6
@@ -342,8 +388,13 @@ def test_a_gpufleet_sweep_log_reads_by_its_json_line_or_its_table(monkeypatch, c
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(k, v)
     assert sweep.main(["--ops", "all_reduce,all_gather", "-b", "1K", "-e", "4K", "-f", "2", "-n", "1"]) == 0
     out = capsys.readouterr().out
@@ -353,7 +404,8 @@ def test_a_gpufleet_sweep_log_reads_by_its_json_line_or_its_table(monkeypatch, c
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [(o["collective"], o["size"]) for o in rows] == [
-        (c, s) for c in ("all_reduce", "all_gather") for s in (1024, 2048, 4096)]
+        (c, s) for c in ("all_reduce", "all_gather") for s in (1024, 2048, 4096)
+    ]
     assert "the sweep's #gpufleet-json line" in r.stderr
     # Without the JSON line (a terminal that did not show it), the tables say the same.
     table_only = tmp_path / "table.log"
@@ -362,5 +414,6 @@ def test_a_gpufleet_sweep_log_reads_by_its_json_line_or_its_table(monkeypatch, c
     assert t.exit_code == 0, t.output
     from_table = [json.loads(line) for line in t.stdout.splitlines()]
     assert [(o["collective"], o["size"], o["nranks"]) for o in from_table] == [
-        (o["collective"], o["size"], 1) for o in rows]
+        (o["collective"], o["size"], 1) for o in rows
+    ]
     assert [o["oop_busbw"] for o in from_table] == [pytest.approx(o["oop_busbw"], abs=0.006) for o in rows]

@@ -20,8 +20,7 @@ def test_modern_output_rows_by_header_name():
     rows = rep.parse_output(samples.MODERN_ALL_GATHER)
     assert [r.size for r in rows] == [8388608, 16777216, 8589934592]
     last = rows[-1]
-    assert (last.collective, last.type, last.redop, last.root, last.nranks) == (
-        "all_gather", "float", "none", -1, 16)
+    assert (last.collective, last.type, last.redop, last.root, last.nranks) == ("all_gather", "float", "none", -1, 16)
     assert (last.oop_time_us, last.oop_algbw, last.oop_busbw, last.oop_wrong) == (42668, 201.32, 188.73, 0)
     assert (last.ip_busbw, last.ip_wrong) == (188.80, 3)
     assert not last.error_column
@@ -57,9 +56,23 @@ def test_concatenated_tests_na_and_missing_out_of_place_block():
 
 
 def test_json_marker_line_wins_over_the_table():
-    row = {"collective": "all_reduce", "size": 64, "count": 16, "type": "float", "redop": "sum",
-           "root": -1, "nranks": 6, "oop_time_us": 10.0, "oop_algbw": 0.0064, "oop_busbw": 0.01067,
-           "oop_wrong": 0, "ip_time_us": 11.0, "ip_algbw": 0.0058, "ip_busbw": 0.0097, "ip_wrong": 2}
+    row = {
+        "collective": "all_reduce",
+        "size": 64,
+        "count": 16,
+        "type": "float",
+        "redop": "sum",
+        "root": -1,
+        "nranks": 6,
+        "oop_time_us": 10.0,
+        "oop_algbw": 0.0064,
+        "oop_busbw": 0.01067,
+        "oop_wrong": 0,
+        "ip_time_us": 11.0,
+        "ip_algbw": 0.0058,
+        "ip_busbw": 0.0097,
+        "ip_wrong": 2,
+    }
     text = samples.TWO_TESTS + rep.JSON_MARKER + json.dumps({"version": 1, "rows": [row]}) + "\n"
     (parsed,) = rep.parse_output(text)
     assert parsed.nranks == 6 and parsed.oop_busbw == 0.01067
@@ -104,11 +117,10 @@ def _model_rows(machine: str, coll: str, n: int, nnodes: int, scale: float) -> l
 
 def test_write_results_writes_and_never_overwrites(tmp_path):
     rows = _model_rows("a3-megagpu-8g", "all_gather", 16, 2, 1.0) + _model_rows(
-        "a3-megagpu-8g", "all_reduce", 16, 2, 0.5)
-    first = rep.write_results(rows, tmp_path / "runs" / "job1", machine_type="a3-megagpu-8g",
-                              nranks=16, nnodes=2)
-    assert {k: p.name for k, p in first.items()} == {
-        "json": "rows.json", "csv": "rows.csv", "png": "busbw.png"}
+        "a3-megagpu-8g", "all_reduce", 16, 2, 0.5
+    )
+    first = rep.write_results(rows, tmp_path / "runs" / "job1", machine_type="a3-megagpu-8g", nranks=16, nnodes=2)
+    assert {k: p.name for k, p in first.items()} == {"json": "rows.json", "csv": "rows.csv", "png": "busbw.png"}
     assert first["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(first["json"].read_text())
     assert len(doc["rows"]) == len(rows) and doc["machine_type"] == "a3-megagpu-8g"
@@ -187,14 +199,33 @@ def test_confirm_halves_and_suspects():
 
 def test_nccl_tests_command_builds_a_hostfile_free_mpirun():
     cmd = rep.nccl_tests_command(
-        "/opt/nccl-tests/build/all_reduce_perf", ["10.0.0.2", "10.0.0.3"], 8,
+        "/opt/nccl-tests/build/all_reduce_perf",
+        ["10.0.0.2", "10.0.0.3"],
+        8,
         ["-b", "8", "-e", "8G", "-f", "2", "-g", "1"],
         {"NCCL_ALGO": "Ring", "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"},
     )
     assert cmd == [
-        "mpirun", "-np", "16", "-H", "10.0.0.2:8,10.0.0.3:8", "--bind-to", "none",
-        "-x", "NCCL_ALGO=Ring", "-x", "LD_LIBRARY_PATH=/usr/local/nvidia/lib64",
-        "/opt/nccl-tests/build/all_reduce_perf", "-b", "8", "-e", "8G", "-f", "2", "-g", "1",
+        "mpirun",
+        "-np",
+        "16",
+        "-H",
+        "10.0.0.2:8,10.0.0.3:8",
+        "--bind-to",
+        "none",
+        "-x",
+        "NCCL_ALGO=Ring",
+        "-x",
+        "LD_LIBRARY_PATH=/usr/local/nvidia/lib64",
+        "/opt/nccl-tests/build/all_reduce_perf",
+        "-b",
+        "8",
+        "-e",
+        "8G",
+        "-f",
+        "2",
+        "-g",
+        "1",
     ]
     assert rep.nccl_tests_command("x", ["h"], 1, [], {}, allow_run_as_root=True)[1] == "--allow-run-as-root"
     with pytest.raises(ValueError, match="'h1,h2'"):
@@ -209,7 +240,13 @@ def test_the_report_api_is_the_owning_modules_names():
 
     owners = {
         "launcher.nccl_parse": ["parse_output"],
-        "launcher.nccl_judge": ["failures", "ExpectedReport", "expected_curve", "expected_judgement", "expected_report"],
+        "launcher.nccl_judge": [
+            "failures",
+            "ExpectedReport",
+            "expected_curve",
+            "expected_judgement",
+            "expected_report",
+        ],
         "launcher.nccl_render": ["rich_table", "write_results"],
         "launcher.badnodes": ["BadNodeReport", "pair_schedule", "rank_nodes", "confirm_halves", "confirm_suspects"],
         "launcher.nccl_mpirun": ["nccl_tests_command"],

@@ -39,14 +39,53 @@ def three_node_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     json_path = out / "rows.json"
     port = _free_port()
-    args = ["--ops", "all", "-b", "64", "-e", "4K", "-f", "8", "-n", "2", "-w", "1",
-            "-d", "float", "-o", "sum", "--json", str(json_path)]
+    args = [
+        "--ops",
+        "all",
+        "-b",
+        "64",
+        "-e",
+        "4K",
+        "-f",
+        "8",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "-d",
+        "float",
+        "-o",
+        "sum",
+        "--json",
+        str(json_path),
+    ]
     procs = [
         subprocess.Popen(
-            [str(TORCHRUN), "--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
-             "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", f"sweep{port}", "--max-restarts", "0", "-m", "workloads.sweep", *args],
-            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                str(TORCHRUN),
+                "--nnodes",
+                str(NNODES),
+                "--nproc-per-node",
+                str(NPROC),
+                "--node-rank",
+                str(i),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"sweep{port}",
+                "--max-restarts",
+                "0",
+                "-m",
+                "workloads.sweep",
+                *args,
+            ],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(NNODES)
     ]
@@ -59,7 +98,7 @@ def three_node_sweep(tmp_path_factory):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (so, se) in zip(procs, results):
+    for p, (_out, se) in zip(procs, results):
         assert p.returncode == 0, f"torchrun exit {p.returncode}: {se[-2000:]}"
     # c10d rendezvous hands out ranks in its own order: rank 0 is on whichever agent it chose.
     (rank0,) = [so for so, _ in results if rep.JSON_MARKER in so]
@@ -68,7 +107,7 @@ def three_node_sweep(tmp_path_factory):
 
 def _json_rows(text: str) -> list[dict]:
     (line,) = [l for l in text.splitlines() if l.startswith(rep.JSON_MARKER)]
-    return json.loads(line[len(rep.JSON_MARKER):])["rows"]
+    return json.loads(line[len(rep.JSON_MARKER) :])["rows"]
 
 
 def test_every_collective_every_size_every_result_correct(three_node_sweep):
@@ -105,7 +144,14 @@ def test_table_and_json_agree(three_node_sweep):
     assert len(table) == len(rows) == 7 * 3
     for t, j in zip(table, rows):
         assert (t.collective, t.size, t.count, t.type, t.redop, t.root, t.nranks) == (
-            j["collective"], j["size"], j["count"], j["type"], j["redop"], j["root"], j["nranks"])
+            j["collective"],
+            j["size"],
+            j["count"],
+            j["type"],
+            j["redop"],
+            j["root"],
+            j["nranks"],
+        )
         for blk in ("oop", "ip"):
             # the table prints %.2f (or fewer decimals for big numbers): agree to that precision
             for key in ("time_us", "algbw", "busbw"):
@@ -119,13 +165,12 @@ def test_table_and_json_agree(three_node_sweep):
     assert json.loads(json_path.read_text())["rows"] == rows
     # One document: the --json file says exactly what the printed line says.
     (line,) = [l for l in text.splitlines() if l.startswith(rep.JSON_MARKER)]
-    assert json.loads(json_path.read_text()) == json.loads(line[len(rep.JSON_MARKER):])
+    assert json.loads(json_path.read_text()) == json.loads(line[len(rep.JSON_MARKER) :])
 
 
 def test_write_results_from_the_sweep_writes_the_png(three_node_sweep, tmp_path):
     rows = rep.parse_output(three_node_sweep[0])
-    paths = rep.write_results(rows, tmp_path / "job", machine_type="a2-highgpu-8g", nranks=N,
-                              nnodes=NNODES)
+    paths = rep.write_results(rows, tmp_path / "job", machine_type="a2-highgpu-8g", nranks=N, nnodes=NNODES)
     assert paths["png"].stat().st_size > 1000
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads(paths["json"].read_text())["rows"]) == len(rows)
@@ -139,12 +184,24 @@ def test_bad_arguments_exit_2_with_one_line():
         (["-d", "uint32"], "datatype 'uint32' is not supported"),
         (["-o", "avg", "-d", "int32"], "avg' needs a floating datatype"),
     ]:
-        r = subprocess.run([sys.executable, "-m", "workloads.sweep", *argv], cwd=REPO, env=_env(),
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "workloads.sweep", *argv],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2, (argv, r.stderr)
         assert r.stderr.count("\n") == 1 and needle in r.stderr, (argv, r.stderr)
-    r = subprocess.run([sys.executable, "-m", "workloads.sweep"], cwd=REPO, capture_output=True,
-                       text=True, timeout=60, env={k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")})
+    r = subprocess.run(
+        [sys.executable, "-m", "workloads.sweep"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")},
+    )
     assert r.returncode == 2 and "run it under torchrun" in r.stderr
 
 
@@ -185,8 +242,10 @@ def test_a_json_path_that_cannot_be_written_is_one_line_before_the_sweep(monkeyp
 
     ran = []
     monkeypatch.setattr(sweep, "_sweep", lambda *a: ran.append(a))
-    for path, needle in ((tmp_path / "no-such-dir" / "rows.json", "cannot write there (No such file"),
-                         (tmp_path, "is a directory; pass a file path")):
+    for path, needle in (
+        (tmp_path / "no-such-dir" / "rows.json", "cannot write there (No such file"),
+        (tmp_path, "is a directory; pass a file path"),
+    ):
         _one_process(monkeypatch)
         rc = sweep.main(["-b", "64", "-e", "64", "-n", "1", "--json", str(path)])
         captured = capsys.readouterr()
@@ -203,11 +262,10 @@ def test_the_json_file_is_the_printed_document(monkeypatch, capsys, tmp_path):
 
     _one_process(monkeypatch)
     path = tmp_path / "rows.json"
-    assert sweep.main(["--ops", "all_reduce", "-b", "64", "-e", "128", "-f", "2", "-n", "1",
-                       "--json", str(path)]) == 0
+    assert sweep.main(["--ops", "all_reduce", "-b", "64", "-e", "128", "-f", "2", "-n", "1", "--json", str(path)]) == 0
     (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith(rep.JSON_MARKER)]
     doc = json.loads(path.read_text())
-    assert doc == json.loads(line[len(rep.JSON_MARKER):])
+    assert doc == json.loads(line[len(rep.JSON_MARKER) :])
     assert doc["backend"] == "gloo" and doc["avg_busbw"] == rep.avg_busbw([rep.SweepRow(**r) for r in doc["rows"]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
 
@@ -230,13 +288,19 @@ def test_a_size_over_the_time_budget_is_answered_by_its_first_call(monkeypatch, 
         return c, size, count
 
     monkeypatch.setattr(sweep._Bench, "case", counting_case)
-    assert sweep.main(["--ops", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "20", "-w", "3",
-                       "--time-budget", "1e-9"]) == 0
+    assert (
+        sweep.main(
+            ["--ops", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "20", "-w", "3", "--time-budget", "1e-9"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert calls == [1024, 4096]  # one call per size: no warm-up, no untimed call, no other block
     rows = _json_rows(out)
     assert [(r["size"], r["iters"], r["ip_busbw"], r["oop_wrong"]) for r in rows] == [
-        (1024, 1, None, 0), (4096, 1, None, 0)]
+        (1024, 1, None, 0),
+        (4096, 1, None, 0),
+    ]
     assert rows[0]["oop_algbw"] > 0  # (busbw is 0 with one rank: 2(n-1)/n)
     assert out.count("over --time-budget 1e-09 s: timed by that call alone") == 2
     # The table says N/A for the block that was not run, and reads back as such.
@@ -279,11 +343,29 @@ def test_rounds_run_every_collective_correctly_within_each_group(tmp_path):
     args = ["--ops", "all", "-b", "64", "-e", "1K", "-f", "4", "-n", "2", "-r", "1", "--rounds", "1+2;0+1+2"]
     procs = [
         subprocess.Popen(
-            [str(TORCHRUN), "--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", f"rounds{port}", "--max-restarts", "0", "-m", "workloads.sweep", *args],
-            cwd=REPO, env=dict(_env(), GPUFLEET_NODE_RANK=str(i)), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
+            [
+                str(TORCHRUN),
+                "--nnodes",
+                str(NNODES),
+                "--nproc-per-node",
+                str(NPROC),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"rounds{port}",
+                "--max-restarts",
+                "0",
+                "-m",
+                "workloads.sweep",
+                *args,
+            ],
+            cwd=REPO,
+            env=dict(_env(), GPUFLEET_NODE_RANK=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(NNODES)
     ]

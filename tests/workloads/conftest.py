@@ -19,9 +19,24 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 # The reference run every equivalence test compares against: 2 ranks, micro 8 x 2 ranks x 4 accum.
-REF_ARGS = ["--model", "tiny", "--global-batch", "64", "--micro-batch", "8", "--lr", "3e-3",
-            "--warmup-steps", "3", "--lr-decay-steps", "20", "--log-every", "1",
-            "--straggler-every", "0"]
+REF_ARGS = [
+    "--model",
+    "tiny",
+    "--global-batch",
+    "64",
+    "--micro-batch",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "3",
+    "--lr-decay-steps",
+    "20",
+    "--log-every",
+    "1",
+    "--straggler-every",
+    "0",
+]
 REF_STEPS = 20
 
 
@@ -40,10 +55,26 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def torchrun_cmd(args: list[str], nproc: int = 2, max_restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-            str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-            "-m", "workloads.train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "workloads.train",
+        *args,
+    ]
 
 
 @dataclass
@@ -53,22 +84,28 @@ class Run:
     stderr: str
 
 
-def train(args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
-          timeout: float = 240, max_restarts: int = 0) -> Run:
+def train(
+    args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 240, max_restarts: int = 0
+) -> Run:
     """Run training to completion; nproc=0 means a plain `python -m workloads.train`."""
-    cmd = ([sys.executable, "-m", "workloads.train", *args] if nproc == 0
-           else torchrun_cmd(args, nproc, max_restarts))
-    p = subprocess.run(cmd, cwd=REPO, env=child_env(env), capture_output=True, text=True,
-                       timeout=timeout)
+    cmd = [sys.executable, "-m", "workloads.train", *args] if nproc == 0 else torchrun_cmd(args, nproc, max_restarts)
+    p = subprocess.run(cmd, cwd=REPO, env=child_env(env), capture_output=True, text=True, timeout=timeout)
     return Run(p.returncode, p.stdout, p.stderr)
 
 
-def start(args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
-          max_restarts: int = 0) -> subprocess.Popen:
+def start(
+    args: list[str], nproc: int = 2, env: dict[str, str] | None = None, max_restarts: int = 0
+) -> subprocess.Popen:
     """Start torchrun in its own session, so a test can signal the whole tree."""
-    return subprocess.Popen(torchrun_cmd(args, nproc, max_restarts), cwd=REPO, env=child_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        torchrun_cmd(args, nproc, max_restarts),
+        cwd=REPO,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def workers(torchrun_pid: int) -> dict[int, int]:
@@ -143,13 +180,28 @@ def gcs_emulator():
     """gcp-storage-emulator on a free local port with bucket `ckpt`; yields its env."""
     port = free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port),
-                             "--in-memory", "--default-bucket", "ckpt", "-q"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
+            "--default-bucket",
+            "ckpt",
+            "-q",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def up() -> bool:
             with socket.socket() as s:
                 return s.connect_ex(("127.0.0.1", port)) == 0
+
         wait_for(up, timeout=20, interval=0.05)
         yield {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
     finally:

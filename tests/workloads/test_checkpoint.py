@@ -17,9 +17,9 @@ import torch
 
 from tests.faults import HALF_WRITTEN_SAVE
 from tests.workloads.conftest import (
-    REPO,
     REF_ARGS,
     REF_STEPS,
+    REPO,
     assert_same_params,
     child_env,
     free_port,
@@ -34,8 +34,24 @@ from tests.workloads.conftest import (
 from workloads.checkpoint import load_checkpoint
 
 # Global batch 24 divides by 4, 3 and 2 ranks (micro 2: 3, 4 and 6 accumulation steps).
-RESHARD_ARGS = ["--model", "tiny", "--global-batch", "24", "--micro-batch", "2", "--lr", "3e-3",
-                "--warmup-steps", "2", "--lr-decay-steps", "20", "--straggler-every", "0", "--log-every", "2"]
+RESHARD_ARGS = [
+    "--model",
+    "tiny",
+    "--global-batch",
+    "24",
+    "--micro-batch",
+    "2",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--lr-decay-steps",
+    "20",
+    "--straggler-every",
+    "0",
+    "--log-every",
+    "2",
+]
 
 
 def _latest(ckpt) -> str:
@@ -52,11 +68,30 @@ def _site(tmp_path, code: str) -> dict[str, str]:
 def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_parameters(tmp_path):
     ckpt = tmp_path / "ckpt"
     at6 = tmp_path / "four-at-6.pt"
-    four = train(RESHARD_ARGS + ["--steps", "6", "--checkpoint-every", "4", "--parallelism", "fsdp",
-                                 "--checkpoint-dir", str(ckpt), "--save-params", str(at6)], nproc=4)
+    four = train(
+        RESHARD_ARGS
+        + [
+            "--steps",
+            "6",
+            "--checkpoint-every",
+            "4",
+            "--parallelism",
+            "fsdp",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--save-params",
+            str(at6),
+        ],
+        nproc=4,
+    )
     assert four.returncode == 0, four.stderr
     assert sorted(p.name for p in (ckpt / "step_00000004").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__3_0.distcp",
+    ]
     saved = load_checkpoint(ckpt / "step_00000004")["model"]
     (ckpt / "latest").write_text("step_00000004\n")  # resume from the step-4 checkpoint
 
@@ -64,8 +99,21 @@ def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_paramet
     # (each needs other slices than were written): bit for bit what was saved.
     for nproc, parallelism in ((3, "ddp"), (2, "fsdp")):
         out = tmp_path / f"{nproc}.pt"
-        run = train(RESHARD_ARGS + ["--steps", "4", "--parallelism", parallelism, "--checkpoint-dir",
-                                    str(ckpt), "--resume", "--save-params", str(out)], nproc=nproc)
+        run = train(
+            RESHARD_ARGS
+            + [
+                "--steps",
+                "4",
+                "--parallelism",
+                parallelism,
+                "--checkpoint-dir",
+                str(ckpt),
+                "--resume",
+                "--save-params",
+                str(out),
+            ],
+            nproc=nproc,
+        )
         assert run.returncode == 0, run.stderr
         assert f"at step 4 (epoch 0, 96 samples seen; saved by 4 ranks, read by {nproc})" in run.stdout
         loaded = params(out)
@@ -77,8 +125,21 @@ def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_paramet
     # The optimizer state resharded too: two more steps on 2 ranks end where the 4 ranks ended
     # (the sums over ranks are ordered differently, hence the tolerance).
     out = tmp_path / "2-at-6.pt"
-    run = train(RESHARD_ARGS + ["--steps", "6", "--parallelism", "fsdp", "--checkpoint-dir", str(ckpt),
-                                "--resume", "--save-params", str(out)], nproc=2)
+    run = train(
+        RESHARD_ARGS
+        + [
+            "--steps",
+            "6",
+            "--parallelism",
+            "fsdp",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--save-params",
+            str(out),
+        ],
+        nproc=2,
+    )
     assert run.returncode == 0, run.stderr
     assert_same_params(params(at6), params(out), atol=1e-5)
     assert _latest(ckpt) == "step_00000006"
@@ -86,8 +147,20 @@ def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_paramet
 
 def test_async_checkpoints_hold_the_state_of_their_step_and_do_not_disturb_training(tmp_path, reference):
     ckpt, out = tmp_path / "ckpt", tmp_path / "async.pt"
-    run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
-                            "--async-checkpoint", "--save-params", str(out)])
+    run = train(
+        REF_ARGS
+        + [
+            "--steps",
+            str(REF_STEPS),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "5",
+            "--async-checkpoint",
+            "--save-params",
+            str(out),
+        ]
+    )
     assert run.returncode == 0, run.stderr
     # Training went on from the live state while the copies were written: same end as without.
     assert_same_params(reference, params(out))
@@ -97,8 +170,9 @@ def test_async_checkpoints_hold_the_state_of_their_step_and_do_not_disturb_train
     # The step-15 checkpoint, written in the background while steps 16.. ran, resumes to the end.
     (ckpt / "latest").write_text("step_00000015\n")
     resumed = tmp_path / "resumed.pt"
-    run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--checkpoint-dir", str(ckpt), "--resume",
-                            "--save-params", str(resumed)])
+    run = train(
+        REF_ARGS + ["--steps", str(REF_STEPS), "--checkpoint-dir", str(ckpt), "--resume", "--save-params", str(resumed)]
+    )
     assert run.returncode == 0, run.stderr
     assert "at step 15" in run.stdout
     assert_same_params(reference, params(resumed))
@@ -107,11 +181,15 @@ def test_async_checkpoints_hold_the_state_of_their_step_and_do_not_disturb_train
 def test_a_kill_in_the_middle_of_an_async_save_leaves_the_previous_latest_intact(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
-    proc = start(args + ["--steps", "100", "--checkpoint-every", "2", "--async-checkpoint",
-                         "--metrics-file", str(metrics)], env=_site(tmp_path, HALF_WRITTEN_SAVE))
+    proc = start(
+        args + ["--steps", "100", "--checkpoint-every", "2", "--async-checkpoint", "--metrics-file", str(metrics)],
+        env=_site(tmp_path, HALF_WRITTEN_SAVE),
+    )
     try:
+
         def half_written() -> bool:
             return any(f.stat().st_size for d in ckpt.glob(".step_00000004.tmp-*") for f in d.iterdir())
+
         wait_for(half_written, timeout=120, interval=0.01, proc=proc)
         # The save is in the background: training went on past step 4 while it was stuck.
         wait_for(lambda: last_step(metrics) >= 5, timeout=60, interval=0.01, proc=proc)
@@ -130,7 +208,9 @@ def test_a_kill_in_the_middle_of_an_async_save_leaves_the_previous_latest_intact
 def test_sigterm_during_an_async_save_finishes_it_then_saves_and_names_what_to_change_over_budget(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     # Rank 1's shard writes take 0.5 s more: the async save is still running when SIGTERM lands.
-    env = _site(tmp_path, """
+    env = _site(
+        tmp_path,
+        """
         import os, time
         if os.environ.get("RANK") == "1":
             import torch.distributed.checkpoint.filesystem as fs
@@ -139,11 +219,24 @@ def test_sigterm_during_an_async_save_finishes_it_then_saves_and_names_what_to_c
                 time.sleep(0.5)
                 return write(*a, **k)
             fs._write_files_from_queue = slow
-    """)
-    base = ["--global-batch", "16", "--micro-batch", "4", "--lr-decay-steps", "100000", "--straggler-every", "0",
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--async-checkpoint"]
-    proc = start(base + ["--steps", "100000", "--metrics-file", str(metrics), "--preemption-budget", "0.001s"],
-                 env=env)
+    """,
+    )
+    base = [
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--lr-decay-steps",
+        "100000",
+        "--straggler-every",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "3",
+        "--async-checkpoint",
+    ]
+    proc = start(base + ["--steps", "100000", "--metrics-file", str(metrics), "--preemption-budget", "0.001s"], env=env)
     try:
         wait_for(lambda: last_step(metrics) >= 4, timeout=120, interval=0.01, proc=proc)
         for pid in workers(proc.pid).values():
@@ -160,8 +253,11 @@ def test_sigterm_during_an_async_save_finishes_it_then_saves_and_names_what_to_c
     assert line.startswith(f"warning: SIGTERM: checkpoint step {step} saved in "), line
     # What to change: the rate it needed, or (the step in progress took the whole 1 ms) that.
     assert "over the 0.001 s --preemption-budget" in line
-    assert re.search(r"(it needs [\d.]+ [kMG]?B/s to fit|the step in progress alone used the budget): "
-                     r"write to faster storage", line), line
+    assert re.search(
+        r"(it needs [\d.]+ [kMG]?B/s to fit|the step in progress alone used the budget): "
+        r"write to faster storage",
+        line,
+    ), line
     run = train(base[:-3] + ["--steps", str(step + 1), "--resume"])
     assert run.returncode == 0, run.stderr
     assert f"at step {step}" in run.stdout
@@ -176,16 +272,32 @@ def test_a_full_state_checkpoint_of_the_previous_release_is_read_with_a_notice(t
     state = load_checkpoint(first / "step_00000010")
     ckpt = tmp_path / "old"
     ckpt.mkdir()
-    torch.save({k: state[k] for k in ("model", "optimizer", "scheduler", "scaler", "step", "rng", "data", "meta")},
-               ckpt / "step_00000010.pt")
+    torch.save(
+        {k: state[k] for k in ("model", "optimizer", "scheduler", "scaler", "step", "rng", "data", "meta")},
+        ckpt / "step_00000010.pt",
+    )
     (ckpt / "latest").write_text("step_00000010.pt\n")
     out = tmp_path / "resumed.pt"
-    run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--checkpoint-dir", str(ckpt), "--resume",
-                            "--keep-checkpoints", "1", "--save-params", str(out)])
+    run = train(
+        REF_ARGS
+        + [
+            "--steps",
+            str(REF_STEPS),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--keep-checkpoints",
+            "1",
+            "--save-params",
+            str(out),
+        ]
+    )
     assert run.returncode == 0, run.stderr
     notices = [ln for ln in run.stdout.splitlines() if ln.startswith("notice:")]
-    assert notices == [f"notice: {ckpt}/step_00000010.pt is a full-state checkpoint of the previous release, "
-                       "read for this release only; this run saves sharded (DCP) checkpoints, step_*/ directories"]
+    assert notices == [
+        f"notice: {ckpt}/step_00000010.pt is a full-state checkpoint of the previous release, "
+        "read for this release only; this run saves sharded (DCP) checkpoints, step_*/ directories"
+    ]
     assert "at step 10" in run.stdout
     # Model, optimizer, schedule and RNG came through: the uninterrupted run's end, bit for bit.
     assert_same_params(reference, params(out))
@@ -200,14 +312,50 @@ def test_a_local_checkpoint_dir_that_the_nodes_do_not_share_is_refused_before_st
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shared",
-           "--max-restarts", "0", "-m", "workloads.train", "--steps", "2", "--global-batch", "2",
-           "--micro-batch", "1", "--straggler-every", "0", "--checkpoint-dir", str(ckpt)]
-    own_disk = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                f'mount -t tmpfs tmpfs {shlex.quote(str(ckpt))} && exec "$@"', "node-b", *cmd]
-    procs = [subprocess.Popen(c, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for c in (cmd, own_disk)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "shared",
+        "--max-restarts",
+        "0",
+        "-m",
+        "workloads.train",
+        "--steps",
+        "2",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "1",
+        "--straggler-every",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+    own_disk = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs tmpfs {shlex.quote(str(ckpt))} && exec "$@"',
+        "node-b",
+        *cmd,
+    ]
+    procs = [
+        subprocess.Popen(c, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in (cmd, own_disk)
+    ]
     outs = [p.communicate(timeout=180) for p in procs]
     errors = [ln for _, err in outs for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, outs  # printed once, by rank 0

@@ -42,12 +42,13 @@ def _site(tmp_path, code: str) -> dict[str, str]:
 
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
-    args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt),
-            "--straggler-every", "0"]
+    args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
     proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, HALF_WRITTEN_SAVE))
     try:
+
         def half_written() -> bool:
             return any(f.stat().st_size for d in ckpt.glob(".step_00000004.tmp-*") for f in d.iterdir())
+
         wait_for(half_written, timeout=120, interval=0.01, proc=proc)
     finally:
         # The machine "dies": every process at once, no handler runs anywhere.
@@ -66,12 +67,30 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_checkpoint_disk_is_one_clear_line_and_the_previous_checkpoint_survives(tmp_path, small_tmpfs):
     probe = tmp_path / "probe"
-    assert train(["--steps", "1", "--checkpoint-dir", str(probe), "--global-batch", "4",
-                  "--micro-batch", "2"], nproc=0).returncode == 0
+    assert (
+        train(
+            ["--steps", "1", "--checkpoint-dir", str(probe), "--global-batch", "4", "--micro-batch", "2"], nproc=0
+        ).returncode
+        == 0
+    )
     size = sum(f.stat().st_size for f in (probe / "step_00000001").iterdir())
     disk = small_tmpfs(int(size * 1.5))  # room for one checkpoint, not for a second beside it
-    run = train(["--steps", "4", "--checkpoint-dir", str(disk), "--checkpoint-every", "1",
-                 "--global-batch", "4", "--micro-batch", "2", "--straggler-every", "0"])
+    run = train(
+        [
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            str(disk),
+            "--checkpoint-every",
+            "1",
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "2",
+            "--straggler-every",
+            "0",
+        ]
+    )
     assert run.returncode != 0
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, run.stderr
@@ -84,8 +103,18 @@ def test_a_full_checkpoint_disk_is_one_clear_line_and_the_previous_checkpoint_su
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    base = ["--global-batch", "16", "--micro-batch", "4", "--lr-decay-steps", "100000",
-            "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
+    base = [
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--lr-decay-steps",
+        "100000",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--straggler-every",
+        "0",
+    ]
     proc = start(base + ["--steps", "100000", "--metrics-file", str(metrics)])
     try:
         wait_for(lambda: last_step(metrics) >= 5, timeout=120, interval=0.05, proc=proc)
@@ -113,8 +142,21 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):
 
 def test_a_killed_worker_is_restarted_by_torchrun_and_ends_where_an_uninterrupted_run_ends(tmp_path, reference):
     ckpt, out = tmp_path / "ckpt", tmp_path / "restarted.pt"
-    proc = start(REF_ARGS + ["--steps", str(REF_STEPS), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                             "4", "--resume", "--save-params", str(out)], max_restarts=2)
+    proc = start(
+        REF_ARGS
+        + [
+            "--steps",
+            str(REF_STEPS),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "4",
+            "--resume",
+            "--save-params",
+            str(out),
+        ],
+        max_restarts=2,
+    )
     try:
         wait_for(lambda: (ckpt / "latest").exists(), timeout=120, interval=0.002, proc=proc)
         os.kill(workers(proc.pid)[1], signal.SIGKILL)
@@ -128,7 +170,9 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_ends_where_an_uninterrupte
 
 def test_a_slow_rank_is_named_with_its_node_and_host(tmp_path):
     # Rank 1's forward sleeps 50 ms.
-    env = _site(tmp_path, """
+    env = _site(
+        tmp_path,
+        """
         import os, time
         if os.environ.get("RANK") == "1":
             import workloads.model as m
@@ -137,9 +181,9 @@ def test_a_slow_rank_is_named_with_its_node_and_host(tmp_path):
                 time.sleep(0.05)
                 return forward(self, *a, **k)
             m.GPT.forward = slow
-    """)
-    run = train(["--steps", "6", "--global-batch", "4", "--micro-batch", "2", "--straggler-every", "3"],
-                env=env)
+    """,
+    )
+    run = train(["--steps", "6", "--global-batch", "4", "--micro-batch", "2", "--straggler-every", "3"], env=env)
     assert run.returncode == 0, run.stderr
     warnings = [ln for ln in run.stderr.splitlines() if "straggler:" in ln]
     assert len(warnings) == 2, run.stderr  # one per check (steps 3 and 6), naming only rank 1
@@ -153,20 +197,27 @@ def test_an_error_on_one_rank_only_is_printed_by_that_rank_with_its_host(tmp_pat
     data = tmp_path / "tokens.bin"
     (np.arange(4096) % 64).astype(np.uint16).tofile(data)
     # Node 1 lacks the file: rank 1 looks for it under a name that does not exist.
-    env = _site(tmp_path, """
+    env = _site(
+        tmp_path,
+        """
         import os
         if os.environ.get("RANK") == "1":
             import workloads.data as d
             init = d.TokenFile.__init__
             d.TokenFile.__init__ = lambda self, path, *a: init(self, path + ".not-on-this-node", *a)
-    """)
-    run = train(["--steps", "2", "--global-batch", "4", "--micro-batch", "2", "--data", str(data),
-                 "--straggler-every", "0"], env=env, timeout=90)
+    """,
+    )
+    run = train(
+        ["--steps", "2", "--global-batch", "4", "--micro-batch", "2", "--data", str(data), "--straggler-every", "0"],
+        env=env,
+        timeout=90,
+    )
     assert run.returncode != 0
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, run.stderr  # rank 0 stops too, quietly: it has nothing to add
-    assert errors[0].startswith(f"error: rank 1 (host {socket.gethostname()}): --data "
-                                f"{data}.not-on-this-node: cannot map it"), errors
+    assert errors[0].startswith(
+        f"error: rank 1 (host {socket.gethostname()}): --data {data}.not-on-this-node: cannot map it"
+    ), errors
     assert "[rank" not in run.stderr and "Traceback" not in run.stderr.split("exitcode")[0]
     assert "exitcode  : 2" in run.stderr
 

@@ -16,12 +16,31 @@ from tests.workloads.conftest import (
 from workloads.checkpoint import load_checkpoint
 
 
-
 def test_loss_falls_on_the_synthetic_task(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    run = train(["--model", "tiny", "--steps", "40", "--global-batch", "16", "--micro-batch", "8",
-                 "--lr", "1e-2", "--warmup-steps", "5", "--metrics-file", str(metrics),
-                 "--log-every", "1", "--straggler-every", "0"], nproc=0)
+    run = train(
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            "40",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "8",
+            "--lr",
+            "1e-2",
+            "--warmup-steps",
+            "5",
+            "--metrics-file",
+            str(metrics),
+            "--log-every",
+            "1",
+            "--straggler-every",
+            "0",
+        ],
+        nproc=0,
+    )
     assert run.returncode == 0, run.stderr
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 40
@@ -47,8 +66,10 @@ def test_accumulating_k_micro_steps_equals_one_step_with_a_k_times_batch(tmp_pat
     outs = []
     for micro in ("4", "32"):
         out = tmp_path / f"micro{micro}.pt"
-        run = train(REF_ARGS + ["--steps", "8", "--global-batch", "32", "--micro-batch", micro,
-                                "--save-params", str(out)], nproc=0)
+        run = train(
+            REF_ARGS + ["--steps", "8", "--global-batch", "32", "--micro-batch", micro, "--save-params", str(out)],
+            nproc=0,
+        )
         assert run.returncode == 0, run.stderr
         outs.append(params(out))
     assert_same_params(outs[0], outs[1], atol=1e-5)
@@ -59,8 +80,7 @@ def test_stop_at_10_and_resume_to_20_equals_an_uninterrupted_run(tmp_path, refer
     first = train(REF_ARGS + ["--steps", "10", "--checkpoint-dir", str(ckpt)])
     assert first.returncode == 0, first.stderr
     assert (ckpt / "latest").read_text().strip() == "step_00000010"
-    second = train(REF_ARGS + ["--steps", "20", "--checkpoint-dir", str(ckpt), "--resume",
-                               "--save-params", str(out)])
+    second = train(REF_ARGS + ["--steps", "20", "--checkpoint-dir", str(ckpt), "--resume", "--save-params", str(out)])
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout and "at step 10" in second.stdout
     # Same data position, optimizer, scheduler and RNG: bit-for-bit the uninterrupted result.
@@ -72,13 +92,24 @@ def test_fsdp_trains_checkpoints_and_matches_ddp(tmp_path, reference):
     first = train(REF_ARGS + ["--steps", "10", "--parallelism", "fsdp", "--checkpoint-dir", str(ckpt)])
     assert first.returncode == 0, first.stderr
     # Each rank wrote its own shards; read back in one process they are the full tensors.
-    assert sorted(p.name for p in (ckpt / "step_00000010").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                          "__1_0.distcp"]
+    assert sorted(p.name for p in (ckpt / "step_00000010").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     state = load_checkpoint(ckpt / "step_00000010")
     assert state["model"]["wte.weight"].shape == (64, 32)
     assert state["step"] == 10 and state["data"]["samples_seen"] == 640
-    second = train(REF_ARGS + ["--steps", "20", "--parallelism", "fsdp", "--checkpoint-dir", str(ckpt),
-                               "--resume", "--save-params", str(out)])
+    second = train(
+        REF_ARGS
+        + [
+            "--steps",
+            "20",
+            "--parallelism",
+            "fsdp",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--save-params",
+            str(out),
+        ]
+    )
     assert second.returncode == 0, second.stderr
     assert "fsdp x 2 ranks" in second.stdout
     assert_same_params(reference, params(out), atol=1e-5)
@@ -86,9 +117,25 @@ def test_fsdp_trains_checkpoints_and_matches_ddp(tmp_path, reference):
 
 def test_keep_last_n_checkpoints_and_latest_points_at_the_newest(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run = train(["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                 "--keep-checkpoints", "2", "--global-batch", "4", "--micro-batch", "2",
-                 "--straggler-every", "0"], nproc=0)
+    run = train(
+        [
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "2",
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "2",
+            "--straggler-every",
+            "0",
+        ],
+        nproc=0,
+    )
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000006", "step_00000008"]
     assert (ckpt / "latest").read_text().strip() == "step_00000008"
@@ -101,8 +148,9 @@ def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator, mo
     first = train(REF_ARGS + ["--steps", "10", "--checkpoint-dir", url], env=gcs_emulator)
     assert first.returncode == 0, first.stderr
     assert "checkpoint step 10 -> gs://ckpt/runs/a/step_00000010 (" in first.stdout
-    second = train(REF_ARGS + ["--steps", "20", "--checkpoint-dir", url, "--resume",
-                               "--save-params", str(out)], env=gcs_emulator)
+    second = train(
+        REF_ARGS + ["--steps", "20", "--checkpoint-dir", url, "--resume", "--save-params", str(out)], env=gcs_emulator
+    )
     assert second.returncode == 0, second.stderr
     assert_same_params(reference, params(out))
 
@@ -111,8 +159,9 @@ def test_checkpoint_round_trip_through_gcs(tmp_path, reference, gcs_emulator, mo
     names = sorted(b.name for b in bucket.list_blobs(prefix="runs/a/"))
     assert bucket.blob("runs/a/latest").download_as_bytes().decode().strip() == "step_00000020"
     # Both ranks uploaded their own shards; .metadata marks each checkpoint complete.
-    assert names == ["runs/a/latest"] + [f"runs/a/step_000000{s}/{f}" for s in ("10", "20")
-                                         for f in (".metadata", "__0_0.distcp", "__1_0.distcp")]
+    assert names == ["runs/a/latest"] + [
+        f"runs/a/step_000000{s}/{f}" for s in ("10", "20") for f in (".metadata", "__0_0.distcp", "__1_0.distcp")
+    ]
 
 
 @pytest.mark.parametrize("bucket, why", [("nope", "does not exist"), ("ckpt", "cannot reach")])
@@ -124,8 +173,12 @@ def test_a_missing_or_unreachable_bucket_is_one_line_and_exit_2(bucket, why, gcs
         env["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{free_port()}"  # nothing listens
     # The unreachable case runs under torchrun to show the exit 2 reaching torchrun's summary.
     nproc = 2 if why == "cannot reach" else 0
-    run = train(["--steps", "2", "--checkpoint-dir", f"gs://{bucket}/x", "--global-batch", "4",
-                 "--micro-batch", "2"], env=env, timeout=90, nproc=nproc)
+    run = train(
+        ["--steps", "2", "--checkpoint-dir", f"gs://{bucket}/x", "--global-batch", "4", "--micro-batch", "2"],
+        env=env,
+        timeout=90,
+        nproc=nproc,
+    )
     assert run.returncode != 0
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and f"gs://{bucket}" in errors[0] and why in errors[0], run.stderr
@@ -135,10 +188,30 @@ def test_a_missing_or_unreachable_bucket_is_one_line_and_exit_2(bucket, why, gcs
 
 def test_a_checkpoint_from_another_model_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert train(["--steps", "2", "--checkpoint-dir", str(ckpt), "--global-batch", "4",
-                  "--micro-batch", "2"], nproc=0).returncode == 0
-    run = train(["--model", "small-test", "--seq-len", "64", "--steps", "4", "--checkpoint-dir",
-                 str(ckpt), "--resume", "--global-batch", "4", "--micro-batch", "2"], nproc=0)
+    assert (
+        train(
+            ["--steps", "2", "--checkpoint-dir", str(ckpt), "--global-batch", "4", "--micro-batch", "2"], nproc=0
+        ).returncode
+        == 0
+    )
+    run = train(
+        [
+            "--model",
+            "small-test",
+            "--seq-len",
+            "64",
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "2",
+        ],
+        nproc=0,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0, run.stderr
     assert "written with model tiny, this run has small-test" in run.stderr

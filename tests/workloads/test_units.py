@@ -13,21 +13,27 @@ from workloads.model import GPT, flops_per_token, mfu
 
 
 def test_a_global_batch_that_does_not_divide_names_the_arithmetic():
-    with pytest.raises(ConfigError, match=r"--global-batch 12 is not divisible by --micro-batch 4 "
-                                          r"x world size 2 = 8; use a multiple of 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--global-batch 12 is not divisible by --micro-batch 4 "
+        r"x world size 2 = 8; use a multiple of 8",
+    ):
         TrainConfig(global_batch=12, micro_batch=4, world_size=2)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"model": "7B"}, "--model '7B' is unknown; one of: tiny, small-test, 124M, 350M, 1.3B"),
-    ({"steps": 0}, "--steps must be at least 1, got 0"),
-    ({"precision": "fp8"}, "--precision 'fp8' is unknown"),
-    ({"seq_len": 65}, "--seq-len 65 is longer than model tiny's block size 64"),
-    ({"resume": True}, "--resume needs --checkpoint-dir"),
-    ({"parallelism": "fsdp", "compression": "fp16"}, "--compression fp16 is a DDP comm hook"),
-    ({"profile_steps": "5"}, "--profile-steps '5' is not a range 'a:b'"),
-    ({"profile_steps": "5:200"}, "--profile-steps 5:200 ends after --steps 100"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"model": "7B"}, "--model '7B' is unknown; one of: tiny, small-test, 124M, 350M, 1.3B"),
+        ({"steps": 0}, "--steps must be at least 1, got 0"),
+        ({"precision": "fp8"}, "--precision 'fp8' is unknown"),
+        ({"seq_len": 65}, "--seq-len 65 is longer than model tiny's block size 64"),
+        ({"resume": True}, "--resume needs --checkpoint-dir"),
+        ({"parallelism": "fsdp", "compression": "fp16"}, "--compression fp16 is a DDP comm hook"),
+        ({"profile_steps": "5"}, "--profile-steps '5' is not a range 'a:b'"),
+        ({"profile_steps": "5:200"}, "--profile-steps 5:200 ends after --steps 100"),
+    ],
+)
 def test_bad_values_are_named_with_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**kwargs)
@@ -41,8 +47,7 @@ def test_every_field_has_a_flag_with_its_docstring_as_help():
     helps = {a.dest: a.help for a in build_parser()._actions if a.dest != "help"}
     assert "checkpoint_dir" in helps and "gs://bucket/prefix" in helps["checkpoint_dir"]
     assert all(h for h in helps.values()), [k for k, h in helps.items() if not h]
-    cfg = config_from_args(["--model", "124M", "--no-compile", "--resume", "--checkpoint-dir", "x"],
-                           world_size=1)
+    cfg = config_from_args(["--model", "124M", "--no-compile", "--resume", "--checkpoint-dir", "x"], world_size=1)
     assert cfg.model == "124M" and cfg.resume is True and cfg.compile is False
 
 
@@ -70,15 +75,15 @@ def test_a_rank_above_1_2x_the_median_is_a_straggler():
     assert find_stragglers([1.0, 1.0, 1.19, 1.0]) == []
     assert find_stragglers([1.0, 1.0, 1.3, 1.0]) == [2]
     assert find_stragglers([2.0]) == []
-    (line,) = straggler_warning([0.010, 0.030, 0.010], [RankInfo(0, 0, "a"), RankInfo(1, 1, "b"),
-                                                        RankInfo(2, 1, "c")], 1.2)
+    (line,) = straggler_warning(
+        [0.010, 0.030, 0.010], [RankInfo(0, 0, "a"), RankInfo(1, 1, "b"), RankInfo(2, 1, "c")], 1.2
+    )
     assert line.startswith("straggler: rank 1 (node 1, host b) compute 30.0 ms/step = 3.00x the median 10.0 ms")
 
 
 def test_log_line_reads_at_a_glance():
     line = format_log_line(10, 100, 3.21449, 6e-4, 0.1234, 12345.6, 0.432, 1.5)
-    assert line == ("step 10/100 | loss 3.2145 | lr 6.00e-04 | 123.4 ms/step | 12,346 tok/s | "
-                    "MFU 43.2% | mem 1.50 GiB")
+    assert line == ("step 10/100 | loss 3.2145 | lr 6.00e-04 | 123.4 ms/step | 12,346 tok/s | MFU 43.2% | mem 1.50 GiB")
     assert "MFU n/a" in format_log_line(1, 1, 1.0, 1e-3, 0.1, 1.0, None, None)
 
 
@@ -87,8 +92,10 @@ def _samples(world: int, micro: int, accum: int, steps: int, n: int = 100) -> li
     data = SyntheticTokens(n, 4, 64, seed=0)
     data.batch = lambda ids: (torch.tensor(ids), torch.tensor(ids))  # expose the ids themselves
     streams = [BatchStream(data, r, world, micro, accum, seed=0) for r in range(world)]
-    return [sorted(i for s in streams for m in range(accum) for i in s.micro_batch_at(step, m)[0].tolist())
-            for step in range(steps)]
+    return [
+        sorted(i for s in streams for m in range(accum) for i in s.micro_batch_at(step, m)[0].tolist())
+        for step in range(steps)
+    ]
 
 
 def test_ranks_together_see_what_one_process_sees_and_no_sample_twice_per_epoch():
@@ -126,8 +133,9 @@ def test_latest_moves_only_after_a_whole_write_and_pruning_keeps_the_newest(tmp_
     store.check()
     assert store.latest() is None
     for step in (1, 2, 3):
-        assert _dcp_save(store, step, {"w": torch.full((4,), float(step)), "trainer": encode_state({"step": step})}) \
-            == str(root / f"step_0000000{step}")
+        assert _dcp_save(
+            store, step, {"w": torch.full((4,), float(step)), "trainer": encode_state({"step": step})}
+        ) == str(root / f"step_0000000{step}")
     assert store.latest() == "step_00000003"
     assert store.prune(2) == ["step_00000001"]
     back = load_checkpoint(root / "step_00000003")
@@ -141,8 +149,11 @@ def test_latest_moves_only_after_a_whole_write_and_pruning_keeps_the_newest(tmp_
     # A save that fails half-way leaves its staging directory, never a step_ name or a new latest.
     token = store.begin("step_00000004")
     with pytest.raises(BaseException, match="boom mid-write"):
-        dcp.save({"w": torch.zeros(4), "bad": Unpicklable()},
-                 storage_writer=store.storage_writer("step_00000004", token), no_dist=True)
+        dcp.save(
+            {"w": torch.zeros(4), "bad": Unpicklable()},
+            storage_writer=store.storage_writer("step_00000004", token),
+            no_dist=True,
+        )
     assert store.latest() == "step_00000003"
     assert [p.name for p in root.iterdir() if p.name.startswith(".step_00000004.tmp-")]
     store.abort("step_00000004", token)
@@ -213,8 +224,10 @@ def test_the_preemption_save_is_checked_against_the_budget_and_names_what_to_cha
     assert (format_bytes(512), format_bytes(3.2e6), format_bytes(16.1e9)) == ("512 B", "3.2 MB", "16.1 GB")
     fits, line = preemption_report(24, 1.5, 0.5, 30.0, 3_000_000_000, 16, "/ckpt/step_00000024")
     assert fits
-    assert line == ("SIGTERM: checkpoint step 24 saved in 1.50 s (3.0 GB from 16 ranks, 2.0 GB/s) -> "
-                    "/ckpt/step_00000024; 2.00 s since the notice, within the 30 s --preemption-budget")
+    assert line == (
+        "SIGTERM: checkpoint step 24 saved in 1.50 s (3.0 GB from 16 ranks, 2.0 GB/s) -> "
+        "/ckpt/step_00000024; 2.00 s since the notice, within the 30 s --preemption-budget"
+    )
     fits, line = preemption_report(24, 40.0, 2.0, 30.0, 16_000_000_000, 16, "gs://b/step_00000024")
     assert not fits
     # 16 GB in the 28 s the step left: 571 MB/s needed; the knobs that give it are named.
@@ -229,12 +242,17 @@ def test_the_preemption_budget_takes_seconds_or_minutes(text, seconds):
     assert TrainConfig(preemption_budget=text).preemption_budget_s == seconds
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"preemption_budget": "soon"}, "--preemption-budget 'soon' is not a duration; use seconds like 30s"),
-    ({"preemption_budget": "-3s"}, "--preemption-budget '-3s' is not a duration"),
-    ({"async_checkpoint": True, "checkpoint_dir": "x"}, "--async-checkpoint overlaps the periodic saves "
-                                                        "with training; it needs --checkpoint-every K"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"preemption_budget": "soon"}, "--preemption-budget 'soon' is not a duration; use seconds like 30s"),
+        ({"preemption_budget": "-3s"}, "--preemption-budget '-3s' is not a duration"),
+        (
+            {"async_checkpoint": True, "checkpoint_dir": "x"},
+            "--async-checkpoint overlaps the periodic saves with training; it needs --checkpoint-every K",
+        ),
+    ],
+)
 def test_checkpoint_flags_that_cannot_work_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**kwargs)

@@ -135,19 +135,23 @@ class Controller:
                 out.append(other)
         return out
 
-    def finish(self, result: LaunchResult) -> int:
+    def finish(self, result: LaunchResult, note: str = "") -> int:
+        """End the record as `result` says; `note` (why recovery gave up) follows a failure's why."""
         if result.signal is not None:
             return self.end(JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): "
                             "every node was stopped")
         if result.exit_code == 0:
             return self.end(JobState.SUCCEEDED, 0)
+        return self._failed(result, note)
+
+    def _failed(self, result: LaunchResult, note: str) -> int:
         rank = result.first_failure
         o = result.outcomes.get(rank) if rank is not None else None
         if o is None:
-            return self.end(JobState.FAILED, result.exit_code, why="failed")
+            return self.end(JobState.FAILED, result.exit_code, why="failed" + note)
         what = f"unreachable ({o.error})" if o.connection_lost else o.status
         tail = [*[line for line in o.error_lines if line not in o.tail], *o.tail[-20:]]
-        return self.end(JobState.FAILED, result.exit_code, why=f"{o.node.label} failed first: {what}",
+        return self.end(JobState.FAILED, result.exit_code, why=f"{o.node.label} failed first: {what}{note}",
                         node=rank, tail=tail)
 
     def end(self, state: JobState, code: int, why: str = "", node: int | None = None,

@@ -174,11 +174,8 @@ class Recoverer:
         why = f"{node}{rec.cause}; {refusal}"
         if result.exit_code == 0:  # preempted: every rank saved and exited 0, but the run is not done
             return self.c.end(JobState.FAILED, 1, why=why, node=rec.node)
-        code = self.c.finish(result)
         said = rec.signature.partition(" / ")[2]  # the node's own error lines, if it printed any
-        self.c.record.why = f"{self.c.record.why}" + (f": {said}" if said else "") + f"; {refusal}"
-        self.c.save()
-        return code
+        return self.c.finish(result, note=(f": {said}" if said else "") + f"; {refusal}")
 
     def _begin(self, rec: Recovery) -> None:
         r = self.c.record

@@ -178,3 +178,45 @@ def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_th
     assert [q for q in api.requests if q.get("method")] == [] and instances[1].status == "TERMINATED"
     assert done["recoveries"][0]["restarted"] == {}
     c.assert_nothing_left()
+
+
+def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_lists_both(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--max-recoveries", "1", "--", *TRAIN,
+                    "--global-batch", "2", "--steps", "100000", "--log-every", "10", "--checkpoint-dir", str(ckpt),
+                    "--checkpoint-every", "10")
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
+    c.preempt(1)
+    wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
+    c.restart_sshd(1)
+    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None, 60, "relaunched",
+             interval=0.5)
+    first = checkpoint_step(ckpt)
+    wait_for(lambda: checkpoint_step(ckpt) >= first + 10, 120, "progress after the resume")
+    c.preempt(1)
+    done = wait_state(c, tmp_path, job_id, FINAL, timeout=60)
+    assert done["state"] == "FAILED" and "gave up after 1 recoveries (--max-recoveries 1)" in done["why"], done
+    one, two = done["recoveries"]
+    assert one["waited_s"] is not None and two["waited_s"] is None and two["at"] > one["at"], done["recoveries"]
+    assert "preempted" in two["cause"] or "unreachable" in two["cause"]
+    c.restart_sshd(1)
+    c.assert_nothing_left()
+
+
+def test_stop_while_recovering_ends_the_job_stopped_and_relaunches_nothing(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--", *TRAIN, "--global-batch", "2",
+                    "--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
+    c.power_off(1)
+    wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
+    r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
+    assert "STOPPED" in r.stderr, r.stderr
+    done = job(c, tmp_path, job_id)
+    assert done["state"] == "STOPPED" and "while recovering" in done["why"], done
+    c.restart_sshd(1)
+    time.sleep(3)
+    assert job(c, tmp_path, job_id)["state"] == "STOPPED"
+    c.assert_nothing_left()

@@ -51,8 +51,9 @@ def interval(environ: dict[str, str] | None = None) -> float:
     except ValueError:
         value = float("nan")
     if not _LIMITS[0] <= value <= _LIMITS[1]:
-        log.warning("%s=%r is not a number of seconds in %g..%g; sampling every %g s", INTERVAL_ENV, raw,
-                    *_LIMITS, INTERVAL_S)
+        log.warning(
+            "%s=%r is not a number of seconds in %g..%g; sampling every %g s", INTERVAL_ENV, raw, *_LIMITS, INTERVAL_S
+        )
         return INTERVAL_S
     return value
 
@@ -89,9 +90,14 @@ def start(cluster: Cluster, config: LaunchConfig, path: Path, interval_s: float 
     recorder = None
     try:
         recorder = Recorder(Path(path), config.job_id or "job")
-        sampler = TopSampler(cluster, make_transport(cluster, config).argv, interval_s=iv,
-                             plan=role_plan(cluster.machine_type, config.image_os), on_row=recorder.write,
-                             concurrency=config.ssh.concurrency)
+        sampler = TopSampler(
+            cluster,
+            make_transport(cluster, config).argv,
+            interval_s=iv,
+            plan=role_plan(cluster.machine_type, config.image_os),
+            on_row=recorder.write,
+            concurrency=config.ssh.concurrency,
+        )
         sampler.start()
     except Exception as e:
         log.warning("the job runs unsampled: cannot start its sampler (%s: %s)", type(e).__name__, e)
@@ -106,5 +112,7 @@ def record_script(job_id: str) -> str:
     """The node-0 program that prints a job's samples (nothing when it has none yet), or says on
     stderr that there is no such job (exit 3)."""
     d = f'"$HOME"/{JOBS_DIR}/{shlex.quote(check_job_id(job_id))}'
-    return (f'D={d}; [ -d "$D" ] || {{ echo "no job {job_id} on this node" >&2; exit 3; }}; '
-            f'[ -f "$D"/{RECORD} ] && cat "$D"/{RECORD}; exit 0')
+    return (
+        f'D={d}; [ -d "$D" ] || {{ echo "no job {job_id} on this node" >&2; exit 3; }}; '
+        f'[ -f "$D"/{RECORD} ] && cat "$D"/{RECORD}; exit 0'
+    )

@@ -55,8 +55,16 @@ GPU_FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total", "power.
 
 # What nvidia-smi prints for a value it cannot give (nvidia-smi(1); gpufleet.health reads the
 # same set for doctor's query).
-_NOT_A_VALUE = {"[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]",
-                "[GPU is lost]", "[Requires Pstate Change]", ""}
+_NOT_A_VALUE = {
+    "[N/A]",
+    "N/A",
+    "[Not Supported]",
+    "[Unknown Error]",
+    "[Insufficient Permissions]",
+    "[GPU is lost]",
+    "[Requires Pstate Change]",
+    "",
+}
 
 # The jiffy columns of /proc/stat's `cpu` line we read: user nice system idle iowait irq softirq
 # steal (proc(5)); guest time is already counted in user.
@@ -114,7 +122,7 @@ def _one_line(script: str) -> str:
     # One line, as every node program of the launcher is (so --dry-run prints one per node): a
     # line that opens a compound command or ends in `&` needs no `;` after it.
     out = []
-    for line in (l.strip() for l in script.splitlines()):
+    for line in (raw.strip() for raw in script.splitlines()):
         if line:
             out.append(line if line.endswith(("do", "then", "else", "{", "&")) else line + ";")
     return " ".join(out).rstrip(";")
@@ -225,7 +233,7 @@ class NodeStream:
                 kind = tok[i]
                 if kind == "c":
                     # Empty fields (an old kernel without steal) read as missing, not zero.
-                    cpu = tuple(int(v) for v in tok[i + 1:i + 1 + _CPU_FIELDS] if v.isdigit())
+                    cpu = tuple(int(v) for v in tok[i + 1 : i + 1 + _CPU_FIELDS] if v.isdigit())
                     i += 1 + len(cpu)
                 elif kind == "n":
                     nics[tok[i + 1]] = (int(tok[i + 2]), int(tok[i + 3]))
@@ -267,8 +275,9 @@ def _increase(prev: int, cur: int) -> tuple[int, bool]:
     return cur - prev, False
 
 
-def _rates(prev: dict[str, tuple[int, int]], cur: dict[str, tuple[int, int]], dt: float,
-           resets: list[str]) -> dict[str, tuple[float, float]]:
+def _rates(
+    prev: dict[str, tuple[int, int]], cur: dict[str, tuple[int, int]], dt: float, resets: list[str]
+) -> dict[str, tuple[float, float]]:
     out = {}
     for name, (rx, tx) in cur.items():
         if name not in prev:

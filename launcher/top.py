@@ -101,8 +101,14 @@ def role_plan(machine_type: str | None, image_os: str | None = None) -> RolePlan
     return RolePlan(host, gpu, rdma=any(nic.role == "rdma" for nic in mt.nics))
 
 
-def nic_roles(plan: RolePlan, ifaces: Iterable[str], ib_ports: Iterable[str], address: str,
-              addresses: dict[str, str], default_iface: str | None) -> dict[str, str]:
+def nic_roles(
+    plan: RolePlan,
+    ifaces: Iterable[str],
+    ib_ports: Iterable[str],
+    address: str,
+    addresses: dict[str, str],
+    default_iface: str | None,
+) -> dict[str, str]:
     """{name: role} for a node's netdevs and infiniband ports ("ib:DEV/PORT")."""
     roles = {}
     for name in ifaces:
@@ -172,8 +178,7 @@ def _sum(values: list[float | None]) -> float | None:
     return sum(known) if known else None
 
 
-def build_row(node: Node, counters: Counters, d: Delta | None, roles: dict[str, str],
-              received: float) -> NodeRow:
+def build_row(node: Node, counters: Counters, d: Delta | None, roles: dict[str, str], received: float) -> NodeRow:
     """The row for one sample of `node` (rates from `d`, None on its first sample)."""
     row = NodeRow(node, NodeStatus.OK, t=counters.t_us / 1e6, received=received)
     if counters.gpus is not None:
@@ -205,8 +210,9 @@ def build_row(node: Node, counters: Counters, d: Delta | None, roles: dict[str, 
     return row
 
 
-def flag_outliers(rows: Sequence[NodeRow], fraction: float = FLAG_FRACTION,
-                  floor_gbps: float = FLAG_FLOOR_GBPS) -> set[int]:
+def flag_outliers(
+    rows: Sequence[NodeRow], fraction: float = FLAG_FRACTION, floor_gbps: float = FLAG_FLOOR_GBPS
+) -> set[int]:
     """Ranks of reachable nodes whose data NICs move less than `fraction` of the median of all
     reachable nodes, once that median is above `floor_gbps`."""
     values = {r.node.rank: r.data_gbps for r in rows if r.status is NodeStatus.OK and r.data_gbps is not None}
@@ -226,8 +232,9 @@ _WORST_IS_HIGH = {"gpu_temp_c", "cpu_util_pct"}
 def slowest(rows: Sequence[NodeRow], column: str) -> int | None:
     """The rank of the node at the slow end of `column` among reachable nodes, or None when
     fewer than two report it or they all report the same."""
-    values = [(getattr(r, column), r.node.rank) for r in rows
-              if r.status is NodeStatus.OK and getattr(r, column) is not None]
+    values = [
+        (getattr(r, column), r.node.rank) for r in rows if r.status is NodeStatus.OK and getattr(r, column) is not None
+    ]
     if len(values) < 2 or len({v for v, _ in values}) == 1:
         return None
     pick = max if column in _WORST_IS_HIGH else min
@@ -258,22 +265,38 @@ def _r(v: float | None, nd: int = 4) -> float | None:
 def to_record(row: NodeRow, session: str) -> dict:
     """One line of the `--record` JSONL file (schema SCHEMA; README "launch top" lists the fields)."""
     rec: dict = {
-        "schema": SCHEMA, "session": session, "node": row.node.rank, "host": row.node.host,
-        "name": row.node.name or None, "status": row.status.value, "error": row.error or None,
-        "t": _r(row.t, 6), "received": _r(row.received, 6), "interval_s": _r(row.interval_s),
+        "schema": SCHEMA,
+        "session": session,
+        "node": row.node.rank,
+        "host": row.node.host,
+        "name": row.node.name or None,
+        "status": row.status.value,
+        "error": row.error or None,
+        "t": _r(row.t, 6),
+        "received": _r(row.received, 6),
+        "interval_s": _r(row.interval_s),
         "cpu_util_pct": _r(row.cpu_util_pct, 2),
-        "gpu": None if row.gpu_count is None else {
-            "count": row.gpu_count, "util_mean_pct": _r(row.gpu_util_mean, 2),
-            "util_min_pct": _r(row.gpu_util_min, 2), "mem_used_mib": row.gpu_mem_used_mib,
-            "mem_total_mib": row.gpu_mem_total_mib, "power_w": _r(row.gpu_power_w, 2),
-            "temp_max_c": row.gpu_temp_c},
-        "host_rx_gbps": _r(row.host_rx, 6), "host_tx_gbps": _r(row.host_tx, 6),
-        "gpu_nic_rx_gbps": _r(row.gpu_rx, 6), "gpu_nic_tx_gbps": _r(row.gpu_tx, 6),
+        "gpu": None
+        if row.gpu_count is None
+        else {
+            "count": row.gpu_count,
+            "util_mean_pct": _r(row.gpu_util_mean, 2),
+            "util_min_pct": _r(row.gpu_util_min, 2),
+            "mem_used_mib": row.gpu_mem_used_mib,
+            "mem_total_mib": row.gpu_mem_total_mib,
+            "power_w": _r(row.gpu_power_w, 2),
+            "temp_max_c": row.gpu_temp_c,
+        },
+        "host_rx_gbps": _r(row.host_rx, 6),
+        "host_tx_gbps": _r(row.host_tx, 6),
+        "gpu_nic_rx_gbps": _r(row.gpu_rx, 6),
+        "gpu_nic_tx_gbps": _r(row.gpu_tx, 6),
         "gpu_nic_slowest_rx_gbps": _r(row.gpu_slowest_rx, 6),
         "gpu_nic_slowest_tx_gbps": _r(row.gpu_slowest_tx, 6),
         "data_gbps": _r(row.data_gbps, 6),
-        "nics": [{"name": n.name, "role": n.role, "rx_gbps": _r(n.rx_gbps, 6), "tx_gbps": _r(n.tx_gbps, 6)}
-                 for n in row.nics],
+        "nics": [
+            {"name": n.name, "role": n.role, "rx_gbps": _r(n.rx_gbps, 6), "tx_gbps": _r(n.tx_gbps, 6)} for n in row.nics
+        ],
         "counter_resets": list(row.counter_resets),
         "flagged": row.flagged,
     }
@@ -353,10 +376,18 @@ class TopSampler:
     with outliers flagged. At most `concurrency` sessions are in their SSH handshake at once
     (sshd's MaxStartups default starts refusing at 10)."""
 
-    def __init__(self, cluster: Cluster, argv_for: Callable[[Node, str], list[str]], *,
-                 interval_s: float = 1.0, plan: RolePlan | None = None,
-                 on_row: Callable[[NodeRow], None] | None = None, concurrency: int = 8,
-                 retry_s: float = 5.0, history_s: float = 60.0):
+    def __init__(
+        self,
+        cluster: Cluster,
+        argv_for: Callable[[Node, str], list[str]],
+        *,
+        interval_s: float = 1.0,
+        plan: RolePlan | None = None,
+        on_row: Callable[[NodeRow], None] | None = None,
+        concurrency: int = 8,
+        retry_s: float = 5.0,
+        history_s: float = 60.0,
+    ):
         self.cluster = cluster
         self.interval_s = interval_s
         self.plan = plan or RolePlan()
@@ -377,8 +408,7 @@ class TopSampler:
 
     def start(self) -> "TopSampler":
         for run in self._runs.values():
-            t = threading.Thread(target=self._node_loop, args=(run,), daemon=True,
-                                 name=f"top-node-{run.node.rank}")
+            t = threading.Thread(target=self._node_loop, args=(run,), daemon=True, name=f"top-node-{run.node.rank}")
             t.start()
             self._threads.append(t)
         return self
@@ -456,8 +486,13 @@ class TopSampler:
                 return
             try:
                 proc = subprocess.Popen(
-                    self._argv_for(run.node, self.script), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+                    self._argv_for(run.node, self.script),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    errors="replace",
+                    bufsize=1,
                     # A terminal's Ctrl-C reaches only the launcher, which ends every session in order.
                     start_new_session=True,
                 )
@@ -494,8 +529,9 @@ class TopSampler:
                 run.err.append(line)
 
     def _sample(self, run: _NodeRun, stream: NodeStream, counters: Counters) -> None:
-        roles = nic_roles(self.plan, counters.nics, counters.ib, run.node.address,
-                          stream.hello.addresses, stream.hello.default_iface)
+        roles = nic_roles(
+            self.plan, counters.nics, counters.ib, run.node.address, stream.hello.addresses, stream.hello.default_iface
+        )
         row = build_row(run.node, counters, delta(run.prev, counters), roles, time.time())
         with self._lock:
             others = [r.row for rank, r in self._runs.items() if rank != run.node.rank]

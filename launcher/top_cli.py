@@ -85,8 +85,9 @@ def _value(row: NodeRow, attr: str, fmt: str | None) -> str:
     return fmt.format(v)
 
 
-def _cell(line: Text, row: NodeRow, attrs: tuple[str, ...], fmt: str | None, width: int,
-          worst: dict[str, int | None]) -> None:
+def _cell(
+    line: Text, row: NodeRow, attrs: tuple[str, ...], fmt: str | None, width: int, worst: dict[str, int | None]
+) -> None:
     values = [_value(row, a, fmt) for a in attrs]
     if len(set(values)) == 1 and values[0] in ("n/a", "…"):
         line.append(values[0].rjust(width), style="dim")
@@ -104,7 +105,7 @@ def _squeeze(values: list[float | None], width: int) -> list[float | None]:
         return values
     out = []
     for i in range(width):
-        part = [v for v in values[i * len(values) // width:(i + 1) * len(values) // width] if v is not None]
+        part = [v for v in values[i * len(values) // width : (i + 1) * len(values) // width] if v is not None]
         out.append(sum(part) / len(part) if part else None)
     return out
 
@@ -129,7 +130,7 @@ def render_table(rows: list[NodeRow], histories: dict[int, list[float | None]], 
     lines = [Text(title, style="bold"), *heads]
     for row in rows:
         rank = row.node.rank
-        host = row.node.host if len(row.node.host) <= hw else row.node.host[:hw - 1] + "…"
+        host = row.node.host if len(row.node.host) <= hw else row.node.host[: hw - 1] + "…"
         line = Text()
         line.append(str(rank).rjust(4), style="bold red" if row.flagged else "")
         line.append(_SEP + host.ljust(hw))
@@ -152,8 +153,13 @@ def render_table(rows: list[NodeRow], histories: dict[int, list[float | None]], 
         elif row.flagged:
             line.append("⚑ slow data NICs", style="bold red")
         lines.append(line)
-    lines.append(Text(f"Gbit/s. ⚑: data NICs (GPU NICs; the host NIC where there are none) under "
-                      f"{FLAG_FRACTION:g} x the median. Bold red: the slow end of a column.", style="dim"))
+    lines.append(
+        Text(
+            f"Gbit/s. ⚑: data NICs (GPU NICs; the host NIC where there are none) under "
+            f"{FLAG_FRACTION:g} x the median. Bold red: the slow end of a column.",
+            style="dim",
+        )
+    )
     for line in lines:
         line.no_wrap = True
         line.overflow = "crop"
@@ -264,8 +270,10 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
     """The cluster whose node 0 holds `job_id`'s record, from the node-source flags."""
     check_job_id(job_id)
     if not any(o.get(f) for f in ("stack", "outputs", "hostfile", "labels", "local")):
-        raise UserError(f"{what}: a job's record is on node 0 of its cluster; give that cluster's node flags "
-                        "(--hostfile, --stack, ...) as for `launch jobs`")
+        raise UserError(
+            f"{what}: a job's record is on node 0 of its cluster; give that cluster's node flags "
+            "(--hostfile, --stack, ...) as for `launch jobs`"
+        )
     cluster = find_cluster(o)
     if cluster.local:
         raise UserError(f"{what}: detached jobs live on node 0 of an SSH cluster; --local has none")
@@ -283,13 +291,17 @@ def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
         raise UserError(f"no job {job_id} on {head.label}; `launch jobs` lists the jobs there")
     job = found[0]
     if job.state.final:
-        raise UserError(f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
-                        "its controller sampled")
+        raise UserError(
+            f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
+            "its controller sampled"
+        )
     by_host = {n.host: n for n in cluster.nodes}
     missing = [h for h in job.nodes if h not in by_host]
     if missing:
-        raise UserError(f"job {job_id} runs on {', '.join(missing)}, which the node flags do not name; give the "
-                        "node flags the job was started with")
+        raise UserError(
+            f"job {job_id} runs on {', '.join(missing)}, which the node flags do not name; give the "
+            "node flags the job was started with"
+        )
     return replace(cluster, nodes=tuple(replace(by_host[h], rank=i) for i, h in enumerate(job.nodes)))
 
 
@@ -345,14 +357,18 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
         job_id = None
     if job_id is None or Path(plot_from).exists():
         if any(o.get(f) for f in ("stack", "outputs", "hostfile", "labels", "local")):
-            raise UserError("--plot draws a record and connects to nothing; drop the node source (a detached "
-                            "job's samples: --plot JOB_ID with its node flags)")
+            raise UserError(
+                "--plot draws a record and connects to nothing; drop the node source (a detached "
+                "job's samples: --plot JOB_ID with its node flags)"
+            )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
     text = _on_node0(transport, cluster.nodes[0], record_script(job_id))
     if not text.strip():
-        raise UserError(f"job {job_id} has no samples yet (its controller samples every "
-                        f"{JOB_INTERVAL_S:g} s while it runs); try again later")
+        raise UserError(
+            f"job {job_id} has no samples yet (its controller samples every "
+            f"{JOB_INTERVAL_S:g} s while it runs); try again later"
+        )
     copy = Path(o.get("runs_dir") or "runs") / job_id / RECORD
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(text)
@@ -366,8 +382,10 @@ def _cloud_exporter(o: dict[str, Any], cluster: Cluster, sampler: TopSampler):
         return None
     project = o.get("project") or cluster.project
     if not project:
-        raise UserError("--cloud-monitoring needs the project to write to: the stack's outputs carry it; with "
-                        "another node source pass --project")
+        raise UserError(
+            "--cloud-monitoring needs the project to write to: the stack's outputs carry it; with "
+            "another node source pass --project"
+        )
     from launcher.top_cloud import CloudExporter
 
     return CloudExporter(cluster, project, sampler.rows, sampler.interval_s, endpoint=o.get("monitoring_endpoint"))
@@ -397,28 +415,56 @@ def _stop_all(sampler: TopSampler, exporter, recorder: Recorder | None) -> tuple
 @click.argument("job_id", required=False, metavar="[JOB_ID]")
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image (NIC roles).")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between samples and redraws.")
-@click.option("--record", type=click.Path(path_type=Path), metavar="FILE.jsonl",
-              help="Append every sample, one JSON object per node per sample (README: launch top).")
+@click.option(
+    "--record",
+    type=click.Path(path_type=Path),
+    metavar="FILE.jsonl",
+    help="Append every sample, one JSON object per node per sample (README: launch top).",
+)
 @click.option("--duration", type=float, help="Stop after this many seconds (for scripts; default: until Ctrl-C).")
-@click.option("--plot", "plot_from", metavar="JOB_ID|FILE.jsonl",
-              help="Draw a record as a PNG (per-node GPU util and NIC timelines) and exit: a --record file, or "
-                   "what a detached job's controller sampled (with the node flags).")
-@click.option("--output", "-o", type=click.Path(path_type=Path),
-              help="The PNG for --plot [default: FILE.png; RUNS_DIR/JOB_ID/top.png].")
-@click.option("--cloud-monitoring", is_flag=True,
-              help="Also write the samples to Cloud Monitoring as custom metrics (the stack's project, or --project).")
-@click.option("--monitoring-endpoint", hidden=True, metavar="HOST:PORT",
-              help="A Cloud Monitoring stand-in over plain gRPC (tests).")
+@click.option(
+    "--plot",
+    "plot_from",
+    metavar="JOB_ID|FILE.jsonl",
+    help="Draw a record as a PNG (per-node GPU util and NIC timelines) and exit: a --record file, or "
+    "what a detached job's controller sampled (with the node flags).",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    help="The PNG for --plot [default: FILE.png; RUNS_DIR/JOB_ID/top.png].",
+)
+@click.option(
+    "--cloud-monitoring",
+    is_flag=True,
+    help="Also write the samples to Cloud Monitoring as custom metrics (the stack's project, or --project).",
+)
+@click.option(
+    "--monitoring-endpoint",
+    hidden=True,
+    metavar="HOST:PORT",
+    help="A Cloud Monitoring stand-in over plain gRPC (tests).",
+)
 @user_errors
-def top(job_id: str | None, interval: float, record: Path | None, duration: float | None, plot_from: str | None,
-        output: Path | None, **o: Any) -> None:
+def top(
+    job_id: str | None,
+    interval: float,
+    record: Path | None,
+    duration: float | None,
+    plot_from: str | None,
+    output: Path | None,
+    **o: Any,
+) -> None:
     """Live view of every node (or of detached job JOB_ID's nodes): GPU util, memory, power,
     temperature, CPU, NIC Gbit/s by role."""
     setup_logging()
     if plot_from is not None:
         if job_id or record or duration:
-            raise UserError("--plot draws a record and exits; drop JOB_ID, --record and --duration "
-                            "(a job's record: launch top --plot JOB_ID)")
+            raise UserError(
+                "--plot draws a record and exits; drop JOB_ID, --record and --duration "
+                "(a job's record: launch top --plot JOB_ID)"
+            )
         out = _plot(plot_from, output, o)
         err.print(f"[dim]wrote {escape(str(out))}[/dim]")
         return
@@ -438,11 +484,18 @@ def top(job_id: str | None, interval: float, record: Path | None, duration: floa
     if record is not None and record.parent and not record.parent.is_dir():
         raise UserError(f"--record {record}: directory {record.parent} does not exist; create it first")
     recorder = Recorder(record, new_job_id()) if record else None
-    sampler = TopSampler(cluster, transport.argv, interval_s=interval, plan=plan,
-                         on_row=recorder.write if recorder else None, concurrency=config.ssh.concurrency)
+    sampler = TopSampler(
+        cluster,
+        transport.argv,
+        interval_s=interval,
+        plan=plan,
+        on_row=recorder.write if recorder else None,
+        concurrency=config.ssh.concurrency,
+    )
     n = len(cluster.nodes)
-    title = (f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}"
-             + (f", {cluster.machine_type}" if cluster.machine_type else ""))
+    title = f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}" + (
+        f", {cluster.machine_type}" if cluster.machine_type else ""
+    )
     exporter = _cloud_exporter(o, cluster, sampler)
     watch = _JobWatch(transport, head, job_id).start() if job_id else None
     sampler.start()
@@ -456,15 +509,18 @@ def top(job_id: str | None, interval: float, record: Path | None, duration: floa
         answered, connecting = _stop_all(sampler, exporter, recorder)
     err.print(f"[dim]{escape(_summary(stats, sampler, recorder))}[/dim]")
     if watch and watch.record:
-        err.print(f"job {job_id} ended ({watch.record.state.value}); launch top --plot {job_id} draws what its "
-                  "controller sampled")
+        err.print(
+            f"job {job_id} ended ({watch.record.state.value}); launch top --plot {job_id} draws what its "
+            "controller sampled"
+        )
     if exporter:
-        err.print(f"[dim]{exporter.written} time series written to Cloud Monitoring (project "
-                  f"{escape(exporter.project)})[/dim]")
+        err.print(
+            f"[dim]{exporter.written} time series written to Cloud Monitoring (project "
+            f"{escape(exporter.project)})[/dim]"
+        )
     if stats.signum == signal.SIGTERM:
         raise SystemExit(128 + stats.signum)
     if not answered:
         still = f" ({connecting} still connecting when the view ended)" if connecting else ""
-        err.print(f"[red]error: no node sent a sample{still}; check the node source and SSH "
-                  "(`launch hosts`)[/red]")
+        err.print(f"[red]error: no node sent a sample{still}; check the node source and SSH (`launch hosts`)[/red]")
         raise SystemExit(1)

@@ -56,8 +56,9 @@ def _monitoring() -> Any:
         from google.api import metric_pb2
         from google.cloud import monitoring_v3
     except ImportError:
-        raise UserError("--cloud-monitoring needs google-cloud-monitoring: "
-                        "pip install 'gpufleet[monitoring]'") from None
+        raise UserError(
+            "--cloud-monitoring needs google-cloud-monitoring: pip install 'gpufleet[monitoring]'"
+        ) from None
     return monitoring_v3, metric_pb2.MetricDescriptor
 
 
@@ -70,9 +71,15 @@ def time_series(rows: Sequence[NodeRow], cluster: Cluster, project: str) -> list
             continue
         when = row.received
         interval = mv3.TimeInterval({"end_time": {"seconds": int(when), "nanos": int((when % 1) * 1e9)}})
-        resource = {"type": "generic_node", "labels": {
-            "project_id": project, "location": cluster.zone or "global", "namespace": cluster.name,
-            "node_id": row.node.host}}
+        resource = {
+            "type": "generic_node",
+            "labels": {
+                "project_id": project,
+                "location": cluster.zone or "global",
+                "namespace": cluster.name,
+                "node_id": row.node.host,
+            },
+        }
         for name, attr in GAUGES.items():
             value = getattr(row, attr)
             if value is None:
@@ -95,16 +102,24 @@ class CloudExporter:
     `client` is a `monitoring_v3.MetricServiceClient` (default: one with the application default
     credentials; `endpoint` HOST:PORT: one over an insecure channel to a local stand-in, for tests)."""
 
-    def __init__(self, cluster: Cluster, project: str, rows: Callable[[], list[NodeRow]], period_s: float,
-                 client: Any = None, endpoint: str | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        project: str,
+        rows: Callable[[], list[NodeRow]],
+        period_s: float,
+        client: Any = None,
+        endpoint: str | None = None,
+    ):
         mv3, _ = _monitoring()
         if client is None:
             if endpoint:
                 import grpc
                 from google.cloud.monitoring_v3.services.metric_service.transports import MetricServiceGrpcTransport
 
-                client = mv3.MetricServiceClient(transport=MetricServiceGrpcTransport(
-                    channel=grpc.insecure_channel(endpoint)))
+                client = mv3.MetricServiceClient(
+                    transport=MetricServiceGrpcTransport(channel=grpc.insecure_channel(endpoint))
+                )
             else:
                 client = mv3.MetricServiceClient()
         self.client, self.cluster, self.project = client, cluster, project
@@ -141,7 +156,7 @@ class CloudExporter:
         series = time_series(rows, self.cluster, self.project)
         done = 0
         for i in range(0, len(series), MAX_SERIES_PER_REQUEST):
-            batch = series[i:i + MAX_SERIES_PER_REQUEST]
+            batch = series[i : i + MAX_SERIES_PER_REQUEST]
             try:
                 self.client.create_time_series(name=f"projects/{self.project}", time_series=batch)
             except Exception as e:  # the API's errors (google.api_core.exceptions) and the network's

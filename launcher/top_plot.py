@@ -25,7 +25,9 @@ def read_record(path: Path) -> list[dict]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise UserError(f"--plot {path}: cannot read it ({e.strerror}); give a file `launch top --record` wrote") from None
+        raise UserError(
+            f"--plot {path}: cannot read it ({e.strerror}); give a file `launch top --record` wrote"
+        ) from None
     out = []
     for line in text.splitlines():
         try:
@@ -74,11 +76,11 @@ def plot_record(path: Path, output: Path | None = None) -> Path:
         label = f"node {node} ({hosts[node]})"
         line = None
         if has_gpu:
-            (line,) = ax_gpu.plot(s["t"], [float("nan") if v is None else v for v in s["gpu"]],
-                                  label=label, linewidth=1)
+            (line,) = ax_gpu.plot(
+                s["t"], [float("nan") if v is None else v for v in s["gpu"]], label=label, linewidth=1
+            )
         color = line.get_color() if line is not None else None
-        ax_net.plot(s["t"], [float("nan") if v is None else v for v in s["net"]], label=label,
-                    linewidth=1, color=color)
+        ax_net.plot(s["t"], [float("nan") if v is None else v for v in s["net"]], label=label, linewidth=1, color=color)
         if s["flag_t"]:
             ax_net.scatter(s["flag_t"], s["flag_net"], color="red", s=12, zorder=3)
         if s["down"]:
@@ -86,8 +88,15 @@ def plot_record(path: Path, output: Path | None = None) -> Path:
     if has_gpu:
         ax_gpu.set_ylim(0, 105)
     else:
-        ax_gpu.text(0.5, 0.5, "no GPU on these nodes (no nvidia-smi)", ha="center", va="center",
-                    transform=ax_gpu.transAxes, color="grey")
+        ax_gpu.text(
+            0.5,
+            0.5,
+            "no GPU on these nodes (no nvidia-smi)",
+            ha="center",
+            va="center",
+            transform=ax_gpu.transAxes,
+            color="grey",
+        )
     ax_gpu.set_ylabel("GPU util, mean %")
     ax_net.set_ylabel("data NICs, Gbit/s (rx+tx)")
     ax_net.set_xlabel("seconds since the first sample")

@@ -46,10 +46,16 @@ class FakeMonitoring:
         self.refused: list[str] = []
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        handler = grpc.method_handlers_generic_handler("google.monitoring.v3.MetricService", {
-            "CreateTimeSeries": grpc.unary_unary_rpc_method_handler(
-                self._create, request_deserializer=monitoring_v3.CreateTimeSeriesRequest.deserialize,
-                response_serializer=empty_pb2.Empty.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            "google.monitoring.v3.MetricService",
+            {
+                "CreateTimeSeries": grpc.unary_unary_rpc_method_handler(
+                    self._create,
+                    request_deserializer=monitoring_v3.CreateTimeSeriesRequest.deserialize,
+                    response_serializer=empty_pb2.Empty.SerializeToString,
+                )
+            },
+        )
         self.server.add_generic_rpc_handlers((handler,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
@@ -75,7 +81,7 @@ class FakeMonitoring:
         return empty_pb2.Empty()
 
     def _check(self, req, metadata: dict) -> list[tuple[tuple, float, float]]:
-        if not req.name.startswith("projects/") or "/" in req.name[len("projects/"):]:
+        if not req.name.startswith("projects/") or "/" in req.name[len("projects/") :]:
             raise ValueError(f"name {req.name!r} is not projects/PROJECT_ID")
         params = dict(kv.split("=", 1) for kv in metadata.get("x-goog-request-params", "").split("&") if "=" in kv)
         if unquote(params.get("name", "")) != req.name:
@@ -104,8 +110,10 @@ class FakeMonitoring:
             when = p.interval.end_time.timestamp()
             last = self.series.get(key, [])
             if last and when < last[-1][0] + _MIN_GAP_S:
-                raise ValueError("One or more points were written more frequently than the maximum sampling "
-                                 "period configured for the metric")
+                raise ValueError(
+                    "One or more points were written more frequently than the maximum sampling "
+                    "period configured for the metric"
+                )
             out.append((key, when, p.value.double_value))
         return out
 
@@ -118,8 +126,9 @@ def fake():
 
 
 def _cluster(n: int = 2) -> Cluster:
-    return Cluster("c1", tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(n)), zone="us-central1-a",
-                   project="p1")
+    return Cluster(
+        "c1", tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(n)), zone="us-central1-a", project="p1"
+    )
 
 
 def _row(node: Node, received: float, **kw) -> NodeRow:
@@ -128,26 +137,47 @@ def _row(node: Node, received: float, **kw) -> NodeRow:
 
 def test_time_series_are_one_gauge_point_per_known_value_on_a_generic_node():
     c = _cluster()
-    rows = [_row(c.nodes[0], 1000.5, cpu_util_pct=12.5, host_rx=1.0, host_tx=2.0),
-            NodeRow(c.nodes[1], NodeStatus.UNREACHABLE, received=1000.5)]
+    rows = [
+        _row(c.nodes[0], 1000.5, cpu_util_pct=12.5, host_rx=1.0, host_tx=2.0),
+        NodeRow(c.nodes[1], NodeStatus.UNREACHABLE, received=1000.5),
+    ]
     series = time_series(rows, c, "p1")
     assert sorted(ts.metric.type for ts in series) == sorted(
-        METRIC_PREFIX + m for m in ("cpu_util_pct", "host_rx_gbps", "host_tx_gbps", "data_gbps"))
+        METRIC_PREFIX + m for m in ("cpu_util_pct", "host_rx_gbps", "host_tx_gbps", "data_gbps")
+    )
     ts = series[0]
-    assert dict(ts.resource.labels) == {"project_id": "p1", "location": "us-central1-a", "namespace": "c1",
-                                        "node_id": "10.0.0.2"}
+    assert dict(ts.resource.labels) == {
+        "project_id": "p1",
+        "location": "us-central1-a",
+        "namespace": "c1",
+        "node_id": "10.0.0.2",
+    }
     assert dict(ts.metric.labels) == {"rank": "0"}
     assert ts.points[0].interval.end_time.timestamp() == pytest.approx(1000.5)
     assert {m: ts.points[0].value.double_value for m, ts in ((t.metric.type, t) for t in series)}[
-        METRIC_PREFIX + "data_gbps"] == 3.0
+        METRIC_PREFIX + "data_gbps"
+    ] == 3.0
     assert set(GAUGES) >= {"gpu_util_mean_pct", "gpu_nic_rx_gbps", "data_gbps"}
 
 
 def test_the_exporter_writes_new_rows_only_in_batches_of_200_that_the_api_accepts(fake):
     c = _cluster(20)  # 20 nodes x 13 gauges: 260 series, two requests
-    full = dict(gpu_count=8, gpu_util_mean=90.0, gpu_util_min=80.0, gpu_mem_used_mib=1.0, gpu_mem_total_mib=2.0,
-                gpu_power_w=700.0, gpu_temp_c=60.0, cpu_util_pct=5.0, host_rx=1.0, host_tx=1.0, gpu_rx=100.0,
-                gpu_tx=100.0, gpu_slowest_rx=10.0, gpu_slowest_tx=10.0)
+    full = dict(
+        gpu_count=8,
+        gpu_util_mean=90.0,
+        gpu_util_min=80.0,
+        gpu_mem_used_mib=1.0,
+        gpu_mem_total_mib=2.0,
+        gpu_power_w=700.0,
+        gpu_temp_c=60.0,
+        cpu_util_pct=5.0,
+        host_rx=1.0,
+        host_tx=1.0,
+        gpu_rx=100.0,
+        gpu_tx=100.0,
+        gpu_slowest_rx=10.0,
+        gpu_slowest_tx=10.0,
+    )
     now = [time.time() - 60]
     exporter = CloudExporter(c, "p1", lambda: [_row(n, now[0], **full) for n in c.nodes], 1.0, endpoint=fake.endpoint)
     assert exporter.period_s == 10.0  # never faster than the API takes
@@ -174,8 +204,23 @@ def test_a_refused_write_is_logged_once_and_the_exporter_goes_on(fake, caplog):
 
 
 def test_launch_top_cloud_monitoring_writes_every_nodes_samples(fake):
-    r = CliRunner().invoke(top, ["--local", "--nodes", "2", "--interval", "0.5", "--duration", "2.2", "--project", "p1",
-                                 "--cloud-monitoring", "--monitoring-endpoint", fake.endpoint])
+    r = CliRunner().invoke(
+        top,
+        [
+            "--local",
+            "--nodes",
+            "2",
+            "--interval",
+            "0.5",
+            "--duration",
+            "2.2",
+            "--project",
+            "p1",
+            "--cloud-monitoring",
+            "--monitoring-endpoint",
+            fake.endpoint,
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert not fake.refused
     nodes = {dict(k[2])["node_id"] + "/" + dict(k[1])["rank"] for k in fake.series}
@@ -186,18 +231,23 @@ def test_launch_top_cloud_monitoring_writes_every_nodes_samples(fake):
 
 
 def test_cloud_monitoring_without_a_project_is_a_one_line_refusal(fake):
-    r = CliRunner().invoke(top, ["--local", "--nodes", "1", "--duration", "1", "--cloud-monitoring",
-                                 "--monitoring-endpoint", fake.endpoint])
+    r = CliRunner().invoke(
+        top,
+        ["--local", "--nodes", "1", "--duration", "1", "--cloud-monitoring", "--monitoring-endpoint", fake.endpoint],
+    )
     assert r.exit_code == 2 and "--cloud-monitoring needs the project" in r.output, r.output
     assert local_cluster(1).project is None
 
 
-@pytest.mark.parametrize("spoil, why", [
-    (lambda ts: setattr(ts.resource, "type", "global"), "is not a generic_node"),
-    (lambda ts: setattr(ts.metric, "type", "gpufleet/top/cpu_util_pct"), "is not user-defined"),
-    (lambda ts: ts.points.append(ts.points[0]), "exactly one per time series"),
-    (lambda ts: setattr(ts.points[0].interval, "start_time", {"seconds": 1}), "end time only"),
-])
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (lambda ts: setattr(ts.resource, "type", "global"), "is not a generic_node"),
+        (lambda ts: setattr(ts.metric, "type", "gpufleet/top/cpu_util_pct"), "is not user-defined"),
+        (lambda ts: ts.points.append(ts.points[0]), "exactly one per time series"),
+        (lambda ts: setattr(ts.points[0].interval, "start_time", {"seconds": 1}), "end time only"),
+    ],
+)
 def test_the_stand_in_refuses_what_the_api_refuses(fake, spoil, why):
     """So that the exporter's passing writes mean something."""
     import google.api_core.exceptions as gexc

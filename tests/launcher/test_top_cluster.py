@@ -35,8 +35,11 @@ def _records(path: Path) -> list[dict]:
 
 def _rated(recs: list[dict], node: int, after: float = 0.0) -> list[dict]:
     """Samples of `node` with rates (its second sample on), received after `after`."""
-    return [r for r in recs if r["node"] == node and r["status"] == "ok" and r["interval_s"] is not None
-            and r["received"] > after]
+    return [
+        r
+        for r in recs
+        if r["node"] == node and r["status"] == "ok" and r["interval_s"] is not None and r["received"] > after
+    ]
 
 
 def _frames(out: str) -> list[str]:
@@ -55,8 +58,9 @@ def _row(frame: str, rank: int) -> str:
 def test_launch_top_local_records_every_node_and_stops_at_duration(tmp_path):
     rec = tmp_path / "top.jsonl"
     t0 = time.time()
-    r = CliRunner().invoke(top, ["--local", "--nodes", "2", "--interval", "0.5", "--duration", "2.6",
-                                 "--record", str(rec)])
+    r = CliRunner().invoke(
+        top, ["--local", "--nodes", "2", "--interval", "0.5", "--duration", "2.6", "--record", str(rec)]
+    )
     assert r.exit_code == 0, r.output
     assert time.time() - t0 < 10
     recs = _records(rec)
@@ -77,8 +81,13 @@ def test_a_sweep_shows_on_its_nodes_the_idle_node_shows_none_and_a_throttled_nod
         # The sweep: nodes 0-2 run pairwise gloo all_reduce loops; node 3 runs nothing.
         three = tmp_path / "hosts3"
         three.write_text("".join(f"{a}\n" for a in c.addresses[:3]))
-        run = subprocess.run([LAUNCH, "run", *source_args(c, tmp_path, three), *torch_args(1), "--", PAIRS, "12"],
-                             cwd=REPO, capture_output=True, text=True, timeout=400)
+        run = subprocess.run(
+            [LAUNCH, "run", *source_args(c, tmp_path, three), *torch_args(1), "--", PAIRS, "12"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         assert run.stdout.count("pairs done") == 3
         time.sleep(1.5)
@@ -128,11 +137,19 @@ def test_a_node_whose_sshd_dies_is_shown_unreachable_and_the_others_keep_updatin
         # sshd dies: every session (and what it runs), then the listener, so no retry gets in.
         c.kill_sessions(1)
         os.kill(c.nodes[1].sshd.pid, signal.SIGKILL)
-        wait_for(lambda: any(r["node"] == 1 and r["status"] == "unreachable" for r in _records(rec)), 30,
-                 "node 1 recorded unreachable", view)
+        wait_for(
+            lambda: any(r["node"] == 1 and r["status"] == "unreachable" for r in _records(rec)),
+            30,
+            "node 1 recorded unreachable",
+            view,
+        )
         dead_at = next(r["received"] for r in _records(rec) if r["node"] == 1 and r["status"] == "unreachable")
-        wait_for(lambda: all(len(_rated(_records(rec), n, dead_at)) >= 6 for n in (0, 2)), 30,
-                 "nodes 0 and 2 still sampled after node 1 died", view)
+        wait_for(
+            lambda: all(len(_rated(_records(rec), n, dead_at)) >= 6 for n in (0, 2)),
+            30,
+            "nodes 0 and 2 still sampled after node 1 died",
+            view,
+        )
         # The view redraws with node 1 unreachable (it retries, and sshd is still dead).
         wait_for(lambda: "unreachable:" in _row(_frames(view.out)[-1], 1), 15, "node 1 shown unreachable", view)
         last = _frames(view.out)[-1]

@@ -32,7 +32,6 @@ from launcher.top import (
     role_plan,
     slowest,
     sparkline,
-    to_record,
 )
 from launcher.top_cli import render_table, top
 from launcher.top_plot import plot_record, read_record
@@ -67,8 +66,15 @@ def _run_program(interval: float, seconds: float, path_dir: Path | None = None) 
         env["PATH"] = f"{path_dir}:{env['PATH']}"
     else:  # no nvidia-smi anywhere on PATH
         env["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"
-    p = subprocess.Popen(["bash", "--norc", "--noprofile", "-c", node_program(interval)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p = subprocess.Popen(
+        ["bash", "--norc", "--noprofile", "-c", node_program(interval)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     time.sleep(seconds)
     children = _children(p.pid)
     out, errs = p.communicate(timeout=10)  # closes stdin: what the launcher does to end the view
@@ -118,7 +124,10 @@ def test_node_program_reads_gpus_from_nvidia_smi_loop_and_stops_it(tmp_path):
     stream = NodeStream()
     counters = [c for c in (stream.feed(l) for l in lines) if c is not None]
     last = counters[-1]
-    assert last.gpus == (GpuReading(0, 90.0, 1024.0, 81559.0, None, 40.0), GpuReading(1, 50.0, 1024.0, 81559.0, None, 41.0))
+    assert last.gpus == (
+        GpuReading(0, 90.0, 1024.0, 81559.0, None, 40.0),
+        GpuReading(1, 50.0, 1024.0, 81559.0, None, 41.0),
+    )
     assert stream.other == []
     # The nvidia-smi loop was the program's child, and ending the view ended it too.
     time.sleep(0.3)
@@ -138,9 +147,16 @@ def test_node_program_is_valid_bash_and_refuses_silly_intervals():
 
 def test_stream_reads_hello_samples_gpus_and_keeps_what_is_not_ours():
     s = NodeStream()
-    for line in ["Welcome to node 3", "H gpufleet-top 1 a3-node-3", "A eth0 10.0.0.5", "A lo 127.0.0.1",
-                 "R eth0", "P gpu nvidia-smi", "0, 97, 70000, 81559, 690.50, 65",
-                 "1, [N/A], 70000, 81559, 700.1, 66"]:
+    for line in [
+        "Welcome to node 3",
+        "H gpufleet-top 1 a3-node-3",
+        "A eth0 10.0.0.5",
+        "A lo 127.0.0.1",
+        "R eth0",
+        "P gpu nvidia-smi",
+        "0, 97, 70000, 81559, 690.50, 65",
+        "1, [N/A], 70000, 81559, 700.1, 66",
+    ]:
         assert s.feed(line) is None
     c = s.feed("S 1700000000000000 c 10 0 5 80 5 0 0 0 n eth0 1000 2000 n eth1 5 6 i mlx5_0/1 100 200\n")
     assert s.hello.hostname == "a3-node-3" and s.hello.addresses == {"10.0.0.5": "eth0", "127.0.0.1": "lo"}
@@ -214,8 +230,9 @@ def test_rdma_types_count_the_infiniband_ports_as_gpu_nics():
 
 
 def test_without_a_machine_type_the_host_nic_holds_the_nodes_address():
-    roles = nic_roles(RolePlan(), ["ens4", "ens5"], ["mlx5_0/1"], "10.1.0.7",
-                      {"10.1.0.7": "ens5", "10.2.0.7": "ens4"}, "ens4")
+    roles = nic_roles(
+        RolePlan(), ["ens4", "ens5"], ["mlx5_0/1"], "10.1.0.7", {"10.1.0.7": "ens5", "10.2.0.7": "ens4"}, "ens4"
+    )
     assert roles == {"ens4": OTHER, "ens5": HOST, "ib:mlx5_0/1": OTHER}
     # Reached by a name or a NAT address the node does not hold: the default route's interface.
     roles = nic_roles(RolePlan(), ["ens4", "ens5"], [], "node-7.example", {"10.1.0.7": "ens5"}, "ens4")
@@ -244,8 +261,13 @@ def _row(rank: int, gbps: float | None, status=NodeStatus.OK, **kw) -> NodeRow:
 def test_build_row_sums_gpu_nics_keeps_the_slowest_and_summarises_gpus():
     gpus = (GpuReading(0, 90, 1000, 80000, 700, 60), GpuReading(1, 30, 3000, 80000, 300, 75))
     a = Counters(0, (0,) * 8, {"eth0": (0, 0), "eth1": (0, 0), "eth2": (0, 0)}, {}, gpus)
-    b = Counters(1_000_000, (0,) * 8, {"eth0": (125_000_000, 0), "eth1": (1_250_000_000, 250_000_000),
-                                       "eth2": (250_000_000, 1_250_000_000)}, {}, gpus)
+    b = Counters(
+        1_000_000,
+        (0,) * 8,
+        {"eth0": (125_000_000, 0), "eth1": (1_250_000_000, 250_000_000), "eth2": (250_000_000, 1_250_000_000)},
+        {},
+        gpus,
+    )
     roles = {"eth0": HOST, "eth1": GPU, "eth2": GPU}
     row = build_row(NODE, b, delta(a, b), roles, received=5.0)
     assert (row.host_rx, row.host_tx) == (pytest.approx(1.0), 0.0)
@@ -271,8 +293,11 @@ def test_a_node_under_half_the_median_is_flagged_and_an_idle_cluster_is_not():
 
 
 def test_slowest_is_the_low_end_for_traffic_and_util_and_the_high_end_for_heat():
-    rows = [_row(0, 8.0, gpu_temp_c=60.0, gpu_util_mean=90.0), _row(1, 6.0, gpu_temp_c=80.0, gpu_util_mean=95.0),
-            _row(2, 7.0, gpu_temp_c=70.0, gpu_util_mean=40.0)]
+    rows = [
+        _row(0, 8.0, gpu_temp_c=60.0, gpu_util_mean=90.0),
+        _row(1, 6.0, gpu_temp_c=80.0, gpu_util_mean=95.0),
+        _row(2, 7.0, gpu_temp_c=70.0, gpu_util_mean=40.0),
+    ]
     assert slowest(rows, "host_rx") == 1
     assert slowest(rows, "gpu_temp_c") == 1
     assert slowest(rows, "gpu_util_mean") == 2
@@ -288,10 +313,30 @@ def test_sparkline_scales_every_node_to_the_same_top():
 # ---- the record ------------------------------------------------------------------------------
 
 
-RECORD_KEYS = {"schema", "session", "node", "host", "name", "status", "error", "t", "received", "interval_s",
-               "cpu_util_pct", "gpu", "host_rx_gbps", "host_tx_gbps", "gpu_nic_rx_gbps", "gpu_nic_tx_gbps",
-               "gpu_nic_slowest_rx_gbps", "gpu_nic_slowest_tx_gbps", "data_gbps", "nics", "counter_resets",
-               "flagged"}
+RECORD_KEYS = {
+    "schema",
+    "session",
+    "node",
+    "host",
+    "name",
+    "status",
+    "error",
+    "t",
+    "received",
+    "interval_s",
+    "cpu_util_pct",
+    "gpu",
+    "host_rx_gbps",
+    "host_tx_gbps",
+    "gpu_nic_rx_gbps",
+    "gpu_nic_tx_gbps",
+    "gpu_nic_slowest_rx_gbps",
+    "gpu_nic_slowest_tx_gbps",
+    "data_gbps",
+    "nics",
+    "counter_resets",
+    "flagged",
+}
 
 
 def test_the_recorder_appends_one_json_object_per_row_in_the_documented_schema(tmp_path):

@@ -460,20 +460,10 @@ def top(
     temperature, CPU, NIC Gbit/s by role."""
     setup_logging()
     if plot_from is not None:
-        if job_id or record or duration:
-            raise UserError(
-                "--plot draws a record and exits; drop JOB_ID, --record and --duration "
-                "(a job's record: launch top --plot JOB_ID)"
-            )
-        out = _plot(plot_from, output, o)
-        err.print(f"[dim]wrote {escape(str(out))}[/dim]")
+        _plot_only(plot_from, output, job_id, record, duration, o)
         return
-    if not 0.1 <= interval <= 3600:
-        raise UserError(f"--interval {interval:g} is outside 0.1..3600 seconds")
-    if duration is not None and duration <= 0:
-        raise UserError(f"--duration {duration:g} must be more than 0 seconds")
+    _check_timing(interval, duration)
     cluster, config, transport, head = _view_source(o, job_id)
-    plan = role_plan(cluster.machine_type, o.get("image_os"))
     if config.dry_run:
         from launcher.sampler import node_program
 
@@ -488,13 +478,9 @@ def top(
         cluster,
         transport.argv,
         interval_s=interval,
-        plan=plan,
+        plan=role_plan(cluster.machine_type, o.get("image_os")),
         on_row=recorder.write if recorder else None,
         concurrency=config.ssh.concurrency,
-    )
-    n = len(cluster.nodes)
-    title = f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}" + (
-        f", {cluster.machine_type}" if cluster.machine_type else ""
     )
     exporter = _cloud_exporter(o, cluster, sampler)
     watch = _JobWatch(transport, head, job_id).start() if job_id else None
@@ -502,11 +488,46 @@ def top(
     if exporter:
         exporter.start()
     try:
-        stats = _view(sampler, duration, title, watch.ended if watch else None)
+        stats = _view(sampler, duration, _title(cluster, job_id), watch.ended if watch else None)
     finally:
         if watch:
             watch.stop()
         answered, connecting = _stop_all(sampler, exporter, recorder)
+    _report_end(stats, sampler, recorder, exporter, watch, job_id, answered, connecting)
+
+
+def _plot_only(
+    plot_from: str,
+    output: Path | None,
+    job_id: str | None,
+    record: Path | None,
+    duration: float | None,
+    o: dict[str, Any],
+) -> None:
+    if job_id or record or duration:
+        raise UserError(
+            "--plot draws a record and exits; drop JOB_ID, --record and --duration "
+            "(a job's record: launch top --plot JOB_ID)"
+        )
+    out = _plot(plot_from, output, o)
+    err.print(f"[dim]wrote {escape(str(out))}[/dim]")
+
+
+def _check_timing(interval: float, duration: float | None) -> None:
+    if not 0.1 <= interval <= 3600:
+        raise UserError(f"--interval {interval:g} is outside 0.1..3600 seconds")
+    if duration is not None and duration <= 0:
+        raise UserError(f"--duration {duration:g} must be more than 0 seconds")
+
+
+def _title(cluster: Cluster, job_id: str | None) -> str:
+    n = len(cluster.nodes)
+    title = f"launch top: {f'job {job_id}, ' if job_id else ''}{n} node{'s' * (n != 1)}"
+    return title + (f", {cluster.machine_type}" if cluster.machine_type else "")
+
+
+def _report_end(stats, sampler, recorder, exporter, watch, job_id, answered: int, connecting: int) -> None:
+    """The summary on stderr, how a watched job ended, and the exit status."""
     err.print(f"[dim]{escape(_summary(stats, sampler, recorder))}[/dim]")
     if watch and watch.record:
         err.print(

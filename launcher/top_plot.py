@@ -41,17 +41,8 @@ def read_record(path: Path) -> list[dict]:
     return out
 
 
-def plot_record(path: Path, output: Path | None = None) -> Path:
-    """Draw `path` (a `--record` file) into `output` (default: the same name, .png)."""
-    records = read_record(path)
-    output = Path(output) if output else Path(path).with_suffix(".png")
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'gpufleet[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _series(records: list[dict]) -> tuple[dict[int, dict[str, list]], dict[int, str]]:
+    """Per node: times, mean GPU util, data-NIC Gbit/s, flagged and unreachable moments."""
     t0 = min(r["received"] for r in records if r.get("received") is not None)
     series: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     hosts: dict[int, str] = {}
@@ -69,22 +60,41 @@ def plot_record(path: Path, output: Path | None = None) -> Path:
         if r.get("flagged"):
             s["flag_t"].append(t)
             s["flag_net"].append(r.get("data_gbps") or 0.0)
+    return series, hosts
+
+
+def _nan(values: list) -> list[float]:
+    return [float("nan") if v is None else v for v in values]
+
+
+def _draw_node(ax_gpu, ax_net, s: dict[str, list], label: str, has_gpu: bool) -> None:
+    line = None
+    if has_gpu:
+        (line,) = ax_gpu.plot(s["t"], _nan(s["gpu"]), label=label, linewidth=1)
+    color = line.get_color() if line is not None else None
+    ax_net.plot(s["t"], _nan(s["net"]), label=label, linewidth=1, color=color)
+    if s["flag_t"]:
+        ax_net.scatter(s["flag_t"], s["flag_net"], color="red", s=12, zorder=3)
+    if s["down"]:
+        ax_net.scatter(s["down"], [0.0] * len(s["down"]), marker="x", color="grey", s=20, zorder=3)
+
+
+def plot_record(path: Path, output: Path | None = None) -> Path:
+    """Draw `path` (a `--record` file) into `output` (default: the same name, .png)."""
+    records = read_record(path)
+    output = Path(output) if output else Path(path).with_suffix(".png")
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'gpufleet[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series, hosts = _series(records)
     has_gpu = any(v is not None for s in series.values() for v in s["gpu"])
     fig, (ax_gpu, ax_net) = plt.subplots(2, 1, sharex=True, figsize=(11, 7), constrained_layout=True)
     for node in sorted(series):
-        s = series[node]
-        label = f"node {node} ({hosts[node]})"
-        line = None
-        if has_gpu:
-            (line,) = ax_gpu.plot(
-                s["t"], [float("nan") if v is None else v for v in s["gpu"]], label=label, linewidth=1
-            )
-        color = line.get_color() if line is not None else None
-        ax_net.plot(s["t"], [float("nan") if v is None else v for v in s["net"]], label=label, linewidth=1, color=color)
-        if s["flag_t"]:
-            ax_net.scatter(s["flag_t"], s["flag_net"], color="red", s=12, zorder=3)
-        if s["down"]:
-            ax_net.scatter(s["down"], [0.0] * len(s["down"]), marker="x", color="grey", s=20, zorder=3)
+        _draw_node(ax_gpu, ax_net, series[node], f"node {node} ({hosts[node]})", has_gpu)
     if has_gpu:
         ax_gpu.set_ylim(0, 105)
     else:

@@ -31,7 +31,9 @@ COMMANDS = ["doctor_cli", "top_cli", "nccl_cmd", "nccl_from"]
 # bad node, the mpirun command; nccl_report gathers their public names.
 REPORT = ["nccl_parse", "nccl_judge", "nccl_render", "badnodes", "nccl_mpirun", "nccl_report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
-BUILDERS = {("command", "remote_script")}
+BUILDERS = {("command", "remote_script"), ("doctor", "node_script")}
+# Every module of the package, for the rules that hold everywhere.
+ALL = sorted(p.stem for p in LAUNCHER.glob("*.py") if p.stem != "__init__")
 
 
 def _tree(name: str) -> ast.Module:
@@ -44,7 +46,7 @@ def _launcher_imports(tree: ast.Module) -> list[ast.ImportFrom]:
     ]
 
 
-@pytest.mark.parametrize("name", SPLIT + COMMANDS + REPORT)
+@pytest.mark.parametrize("name", ALL)
 def test_no_private_name_of_another_launcher_module_is_imported(name):
     private = [
         f"{n.module}.{a.name}" for n in _launcher_imports(_tree(name)) for a in n.names if a.name.startswith("_")
@@ -52,7 +54,7 @@ def test_no_private_name_of_another_launcher_module_is_imported(name):
     assert not private, f"launcher.{name} imports {private}"
 
 
-@pytest.mark.parametrize("name", SPLIT + COMMANDS + REPORT)
+@pytest.mark.parametrize("name", ALL)
 def test_every_function_is_under_60_lines(name):
     long = [
         f"{f.name} ({f.end_lineno - f.lineno + 1} lines)"
@@ -75,7 +77,7 @@ def test_the_launcher_modules_import_no_cycle():
             assert dep not in path, "import cycle: " + " -> ".join((*path, dep))
             visit(dep, (*path, dep))
 
-    for name in SPLIT + COMMANDS + REPORT:
+    for name in ALL:
         visit(name, (name,))
 
 

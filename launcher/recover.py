@@ -219,7 +219,7 @@ class Recoverer:
                 return self.c.end(JobState.FAILED, 255, node=bad,
                                   why=f"{label} was not back within --recover-timeout {self.policy.timeout_s:.0f} s "
                                       f"(recovery {len(self.c.record.recoveries)}, {rec.cause}): {why}")
-            if self.c.stop.wait(1.0):
+            if self.c.stop.wait(0.5):  # a node still down refuses at once (or after ConnectTimeout)
                 return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
 
     def _restart_stopped(self, launch: Any, rec: Recovery) -> None:

@@ -26,7 +26,7 @@ from launcher.handoff import detach
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
-from launcher.recover import recover_policy
+from launcher.recover import recover_policy, recovery_lines
 from launcher.render import err, setup_logging, user_errors
 from launcher.transport import make_transport
 
@@ -97,7 +97,14 @@ def _row(r: JobRecord) -> list[str]:
     what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
     return [r.id, escape(what), f"[{_STYLE[r.state.value]}]{r.state.value}[/]", str(len(r.nodes)), _when(r.started),
             "-" if dur is None else f"{dur:.0f} s", "-" if r.exit is None else str(r.exit),
-            escape(r.why) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else ""]
+            escape(r.why + _recoveries(r)) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else ""]
+
+
+def _recoveries(r: JobRecord) -> str:
+    n = len(r.recoveries)
+    if not n or r.state.value == "RECOVERING":
+        return ""
+    return f" ({n} recover{'y' if n == 1 else 'ies'}; --json lists them)"
 
 
 @click.command(name="jobs")
@@ -231,6 +238,8 @@ def render_summary(record: JobRecord, summary: dict[str, Any] | None) -> None:
         err.print(f"[{style}]{escape(record.why)}" + (" — last lines:" if record.tail else "") + f"[/{style}]")
         for line in record.tail:
             err.print(f"  {escape(line)}")
+    for line in recovery_lines(record.recoveries):
+        err.print(f"[magenta]{escape(line)}[/magenta]")
 
 
 @click.command(name="attach")

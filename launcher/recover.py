@@ -24,7 +24,7 @@ from launcher.jobs import JobState
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
 
 __all__ = ["RecoverPolicy", "Recovery", "PREEMPTED_TEXT", "parse_duration", "recover_policy", "resume_argv",
-           "step_of", "failure_of", "Recoverer", "first_bad"]
+           "step_of", "failure_of", "recovery_lines", "Recoverer", "first_bad"]
 
 log = logging.getLogger("launcher")
 
@@ -125,6 +125,20 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
     last = (o.error_lines or o.tail[-1:] or [""])[-1]
     cause = f"worker crash: {o.status}" + (f": {last}" if last else "")
     return Recovery(now, rank, cause, step, signature=" / ".join([o.status, *o.error_lines]))
+
+
+def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
+    """A job record's recoveries, one line each: when, which node, why, how long until the relaunch."""
+    out = []
+    for k, d in enumerate(recoveries, 1):
+        r = Recovery(**d)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at))
+        node = f"node {r.node}" if r.node is not None else "a node"
+        step = f" at step {r.step}" if r.step is not None else ""
+        back = f"relaunched after {r.waited_s:.1f} s" if r.waited_s is not None else "not relaunched"
+        started = "".join(f"; instance {name} {what}" for name, what in r.restarted.items())
+        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}")
+    return out
 
 
 # ---- the controller's side: wait for the nodes, relaunch with --resume ----

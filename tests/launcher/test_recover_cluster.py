@@ -105,6 +105,13 @@ def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails
     assert checkpoint_step(ckpt) == 4
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     assert out.count("injected crash at step 5") == 2 and "resumed from" in out
+    table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
+    assert "FAILED" in table and "(2" in table and "recoveries;" in table, table  # the why column may wrap
+    # attach on the ended job: its output, then the summary with every recovery listed.
+    attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id)
+    assert attached.returncode == done["exit"], attached.stderr
+    assert "recovery 1: " in attached.stderr and "relaunched after" in attached.stderr, attached.stderr
+    assert "recovery 2: " in attached.stderr and "not relaunched" in attached.stderr
     c.assert_nothing_left()
 
 

@@ -78,3 +78,15 @@ def test_which_results_call_for_a_recovery():
     assert lost.node == 1 and "unreachable (Connection reset)" in lost.cause and not lost.signature
     crash = failure_of(_result(1, NodeOutcome(node, exit_code=1, error_lines=["error: boom"])), False, 4)
     assert crash.node == 1 and "exit 1: error: boom" in crash.cause and crash.signature == "exit 1 / error: boom"
+
+
+def test_each_recovery_is_one_line_saying_when_which_node_why_and_how_long():
+    from launcher.recover import Recovery, recovery_lines
+
+    done = Recovery(1e9, 1, "preempted: the workers got SIGTERM and saved a checkpoint", 57, 12.34,
+                    restarted={"gpu-1": "started (it was TERMINATED)"})
+    last = Recovery(1e9 + 60, None, "worker crash: exit 1: error: boom", 4, None, "exit 1 / error: boom")
+    one, two = recovery_lines([done.to_json(), last.to_json()])
+    assert one.startswith("recovery 1: 20") and "node 1 at step 57: preempted" in one
+    assert "relaunched after 12.3 s" in one and "instance gpu-1 started (it was TERMINATED)" in one
+    assert two.startswith("recovery 2: ") and "a node at step 4: worker crash" in two and "not relaunched" in two

@@ -32,8 +32,22 @@ from tests.simcluster import SimCluster
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "launcher"]
 PY = str(REPO / ".venv" / "bin" / "python")
-TRAIN = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "1", "--straggler-every", "0", "--steps", "100000",
-         "--log-every", "1", "--checkpoint-every", "5"]
+TRAIN = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "1",
+    "--straggler-every",
+    "0",
+    "--steps",
+    "100000",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "5",
+]
 
 
 def _first_step_after_resume(text: str) -> bool:
@@ -73,8 +87,18 @@ class Bench:
             time.sleep(interval)
 
     def recovery(self, ckpt: Path) -> float:
-        out = self.launch("train", *self.flags, *self.torch, "--detach", "--recover", "--", *TRAIN, *self.batch,
-                          "--checkpoint-dir", str(ckpt))
+        out = self.launch(
+            "train",
+            *self.flags,
+            *self.torch,
+            "--detach",
+            "--recover",
+            "--",
+            *TRAIN,
+            *self.batch,
+            "--checkpoint-dir",
+            str(ckpt),
+        )
         job = out.split()[1]
         jobdir = self.work / "home0" / ".gpufleet" / "jobs" / job
         self.wait(lambda: _step_saved(ckpt, 5), 120, "step 5 saved", interval=0.05)
@@ -93,9 +117,25 @@ class Bench:
 
     def attached_resume(self, ckpt: Path) -> float:
         t0 = time.perf_counter()
-        p = subprocess.Popen([*LAUNCH, "train", *self.flags, *self.torch, "--", *TRAIN, *self.batch,
-                              "--checkpoint-dir", str(ckpt), "--resume"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=self.env, cwd=REPO)
+        p = subprocess.Popen(
+            [
+                *LAUNCH,
+                "train",
+                *self.flags,
+                *self.torch,
+                "--",
+                *TRAIN,
+                *self.batch,
+                "--checkpoint-dir",
+                str(ckpt),
+                "--resume",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+        )
         seen = ""
         try:
             for line in p.stdout:
@@ -128,12 +168,15 @@ def main() -> int:
             ckpt = work / f"ckpt{k}"
             recover.append(b.recovery(ckpt))
             attached.append(b.attached_resume(ckpt))
-            print(f"repeat {k + 1}: recovery {recover[-1]:.2f} s, attached --resume {attached[-1]:.2f} s",
-                  file=sys.stderr)
+            print(
+                f"repeat {k + 1}: recovery {recover[-1]:.2f} s, attached --resume {attached[-1]:.2f} s", file=sys.stderr
+            )
     r, s = statistics.median(recover), statistics.median(attached)
     print(f"simulated cluster: {a.nodes} sshd nodes (netns); medians of {a.repeats} runs")
-    print(f"recovery (node 1's sshd back -> first step after the resume) {r:.2f} s vs attached `launch train "
-          f"--resume` (start -> first step) {s:.2f} s: {r / s:.2f}x (target <= 1.2x)")
+    print(
+        f"recovery (node 1's sshd back -> first step after the resume) {r:.2f} s vs attached `launch train "
+        f"--resume` (start -> first step) {s:.2f} s: {r / s:.2f}x (target <= 1.2x)"
+    )
     if r > 1.2 * s:
         print("bench_recover: target missed", file=sys.stderr)
         return 1

@@ -72,7 +72,10 @@ class RestartGrant(pulumi.ComponentResource):
             gcp.compute.InstanceIAMMember(
                 f"{instance_name}-restart",
                 gcp.compute.InstanceIAMMemberArgs(
-                    project=args.project, zone=args.zone, instance_name=instance_name, role=self.role_name,
+                    project=args.project,
+                    zone=args.zone,
+                    instance_name=instance_name,
+                    role=self.role_name,
                     member=args.member,
                 ),
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[role, instance]),

@@ -57,8 +57,7 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
     """Check every node, hand the job to node 0's controller, return the job id. `recover`:
     --recover's settings (launcher.recover.RecoverPolicy.to_json), carried in the request."""
     if cluster.local:
-        raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: "
-                        "drop --detach")
+        raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: drop --detach")
     key = ensure_key(cluster)
     transport = make_transport(cluster, config)
     target = ssh_target(transport, cluster.nodes[0])
@@ -69,8 +68,15 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
     files = {
         f"{NODE_KEY_DIR}/{slug}/id_ed25519": key.read_bytes(),
         f"{JOBS_DIR}/{config.job_id}/known_hosts": known.encode(),
-        f"{JOBS_DIR}/{config.job_id}/request.json": json.dumps(request_json(cluster, config, controller_ssh(
-            target.user, target.port, slug, f"{JOBS_DIR}/{config.job_id}/known_hosts"), recover), indent=1).encode(),
+        f"{JOBS_DIR}/{config.job_id}/request.json": json.dumps(
+            request_json(
+                cluster,
+                config,
+                controller_ssh(target.user, target.port, slug, f"{JOBS_DIR}/{config.job_id}/known_hosts"),
+                recover,
+            ),
+            indent=1,
+        ).encode(),
         f"{JOBS_DIR}/{config.job_id}/env.json": json.dumps([list(kv) for kv in config.env]).encode(),
     }
     code, code_hash = _code_files()
@@ -115,43 +121,47 @@ def _archive(files: dict[str, bytes]) -> bytes:
 def _handoff_script(config: LaunchConfig, code_hash: str, slug: str) -> str:
     job = shlex.quote(config.job_id)
     key_dir = shlex.quote(f"{NODE_KEY_DIR}/{slug}")
-    return "\n".join([
-        "umask 077",
-        'G="$HOME/.gpufleet"',
-        # Unpacked aside, then renamed into place (rename(2) is atomic): a controller starting
-        # now never reads half a key, and the job's directory appears whole.
-        f'S="$G/.incoming-"{job}',
-        f'K="$HOME"/{key_dir}',
-        f'N="$S"/{key_dir}',
-        'mkdir -p "$S" "$G/jobs" "$G/code" "$K"',
-        'tar -x -z -f - -C "$S" || { echo "cannot unpack the job on node 0" >&2; rm -rf "$S"; exit 1; }',
-        'cmp -s "$N/id_ed25519" "$K/id_ed25519" || mv -f "$N/id_ed25519" "$K/id_ed25519"',
-        f'[ -d "$G/code/{code_hash}" ] || mv -T "$S/.gpufleet/code/{code_hash}" "$G/code/{code_hash}" 2>/dev/null',
-        f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
-        'rm -rf "$S"',
-        f'J="$G/jobs/"{job}',
-        'cd "$J"',
-        # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
-        # connection, which ends right after.
-        # -S: no site-packages; the controller needs the standard library and the code shipped here.
-        f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(config.python)} -S -m launcher.controller "$J" '
-        '</dev/null >>"$J/controller.log" 2>&1 &',
-        'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
-        "i=$((i+1)); done",
-        f'if [ -f "$J/state.json" ]; then echo {STARTED_MARKER} {job}; else echo "the controller did not start:" '
-        '>&2; tail -n 5 "$J/controller.log" >&2; exit 1; fi',
-    ])
+    return "\n".join(
+        [
+            "umask 077",
+            'G="$HOME/.gpufleet"',
+            # Unpacked aside, then renamed into place (rename(2) is atomic): a controller starting
+            # now never reads half a key, and the job's directory appears whole.
+            f'S="$G/.incoming-"{job}',
+            f'K="$HOME"/{key_dir}',
+            f'N="$S"/{key_dir}',
+            'mkdir -p "$S" "$G/jobs" "$G/code" "$K"',
+            'tar -x -z -f - -C "$S" || { echo "cannot unpack the job on node 0" >&2; rm -rf "$S"; exit 1; }',
+            'cmp -s "$N/id_ed25519" "$K/id_ed25519" || mv -f "$N/id_ed25519" "$K/id_ed25519"',
+            f'[ -d "$G/code/{code_hash}" ] || mv -T "$S/.gpufleet/code/{code_hash}" "$G/code/{code_hash}" 2>/dev/null',
+            f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
+            'rm -rf "$S"',
+            f'J="$G/jobs/"{job}',
+            'cd "$J"',
+            # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
+            # connection, which ends right after.
+            # -S: no site-packages; the controller needs the standard library and the code shipped here.
+            f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(config.python)} -S -m launcher.controller "$J" '
+            '</dev/null >>"$J/controller.log" 2>&1 &',
+            'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
+            "i=$((i+1)); done",
+            f'if [ -f "$J/state.json" ]; then echo {STARTED_MARKER} {job}; else echo "the controller did not start:" '
+            '>&2; tail -n 5 "$J/controller.log" >&2; exit 1; fi',
+        ]
+    )
 
 
-def _hand_off(cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str,
-              slug: str) -> None:
+def _hand_off(
+    cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str, slug: str
+) -> None:
     head = cluster.nodes[0]
     argv = transport.argv(head, _handoff_script(config, code_hash, slug))
     try:
         r = subprocess.run(argv, input=archive, capture_output=True, timeout=60 + config.ssh.connect_timeout)
     except subprocess.TimeoutExpired:
-        raise UserError(f"{head.label} did not confirm the hand-off within 60 s; the job may not have started: "
-                        "check `launch jobs`") from None
+        raise UserError(
+            f"{head.label} did not confirm the hand-off within 60 s; the job may not have started: check `launch jobs`"
+        ) from None
     if f"{STARTED_MARKER} {config.job_id}".encode() not in r.stdout:
         lines = r.stderr.decode("utf-8", "replace").strip().splitlines() or [f"exit {r.returncode}"]
         raise UserError(f"{head.label} could not start the job's controller: {' / '.join(lines[-5:])}")

@@ -116,9 +116,12 @@ class JobRecord:
         if self.state.final or alive:
             return self
         d = self.to_json()
-        d.update(state=JobState.FAILED.value, exit=self.exit if self.exit is not None else 1,
-                 why=f"the controller (pid {self.pid}) on node 0 died while the job was "
-                     f"{self.state.value}; its nodes were stopped by their watchdogs")
+        d.update(
+            state=JobState.FAILED.value,
+            exit=self.exit if self.exit is not None else 1,
+            why=f"the controller (pid {self.pid}) on node 0 died while the job was "
+            f"{self.state.value}; its nodes were stopped by their watchdogs",
+        )
         return JobRecord.from_json(d)
 
 
@@ -156,40 +159,66 @@ def controller_alive(record: JobRecord) -> bool:
 # ---- the request: what the controller needs to run the same Launch ----
 
 
-def request_json(cluster: Cluster, config: LaunchConfig, ssh: SshConfig,
-                 recover: dict[str, Any] | None = None) -> dict[str, Any]:
+def request_json(
+    cluster: Cluster, config: LaunchConfig, ssh: SshConfig, recover: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The request without secrets: --env values are left out (they go to env.json); `ssh` names
     the key and known_hosts by their paths relative to node 0's home; `recover`: --recover's
     settings (launcher.recover.RecoverPolicy), None without it."""
     return {
         "recover": recover,
-        "cluster": {"name": cluster.name, "machine_type": cluster.machine_type, "zone": cluster.zone,
-                    "project": cluster.project,
-                    "nodes": [{"rank": n.rank, "host": n.host, "address": n.address, "slots": n.slots,
-                               "name": n.name} for n in cluster.nodes]},
+        "cluster": {
+            "name": cluster.name,
+            "machine_type": cluster.machine_type,
+            "zone": cluster.zone,
+            "project": cluster.project,
+            "nodes": [
+                {"rank": n.rank, "host": n.host, "address": n.address, "slots": n.slots, "name": n.name}
+                for n in cluster.nodes
+            ],
+        },
         "workload": {"kind": config.workload.kind, "argv": list(config.workload.argv)},
-        "config": {"nproc_per_node": config.nproc_per_node, "max_restarts": config.max_restarts,
-                   "rdzv_port": config.rdzv_port, "workdir": config.workdir, "nccl_debug": config.nccl_debug,
-                   "image_os": config.image_os, "python": config.python, "job_id": config.job_id,
-                   "check_versions": config.check_versions, "stop_grace_s": config.stop_grace_s,
-                   "env_keys": [k for k, _ in config.env]},
-        "ssh": {"user": ssh.user, "key": str(ssh.key), "options": list(ssh.options),
-                "known_hosts": str(ssh.known_hosts)},
+        "config": {
+            "nproc_per_node": config.nproc_per_node,
+            "max_restarts": config.max_restarts,
+            "rdzv_port": config.rdzv_port,
+            "workdir": config.workdir,
+            "nccl_debug": config.nccl_debug,
+            "image_os": config.image_os,
+            "python": config.python,
+            "job_id": config.job_id,
+            "check_versions": config.check_versions,
+            "stop_grace_s": config.stop_grace_s,
+            "env_keys": [k for k, _ in config.env],
+        },
+        "ssh": {
+            "user": ssh.user,
+            "key": str(ssh.key),
+            "options": list(ssh.options),
+            "known_hosts": str(ssh.known_hosts),
+        },
     }
 
 
-def request_from_json(d: dict[str, Any], env: list[list[str]], home: Path,
-                      runs_dir: Path) -> tuple[Cluster, LaunchConfig]:
+def request_from_json(
+    d: dict[str, Any], env: list[list[str]], home: Path, runs_dir: Path
+) -> tuple[Cluster, LaunchConfig]:
     """The `Cluster` and `LaunchConfig` the controller runs: the client's, with node 0's key and
     known_hosts (under `home`) and runs directory."""
     c = d["cluster"]
     cluster = Cluster(c["name"], tuple(Node(**n) for n in c["nodes"]), c["machine_type"], c["zone"], c["project"])
     s = d["ssh"]
-    ssh = SshConfig(user=s["user"], key=home / s["key"], options=tuple(s["options"]),
-                    known_hosts=home / s["known_hosts"])
+    ssh = SshConfig(
+        user=s["user"], key=home / s["key"], options=tuple(s["options"]), known_hosts=home / s["known_hosts"]
+    )
     cfg = {k: v for k, v in d["config"].items() if k != "env_keys"}
-    config = LaunchConfig(workload=Workload(d["workload"]["kind"], tuple(d["workload"]["argv"])),
-                          env=tuple((k, v) for k, v in env), runs_dir=runs_dir, ssh=ssh, **cfg)
+    config = LaunchConfig(
+        workload=Workload(d["workload"]["kind"], tuple(d["workload"]["argv"])),
+        env=tuple((k, v) for k, v in env),
+        runs_dir=runs_dir,
+        ssh=ssh,
+        **cfg,
+    )
     return cluster, config
 
 
@@ -198,8 +227,7 @@ def request_from_json(d: dict[str, Any], env: list[list[str]], home: Path,
 
 def check_job_id(job_id: str) -> str:
     if not _JOB_ID_RE.match(job_id):
-        raise UserError(f"job id {job_id!r} is not a job id (like 20260101-120000-a1b2c3); `launch jobs` "
-                        "lists them")
+        raise UserError(f"job id {job_id!r} is not a job id (like 20260101-120000-a1b2c3); `launch jobs` lists them")
     return job_id
 
 
@@ -210,12 +238,14 @@ def _job_dir(job_id: str) -> str:
 def list_script(job_id: str | None = None) -> str:
     """Print `LIST_MARKER alive state.json-on-one-line` for each job (or the one job)."""
     glob = _job_dir(job_id) if job_id else f'"$HOME"/{JOBS_DIR}/*'
-    return (f"for d in {glob}; do [ -f \"$d/state.json\" ] || continue; "
-            "p=; t=; read -r p t < \"$d/controller.pid\" 2>/dev/null; "
-            'a=0; if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then '
-            's=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
-            'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then a=1; fi; fi; '
-            f'printf "%s %s %s\\n" {LIST_MARKER} "$a" "$(tr -d "\\n" < "$d/state.json")"; done')
+    return (
+        f"for d in {glob}; do [ -f \"$d/state.json\" ] || continue; "
+        "p=; t=; read -r p t < \"$d/controller.pid\" 2>/dev/null; "
+        'a=0; if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then '
+        's=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
+        'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then a=1; fi; fi; '
+        f'printf "%s %s %s\\n" {LIST_MARKER} "$a" "$(tr -d "\\n" < "$d/state.json")"; done'
+    )
 
 
 def parse_listing(text: str) -> list[JobRecord]:
@@ -242,17 +272,21 @@ def logs_script(job_id: str, node: int | None, follow: bool) -> str:
     if not follow:
         return head + f"[ -f {f} ] && cat {f}; exit 0"
     # tail -F waits for a pending job's file to appear; --pid ends the follow with the controller.
-    return head + ('p=; read -r p t < "$D/controller.pid" 2>/dev/null; [ -n "$p" ] || p=1; '
-                   f'if kill -0 "$p" 2>/dev/null; then exec tail -n +1 -s 0.2 -F --pid="$p" {f} 2>/dev/null; '
-                   f"else [ -f {f} ] && cat {f}; fi; exit 0")
+    return head + (
+        'p=; read -r p t < "$D/controller.pid" 2>/dev/null; [ -n "$p" ] || p=1; '
+        f'if kill -0 "$p" 2>/dev/null; then exec tail -n +1 -s 0.2 -F --pid="$p" {f} 2>/dev/null; '
+        f"else [ -f {f} ] && cat {f}; fi; exit 0"
+    )
 
 
 def stop_script(job_id: str) -> str:
     """SIGTERM the job's controller (checked by its start time), which stops every node and
     records STOPPED; prints `stopping`, or `ended` when there was nothing to stop."""
     d = _job_dir(job_id)
-    return (f'D={d}; [ -d "$D" ] || {{ echo "no job {check_job_id(job_id)} on this node" >&2; exit 3; }}; '
-            'p=; t=; read -r p t < "$D/controller.pid" 2>/dev/null; '
-            'if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then s=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
-            'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then kill -TERM "$p" && echo stopping && exit 0; fi; fi; '
-            "echo ended")
+    return (
+        f'D={d}; [ -d "$D" ] || {{ echo "no job {check_job_id(job_id)} on this node" >&2; exit 3; }}; '
+        'p=; t=; read -r p t < "$D/controller.pid" 2>/dev/null; '
+        'if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then s=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
+        'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then kill -TERM "$p" && echo stopping && exit 0; fi; fi; '
+        "echo ended"
+    )

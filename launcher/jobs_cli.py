@@ -32,8 +32,14 @@ from launcher.transport import make_transport
 
 __all__ = ["start_detached", "jobs", "logs", "stop", "attach"]
 
-_STYLE = {"PENDING": "cyan", "RUNNING": "blue", "RECOVERING": "magenta", "SUCCEEDED": "green", "FAILED": "red",
-          "STOPPED": "yellow"}
+_STYLE = {
+    "PENDING": "cyan",
+    "RUNNING": "blue",
+    "RECOVERING": "magenta",
+    "SUCCEEDED": "green",
+    "FAILED": "red",
+    "STOPPED": "yellow",
+}
 
 
 def start_detached(o: dict[str, Any], workload: Workload) -> None:
@@ -48,8 +54,9 @@ def start_detached(o: dict[str, Any], workload: Workload) -> None:
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
         job_id = detach(cluster, config, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")
-    err.print(f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop "
-              f"{job_id}[/dim]")
+    err.print(
+        f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop {job_id}[/dim]"
+    )
 
 
 class _Node0:
@@ -59,8 +66,10 @@ class _Node0:
         setup_logging()
         self.cluster: Cluster = find_cluster(o)
         if self.cluster.local:
-            raise UserError("detached jobs live on node 0 of an SSH cluster; --local has none: give the "
-                            "cluster's node flags (--hostfile, --stack, ...)")
+            raise UserError(
+                "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
+                "cluster's node flags (--hostfile, --stack, ...)"
+            )
         self.config: LaunchConfig = build_config(o, Workload("exec", ("true",)), self.cluster)
         self.transport = make_transport(self.cluster, self.config)
         self.head = self.cluster.nodes[0]
@@ -95,9 +104,16 @@ def _when(t: float | None) -> str:
 def _row(r: JobRecord) -> list[str]:
     dur = r.duration_s
     what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
-    return [r.id, escape(what), f"[{_STYLE[r.state.value]}]{r.state.value}[/]", str(len(r.nodes)), _when(r.started),
-            "-" if dur is None else f"{dur:.0f} s", "-" if r.exit is None else str(r.exit),
-            escape(r.why + _recoveries(r)) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else ""]
+    return [
+        r.id,
+        escape(what),
+        f"[{_STYLE[r.state.value]}]{r.state.value}[/]",
+        str(len(r.nodes)),
+        _when(r.started),
+        "-" if dur is None else f"{dur:.0f} s",
+        "-" if r.exit is None else str(r.exit),
+        escape(r.why + _recoveries(r)) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else "",
+    ]
 
 
 def _recoveries(r: JobRecord) -> str:
@@ -141,8 +157,12 @@ def _reader_gone() -> None:
 
 def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
     """Print the job's stream as it grows until the job ends; Ctrl-C stops following only."""
-    proc = subprocess.Popen(n0.argv(logs_script(job_id, node, follow=True)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        n0.argv(logs_script(job_id, node, follow=True)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         with open(copy, "wb") as f:
             for raw in iter(proc.stdout.readline, b""):
@@ -160,7 +180,7 @@ def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
         err.print(f"[yellow]stopped following; job {job_id} goes on (launch stop {job_id} stops it)[/yellow]")
         raise SystemExit(130) from None
     if proc.returncode != 0:
-        why = (proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or [f"exit {proc.returncode}"])
+        why = proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or [f"exit {proc.returncode}"]
         raise UserError(f"{n0.head.label}: {why[-1]}")
     return n0.record(job_id)
 

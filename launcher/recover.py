@@ -23,8 +23,19 @@ from typing import Any
 from launcher.jobs import JobState
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
 
-__all__ = ["RecoverPolicy", "Recovery", "PREEMPTED_TEXT", "parse_duration", "recover_policy", "resume_argv",
-           "step_of", "failure_of", "recovery_lines", "Recoverer", "first_bad"]
+__all__ = [
+    "RecoverPolicy",
+    "Recovery",
+    "PREEMPTED_TEXT",
+    "parse_duration",
+    "recover_policy",
+    "resume_argv",
+    "step_of",
+    "failure_of",
+    "recovery_lines",
+    "Recoverer",
+    "first_bad",
+]
 
 log = logging.getLogger("launcher")
 
@@ -68,16 +79,24 @@ def parse_duration(text: str) -> float:
     """`90`, `90s`, `30m`, `2h` in seconds."""
     m = _DURATION_RE.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise UserError(f"--recover-timeout {text!r} is not a duration; give seconds or a number with s, m or h "
-                        "(like 30m)")
+        raise UserError(
+            f"--recover-timeout {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)"
+        )
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
 def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool) -> RecoverPolicy | None:
     """`--recover` and its settings from the CLI options, refused (one line, nothing started)
     where there is nothing to resume from or no controller to do it."""
-    given = [f for f, k in (("--max-recoveries", "max_recoveries"), ("--recover-timeout", "recover_timeout"),
-                            ("--restart-stopped/--no-restart-stopped", "restart_stopped")) if o.get(k) is not None]
+    given = [
+        f
+        for f, k in (
+            ("--max-recoveries", "max_recoveries"),
+            ("--recover-timeout", "recover_timeout"),
+            ("--restart-stopped/--no-restart-stopped", "restart_stopped"),
+        )
+        if o.get(k) is not None
+    ]
     if not o.get("recover"):
         if given:
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
@@ -85,15 +104,21 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
     if not detach:
         raise UserError("--recover needs --detach: the controller on node 0 recovers the job; add --detach")
     if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
-        raise UserError("--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
-                        "otherwise); nothing was started. Add -- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K")
+        raise UserError(
+            "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
+            "otherwise); nothing was started. Add -- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K"
+        )
     n = o.get("max_recoveries")
     if n is not None and n < 1:
         raise UserError(f"--max-recoveries {n} must be at least 1")
     timeout = parse_duration(o["recover_timeout"]) if o.get("recover_timeout") is not None else 1800.0
     restart = o.get("restart_stopped") is not False  # on by default with --recover
-    return RecoverPolicy(max_recoveries=3 if n is None else n, timeout_s=timeout, restart_stopped=restart,
-                         api_endpoint=o.get("api_endpoint") if restart else None)
+    return RecoverPolicy(
+        max_recoveries=3 if n is None else n,
+        timeout_s=timeout,
+        restart_stopped=restart,
+        api_endpoint=o.get("api_endpoint") if restart else None,
+    )
 
 
 def resume_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
@@ -176,8 +201,10 @@ class Recoverer:
     def _refusal(self, rec: Recovery) -> str:
         done = [Recovery(**r) for r in self.c.record.recoveries]
         if rec.signature and any(d.signature == rec.signature and d.step == rec.step for d in done):
-            return (f"the same error at step {rec.step} as the last recovery's: not retried (a bug does not heal by "
-                    "restarting)")
+            return (
+                f"the same error at step {rec.step} as the last recovery's: not retried (a bug does not heal by "
+                "restarting)"
+            )
         if len(done) >= self.policy.max_recoveries:
             return f"gave up after {len(done)} recoveries (--max-recoveries {self.policy.max_recoveries})"
         return ""
@@ -230,9 +257,13 @@ class Recoverer:
             if waited > self.policy.timeout_s:
                 self._note(waited_s=None)
                 label = f"node {bad}" if bad is not None else "a node"
-                return self.c.end(JobState.FAILED, 255, node=bad,
-                                  why=f"{label} was not back within --recover-timeout {self.policy.timeout_s:.0f} s "
-                                      f"(recovery {len(self.c.record.recoveries)}, {rec.cause}): {why}")
+                return self.c.end(
+                    JobState.FAILED,
+                    255,
+                    node=bad,
+                    why=f"{label} was not back within --recover-timeout {self.policy.timeout_s:.0f} s "
+                    f"(recovery {len(self.c.record.recoveries)}, {rec.cause}): {why}",
+                )
             if self.c.stop.wait(0.5):  # a node still down refuses at once (or after ConnectTimeout)
                 return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
 
@@ -266,6 +297,7 @@ class Recoverer:
                 self.c.record.state = JobState.RUNNING
                 self._note(waited_s=round(time.monotonic() - t0, 3))
                 log.warning("job %s: relaunched with --resume after %.1f s", self.c.record.id, time.monotonic() - t0)
+
         return on_event
 
 

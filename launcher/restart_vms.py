@@ -37,8 +37,9 @@ def instances_client(api_endpoint: str | None = None) -> Any:
         return compute_v1.InstancesClient(transport="rest")
     from google.auth.credentials import AnonymousCredentials
 
-    return compute_v1.InstancesClient(credentials=AnonymousCredentials(), transport="rest",
-                                      client_options={"api_endpoint": api_endpoint})
+    return compute_v1.InstancesClient(
+        credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": api_endpoint}
+    )
 
 
 def start_terminated(client: Any, project: str, zone: str, names: list[str]) -> dict[str, str]:

@@ -26,9 +26,13 @@ def test_the_nodes_may_get_and_start_their_own_instances_and_nothing_more(fleet)
     zones = {i.inputs["name"]: i.inputs["zone"] for i in p.of_type("Instance")}
     assert [b.inputs["instanceName"] for b in bindings] == ["dev-0", "dev-1", "dev-2"] == sorted(zones)
     for b in bindings:
-        assert b.inputs == {"project": PROJECT, "zone": zones[b.inputs["instanceName"]],
-                            "instanceName": b.inputs["instanceName"],
-                            "role": f"projects/{PROJECT}/roles/{restart_role_id('dev')}", "member": member}
+        assert b.inputs == {
+            "project": PROJECT,
+            "zone": zones[b.inputs["instanceName"]],
+            "instanceName": b.inputs["instanceName"],
+            "role": f"projects/{PROJECT}/roles/{restart_role_id('dev')}",
+            "member": member,
+        }
         assert b.inputs["instanceName"] in b.depends_on and role.name in b.depends_on
     # Nothing on the project: its grants are the node roles alone, none of them the restart role.
     assert sorted(g.inputs["role"] for g in p.of_type("IAMMember")) == sorted(NODE_ROLES)

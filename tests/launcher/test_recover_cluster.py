@@ -21,13 +21,25 @@ FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 NODES = 2
 
 
-def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_uninterrupted_one(sim_cluster,
-                                                                                                 tmp_path):
+def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_uninterrupted_one(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, NODES)
     ckpt = tmp_path / "ckpt"
     common = [*TRAIN, "--global-batch", str(NODES), "--steps", "300", "--log-every", "10", "--checkpoint-every", "10"]
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--recover-timeout", "2m", "--", *common,
-                    "--checkpoint-dir", str(ckpt), "--save-params", str(tmp_path / "recovered.pt"))
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--recover",
+        "--recover-timeout",
+        "2m",
+        "--",
+        *common,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--save-params",
+        str(tmp_path / "recovered.pt"),
+    )
     wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
     c.preempt(1)
     t_gone = time.monotonic()
@@ -47,21 +59,50 @@ def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_un
     assert "resumed from" in out and "] step 300/300 |" in out, seen
     c.assert_nothing_left()
     # The same run, uninterrupted and attached, ends with the same parameters.
-    launch(tmp_path, "train", *source_args(c, tmp_path), *torch_args(), "--", *common, "--checkpoint-dir",
-           str(tmp_path / "ckpt2"), "--save-params", str(tmp_path / "straight.pt"), check=True, timeout=300)
+    launch(
+        tmp_path,
+        "train",
+        *source_args(c, tmp_path),
+        *torch_args(),
+        "--",
+        *common,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt2"),
+        "--save-params",
+        str(tmp_path / "straight.pt"),
+        check=True,
+        timeout=300,
+    )
     got, want = params(tmp_path / "recovered.pt"), params(tmp_path / "straight.pt")
     assert sorted(got) == sorted(want)
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
     assert worst == 0.0, f"parameters differ by up to {worst:g}\n{out}"
 
 
-def test_a_node_that_never_comes_back_fails_the_job_after_the_timeout_naming_it_and_leaves_nothing(sim_cluster,
-                                                                                                   tmp_path):
+def test_a_node_that_never_comes_back_fails_the_job_after_the_timeout_naming_it_and_leaves_nothing(
+    sim_cluster, tmp_path
+):
     c = cluster(sim_cluster, tmp_path, 2)
     ckpt = tmp_path / "ckpt"
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--recover-timeout", "6s", "--", *TRAIN,
-                    "--global-batch", "2", "--steps", "100000", "--checkpoint-dir", str(ckpt),
-                    "--checkpoint-every", "5")
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--recover",
+        "--recover-timeout",
+        "6s",
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "2",
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "5",
+    )
     wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
     c.power_off(1)
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=90)
@@ -93,9 +134,27 @@ def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(CRASH_AT_STEP_5))
     ckpt = tmp_path / "ckpt"
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--env", f"PYTHONPATH={site}", "--recover", "--", *TRAIN,
-                    "--global-batch", "2", "--steps", "20", "--log-every", "1", "--checkpoint-dir", str(ckpt),
-                    "--checkpoint-every", "2")
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--env",
+        f"PYTHONPATH={site}",
+        "--recover",
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "2",
+        "--steps",
+        "20",
+        "--log-every",
+        "1",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+    )
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "FAILED" and done["exit"] != 0, done
     assert "same error at step 4" in done["why"] and "injected crash at step 5" in done["why"], done
@@ -117,13 +176,31 @@ def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails
 
 def test_recover_without_a_checkpoint_dir_is_refused_before_anything_starts(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    r = launch(tmp_path, "train", *source_args(c, tmp_path), *torch_args(), "--detach", "--recover", "--", *TRAIN,
-               "--steps", "5")
+    r = launch(
+        tmp_path,
+        "train",
+        *source_args(c, tmp_path),
+        *torch_args(),
+        "--detach",
+        "--recover",
+        "--",
+        *TRAIN,
+        "--steps",
+        "5",
+    )
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     (line,) = [l for l in r.stderr.splitlines() if l.strip()]
     assert line.startswith("error: ") and "--checkpoint-dir" in line, r.stderr
-    attached = launch(tmp_path, "train", *source_args(c, tmp_path), "--recover", "--", *TRAIN, "--checkpoint-dir",
-                      str(tmp_path / "ckpt"))
+    attached = launch(
+        tmp_path,
+        "train",
+        *source_args(c, tmp_path),
+        "--recover",
+        "--",
+        *TRAIN,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    )
     assert attached.returncode == 2 and "--recover needs --detach" in attached.stderr, attached.stderr
     assert not (tmp_path / "home0" / ".gpufleet").exists() and not (tmp_path / "ckpt").exists()
     c.assert_nothing_left()
@@ -131,8 +208,9 @@ def test_recover_without_a_checkpoint_dir_is_refused_before_anything_starts(sim_
 
 def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_through_the_api(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    instances = [FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in
-                 enumerate(c.nodes)]
+    instances = [
+        FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)
+    ]
 
     def boot(inst: FakeInstance) -> None:  # what instances.start does: the VM boots, its sshd answers
         time.sleep(2)
@@ -140,12 +218,43 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
 
     # On the bridge's address: the controller asks from inside node 0's network namespace.
     with FakeCompute({("proj", "us-central1-a"): instances}, on_start=boot, host=c.gateway) as api:
-        labels = ["--label", "cluster=t", "--project", "proj", "--zone", "us-central1-a", "--api-endpoint",
-                  api.endpoint, *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
+        labels = [
+            "--label",
+            "cluster=t",
+            "--project",
+            "proj",
+            "--zone",
+            "us-central1-a",
+            "--api-endpoint",
+            api.endpoint,
+            *c.launch_flags,
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ]
         ckpt = tmp_path / "ckpt"
-        r = launch(tmp_path, "train", *labels, *torch_args(), "--detach", "--recover", "--recover-timeout", "2m",
-                   "--", *TRAIN, "--global-batch", "2", "--steps", "300", "--log-every", "10",
-                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", check=True)
+        r = launch(
+            tmp_path,
+            "train",
+            *labels,
+            *torch_args(),
+            "--detach",
+            "--recover",
+            "--recover-timeout",
+            "2m",
+            "--",
+            *TRAIN,
+            "--global-batch",
+            "2",
+            "--steps",
+            "300",
+            "--log-every",
+            "10",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "10",
+            check=True,
+        )
         job_id = r.stdout.split()[1]
         wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
         c.preempt(1)
@@ -167,15 +276,46 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
 
 def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_the_timeout(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    instances = [FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in
-                 enumerate(c.nodes)]
+    instances = [
+        FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)
+    ]
     with FakeCompute({("proj", "us-central1-a"): instances}, host=c.gateway) as api:
-        labels = ["--label", "cluster=t", "--project", "proj", "--zone", "us-central1-a", "--api-endpoint",
-                  api.endpoint, *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
+        labels = [
+            "--label",
+            "cluster=t",
+            "--project",
+            "proj",
+            "--zone",
+            "us-central1-a",
+            "--api-endpoint",
+            api.endpoint,
+            *c.launch_flags,
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ]
         ckpt = tmp_path / "ckpt"
-        r = launch(tmp_path, "train", *labels, *torch_args(), "--detach", "--recover", "--no-restart-stopped",
-                   "--recover-timeout", "5s", "--", *TRAIN, "--global-batch", "2", "--steps", "100000",
-                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", check=True)
+        r = launch(
+            tmp_path,
+            "train",
+            *labels,
+            *torch_args(),
+            "--detach",
+            "--recover",
+            "--no-restart-stopped",
+            "--recover-timeout",
+            "5s",
+            "--",
+            *TRAIN,
+            "--global-batch",
+            "2",
+            "--steps",
+            "100000",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "5",
+            check=True,
+        )
         job_id = r.stdout.split()[1]
         wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
         c.power_off(1)
@@ -190,15 +330,32 @@ def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_th
 def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_lists_both(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
     ckpt = tmp_path / "ckpt"
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--max-recoveries", "1", "--", *TRAIN,
-                    "--global-batch", "2", "--steps", "100000", "--log-every", "10", "--checkpoint-dir", str(ckpt),
-                    "--checkpoint-every", "10")
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--recover",
+        "--max-recoveries",
+        "1",
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "2",
+        "--steps",
+        "100000",
+        "--log-every",
+        "10",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "10",
+    )
     wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
     c.preempt(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
     c.restart_sshd(1)
-    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None, 60, "relaunched",
-             interval=0.5)
+    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None, 60, "relaunched", interval=0.5)
     first = checkpoint_step(ckpt)
     wait_for(lambda: checkpoint_step(ckpt) >= first + 10, 120, "progress after the resume")
     c.preempt(1)
@@ -214,8 +371,23 @@ def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_li
 def test_stop_while_recovering_ends_the_job_stopped_and_relaunches_nothing(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
     ckpt = tmp_path / "ckpt"
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--recover", "--", *TRAIN, "--global-batch", "2",
-                    "--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--recover",
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "2",
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "5",
+    )
     wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
     c.power_off(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)

@@ -34,14 +34,17 @@ def test_recover_policy_defaults_and_settings():
     assert not off.restart_stopped and off.api_endpoint is None
 
 
-@pytest.mark.parametrize("o, argv, detach, words", [
-    ({"recover": True}, ("-m", "workloads.train", "--steps", "10"), True, "--checkpoint-dir"),
-    ({"recover": True}, TRAIN_ARGV, False, "--detach"),
-    ({"max_recoveries": 2}, TRAIN_ARGV, True, "--max-recoveries needs --recover"),
-    ({"recover_timeout": "5m"}, TRAIN_ARGV, True, "--recover-timeout needs --recover"),
-    ({"restart_stopped": False}, TRAIN_ARGV, True, "--no-restart-stopped needs --recover"),
-    ({"recover": True, "max_recoveries": 0}, TRAIN_ARGV, True, "--max-recoveries 0"),
-])
+@pytest.mark.parametrize(
+    "o, argv, detach, words",
+    [
+        ({"recover": True}, ("-m", "workloads.train", "--steps", "10"), True, "--checkpoint-dir"),
+        ({"recover": True}, TRAIN_ARGV, False, "--detach"),
+        ({"max_recoveries": 2}, TRAIN_ARGV, True, "--max-recoveries needs --recover"),
+        ({"recover_timeout": "5m"}, TRAIN_ARGV, True, "--recover-timeout needs --recover"),
+        ({"restart_stopped": False}, TRAIN_ARGV, True, "--no-restart-stopped needs --recover"),
+        ({"recover": True, "max_recoveries": 0}, TRAIN_ARGV, True, "--max-recoveries 0"),
+    ],
+)
 def test_recover_without_what_it_needs_is_one_line_naming_it(o, argv, detach, words):
     with pytest.raises(UserError) as e:
         recover_policy(o, argv, detach)
@@ -83,8 +86,14 @@ def test_which_results_call_for_a_recovery():
 def test_each_recovery_is_one_line_saying_when_which_node_why_and_how_long():
     from launcher.recover import Recovery, recovery_lines
 
-    done = Recovery(1e9, 1, "preempted: the workers got SIGTERM and saved a checkpoint", 57, 12.34,
-                    restarted={"gpu-1": "started (it was TERMINATED)"})
+    done = Recovery(
+        1e9,
+        1,
+        "preempted: the workers got SIGTERM and saved a checkpoint",
+        57,
+        12.34,
+        restarted={"gpu-1": "started (it was TERMINATED)"},
+    )
     last = Recovery(1e9 + 60, None, "worker crash: exit 1: error: boom", 4, None, "exit 1 / error: boom")
     one, two = recovery_lines([done.to_json(), last.to_json()])
     assert one.startswith("recovery 1: 20") and "node 1 at step 57: preempted" in one

@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: sysdeps venv test test-failures demo bench clean
+.PHONY: sysdeps venv lint test test-failures demo bench clean
 
 # The system packages the tests need (sshd nodes, shellcheck, pdsh, libfaketime): installed when
 # run as root, else one line naming the apt-get command and exit 2 before anything runs.
@@ -22,7 +22,12 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: sysdeps venv
+# ruff, configured in pyproject.toml: lint rules and the formatter's check (`ruff format .` fixes).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: sysdeps venv lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-failures: sysdeps venv

@@ -38,8 +38,13 @@ def main() -> None:
     networks = GpuNetworks(
         f"{spec.cluster}-networks",
         GpuNetworksArgs(
-            cluster=spec.cluster, project=spec.project, region=spec.region, zone=spec.zone,
-            machine=spec.machine, ssh_source_ranges=spec.ssh_source_ranges, nat=not spec.external_ip,
+            cluster=spec.cluster,
+            project=spec.project,
+            region=spec.region,
+            zone=spec.zone,
+            machine=spec.machine,
+            ssh_source_ranges=spec.ssh_source_ranges,
+            nat=not spec.external_ip,
         ),
     )
     placement = None
@@ -47,15 +52,21 @@ def main() -> None:
         placement = PlacementPolicy(
             f"{spec.cluster}-placement",
             PlacementPolicyArgs(
-                cluster=spec.cluster, project=spec.project, region=spec.region,
-                nodes=spec.nodes, max_distance=spec.max_distance,
+                cluster=spec.cluster,
+                project=spec.project,
+                region=spec.region,
+                nodes=spec.nodes,
+                max_distance=spec.max_distance,
             ),
         )
     identity = NodeIdentity(
         f"{spec.cluster}-identity",
         NodeIdentityArgs(
-            cluster=spec.cluster, project=spec.project, region=spec.region,
-            service_account=spec.service_account, checkpoint_bucket=spec.checkpoint_bucket,
+            cluster=spec.cluster,
+            project=spec.project,
+            region=spec.region,
+            service_account=spec.service_account,
+            checkpoint_bucket=spec.checkpoint_bucket,
             labels=spec.cluster_labels,
         ),
     )
@@ -75,15 +86,23 @@ def main() -> None:
     RestartGrant(
         f"{spec.cluster}-restart",
         RestartGrantArgs(
-            cluster=spec.cluster, project=spec.project, zone=spec.zone, member=f"serviceAccount:{identity.email}",
+            cluster=spec.cluster,
+            project=spec.project,
+            zone=spec.zone,
+            member=f"serviceAccount:{identity.email}",
             instances=[(f"{spec.cluster}-{i}", inst) for i, inst in enumerate(pool.instances)],
         ),
     )
 
     outputs = stack_outputs(
-        cluster=spec.cluster, project=spec.project, zone=spec.zone, machine_type=spec.machine_type,
-        nodes=pool.nodes, placement_policy=placement.policy.name if placement else None,
-        networks=networks.summary, checkpoint_bucket=identity.bucket_name,
+        cluster=spec.cluster,
+        project=spec.project,
+        zone=spec.zone,
+        machine_type=spec.machine_type,
+        nodes=pool.nodes,
+        placement_policy=placement.policy.name if placement else None,
+        networks=networks.summary,
+        checkpoint_bucket=identity.bucket_name,
     )
     for key, value in outputs.items():
         pulumi.export(key, value)

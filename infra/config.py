@@ -100,7 +100,6 @@ _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
-
 class ConfigError(ValueError):
     """A stack config value this program refuses. str() is one line: key, bad value, what is allowed."""
 
@@ -144,7 +143,7 @@ class FleetSpec:
 
     @property
     def image_os(self) -> str:
-        """"cos" for Container-Optimized OS images, "ubuntu" otherwise: picks NIC names and script paths."""
+        """ "cos" for Container-Optimized OS images, "ubuntu" otherwise: picks NIC names and script paths."""
         return _image_os(self.image)
 
     @property
@@ -240,9 +239,13 @@ def _labels(key: str, raw: Any) -> tuple[tuple[str, str], ...]:
         raise _fail(_key(key), raw, "at most 62 labels (GCE allows 64; gpufleet adds 2)")
     for k, v in value.items():
         if k in (LABEL_CLUSTER, LABEL_NODE):
-            raise _fail(_key(key), k, f"a label name other than {LABEL_CLUSTER} and {LABEL_NODE}, which gpufleet sets itself")
+            raise _fail(
+                _key(key), k, f"a label name other than {LABEL_CLUSTER} and {LABEL_NODE}, which gpufleet sets itself"
+            )
         if not _LABEL_KEY_RE.fullmatch(k):
-            raise _fail(_key(key), k, "label names of 1-63 lowercase letters, digits, '_' or '-', starting with a letter")
+            raise _fail(
+                _key(key), k, "label names of 1-63 lowercase letters, digits, '_' or '-', starting with a letter"
+            )
         if not _LABEL_VALUE_RE.fullmatch(v):
             raise _fail(_key(key), f"{k}={v}", "label values of 0-63 lowercase letters, digits, '_' or '-'")
     return tuple(sorted(value.items()))
@@ -280,9 +283,7 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     ours = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:")}
     unknown = sorted(set(ours) - set(KEYS))
     if unknown:
-        raise ConfigError(
-            f"config {_key(unknown[0])} is not a gpufleet setting; known: {', '.join(KEYS)}"
-        )
+        raise ConfigError(f"config {_key(unknown[0])} is not a gpufleet setting; known: {', '.join(KEYS)}")
 
     get = ours.get
 
@@ -292,7 +293,10 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     project = _string("gcp:project", project, _PROJECT_RE, "a project ID (6-30 lowercase letters, digits, '-')")
     zone = raw.get("gcp:zone")
     if zone is None:
-        raise ConfigError("config gcp:zone is not set: run `pulumi config set gcp:zone us-central1-a` (a zone that has your machine type)")
+        raise ConfigError(
+            "config gcp:zone is not set: run `pulumi config set gcp:zone us-central1-a` "
+            "(a zone that has your machine type)"
+        )
     zone = _string("gcp:zone", zone, _ZONE_RE, "a zone such as us-central1-a")
 
     mt_raw = get("machineType") if get("machineType") is not None else DEFAULTS["machineType"]
@@ -304,7 +308,12 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     nodes = DEFAULTS["nodes"] if get("nodes") is None else _int("nodes", get("nodes"), 1, SUBNET_MAX_NODES, 2)
 
     if get("name") is not None:
-        cluster = _string("name", get("name"), _NAME_RE, "1-40 lowercase letters, digits or '-', starting with a letter, not ending with '-'")
+        cluster = _string(
+            "name",
+            get("name"),
+            _NAME_RE,
+            "1-40 lowercase letters, digits or '-', starting with a letter, not ending with '-'",
+        )
     elif _NAME_RE.fullmatch(stack):
         cluster = stack
     else:
@@ -313,7 +322,11 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
             f"starting with a letter); set a cluster name: `pulumi config set {_key('name')} my-cluster`"
         )
 
-    provisioning = DEFAULTS["provisioning"] if get("provisioning") is None else _choice("provisioning", get("provisioning"), _PROVISIONING)
+    provisioning = (
+        DEFAULTS["provisioning"]
+        if get("provisioning") is None
+        else _choice("provisioning", get("provisioning"), _PROVISIONING)
+    )
     if provisioning not in machine.provisioning:
         allowed = ", ".join(m for m in _PROVISIONING if m in machine.provisioning)
         # T-A3M: a3-highgpu-1g/2g/4g "must" be created as Spot or Flex-start VMs (gcp-facts 1.1).
@@ -322,12 +335,15 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     reservation = None
     if get("reservation") is not None:
         reservation = _string(
-            "reservation", get("reservation"), _RESERVATION_RE,
+            "reservation",
+            get("reservation"),
+            _RESERVATION_RE,
             "a reservation name (or projects/PROJECT/reservations/NAME for a shared one)",
         )
         if provisioning != "standard":
             raise _fail(
-                _key("reservation"), reservation,
+                _key("reservation"),
+                reservation,
                 f"no reservation with provisioning {provisioning!r}: a reservation is consumed by "
                 "standard VMs; drop gpufleet:reservation or set gpufleet:provisioning standard",
             )
@@ -347,15 +363,19 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         placement = "compact" if nodes > 1 and reservation is None else "none"
     if placement == "compact":
         if nodes < 2:
-            raise _fail(_key("placement"), placement, "compact needs gpufleet:nodes >= 2; set placement none for one node")
+            raise _fail(
+                _key("placement"), placement, "compact needs gpufleet:nodes >= 2; set placement none for one node"
+            )
         if reservation is not None:
             raise _fail(
-                _key("placement"), placement,
+                _key("placement"),
+                placement,
                 "none with a reservation: the reservation's own placement policy applies (DSTACK, gcp-facts 3.2)",
             )
         if nodes > COMPACT_PLACEMENT_MAX_VMS:
             raise _fail(
-                _key("nodes"), nodes,
+                _key("nodes"),
+                nodes,
                 f"at most {COMPACT_PLACEMENT_MAX_VMS} nodes in one compact placement policy "
                 "(CTK resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
             )
@@ -370,37 +390,62 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     image = machine.default_image
     if get("image") is not None:
         image = _string(
-            "image", get("image"), _IMAGE_RE,
+            "image",
+            get("image"),
+            _IMAGE_RE,
             "an image path such as projects/ubuntu-os-accelerator-images/global/images/family/NAME",
         )
         if _image_os(image) not in machine.image_oses:
             # tcpxo.sh and rdma.sh install their plugin, DKMS module and gIB packages with apt;
             # COS has no package manager, so the node would fail at boot (catalog image_oses).
             raise _fail(
-                _key("image"), image,
+                _key("image"),
+                image,
                 f"an Ubuntu image: {machine.name} ({machine.net_stack.value}) installs its NCCL "
                 "plugin with apt, which Container-Optimized OS does not have",
             )
 
-    boot = DEFAULTS["bootDiskSizeGb"] if get("bootDiskSizeGb") is None else _int("bootDiskSizeGb", get("bootDiskSizeGb"), 50, 65536, 200)
+    boot = (
+        DEFAULTS["bootDiskSizeGb"]
+        if get("bootDiskSizeGb") is None
+        else _int("bootDiskSizeGb", get("bootDiskSizeGb"), 50, 65536, 200)
+    )
     external_ip = DEFAULTS["externalIp"] if get("externalIp") is None else _bool("externalIp", get("externalIp"))
-    ssh = DEFAULTS["sshSourceRanges"] if get("sshSourceRanges") is None else _cidrs("sshSourceRanges", get("sshSourceRanges"))
+    ssh = (
+        DEFAULTS["sshSourceRanges"]
+        if get("sshSourceRanges") is None
+        else _cidrs("sshSourceRanges", get("sshSourceRanges"))
+    )
 
     service_account = None
     if get("serviceAccount") is not None:
         service_account = _string(
-            "serviceAccount", get("serviceAccount"), _SA_RE,
+            "serviceAccount",
+            get("serviceAccount"),
+            _SA_RE,
             "a service account email such as nodes@PROJECT.iam.gserviceaccount.com",
         )
     bucket = None if get("checkpointBucket") is None else _bucket("checkpointBucket", get("checkpointBucket"))
     labels = () if get("labels") is None else _labels("labels", get("labels"))
 
     return FleetSpec(
-        cluster=cluster, project=project, zone=zone, machine=machine, nodes=nodes,
-        placement=placement, max_distance=max_distance, provisioning=provisioning,
-        reservation=reservation, max_run_hours=max_run_hours, image=image,
-        boot_disk_size_gb=boot, external_ip=external_ip, ssh_source_ranges=ssh,
-        service_account=service_account, checkpoint_bucket=bucket, labels=labels,
+        cluster=cluster,
+        project=project,
+        zone=zone,
+        machine=machine,
+        nodes=nodes,
+        placement=placement,
+        max_distance=max_distance,
+        provisioning=provisioning,
+        reservation=reservation,
+        max_run_hours=max_run_hours,
+        image=image,
+        boot_disk_size_gb=boot,
+        external_ip=external_ip,
+        ssh_source_ranges=ssh,
+        service_account=service_account,
+        checkpoint_bucket=bucket,
+        labels=labels,
     )
 
 
@@ -456,22 +501,25 @@ def read_stack_config(path: str) -> tuple[dict[str, Any], str]:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"stack file {path!r} is not YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):
-        raise ConfigError(f"stack file {path!r} needs a `config:` map of keys to values "
-                          "(see Pulumi.example.yaml)")
+        raise ConfigError(f"stack file {path!r} needs a `config:` map of keys to values (see Pulumi.example.yaml)")
     raw: dict[str, Any] = {}
     for key, value in (doc.get("config") or {}).items():
         full = str(key) if ":" in str(key) else _key(str(key))
         if isinstance(value, dict) and "secure" in value:
-            raise ConfigError(f"config {full} is encrypted (secure:); gpufleet settings are not secrets: "
-                              f"`pulumi config set {full} VALUE` without --secret")
+            raise ConfigError(
+                f"config {full} is encrypted (secure:); gpufleet settings are not secrets: "
+                f"`pulumi config set {full} VALUE` without --secret"
+            )
         try:
             raw[full] = value if isinstance(value, str) else json.dumps(value, default=_not_config)
         except (TypeError, ValueError) as e:
             # Only an explicit tag (!!timestamp, !!binary, !!set) makes a value JSON cannot hold.
-            raise ConfigError(f"config {full} is not allowed: {e}; write plain text, a number, true/false, "
-                              "a list or a map (no YAML !! tags)") from None
+            raise ConfigError(
+                f"config {full} is not allowed: {e}; write plain text, a number, true/false, "
+                "a list or a map (no YAML !! tags)"
+            ) from None
     name = os.path.basename(path)
-    stack = name[len("Pulumi."):-len(".yaml")] if name.startswith("Pulumi.") and name.endswith(".yaml") else "dev"
+    stack = name[len("Pulumi.") : -len(".yaml")] if name.startswith("Pulumi.") and name.endswith(".yaml") else "dev"
     return raw, stack
 
 
@@ -489,8 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
-          f"placement {spec.placement})")
+    print(
+        f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
+        f"placement {spec.placement})"
+    )
     return 0
 
 

@@ -56,7 +56,9 @@ def _cidr(block: int) -> str:
     return f"10.{block}.0.0/20"
 
 
-def plan_networks(machine: MachineType, *, cluster: str, zone: str) -> tuple[tuple[NetworkPlan, ...], tuple[NicPlan, ...]]:
+def plan_networks(
+    machine: MachineType, *, cluster: str, zone: str
+) -> tuple[tuple[NetworkPlan, ...], tuple[NicPlan, ...]]:
     """The networks a fleet of `machine` needs, and which subnet each NIC (in NIC order) joins."""
     # MTU: the family's GPU-network MTU on every regular VPC of a multi-NIC type (CTK's GKE A3
     # blueprints set 8244 on the host VPC too; the A3 Ultra/A4 gVNIC VPCs use 8896), the VPC

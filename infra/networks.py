@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pulumi
 import pulumi_gcp as gcp
-from gpufleet.catalog import MachineType
 
+from gpufleet.catalog import MachineType
 from infra.layout import plan_networks
 
 __all__ = ["GpuNetworksArgs", "GpuNetworks"]
@@ -29,7 +29,8 @@ class GpuNetworks(pulumi.ComponentResource):
     """Every VPC, subnet, firewall rule (and the NAT) of one fleet.
 
     `nic_targets` lists, in NIC order, the (subnetwork, NIC type) each instance's
-    interfaces use, as self-link paths (depend on `attach_after` to be created after them); `summary` is the `networks` stack output.
+    interfaces use, as self-link paths (depend on `attach_after` to be created after them);
+    `summary` is the `networks` stack output.
     """
 
     def __init__(self, name: str, args: GpuNetworksArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -116,7 +117,9 @@ class GpuNetworks(pulumi.ComponentResource):
             router = gcp.compute.Router(
                 f"{args.cluster}-router",
                 gcp.compute.RouterArgs(
-                    name=f"{args.cluster}-router", project=args.project, region=args.region,
+                    name=f"{args.cluster}-router",
+                    project=args.project,
+                    region=args.region,
                     network=self.networks[host.key].self_link,
                 ),
                 opts=child,
@@ -124,7 +127,9 @@ class GpuNetworks(pulumi.ComponentResource):
             nat = gcp.compute.RouterNat(
                 f"{args.cluster}-nat",
                 gcp.compute.RouterNatArgs(
-                    name=f"{args.cluster}-nat", project=args.project, region=args.region,
+                    name=f"{args.cluster}-nat",
+                    project=args.project,
+                    region=args.region,
                     router=router.name,
                     nat_ip_allocate_option="AUTO_ONLY",
                     source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
@@ -146,7 +151,6 @@ class GpuNetworks(pulumi.ComponentResource):
             for n in nic_plans
         ]
         self.summary = [
-            {"name": p.name, "role": p.role, "mtu": p.mtu, "cidrs": list(p.cidrs), "profile": p.profile}
-            for p in plans
+            {"name": p.name, "role": p.role, "mtu": p.mtu, "cidrs": list(p.cidrs), "profile": p.profile} for p in plans
         ]
         self.register_outputs({"networks": self.summary})

@@ -107,7 +107,8 @@ class NodePool(pulumi.ComponentResource):
                 nic_type=nic_type,
                 access_configs=(
                     [gcp.compute.InstanceNetworkInterfaceAccessConfigArgs(network_tier="PREMIUM")]
-                    if k == 0 and spec.external_ip else None
+                    if k == 0 and spec.external_ip
+                    else None
                 ),
             )
             for k, (subnet, nic_type) in enumerate(args.nic_targets)

@@ -37,8 +37,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from infra.config import ConfigError, parse_spec, read_stack_config
 from gpufleet.contracts import LABEL_NODE
+from infra.config import ConfigError, parse_spec, read_stack_config
 from infra.mocks import Declared, RecordingMocks, run_under_mocks
 
 __all__ = [
@@ -98,9 +98,7 @@ def preview_program(
     under Pulumi's mocks in preview mode. A refused config raises `pulumi.RunError`."""
     previous = os.environ.get("PULUMI_CONFIG")
     # The engine passes every value as a string; structured values as JSON text.
-    os.environ["PULUMI_CONFIG"] = json.dumps(
-        {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
-    )
+    os.environ["PULUMI_CONFIG"] = json.dumps({k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()})
     try:
         mocks, outputs = run_under_mocks(
             lambda: runpy.run_path(main, run_name="__main__"), stack=stack, project=project, mocks=mocks
@@ -170,47 +168,61 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
         for k, nic in enumerate(i.get("networkInterfaces") or []):
             subnet = _last(nic.get("subnetwork"))
             network = _last(subnets.get(subnet, {}).get("network") or nic.get("network"))
-            nics.append({
-                "nic": f"nic{k}", "network": network, "subnet": subnet,
-                "cidr": subnets.get(subnet, {}).get("ipCidrRange"), "nicType": nic.get("nicType"),
-                "mtu": mtu(network), "externalIp": bool(nic.get("accessConfigs")),
-            })
+            nics.append(
+                {
+                    "nic": f"nic{k}",
+                    "network": network,
+                    "subnet": subnet,
+                    "cidr": subnets.get(subnet, {}).get("ipCidrRange"),
+                    "nicType": nic.get("nicType"),
+                    "mtu": mtu(network),
+                    "externalIp": bool(nic.get("accessConfigs")),
+                }
+            )
         sched = i.get("scheduling") or {}
         affinity = i.get("reservationAffinity") or {}
         max_run = (sched.get("maxRunDuration") or {}).get("seconds")
         disk = i.get("bootDisk", {}).get("initializeParams", {})
         node = addresses.get(i["name"], {})
-        nodes.append({
-            "name": i["name"],
-            "index": node.get("index"),
-            "machineType": i.get("machineType"),
-            "zone": i.get("zone"),
-            "internalIp": node.get("internalIp"),
-            "externalIp": node.get("externalIp"),
-            "nics": nics,
-            "placementPolicy": _last(i.get("resourcePolicies")),
-            "scheduling": {
-                "provisioningModel": sched.get("provisioningModel"),
-                "onHostMaintenance": sched.get("onHostMaintenance"),
-                "instanceTerminationAction": sched.get("instanceTerminationAction"),
-                "automaticRestart": sched.get("automaticRestart"),
-                "maxRunHours": int(max_run) // 3600 if max_run is not None else None,
-            },
-            "reservation": (affinity.get("specificReservation") or {}).get("values", [None])[0],
-            "serviceAccount": (i.get("serviceAccount") or {}).get("email"),
-            "labels": dict(sorted((i.get("labels") or {}).items())),
-            "bootDisk": {"image": disk.get("image"), "type": disk.get("type"), "sizeGb": disk.get("size")},
-        })
+        nodes.append(
+            {
+                "name": i["name"],
+                "index": node.get("index"),
+                "machineType": i.get("machineType"),
+                "zone": i.get("zone"),
+                "internalIp": node.get("internalIp"),
+                "externalIp": node.get("externalIp"),
+                "nics": nics,
+                "placementPolicy": _last(i.get("resourcePolicies")),
+                "scheduling": {
+                    "provisioningModel": sched.get("provisioningModel"),
+                    "onHostMaintenance": sched.get("onHostMaintenance"),
+                    "instanceTerminationAction": sched.get("instanceTerminationAction"),
+                    "automaticRestart": sched.get("automaticRestart"),
+                    "maxRunHours": int(max_run) // 3600 if max_run is not None else None,
+                },
+                "reservation": (affinity.get("specificReservation") or {}).get("values", [None])[0],
+                "serviceAccount": (i.get("serviceAccount") or {}).get("email"),
+                "labels": dict(sorted((i.get("labels") or {}).items())),
+                "bootDisk": {"image": disk.get("image"), "type": disk.get("type"), "sizeGb": disk.get("size")},
+            }
+        )
 
     email = nodes[0]["serviceAccount"] if nodes else None
     member = f"serviceAccount:{email}"
     account = {
         "email": email,
         "created": bool(preview.of_type("gcp:serviceaccount/account:Account")),
-        "projectRoles": sorted(inputs[g.name]["role"] for g in preview.of_type("gcp:projects/iAMMember:IAMMember")
-                               if inputs[g.name].get("member") == member),
-        "bucketRoles": [{"bucket": inputs[g.name]["bucket"], "role": inputs[g.name]["role"]}
-                        for g in preview.of_type("BucketIAMMember") if inputs[g.name].get("member") == member],
+        "projectRoles": sorted(
+            inputs[g.name]["role"]
+            for g in preview.of_type("gcp:projects/iAMMember:IAMMember")
+            if inputs[g.name].get("member") == member
+        ),
+        "bucketRoles": [
+            {"bucket": inputs[g.name]["bucket"], "role": inputs[g.name]["role"]}
+            for g in preview.of_type("BucketIAMMember")
+            if inputs[g.name].get("member") == member
+        ],
     }
     # Networks in the program's NIC order (the `networks` output), subnets by address: the
     # mocks see registrations in whatever order they arrive.
@@ -221,21 +233,33 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
 
     network_rows = [
         {
-            "name": name, "role": roles.get(name), "mtu": mtu(name), "profile": _last(n.get("networkProfile")),
-            "subnets": [{"name": s["name"], "cidr": s["ipCidrRange"]}
-                        for s in sorted(subnets.values(), key=lambda s: ipaddress.ip_network(s["ipCidrRange"]))
-                        if _last(s.get("network")) == name],
+            "name": name,
+            "role": roles.get(name),
+            "mtu": mtu(name),
+            "profile": _last(n.get("networkProfile")),
+            "subnets": [
+                {"name": s["name"], "cidr": s["ipCidrRange"]}
+                for s in sorted(subnets.values(), key=lambda s: ipaddress.ip_network(s["ipCidrRange"]))
+                if _last(s.get("network")) == name
+            ],
         }
         for name, n in sorted(networks.items(), key=lambda kv: place(kv[0]))
     ]
     firewalls = [
         {
-            "name": f["name"], "network": _last(f.get("network")), "direction": f.get("direction"),
-            "allow": [a["protocol"] + (":" + ",".join(a["ports"]) if a.get("ports") else "") for a in f.get("allows") or []],
-            "sourceRanges": f.get("sourceRanges") or [], "targetTags": f.get("targetTags") or [],
+            "name": f["name"],
+            "network": _last(f.get("network")),
+            "direction": f.get("direction"),
+            "allow": [
+                a["protocol"] + (":" + ",".join(a["ports"]) if a.get("ports") else "") for a in f.get("allows") or []
+            ],
+            "sourceRanges": f.get("sourceRanges") or [],
+            "targetTags": f.get("targetTags") or [],
         }
-        for f in sorted((inputs[d.name] for d in preview.of_type("Firewall")),
-                        key=lambda f: (place(_last(f.get("network"))), f["name"]))
+        for f in sorted(
+            (inputs[d.name] for d in preview.of_type("Firewall")),
+            key=lambda f: (place(_last(f.get("network"))), f["name"]),
+        )
     ]
     policies = [
         {"name": p["name"], **p.get("groupPlacementPolicy", {})}
@@ -303,8 +327,19 @@ def _render(summary: dict[str, Any], console: Console) -> None:
         t.add_row(n["name"], n["role"] or "", str(n["mtu"]), escape(subs), n["profile"] or "")
     console.print(t)
 
-    t = table("Nodes", "node", "name", "machine type", "zone", "internal IP*", "placement policy",
-              "provisioning", "on host maintenance", "on termination", "labels")
+    t = table(
+        "Nodes",
+        "node",
+        "name",
+        "machine type",
+        "zone",
+        "internal IP*",
+        "placement policy",
+        "provisioning",
+        "on host maintenance",
+        "on termination",
+        "labels",
+    )
     for n in s["nodes"]:
         sc = n["scheduling"]
         prov = sc["provisioningModel"] or ""
@@ -314,8 +349,18 @@ def _render(summary: dict[str, Any], console: Console) -> None:
         if sc["maxRunHours"]:
             term += f" after {sc['maxRunHours']} h"
         labels = ", ".join(f"{k}={v}" for k, v in n["labels"].items())
-        t.add_row(str(n["index"]), n["name"], n["machineType"], n["zone"], str(n["internalIp"] or ""),
-                  n["placementPolicy"] or "-", escape(prov), sc["onHostMaintenance"] or "", term, escape(labels))
+        t.add_row(
+            str(n["index"]),
+            n["name"],
+            n["machineType"],
+            n["zone"],
+            str(n["internalIp"] or ""),
+            n["placementPolicy"] or "-",
+            escape(prov),
+            sc["onHostMaintenance"] or "",
+            term,
+            escape(labels),
+        )
     t.caption = "* placeholder addresses from the declared subnets; Compute Engine assigns the real ones"
     console.print(t)
 
@@ -331,8 +376,15 @@ def _render(summary: dict[str, Any], console: Console) -> None:
             who = ", ".join(names)
         t = table(f"NICs: {who}", "NIC", "network", "subnet", "CIDR", "NIC type", "MTU", "external IP")
         for nic in json.loads(layout):
-            t.add_row(nic["nic"], nic["network"] or "", nic["subnet"] or "", nic["cidr"] or "",
-                      nic["nicType"] or "", str(nic["mtu"]), "yes" if nic["externalIp"] else "no")
+            t.add_row(
+                nic["nic"],
+                nic["network"] or "",
+                nic["subnet"] or "",
+                nic["cidr"] or "",
+                nic["nicType"] or "",
+                str(nic["mtu"]),
+                "yes" if nic["externalIp"] else "no",
+            )
         console.print(t)
 
     a = s["serviceAccount"]
@@ -345,15 +397,25 @@ def _render(summary: dict[str, Any], console: Console) -> None:
     console.print(t)
     for p in s["placementPolicies"]:
         extra = f", max distance {p['maxDistance']}" if p.get("maxDistance") else ""
-        console.print(f"placement policy [bold]{p['name']}[/bold]: {p.get('collocation')}, {p.get('vmCount')} VMs{extra}")
+        console.print(
+            f"placement policy [bold]{p['name']}[/bold]: {p.get('collocation')}, {p.get('vmCount')} VMs{extra}"
+        )
     for b in s["buckets"]:
-        console.print(f"bucket [bold]{b['name']}[/bold]: {b['location']}, uniform access "
-                      f"{'on' if b['uniformBucketLevelAccess'] else 'off'}, public access {b['publicAccessPrevention']}")
+        console.print(
+            f"bucket [bold]{b['name']}[/bold]: {b['location']}, uniform access "
+            f"{'on' if b['uniformBucketLevelAccess'] else 'off'}, public access {b['publicAccessPrevention']}"
+        )
 
     t = table("Firewall rules", "rule", "network", "direction", "allow", "sources", "target tags")
     for f in s["firewalls"]:
-        t.add_row(f["name"], f["network"] or "", f["direction"] or "", ", ".join(f["allow"]),
-                  ", ".join(f["sourceRanges"]), ", ".join(f["targetTags"]))
+        t.add_row(
+            f["name"],
+            f["network"] or "",
+            f["direction"] or "",
+            ", ".join(f["allow"]),
+            ", ".join(f["sourceRanges"]),
+            ", ".join(f["targetTags"]),
+        )
     console.print(t)
     console.print("[dim]Preview under Pulumi's mocks: no credentials used, nothing created.[/dim]")
 
@@ -380,9 +442,14 @@ def _open_outputs(path: Path) -> IO[str]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("stack_file", required=False, metavar="[Pulumi.<stack>.yaml]")
 @click.option("--stack", "stack_name", metavar="NAME", help="Read Pulumi.NAME.yaml from the current directory.")
-@click.option("--outputs", "outputs_file", type=click.Path(path_type=Path), metavar="FILE",
-              help="Also write the stack outputs the program would export (placeholder addresses) to FILE, "
-                   "for `launch ... --outputs FILE --dry-run`.")
+@click.option(
+    "--outputs",
+    "outputs_file",
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help="Also write the stack outputs the program would export (placeholder addresses) to FILE, "
+    "for `launch ... --outputs FILE --dry-run`.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the preview as JSON on stdout, and nothing else.")
 def _command(stack_file: str | None, stack_name: str | None, outputs_file: Path | None, as_json: bool) -> int:
     """Show what `pulumi up` would create for a stack file, under Pulumi's mocks: no cloud account,
@@ -421,8 +488,10 @@ def _command(stack_file: str | None, stack_name: str | None, outputs_file: Path 
         _render(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
     if outputs_file is not None:
         shown = escape(str(outputs_file))
-        err.print(f"wrote {shown}: the stack outputs, with placeholder addresses; next: "
-                  f"launch train --outputs {shown} --dry-run")
+        err.print(
+            f"wrote {shown}: the stack outputs, with placeholder addresses; next: "
+            f"launch train --outputs {shown} --dry-run"
+        )
     return 0
 
 

@@ -72,10 +72,15 @@ class _OneLineErrors(click.Group):
 
     # Commands that live in modules of their own, imported when named (click's documented lazy
     # loading), so `launch exec` does not pay for the sweep's report or the doctor's checks.
-    _lazy = {"nccl-tests": ("launcher.nccl_cmd", "nccl_tests"), "doctor": ("launcher.doctor_cli", "doctor"),
-             "top": ("launcher.top_cli", "top"), "jobs": ("launcher.jobs_cli", "jobs"),
-             "logs": ("launcher.jobs_cli", "logs"), "stop": ("launcher.jobs_cli", "stop"),
-             "attach": ("launcher.jobs_cli", "attach")}
+    _lazy = {
+        "nccl-tests": ("launcher.nccl_cmd", "nccl_tests"),
+        "doctor": ("launcher.doctor_cli", "doctor"),
+        "top": ("launcher.top_cli", "top"),
+        "jobs": ("launcher.jobs_cli", "jobs"),
+        "logs": ("launcher.jobs_cli", "logs"),
+        "stop": ("launcher.jobs_cli", "stop"),
+        "attach": ("launcher.jobs_cli", "attach"),
+    }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self._lazy])

@@ -50,9 +50,14 @@ class Controller:
         wl = self.request["workload"]
         pid = os.getpid()
         self.record = JobRecord(
-            id=self.request["config"]["job_id"], state=JobState.PENDING,
-            what=shlex.join([wl["kind"], *wl["argv"]]), nodes=[n["host"] for n in self.request["cluster"]["nodes"]],
-            submitted=time.time(), pid=pid, pid_start=process_start(pid) or "")
+            id=self.request["config"]["job_id"],
+            state=JobState.PENDING,
+            what=shlex.join([wl["kind"], *wl["argv"]]),
+            nodes=[n["host"] for n in self.request["cluster"]["nodes"]],
+            submitted=time.time(),
+            pid=pid,
+            pid_start=process_start(pid) or "",
+        )
 
     def save(self) -> None:
         write_json_atomic(self.jobdir / "state.json", self.record.to_json())
@@ -138,8 +143,9 @@ class Controller:
     def finish(self, result: LaunchResult, note: str = "") -> int:
         """End the record as `result` says; `note` (why recovery gave up) follows a failure's why."""
         if result.signal is not None:
-            return self.end(JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): "
-                            "every node was stopped")
+            return self.end(
+                JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): every node was stopped"
+            )
         if result.exit_code == 0:
             return self.end(JobState.SUCCEEDED, 0)
         return self._failed(result, note)
@@ -151,11 +157,13 @@ class Controller:
             return self.end(JobState.FAILED, result.exit_code, why="failed" + note)
         what = f"unreachable ({o.error})" if o.connection_lost else o.status
         tail = [*[line for line in o.error_lines if line not in o.tail], *o.tail[-20:]]
-        return self.end(JobState.FAILED, result.exit_code, why=f"{o.node.label} failed first: {what}{note}",
-                        node=rank, tail=tail)
+        return self.end(
+            JobState.FAILED, result.exit_code, why=f"{o.node.label} failed first: {what}{note}", node=rank, tail=tail
+        )
 
-    def end(self, state: JobState, code: int, why: str = "", node: int | None = None,
-            tail: list[str] | None = None) -> int:
+    def end(
+        self, state: JobState, code: int, why: str = "", node: int | None = None, tail: list[str] | None = None
+    ) -> int:
         if self.metrics is not None:  # sampling ends first: a final record's samples are whole
             self.metrics.stop()
         r = self.record

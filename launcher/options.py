@@ -15,17 +15,31 @@ from launcher import discovery
 from launcher.env import parse_env_pairs
 from launcher.model import Cluster, LaunchConfig, SshConfig, UserError, Workload, new_job_id
 
-__all__ = ["SOURCE_OPTIONS", "ENV_OPTION", "TORCHRUN_OPTIONS", "DETACH_OPTION", "RECOVER_OPTIONS",
-           "PASS_THROUGH", "PROGRAM_AFTER", "apply_options",
-           "find_cluster", "build_config"]
+__all__ = [
+    "SOURCE_OPTIONS",
+    "ENV_OPTION",
+    "TORCHRUN_OPTIONS",
+    "DETACH_OPTION",
+    "RECOVER_OPTIONS",
+    "PASS_THROUGH",
+    "PROGRAM_AFTER",
+    "apply_options",
+    "find_cluster",
+    "build_config",
+]
 
 
 SOURCE_OPTIONS = [
     click.option("--stack", help="Infra stack name: read `pulumi stack output --json --stack NAME`."),
     click.option("--outputs", type=click.Path(path_type=Path), help="A saved stack-outputs JSON file."),
     click.option("--hostfile", type=click.Path(path_type=Path), help="One host per line, optional slots=N."),
-    click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
-                 help="Find instances by label through the Compute Engine API (repeatable)."),
+    click.option(
+        "--label",
+        "labels",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Find instances by label through the Compute Engine API (repeatable).",
+    ),
     click.option("--project", help="Project for --label."),
     click.option("--zone", help="Zone for --label and --iap."),
     click.option("--api-endpoint", hidden=True, help="Compute Engine API endpoint (tests)."),
@@ -36,10 +50,18 @@ SOURCE_OPTIONS = [
     click.option("--external-ip", is_flag=True, help="SSH to external IPs (from outside the VPC)."),
     click.option("--ssh-user"),
     click.option("--ssh-key", type=click.Path(path_type=Path)),
-    click.option("--ssh-option", "ssh_options", multiple=True, metavar="KEY=VALUE",
-                 help="An OpenSSH -o option (repeatable); wins over the defaults."),
-    click.option("--known-hosts", type=click.Path(path_type=Path),
-                 help="known_hosts file (default: one per cluster under ~/.cache/gpufleet)."),
+    click.option(
+        "--ssh-option",
+        "ssh_options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="An OpenSSH -o option (repeatable); wins over the defaults.",
+    ),
+    click.option(
+        "--known-hosts",
+        type=click.Path(path_type=Path),
+        help="known_hosts file (default: one per cluster under ~/.cache/gpufleet).",
+    ),
     click.option("--iap", is_flag=True, help="Reach nodes through an IAP tunnel (no external IP needed)."),
     click.option("--python", help="The python on the nodes [default: python3; --local: this python]."),
     click.option("--workdir", help="Directory the command runs in on each node."),
@@ -47,25 +69,38 @@ SOURCE_OPTIONS = [
     click.option("--dry-run", is_flag=True, help="Print each node's host and command; connect to nothing."),
 ]
 
-ENV_OPTION = click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
-                           help="Set or override a variable on every node (repeatable).")
+ENV_OPTION = click.option(
+    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable on every node (repeatable)."
+)
 
 # Issue 13: the job goes to a controller on node 0 (launcher.handoff) and outlives this client.
-DETACH_OPTION = click.option("--detach", is_flag=True,
-                             help="Check every node, hand the job to a controller on node 0, print `job ID` "
-                                  "and return; see `launch jobs/logs/stop/attach`.")
+DETACH_OPTION = click.option(
+    "--detach",
+    is_flag=True,
+    help="Check every node, hand the job to a controller on node 0, print `job ID` "
+    "and return; see `launch jobs/logs/stop/attach`.",
+)
 
 # Issue 14: a detached training job that loses a node comes back on its own (launcher.recover).
 RECOVER_OPTIONS = [
-    click.option("--recover", is_flag=True,
-                 help="With --detach: when a node is lost, preempted or a worker crashes, wait for every node to "
-                      "pass its check again and relaunch with --resume (needs --checkpoint-dir)."),
+    click.option(
+        "--recover",
+        is_flag=True,
+        help="With --detach: when a node is lost, preempted or a worker crashes, wait for every node to "
+        "pass its check again and relaunch with --resume (needs --checkpoint-dir).",
+    ),
     click.option("--max-recoveries", type=int, help="Give up after N recoveries [default: 3]."),
-    click.option("--recover-timeout", metavar="DURATION",
-                 help="How long a lost node may take to come back, e.g. 90s, 30m [default: 30m]."),
-    click.option("--restart-stopped/--no-restart-stopped", default=None,
-                 help="With --recover: start a node's VM again when Compute Engine stopped it (TERMINATED); "
-                      "needs the cluster from --stack, --outputs or --label [default: on with --recover]."),
+    click.option(
+        "--recover-timeout",
+        metavar="DURATION",
+        help="How long a lost node may take to come back, e.g. 90s, 30m [default: 30m].",
+    ),
+    click.option(
+        "--restart-stopped/--no-restart-stopped",
+        default=None,
+        help="With --recover: start a node's VM again when Compute Engine stopped it (TERMINATED); "
+        "needs the cluster from --stack, --outputs or --label [default: on with --recover].",
+    ),
 ]
 
 TORCHRUN_OPTIONS = [
@@ -83,6 +118,7 @@ def apply_options(options):
         for opt in reversed(options):
             fn = opt(fn)
         return fn
+
     return deco
 
 
@@ -94,8 +130,13 @@ PROGRAM_AFTER = {"allow_interspersed_args": False}
 
 def find_cluster(o: dict[str, Any]) -> Cluster:
     """Exactly one node source, then --exclude and --nodes."""
-    flags = {"stack": "--stack", "outputs": "--outputs", "hostfile": "--hostfile", "labels": "--label",
-             "local": "--local"}
+    flags = {
+        "stack": "--stack",
+        "outputs": "--outputs",
+        "hostfile": "--hostfile",
+        "labels": "--label",
+        "local": "--local",
+    }
     given = [k for k in flags if o.get(k)]
     if len(given) != 1:
         what = ", ".join(flags[g] for g in given) if given else "none"
@@ -107,8 +148,9 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
             raise UserError("--local needs --nodes N (how many nodes to simulate here)")
         for key, flag in (("exclude", "--exclude"), ("machine_type", "--machine-type")):
             if o.get(key):
-                raise UserError(f"{flag} does not apply to --local (its nodes are processes on this "
-                                "machine, on CPU); drop it")
+                raise UserError(
+                    f"{flag} does not apply to --local (its nodes are processes on this machine, on CPU); drop it"
+                )
         return discovery.local_cluster(o["nodes"])
     if src == "hostfile":
         cluster = discovery.read_hostfile(o["hostfile"], machine_type=o.get("machine_type"))
@@ -129,11 +171,13 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
         if o.get("api_endpoint"):
             from google.auth.credentials import AnonymousCredentials
             from google.cloud import compute_v1
+
             client = compute_v1.InstancesClient(
-                credentials=AnonymousCredentials(), transport="rest",
-                client_options={"api_endpoint": o["api_endpoint"]})
-        cluster = discovery.discover_by_label(labels, o["project"], o["zone"], client=client,
-                                              machine_type=o.get("machine_type"), prefer_external=ext)
+                credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": o["api_endpoint"]}
+            )
+        cluster = discovery.discover_by_label(
+            labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
+        )
     if o.get("machine_type") and src != "hostfile":
         cluster = Cluster(cluster.name, cluster.nodes, o["machine_type"], cluster.zone, cluster.project)
     exclude = tuple(h.strip() for h in (o.get("exclude") or "").split(",") if h.strip())
@@ -159,8 +203,12 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
 def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
     """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
     ssh = SshConfig(
-        user=o.get("ssh_user"), key=o.get("ssh_key"), options=_ssh_options(o.get("ssh_options", ())),
-        known_hosts=o.get("known_hosts"), iap=o.get("iap", False), zone=o.get("zone") or cluster.zone,
+        user=o.get("ssh_user"),
+        key=o.get("ssh_key"),
+        options=_ssh_options(o.get("ssh_options", ())),
+        known_hosts=o.get("known_hosts"),
+        iap=o.get("iap", False),
+        zone=o.get("zone") or cluster.zone,
     )
     return LaunchConfig(
         workload=workload,

@@ -81,8 +81,11 @@ def leftovers(cluster_id: str = "") -> dict[str, list[str]]:
     mine = NAME_PREFIX + cluster_id
     return {
         "namespaces": [l.split()[0] for l in ns if l.startswith(mine)],
-        "links": [l.split(":")[1].strip().split("@")[0] for l in links.splitlines()
-                  if l.split(":")[1].strip().startswith(mine)],
+        "links": [
+            l.split(":")[1].strip().split("@")[0]
+            for l in links.splitlines()
+            if l.split(":")[1].strip().startswith(mine)
+        ],
         "sshd": [l for l in sshds.splitlines() if f"gpufleet-sshd-{cluster_id}" in l],
         "tagged": [str(p) for p in _tagged_pids(f"{cluster_id}-" if cluster_id else "") if _alive(p)],
     }
@@ -165,13 +168,20 @@ class SimCluster:
     @property
     def ssh_options(self) -> list[str]:
         opts = [
-            "-i", str(self.client_key),
-            "-o", "IdentitiesOnly=yes",
-            "-o", "User=root",
-            "-o", f"UserKnownHostsFile={self.known_hosts}",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", "StrictHostKeyChecking=yes",
-            "-o", "BatchMode=yes",
+            "-i",
+            str(self.client_key),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "User=root",
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "BatchMode=yes",
         ]
         if self.mode == "loopback":
             opts += ["-o", f"Port={self.nodes[0].port}"]
@@ -410,8 +420,7 @@ class SimCluster:
         processes torchrun started, which carry LOCAL_RANK) get SIGTERM and up to `save_s` to
         save and exit; then the node goes away: its sshd and every process started through it
         are killed at once. `restart_sshd(i)` brings it back, with its disk (and host key)."""
-        workers = [p for p in self.processes(i) if any(v.startswith(b"LOCAL_RANK=")
-                                                         for v in _environ(p).split(b"\0"))]
+        workers = [p for p in self.processes(i) if any(v.startswith(b"LOCAL_RANK=") for v in _environ(p).split(b"\0"))]
         for pid in workers:
             try:
                 os.kill(pid, signal.SIGTERM)

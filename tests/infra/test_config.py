@@ -51,9 +51,15 @@ def test_a_reservation_defaults_to_no_placement_policy_of_our_own():
 
 def test_values_are_parsed_from_the_engines_strings():
     s = spec(
-        machineType="a3-megagpu-8g", nodes="16", name="llm", externalIp="true",
-        sshSourceRanges=["10.0.0.0/8", "192.168.0.0/16"], labels={"team": "research"},
-        checkpointBucket="gs://llm-ckpts", maxDistance="2", bootDiskSizeGb="500",
+        machineType="a3-megagpu-8g",
+        nodes="16",
+        name="llm",
+        externalIp="true",
+        sshSourceRanges=["10.0.0.0/8", "192.168.0.0/16"],
+        labels={"team": "research"},
+        checkpointBucket="gs://llm-ckpts",
+        maxDistance="2",
+        bootDiskSizeGb="500",
     )
     assert (s.nodes, s.cluster, s.external_ip, s.boot_disk_size_gb, s.max_distance) == (16, "llm", True, 500, 2)
     assert s.ssh_source_ranges == ("10.0.0.0/8", "192.168.0.0/16")
@@ -106,7 +112,18 @@ def test_a_bad_cidr_in_ssh_source_ranges_is_refused(cidr):
 
 
 @pytest.mark.parametrize(
-    "bucket", ["ab", "My-Bucket", "goog-checkpoints", "my-google-ckpts", "192.168.1.1", "-leading", "trailing-", "a" * 64, "has space"]
+    "bucket",
+    [
+        "ab",
+        "My-Bucket",
+        "goog-checkpoints",
+        "my-google-ckpts",
+        "192.168.1.1",
+        "-leading",
+        "trailing-",
+        "a" * 64,
+        "has space",
+    ],
 )
 def test_a_bucket_name_gcs_would_refuse_is_refused(bucket):
     m = error(checkpointBucket=bucket)
@@ -186,8 +203,17 @@ def test_a_wrong_type_for_every_key_gives_one_line_naming_it(key):
 
 @pytest.mark.parametrize(
     "key, value",
-    [("nodes", 2.0), ("nodes", True), ("externalIp", 1), ("labels", {"team": 1}), ("sshSourceRanges", [1]),
-     ("labels", {"Team": "x"}), ("name", "-bad"), ("name", "a" * 41), ("bootDiskSizeGb", 10)],
+    [
+        ("nodes", 2.0),
+        ("nodes", True),
+        ("externalIp", 1),
+        ("labels", {"team": 1}),
+        ("sshSourceRanges", [1]),
+        ("labels", {"Team": "x"}),
+        ("name", "-bad"),
+        ("name", "a" * 41),
+        ("bootDiskSizeGb", 10),
+    ],
 )
 def test_more_wrong_values_are_refused(key, value):
     assert f"gpufleet:{key}" in error(**{key: value})
@@ -217,8 +243,9 @@ def test_a_date_in_a_stack_file_stays_the_text_it_was_written_as(tmp_path):
     from infra.config import read_stack_file
 
     path = tmp_path / "Pulumi.dev.yaml"
-    path.write_text("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n"
-                    "  gpufleet:labels: {created: 2024-01-01}\n")
+    path.write_text(
+        "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:labels: {created: 2024-01-01}\n"
+    )
     assert read_stack_file(str(path)).labels == (("created", "2024-01-01"),)
     path.write_text("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:name: 2024-01-01\n")
     with pytest.raises(ConfigError, match=r"^config gpufleet:name = '2024-01-01' is not allowed: 1-40 lowercase"):

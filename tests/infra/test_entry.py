@@ -11,7 +11,6 @@ import yaml
 
 from gpufleet.contracts import OUTPUT_KEYS
 from infra.preview import MAIN, preview_program
-
 from tests.infra.conftest import BASE
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,6 @@ from gpufleet.contracts import OUTPUT_KEYS
 from infra import config as infra_config
 from infra.mocks import run_under_mocks
 from infra.preview import NOTE_KEY, OUTPUTS_NOTE, main, preview_program
-
 from tests.infra.conftest import BASE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +32,28 @@ FAMILY_FILES = {
     "Pulumi.example.yaml": (2, 9, ["GVNIC"] * 9, 8244, "STANDARD", None, "llm-dev-placement", True, None),
     "examples/Pulumi.a2.yaml": (2, 1, ["GVNIC"], 1460, "SPOT", "STOP", "a2-spot-placement", True, None),
     "examples/Pulumi.a3-high.yaml": (4, 5, ["GVNIC"] * 5, 8244, "STANDARD", None, "a3-high-placement", True, None),
-    "examples/Pulumi.a3-mega.yaml": (2, 9, ["GVNIC"] * 9, 8244, "FLEX_START", "DELETE", "a3-mega-flex-placement", False, None),
-    "examples/Pulumi.a4.yaml": (2, 3, ["GVNIC"] * 2 + ["MRDMA"] * 8, 8896, "RESERVATION_BOUND", None, None, True, "my-a4-reservation"),
+    "examples/Pulumi.a3-mega.yaml": (
+        2,
+        9,
+        ["GVNIC"] * 9,
+        8244,
+        "FLEX_START",
+        "DELETE",
+        "a3-mega-flex-placement",
+        False,
+        None,
+    ),
+    "examples/Pulumi.a4.yaml": (
+        2,
+        3,
+        ["GVNIC"] * 2 + ["MRDMA"] * 8,
+        8896,
+        "RESERVATION_BOUND",
+        None,
+        None,
+        True,
+        "my-a4-reservation",
+    ),
 }
 
 
@@ -61,28 +80,39 @@ def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
     assert counts["gcp:compute/network:Network"] == n_nets
     assert counts.get("gcp:compute/resourcePolicy:ResourcePolicy", 0) == (1 if policy else 0)
     assert {r["type"] for r in s["resources"] if r["component"]} <= {
-        "gpufleet:infra:GpuNetworks", "gpufleet:infra:NodeIdentity", "gpufleet:infra:NodePool", "gpufleet:infra:PlacementPolicy",
-        "gpufleet:infra:RestartGrant"}
+        "gpufleet:infra:GpuNetworks",
+        "gpufleet:infra:NodeIdentity",
+        "gpufleet:infra:NodePool",
+        "gpufleet:infra:PlacementPolicy",
+        "gpufleet:infra:RestartGrant",
+    }
     assert [n["name"] for n in s["nodes"]] == [f"{spec.cluster}-{i}" for i in range(nodes)]
     assert len(s["networks"]) == n_nets and all(n["mtu"] == mtu for n in s["networks"])
     subnets = {sub["name"]: (n["name"], sub["cidr"]) for n in s["networks"] for sub in n["subnets"]}
     for i, node in enumerate(s["nodes"]):
         assert (node["index"], node["machineType"], node["zone"]) == (i, spec.machine_type, spec.zone)
-        assert [nic["nicType"] for nic in node["nics"]] == nic_types == [
-            "MRDMA" if n.role == "rdma" else "GVNIC" for n in lookup(spec.machine_type).nics]
+        assert (
+            [nic["nicType"] for nic in node["nics"]]
+            == nic_types
+            == ["MRDMA" if n.role == "rdma" else "GVNIC" for n in lookup(spec.machine_type).nics]
+        )
         for nic in node["nics"]:
             assert subnets[nic["subnet"]] == (nic["network"], nic["cidr"]) and nic["mtu"] == mtu
         assert ipaddress.ip_address(node["internalIp"]) in ipaddress.ip_network(node["nics"][0]["cidr"])
         assert node["placementPolicy"] == policy and node["reservation"] == reservation
         sched = node["scheduling"]
         assert (sched["provisioningModel"], sched["onHostMaintenance"], sched["instanceTerminationAction"]) == (
-            model, "TERMINATE", term)
+            model,
+            "TERMINATE",
+            term,
+        )
         assert node["labels"] == {**dict(spec.labels), "gpufleet-cluster": spec.cluster, "gpufleet-node": str(i)}
         assert node["serviceAccount"] == s["serviceAccount"]["email"]
     account = s["serviceAccount"]
     assert account["created"] is created
     assert account["projectRoles"] == (
-        ["roles/artifactregistry.reader", "roles/logging.logWriter", "roles/monitoring.metricWriter"] if created else [])
+        ["roles/artifactregistry.reader", "roles/logging.logWriter", "roles/monitoring.metricWriter"] if created else []
+    )
     if spec.checkpoint_bucket:
         assert account["bucketRoles"] == [{"bucket": spec.checkpoint_bucket, "role": "roles/storage.objectUser"}]
     ssh = [f for f in s["firewalls"] if f["allow"] == ["tcp:22"]]
@@ -103,13 +133,27 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     assert row("gcp:compute/subnetwork:Subnetwork", "9").search(out)
     assert row("gcp:compute/firewall:Firewall", "10").search(out)
     for i in range(2):
-        assert row(str(i), f"llm-dev-{i}", "a3-megagpu-8g", "us-central1-a", f"10.0.0.{2 + i}", "llm-dev-placement",
-                   "STANDARD", "TERMINATE", "-").search(out), out
+        assert row(
+            str(i),
+            f"llm-dev-{i}",
+            "a3-megagpu-8g",
+            "us-central1-a",
+            f"10.0.0.{2 + i}",
+            "llm-dev-placement",
+            "STANDARD",
+            "TERMINATE",
+            "-",
+        ).search(out), out
     assert "NICs: every node (llm-dev-0 … llm-dev-1)" in out
     assert row("nic0", "llm-dev-net", "llm-dev-net-subnet", "10.0.0.0/20", "GVNIC", "8244", "no").search(out)
-    assert row("nic8", "llm-dev-gpu-net-8", "llm-dev-gpu-net-8-subnet", "10.8.0.0/20", "GVNIC", "8244", "no").search(out)
-    assert row("llm-dev-nodes@my-project-id.iam.gserviceaccount.com (created)", "roles/artifactregistry.reader",
-               "project my-project-id").search(out)
+    assert row("nic8", "llm-dev-gpu-net-8", "llm-dev-gpu-net-8-subnet", "10.8.0.0/20", "GVNIC", "8244", "no").search(
+        out
+    )
+    assert row(
+        "llm-dev-nodes@my-project-id.iam.gserviceaccount.com (created)",
+        "roles/artifactregistry.reader",
+        "project my-project-id",
+    ).search(out)
     assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(out)
     assert row("llm-dev-ssh", "llm-dev-net", "INGRESS", "tcp:22", "35.235.240.0/20", "llm-dev").search(out)
     assert "gpufleet-cluster=llm-dev, gpufleet-node=1, team=research" in out
@@ -117,7 +161,8 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
 
 def test_stack_name_reads_that_stack_file_in_the_current_directory(capsys, tmp_path, monkeypatch):
     (tmp_path / "Pulumi.research-7.yaml").write_text(
-        "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  machineType: a2-highgpu-1g\n  nodes: 1\n")
+        "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  machineType: a2-highgpu-1g\n  nodes: 1\n"
+    )
     monkeypatch.chdir(tmp_path)
     rc, out, err = run_main(capsys, "--stack", "research-7", "--json")
     assert rc == 0, err
@@ -150,24 +195,33 @@ def test_a_bad_stack_file_is_the_config_checks_one_line_and_exit_2(capsys, tmp_p
     assert err.startswith("error: ") and err.count("\n") == 1
     # Nothing written: the old outputs file is untouched and no temporary file is left.
     assert outputs.read_text() == '{"kept": true}\n'
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["Pulumi.dev.yaml", "o.json"][case == "missing file":])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["Pulumi.dev.yaml", "o.json"][case == "missing file" :])
 
 
 def test_the_installed_command_and_the_config_check_print_the_same_line(tmp_path):
     path = tmp_path / "Pulumi.dev.yaml"
     path.write_text(BAD_FILES["bad value"])
     check = subprocess.run([sys.executable, "-m", "infra.config", str(path)], capture_output=True, text=True, cwd=ROOT)
-    preview = subprocess.run([sys.executable, "-m", "infra.preview", str(path)], capture_output=True, text=True, cwd=ROOT)
+    preview = subprocess.run(
+        [sys.executable, "-m", "infra.preview", str(path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert (preview.returncode, preview.stdout, preview.stderr) == (2, "", check.stderr)
     assert check.returncode == 2 and check.stderr == (
-        "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)\n")
+        "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)\n"
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    ((), "give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both"),
-    (("Pulumi.example.yaml", "--stack", "example"), "give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both"),
-    (("Pulumi.example.yaml", "--jsn"), "No such option '--jsn'. Did you mean '--json'?"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ((), "give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both"),
+        (
+            ("Pulumi.example.yaml", "--stack", "example"),
+            "give a stack file (Pulumi.<stack>.yaml) or --stack NAME, not both",
+        ),
+        (("Pulumi.example.yaml", "--jsn"), "No such option '--jsn'. Did you mean '--json'?"),
+    ],
+)
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     rc, out, err = run_main(capsys, *argv)
     assert rc == 2 and out == ""
@@ -184,7 +238,9 @@ def test_outputs_file_holds_the_stack_outputs_and_says_they_are_placeholders(cap
     assert sorted(k for k in doc if k != NOTE_KEY) == sorted(OUTPUT_KEYS)
     assert {k: doc[k] for k in OUTPUT_KEYS} == json.loads(out)["outputs"]
     assert [(n["name"], n["index"], n["internalIp"]) for n in doc["nodes"]] == [
-        ("llm-dev-0", 0, "10.0.0.2"), ("llm-dev-1", 1, "10.0.0.3")]
+        ("llm-dev-0", 0, "10.0.0.2"),
+        ("llm-dev-1", 1, "10.0.0.3"),
+    ]
     assert (doc["cluster"], doc["machineType"], doc["zone"]) == ("llm-dev", "a3-megagpu-8g", "us-central1-a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.json"]  # replaced whole, no temp file left
     umask = os.umask(0o022)
@@ -202,8 +258,13 @@ def test_an_unwritable_outputs_path_is_one_line_before_the_preview_runs(capsys, 
 
 
 def test_placeholder_addresses_follow_the_rank_every_run():
-    config = {**BASE, "gpufleet:machineType": "a3-highgpu-8g", "gpufleet:nodes": "16", "gpufleet:externalIp": "true",
-              "gpufleet:sshSourceRanges": '["198.51.100.0/24"]'}
+    config = {
+        **BASE,
+        "gpufleet:machineType": "a3-highgpu-8g",
+        "gpufleet:nodes": "16",
+        "gpufleet:externalIp": "true",
+        "gpufleet:sshSourceRanges": '["198.51.100.0/24"]',
+    }
     for _ in range(3):  # registrations reach the mocks in a different order from run to run
         nodes = preview_program(config).outputs["nodes"]
         assert [n["internalIp"] for n in nodes] == [f"10.0.0.{2 + i}" for i in range(16)]
@@ -238,13 +299,23 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
     env = {**os.environ, "NO_COLOR": "1"}
     preview = subprocess.run(
         [sys.executable, "-m", "infra.preview", str(EXAMPLE), "--outputs", "o.json", "--json"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
     )
     assert preview.returncode == 0, preview.stderr
     json.loads(preview.stdout)  # a real process prints nothing else on stdout (no warnings, no status)
     launch = Path(sys.executable).with_name("launch")  # .venv/bin/launch, the console script
-    dry = subprocess.run([str(launch), "train", "--outputs", "o.json", "--dry-run"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    dry = subprocess.run(
+        [str(launch), "train", "--outputs", "o.json", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.splitlines()
     assert len(lines) == 2, dry.stdout

@@ -12,11 +12,10 @@ from click.testing import CliRunner
 
 from gpufleet.catalog import lookup
 from gpufleet.contracts import LABEL_CLUSTER, LABEL_NODE, NODE_KEYS, OUTPUT_KEYS, parse_stack_outputs
-from launcher.cli import main as launch
-from launcher.discovery import cluster_from_outputs
 from infra.mocks import RecordingMocks
 from infra.preview import preview_program
-
+from launcher.cli import main as launch
+from launcher.discovery import cluster_from_outputs
 from tests.infra.conftest import BASE
 
 # One machine type per family (plus the small A3 High, which is Spot/Flex only, and A2 Ultra,
@@ -135,7 +134,12 @@ def test_outputs_list_nodes_in_rank_order(fleet, machine, nodes):
     p = run(fleet, machine, nodes)
     out = p.outputs
     assert sorted(out) == sorted(OUTPUT_KEYS)
-    assert (out["cluster"], out["project"], out["zone"], out["machineType"]) == ("dev", BASE["gcp:project"], "us-central1-a", machine)
+    assert (out["cluster"], out["project"], out["zone"], out["machineType"]) == (
+        "dev",
+        BASE["gcp:project"],
+        "us-central1-a",
+        machine,
+    )
     assert [n["index"] for n in out["nodes"]] == list(range(nodes))
     assert [n["name"] for n in out["nodes"]] == [f"dev-{k}" for k in range(nodes)]
     host_subnet = ipaddress.ip_network(out["networks"][0]["cidrs"][0])
@@ -147,8 +151,9 @@ def test_outputs_list_nodes_in_rank_order(fleet, machine, nodes):
     assert out["checkpointBucket"] is None
 
 
-@pytest.mark.parametrize("machine, nodes, external", [
-    ("a3-megagpu-8g", 16, False), ("a2-highgpu-8g", 1, False), ("a4-highgpu-8g", 2, True)])
+@pytest.mark.parametrize(
+    "machine, nodes, external", [("a3-megagpu-8g", 16, False), ("a2-highgpu-8g", 1, False), ("a4-highgpu-8g", 2, True)]
+)
 def test_the_exported_outputs_are_what_the_launcher_reads(fleet, tmp_path, machine, nodes, external):
     """The contract round-trips: the outputs infra exports, saved as `pulumi stack output --json`
     prints them, are read by the launcher's parser and by `launch hosts --outputs F --dry-run`
@@ -157,10 +162,15 @@ def test_the_exported_outputs_are_what_the_launcher_reads(fleet, tmp_path, machi
     out = run(fleet, machine, nodes, **extra).outputs
     parsed = parse_stack_outputs(json.loads(json.dumps(out)))
     assert (parsed.cluster, parsed.project, parsed.zone, parsed.machine_type) == (
-        "dev", BASE["gcp:project"], "us-central1-a", machine)
+        "dev",
+        BASE["gcp:project"],
+        "us-central1-a",
+        machine,
+    )
     assert [(n.index, n.name, n.internal_ip, n.external_ip, n.zone) for n in parsed.nodes] == [
         (k, f"dev-{k}", out["nodes"][k]["internalIp"], out["nodes"][k]["externalIp"], "us-central1-a")
-        for k in range(nodes)]
+        for k in range(nodes)
+    ]
     assert all(bool(n.external_ip) == external for n in parsed.nodes)
     # The machine type infra exports is the catalog's: the launcher gets each node's GPU count.
     assert cluster_from_outputs(out).gpus_per_node == lookup(machine).gpu_count == 8
@@ -172,7 +182,8 @@ def test_the_exported_outputs_are_what_the_launcher_reads(fleet, tmp_path, machi
     assert r.exit_code == 0, r.output
     host = "externalIp" if external else "internalIp"
     assert r.output.splitlines() == [
-        f"{k}\t{n[host]}\t{n['internalIp']}\t{n['name']}" for k, n in enumerate(out["nodes"])]
+        f"{k}\t{n[host]}\t{n['internalIp']}\t{n['name']}" for k, n in enumerate(out["nodes"])
+    ]
 
 
 @pytest.mark.parametrize("machine", FAMILIES)
@@ -233,7 +244,9 @@ def test_nics_join_the_subnets_in_the_order_the_gpu_stack_expects(fleet, machine
 def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet, machine):
     p = run(fleet, machine, 2)
     (rdma,) = [n for n in p.of_type("Network") if n.inputs.get("networkProfile")]
-    assert rdma.inputs["networkProfile"] == f"projects/{BASE['gcp:project']}/global/networkProfiles/us-central1-a-vpc-roce"
+    assert (
+        rdma.inputs["networkProfile"] == f"projects/{BASE['gcp:project']}/global/networkProfiles/us-central1-a-vpc-roce"
+    )
     rdma_subnets = [s for s in p.of_type("Subnetwork") if s.inputs["network"].endswith("/dev-rdma-net")]
     assert len(rdma_subnets) == 8
     for inst in p.of_type("Instance"):
@@ -245,20 +258,29 @@ def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet
 
 def test_standard_scheduling_terminates_on_maintenance_and_restarts(fleet):
     (inst, _) = fleet(machineType="a3-megagpu-8g", nodes=2).of_type("Instance")
-    assert inst.inputs["scheduling"] == {"provisioningModel": "STANDARD", "onHostMaintenance": "TERMINATE", "automaticRestart": True}
+    assert inst.inputs["scheduling"] == {
+        "provisioningModel": "STANDARD",
+        "onHostMaintenance": "TERMINATE",
+        "automaticRestart": True,
+    }
     assert "reservationAffinity" not in inst.inputs
 
 
 def test_spot_scheduling_is_preemptible_without_restart_and_stops_on_preemption(fleet):
     for inst in fleet(machineType="a3-megagpu-8g", nodes=2, provisioning="spot").of_type("Instance"):
         assert inst.inputs["scheduling"] == {
-            "provisioningModel": "SPOT", "preemptible": True, "automaticRestart": False,
-            "onHostMaintenance": "TERMINATE", "instanceTerminationAction": "STOP",
+            "provisioningModel": "SPOT",
+            "preemptible": True,
+            "automaticRestart": False,
+            "onHostMaintenance": "TERMINATE",
+            "instanceTerminationAction": "STOP",
         }
 
 
 def test_flex_start_scheduling_has_a_max_run_duration_and_no_reservation(fleet):
-    for inst in fleet(machineType="a3-ultragpu-8g", nodes=2, provisioning="flex-start", maxRunHours=48).of_type("Instance"):
+    for inst in fleet(machineType="a3-ultragpu-8g", nodes=2, provisioning="flex-start", maxRunHours=48).of_type(
+        "Instance"
+    ):
         s = inst.inputs["scheduling"]
         assert s["provisioningModel"] == "FLEX_START" and s["automaticRestart"] is False
         assert s["instanceTerminationAction"] == "DELETE" and s["maxRunDuration"] == {"seconds": 48 * 3600}
@@ -300,21 +322,30 @@ def test_created_service_account_gets_only_the_node_roles(fleet):
     email = f"{account.inputs['accountId']}@{BASE['gcp:project']}.iam.gserviceaccount.com"
     grants = p.of_type("IAMMember")
     assert sorted(g.inputs["role"] for g in grants) == [
-        "roles/artifactregistry.reader", "roles/logging.logWriter", "roles/monitoring.metricWriter",
+        "roles/artifactregistry.reader",
+        "roles/logging.logWriter",
+        "roles/monitoring.metricWriter",
     ]
     assert all(g.inputs["member"] == f"serviceAccount:{email}" for g in grants)
     assert all(i.inputs["serviceAccount"]["email"] == email for i in p.of_type("Instance"))
 
 
 def test_checkpoint_bucket_is_private_and_granted_to_the_nodes_alone(fleet):
-    p = fleet(machineType="a2-highgpu-8g", nodes=2, checkpointBucket="gpufleet-test-ckpts",
-              serviceAccount="trainer@gpufleet-test.iam.gserviceaccount.com")
+    p = fleet(
+        machineType="a2-highgpu-8g",
+        nodes=2,
+        checkpointBucket="gpufleet-test-ckpts",
+        serviceAccount="trainer@gpufleet-test.iam.gserviceaccount.com",
+    )
     (bucket,) = p.of_type("Bucket")
     assert bucket.inputs["name"] == "gpufleet-test-ckpts" and bucket.inputs["location"] == "US-CENTRAL1"
     assert bucket.inputs["uniformBucketLevelAccess"] is True and bucket.inputs["publicAccessPrevention"] == "enforced"
     (grant,) = p.of_type("BucketIAMMember")
-    assert grant.inputs == {"bucket": "gpufleet-test-ckpts", "role": "roles/storage.objectUser",
-                            "member": "serviceAccount:trainer@gpufleet-test.iam.gserviceaccount.com"}
+    assert grant.inputs == {
+        "bucket": "gpufleet-test-ckpts",
+        "role": "roles/storage.objectUser",
+        "member": "serviceAccount:trainer@gpufleet-test.iam.gserviceaccount.com",
+    }
     # A given service account is used as is: none created, no project-wide grants.
     assert p.of_type("Account") == [] and p.of_type("IAMMember") == []
     assert p.outputs["checkpointBucket"] == "gpufleet-test-ckpts"

@@ -57,8 +57,11 @@ def test_rendered_script_carries_the_machines_facts(name, os_):
     gpu_names = [n for nic, n in zip(t.nics, t.interface_names(os_)) if nic.role == "gpu"]
     assert f"readonly GPU_NICS=({' '.join(gpu_names)})" in s
     stack_marker = {
-        NetStack.TCPX: "tcpgpudmarxd-dev:v2.0.12", NetStack.TCPXO: "--num_hops=2",
-        NetStack.RDMA: "nccl-gib", NetStack.FAST_SOCKET: "google-fast-socket", NetStack.NONE: "PLUGIN_VERSION=none",
+        NetStack.TCPX: "tcpgpudmarxd-dev:v2.0.12",
+        NetStack.TCPXO: "--num_hops=2",
+        NetStack.RDMA: "nccl-gib",
+        NetStack.FAST_SOCKET: "google-fast-socket",
+        NetStack.NONE: "PLUGIN_VERSION=none",
     }[t.net_stack]
     assert stack_marker in s
 
@@ -148,9 +151,17 @@ def test_startup_script_writes_the_ready_marker_with_versions_and_is_idempotent(
     proc, marker, error, calls = node()
     assert proc.returncode == 0, proc.stderr
     assert error is None
-    assert {k: marker[k] for k in ("cluster", "machine_type", "net_stack", "driver", "cuda", "nccl", "plugin", "nccl_tests")} == {
-        "cluster": "demo", "machine_type": "a3-highgpu-1g", "net_stack": "none", "driver": "580.65.06",
-        "cuda": "13.0", "nccl": "2.27.5-1+cuda12.9", "plugin": "none", "nccl_tests": "abc1234",
+    assert {
+        k: marker[k] for k in ("cluster", "machine_type", "net_stack", "driver", "cuda", "nccl", "plugin", "nccl_tests")
+    } == {
+        "cluster": "demo",
+        "machine_type": "a3-highgpu-1g",
+        "net_stack": "none",
+        "driver": "580.65.06",
+        "cuda": "13.0",
+        "nccl": "2.27.5-1+cuda12.9",
+        "plugin": "none",
+        "nccl_tests": "abc1234",
     }
     assert any(c.startswith("git clone") for c in calls) and any(c.startswith("make") for c in calls)
 
@@ -158,7 +169,9 @@ def test_startup_script_writes_the_ready_marker_with_versions_and_is_idempotent(
     assert proc.returncode == 0, proc.stderr
     assert {k: v for k, v in again.items() if k != "booted_at"} == {k: v for k, v in marker.items() if k != "booted_at"}
     # Nothing rebuilt, nothing installed on the second boot.
-    work = [c for c in calls if c.split()[0] in ("git", "make", "apt-get", "curl", "dpkg") and not c.startswith("git -C")]
+    work = [
+        c for c in calls if c.split()[0] in ("git", "make", "apt-get", "curl", "dpkg") and not c.startswith("git -C")
+    ]
     assert work == [], work
     assert "nvidia-smi -pm 1" in calls
 

@@ -56,7 +56,8 @@ class FakeInstance:
         if self.external_ip:
             nic["accessConfigs"] = [{"natIP": self.external_ip, "type": "ONE_TO_ONE_NAT"}]
         extra = {"resourceStatus": {"physicalHost": self.physical_host}} if self.physical_host else {}
-        return {**extra,
+        return {
+            **extra,
             "kind": "compute#instance",
             "name": self.name,
             "status": self.status,
@@ -79,13 +80,13 @@ def parse_filter(text: str) -> list[tuple[str, str, str]]:
         if not m:
             raise FilterError(f"Invalid value for field 'filter': '{text}'. Invalid list filter expression.")
         out.append((m.group(1), m.group(2), m.group(3)))
-        rest = rest[m.end():].lstrip()
+        rest = rest[m.end() :].lstrip()
     return out
 
 
 def _field(resource: dict, name: str) -> str | None:
     if name.startswith("labels."):
-        return resource.get("labels", {}).get(name[len("labels."):])
+        return resource.get("labels", {}).get(name[len("labels.") :])
     if name == "machineType":
         return resource["machineType"].rsplit("/", 1)[-1]
     value = resource.get(name)
@@ -103,8 +104,12 @@ def matches(resource: dict, terms: list[tuple[str, str, str]]) -> bool:
 class FakeCompute:
     """A threaded HTTP server; use as a context manager. `endpoint` is for client_options."""
 
-    def __init__(self, instances: dict[tuple[str, str], list[FakeInstance]],
-                 on_start: Callable[[FakeInstance], None] | None = None, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        instances: dict[tuple[str, str], list[FakeInstance]],
+        on_start: Callable[[FakeInstance], None] | None = None,
+        host: str = "127.0.0.1",
+    ):
         """`host`: the address to serve on (a simulated cluster's gateway, for a controller
         that asks from inside a node's network namespace)."""
         self.instances = instances  # by (project, zone)
@@ -131,12 +136,22 @@ class FakeCompute:
                 if not m or (method == "GET") == bool(m.group(4)):
                     return False
                 project, zone, name = m.group(1), m.group(2), m.group(3)
-                fake.requests.append({"method": "start" if m.group(4) else "get", "project": project, "zone": zone,
-                                      "instance": name})
+                fake.requests.append(
+                    {"method": "start" if m.group(4) else "get", "project": project, "zone": zone, "instance": name}
+                )
                 found = [i for i in fake.instances.get((project, zone), []) if i.name == name]
                 if not found:
-                    self._send(404, {"error": {"code": 404, "message":
-                                     f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found"}})
+                    self._send(
+                        404,
+                        {
+                            "error": {
+                                "code": 404,
+                                "message": (
+                                    f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found"
+                                ),
+                            }
+                        },
+                    )
                     return True
                 if m.group(4):
                     self._send(200, fake.start(found[0], project, zone))
@@ -160,8 +175,15 @@ class FakeCompute:
                 q = {k: v[0] for k, v in parse_qs(url.query).items()}
                 fake.requests.append({"project": project, "zone": zone, **q})
                 if (project, zone) not in fake.instances:
-                    self._send(404, {"error": {"code": 404, "message":
-                                     f"The resource 'projects/{project}/zones/{zone}' was not found"}})
+                    self._send(
+                        404,
+                        {
+                            "error": {
+                                "code": 404,
+                                "message": f"The resource 'projects/{project}/zones/{zone}' was not found",
+                            }
+                        },
+                    )
                     return
                 try:
                     terms = parse_filter(q.get("filter", ""))
@@ -172,7 +194,7 @@ class FakeCompute:
                 items = [r for r in items if matches(r, terms)]
                 start = int(q.get("pageToken") or 0)
                 size = int(q.get("maxResults") or 500)
-                body: dict = {"kind": "compute#instanceList", "items": items[start:start + size]}
+                body: dict = {"kind": "compute#instanceList", "items": items[start : start + size]}
                 if start + size < len(items):
                     body["nextPageToken"] = str(start + size)
                 self._send(200, body)
@@ -188,10 +210,17 @@ class FakeCompute:
             inst.status = "STAGING"
             threading.Thread(target=self._boot, args=(inst,), daemon=True).start()
         base = f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}"
-        return {"kind": "compute#operation", "id": str(self._ops), "name": f"operation-start-{self._ops}",
-                "operationType": "start", "targetLink": f"{base}/instances/{inst.name}",
-                "zone": base, "status": "RUNNING" if booting else "DONE", "progress": 0 if booting else 100,
-                "selfLink": f"{base}/operations/operation-start-{self._ops}"}
+        return {
+            "kind": "compute#operation",
+            "id": str(self._ops),
+            "name": f"operation-start-{self._ops}",
+            "operationType": "start",
+            "targetLink": f"{base}/instances/{inst.name}",
+            "zone": base,
+            "status": "RUNNING" if booting else "DONE",
+            "progress": 0 if booting else 100,
+            "selfLink": f"{base}/operations/operation-start-{self._ops}",
+        }
 
     def _boot(self, inst: FakeInstance) -> None:
         if self.on_start is not None:

@@ -41,8 +41,9 @@ def client_env(tmp_path: Path) -> dict[str, str]:
 
 
 def launch(tmp_path: Path, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
-    r = subprocess.run([LAUNCH, *args], capture_output=True, text=True, cwd=tmp_path, env=client_env(tmp_path),
-                       timeout=timeout)
+    r = subprocess.run(
+        [LAUNCH, *args], capture_output=True, text=True, cwd=tmp_path, env=client_env(tmp_path), timeout=timeout
+    )
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -104,8 +105,17 @@ def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, 
     assert not (tmp_path / "client" / ".gpufleet").exists()
     c.assert_nothing_left()
     # The same run attached ends with the same parameters.
-    launch(tmp_path, "train", *source_args(c, tmp_path), *torch_args(), "--", *common, "--save-params",
-           str(tmp_path / "attached.pt"), check=True)
+    launch(
+        tmp_path,
+        "train",
+        *source_args(c, tmp_path),
+        *torch_args(),
+        "--",
+        *common,
+        "--save-params",
+        str(tmp_path / "attached.pt"),
+        check=True,
+    )
     detached, attached = params(tmp_path / "detached.pt"), params(tmp_path / "attached.pt")
     assert detached.keys() == attached.keys()
     assert all(torch.equal(detached[k], attached[k]) for k in detached)
@@ -113,8 +123,10 @@ def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, 
 
 def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 3)
-    cmd = ('echo "up $GPUFLEET_NODE_RANK"; if [ "$GPUFLEET_NODE_RANK" = 2 ]; then sleep 2; echo dying; exit 3; fi; '
-           "sleep 120")
+    cmd = (
+        'echo "up $GPUFLEET_NODE_RANK"; if [ "$GPUFLEET_NODE_RANK" = 2 ]; then sleep 2; echo dying; exit 3; fi; '
+        "sleep 120"
+    )
     job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", cmd)
     t0 = time.monotonic()
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
@@ -134,8 +146,24 @@ def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing
 def test_stop_during_detached_training_stops_every_node_keeps_the_checkpoint_and_leaves_nothing(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
     ckpt = tmp_path / "ckpt"
-    job_id = detach(c, tmp_path, "train", *torch_args(), "--", *TRAIN, "--global-batch", "2", "--steps", "100000",
-                    "--log-every", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "2",
+        "--steps",
+        "100000",
+        "--log-every",
+        "5",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "5",
+    )
     wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
     t0 = time.monotonic()
     r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
@@ -156,11 +184,23 @@ def test_attach_follows_to_the_end_and_shows_the_summary_ctrl_c_on_logs_leaves_t
     go = tmp_path / "go"
     cmd = f'echo "hello $GPUFLEET_NODE_RANK"; while [ ! -f {go} ]; do sleep 0.1; done; echo "bye $GPUFLEET_NODE_RANK"'
     job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", cmd)
-    follow = subprocess.Popen([LAUNCH, "logs", *source_args(c, tmp_path), job_id, "-f"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=client_env(tmp_path))
+    follow = subprocess.Popen(
+        [LAUNCH, "logs", *source_args(c, tmp_path), job_id, "-f"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=client_env(tmp_path),
+    )
     try:
-        wait_for(lambda: (tmp_path / "runs" / job_id / "output.log").exists()
-                 and (tmp_path / "runs" / job_id / "output.log").read_text().count("hello") == 2, 60, "hello x2")
+        wait_for(
+            lambda: (
+                (tmp_path / "runs" / job_id / "output.log").exists()
+                and (tmp_path / "runs" / job_id / "output.log").read_text().count("hello") == 2
+            ),
+            60,
+            "hello x2",
+        )
         follow.send_signal(signal.SIGINT)  # Ctrl-C: stops following, never the job
         out, errs = follow.communicate(timeout=30)
     finally:
@@ -168,8 +208,14 @@ def test_attach_follows_to_the_end_and_shows_the_summary_ctrl_c_on_logs_leaves_t
             follow.kill()
     assert follow.returncode == 130 and "stopped following" in errs, errs
     assert job(c, tmp_path, job_id)["state"] == "RUNNING"
-    attach = subprocess.Popen([LAUNCH, "attach", *source_args(c, tmp_path), job_id], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=client_env(tmp_path))
+    attach = subprocess.Popen(
+        [LAUNCH, "attach", *source_args(c, tmp_path), job_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=client_env(tmp_path),
+    )
     time.sleep(1)
     go.touch()
     out, errs = attach.communicate(timeout=60)
@@ -182,8 +228,9 @@ def test_attach_follows_to_the_end_and_shows_the_summary_ctrl_c_on_logs_leaves_t
 def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not_outlive_it(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
     job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", 'echo "up $GPUFLEET_NODE_RANK"; sleep 300')
-    wait_for(lambda: c.processes(1) and "up 1" in (jobdir(tmp_path, job_id) / "output.log").read_text(), 60,
-             "node 1 up")
+    wait_for(
+        lambda: c.processes(1) and "up 1" in (jobdir(tmp_path, job_id) / "output.log").read_text(), 60, "node 1 up"
+    )
     pid = int((jobdir(tmp_path, job_id) / "controller.pid").read_text().split()[0])
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -196,8 +243,9 @@ def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not
     assert json.loads((jobdir(tmp_path, job_id) / "state.json").read_text())["pid"] == pid
 
 
-def test_jobs_on_busy_nodes_queue_fifo_stop_removes_a_pending_one_and_attached_launches_are_refused(sim_cluster,
-                                                                                                   tmp_path):
+def test_jobs_on_busy_nodes_queue_fifo_stop_removes_a_pending_one_and_attached_launches_are_refused(
+    sim_cluster, tmp_path
+):
     c = cluster(sim_cluster, tmp_path, 2)
     go = tmp_path / "go"
     first = detach(c, tmp_path, "exec", "--", "sh", "-c", f"while [ ! -f {go} ]; do sleep 0.1; done; echo first")
@@ -227,11 +275,21 @@ def test_jobs_on_busy_nodes_queue_fifo_stop_removes_a_pending_one_and_attached_l
 
 
 def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_changed_host_key_is_refused(
-        sim_cluster, tmp_path):
+    sim_cluster, tmp_path
+):
     c = cluster(sim_cluster, tmp_path, 3)
     go = tmp_path / "go"
-    first = detach(c, tmp_path, "exec", "--env", "SECRET=hunter2", "--", "sh", "-c",
-                   f'[ "${{#SECRET}}" = 7 ] || exit 9; while [ ! -f {go} ]; do sleep 0.1; done')
+    first = detach(
+        c,
+        tmp_path,
+        "exec",
+        "--env",
+        "SECRET=hunter2",
+        "--",
+        "sh",
+        "-c",
+        f'[ "${{#SECRET}}" = 7 ] || exit 9; while [ ! -f {go} ]; do sleep 0.1; done',
+    )
     wait_state(c, tmp_path, first, {"RUNNING"}, timeout=30)
     second = detach(c, tmp_path, "exec", "--", "true")
     # The client's key: in the client's own ~/.cache/gpufleet/<cluster>/, mode 600.
@@ -244,8 +302,9 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
     public = client_key.with_name("id_ed25519.pub").read_text().split()[1]
     frm = 'from="' + ",".join(sorted(c.addresses)) + '"'
     for i in range(3):
-        (entry,) = [l for l in (tmp_path / f"home{i}" / ".ssh" / "authorized_keys").read_text().splitlines()
-                    if public in l]
+        (entry,) = [
+            l for l in (tmp_path / f"home{i}" / ".ssh" / "authorized_keys").read_text().splitlines() if public in l
+        ]
         assert entry.startswith(frm + ","), entry
     # The job's known_hosts on node 0 holds each node's host key as its sshd presents it.
     known = (jobdir(tmp_path, first) / "known_hosts").read_text()
@@ -256,8 +315,11 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
     assert c.nodes[2].address not in (jobdir(tmp_path, third) / "known_hosts").read_text()
     assert c.nodes[2].address in (jobdir(tmp_path, second) / "known_hosts").read_text()
     # No --env value in any record.
-    assert not [p for p in (tmp_path / "home0" / ".gpufleet" / "jobs").rglob("*") if p.is_file()
-                and b"hunter2" in p.read_bytes()]
+    assert not [
+        p
+        for p in (tmp_path / "home0" / ".gpufleet" / "jobs").rglob("*")
+        if p.is_file() and b"hunter2" in p.read_bytes()
+    ]
     # Node 2 comes back with another host key while the second job waits: it is refused, by name.
     c.new_host_key(2)
     go.touch()
@@ -276,8 +338,17 @@ def test_detach_refuses_as_an_attached_launch_does_and_hands_nothing_off(sim_clu
     dead = c.unused_address()
     hosts = tmp_path / "hosts"
     hosts.write_text(f"{c.nodes[0].address}\n{dead}\n{c.nodes[1].address}\n")
-    r = launch(tmp_path, "exec", *source_args(c, tmp_path, hosts), "--ssh-option", "ConnectTimeout=3", "--detach",
-               "--", "touch", str(tmp_path / "ran"))
+    r = launch(
+        tmp_path,
+        "exec",
+        *source_args(c, tmp_path, hosts),
+        "--ssh-option",
+        "ConnectTimeout=3",
+        "--detach",
+        "--",
+        "touch",
+        str(tmp_path / "ran"),
+    )
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and dead in errors[0] and "nothing was started" in errors[0], r.stderr
@@ -294,8 +365,14 @@ def test_logs_into_a_pipe_that_closes_early_ends_quietly(sim_cluster, tmp_path):
     wait_state(c, tmp_path, job_id, {"SUCCEEDED"}, timeout=60)
     for follow in ([], ["-f"]):
         cmd = " ".join([LAUNCH, "logs", *source_args(c, tmp_path), job_id, *follow]) + " | head -n 2"
-        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
-                           env=client_env(tmp_path), timeout=60)
+        r = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", cmd],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=client_env(tmp_path),
+            timeout=60,
+        )
         lines = r.stdout.splitlines()
         assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr
         assert all(re.fullmatch(r"\[node [01]\] [12]", line) for line in lines), lines

@@ -16,13 +16,21 @@ pytestmark = pytest.mark.cluster
 
 def test_a_detached_sweep_finishes_without_the_client_and_its_log_gives_the_report(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    job_id = detach(c, tmp_path, "nccl-tests", *torch_args(), "-b", "1K", "-e", "64K", "-f", "8", "--ops", "all_reduce,all_gather")
+    job_id = detach(
+        c, tmp_path, "nccl-tests", *torch_args(), "-b", "1K", "-e", "64K", "-f", "8", "--ops", "all_reduce,all_gather"
+    )
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
 
     log = launch(tmp_path, "logs", job_id, "--node", "0", *source_args(c, tmp_path), check=True).stdout
-    report = subprocess.run([LAUNCH, "nccl-tests", "--from", "-", "--json", "--runs-dir", str(tmp_path / "runs")],
-                            input=log, capture_output=True, text=True, env=client_env(tmp_path), timeout=60)
+    report = subprocess.run(
+        [LAUNCH, "nccl-tests", "--from", "-", "--json", "--runs-dir", str(tmp_path / "runs")],
+        input=log,
+        capture_output=True,
+        text=True,
+        env=client_env(tmp_path),
+        timeout=60,
+    )
     assert report.returncode == 0, report.stderr
     rows = [json.loads(line) for line in report.stdout.splitlines()]
     assert {r["collective"] for r in rows} == {"all_reduce", "all_gather"}

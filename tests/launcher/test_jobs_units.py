@@ -46,8 +46,14 @@ def test_a_running_record_whose_controller_is_gone_reads_as_failed_with_why():
 def test_listing_is_newest_first_and_ignores_banners_and_torn_lines():
     older = record(id="20260101-000000-aaaaaa", submitted=1.0)
     newer = record(id="20260101-000001-bbbbbb", submitted=2.0)
-    text = "\n".join(["Welcome to node 0", f"{LIST_MARKER} 1 {json.dumps(older.to_json())}",
-                      f"{LIST_MARKER} 0 {json.dumps(newer.to_json())}", f"{LIST_MARKER} 1 {{\"id\": "])
+    text = "\n".join(
+        [
+            "Welcome to node 0",
+            f"{LIST_MARKER} 1 {json.dumps(older.to_json())}",
+            f"{LIST_MARKER} 0 {json.dumps(newer.to_json())}",
+            f"{LIST_MARKER} 1 {{\"id\": ",
+        ]
+    )
     got = parse_listing(text)
     assert [r.id for r in got] == [newer.id, older.id]
     assert got[0].state is JobState.FAILED  # its controller is not alive
@@ -60,8 +66,9 @@ def test_list_script_tells_a_live_controller_from_a_dead_one(tmp_path):
         (jobs / job_id).mkdir(parents=True)
         write_json_atomic(jobs / job_id / "state.json", record(id=job_id, pid=pid).to_json())
         (jobs / job_id / "controller.pid").write_text(f"{pid} {process_start(os.getpid())}\n")
-    out = subprocess.run(["bash", "-c", list_script()], capture_output=True, text=True,
-                         env={**os.environ, "HOME": str(tmp_path)}).stdout
+    out = subprocess.run(
+        ["bash", "-c", list_script()], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)}
+    ).stdout
     states = {r.id: r.state for r in parse_listing(out)}
     assert states == {"20260101-000000-aaaaaa": JobState.RUNNING, "20260101-000001-bbbbbb": JobState.FAILED}
 
@@ -73,8 +80,9 @@ def test_a_job_id_that_is_not_one_is_refused_before_it_reaches_a_shell(bad):
 
 
 def test_the_request_carries_no_env_values_and_round_trips(tmp_path):
-    config = LaunchConfig(Workload("exec", ("sh", "-c", "echo $TOKEN")), env=(("TOKEN", "s3cret"),), job_id="j",
-                          rdzv_port=29600)
+    config = LaunchConfig(
+        Workload("exec", ("sh", "-c", "echo $TOKEN")), env=(("TOKEN", "s3cret"),), job_id="j", rdzv_port=29600
+    )
     d = request_json(CLUSTER, config, controller_ssh("root", 2222, "c-abc", ".gpufleet/jobs/j/known_hosts"))
     assert "s3cret" not in json.dumps(d) and d["config"]["env_keys"] == ["TOKEN"]
     cluster, back = request_from_json(json.loads(json.dumps(d)), [["TOKEN", "s3cret"]], tmp_path, tmp_path / "jobs")
@@ -99,15 +107,19 @@ def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path)
 
 def test_node_0_gets_the_host_keys_the_client_verified_even_from_a_hashed_known_hosts(tmp_path):
     mine = tmp_path / "known_hosts"
-    mine.write_text("[10.0.0.2]:2222 ssh-ed25519 K0\n10.0.0.2 ssh-ed25519 WRONGPORT\n"
-                    "[10.0.0.3]:2222 ssh-ed25519 K1\n@revoked [10.0.0.3]:2222 ssh-rsa R\n")
+    mine.write_text(
+        "[10.0.0.2]:2222 ssh-ed25519 K0\n10.0.0.2 ssh-ed25519 WRONGPORT\n"
+        "[10.0.0.3]:2222 ssh-ed25519 K1\n@revoked [10.0.0.3]:2222 ssh-rsa R\n"
+    )
     subprocess.run(["ssh-keygen", "-H", "-f", str(mine)], check=True, capture_output=True)
     assert "10.0.0.2" not in mine.read_text()  # hashed, as HashKnownHosts=yes writes them
     target = SshTarget("root", 2222, (str(mine), str(tmp_path / "missing")))
     keys = verified_host_keys(target, CLUSTER)
     assert keys == {0: ["ssh-ed25519 K0"], 1: ["ssh-ed25519 K1"]}
     assert known_hosts_text(CLUSTER, keys, 2222).splitlines() == [
-        "[10.0.0.2]:2222 ssh-ed25519 K0", "[10.0.0.3]:2222 ssh-ed25519 K1"]
+        "[10.0.0.2]:2222 ssh-ed25519 K0",
+        "[10.0.0.3]:2222 ssh-ed25519 K1",
+    ]
     with pytest.raises(UserError, match=r"host key of node 1 \(10.0.0.3\) is not in this machine's known_hosts"):
         known_hosts_text(CLUSTER, {0: keys[0], 1: []}, 22)
 
@@ -125,13 +137,16 @@ def test_stop_and_logs_scripts_quote_the_job_dir():
         assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["exec", "--local", "--nodes", "2", "--detach", "--", "true"], "--detach needs SSH nodes"),
-    (["exec", "--hostfile", "HOSTS", "--dry-run", "--detach", "--", "true"], "--detach and --dry-run"),
-    (["logs", "--hostfile", "HOSTS", "../../etc"], "is not a job id"),
-    (["stop", "--hostfile", "HOSTS", "20260101-000000-aaaaaa; reboot"], "is not a job id"),
-    (["jobs", "--local", "--nodes", "2"], "detached jobs live on node 0 of an SSH cluster"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["exec", "--local", "--nodes", "2", "--detach", "--", "true"], "--detach needs SSH nodes"),
+        (["exec", "--hostfile", "HOSTS", "--dry-run", "--detach", "--", "true"], "--detach and --dry-run"),
+        (["logs", "--hostfile", "HOSTS", "../../etc"], "is not a job id"),
+        (["stop", "--hostfile", "HOSTS", "20260101-000000-aaaaaa; reboot"], "is not a job id"),
+        (["jobs", "--local", "--nodes", "2"], "detached jobs live on node 0 of an SSH cluster"),
+    ],
+)
 def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_path, args, message):
     from click.testing import CliRunner
 

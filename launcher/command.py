@@ -313,12 +313,13 @@ def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
     return [*base, node.host, "--", command]
 
 
-def probe_script(config: LaunchConfig, check_torch: bool) -> str:
-    """`launch hosts`' program: the check lines and CHECKED_MARKER, then it waits for end of input,
-    as a launch's node does before `go`."""
+def probe_script(config: LaunchConfig, check_torch: bool, extra: Sequence[str] = ()) -> str:
+    """`launch hosts`' program: the check lines (and `extra` statements that print `key=value`
+    lines) and CHECKED_MARKER, then it waits for end of input, as a launch's node does before `go`."""
     return _join(
         [
             *_check_statements(config, facts=True, torch=check_torch),
+            *extra,
             f"echo {CHECKED_MARKER}",
             "IFS= read -r G",
             "exit 0",

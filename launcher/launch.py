@@ -32,7 +32,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from launcher.command import node_commands, probe_script
@@ -161,10 +161,10 @@ class Launch:
             self._go()
             return self._stream()
 
-    def probe(self, check_torch: bool) -> dict[int, Probe]:
-        """The check alone on every node (what `launch hosts` shows): the sessions a launch
-        opens, sent home after the check instead of told to go."""
-        script = probe_script(self.config, check_torch)
+    def probe(self, check_torch: bool, extra: Sequence[str] = ()) -> dict[int, Probe]:
+        """The check alone on every node (what `launch hosts` shows; `extra` statements report
+        more facts): the sessions a launch opens, sent home after the check instead of told to go."""
+        script = probe_script(self.config, check_torch, extra)
         return self.ask(dict.fromkeys((n.rank for n in self.cluster.nodes), script))
 
     def ask(self, scripts: dict[int, str]) -> dict[int, Probe]:

@@ -274,3 +274,31 @@ def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift
     )
     assert warned.stderr.index("driver 570.172.08") < warned.stderr.index("started on 4 nodes")
     cluster.sim.assert_nothing_left()
+
+
+def test_hosts_shows_each_nodes_block_and_warns_when_the_cluster_spans_two(cluster, tmp_path):
+    args = [a for a in cluster.args(tmp_path) if a not in ("--min-free-gb", "0.01")]
+    args = [a for i, a in enumerate(args) if a != "--env" and (i == 0 or args[i - 1] != "--env")]
+    ok = subprocess.run(
+        [LAUNCH, "hosts", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("blk1/s1") == 2 and ok.stdout.count("blk1/s2") == 2, ok.stdout
+    assert "span" not in ok.stderr
+    cluster.metadata[3].physical_host = "/clu/blk7/s1/h03"
+    spread = subprocess.run(
+        [LAUNCH, "hosts", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert spread.returncode == 0, spread.stderr
+    assert "blk7/s1" in spread.stdout
+    assert "warning: the nodes span 2 blocks (clu/blk1: 3 nodes, clu/blk7: 1 node)" in spread.stderr

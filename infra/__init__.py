@@ -3,5 +3,5 @@
 Importing this package imports nothing: pulumi is imported only by the program and its component
 modules (networks, placement, nodes, identity, mocks, preview). `infra.config`, `infra.layout` and
 `infra.startup` are pulumi-free. What the program promises the launcher (stack outputs, labels,
-the ready marker) is in `gpufleet.contracts`; `infra.contract` only re-exports it.
+the ready marker) is in `gpufleet.contracts`, which the launcher reads too.
 """

@@ -38,7 +38,6 @@ from launcher.prestart import prestart_statements
 
 __all__ = [
     "EXIT_MARKER",
-    "READY_MARKER",  # moved to gpufleet.contracts; re-exported for launcher.cli until it imports it there
     "CHECKED_MARKER",
     "join_timeout_s",
     "nproc_for",

@@ -39,7 +39,7 @@ def test_running_the_directory_as_pulumi_does_declares_the_fleet():
 
 def test_config_contract_layout_and_startup_do_not_import_pulumi():
     code = (
-        "import sys, infra, infra.contract, infra.config, infra.layout, infra.startup, gpufleet.contracts; "
+        "import sys, infra, infra.config, infra.layout, infra.startup, gpufleet.contracts; "
         "from gpufleet.catalog import lookup; "
         "infra.config.parse_spec({'gcp:project': 'gpufleet-test', 'gcp:zone': 'us-central1-a'}, stack='dev'); "
         "infra.startup.render_startup_script(lookup('a3-megagpu-8g'), cluster='x', image_os='ubuntu'); "

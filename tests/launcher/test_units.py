@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -818,7 +819,10 @@ class _BashHereSshToNode1:
         from launcher.model import SshConfig
 
         ssh = SshConfig(options=("Port=1",), connect_timeout=3)
-        self.ssh_base = ssh_base_argv(ssh, str(tmp_path), str(tmp_path / "known_hosts"))
+        # A short ControlPath directory: a socket path has at most 108 bytes, and pytest's
+        # tmp_path (deeper still under xdist's per-worker directory) can pass that.
+        control = tempfile.mkdtemp(prefix="gfu-", dir="/tmp")
+        self.ssh_base = ssh_base_argv(ssh, control, str(tmp_path / "known_hosts"))
 
     def argv(self, node, script):
         from launcher.command import remote_command, ssh_argv

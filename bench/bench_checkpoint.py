@@ -32,7 +32,6 @@ import io
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -167,41 +166,20 @@ def _measure(model: str, world: int, url: str, repeats: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _emulator() -> Any:
-    port = _free_port()
-    exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen(
-        [
-            str(exe),
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--in-memory",
-            "--default-bucket",
-            "bench",
-            "-q",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        previous = os.environ.get("STORAGE_EMULATOR_HOST")
-        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-        yield "gs://bench/ckpt"
-    finally:
-        if previous is None:
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        else:
-            os.environ["STORAGE_EMULATOR_HOST"] = previous
-        proc.terminate()
-        proc.wait(30)
+    """The GCS emulator the tests use (tests/workloads/conftest.py), as this process's
+    STORAGE_EMULATOR_HOST while it runs; yields the checkpoint URL."""
+    from tests.workloads.conftest import start_gcs_emulator
+
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    with start_gcs_emulator("bench") as host:
+        os.environ["STORAGE_EMULATOR_HOST"] = host
+        try:
+            yield "gs://bench/ckpt"
+        finally:
+            if previous is None:
+                os.environ.pop("STORAGE_EMULATOR_HOST", None)
+            else:
+                os.environ["STORAGE_EMULATOR_HOST"] = previous
 
 
 def main() -> int:

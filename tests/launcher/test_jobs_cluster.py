@@ -26,10 +26,13 @@ from tests.support import LAUNCH, TRAIN, checkpoint_step, params, source_args, t
 pytestmark = pytest.mark.cluster
 
 
-def cluster(sim_cluster, tmp_path: Path, n: int) -> SimCluster:
+def cluster(sim_cluster, tmp_path: Path, n: int, node0_env: dict[str, str] | None = None) -> SimCluster:
+    """n netns nodes, each with a HOME of its own (and `node0_env` on node 0's sshd)."""
     if os.geteuid() != 0:
         pytest.skip("detached jobs need the netns simulated cluster (root): from= needs each node's address")
-    return sim_cluster(n, mode="netns", node_env={i: {"HOME": str(tmp_path / f"home{i}")} for i in range(n)})
+    env = {i: {"HOME": str(tmp_path / f"home{i}")} for i in range(n)}
+    env[0].update(node0_env or {})
+    return sim_cluster(n, mode="netns", node_env=env)
 
 
 def client_env(tmp_path: Path) -> dict[str, str]:

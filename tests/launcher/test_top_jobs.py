@@ -25,8 +25,9 @@ from launcher.discovery import local_cluster
 from launcher.model import LaunchConfig, Workload
 from launcher.top import SCHEMA
 from launcher.top_cli import top
+from tests.launcher.test_jobs_cluster import cluster, job, launch
 from tests.simcluster import SimCluster
-from tests.support import LAUNCH, source_args, wait_for
+from tests.support import source_args, wait_for
 
 FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 JOB = "20260101-120000-a1b2c3"
@@ -115,35 +116,17 @@ def test_launch_top_job_refusals_are_one_line_and_exit_2(args, message):
 
 
 def _cluster(sim_cluster, tmp_path: Path, n: int) -> SimCluster:
-    if os.geteuid() != 0:
-        pytest.skip("detached jobs need the netns simulated cluster (root): from= needs each node's address")
-    env = {i: {"HOME": str(tmp_path / f"home{i}")} for i in range(n)}
-    env[0]["GPUFLEET_JOB_TOP_INTERVAL"] = "1"
-    return sim_cluster(n, mode="netns", node_env=env)
-
-
-def _launch(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "GPUFLEET_STATE_DIR"}
-    env["HOME"] = str(tmp_path / "client")
-    (tmp_path / "client").mkdir(exist_ok=True)
-    return subprocess.run([LAUNCH, *args], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=timeout)
-
-
-def _ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r
+    return cluster(sim_cluster, tmp_path, n, node0_env={"GPUFLEET_JOB_TOP_INTERVAL": "1"})
 
 
 def _detach(c: SimCluster, tmp_path: Path, hostfile: Path, *cmd: str) -> str:
-    r = _ok(_launch(tmp_path, "exec", *source_args(c, tmp_path, hostfile), "--detach", "--", *cmd))
+    r = launch(tmp_path, "exec", *source_args(c, tmp_path, hostfile), "--detach", "--", *cmd, check=True)
     (line,) = r.stdout.splitlines()
     return line.split()[1]
 
 
 def _state(c: SimCluster, tmp_path: Path, job_id: str) -> str:
-    r = _ok(_launch(tmp_path, "jobs", *source_args(c, tmp_path), "--json"))
-    (job,) = [j for j in map(json.loads, r.stdout.splitlines()) if j["id"] == job_id]
-    return job["state"]
+    return job(c, tmp_path, job_id)["state"]
 
 
 def _job_record(tmp_path: Path, job_id: str) -> Path:
@@ -157,7 +140,7 @@ def test_top_job_id_views_the_jobs_3_nodes_and_its_controller_samples_them_until
     job_id = _detach(c, tmp_path, three, "sleep", "14")
     # Viewed through the whole cluster's flags: node 0 holds the record, the job names its nodes.
     rec = tmp_path / "view.jsonl"
-    r = _ok(_launch(tmp_path, "top", job_id, *source_args(c, tmp_path), "--duration", "3", "--record", str(rec)))
+    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), "--duration", "3", "--record", str(rec), check=True)
     assert f"launch top: job {job_id}, 3 nodes" in r.stdout
     view = _records(rec)
     assert {(x["node"], x["host"]) for x in view} == set(enumerate(c.addresses[:3]))
@@ -174,13 +157,13 @@ def test_top_job_id_views_the_jobs_3_nodes_and_its_controller_samples_them_until
         assert len(rated) >= 8, (node, len(rated))
         assert all(x["interval_s"] == pytest.approx(1.0, abs=0.3) for x in rated), rated
     # --plot JOB_ID: the samples copied to the runs dir, as `launch logs` copies logs, and drawn.
-    r = _ok(_launch(tmp_path, "top", "--plot", job_id, *source_args(c, tmp_path)))
+    r = launch(tmp_path, "top", "--plot", job_id, *source_args(c, tmp_path), check=True)
     copy = tmp_path / "runs" / job_id / "top.jsonl"
     assert copy.read_text() == _job_record(tmp_path, job_id).read_text()
     png = (tmp_path / "runs" / job_id / "top.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     # The job has ended: its live view is refused, pointing at --plot.
-    r = _launch(tmp_path, "top", job_id, *source_args(c, tmp_path), "--duration", "1")
+    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), "--duration", "1")
     assert r.returncode == 2 and f"launch top --plot {job_id}" in r.stderr, r.stderr
     c.assert_nothing_left()
 
@@ -190,13 +173,13 @@ def test_a_stopped_job_stops_its_sampling_and_leaves_nothing_on_any_node(sim_clu
     job_id = _detach(c, tmp_path, c.hostfile, "sleep", "300")
     path = _job_record(tmp_path, job_id)
     wait_for(lambda: all(_rated(_records(path), n) for n in range(3)), 60, "a rated sample of every node")
-    _ok(_launch(tmp_path, "stop", *source_args(c, tmp_path), job_id))
+    launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
     assert _state(c, tmp_path, job_id) == "STOPPED"
     c.assert_nothing_left()
     n = len(_records(path))
     time.sleep(2.5)
     assert len(_records(path)) == n, "the job's samples went on after it was stopped"
-    r = _launch(tmp_path, "top", "--plot", "20260101-000000-000000", *source_args(c, tmp_path))
+    r = launch(tmp_path, "top", "--plot", "20260101-000000-000000", *source_args(c, tmp_path))
     assert r.returncode == 2 and "no job 20260101-000000-000000" in r.stderr, r.stderr
 
 
@@ -219,7 +202,7 @@ def test_launch_top_job_id_ends_by_itself_when_the_job_ends(sim_cluster, tmp_pat
     c = _cluster(sim_cluster, tmp_path, 2)
     job_id = _detach(c, tmp_path, c.hostfile, "sleep", "5")
     t0 = time.monotonic()
-    r = _ok(_launch(tmp_path, "top", job_id, *source_args(c, tmp_path), timeout=60))  # no --duration
+    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), timeout=60, check=True)  # no --duration
     assert f"job {job_id} ended (SUCCEEDED); launch top --plot {job_id}" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 5 + 5 + 10  # the job, node 0's next answer, slack for a loaded machine
     assert f"launch top: job {job_id}, 2 nodes" in r.stdout

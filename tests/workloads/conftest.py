@@ -175,35 +175,29 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     return params(out)
 
 
-@pytest.fixture
-def gcs_emulator():
-    """gcp-storage-emulator on a free local port with bucket `ckpt`; yields its env."""
+@contextlib.contextmanager
+def start_gcs_emulator(bucket: str, timeout: float = 30):
+    """gcp-storage-emulator (in memory) on a free local port with `bucket`; yields the value
+    for STORAGE_EMULATOR_HOST. Used by the tests' fixture and bench/bench_checkpoint.py."""
     port = free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen(
-        [
-            str(exe),
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--in-memory",
-            "--default-bucket",
-            "ckpt",
-            "-q",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    argv = [str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", bucket]
+    proc = subprocess.Popen([*argv, "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
 
         def up() -> bool:
             with socket.socket() as s:
                 return s.connect_ex(("127.0.0.1", port)) == 0
 
-        wait_for(up, timeout=20, interval=0.05)
-        yield {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+        wait_for(up, timeout=timeout, interval=0.05, proc=proc)
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(30)
+
+
+@pytest.fixture
+def gcs_emulator():
+    """gcp-storage-emulator on a free local port with bucket `ckpt`; yields its env."""
+    with start_gcs_emulator("ckpt", timeout=20) as host:
+        yield {"STORAGE_EMULATOR_HOST": host}

@@ -1,6 +1,6 @@
 """The expected-bandwidth model against Google's published sweeps: plateau, curve and fit.
 
-    .venv/bin/python -m bench.bench_expected [--corpus ../shared/reference/nccl-outputs]
+    .venv/bin/python -m bench.bench_expected [--corpus tests/fixtures/nccl-outputs]
 
 For each published 2-node sweep that calibrates `gpufleet.expected` (the corpus files 07, 08, 09
 and the A4 all_gather of perf-anchors §3.3) it prints the model's plateau B against the sweep's
@@ -25,7 +25,7 @@ from launcher.nccl_report import parse_output
 PLATEAU_TOLERANCE = 0.05
 LATENCY_TOLERANCE = (5e-6, 0.05)  # absolute, relative: whichever is looser
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT.parent / "shared" / "reference" / "nccl-outputs"
+CORPUS = ROOT / "tests" / "fixtures" / "nccl-outputs"
 
 # (corpus file, machine type): the sweeps CALIBRATIONS was fitted on.
 CORPUS_SWEEPS = [

@@ -1,7 +1,7 @@
-"""The expected-bandwidth model and its report, against Google's published sweeps (issue 18).
+"""The expected-bandwidth model and its report, against Google's published sweeps.
 
-The corpus files are real nccl-tests outputs of healthy clusters (../shared/reference/
-nccl-outputs, README.md there): 07 and 08 all_gather on 2 x a3-megagpu-8g and 2 x a3-highgpu-8g,
+The corpus files are real nccl-tests outputs of healthy clusters (tests/fixtures/nccl-outputs,
+SOURCES.md there names each origin): 07 and 08 all_gather on 2 x a3-megagpu-8g and 2 x a3-highgpu-8g,
 09 all_reduce on 2 x a3-megagpu-8g, 16 ranks each. A degraded cluster is the same file with the
 rows from 64 MiB up slowed down: busbw and algbw times k, time divided by k.
 """
@@ -19,7 +19,7 @@ from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.expected import Algorithm
 from launcher import nccl_report as rep
 
-CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "nccl-outputs"
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-outputs"
 CASES = {
     "07-ctk-gke-a3mega-tcpxo-allgather-2node.txt": "a3-megagpu-8g",
     "08-ctk-gke-a3high-tcpx-allgather-2node-NA.txt": "a3-highgpu-8g",

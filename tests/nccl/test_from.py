@@ -1,8 +1,8 @@
 """`launch nccl-tests --from`: real nccl-tests outputs, as published and through the pipes that
-carry them to users, read into the report a live run gives (issue 11, item 2).
+carry them to users, read into the report a live run gives.
 
-The corpus is ../shared/reference/nccl-outputs (README.md and EXPECTED.json there): fourteen
-outputs people published, byte for byte. EXPECTED.json gives each file's row count and its
+The corpus is tests/fixtures/nccl-outputs (SOURCES.md names each file's origin; EXPECTED.json):
+fourteen outputs people published, byte for byte. EXPECTED.json gives each file's row count and its
 largest row's busbw as printed; the pipes are applied here, to the text, the way each tool does.
 """
 
@@ -22,7 +22,7 @@ from launcher import nccl_parse
 from launcher import nccl_report as rep
 from launcher.cli import main
 
-CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "nccl-outputs"
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-outputs"
 EXPECTED = json.loads((CORPUS / "EXPECTED.json").read_text())["files"]
 FILES = sorted(EXPECTED)
 FIELDS = [f.name for f in dataclasses.fields(rep.SweepRow)]
@@ -324,8 +324,8 @@ def test_expected_bandwidth_says_what_it_lacks(tmp_path):
         ),
         (["--from", str(CORPUS)], f"error: --from {CORPUS} is a directory; give a file in it"),
         (
-            ["--from", str(CORPUS / "README.md")],
-            f"error: --from {CORPUS / 'README.md'}: no nccl-tests table or #gpufleet-json line in its",
+            ["--from", str(CORPUS / "SOURCES.md")],
+            f"error: --from {CORPUS / 'SOURCES.md'}: no nccl-tests table or #gpufleet-json line in its",
         ),
         (["--from", "-"], "error: --from stdin: no nccl-tests table or #gpufleet-json line in its 0 lines"),
         (["--from", "-", "--from", "-"], "error: --from - is given twice; stdin can be read once"),

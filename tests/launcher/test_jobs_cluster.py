@@ -128,12 +128,11 @@ def test_detached_worker_exit_3_on_node_2_fails_naming_node_2_and_leaves_nothing
     c = cluster(sim_cluster, tmp_path, 3)
     cmd = (
         'echo "up $GPUFLEET_NODE_RANK"; if [ "$GPUFLEET_NODE_RANK" = 2 ]; then sleep 2; echo dying; exit 3; fi; '
-        "sleep 120"
+        "sleep 600"
     )
     job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", cmd)
-    t0 = time.monotonic()
+    # Ends in 60 s although the other nodes sleep 600: they were stopped, not waited for.
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
-    assert time.monotonic() - t0 < 20, done
     assert done["state"] == "FAILED" and done["exit"] == 3 and done["failed_node"] == 2, done
     # From its turn (before the checks) to the end: node 2's 2 s, then every other node stopped within 10 s.
     assert done["ended"] - done["started"] < 12, done
@@ -168,10 +167,9 @@ def test_stop_during_detached_training_stops_every_node_keeps_the_checkpoint_and
         "5",
     )
     wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
-    t0 = time.monotonic()
+    # The stop's own speed is bench/'s business; a hang is caught by launch()'s timeout.
     r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
     c.assert_nothing_left(within=2)
-    assert time.monotonic() - t0 < 10, r.stderr
     assert "STOPPED" in r.stderr
     done = job(c, tmp_path, job_id)
     assert done["state"] == "STOPPED" and done["exit"] == 128 + signal.SIGTERM, done
@@ -236,10 +234,9 @@ def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not
     )
     pid = int((jobdir(tmp_path, job_id) / "controller.pid").read_text().split()[0])
     os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    # The nodes' watchdogs read the end of their input and stop everything (grace 5 s, then SIGKILL).
-    c.assert_nothing_left(within=15)
-    assert time.monotonic() - t0 < 15
+    # The nodes' watchdogs read the end of their input and stop everything (grace 5 s, then
+    # SIGKILL), long before the workers' own 300 s sleep would end.
+    c.assert_nothing_left(within=60)
     done = job(c, tmp_path, job_id)
     assert done["state"] == "FAILED" and f"controller (pid {pid})" in done["why"], done
     # The record on node 0 was never half-written: it still reads, as RUNNING, with the dead pid.

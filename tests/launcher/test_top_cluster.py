@@ -62,7 +62,7 @@ def test_launch_top_local_records_every_node_and_stops_at_duration(tmp_path):
         top, ["--local", "--nodes", "2", "--interval", "0.5", "--duration", "2.6", "--record", str(rec)]
     )
     assert r.exit_code == 0, r.output
-    assert time.time() - t0 < 10
+    assert time.time() - t0 < 60  # it stopped at --duration instead of running on (a hang catch)
     recs = _records(rec)
     assert {x["node"] for x in recs} == {0, 1}
     assert len(_rated(recs, 0)) >= 2 and len(_rated(recs, 1)) >= 2

@@ -201,9 +201,8 @@ def test_a_killed_controller_takes_its_sampling_sessions_with_it(sim_cluster, tm
 def test_launch_top_job_id_ends_by_itself_when_the_job_ends(sim_cluster, tmp_path):
     c = _cluster(sim_cluster, tmp_path, 2)
     job_id = _detach(c, tmp_path, c.hostfile, "sleep", "5")
-    t0 = time.monotonic()
-    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), timeout=60, check=True)  # no --duration
+    # No --duration: top must end by itself when the job does (timeout=60 only catches a hang).
+    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), timeout=60, check=True)
     assert f"job {job_id} ended (SUCCEEDED); launch top --plot {job_id}" in r.stderr, r.stderr
-    assert time.monotonic() - t0 < 5 + 5 + 10  # the job, node 0's next answer, slack for a loaded machine
     assert f"launch top: job {job_id}, 2 nodes" in r.stdout
     c.assert_nothing_left()

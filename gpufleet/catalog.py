@@ -11,8 +11,8 @@ Every value cites where it came from, with these short names:
 - VERTEX-MTU: https://cloud.google.com/vertex-ai/docs/training/training-clusters/networking
 - CTK: github.com/GoogleCloudPlatform/cluster-toolkit @1047080 (paths below are in it);
   CTK-LSSD: its modules/compute/gke-node-pool/disk_definitions.tf
-- SKY: github.com/skypilot-org/skypilot; SKY-LSSD: its sky/provision/gcp/constants.py
-  SSD_AUTO_ATTACH_MACHINE_TYPES
+- SKY: github.com/skypilot-org/skypilot, whose sky/provision/gcp/constants.py holds the
+  constants named here; SKY-LSSD: its SSD_AUTO_ATTACH_MACHINE_TYPES there
 - SKYCAT: github.com/skypilot-org/skypilot-catalog @006059e catalogs/v8/gcp/vms.csv
 - CEA: github.com/GoogleCloudPlatform/container-engine-accelerators @992db81
 - DSTACK: github.com/dstackai/dstack @511c318; GPUHUNT: github.com/dstackai/gpuhunt

@@ -3,12 +3,13 @@
     .venv/bin/python -m bench.bench_expected [--corpus tests/fixtures/nccl-outputs]
 
 For each published 2-node sweep that calibrates `gpufleet.expected` (the corpus files 07, 08, 09
-and the A4 all_gather of perf-anchors §3.3) it prints the model's plateau B against the sweep's
-largest published busbw (target: within 5%), the largest error of the model's curve over the
-sweep's trusted sizes, and the latency A that `fit_calibration` finds on the sweep against the
-constant in `CALIBRATIONS` (target: within 5 us or 5%, so a constant cannot drift from its
-data); `--sizes` adds model vs published at every size the model judges. Published figures that
-calibrate nothing are printed for information, not gated. Exits 1 when a target is missed.
+and the A4 all_gather of cluster-toolkit examples/gke-a4-highgpu/README.md) it prints the
+model's plateau B against the sweep's largest published busbw (target: within 5%), the largest
+error of the model's curve over the sweep's trusted sizes, and the latency A that
+`fit_calibration` finds on the sweep against the constant in `CALIBRATIONS` (target: within 5 us
+or 5%, so a constant cannot drift from its data); `--sizes` adds model vs published at every size
+the model judges. Published figures that calibrate nothing are printed for information, not
+gated. Exits 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ CORPUS_SWEEPS = [
     ("09-a3mega-slurm-allreduce-2node.txt", "a3-megagpu-8g"),
 ]
 
-# 2 x a4-highgpu-8g all_gather, 16 ranks (perf-anchors §3.3, cluster-toolkit
+# 2 x a4-highgpu-8g all_gather, 16 ranks (github.com/GoogleCloudPlatform/cluster-toolkit
 # examples/gke-a4-highgpu/README.md @f23ae3163): (size, busbw as published), 8 GiB in place.
 A4_ALL_GATHER = [(16 << 20, 128.0), (128 << 20, 254.0), (1 << 30, 324.0), (8 << 30, 335.67)]
 
@@ -46,7 +47,7 @@ INFORMATION = [
         "all_reduce",
         2 << 30,
         65.72,
-        "skypilot examples/gcp_gpu_direct_tcpx/README.md (gcp-facts §5)",
+        "skypilot-org/skypilot examples/gcp_gpu_direct_tcpx/README.md",
     ),
     (
         "A4 all_reduce, gIB",
@@ -54,7 +55,7 @@ INFORMATION = [
         "all_reduce",
         8 << 30,
         683.52,
-        "dstack docs examples/clusters/gcp.md (gcp-facts §5)",
+        "dstackai/dstack mkdocs/docs/examples/clusters/gcp.md",
     ),
 ]
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sizes:
             details += _sizes(f"corpus {name[:2]}: {machine} {coll}", machine, coll, points)
     lines, good = _check(
-        "a4-highgpu-8g all_gather (perf-anchors §3.3)",
+        "a4-highgpu-8g all_gather",
         "a4-highgpu-8g",
         "all_gather",
         A4_ALL_GATHER,

@@ -4,9 +4,9 @@ Pure: no torch, no I/O. The sweep (`workloads/sweep.py`, on the nodes) and the r
 (`launcher/nccl_report.py`, on the laptop) both compute with these functions, so a number printed
 on a node and a number recomputed from a parsed table can never disagree.
 
-Definitions follow nccl-tests (`src/common.cu` setupArgs, the per-collective `*GetCollByteCount`
-and `*GetBw` in `src/<coll>.cu`, `src/util.cu`), summarised in
-../shared/reference/perf-anchors.md §1.1–1.3:
+Definitions follow github.com/NVIDIA/nccl-tests (@a0b82b2, 2.19.6: `src/common.cu` setupArgs, the
+per-collective `*GetCollByteCount` and `*GetBw` in `src/<coll>.cu`, `src/util.cu`,
+`doc/PERFORMANCE.md`):
 
 - the *size* column S is max(send bytes, recv bytes) of one call — the full logical buffer;
 - ``algbw = S / 1e9 / sec`` (GB/s, decimal) for every collective once written in terms of S
@@ -14,7 +14,8 @@ and `*GetBw` in `src/<coll>.cu`, `src/util.cu`), summarised in
 - ``busbw = algbw × factor`` with factor 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
   reduce_scatter, alltoall), 1 (broadcast, reduce, sendrecv).
 
-`model_busbw` is the α-β (Hockney) curve busbw(S) = B / (1 + A·B/(f·S)) of perf-anchors §5.1;
+`model_busbw` is the α-β (Hockney) curve busbw(S) = B / (1 + A·B/(f·S)) (ring cost
+t = A + S/(f·B); Thakur, Rabenseifner & Gropp, IJHPCA 19(1), 2005);
 what B and A are for a machine type, and where the curve is trusted, is `gpufleet.expected`.
 """
 
@@ -77,7 +78,7 @@ DTYPE_SIZES: dict[str, int] = {
 REDOPS: tuple[str, ...] = ("sum", "prod", "max", "min", "avg")
 
 _BUS_FACTOR = {
-    # (n-1)/n-style factors as functions of n; src/<coll>.cu *GetBw, perf-anchors §1.1.
+    # (n-1)/n-style factors as functions of n; nccl-tests src/<coll>.cu *GetBw.
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -125,7 +126,7 @@ def coll_sizes(collective: str, nbytes: int, type_size: int, nranks: int) -> Col
     all_gather: each rank sends `base` elements, receives base·n; reduce_scatter the reverse;
     alltoall sends and receives base·n (base per peer); base = (count/n) rounded down to a
     multiple of 16 bytes. The others move `count` elements. Source: src/common.cu setupArgs and the
-    *GetCollByteCount functions (perf-anchors §1.2).
+    *GetCollByteCount functions of nccl-tests.
     """
     _check_collective(collective)
     _check_nranks(nranks)
@@ -222,15 +223,16 @@ def size_ladder(minbytes: int, maxbytes: int, stepfactor: int = 2, stepbytes: in
 
 
 def model_busbw(size: float, plateau: float, latency_s: float, factor: float) -> float:
-    """busbw(S) = B / (1 + A·B / (f·S)), B in GB/s, A in seconds, S in bytes (perf-anchors §5.1)."""
+    """busbw(S) = B / (1 + A·B / (f·S)), B in GB/s, A in seconds, S in bytes (α-β / Hockney form)."""
     if size <= 0:
         return 0.0
     b = plateau * 1e9  # B/s
     return plateau / (1.0 + latency_s * b / (factor * size))
 
 
-# Where fit_latency looks for latency-bound points: every GCP sample in perf-anchors §3.3 is below
-# 10% of its plateau at 1 MiB (A3 Mega all_gather 7.3 of 189 GB/s), so sizes up to 1 MiB are
+# Where fit_latency looks for latency-bound points: Google's published GCP sweeps are below 10% of
+# their plateau at 1 MiB (A3 Mega all_gather 7.3 of 189 GB/s: github.com/GoogleCloudPlatform/
+# cluster-toolkit examples/gke-a3-megagpu/README.md), so sizes up to 1 MiB are
 # dominated by A, and A is what they measure.
 SMALL_MAX_BYTES = 1 << 20
 

@@ -3,11 +3,21 @@
 Pure data. Importing this module imports neither pulumi nor torch, so `infra/` (Pulumi),
 `launcher/` (the laptop side) and `workloads/` (the node side) all read it.
 
-Every value cites where it came from; the short names refer to the source table at the top of
-`../shared/reference/gcp-facts.md` (T-A2, T-A3H, T-A3M, T-A3E: Google's machine-type tables;
-NETBW: compute/docs/gpus/gpu-network-bandwidth; CTK: GoogleCloudPlatform/cluster-toolkit;
-SKY-LSSD: skypilot sky/provision/gcp/constants.py; SKYCAT: skypilot-catalog vms.csv; CEA:
-container-engine-accelerators; TT: torchtitan tools/utils.py get_peak_flops).
+Every value cites where it came from, with these short names:
+- T-A2, T-A3H, T-A3M, T-A3E: the A2, A3 High, A3 Mega and A3 Edge machine tables of
+  https://cloud.google.com/compute/docs/accelerator-optimized-machines
+- NETBW: https://cloud.google.com/compute/docs/gpus/gpu-network-bandwidth
+- GKE-TCPX: https://cloud.google.com/kubernetes-engine/docs/how-to/gpu-bandwidth-gpudirect-tcpx
+- VERTEX-MTU: https://cloud.google.com/vertex-ai/docs/training/training-clusters/networking
+- CTK: github.com/GoogleCloudPlatform/cluster-toolkit @1047080 (paths below are in it);
+  CTK-LSSD: its modules/compute/gke-node-pool/disk_definitions.tf
+- SKY: github.com/skypilot-org/skypilot, whose sky/provision/gcp/constants.py holds the
+  constants named here; SKY-LSSD: its SSD_AUTO_ATTACH_MACHINE_TYPES there
+- SKYCAT: github.com/skypilot-org/skypilot-catalog @006059e catalogs/v8/gcp/vms.csv
+- CEA: github.com/GoogleCloudPlatform/container-engine-accelerators @992db81
+- DSTACK: github.com/dstackai/dstack @511c318; GPUHUNT: github.com/dstackai/gpuhunt
+- FASTSOCK: github.com/google/nccl-fastsocket
+- TT: github.com/pytorch/torchtitan @b5bcd76 torchtitan/tools/utils.py get_peak_flops
 
 Vocabulary used across gpufleet:
 - *node*: one VM. *rank* of a node: its position in the cluster's order (node 0 hosts the
@@ -58,7 +68,7 @@ class GPU:
 
 
 # Peak dense bf16 FLOP/s per GPU: TT get_peak_flops (A100 312e12, H100 SXM 989e12, H200 989e12,
-# B200 2.25e15), the same constants nanoGPT (A100 312e12) and llm.c use (perf-anchors.md 4.1).
+# B200 2.25e15), the same constants nanoGPT (model.py estimate_mfu: A100 312e12) and llm.c (llmc/mfu.h) use.
 A100_40GB = GPU(
     "A100 40GB",
     # CTK docs/gpu-support.md, DSTACK and the GKE docs say nvidia-tesla-a100; one newer quote of
@@ -102,15 +112,17 @@ class MachineType:
     default_image: str
     image_os: str  # "ubuntu" or "cos": picks the interface names
     boot_disk_type: str = "pd-ssd"
-    """The boot disk's type. A3 Ultra / A4 take Hyperdisk only (CTK A3 Ultra/A4 VM blueprints use
-    hyperdisk-balanced; DSTACK: persistent disk unsupported on a4-; gcp-facts 2.4)."""
+    """The boot disk's type. A3 Ultra / A4 take Hyperdisk only (CTK examples/machine-learning
+    a3-ultragpu-8g/a3ultra-vm.yaml and a4-highgpu-8g/a4high-vm.yaml use hyperdisk-balanced;
+    DSTACK: persistent disk unsupported on a4-)."""
     reservation_bound: bool = False
     """Whether VMs that consume a specific reservation use the RESERVATION_BOUND provisioning
-    model instead of STANDARD (CTK A3 Ultra/A4 VM blueprints: "if you have a reservation, keep
-    RESERVATION_BOUND"; gcp-facts 2.4)."""
+    model instead of STANDARD (CTK a3ultra-vm.yaml / a4high-vm.yaml: "if you have a
+    reservation, keep RESERVATION_BOUND")."""
     min_placement_distance: int = 1
-    """The smallest max distance a compact placement policy may ask for (1-3). CTK slurm
-    nodeset: "A3 machines do not support a placement_max_distance of 1" (gcp-facts 3.2)."""
+    """The smallest max distance a compact placement policy may ask for (1-3). CTK
+    community/modules/compute/schedmd-slurm-gcp-v6-nodeset: "A3 machines do not support a
+    placement_max_distance of 1"."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -158,22 +170,25 @@ class MachineType:
 # resolves it on the node as the interface that holds the node's address.
 _ONE_NIC = (NIC("host", "eth0", None),)
 
-# A3 High / Edge: 1 host + 4 GPU NICs. Ubuntu names: CTK a3-highgpu-8g run-nccl-tests.sh
+# A3 High / Edge: 1 host + 4 GPU NICs. Ubuntu names: CTK examples/machine-learning/
+# a3-highgpu-8g/nccl-tests/run-nccl-tests.sh
 # (host enp0s12; GPU enp6s0,enp12s0,enp134s0,enp140s0). COS: CEA gpudirect-tcpx/nccl-config.yaml
-# (eth0; eth1..eth4). Order = the PCI order RxDM's a3vm preset expects (CTK textproto GPU<->NIC map).
+# (eth0; eth1..eth4). Order = the PCI order RxDM's a3vm preset expects (GPU<->NIC map of
+# the textproto in CTK a3-highgpu-8g/a3high-slurm-blueprint.yaml).
 _A3_HIGH_NICS = (NIC("host", "eth0", "enp0s12"),) + tuple(
     NIC("gpu", f"eth{i + 1}", u) for i, u in enumerate(("enp6s0", "enp12s0", "enp134s0", "enp140s0"))
 )
 
-# A3 Mega: 1 host + 8 GPU NICs (T-A3M: 9 NICs). Ubuntu names: CTK a3-megagpu-8g
-# run-nccl-tests.sh; COS: CEA gpudirect-tcpxo README (eth0 + eth1..eth8).
+# A3 Mega: 1 host + 8 GPU NICs (T-A3M: 9 NICs). Ubuntu names: CTK examples/
+# machine-learning/a3-megagpu-8g/nccl-tests/run-nccl-tests.sh; COS: CEA gpudirect-tcpxo README (eth0 + eth1..eth8).
 _A3_MEGA_NICS = (NIC("host", "eth0", "enp0s12"),) + tuple(
     NIC("gpu", f"eth{i + 1}", u)
     for i, u in enumerate(("enp6s0", "enp7s0", "enp13s0", "enp14s0", "enp134s0", "enp135s0", "enp141s0", "enp142s0"))
 )
 
 # A3 Ultra / A4: 2 gVNIC + 8 CX-7 (NETBW: "eight ... CX7 ... and two Google virtual NICs").
-# gVNIC Ubuntu names: CTK a3-ultragpu-8g Dockerfile GLOO_SOCKET_IFNAME=enp0s19,enp192s20.
+# gVNIC Ubuntu names: CTK a3-ultragpu-8g/nemo-framework/Dockerfile
+# GLOO_SOCKET_IFNAME=enp0s19,enp192s20.
 # The CX-7 NICs are used through verbs (gIB), not by interface name; no names are published.
 _RDMA_NICS = (
     NIC("host", "eth0", "enp0s19"),
@@ -183,13 +198,15 @@ _RDMA_NICS = (
 
 # ---- Images -------------------------------------------------------------------------------
 
-# Ubuntu accelerator images ship the NVIDIA driver (gcp-facts 4.1; CTK a3mega blueprint base image
+# Ubuntu accelerator images ship the NVIDIA driver (CTK examples/machine-learning/
+# a3-megagpu-8g/a3mega-slurm-blueprint.yaml base image
 # ubuntu-accelerator-2404-amd64-with-nvidia-580-v20260522, of this family).
 UBUNTU_ACCEL = (
     "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accelerator-2404-amd64-with-nvidia-580"
 )
-# A3 High TCPX on VMs: Google's GPUDirect-TCPX VM doc uses cos-105-lts; the Ubuntu path needs a
-# private TCPX kernel PPA (gcp-facts 2.2), so COS is the default a user can actually boot.
+# A3 High TCPX on VMs: Google's GPUDirect-TCPX VM doc (https://cloud.google.com/compute/docs/gpus/
+# gpudirect) uses cos-105-lts; the Ubuntu path needs a private TCPX kernel PPA (CTK examples/
+# machine-learning/a3-highgpu-8g/README.md), so COS is the default a user can actually boot.
 COS_TCPX = "projects/cos-cloud/global/images/family/cos-105-lts"
 
 _ALL_MODELS = frozenset({"standard", "spot", "flex-start"})
@@ -198,14 +215,15 @@ _ALL_MODELS = frozenset({"standard", "spot", "flex-start"})
 _SPOT_OR_FLEX = frozenset({"spot", "flex-start"})
 
 
-# CTK slurm nodeset: "A3 machines do not support a placement_max_distance of 1" (gcp-facts 3.2).
+# CTK schedmd-slurm-gcp-v6-nodeset: "A3 machines do not support a placement_max_distance of 1".
 _A3_MIN_DISTANCE = 2
 
 
 def _a2(name: str, gpu: GPU, n: int, vcpus: int, ram: int, lssd: int, gbps: int) -> MachineType:
     # vCPU, RAM, GPU count, bandwidth: T-A2. Local SSD: SKY-LSSD (A2 Ultra bundles 1 per GPU;
     # A2 Standard: "supported", none bundled). MTU: the VPC default; our sources give no jumbo
-    # frame guidance for A2. Stack: Fast Socket (optimize-gpus page, FASTSOCK README).
+    # frame guidance for A2. Stack: Fast Socket
+    # (https://cloud.google.com/compute/docs/gpus/optimize-gpus, FASTSOCK README.md).
     return MachineType(
         name=name,
         family="a2",
@@ -271,11 +289,11 @@ _TYPES = [
         local_ssd_count=16,  # SKY-LSSD; T-A3H 6,000 GiB = 16 x 375
         nics=_A3_HIGH_NICS,  # T-A3H: 5 physical NICs
         network_gbps=1000,  # T-A3H and NETBW agree
-        # 4 GPU NICs "each supporting up to 200 Gbps" (GKE TCPX doc) = 800 Gbps = 100 GB/s,
-        # the B_net of perf-anchors 5.3.
+        # 4 GPU NICs "each supporting up to 200 Gbps" (GKE-TCPX) = 800 Gbps = 100 GB/s,
+        # the per-node GPU-network bandwidth gpufleet.expected uses.
         gpu_network_gbps=800,
         net_stack=NetStack.TCPX,  # NETBW overview "A3 High ... GPUDirect-TCPX"
-        gpu_mtu=8244,  # CTK gke-a3-highgpu.yaml, SKY, DSTACK
+        gpu_mtu=8244,  # CTK examples/gke-a3-highgpu.yaml, SKY, DSTACK
         provisioning=_ALL_MODELS,
         default_image=COS_TCPX,
         image_os="cos",
@@ -314,12 +332,12 @@ _TYPES = [
         nics=_A3_MEGA_NICS,  # T-A3M: 9 NICs
         # T-A3M and NETBW overview 1,800; one NETBW copy 1,600. 1,800 = 8 x 200 GPU + 200 host.
         network_gbps=1800,
-        gpu_network_gbps=1600,  # 8 GPU NICs x 200 Gbps = 200 GB/s (perf-anchors 5.3)
+        gpu_network_gbps=1600,  # 8 GPU NICs x 200 Gbps (GKE-TCPX) = 200 GB/s
         net_stack=NetStack.TCPXO,  # NETBW overview
-        gpu_mtu=8244,  # CTK gke-a3-megagpu.yaml; Vertex doc "For A3 Mega nodes: Use an MTU of 8244."
+        gpu_mtu=8244,  # CTK examples/gke-a3-megagpu.yaml; VERTEX-MTU "For A3 Mega nodes: Use an MTU of 8244."
         provisioning=_ALL_MODELS,
         default_image=UBUNTU_ACCEL,
-        image_os="ubuntu",  # CTK a3mega blueprint base image
+        image_os="ubuntu",  # CTK a3mega-slurm-blueprint.yaml base image
         min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
@@ -334,12 +352,12 @@ _TYPES = [
         network_gbps=3600,  # NETBW overview
         gpu_network_gbps=3200,  # NETBW: "The eight CX7 NICs deliver ... 3,200 Gbps"
         net_stack=NetStack.RDMA,
-        gpu_mtu=8896,  # CTK gpu-rdma-vpc default; Vertex doc "For A3 Ultra and A4 nodes: ... 8896"
+        gpu_mtu=8896,  # CTK modules/network/gpu-rdma-vpc default; VERTEX-MTU "... A4 nodes: ... 8896"
         provisioning=_ALL_MODELS,
         default_image=UBUNTU_ACCEL,
         image_os="ubuntu",
         boot_disk_type="hyperdisk-balanced",
-        reservation_bound=True,  # CTK A3 Ultra VM blueprint
+        reservation_bound=True,  # CTK a3ultra-vm.yaml
         min_placement_distance=_A3_MIN_DISTANCE,
     ),
     MachineType(
@@ -359,7 +377,7 @@ _TYPES = [
         default_image=UBUNTU_ACCEL,
         image_os="ubuntu",
         boot_disk_type="hyperdisk-balanced",
-        reservation_bound=True,  # CTK A4 VM blueprint, DSTACK
+        reservation_bound=True,  # CTK a4high-vm.yaml, DSTACK
     ),
 ]
 

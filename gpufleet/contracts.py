@@ -68,8 +68,9 @@ READY_MARKER = "/var/lib/gpufleet/ready.json"
 # nccl-tests binaries (all_reduce_perf, all_gather_perf, ...) are built here.
 NCCL_TESTS_DIR = "/var/lib/gpufleet/nccl-tests/build"
 
-# The RAID0 of the local NVMe SSDs, by image OS. Ubuntu: CTK setup-raid.yml mounts at /mnt/localssd
-# (gcp-facts 4.5). COS keeps / read-only; /mnt/disks is its writable place for extra disks.
+# The RAID0 of the local NVMe SSDs, by image OS. Ubuntu: /mnt/localssd, where
+# github.com/GoogleCloudPlatform/cluster-toolkit modules/scripts/startup-script/files/setup-raid.yml
+# mounts it. COS keeps / read-only; /mnt/disks is its writable place for extra disks.
 LOCAL_SSD_MOUNT = {"ubuntu": "/mnt/localssd", "cos": "/mnt/disks/localssd"}
 
 

@@ -3,7 +3,8 @@
 Pure: no torch, no I/O. `launcher/nccl_report.py` judges a sweep with it; `bench/bench_expected.py`
 checks it against Google's published sweeps.
 
-**The model.** For sizes S in its trusted range, the α-β (Hockney) form of perf-anchors §5.1,
+**The model.** For sizes S in its trusted range, the α-β (Hockney) form (Thakur, Rabenseifner &
+Gropp, IJHPCA 19(1), 2005),
 
     busbw(S) = B / (1 + A·B / (f·S))
 
@@ -16,7 +17,7 @@ effective per-op latency. B depends on the algorithm NCCL runs under our NCCL pr
   per-node network rate: ``B = η · R · p/g``, R the catalog's per-node GPU network rate for its
   g GPUs (`gpu_network_gbps`), η the stack's efficiency (`EFFICIENCY`, fitted on Google's
   2-node all_gather), p/g the share of the NICs p processes reach. Capped by NVLink's ring rate
-  (perf-anchors §5.3 item 3). alltoall and sendrecv reach one NIC: ``B = η · R / nics``.
+  (`_NVLINK` below). alltoall and sendrecv reach one NIC: ``B = η · R / nics``.
 - **NVLS tree** (all_reduce with NCCL_ALGO unset, as Google's TCPXO and gIB profiles leave it,
   on 8-GPU Hopper/Blackwell nodes): NVLink SHARP reduces inside the node first and only the
   node's share crosses the network, an all_reduce among N nodes. The network then carries
@@ -31,7 +32,7 @@ A and the trusted range come from `CALIBRATIONS`: one published 2-node sweep per
 and algorithm, A fitted on its trusted points (the fit is `fit_calibration`; bench/
 bench_expected.py reruns it on the sweeps and fails when a constant drifts from what it gives).
 Other node counts are extrapolated: A grows with the algorithm's steps as NCCL's own tuning
-model has it (`src/graph/tuning.cc`, perf-anchors §5.2: ring latency linear in its n−1 steps,
+model has it (github.com/NVIDIA/nccl `src/graph/tuning.cc` ncclTopoTuneModel: ring latency linear in its n−1 steps,
 2(n−1) for all_reduce; NVLS tree in 1 + 2·log2 N), and the report says the figure is
 extrapolated.
 
@@ -86,34 +87,36 @@ class Algorithm(str, enum.Enum):
 
 
 # A row more than this fraction below the model is reported (nccl-tests' own NCCL_TESTS_MIN_BW
-# check fails below 0.9 × its target, perf-anchors §1.2).
+# check fails below 0.9 × its target, github.com/NVIDIA/nccl-tests README.md).
 MARGIN = 0.10
 
 # η = measured 2-node ring busbw plateau / per-node GPU network rate, per stack: the GCP sample of
-# each stack (perf-anchors §3.3 "Efficiency of measured multi-node busbw"), not another cloud's
+# each stack (Google's examples in github.com/GoogleCloudPlatform/cluster-toolkit), not another cloud's
 # best case, so "below expected" means below what Google's own examples showed.
 EFFICIENCY: dict[NetStack, float] = {
-    # A3 Mega TCPXO, 2 nodes, all_gather: 188.73 / 200 GB/s at 8 GiB (CTK gke-a3-megagpu README,
-    # nccl-outputs/07).
+    # A3 Mega TCPXO, 2 nodes, all_gather: 188.73 / 200 GB/s at 8 GiB (cluster-toolkit
+    # examples/gke-a3-megagpu/README.md).
     NetStack.TCPXO: 0.94,
-    # A4 RoCE (gIB), 2 nodes, all_gather: 328.85–335.67 / 400 = 0.82–0.84 at 8 GiB (CTK
-    # gke-a4-highgpu README); the middle.
+    # A4 RoCE (gIB), 2 nodes, all_gather: 328.85–335.67 / 400 = 0.82–0.84 at 8 GiB (cluster-toolkit
+    # examples/gke-a4-highgpu/README.md); the middle.
     NetStack.RDMA: 0.83,
-    # A3 High TCPX, 2 nodes, all_gather: 70.90–71.35 / 100 at 512 MiB, flat from 256 MiB (CTK
-    # gke-a3-highgpu multi-node-test-plan, nccl-outputs/08).
+    # A3 High TCPX, 2 nodes, all_gather: 70.90–71.35 / 100 at 512 MiB, flat from 256 MiB (cluster-toolkit
+    # examples/gke-a3-highgpu/multi-node-test-plan.md).
     NetStack.TCPX: 0.71,
-    # A2 Fast Socket: no published GCP number (perf-anchors §6); NCCL over kernel TCP like TCPX's
+    # A2 Fast Socket: no published GCP number found; NCCL over kernel TCP like TCPX's
     # data path, so TCPX's figure is borrowed rather than a number invented.
     NetStack.FAST_SOCKET: 0.71,
     # Plain NCCL sockets: A3 Mega all_reduce over eth0 (200 Gbps = 25 GB/s) reached 3.5–3.74 GB/s
-    # (MG-Cafe TCPXO benchmark report): 3.74 / 25 = 0.15.
+    # (github.com/MG-Cafe/TCPXO-Enabled-A3-Mega-H100-Benchmarks docs/benchmark-report.md): 3.74 / 25
+    # = 0.15.
     NetStack.NONE: 0.15,
 }
 
 # What one 8-GPU node's NVLink carries, busbw GB/s: (ring, NVLS all_reduce), by accelerator type.
-# perf-anchors §3.1 / §5.3 item 1: A100 "should reach 230" (sjeaugey, nccl-tests#149); H100/H200
-# ring ~370 and NVLS ~480 (sjeaugey nccl-tests#212, stas00 H200 table 367.6 / 482.3); B200 ring
-# ~680, NVLS 845.7 (stas00). NVLS needs NVLink SHARP: Hopper and later.
+# A100 "should reach 230" (sjeaugey, NVIDIA/nccl-tests#149); H100/H200 ring ~370 and NVLS ~480
+# (sjeaugey NVIDIA/nccl-tests#212; H200 table 367.6 / 482.3 in github.com/stas00/ml-engineering
+# network/README.md); B200 ring ~680 (NVIDIA/nccl#2140), NVLS 845.7 (stas00, same file).
+# NVLS needs NVLink SHARP: Hopper and later.
 _NVLINK: dict[str, tuple[float, float | None]] = {
     "nvidia-tesla-a100": (230.0, None),
     "nvidia-a100-80gb": (230.0, None),
@@ -123,12 +126,12 @@ _NVLINK: dict[str, tuple[float, float | None]] = {
     "nvidia-b200": (680.0, 845.0),
 }
 
-# NVLS "gains only with >4 GPUs per NVLink domain" (stas00 H200 table: 4 GPUs Ring 363, 8 NVLS
-# 473; perf-anchors §3.1).
+# NVLS "gains only with >4 GPUs per NVLink domain" (stas00/ml-engineering network/README.md
+# H200 table: 4 GPUs Ring 363, 8 NVLS 473).
 _NVLS_MIN_GPUS = 5
 
 # alltoall cannot aggregate NICs ("the performance you should see is the performance of a single
-# NIC", sjeaugey, nccl-tests#267; perf-anchors §5.3 item 5). sendrecv's ring r→r+1 crosses each
+# NIC", sjeaugey, NVIDIA/nccl-tests#267). sendrecv's ring r→r+1 crosses each
 # node boundary with one pair of GPUs, i.e. one NIC, so it is bounded the same way.
 _SINGLE_NIC = frozenset({"alltoall", "sendrecv"})
 
@@ -187,7 +190,7 @@ CALIBRATIONS: dict[tuple[NetStack, str, Algorithm], Calibration] = {
         "2 x a3-highgpu-8g all_gather, cluster-toolkit examples/gke-a3-highgpu/multi-node-test-plan.md",
     ),
     # 2 x a4-highgpu-8g all_gather: 128 @16 MiB, 254 @128 MiB, 324 @1 GiB, 335.67 @8 GiB
-    # (perf-anchors §3.3): -10.6%..+5.6%; no small sizes published.
+    # (cluster-toolkit examples/gke-a4-highgpu/README.md): -10.6%..+5.6%; no small sizes published.
     (NetStack.RDMA, "all_gather", Algorithm.RING): Calibration(
         90e-6, 0.25, None, "2 x a4-highgpu-8g all_gather, cluster-toolkit examples/gke-a4-highgpu/README.md"
     ),
@@ -250,7 +253,7 @@ def algorithm_for(
 
 
 def _steps(algorithm: Algorithm, collective: str, nranks: int, nnodes: int) -> float:
-    """Latency steps, as NCCL's tuning model counts them (tuning.cc, perf-anchors §5.2)."""
+    """Latency steps, as NCCL's tuning model counts them (NVIDIA/nccl src/graph/tuning.cc)."""
     if algorithm is Algorithm.NVLS_TREE:
         return 1.0 + 2.0 * math.log2(nnodes)
     return (2.0 if collective == "all_reduce" else 1.0) * (nranks - 1)

@@ -15,7 +15,8 @@ server) and the launcher judges them (`launcher.doctor`), so each is read in one
 - physical placement: `physical_host` (metadata server attribute, and the Compute Engine API's
   `resourceStatus.physicalHost`) is "/CLUSTER/BLOCK/SUBBLOCK/HOST" on A3 Ultra / A4 (the API's
   `ResourceStatusPhysicalHostTopology` names the parts cluster, block, subblock, host) and
-  "/CLUSTER/RACK/HOST" on older placements (Cluster Toolkit docs/slurm-topology.md; gcp-facts 3.2).
+  "/CLUSTER/RACK/HOST" on older placements (github.com/GoogleCloudPlatform/cluster-toolkit
+  docs/slurm-topology.md).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class PhysicalHost:
 def parse_physical_host(value: str) -> PhysicalHost | None:
     """ "/CLUSTER/BLOCK/SUBBLOCK/HOST" or "/CLUSTER/RACK/HOST" (the rack is the block); None for
     an empty value (no placement policy: "The physical location information is available for VMs
-    configured with a placement policy", CTK docs/slurm-topology.md). ValueError otherwise."""
+    configured with a placement policy", cluster-toolkit docs/slurm-topology.md). ValueError otherwise."""
     value = value.strip()
     if not value:
         return None

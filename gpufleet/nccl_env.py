@@ -1,9 +1,13 @@
 """NCCL and gloo environment profiles, one per network stack. Pure data plus one renderer.
 
 Importing this module imports neither pulumi nor torch. The launcher reads it to build each
-node's environment; the values are the ones Google's own tooling sets, each with its source
-(short names as in ../shared/reference/gcp-facts.md: CTK cluster-toolkit, TCPXO-SRC
-google/nccl-plugin-gpudirect-tcpxo, CEA container-engine-accelerators, FASTSOCK nccl-fastsocket).
+node's environment; the values are the ones Google's own tooling sets, each with its source.
+Short names: CTK github.com/GoogleCloudPlatform/cluster-toolkit @1047080 (CTK-A3H =
+examples/machine-learning/a3-highgpu-8g, CTK-A3M = .../a3-megagpu-8g, CTK-A3U = .../a3-ultragpu-8g,
+CTK-A4 = .../a4-highgpu-8g in it); TCPXO-SRC github.com/google/nccl-plugin-gpudirect-tcpxo
+@04815d1; CEA github.com/GoogleCloudPlatform/container-engine-accelerators @992db81; SLURMGCP
+github.com/GoogleCloudPlatform/slurm-gcp @13fd92b; FASTSOCK github.com/google/nccl-fastsocket;
+SKY github.com/skypilot-org/skypilot.
 
 A profile value may name interfaces through placeholders, filled in by `render()` from the
 catalog's interface names for the node's image OS:
@@ -30,7 +34,7 @@ __all__ = [
 HOST_IFACE_ON_NODE = "@host-iface"
 
 # Variables whose profile value is prepended to what the node already has, not replacing it
-# (CTK run-nccl-tests.sh: `LD_LIBRARY_PATH=/var/lib/tcpx/lib64:${LD_LIBRARY_PATH}`).
+# (CTK-A3H nccl-tests/run-nccl-tests.sh: `LD_LIBRARY_PATH=/var/lib/tcpx/lib64:${LD_LIBRARY_PATH}`).
 PREPEND_PATH_VARS = frozenset({"LD_LIBRARY_PATH", "PATH"})
 
 _SOCKETS = {
@@ -38,9 +42,9 @@ _SOCKETS = {
     "NCCL_SOCKET_IFNAME": "{host}",
 }
 
-# gcp-facts 2.2: CTK examples/machine-learning/a3-highgpu-8g/nccl-tests/run-nccl-tests.sh (the
-# same set as CTK's a3-highgpu-8g NeMo Dockerfile). UNIX_CLIENT_PREFIX /run/tcpx: the RxDM's
-# `--uds_path "/run/tcpx"` in Google's VM startup (SKY GPU_DIRECT_TCPX_USER_DATA).
+# CTK-A3H nccl-tests/run-nccl-tests.sh (the same set as CTK-A3H nemo-framework/Dockerfile).
+# UNIX_CLIENT_PREFIX /run/tcpx: the RxDM's `--uds_path "/run/tcpx"` in Google's VM startup
+# (SKY sky/provision/gcp/constants.py GPU_DIRECT_TCPX_USER_DATA).
 _TCPX = {
     "NCCL_NET": "GPUDirectTCPX_v7",
     "NCCL_SOCKET_IFNAME": "{host}",
@@ -61,21 +65,22 @@ _TCPX = {
     "NCCL_P2P_PXN_LEVEL": "0",
     "NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX": "/run/tcpx",
     "NCCL_GPUDIRECTTCPX_PROGRAM_FLOW_STEERING_WAIT_MICROS": "500000",
-    # CPU bindings per GPU NIC, in the NIC order of the catalog (CTK run-nccl-tests.sh).
+    # CPU bindings per GPU NIC, in the NIC order of the catalog (CTK-A3H run-nccl-tests.sh).
     "NCCL_GPUDIRECTTCPX_TX_BINDINGS": (
         "{gpu0}:8-21,112-125;{gpu1}:8-21,112-125;{gpu2}:60-73,164-177;{gpu3}:60-73,164-177"
     ),
     "NCCL_GPUDIRECTTCPX_RX_BINDINGS": (
         "{gpu0}:22-35,126-139;{gpu1}:22-35,126-139;{gpu2}:74-87,178-191;{gpu3}:74-87,178-191"
     ),
-    # CTK README: "Set the LD_LIBRARY_PATH to include /var/lib/tcpx/lib64 and /usr/local/nvidia/lib64".
+    # CTK-A3H README.md: "Set the LD_LIBRARY_PATH to include /var/lib/tcpx/lib64 and /usr/local/nvidia/lib64".
     "LD_LIBRARY_PATH": "/var/lib/tcpx/lib64:/usr/local/nvidia/lib64",
 }
 
-# gcp-facts 2.3: TCPXO-SRC tcpxo_scripts/nccl-env-profile.sh (current default profile) with
-# NCCL_LIB_DIR=/var/lib/tcpxo/lib64 (where the installer puts it on VMs: SLURMGCP prolog), plus
-# the VM-only LLCM directory (CTK a3-megagpu-8g run-nccl-tests.sh). NCCL_ALGO deliberately unset:
-# "we recommend that NCCL_ALGO remains unset" (CEA README, Aug 2025).
+# TCPXO-SRC tcpxo_scripts/nccl-env-profile.sh (current default profile) with
+# NCCL_LIB_DIR=/var/lib/tcpxo/lib64 (where the installer puts it on VMs: SLURMGCP
+# tools/prologs-epilogs/receive-data-path-manager-mega), plus the VM-only LLCM directory
+# (CTK-A3M nccl-tests/run-nccl-tests.sh). NCCL_ALGO deliberately unset:
+# "we recommend that NCCL_ALGO remains unset" (CEA gpudirect-tcpxo/README.md, Aug 2025).
 _TCPXO_LIB = "/var/lib/tcpxo/lib64"
 _TCPXO = {
     "LD_LIBRARY_PATH": _TCPXO_LIB,
@@ -86,7 +91,7 @@ _TCPXO = {
     "NCCL_PROTO": "Simple,LL128",
     "NCCL_MIN_NCHANNELS": "4",
     # "The guest config checker will enforce that NCCL_NVLSTREE_MAX_CHUNKSIZE is set to this value
-    # and will abort any workload where it is not set" (CEA README).
+    # and will abort any workload where it is not set" (CEA gpudirect-tcpxo/README.md).
     "NCCL_NVLSTREE_MAX_CHUNKSIZE": "131072",
     "NCCL_P2P_NET_CHUNKSIZE": "524288",
     "NCCL_P2P_PCI_CHUNKSIZE": "524288",
@@ -107,10 +112,10 @@ _TCPXO = {
     "NCCL_DEBUG": "WARN",
 }
 
-# gcp-facts 2.4: the values CTK a4high-vm.yaml writes to /etc/environment "to enable the NCCL gIB
-# network plugin", plus NCCL_NET=gIB and the two gVNICs as socket interfaces (CTK
-# a3-ultragpu-8g run-nccl-tests.sh: `NCCL_SOCKET_IFNAME=enp0s19,enp192s20`; the A3 Ultra NeMo
-# Dockerfile sets GLOO_SOCKET_IFNAME to the same pair).
+# The values CTK-A4 a4high-vm.yaml writes to /etc/environment "to enable the NCCL gIB
+# network plugin", plus NCCL_NET=gIB and the two gVNICs as socket interfaces (CTK-A3U
+# nccl-tests/run-nccl-tests.sh: `NCCL_SOCKET_IFNAME=enp0s19,enp192s20`; CTK-A3U
+# nemo-framework/Dockerfile sets GLOO_SOCKET_IFNAME to the same pair).
 _RDMA = {
     "NCCL_NET": "gIB",
     "LD_LIBRARY_PATH": "/usr/local/gib/lib64",
@@ -126,15 +131,15 @@ _RDMA = {
     "NCCL_IB_FIFO_TC": "84",
 }
 
-# Tuner config per family for gIB: a4 from CTK a4high-vm.yaml, a3-ultra from the CTK A3 Ultra
-# NeMo Dockerfile (gcp-facts 2.4).
+# Tuner config per family for gIB: a4 from CTK-A4 a4high-vm.yaml, a3-ultra from
+# CTK-A3U nemo-framework/Dockerfile.
 TUNER_CONFIG: dict[str, str] = {
     "a4": "/usr/local/gib/configs/tuner_config.txtpb",
     "a3-ultra": "/usr/local/gib/configs/tuner_config_a3u.txtpb",
 }
 
-# gcp-facts 2.5: the Fast Socket plugin is /usr/lib/libnccl-net.so ("it has to be in
-# LD_LIBRARY_PATH in order to be loaded by NCCL", FASTSOCK README); its tuning auto-detects GCP
+# The Fast Socket plugin is /usr/lib/libnccl-net.so (FASTSOCK BUILD package_dir; "it has to be
+# in LD_LIBRARY_PATH in order to be loaded by NCCL", FASTSOCK README.md); its tuning auto-detects GCP
 # NICs, and no Google-published A2 env list exists, so only the path and the socket NIC are set.
 _FAST_SOCKET = {
     "LD_LIBRARY_PATH": "/usr/lib",
@@ -155,7 +160,7 @@ def render(machine: MachineType | None, image_os: str | None = None) -> dict[str
 
     `machine=None` (a hostfile without a machine type, `--local`, the simulated cluster) gives
     the plain-socket profile. GLOO_SOCKET_IFNAME always follows NCCL_SOCKET_IFNAME: gloo's
-    bootstrap must use the same host NIC (CTK NeMo Dockerfiles set both).
+    bootstrap must use the same host NIC (CTK-A3M and CTK-A3U nemo-framework/Dockerfile set both).
     """
     if machine is None:
         names: dict[str, str] = {"host": HOST_IFACE_ON_NODE, "hosts": HOST_IFACE_ON_NODE, "gpu": ""}

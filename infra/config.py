@@ -41,9 +41,11 @@ NAMESPACE = "gpufleet"
 # comes from here (https://cloud.google.com/iap/docs/using-tcp-forwarding#create-firewall-rule).
 IAP_RANGE = "35.235.240.0/20"
 
-# Upper bound of one compact placement policy. CTK resume.py splits placement groups at
-# PLACEMENT_MAX_CNT = 1500; slurm-gcp raised it 22 -> 150 -> 1500 as Google raised the limit
-# (gcp-facts 3.2). Older copies of Google's placement page still say "a maximum of 150 VMs".
+# Upper bound of one compact placement policy. github.com/GoogleCloudPlatform/cluster-toolkit
+# community/modules/scheduler/schedmd-slurm-gcp-v6-controller/modules/slurm_files/scripts/resume.py
+# splits placement groups at PLACEMENT_MAX_CNT = 1500; github.com/GoogleCloudPlatform/slurm-gcp
+# raised it 22 -> 150 -> 1500 as Google raised the limit. Older copies of Google's placement page
+# still say "a maximum of 150 VMs".
 COMPACT_PLACEMENT_MAX_VMS = 1500
 
 # Every subnet is a /20 (infra/networks.py): 4096 addresses less the 4 GCE reserves.
@@ -57,8 +59,8 @@ DEFAULTS: dict[str, Any] = {
     "bootDiskSizeGb": 200,
     "externalIp": False,
     "sshSourceRanges": (IAP_RANGE,),
-    # Flex-start VMs need a max run duration (pulumi-gcp InstanceSchedulingArgs docstring,
-    # gcp-facts 3.3); Google caps Flex-start runs at seven days.
+    # Flex-start VMs need a max run duration (pulumi-gcp 10.2.0 InstanceSchedulingArgs
+    # provisioning_model docstring); Google caps Flex-start runs at seven days.
     "maxRunHours": 24,
 }
 
@@ -329,7 +331,8 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     )
     if provisioning not in machine.provisioning:
         allowed = ", ".join(m for m in _PROVISIONING if m in machine.provisioning)
-        # T-A3M: a3-highgpu-1g/2g/4g "must" be created as Spot or Flex-start VMs (gcp-facts 1.1).
+        # a3-highgpu-1g/2g/4g "must" be created as Spot or Flex-start VMs (A3 note in
+        # https://cloud.google.com/compute/docs/accelerator-optimized-machines).
         raise _fail(_key("provisioning"), provisioning, f"{machine.name} can only be provisioned as: {allowed}")
 
     reservation = None
@@ -355,8 +358,8 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
             raise _fail(_key("maxRunHours"), get("maxRunHours"), "only with gpufleet:provisioning flex-start")
 
     # Compact placement is the default for a multi-node fleet. With a reservation the reservation's
-    # own placement applies instead (DSTACK: "Cannot use our own placement policies when
-    # provisioning in a reservation"; gcp-facts 3.2), so the default there is none.
+    # own placement applies instead (github.com/dstackai/dstack GCP backend: "Cannot use our own
+    # placement policies when provisioning in a reservation"), so the default there is none.
     if get("placement") is not None:
         placement = _choice("placement", get("placement"), _PLACEMENTS)
     else:
@@ -370,19 +373,20 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
             raise _fail(
                 _key("placement"),
                 placement,
-                "none with a reservation: the reservation's own placement policy applies (DSTACK, gcp-facts 3.2)",
+                "none with a reservation: the reservation's own placement policy applies",
             )
         if nodes > COMPACT_PLACEMENT_MAX_VMS:
             raise _fail(
                 _key("nodes"),
                 nodes,
                 f"at most {COMPACT_PLACEMENT_MAX_VMS} nodes in one compact placement policy "
-                "(CTK resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
+                "(Cluster Toolkit's Slurm resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
             )
 
     max_distance = None
     if get("maxDistance") is not None:
-        # CTK slurm nodeset: valid values null, 1, 2, 3; the catalog knows which types refuse 1.
+        # cluster-toolkit community/modules/compute/schedmd-slurm-gcp-v6-nodeset: valid values null,
+        # 1, 2, 3; the catalog knows which types refuse 1.
         max_distance = _int("maxDistance", get("maxDistance"), machine.min_placement_distance, 3, 2)
         if placement != "compact":
             raise _fail(_key("maxDistance"), get("maxDistance"), "only with gpufleet:placement compact")

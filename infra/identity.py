@@ -11,7 +11,8 @@ import pulumi_gcp as gcp
 __all__ = ["NODE_ROLES", "BUCKET_ROLE", "service_account_id", "NodeIdentityArgs", "NodeIdentity"]
 
 # What a node needs and nothing more: write its logs and metrics, pull the GPUDirect images from
-# Artifact Registry (DSTACK grants roles/artifactregistry.reader for them; gcp-facts 4.9).
+# Artifact Registry (dstack grants roles/artifactregistry.reader for them: github.com/dstackai/dstack
+# mkdocs/docs/examples/clusters/gcp.md).
 NODE_ROLES = (
     "roles/logging.logWriter",
     "roles/monitoring.metricWriter",

@@ -1,6 +1,9 @@
 """The network layout of a fleet, pure: which VPCs, which subnet each NIC joins, MTU, NIC type.
 
-Derived from the machine catalog; infra/networks.py declares it. Layouts (gcp-facts 2.1):
+Derived from the machine catalog; infra/networks.py declares it. Layouts (CTK =
+github.com/GoogleCloudPlatform/cluster-toolkit: examples/gke-a3-highgpu.yaml, gke-a3-megagpu.yaml,
+machine-learning/a3-ultragpu-8g/a3ultra-vm.yaml, machine-learning/a4-highgpu-8g/a4high-vm.yaml,
+modules/network/gpu-rdma-vpc):
 - one NIC (A2, a3-highgpu-1g/2g/4g): one VPC, one subnet, gVNIC, the VPC's default MTU.
 - TCPX (A3 High / Edge): a host VPC + 4 GPU VPCs, one subnet each, MTU 8244, all gVNIC.
 - TCPXO (A3 Mega): a host VPC + 8 GPU VPCs, MTU 8244, all gVNIC.
@@ -61,8 +64,8 @@ def plan_networks(
 ) -> tuple[tuple[NetworkPlan, ...], tuple[NicPlan, ...]]:
     """The networks a fleet of `machine` needs, and which subnet each NIC (in NIC order) joins."""
     # MTU: the family's GPU-network MTU on every regular VPC of a multi-NIC type (CTK's GKE A3
-    # blueprints set 8244 on the host VPC too; the A3 Ultra/A4 gVNIC VPCs use 8896), the VPC
-    # default for single-NIC types (catalog gpu_mtu None).
+    # blueprints examples/gke-a3-{highgpu,megagpu}.yaml set 8244 on the host VPC too; the A3
+    # Ultra/A4 gVNIC VPCs use 8896), the VPC default for single-NIC types (catalog gpu_mtu None).
     mtu = machine.gpu_mtu
     nets: list[NetworkPlan] = []
     nics: list[NicPlan] = []
@@ -80,12 +83,12 @@ def plan_networks(
             key, name = f"gpu-{gpus}", f"{cluster}-gpu-net-{gpus}"
             nets.append(NetworkPlan(key, name, "gpu", mtu, (SubnetPlan(f"{name}-subnet", _cidr(len(nets))),), None))
             nics.append(NicPlan(key, 0, "GVNIC"))
-        else:  # rdma: one VPC for all of them, one subnet per NIC (CTK gpu-rdma-vpc)
+        else:  # rdma: one VPC for all of them, one subnet per NIC (CTK modules/network/gpu-rdma-vpc)
             if not any(n.key == "rdma" for n in nets):
                 name = f"{cluster}-rdma-net"
                 subnets = tuple(SubnetPlan(f"{name}-subnet-{j}", _cidr(16 + j)) for j in range(len(rdma_nics)))
                 nets.append(NetworkPlan("rdma", name, "rdma", mtu, subnets, f"{zone}-vpc-roce"))
             used = sum(1 for n in nics if n.network == "rdma")
-            # CTK gpu-rdma-vpc nic_type default "MRDMA" (gcp-facts 2.1).
+            # CTK modules/network/gpu-rdma-vpc nic_type default "MRDMA".
             nics.append(NicPlan("rdma", used, "MRDMA"))
     return tuple(nets), tuple(nics)

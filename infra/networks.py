@@ -78,8 +78,9 @@ class GpuNetworks(pulumi.ComponentResource):
                 for sub in plan.subnets
             ]
             self.attach_after.extend(self.subnets[plan.key])
-            # All traffic between the cluster's own subnets. The RDMA VPC gets no rule: CTK's
-            # A3 Ultra/A4 blueprints declare `firewall_rules = []` for it (gcp-facts 2.1).
+            # All traffic between the cluster's own subnets. The RDMA VPC gets no rule: the A3 Ultra/A4
+            # blueprints of github.com/GoogleCloudPlatform/cluster-toolkit (examples/machine-learning/
+            # a3-ultragpu-8g/a3ultra-vm.yaml, a4-highgpu-8g/a4high-vm.yaml) declare `firewall_rules = []`.
             if plan.role != "rdma":
                 gcp.compute.Firewall(
                     f"{plan.name}-internal",

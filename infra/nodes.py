@@ -15,7 +15,7 @@ __all__ = ["scheduling_for", "NodePoolArgs", "NodePool"]
 
 
 def scheduling_for(spec: FleetSpec) -> gcp.compute.InstanceSchedulingArgs:
-    """Scheduling per provisioning model (pulumi-gcp InstanceSchedulingArgs docstrings; gcp-facts 3.2-3.3).
+    """Scheduling per provisioning model (pulumi-gcp 10.2.0 InstanceSchedulingArgs docstrings).
 
     GPUs cannot live-migrate, so every model terminates on host maintenance.
     """
@@ -101,7 +101,8 @@ class NodePool(pulumi.ComponentResource):
 
         # One list of NIC args shared by every node, like boot_disk: the inputs are the same.
         interfaces = [
-            # stack_type stays at its default, IPV4_ONLY (CTK multivpc's default too).
+            # stack_type stays at its default, IPV4_ONLY (github.com/GoogleCloudPlatform/cluster-toolkit
+            # modules/network/multivpc's default too).
             gcp.compute.InstanceNetworkInterfaceArgs(
                 subnetwork=subnet,
                 nic_type=nic_type,
@@ -116,11 +117,13 @@ class NodePool(pulumi.ComponentResource):
 
         self.instances: list[gcp.compute.Instance] = []
         for i in range(spec.nodes):
-            # Guest accelerators are bundled with A2/A3/A4 types and are not declared (DSTACK
-            # get_accelerators returns [] for them; gcp-facts 3.3). So are their local SSDs:
+            # Guest accelerators are bundled with A2/A3/A4 types and are not declared (dstack's
+            # GCP backend get_accelerators returns [] for them, github.com/dstackai/dstack). So
+            # are their local SSDs:
             # "The local SSDs will be attached automatically to the following machine types"
-            # (SKY constants.py SSD_AUTO_ATTACH_MACHINE_TYPES, citing Google's local-ssd
-            # #lssd_disks_fixed; every catalog type with local_ssd_count > 0 is in that list), so
+            # (github.com/skypilot-org/skypilot sky/provision/gcp/constants.py
+            # SSD_AUTO_ATTACH_MACHINE_TYPES, citing https://cloud.google.com/compute/docs/disks/
+            # local-ssd#lssd_disks_fixed; every catalog type with local_ssd_count > 0 is in that list), so
             # no scratch_disks; the startup script RAIDs whatever /dev/disk/by-id shows.
             self.instances.append(
                 gcp.compute.Instance(

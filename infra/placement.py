@@ -27,7 +27,7 @@ class PlacementPolicy(pulumi.ComponentResource):
         super().__init__("gpufleet:infra:PlacementPolicy", name, None, opts)
         # "If compute instances are created with a COLLOCATED policy, then exactly `vm_count`
         # instances must be created at the same time with the resource policy attached"
-        # (pulumi-gcp ResourcePolicyGroupPlacementPolicyArgs; gcp-facts 3.3), so vm_count = nodes.
+        # (pulumi-gcp 10.2.0 ResourcePolicyGroupPlacementPolicyArgs docstring), so vm_count = nodes.
         policy_name = f"{args.cluster}-placement"
         self.policy = gcp.compute.ResourcePolicy(
             policy_name,

@@ -26,7 +26,7 @@ def nccl_tests_command(
 ) -> list[str]:
     """The Open MPI argv that runs an nccl-tests binary on `hosts`, nproc_per_node ranks each.
 
-    Shape from nccl-tests#100 (perf-anchors §1.5): ``mpirun -np 16 -H node1:8,node2:8
+    Shape from https://github.com/NVIDIA/nccl-tests/issues/100: ``mpirun -np 16 -H node1:8,node2:8
     --bind-to none -x VAR=value ... ./all_reduce_perf -b 8 -e 8G -f 2 -g 1``. ``-x NAME=VALUE``
     sets each variable on every rank (Open MPI's -x takes an optional value), so the argv does
     not depend on mpirun's own environment. One GPU per process (``-g 1``) is the caller's arg.

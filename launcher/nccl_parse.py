@@ -81,7 +81,7 @@ _INT = re.compile(r"^-?\d+$")
 _NUMBER = re.compile(r"^-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
-# busbw / algbw at n ranks (src/<coll>.cu *GetBw; perf-anchors §1.1).
+# busbw / algbw at n ranks (NVIDIA/nccl-tests src/<coll>.cu *GetBw).
 def _twice_frac(n: int) -> float:
     return 2.0 * (n - 1) / n
 
@@ -98,8 +98,9 @@ def _one(n: int) -> float:  # noqa: ARG001 - the same at every n
 # sum, prod, ...; the others print "none" or nothing), has it a root (prints root >= 0; the
 # others -1 or no root column), is its `count` per rank (size = count × type size × nranks;
 # else size = count × type size), and its busbw / algbw factors. all_gather and reduce_scatter
-# printed busbw = algbw before nccl-tests ec1b5e2 (2020-06, perf-anchors §1.1), so an old
-# output has either factor; hypercube.cu counts (n-1)/n of the buffer in algbw, factor 1.
+# printed busbw = algbw before nccl-tests ec1b5e2 (2020-06-19, "Change all_gather/reduce_scatter
+# algbw to match the documentation"), so an old output has either factor; hypercube.cu counts
+# (n-1)/n of the buffer in algbw, factor 1.
 _SHAPES: dict[str, tuple[bool, bool, bool, tuple]] = {
     "all_reduce": (True, False, False, (_twice_frac,)),
     "reduce_scatter": (True, False, True, (_frac, _one)),

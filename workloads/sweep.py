@@ -2,11 +2,11 @@
 
     torchrun --nnodes 2 --nproc-per-node 8 ... -m workloads.sweep --ops all_reduce -b 8 -e 8G -f 2
 
-Flags mirror NVIDIA nccl-tests (perf-anchors.md §1.4): -b/-e/-i/-f size ladder (K/M/G binary),
+Flags mirror github.com/NVIDIA/nccl-tests (README.md and its getopt string): -b/-e/-i/-f size ladder (K/M/G binary),
 -n timed iterations, -w warm-up iterations, -c correctness checks, -d type, -o reduction, -r root,
 plus ``--ops LIST|all`` to pick collectives and ``--json PATH`` to write the rows.
 
-Timing follows nccl-tests' default (src/common.cu BenchTime, perf-anchors §1.3): a warm-up pass
+Timing follows nccl-tests' default (src/common.cu BenchTime): a warm-up pass
 over every size, then per size one untimed call and a barrier, then ``iters`` calls issued
 back-to-back with no synchronisation between them; on GPU the interval is taken with CUDA events
 and a final synchronise, on CPU (gloo returns once a call is done) with the wall clock. The time

@@ -51,7 +51,8 @@ apt_install() {
 }
 
 # COS mounts /var/lib noexec; binaries we place there need an exec bind mount (Google's TCPX
-# sequence does this for /var/lib/nvidia and /var/lib/tcpx; gcp-facts 2.2).
+# sequence, https://cloud.google.com/compute/docs/gpus/gpudirect, does this for /var/lib/nvidia
+# and /var/lib/tcpx).
 exec_mount() {
   local dir=$1
   mkdir -p "$dir"
@@ -69,8 +70,9 @@ prepare() {
   exec_mount "$STATE_DIR"
 }
 
-# Wait for the GPU NICs to be routable before anything uses them. CTK's delay-gpu-network.service
-# runs systemd-networkd-wait-online -o routable --timeout=180 (gcp-facts 2.1).
+# Wait for the GPU NICs to be routable before anything uses them. The delay-gpu-network.service of
+# github.com/GoogleCloudPlatform/cluster-toolkit modules/scripts/startup-script/files/install_gpu_network_wait_online.yml
+# runs systemd-networkd-wait-online -o routable --timeout=180.
 wait_for_gpu_nics() {
   ((${#GPU_NICS[@]} > 0)) || return 0
   local deadline=$((SECONDS + 180)) nic
@@ -88,13 +90,15 @@ wait_for_gpu_nics() {
 
 ensure_driver() {
   if [[ "$IMAGE_OS" == cos ]]; then
-    # Google's GPUDirect VM doc and SKY/DSTACK (gcp-facts 2.2); a no-op once installed.
+    # https://cloud.google.com/compute/docs/gpus/gpudirect, as skypilot (sky/provision/gcp/
+    # constants.py GPU_DIRECT_TCPX_USER_DATA) and dstack run it; a no-op once installed.
     cos-extensions install gpu -- --version=latest
     exec_mount /var/lib/nvidia
     export PATH="/var/lib/nvidia/bin:$PATH"
   elif ! nvidia-smi -L >/dev/null 2>&1; then
-    # The Ubuntu accelerator images ship the driver (gcp-facts 4.1); other Ubuntu images get
-    # Ubuntu's recommended server driver.
+    # The Ubuntu accelerator images ship the driver (github.com/GoogleCloudPlatform/cluster-toolkit
+    # examples/machine-learning/a3-megagpu-8g/a3mega-slurm-blueprint.yaml boots one); other
+    # Ubuntu images get Ubuntu's recommended server driver.
     apt_install ubuntu-drivers-common
     ubuntu-drivers install --gpgpu
     modprobe nvidia
@@ -107,11 +111,13 @@ ensure_driver() {
   fi
   DRIVER_VERSION=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1)
   CUDA_VERSION=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n 1)
-  # Persistence mode keeps the driver loaded between jobs (gcp-facts 4.2).
+  # Persistence mode keeps the driver loaded between jobs (cluster-toolkit's GPU images enable
+  # nvidia-persistenced; examples/machine-learning/a4-highgpu-8g/a4high-vm.yaml starts it).
   nvidia-smi -pm 1 >/dev/null
 }
 
-# CTK's limits for GPU nodes (gcp-facts 4.3); written only when it differs.
+# The limits github.com/GoogleCloudPlatform/cluster-toolkit's GPU images write to
+# /etc/security/limits.d/99-unlimited.conf; written only when it differs.
 set_ulimits() {
   local conf=/etc/security/limits.d/99-gpufleet.conf want
   [[ -d /etc/security/limits.d ]] || return 0
@@ -122,7 +128,8 @@ set_ulimits() {
 }
 
 # RAID0 of the bundled local NVMe SSDs at one mount point, re-done at every boot because a stop or
-# a maintenance event discards local SSD contents (CTK setup-raid.yml; gcp-facts 4.5).
+# a maintenance event discards local SSD contents (github.com/GoogleCloudPlatform/cluster-toolkit
+# modules/scripts/startup-script/files/setup-raid.yml).
 setup_local_ssd() {
   ((LOCAL_SSD_COUNT > 0)) || return 0
   if mountpoint -q "$LOCAL_SSD_MOUNT"; then
@@ -219,8 +226,9 @@ build_nccl_tests() {
   NCCL_TESTS_COMMIT=$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)
 }
 
-# nvcc and NCCL headers from NVIDIA's CUDA apt repo (CTK a4high-vm installs cuda-toolkit-12-8,
-# libnccl2, libnccl-dev from it; gcp-facts 2.4).
+# nvcc and NCCL headers from NVIDIA's CUDA apt repo (github.com/GoogleCloudPlatform/cluster-toolkit
+# examples/machine-learning/a4-highgpu-8g/a4high-vm.yaml installs cuda-toolkit-12-8, libnccl2,
+# libnccl-dev from it).
 ensure_cuda_toolkit() {
   if [[ -x /usr/local/cuda/bin/nvcc ]] && dpkg-query -W libnccl-dev >/dev/null 2>&1; then
     return 0

@@ -1,5 +1,6 @@
-# A2: NCCL Fast Socket, Google's Debian package (gcp-facts 2.5: apt source google-fast-socket,
-# package google-fast-socket, installs /usr/lib/libnccl-net.so which NCCL loads as its net plugin).
+# A2: NCCL Fast Socket, Google's Debian package (github.com/google/nccl-fastsocket README.md and
+# BUILD: apt source google-fast-socket, package google-fast-socket, installs /usr/lib/libnccl-net.so
+# which NCCL loads as its net plugin).
 net_stack_setup() {
   if [[ "$IMAGE_OS" != ubuntu ]]; then
     log "Fast Socket is packaged for Debian/Ubuntu only; NCCL uses plain sockets on $IMAGE_OS"

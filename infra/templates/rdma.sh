@@ -1,5 +1,6 @@
 # A3 Ultra / A4: GPUDirect RDMA over the 8 CX-7 NICs with Google's gIB NCCL plugin, installed as
-# the nccl-gib apt package into /usr/local/gib (CTK a4high-vm.yaml, a3ultra blueprint; gcp-facts 2.4).
+# the nccl-gib apt package into /usr/local/gib (github.com/GoogleCloudPlatform/cluster-toolkit examples/machine-learning/
+# a4-highgpu-8g/a4high-vm.yaml, a3-ultragpu-8g/a3ultra-slurm-blueprint.yaml).
 readonly GIB_DIR=/usr/local/gib
 readonly RDMA_NIC_COUNT=@@RDMA_NIC_COUNT@@
 

@@ -1,7 +1,8 @@
-# A3 High / Edge: GPUDirect-TCPX. Google's VM sequence (compute/docs/gpus/gpudirect, as SKY and
-# DSTACK run it; gcp-facts 2.2): the receive-datapath manager (RxDM) container, an iptables accept
+# A3 High / Edge: GPUDirect-TCPX. Google's VM sequence (https://cloud.google.com/compute/docs/gpus/
+# gpudirect, as skypilot sky/provision/gcp/constants.py GPU_DIRECT_TCPX_USER_DATA and dstack run
+# it): the receive-datapath manager (RxDM) container, an iptables accept
 # rule, the NCCL plugin installer (which also installs its NCCL into /var/lib/tcpx/lib64).
-# Images: the pair CTK pins together ("rxdm_version = v2.0.12 # matching nccl-tcpx-installer
+# Images: the pair github.com/GoogleCloudPlatform/cluster-toolkit pins together ("rxdm_version = v2.0.12 # matching nccl-tcpx-installer
 # version v3.1.9").
 readonly TCPX_PLUGIN_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/nccl-plugin-gpudirecttcpx-dev:v3.1.9
 readonly TCPX_RXDM_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12
@@ -17,9 +18,10 @@ gpu_device_flags() {
 
 net_stack_setup() {
   ensure_docker_gpus
-  # RxDM needs the accept rule (gcp-facts 2.2); -C first so reboots and re-runs add it once.
+  # RxDM needs the accept rule (same Google sequence); -C first so reboots and re-runs add it once.
   iptables -C INPUT -p tcp -m tcp -j ACCEPT 2>/dev/null || iptables -I INPUT -p tcp -m tcp -j ACCEPT
-  # CEA optmem-max-ds.yaml sets this for TCPX.
+  # github.com/GoogleCloudPlatform/container-engine-accelerators gpudirect-tcpx/optmem-max-ds.yaml
+  # sets this for TCPX.
   sysctl -q -w net.core.optmem_max=131072
   if [[ ! -e /var/lib/tcpx/lib64/libnccl-net.so ]]; then
     docker run --rm --network=host -v /var/lib:/var/lib "$TCPX_PLUGIN_IMAGE" install --install-nccl

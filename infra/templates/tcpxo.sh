@@ -1,6 +1,7 @@
-# A3 Mega: GPUDirect-TCPXO (gcp-facts 2.3): the dmabuf import-helper module, the aperture devices
+# A3 Mega: GPUDirect-TCPXO: the dmabuf import-helper module, the aperture devices
 # udev rule, the NCCL plugin installer (NCCL into /var/lib/tcpxo/lib64) and the RxDM container.
-# Images: the current pair of CEA gpudirect-tcpxo/README.md (Jan 9, 2026), qualified with NCCL 2.28.7-1.
+# Images: the current pair of github.com/GoogleCloudPlatform/container-engine-accelerators
+# gpudirect-tcpxo/README.md (Jan 9, 2026), qualified with NCCL 2.28.7-1.
 readonly TCPXO_PLUGIN_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/nccl-plugin-gpudirecttcpx-dev:v1.0.15
 readonly TCPXO_RXDM_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/tcpgpudmarxd-dev:v1.0.21
 readonly APERTURE_RULE=/etc/udev/rules.d/00-a3-megagpu.rules
@@ -8,7 +9,8 @@ readonly APERTURE_RULE=/etc/udev/rules.d/00-a3-megagpu.rules
 
 ensure_import_helper() {
   if ! modinfo import-helper >/dev/null 2>&1; then
-    # CTK a3mega blueprint: dmabuf-import-helper DKMS package from Google's Artifact Registry apt repo.
+    # github.com/GoogleCloudPlatform/cluster-toolkit examples/machine-learning/a3-megagpu-8g/
+    # a3mega-slurm-blueprint.yaml: dmabuf-import-helper DKMS package from Google's Artifact Registry apt repo.
     apt_install apt-transport-artifact-registry
     local list=/etc/apt/sources.list.d/gpudirect-tcpxo.list
     if [[ ! -f "$list" ]]; then
@@ -28,7 +30,7 @@ ensure_aperture_devices() {
     udevadm control --reload-rules
     udevadm trigger --subsystem-match=pci --action=add
   fi
-  # slurm-gcp waits up to 60 s for the devices (gcp-facts 2.3).
+  # slurmd waits up to 60 s for the devices (same a3mega-slurm-blueprint.yaml).
   local i
   for ((i = 0; i < 30; i++)); do
     [[ -n "$(ls -A /dev/aperture_devices 2>/dev/null)" ]] && return 0
@@ -50,13 +52,16 @@ net_stack_setup() {
     docker run --rm --name nccl-installer --network=host -v /var/lib:/var/lib "$TCPXO_PLUGIN_IMAGE" install --install-nccl
   fi
   exec_mount /var/lib/tcpxo
-  # On VMs the plugin finds the aperture devices here (CTK run-nccl-tests.sh, slurm-gcp prolog).
+  # On VMs the plugin finds the aperture devices here (cluster-toolkit examples/machine-learning/
+  # a3-megagpu-8g/nccl-tests/run-nccl-tests.sh; github.com/GoogleCloudPlatform/slurm-gcp
+  # tools/prologs-epilogs/receive-data-path-manager-mega).
   if ! grep -q NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY "$profile" 2>/dev/null; then
     echo 'export NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY=/dev/aperture_devices' >>"$profile"
   fi
   if [[ -z "$(docker ps -q -f name=^receive-datapath-manager$)" ]]; then
     docker rm -f receive-datapath-manager >/dev/null 2>&1 || true
-    # Since RxDM v1.0.20 the only flag is --num_hops=2 (TCPXO-SRC README).
+    # Since RxDM v1.0.20 the only flag is --num_hops=2 (github.com/google/nccl-plugin-gpudirect-tcpxo
+    # README.md).
     docker run --detach --pull=always --name receive-datapath-manager \
       --cap-add=NET_ADMIN --network=host --privileged --gpus all \
       --volume /var/lib/nvidia/lib64:/usr/local/nvidia/lib64 \

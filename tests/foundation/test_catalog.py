@@ -52,7 +52,7 @@ def test_a3_mega_has_one_host_nic_and_eight_gpu_nics():
     assert t.net_stack is NetStack.TCPXO
     assert t.interface_names("cos") == tuple(f"eth{i}" for i in range(9))
     assert t.interface_names("ubuntu")[0] == "enp0s12"
-    assert t.gpu_network_bytes_per_s == 200e9  # 8 x 200 Gbps = the 200 GB/s of perf-anchors 5.3
+    assert t.gpu_network_bytes_per_s == 200e9  # 8 GPU NICs x 200 Gbps = 200 GB/s
 
 
 def test_a3_high_tcpx_layout_and_small_types_need_spot_or_flex():

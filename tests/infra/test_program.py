@@ -211,7 +211,8 @@ def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
         params = inst.inputs["bootDisk"]["initializeParams"]
         assert params["image"] == t.default_image
         assert params["type"] == ("hyperdisk-balanced" if t.family in ("a3-ultra", "a4") else "pd-ssd")
-        # Bundled local SSDs are attached by GCE itself (SKY SSD_AUTO_ATTACH_MACHINE_TYPES).
+        # Bundled local SSDs are attached by GCE itself (skypilot sky/provision/gcp/constants.py
+        # SSD_AUTO_ATTACH_MACHINE_TYPES).
         assert "scratchDisks" not in inst.inputs
         assert inst.inputs["machineType"] == machine and inst.inputs["zone"] == "us-central1-a"
         assert "guestAccelerators" not in inst.inputs
@@ -252,7 +253,7 @@ def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet
     for inst in p.of_type("Instance"):
         mrdma = [nic for nic in inst.inputs["networkInterfaces"] if nic["nicType"] == "MRDMA"]
         assert [nic["subnetwork"].rsplit("/", 1)[1] for nic in mrdma] == [f"dev-rdma-net-subnet-{j}" for j in range(8)]
-    # No firewall on the RoCE VPC (CTK declares none).
+    # No firewall on the RoCE VPC (cluster-toolkit's a3ultra-vm.yaml / a4high-vm.yaml declare none).
     assert not any(f.inputs["network"].endswith("/dev-rdma-net") for f in p.of_type("Firewall"))
 
 

@@ -1,4 +1,4 @@
-"""nccl-tests outputs written from its documented format (src/util.cu, perf-anchors.md §1.2)."""
+"""nccl-tests outputs written from its documented format (NVIDIA/nccl-tests src/util.cu)."""
 
 # nccl-tests 2.13+: #wrong, redop and root columns; 2 nodes × 8 ranks (16 rank lines); one row
 # with 3 wrong elements in place; mpirun noise and an NCCL INFO line between the lines.

@@ -8,7 +8,7 @@ from gpufleet import bandwidth as bw
 from gpufleet.catalog import NetStack, lookup
 from gpufleet.contracts import SweepRow
 
-# (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (perf-anchors §1.1).
+# (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (NVIDIA/nccl-tests src/<coll>.cu).
 HAND_FACTORS = {
     ("all_reduce", 2): 1.0,
     ("all_reduce", 3): 4 / 3,
@@ -131,7 +131,7 @@ def test_size_ladder_errors_name_the_fix():
 
 def test_model_is_half_the_plateau_at_s_half():
     b, a, f = 100.0, 50e-6, 1.5
-    s_half = a * b * 1e9 / f  # busbw(S_half) = B/2 (perf-anchors §5.1)
+    s_half = a * b * 1e9 / f  # busbw(S_half) = B/2: A·B/(f·S) = 1
     assert bw.model_busbw(s_half, b, a, f) == pytest.approx(50.0)
     assert bw.model_busbw(1 << 40, b, a, f) == pytest.approx(100.0, rel=1e-3)
     assert bw.model_busbw(0, b, a, f) == 0.0

@@ -37,7 +37,7 @@ from launcher.options import (
 )
 from launcher.render import err, execute_on, finish, live_printer, render_result, setup_logging, user_errors
 from launcher.topology import metadata_statement, node_physical_hosts, spread_warning
-from launcher.workload_args import TrainArgs, WorkloadCommand, option_names
+from launcher.workload_args import TrainArgs, WorkloadCommand, no_such_option, option_names
 
 __all__ = ["main"]
 
@@ -58,6 +58,10 @@ class _OneLineErrors(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS_IS_HELP as e:  # bare `launch`: the help itself, as click prints it
             click.echo(e.format_message(), err=True)
+            rv = e.exit_code
+        except click.NoSuchOption as e:  # worded as launch train words a workload option it does not know
+            names = option_names(e.ctx.command) if e.ctx is not None else list(e.possibilities or ())
+            err.print(f"[red]error: {escape(no_such_option(e.option_name, names))}[/red]")
             rv = e.exit_code
         except click.ClickException as e:
             hint = ""
@@ -148,7 +152,9 @@ def main() -> None:
     """Launch torchrun (or any command) on every node of a GPU cluster over SSH."""
 
 
-@main.command(cls=WorkloadCommand, workload_help=TrainArgs.help, context_settings=PASS_THROUGH)
+@main.command(
+    cls=WorkloadCommand, workload_title=TrainArgs.TITLE, workload_rows=TrainArgs.rows, context_settings=PASS_THROUGH
+)
 @apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION] + RECOVER_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors

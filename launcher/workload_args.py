@@ -20,7 +20,15 @@ import click
 from launcher.command import nproc_for
 from launcher.model import Cluster, LaunchConfig, UserError
 
-__all__ = ["WorkloadCommand", "TrainArgs", "no_such_option", "option_names", "world_size", "workload_rows"]
+__all__ = [
+    "WorkloadCommand",
+    "TrainArgs",
+    "no_such_option",
+    "option_names",
+    "parser_help",
+    "world_size",
+    "workload_rows",
+]
 
 
 def world_size(cluster: Cluster, config: LaunchConfig) -> int:
@@ -64,19 +72,37 @@ def workload_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
     return rows
 
 
+def parser_help(parser: argparse.ArgumentParser, flag: str) -> str:
+    """The help of the parser's option `flag` (e.g. "-b"), so a launcher option that forwards to a
+    workload's flag is described in the workload's words."""
+    return dict((s, text) for a in parser._actions for s in a.option_strings for text in [a.help or ""])[flag]
+
+
 class WorkloadCommand(click.Command):
     """A launcher command that runs a built-in workload: its --help lists the launcher's options,
-    then the workload's in a section of their own (`workload_help` gives its title and rows)."""
+    then a section of the workload's: the command's own options that only forward to it
+    (`workload_params`, by name) and the rows `workload_rows` gives (options passed after --)."""
 
-    def __init__(self, *args, workload_help: Callable[[], tuple[str, list[tuple[str, str]]]], **kwargs):
+    def __init__(
+        self,
+        *args,
+        workload_title: str,
+        workload_rows: Callable[[], list[tuple[str, str]]] = list,
+        workload_params: Sequence[str] = (),
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
-        self.workload_help = workload_help
+        self.workload_title, self.workload_rows, self.workload_params = workload_title, workload_rows, workload_params
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        super().format_options(ctx, formatter)
-        title, rows = self.workload_help()
-        with formatter.section(title):
-            formatter.write_dl(rows)
+        def rows(forwarded: bool) -> list[tuple[str, str]]:
+            params = [p for p in self.get_params(ctx) if (p.name in self.workload_params) == forwarded]
+            return [r for r in (p.get_help_record(ctx) for p in params) if r is not None]
+
+        with formatter.section("Options"):
+            formatter.write_dl(rows(False))
+        with formatter.section(self.workload_title):
+            formatter.write_dl([*rows(True), *self.workload_rows()])
 
 
 class TrainArgs:
@@ -90,11 +116,13 @@ class TrainArgs:
         self.launcher_options = list(launcher_options)
         self._config(None)
 
+    TITLE = "Workload options (after --; python -m workloads.train)"
+
     @staticmethod
-    def help() -> tuple[str, list[tuple[str, str]]]:
+    def rows() -> list[tuple[str, str]]:
         from workloads.config import build_parser
 
-        return "Workload options (after --; python -m workloads.train)", workload_rows(build_parser())
+        return workload_rows(build_parser())
 
     def check(self, cluster: Cluster, config: LaunchConfig) -> None:
         """The rules that depend on how many ranks the launch starts (the batch split)."""

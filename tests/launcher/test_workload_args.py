@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -131,3 +132,39 @@ def test_three_local_nodes_train_with_the_default_batch(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "global batch 12 = micro-batch 4 x 3 data-parallel ranks (default; --global-batch to set)" in p.stdout
     assert "step 2/2" in p.stdout
+
+
+def test_nccl_tests_help_lists_the_sweep_options_in_the_sweeps_words_after_the_launchers():
+    from workloads.sweep_args import build_parser
+
+    r = CliRunner().invoke(main, ["nccl-tests", "--help"])
+    assert r.exit_code == 0, r.output
+    sweep_at = r.output.index("\nSweep options (python -m workloads.sweep on every node):")
+    launcher, sweep = r.output[:sweep_at], " ".join(r.output[sweep_at:].split())
+    assert "--nproc-per-node" in launcher and "--impl" in launcher and "--find-bad-nodes" in launcher
+    for flag in ("--ops", "-b, --minbytes", "-e, --maxbytes", "-f, --stepfactor", "-n, --iters", "-d, --datatype"):
+        assert flag in sweep and flag not in launcher, flag
+    words = {a.option_strings[0]: a.help for a in build_parser()._actions}
+    assert f"-b, --minbytes TEXT {words['-b']} [default: 32M]" in sweep
+
+
+def test_the_launcher_reads_the_workloads_command_lines_without_torch():
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from launcher.cli import main\n"
+        "dry = ['train', '--local', '--nodes', '2', '--dry-run']\n"
+        "for argv in (['train', '--help'], ['nccl-tests', '--help'], dry):\n"
+        "    assert CliRunner().invoke(main, argv).exit_code == 0, argv\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def test_the_sweep_maps_every_type_name_its_command_line_takes():
+    from workloads import sweep
+    from workloads.sweep_args import DATATYPES
+
+    assert tuple(sweep.TORCH_DTYPES) == DATATYPES
+    assert sweep.parse_args(["-d", "all", "-b", "1K"]).datatypes == DATATYPES

@@ -53,7 +53,7 @@ def _parser_names(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def no_such_option(name: str, known: Sequence[str]) -> str:
-    """`no such option --detatch (did you mean --detach?)`, the hint from difflib's closest names."""
+    """`no such option --detatch (did you mean --detach?)`: difflib's closest name, if one is close."""
     close = difflib.get_close_matches(name, list(dict.fromkeys(known)), n=1)
     return f"no such option {name}" + (f" (did you mean {close[0]}?)" if close else "")
 
@@ -75,7 +75,7 @@ def workload_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
 def parser_help(parser: argparse.ArgumentParser, flag: str) -> str:
     """The help of the parser's option `flag` (e.g. "-b"), so a launcher option that forwards to a
     workload's flag is described in the workload's words."""
-    return dict((s, text) for a in parser._actions for s in a.option_strings for text in [a.help or ""])[flag]
+    return next(a.help or "" for a in parser._actions if flag in a.option_strings)
 
 
 class WorkloadCommand(click.Command):

@@ -265,7 +265,7 @@ class TrainConfig:
         split = f"global batch {self.global_batch} = micro-batch {self.micro_batch} x {_ranks(self.dp_size)}"
         if self._batch_is_default:
             return f"{split} (default; --global-batch to set)"
-        return f"{split} x {self.grad_accum} accumulation steps"
+        return f"{split} x {self.grad_accum} accumulation step{'s' * (self.grad_accum != 1)}"
 
     @property
     def size(self) -> ModelSize:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,19 @@ _STYLE = {
 }
 
 
-def start_detached(o: dict[str, Any], workload: Workload) -> None:
-    """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line)."""
+def start_detached(
+    o: dict[str, Any], workload: Workload, check: Callable[[Cluster, LaunchConfig], None] | None = None
+) -> None:
+    """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line).
+    `check` refuses workload arguments that do not fit the ranks the job will start."""
     setup_logging()
     if o.get("dry_run"):
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(o, workload.argv, detach=True)
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
+    if check is not None:
+        check(cluster, config)
     n = len(cluster.nodes)
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
         job_id = detach(cluster, config, policy.to_json() if policy else None)

@@ -47,6 +47,8 @@ from launcher.options import (
     find_cluster,
 )
 from launcher.render import err, execute_on, setup_logging, user_errors
+from launcher.workload_args import WorkloadCommand, parser_help
+from workloads.sweep_args import build_parser as build_sweep_parser
 
 __all__ = ["nccl_tests", "NcclRequest", "nccl_request", "rank0_rows", "report_rows"]
 
@@ -58,8 +60,12 @@ def _out() -> Console:
     return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
+_SWEEP = build_sweep_parser()  # the sweep's own command line, whose words the forwarded options use
+# The options that go to workloads.sweep on every node; --help lists them in a section of their own.
+_FORWARDED = ("ops", *(name for name, _ in SWEEP_FLAGS))
+
 _SWEEP_OPTIONS = [
-    click.option("--ops", "ops", default=_SPEC.ops, show_default=True, help="Collectives: a comma list, or all."),
+    click.option("--ops", "ops", default=_SPEC.ops, show_default=True, help=parser_help(_SWEEP, "--ops")),
     # -b -e -f -n -w -c -d -o, as nccl-tests and workloads.sweep read them (gpufleet.collectives).
     *(
         click.option(
@@ -68,6 +74,7 @@ _SWEEP_OPTIONS = [
             type=type(getattr(_SPEC, name)),
             default=getattr(_SPEC, name),
             show_default=True,
+            help=parser_help(_SWEEP, flag),
         )
         for name, flag in SWEEP_FLAGS
     ),
@@ -184,7 +191,12 @@ def report_rows(
     return 1 if lines else 0
 
 
-@click.command(name="nccl-tests")
+@click.command(
+    name="nccl-tests",
+    cls=WorkloadCommand,
+    workload_title="Sweep options (python -m workloads.sweep on every node)",
+    workload_params=_FORWARDED,
+)
 @apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS + [DETACH_OPTION])
 @user_errors
 def nccl_tests(**o: Any) -> None:

@@ -703,7 +703,7 @@ def test_local_exec_passes_env_and_a_dash_command_literally(tmp_path):
 
 def test_misspelt_launcher_option_is_an_error_not_a_command(tmp_path):
     r = CliRunner().invoke(main, ["exec", "--local", "--nodes", "1", "--nodez", "2", "--", "true"])
-    assert r.exit_code == 2 and "No such option" in r.output
+    assert (r.exit_code, r.output) == (2, "error: no such option --nodez (did you mean --nodes?)\n")
 
 
 # ---- issue 11: what the terminal shows, one environment, small things ---------------------------

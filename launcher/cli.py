@@ -26,10 +26,12 @@ from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workl
 from launcher.options import (
     DETACH_OPTION,
     ENV_OPTION,
+    EXEC_RESTARTS_OPTION,
     PASS_THROUGH,
     PROGRAM_AFTER,
     RECOVER_OPTIONS,
     SOURCE_OPTIONS,
+    TERM_GRACE_OPTION,
     TORCHRUN_OPTIONS,
     apply_options,
     build_config,
@@ -103,17 +105,19 @@ class _OneLineErrors(click.Group):
 WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
 
 
-def _start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None) -> None:
-    """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
-    given = [k for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped") if o.get(k) is not None]
+def _start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None, builtin: bool = False) -> None:
+    """Run attached (the live stream, then the summary), or with --detach hand off to node 0.
+    `builtin`: the built-in workload (launch train), recovered with --resume."""
+    keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "no_restart_exit_codes")
+    given = [k for k in keys if o.get(k) is not None]
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
         from launcher.recover import recover_policy
 
-        recover_policy(o, workload.argv, detach=False)  # refuses: --recover lives on node 0's controller
+        recover_policy(o, workload.argv, detach=False, builtin=builtin)  # refuses: --recover lives on node 0
     if o.pop("detach", False):
         from launcher.jobs_cli import start_detached  # loaded only when asked for, as _lazy's commands
 
-        start_detached(o, workload, check)
+        start_detached(o, workload, check, builtin=builtin)
     else:
         finish(_attached(o, workload, check))
 
@@ -155,18 +159,18 @@ def main() -> None:
 @main.command(
     cls=WorkloadCommand, workload_title=TrainArgs.TITLE, workload_rows=TrainArgs.rows, context_settings=PASS_THROUGH
 )
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION] + RECOVER_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [TERM_GRACE_OPTION, DETACH_OPTION] + RECOVER_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:
     """Run the built-in training workload (workloads.train); extra ARGS go to it, checked here
     first (the workload's options are listed below the launcher's)."""
     checked = TrainArgs(args, option_names(click.get_current_context().command))
-    _start(o, Workload("torchrun", ("-m", "workloads.train", *args)), checked.check)
+    _start(o, Workload("torchrun", ("-m", "workloads.train", *args)), checked.check, builtin=True)
 
 
 @main.command(context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION])
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [TERM_GRACE_OPTION, DETACH_OPTION] + RECOVER_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def run(args: tuple[str, ...], **o: Any) -> None:
@@ -179,7 +183,7 @@ def run(args: tuple[str, ...], **o: Any) -> None:
 
 
 @main.command(name="exec", context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + [ENV_OPTION, DETACH_OPTION])
+@apply_options(SOURCE_OPTIONS + [ENV_OPTION, TERM_GRACE_OPTION, DETACH_OPTION, *RECOVER_OPTIONS, EXEC_RESTARTS_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def exec_(args: tuple[str, ...], **o: Any) -> None:

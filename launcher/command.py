@@ -32,12 +32,15 @@ from collections.abc import Mapping, Sequence
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from launcher.env import HOST_IFACE_ON_NODE, node_env
+from launcher.env import HOST_IFACE_ON_NODE, job_env, node_env
 from launcher.model import Cluster, LaunchConfig, Node, SshConfig
 from launcher.prestart import prestart_statements
 
 __all__ = [
     "EXIT_MARKER",
+    "STOP_REPORT",
+    "PREEMPTION_NOTICE",
+    "grace_line",
     "CHECKED_MARKER",
     "join_timeout_s",
     "nproc_for",
@@ -52,6 +55,9 @@ __all__ = [
 ]
 
 EXIT_MARKER = "__GPUFLEET_EXIT__"
+# Starts the watchdog's lines about a stop (never an error line: gpufleet.contracts.is_error_line).
+STOP_REPORT = "gpufleet-stop:"
+PREEMPTION_NOTICE = f"{STOP_REPORT} preemption notice"
 # The check half is done; the node waits for `go`.
 CHECKED_MARKER = "__GPUFLEET_CHECKED__"
 
@@ -156,14 +162,15 @@ def remote_script(
     lock_port: int | None = None,
     check: bool = False,
     check_torch: bool = False,
+    watch_preemption: bool = False,
 ) -> str:
     """The one-line bash program that checks `node`, waits for `go`, then runs `argv` on it
     (see the module docstring). `check` adds the hostname, clock and ready-marker lines (and the
     torch version with `check_torch`) that a torchrun launch compares across nodes; `lock_port`
-    takes the rendezvous-port lock (node 0 of a torchrun launch)."""
+    takes the rendezvous-port lock (node 0 of a torchrun launch); `watch_preemption` starts the
+    Spot preemption watcher (a Compute Engine node)."""
     job = config.job_id
     token = shlex.quote(f"GPUFLEET_RUN={job}-{node.rank}")
-    grace_ticks = max(1, int(config.stop_grace_s * 5))
     # The environment first: the check must see what the run will (issue 11: `--env PATH=...`
     # decides which `python3` has torch), so it is exported before the check's lines.
     s = _env_statements(cluster, node, env)
@@ -209,16 +216,22 @@ def remote_script(
         # Kill every process carrying the token: one grep over all environ files.
         f"reap() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do "
         "q=${f#/proc/}; kill -KILL ${q%/environ} 2>/dev/null; done; }",
-        f"stop() {{ kill -TERM -- -$P 2>/dev/null; i=0; while kill -0 -- -$P 2>/dev/null && "
-        f"[ $i -lt {grace_ticks} ]; do sleep 0.2; i=$((i+1)); done; reap; }}",
+        *_stop_statements(token, config.stop_grace_s),
         # Once stopping, the watchdog ignores the SIGTERM below: the main shell then waits for it
-        # to finish (its sleep would otherwise outlive it) instead of cutting it short.
-        "( while read -r _; do :; done; trap '' TERM; stop ) <&3 >/dev/null 2>&1 &",
+        # to finish (its sleep would otherwise outlive it) instead of cutting it short. A line
+        # `term TICKS SECONDS` before the end of input is the stop's own grace (`launch stop --grace`);
+        # SIGUSR1 is the preemption watcher's notice.
+        "( trap 'N=1' USR1; while :; do IFS= read -r L; r=$?; if [ -n \"$N\" ]; then "
+        f"echo \"{PREEMPTION_NOTICE} (instance/preempted is TRUE): SIGTERM to every rank, SIGKILL after $S s\"; "
+        'break; fi; [ $r = 0 ] || break; case $L in "term "*) set -- $L; G=$2; S=$3;; esac; done; '
+        "trap '' TERM; stop ) <&3 2>/dev/null &",
         "W=$!",
+        *(_preemption_watch() if watch_preemption else []),
         "exec 3<&-",
         "wait $P",
         "rc=$?",
         "kill $W 2>/dev/null",
+        *(['kill -- -"$M" 2>/dev/null'] if watch_preemption else []),
         "wait $W",
         # After a clean exit torchrun has already waited for its workers; the scan of every
         # process's environment (costly with many processes, and run on every node) is for
@@ -228,6 +241,60 @@ def remote_script(
         "exit $rc",
     ]
     return _join(s)
+
+
+def grace_line(grace_s: float) -> bytes:
+    """What the launcher writes to a node before closing its stdin, for a stop whose grace is
+    `grace_s` rather than the launch's --term-grace (the watchdog reads it)."""
+    return f"term {_ticks(grace_s)} {grace_s:g}\n".encode()
+
+
+def _ticks(grace_s: float) -> int:
+    return max(1, round(grace_s * 5))  # the watchdog looks every 0.2 s
+
+
+def _stop_statements(token: str, grace_s: float) -> list[str]:
+    """`stop`: SIGTERM to the workload's process group and to every rank at once (torchrun's
+    workers run in sessions of their own, so the group alone does not reach them), up to G ticks
+    for all of them to exit, then SIGKILL to what is left; one STOP_REPORT line per rank says
+    which exited by itself and which was killed (a plain command has no ranks: no lines). A rank
+    is a process with the job's token whose environment has torchrun's RANK and whose parent has
+    none (a data-loader child inherits it)."""
+    return [
+        f"G={_ticks(grace_s)}; S={grace_s:g}",
+        f"ranks() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do q=${{f#/proc/}}; "
+        "q=${q%/environ}; r=$(grep -az '^RANK=[0-9]*$' \"$f\" 2>/dev/null | tr -d '\\0'); [ -n \"$r\" ] && "
+        "echo \"$q $(sed 's/.*) //' /proc/$q/stat 2>/dev/null | cut -d' ' -f2) ${r#RANK=}\"; done | "
+        "awk '{p[$1]=1; l[NR]=$0} END {for (i=1;i<=NR;i++) {split(l[i],a,\" \"); if (!(a[2] in p)) "
+        "print a[1] \":\" a[3]}}'; }",
+        "gone() { s=$(sed 's/.*) //' /proc/$1/stat 2>/dev/null) || return 0; [ \"${s%% *}\" = Z ]; }",
+        "stop() { R=$(ranks); kill -TERM -- -$P 2>/dev/null; for e in $R; do kill -TERM ${e%%:*} 2>/dev/null; done; "
+        "i=0; while [ $i -lt $G ]; do u=0; kill -0 -- -$P 2>/dev/null && u=1; for e in $R; do gone ${e%%:*} || u=1; "
+        "done; [ $u = 1 ] || break; sleep 0.2; i=$((i+1)); done; "
+        "for e in $R; do q=${e%%:*}; if gone $q; then "
+        f'echo "{STOP_REPORT} rank ${{e#*:}} (pid $q) exited by itself after SIGTERM"; else kill -KILL $q 2>/dev/null; '
+        f'echo "{STOP_REPORT} rank ${{e#*:}} (pid $q) killed: still running $S s after SIGTERM"; fi; done; reap; }}',
+    ]
+
+
+def _preemption_watch() -> list[str]:
+    """A Spot VM's preemption notice, from its metadata server: `instance/preempted` turns TRUE
+    when Compute Engine sends the guest its ACPI soft-off, 30 s before the VM stops
+    (https://cloud.google.com/compute/docs/instances/spot#detecting_if_a_vm_was_preempted; the
+    hanging GET with `wait_for_change=true`:
+    https://cloud.google.com/compute/docs/metadata/querying-metadata#waitforchange). It tells
+    the watchdog (SIGUSR1), which stops every rank with the grace. GCE_METADATA_HOST (the
+    variable google-auth reads) names another server; without a metadata server the first GET
+    fails and the watcher ends. Its own session, so the main shell ends it and its curl at once."""
+    watch = (
+        'u="http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/preempted"; '
+        'h="Metadata-Flavor: Google"; v=$(curl -sf -m 5 -H "$h" "$u") || exit 0; '
+        'while [ "$v" != TRUE ]; do v=$(curl -sf -H "$h" "$u?wait_for_change=true") || exit 0; done; kill -USR1 "$1"'
+    )
+    return [
+        f"( exec setsid -- bash --norc --noprofile -c {shlex.quote(watch)} watch $W ) </dev/null >/dev/null 2>&1 &",
+        "M=$!",
+    ]
 
 
 def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> list[str]:
@@ -331,7 +398,7 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
     wl = config.workload
     torchrun = wl.kind == "torchrun"
     # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
-    env = node_env(cluster, config) if torchrun else dict(config.env)
+    env = node_env(cluster, config) if torchrun else {**job_env(config), **dict(config.env)}
     gpus = cluster.gpus_per_node
     out = {}
     for node in cluster.nodes:
@@ -349,5 +416,6 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
             lock_port=lock,
             check=torchrun,
             check_torch=torchrun and config.check_versions,
+            watch_preemption=not cluster.local,
         )
     return out

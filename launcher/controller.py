@@ -27,7 +27,15 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.jobs import JobRecord, JobState, controller_alive, process_start, request_from_json, write_json_atomic
+from launcher.jobs import (
+    STOP_GRACE_FILE,
+    JobRecord,
+    JobState,
+    controller_alive,
+    process_start,
+    request_from_json,
+    write_json_atomic,
+)
 from launcher.model import LaunchResult, UserError
 
 __all__ = ["main", "Controller"]
@@ -47,6 +55,9 @@ class Controller:
         self.stop = threading.Event()
         self.metrics = None  # the job's sampling (launcher.job_metrics), while it runs
         self.preempted, self.last_step = False, None  # this attempt's, for launcher.recover
+        self.launch = None  # the attempt running now (a launcher.launch.Launch)
+        self.stop_signal: int | None = None  # SIGTERM/SIGINT received: a person's stop
+        self.restart_request = None  # launcher.restarts.request_restart's, until the relaunch
         wl = self.request["workload"]
         pid = os.getpid()
         self.record = JobRecord(
@@ -65,7 +76,7 @@ class Controller:
     def run(self) -> int:
         (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self.stop.set())
+            signal.signal(sig, lambda signum, frame: self._on_stop_signal(signum))
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if not self.wait_turn():
             return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
@@ -79,6 +90,7 @@ class Controller:
         self.metrics = job_metrics.start(cluster, config, self.jobdir / job_metrics.RECORD)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
             launch = Launch(cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop)
+            self.launch = launch
             try:
                 result = launch.run(handle_signals=True)
             except UserError as e:
@@ -91,14 +103,28 @@ class Controller:
 
         return Recoverer(self, cluster, config, RecoverPolicy(**self.request["recover"])).run(result)
 
+    def _on_stop_signal(self, signum: int) -> None:
+        """`launch stop` (SIGTERM): stop every node, with the grace `launch stop --grace` left in
+        the job's directory, if it did."""
+        self.stop_signal = signum
+        try:
+            grace = float((self.jobdir / STOP_GRACE_FILE).read_text())
+        except (OSError, ValueError):
+            grace = None
+        if grace is not None and grace > 0 and self.launch is not None:
+            self.launch.stop_grace_s = grace
+        self.stop.set()
+
     def on_event(self, out, event) -> None:  # a launcher.launch.NodeEvent
         if event.line is not None:
             out.write(f"[node {event.node.rank}] {event.line}\n")
             if self.request.get("recover") is not None:
+                from launcher.command import PREEMPTION_NOTICE
                 from launcher.recover import PREEMPTED_TEXT, step_of
 
                 self.last_step = step_of(event.line) or self.last_step
-                self.preempted = self.preempted or PREEMPTED_TEXT in event.line
+                notice = PREEMPTED_TEXT in event.line or event.line.startswith(PREEMPTION_NOTICE)
+                self.preempted = self.preempted or notice
 
     def reset_attempt(self) -> None:
         """A relaunch starts: what the last attempt's output said is forgotten."""

@@ -5,13 +5,14 @@ torchtitan's `_warn_overwrite_env` does the same)."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.model import Cluster, LaunchConfig, UserError
 
-__all__ = ["node_env", "parse_env_pairs", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
+__all__ = ["node_env", "job_env", "parse_env_pairs", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
 
 log = logging.getLogger("launcher.env")
 
@@ -43,6 +44,17 @@ TORCHRUN_DEFAULTS = {
 }
 
 
+def job_env(config: LaunchConfig) -> dict[str, str]:
+    """The job's contract with the program it runs, on every rank of every node (torchrun's
+    workers inherit it): GPUFLEET_JOB_ID, the same on every attempt; GPUFLEET_ATTEMPT, 0 then
+    1, 2, ... for each relaunch of a `--recover` job; GPUFLEET_RESTART_REASON (node-lost,
+    preempted, worker-failed or hang), absent on attempt 0."""
+    env = {"GPUFLEET_JOB_ID": config.job_id, "GPUFLEET_ATTEMPT": str(config.attempt)}
+    if config.restart_reason:
+        env["GPUFLEET_RESTART_REASON"] = config.restart_reason
+    return env
+
+
 def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
     """Every variable to export on each node, in order. A value equal to HOST_IFACE_ON_NODE is
     resolved on the node at run time (the interface that holds the node's address)."""
@@ -57,6 +69,12 @@ def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
     except ValueError as e:
         raise UserError(str(e)) from None
     env.update(TORCHRUN_DEFAULTS)
+    # torchrun forwards a SIGTERM to its workers and SIGKILLs them after its own shutdown timeout
+    # (30 s unless told: torch/distributed/launcher/api.py, TORCH_ELASTIC_SHUTDOWN_TIMEOUT;
+    # pytorch#119856). The node-side watchdog SIGKILLs after --term-grace, so torchrun's timeout
+    # is set just beyond it: ours is the one that governs. An older torchrun ignores the variable.
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(math.ceil(config.stop_grace_s) + 5)
+    env.update(job_env(config))
     if cluster.local:
         # --local: every "node" is this machine; the loopback interface carries the rendezvous.
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"

@@ -49,10 +49,14 @@ __all__ = [
     "parse_listing",
     "logs_script",
     "stop_script",
+    "STOP_GRACE_FILE",
 ]
 
 # Relative to the home directory of the account on node 0 (the nodes' $HOME, never the client's).
 JOBS_DIR = ".gpufleet/jobs"
+# `launch stop --grace`: the stop's own SIGTERM-to-SIGKILL grace, in seconds, left in the job's
+# directory for its controller to read when the SIGTERM arrives.
+STOP_GRACE_FILE = "stop-grace"
 # Prefixes each record line of `list_script`'s output, so a login banner is never read as one.
 LIST_MARKER = "__GPUFLEET_JOB__"
 
@@ -279,14 +283,16 @@ def logs_script(job_id: str, node: int | None, follow: bool) -> str:
     )
 
 
-def stop_script(job_id: str) -> str:
+def stop_script(job_id: str, grace_s: float | None = None) -> str:
     """SIGTERM the job's controller (checked by its start time), which stops every node and
-    records STOPPED; prints `stopping`, or `ended` when there was nothing to stop."""
+    records STOPPED; prints `stopping`, or `ended` when there was nothing to stop. `grace_s`:
+    this stop's SIGTERM-to-SIGKILL grace for every rank, instead of the job's --term-grace."""
     d = _job_dir(job_id)
+    grace = f'printf "%s" {float(grace_s)!r} > "$D/{STOP_GRACE_FILE}"; ' if grace_s is not None else ""
     return (
         f'D={d}; [ -d "$D" ] || {{ echo "no job {check_job_id(job_id)} on this node" >&2; exit 3; }}; '
         'p=; t=; read -r p t < "$D/controller.pid" 2>/dev/null; '
         'if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then s=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
-        'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then kill -TERM "$p" && echo stopping && exit 0; fi; fi; '
+        f'if [ "$1" != Z ] && [ "${{20}}" = "$t" ]; then {grace}kill -TERM "$p" && echo stopping && exit 0; fi; fi; '
         "echo ended"
     )

@@ -8,6 +8,7 @@ account on node 0 (launcher.jobs), never on this machine.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -27,7 +28,7 @@ from launcher.handoff import detach
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
-from launcher.recover import recover_policy, recovery_lines
+from launcher.recover import parse_duration, recover_policy, recovery_lines
 from launcher.render import err, setup_logging, user_errors
 from launcher.transport import make_transport
 
@@ -44,16 +45,23 @@ _STYLE = {
 
 
 def start_detached(
-    o: dict[str, Any], workload: Workload, check: Callable[[Cluster, LaunchConfig], None] | None = None
+    o: dict[str, Any],
+    workload: Workload,
+    check: Callable[[Cluster, LaunchConfig], None] | None = None,
+    builtin: bool = False,
 ) -> None:
     """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line).
-    `check` refuses workload arguments that do not fit the ranks the job will start."""
+    `check` refuses workload arguments that do not fit the ranks the job will start; `builtin`:
+    the built-in workload, recovered with --resume (launcher.recover)."""
     setup_logging()
     if o.get("dry_run"):
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
-    policy = recover_policy(o, workload.argv, detach=True)
+    policy = recover_policy(o, workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
+    if policy is not None and policy.max_restarts is not None:
+        # The controller relaunches a failed program (with GPUFLEET_ATTEMPT), not torchrun in place.
+        config = dataclasses.replace(config, max_restarts=0)
     if check is not None:
         check(cluster, config)
     n = len(cluster.nodes)
@@ -228,18 +236,45 @@ def _wait_final(n0: _Node0, job_id: str, timeout: float) -> JobRecord:
 @click.command(name="stop")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id")
+@click.option(
+    "--grace",
+    metavar="DURATION",
+    help="SIGTERM to SIGKILL for every rank, e.g. 10s [default: the job's --term-grace], at most the "
+    "job's --term-grace under torchrun (whose own SIGKILL follows it).",
+)
 @user_errors
-def stop(job_id: str, **o: Any) -> None:
-    """Stop a detached job on every node (a pending one leaves the queue)."""
+def stop(job_id: str, grace: str | None, **o: Any) -> None:
+    """Stop a detached job on every node (a pending one leaves the queue): every rank gets
+    SIGTERM, then SIGKILL after the grace; the job's log says which exited by themselves."""
     check_job_id(job_id)
+    grace_s = parse_duration(grace, "--grace") if grace is not None else None
     n0 = _Node0(o)
     n0.record(job_id)  # names a job that is not there
-    said = n0.run(stop_script(job_id)).strip().splitlines()
+    term_s, torchrun = _job_term_grace(n0, job_id)
+    if grace_s is not None and torchrun and grace_s > term_s:
+        raise UserError(
+            f"--grace {grace} is longer than job {job_id}'s --term-grace {term_s:g} s, which torchrun's own "
+            f"SIGKILL follows; give at most {term_s:g}s, or start the job with --term-grace {grace}"
+        )
+    said = n0.run(stop_script(job_id, grace_s)).strip().splitlines()
+    wait_s = 30.0 + (grace_s if grace_s is not None else term_s)
     with err.status(f"stopping job {job_id}…"):
-        record = _wait_final(n0, job_id, 30.0)
+        record = _wait_final(n0, job_id, wait_s)
     if "stopping" in said and not record.state.final:
-        raise UserError(f"job {job_id} did not stop within 30 s; its controller on {n0.head.label} is pid {record.pid}")
+        raise UserError(
+            f"job {job_id} did not stop within {wait_s:.0f} s; its controller on {n0.head.label} is pid {record.pid}"
+        )
     err.print(f"job {job_id}: [{_STYLE[record.state.value]}]{record.state.value}[/] {escape(record.why)}")
+
+
+def _job_term_grace(n0: _Node0, job_id: str) -> tuple[float, bool]:
+    """The job's --term-grace, and whether it runs under torchrun, from its request on node 0."""
+    text = n0.run(f'cat "$HOME"/.gpufleet/jobs/{check_job_id(job_id)}/request.json 2>/dev/null; exit 0')
+    try:
+        d = json.loads(text)
+        return float(d["config"].get("stop_grace_s", 5.0)), d["workload"]["kind"] == "torchrun"
+    except (ValueError, KeyError, TypeError):
+        return LaunchConfig.stop_grace_s, False
 
 
 def _fetch_summary(n0: _Node0, job_id: str) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from launcher.command import node_commands, probe_script
+from launcher.command import grace_line, node_commands, probe_script
 from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
 from launcher.output import root_cause, worker_failure_note
 from launcher.preflight import Probe, check_probes, check_timeout, handshake_limit
@@ -128,6 +128,9 @@ class Launch:
         self._worker_failures: dict[int, int] = {}  # torchrun worker failures seen, by node rank
         self._arrival: list[int] = []  # ranks in the order their workloads ended
         self._failing = False  # a node failed on its own: the others are being stopped
+        # SIGTERM to SIGKILL on the nodes when this launch stops them: --term-grace, unless a
+        # caller sets another before stopping (`launch stop --grace`, through the controller).
+        self.stop_grace_s = config.stop_grace_s
 
     # ---- the one place a node's state changes ----
 
@@ -299,12 +302,13 @@ class Launch:
             self._stop_running()
 
     def _stop_running(self) -> None:
+        line = grace_line(self.stop_grace_s) if self.stop_grace_s != self.config.stop_grace_s else b""
         for rank in self.in_state(NodeState.RUNNING):
-            self._sessions[rank].request_stop()
+            self._sessions[rank].request_stop(line)
 
     def _force_overdue(self) -> None:
         """Kill the session of a node that has not ended well after it was told to stop."""
-        force_after = self.config.stop_grace_s + 4.0
+        force_after = self.stop_grace_s + 4.0
         now = time.monotonic()
         for rank in self.in_state(NodeState.RUNNING):
             session = self._sessions[rank]

@@ -181,7 +181,11 @@ class LaunchConfig:
     dry_run: bool = False
     ssh: SshConfig = field(default_factory=SshConfig)
     check_versions: bool = True  # compare torch versions across nodes in the pre-flight
-    stop_grace_s: float = 5.0  # SIGTERM to SIGKILL on the nodes when stopping
+    # --term-grace: SIGTERM to SIGKILL for every rank when a launch stops (or a preemption notice
+    # comes): inside Compute Engine's 30 s notice (https://cloud.google.com/compute/docs/instances/spot#preemption-process).
+    stop_grace_s: float = 25.0
+    attempt: int = 0  # GPUFLEET_ATTEMPT: 0, then 1, 2, ... for each relaunch of a --recover job
+    restart_reason: str = ""  # GPUFLEET_RESTART_REASON of a relaunch (launcher.restarts.REASONS)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -190,6 +194,8 @@ class LaunchConfig:
             raise UserError(f"--max-restarts {self.max_restarts} must be 0 or more")
         if not 1024 <= self.rdzv_port <= 65535:
             raise UserError(f"--rdzv-port {self.rdzv_port} must be between 1024 and 65535")
+        if self.stop_grace_s <= 0:
+            raise UserError(f"--term-grace {self.stop_grace_s:g} s must be more than 0; give a duration like 25s")
         if self.image_os not in (None, "ubuntu", "cos"):
             raise UserError(f"--image-os {self.image_os!r} is unknown; one of: ubuntu, cos")
 

@@ -21,6 +21,8 @@ __all__ = [
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
     "RECOVER_OPTIONS",
+    "TERM_GRACE_OPTION",
+    "EXEC_RESTARTS_OPTION",
     "PASS_THROUGH",
     "PROGRAM_AFTER",
     "apply_options",
@@ -81,15 +83,26 @@ DETACH_OPTION = click.option(
     "and return; see `launch jobs/logs/stop/attach`.",
 )
 
-# Issue 14: a detached training job that loses a node comes back on its own (launcher.recover).
+# A detached job that loses a node comes back on its own (launcher.recover, launcher.restarts).
 RECOVER_OPTIONS = [
     click.option(
         "--recover",
         is_flag=True,
-        help="With --detach: when a node is lost, preempted or a worker crashes, wait for every node to "
-        "pass its check again and relaunch with --resume (needs --checkpoint-dir).",
+        help="With --detach: when a node is lost or preempted (or a worker fails, see --max-restarts), wait "
+        "for every node to pass its check again and relaunch the same command on the same nodes "
+        "(launch train: with --resume, needs --checkpoint-dir; your own program: GPUFLEET_ATTEMPT and "
+        "GPUFLEET_RESTART_REASON tell it, it resumes from its own checkpoint).",
     ),
-    click.option("--max-recoveries", type=int, help="Give up after N recoveries [default: 3]."),
+    click.option(
+        "--max-recoveries",
+        type=int,
+        help="Give up after N recoveries from a lost or preempted node (launch train: from anything) [default: 3].",
+    ),
+    click.option(
+        "--no-restart-exit-codes",
+        metavar="CODE,...",
+        help="With --recover on your own program: a worker exit status that is never restarted [default: 2].",
+    ),
     click.option(
         "--recover-timeout",
         metavar="DURATION",
@@ -103,14 +116,36 @@ RECOVER_OPTIONS = [
     ),
 ]
 
+_MAX_RESTARTS_HELP = (
+    "torchrun's in-place restarts of the workers; with --recover on launch run/exec, the controller's "
+    "relaunches after a failed worker or a hang instead."
+)
+
 TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),
-    click.option("--max-restarts", type=int, default=0, show_default=True),
+    click.option("--max-restarts", type=int, default=0, show_default=True, help=_MAX_RESTARTS_HELP),
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
     ENV_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
 ]
+
+
+# What a stop gives every rank between SIGTERM and SIGKILL (launcher.command's watchdog).
+TERM_GRACE_OPTION = click.option(
+    "--term-grace",
+    metavar="DURATION",
+    help="On a stop or a Spot preemption notice every rank gets SIGTERM, then SIGKILL after this "
+    "long, e.g. 10s [default: 25s, inside Compute Engine's 30 s notice].",
+)
+
+EXEC_RESTARTS_OPTION = click.option(
+    "--max-restarts",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --recover: relaunch the command after it fails, up to N times.",
+)
 
 
 def apply_options(options):
@@ -227,7 +262,14 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         runs_dir=o.get("runs_dir") or Path("runs"),
         dry_run=o.get("dry_run", False),
         ssh=ssh,
+        **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
+
+
+def _term_grace(text: str) -> float:
+    from launcher.recover import parse_duration
+
+    return parse_duration(text, "--term-grace")
 
 
 def _free_port() -> int:

@@ -22,6 +22,14 @@ from typing import Any
 
 from launcher.jobs import JobState
 from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.restarts import (
+    DEFAULT_NO_RESTART_EXIT_CODES,
+    parse_exit_codes,
+    program_error_line,
+    restart_refusal,
+    take_restart_request,
+    worker_exit_codes,
+)
 
 __all__ = [
     "RecoverPolicy",
@@ -54,6 +62,11 @@ class RecoverPolicy:
     timeout_s: float = 1800.0  # how long a node may take to come back, per recovery
     restart_stopped: bool = True  # start a TERMINATED instance again (launcher.restart_vms)
     api_endpoint: str | None = None  # the Compute Engine API's, when not the default (tests)
+    # A user's own program (`launch run|exec`; launcher.restarts): restarts after a failed worker
+    # or a hang; None for the built-in workload, whose every recovery counts in max_recoveries.
+    max_restarts: int | None = None
+    no_restart_exit_codes: tuple[int, ...] = (2,)  # a worker exit status never restarted
+    resume: bool = True  # relaunch with workloads.train's --resume (the built-in workload)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,30 +83,34 @@ class Recovery:
     waited_s: float | None = None  # from the failure to the relaunch (None: it never relaunched)
     signature: str = ""  # the failure's status and error lines: a repeat at the same step is a bug
     restarted: dict[str, str] = dataclasses.field(default_factory=dict)  # instance -> what start did
+    reason: str = ""  # GPUFLEET_RESTART_REASON of the relaunch (launcher.restarts.REASONS)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
     """`90`, `90s`, `30m`, `2h` in seconds."""
     m = _DURATION_RE.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise UserError(
-            f"--recover-timeout {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)"
-        )
+        raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
-def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool) -> RecoverPolicy | None:
+def recover_policy(
+    o: dict[str, Any], train_argv: tuple[str, ...], detach: bool, builtin: bool = True
+) -> RecoverPolicy | None:
     """`--recover` and its settings from the CLI options, refused (one line, nothing started)
-    where there is nothing to resume from or no controller to do it."""
+    where there is nothing to resume from or no controller to do it. `builtin`: the built-in
+    workload (`launch train`), which needs --checkpoint-dir and is relaunched with --resume; a
+    user's own program resumes from its own checkpoint (launcher.restarts)."""
     given = [
         f
         for f, k in (
             ("--max-recoveries", "max_recoveries"),
             ("--recover-timeout", "recover_timeout"),
             ("--restart-stopped/--no-restart-stopped", "restart_stopped"),
+            ("--no-restart-exit-codes", "no_restart_exit_codes"),
         )
         if o.get(k) is not None
     ]
@@ -102,8 +119,18 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
         return None
     if not detach:
-        raise UserError("--recover needs --detach: the controller on node 0 recovers the job; add --detach")
-    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
+        raise UserError(
+            "--recover needs --detach: the controller on node 0 recovers the job (it outlives this "
+            "terminal, and a lost node may take minutes to come back); add --detach"
+        )
+    codes = o.get("no_restart_exit_codes")
+    no_restart = DEFAULT_NO_RESTART_EXIT_CODES if codes is None else parse_exit_codes(codes)
+    if builtin and codes is not None:
+        raise UserError(
+            "--no-restart-exit-codes is for your own program (launch run/exec); launch train recovers "
+            "the built-in workload by --max-recoveries: drop --no-restart-exit-codes"
+        )
+    if builtin and not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
         raise UserError(
             "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
             "otherwise); nothing was started. Add -- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K"
@@ -118,6 +145,9 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
         timeout_s=timeout,
         restart_stopped=restart,
         api_endpoint=o.get("api_endpoint") if restart else None,
+        max_restarts=None if builtin else int(o.get("max_restarts") or 0),
+        no_restart_exit_codes=no_restart,
+        resume=builtin,
     )
 
 
@@ -133,23 +163,41 @@ def step_of(line: str) -> int | None:
 
 
 def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recovery | None:
-    """The recovery a failed attempt calls for (None: it succeeded, or was stopped by a person)."""
+    """The recovery a failed attempt calls for (None: it succeeded, or was stopped by a person).
+    `preempted`: a node had a preemption notice during the attempt, which makes that the reason
+    whatever the program's exit (launcher.restarts.REASONS)."""
     if result.signal is not None:
         return None
     now = time.time()
     if result.exit_code == 0:
         if not preempted:
             return None
-        return Recovery(now, None, "preempted: the workers got SIGTERM and saved a checkpoint", step)
+        cause = "preempted: the workers got SIGTERM and saved a checkpoint"
+        return Recovery(now, None, cause, step, reason="preempted")
     rank = result.first_failure
     o = result.outcomes.get(rank) if rank is not None else None
     if o is None:
-        return Recovery(now, None, f"failed (exit {result.exit_code})", step, signature=f"exit {result.exit_code}")
+        return Recovery(
+            now,
+            None,
+            f"failed (exit {result.exit_code})",
+            step,
+            signature=f"exit {result.exit_code}",
+            reason="preempted" if preempted else "worker-failed",
+        )
     if o.connection_lost:
-        return Recovery(now, rank, f"unreachable ({o.error or 'connection lost'})", step)
+        cause = f"unreachable ({o.error or 'connection lost'})"
+        return Recovery(now, rank, cause, step, reason="preempted" if preempted else "node-lost")
     last = (o.error_lines or o.tail[-1:] or [""])[-1]
     cause = f"worker crash: {o.status}" + (f": {last}" if last else "")
-    return Recovery(now, rank, cause, step, signature=" / ".join([o.status, *o.error_lines]))
+    return Recovery(
+        now,
+        rank,
+        cause,
+        step,
+        signature=" / ".join([o.status, *o.error_lines]),
+        reason="preempted" if preempted else "worker-failed",
+    )
 
 
 def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
@@ -159,6 +207,7 @@ def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
         r = Recovery(**d)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at))
         node = f"node {r.node}" if r.node is not None else "a node"
+        node += f" ({r.reason})" if r.reason else ""
         step = f" at step {r.step}" if r.step is not None else ""
         back = f"relaunched after {r.waited_s:.1f} s" if r.waited_s is not None else "not relaunched"
         started = "".join(f"; instance {name} {what}" for name, what in r.restarted.items())
@@ -180,16 +229,17 @@ class Recoverer:
         self.c = controller
         self.cluster = cluster
         self.policy = policy
-        argv = resume_argv(config.workload.argv)
+        argv = resume_argv(config.workload.argv) if policy.resume else config.workload.argv
         self.config = dataclasses.replace(config, workload=Workload(config.workload.kind, argv))
 
     def run(self, result: LaunchResult) -> int:
         """From a finished attempt's result to the job's exit status (the record says the rest)."""
         while True:
-            rec = failure_of(result, self.c.preempted, self.c.last_step)
+            asked = take_restart_request(self.c)
+            rec = Recovery(**asked) if asked else failure_of(result, self.c.preempted, self.c.last_step)
             if rec is None:
                 return self.c.finish(result)
-            refusal = self._refusal(rec)
+            refusal = self._refusal(rec, result)
             if refusal:
                 return self._give_up(result, rec, refusal)
             self._begin(rec)
@@ -198,7 +248,10 @@ class Recoverer:
                 return attempt
             result = attempt
 
-    def _refusal(self, rec: Recovery) -> str:
+    def _refusal(self, rec: Recovery, result: LaunchResult) -> str:
+        if self.policy.max_restarts is not None:  # a user's own program
+            codes = worker_exit_codes(result, self.config.workload.kind == "torchrun")
+            return restart_refusal(rec.reason, codes, self.c.record.recoveries, self.policy)
         done = [Recovery(**r) for r in self.c.record.recoveries]
         if rec.signature and any(d.signature == rec.signature and d.step == rec.step for d in done):
             return (
@@ -213,9 +266,13 @@ class Recoverer:
         self.c.record.recoveries.append(rec.to_json())
         node = f"node {rec.node}: " if rec.node is not None else ""
         why = f"{node}{rec.cause}; {refusal}"
-        if result.exit_code == 0:  # preempted: every rank saved and exited 0, but the run is not done
+        # Preempted: every rank saved and exited 0, but the run is not done; or a restart asked for
+        # (a hang) stopped the attempt.
+        if result.exit_code == 0 or result.signal is not None:
             return self.c.end(JobState.FAILED, 1, why=why, node=rec.node)
         said = rec.signature.partition(" / ")[2]  # the node's own error lines, if it printed any
+        if not said and self.policy.max_restarts is not None:
+            said = program_error_line(result)
         return self.c.finish(result, note=(f": {said}" if said else "") + f"; {refusal}")
 
     def _begin(self, rec: Recovery) -> None:
@@ -223,9 +280,12 @@ class Recoverer:
         r.recoveries.append(rec.to_json())
         r.state = JobState.RECOVERING
         node = f"node {rec.node}: " if rec.node is not None else ""
-        r.why = f"recovery {len(r.recoveries)} of {self.policy.max_recoveries}: {node}{rec.cause}"
+        if self.policy.max_restarts is None:
+            r.why = f"recovery {len(r.recoveries)} of {self.policy.max_recoveries}: {node}{rec.cause}"
+        else:
+            r.why = f"attempt {len(r.recoveries)} after {rec.reason}: {node}{rec.cause}"
         self.c.save()
-        log.warning("job %s: %s; waiting for every node to pass its check, then --resume", r.id, r.why)
+        log.warning("job %s: %s; waiting for every node to pass its check, then relaunching", r.id, r.why)
 
     def _note(self, **changes: Any) -> None:
         """Change the latest recovery in the record, and save it."""
@@ -238,10 +298,12 @@ class Recoverer:
         from launcher.launch import Interrupted, Launch
 
         t0 = time.monotonic()
+        config = dataclasses.replace(self.config, attempt=len(self.c.record.recoveries), restart_reason=rec.reason)
         while True:
             self.c.reset_attempt()
             with open(self.c.jobdir / "output.log", "a", buffering=1) as out:
-                launch = Launch(self.cluster, self.config, on_event=self._on_event(out, t0), stop=self.c.stop)
+                launch = Launch(self.cluster, config, on_event=self._on_event(out, t0), stop=self.c.stop)
+                self.c.launch = launch
                 try:
                     return launch.run(handle_signals=True)
                 except UserError as e:
@@ -296,7 +358,7 @@ class Recoverer:
                 started.append(True)
                 self.c.record.state = JobState.RUNNING
                 self._note(waited_s=round(time.monotonic() - t0, 3))
-                log.warning("job %s: relaunched with --resume after %.1f s", self.c.record.id, time.monotonic() - t0)
+                log.warning("job %s: relaunched after %.1f s", self.c.record.id, time.monotonic() - t0)
 
         return on_event
 

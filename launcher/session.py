@@ -157,10 +157,17 @@ class NodeSession:
             self.force()
         self._close_stdin()
 
-    def request_stop(self) -> None:
-        """After `go`: close stdin; the node-side watchdog reads EOF and stops the tree."""
+    def request_stop(self, grace_line: bytes = b"") -> None:
+        """After `go`: close stdin; the node-side watchdog reads EOF and stops the tree.
+        `grace_line` (launcher.command.grace_line), written first, is this stop's own grace."""
         if self.stop_sent_at is None:
             self.stop_sent_at = time.monotonic()
+            if grace_line:
+                try:
+                    self.proc.stdin.write(grace_line)
+                    self.proc.stdin.flush()
+                except OSError:
+                    pass  # the connection is gone: its exit report says so
             self._close_stdin()
 
     def force(self) -> None:

@@ -1,0 +1,147 @@
+"""Relaunching a user's own program (`launch run|exec --detach --recover`): why an attempt ended,
+whether the policy allows another, and the entry point other parts of the controller call to
+restart the running attempt (the hang detector: reason `hang`).
+
+The program resumes from its own checkpoint; gpufleet's side of the contract is the environment
+every rank gets (launcher.env.job_env): GPUFLEET_JOB_ID (the same on every attempt),
+GPUFLEET_ATTEMPT (0, 1, ...) and GPUFLEET_RESTART_REASON, one of `REASONS`:
+
+- node-lost: a node became unreachable (no preemption notice came first);
+- preempted: a node's metadata server said `instance/preempted` TRUE (launcher.command's
+  watcher printed PREEMPTION_NOTICE), or the built-in workload saved and exited on a SIGTERM;
+- worker-failed: the program exited nonzero on some rank;
+- hang: the hang detector found no progress and asked for a restart (`request_restart`).
+
+Budgets: node-lost and preempted are the cluster's doing, bounded by --max-recoveries (3) and
+--recover-timeout; worker-failed and hang are the program's, bounded by --max-restarts (0 unless
+given); a worker exit status in --no-restart-exit-codes (2: a usage error) is never restarted.
+The built-in workload (`launch train`) keeps its own rule (launcher.recover): every recovery
+counts against --max-recoveries, and --max-restarts stays torchrun's in-place restarts.
+
+Pure functions, except `request_restart` and `take_restart_request`, which touch the controller.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from launcher.model import LaunchResult, UserError
+
+__all__ = [
+    "REASONS",
+    "NODE_REASONS",
+    "PROGRAM_REASONS",
+    "DEFAULT_NO_RESTART_EXIT_CODES",
+    "parse_exit_codes",
+    "worker_exit_codes",
+    "program_error_line",
+    "restart_refusal",
+    "request_restart",
+    "take_restart_request",
+]
+
+REASONS = ("node-lost", "preempted", "worker-failed", "hang")
+NODE_REASONS = ("node-lost", "preempted")  # bounded by --max-recoveries
+PROGRAM_REASONS = ("worker-failed", "hang")  # bounded by --max-restarts
+DEFAULT_NO_RESTART_EXIT_CODES = (2,)  # a usage error: the same arguments fail the same way again
+
+# torchrun's failure summary (torch/distributed/elastic/multiprocessing/errors: `exitcode  : 2
+# (pid: 123)`) and its agent's ERROR line (`failed (exitcode: 2) local_rank: 0 (pid: 123)`).
+_EXITCODE_RE = re.compile(r"(?:^\s*exitcode\s*:\s*|failed \(exitcode: )(-?\d+)")
+
+
+def parse_exit_codes(text: str) -> tuple[int, ...]:
+    """`--no-restart-exit-codes 2,3` as exit statuses, each 0..255."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not re.fullmatch(r"\d{1,3}", part) or int(part) > 255:
+            raise UserError(
+                f"--no-restart-exit-codes {text!r}: {part!r} is not an exit status (0..255); "
+                "give a comma-separated list like 2,3"
+            )
+        out.append(int(part))
+    return tuple(sorted(set(out)))
+
+
+def worker_exit_codes(result: LaunchResult, torchrun: bool) -> list[int]:
+    """The exit statuses the program itself ended with, on the nodes that failed: torchrun's
+    summary names each failed worker's (its own exit is 1 whatever the worker's was); a plain
+    command's is the node's."""
+    codes: list[int] = []
+    for o in result.outcomes.values():
+        if o.ok or o.connection_lost or o.exit_code is None:
+            continue
+        found = [int(m.group(1)) for line in o.tail for m in [_EXITCODE_RE.search(line)] if m]
+        codes += found if torchrun else [o.exit_code]
+    return sorted(set(codes))
+
+
+# The last line of a Python traceback: `ValueError: ...`, `module.SomeError: ...`.
+_EXCEPTION_RE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*")
+
+
+def program_error_line(result: LaunchResult) -> str:
+    """What the program said went wrong, in its own words: the last exception line of a Python
+    traceback on the first failed node (before torchrun's summary), else ""."""
+    order = [result.first_failure] if result.first_failure is not None else []
+    order += [r for r in sorted(result.outcomes) if r not in order]
+    for rank in order:
+        o = result.outcomes[rank]
+        if o.ok:
+            continue
+        said = [line.strip() for line in o.tail if _EXCEPTION_RE.match(line.strip())]
+        said = [line for line in said if not line.startswith("torch.distributed.elastic")]
+        if said:
+            return said[-1]
+    return ""
+
+
+def restart_refusal(
+    reason: str, exit_codes: Iterable[int], done: list[dict[str, Any]], policy: Any, extra: str = ""
+) -> str:
+    """Why the policy (a launcher.recover.RecoverPolicy with max_restarts set) does not allow
+    another attempt after one that ended for `reason`, given the recoveries `done` so far
+    (their record entries); "" when it does."""
+    if reason in PROGRAM_REASONS:
+        blocked = [c for c in exit_codes if c in policy.no_restart_exit_codes]
+        if reason == "worker-failed" and blocked:
+            listed = ",".join(str(c) for c in policy.no_restart_exit_codes)
+            return f"exit {blocked[0]} is in --no-restart-exit-codes {listed}: not restarted"
+        n = sum(1 for d in done if d.get("reason") in PROGRAM_REASONS)
+        if n >= policy.max_restarts:
+            if policy.max_restarts == 0:
+                return "not restarted (--max-restarts 0; give --max-restarts N to restart a failed program)"
+            return f"gave up after {n} restart{'s' * (n != 1)} (--max-restarts {policy.max_restarts})"
+        return ""
+    n = sum(1 for d in done if d.get("reason") in NODE_REASONS)
+    if n >= policy.max_recoveries:
+        return f"gave up after {n} recoveries (--max-recoveries {policy.max_recoveries})"
+    return ""
+
+
+def request_restart(controller: Any, cause: str, node: int | None = None, reason: str = "hang") -> bool:
+    """Stop the running attempt of a detached job and have its controller relaunch it with
+    GPUFLEET_RESTART_REASON=`reason`, counted against --max-restarts like a failed worker (the
+    hang detector's entry point). Safe from another thread of the controller. False when the job
+    has no --recover: the caller ends it (FAILED) itself."""
+    if controller.request.get("recover") is None or controller.launch is None:
+        return False
+    if reason not in REASONS:
+        raise ValueError(f"restart reason {reason!r}; one of {', '.join(REASONS)}")
+    controller.restart_request = {"at": time.time(), "node": node, "cause": cause, "reason": reason}
+    controller.launch.request_stop()
+    return True
+
+
+def take_restart_request(controller: Any) -> dict[str, Any] | None:
+    """The restart `request_restart` asked for, once (None: there is none, or a person's stop
+    came too, which wins). The stop it caused is cleared, so the relaunch is not taken for one."""
+    asked, controller.restart_request = controller.restart_request, None
+    if asked is None or controller.stop_signal is not None:
+        return None
+    controller.stop.clear()
+    return asked

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from launcher.model import LaunchResult, UserError
@@ -86,18 +87,33 @@ _EXCEPTION_RE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\
 
 def program_error_line(result: LaunchResult) -> str:
     """What the program said went wrong, in its own words: the last exception line of a Python
-    traceback on the first failed node (before torchrun's summary), else ""."""
+    traceback on the first failed node, else "". torchrun's failure summary follows the
+    traceback and can push it out of the outcome's tail, so the node's log of the run is read
+    too (its end: the latest attempt's output comes last)."""
     order = [result.first_failure] if result.first_failure is not None else []
     order += [r for r in sorted(result.outcomes) if r not in order]
     for rank in order:
         o = result.outcomes[rank]
         if o.ok:
             continue
-        said = [line.strip() for line in o.tail if _EXCEPTION_RE.match(line.strip())]
-        said = [line for line in said if not line.startswith("torch.distributed.elastic")]
+        said = _exception_lines(o.tail) or _exception_lines(_log_tail(result.run_dir / f"node-{rank}.log"))
         if said:
             return said[-1]
     return ""
+
+
+def _exception_lines(lines: Iterable[str]) -> list[str]:
+    said = [line.strip() for line in lines if _EXCEPTION_RE.match(line.strip())]
+    return [line for line in said if not line.startswith("torch.distributed.elastic")]
+
+
+def _log_tail(path: Path, nbytes: int = 65536) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - nbytes))
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
 
 
 def restart_refusal(

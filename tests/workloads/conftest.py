@@ -176,21 +176,22 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def start_gcs_emulator(bucket: str, timeout: float = 30):
-    """gcp-storage-emulator (in memory) on a free local port with `bucket`; yields the value
-    for STORAGE_EMULATOR_HOST. Used by the tests' fixture and bench/bench_checkpoint.py."""
+def start_gcs_emulator(bucket: str, timeout: float = 30, host: str = "127.0.0.1"):
+    """gcp-storage-emulator (in memory) on a free port of `host` with `bucket`; yields the value
+    for STORAGE_EMULATOR_HOST. Used by the tests' fixture and bench/bench_checkpoint.py; a
+    simulated cluster's nodes reach it on the cluster's gateway address."""
     port = free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    argv = [str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", bucket]
+    argv = [str(exe), "start", "--host", host, "--port", str(port), "--in-memory", "--default-bucket", bucket]
     proc = subprocess.Popen([*argv, "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
 
         def up() -> bool:
             with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
+                return s.connect_ex((host, port)) == 0
 
         wait_for(up, timeout=timeout, interval=0.05, proc=proc)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         proc.terminate()
         proc.wait(30)

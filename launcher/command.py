@@ -220,10 +220,12 @@ def remote_script(
         # Once stopping, the watchdog ignores the SIGTERM below: the main shell then waits for it
         # to finish (its sleep would otherwise outlive it) instead of cutting it short. A line
         # `term TICKS SECONDS` before the end of input is the stop's own grace (`launch stop --grace`);
-        # SIGUSR1 is the preemption watcher's notice.
-        "( trap 'N=1' USR1; while :; do IFS= read -r L; r=$?; if [ -n \"$N\" ]; then "
+        # SIGUSR1 is the preemption watcher's notice: bash runs its trap between reads, not
+        # during one, hence a read that times out every second to look.
+        "( trap 'N=1' USR1; while :; do IFS= read -r -t 1 L; r=$?; if [ -n \"$N\" ]; then "
         f"echo \"{PREEMPTION_NOTICE} (instance/preempted is TRUE): SIGTERM to every rank, SIGKILL after $S s\"; "
-        'break; fi; [ $r = 0 ] || break; case $L in "term "*) set -- $L; G=$2; S=$3;; esac; done; '
+        'break; fi; [ $r -gt 128 ] && continue; [ $r = 0 ] || break; case $L in "term "*) set -- $L; G=$2; S=$3;; '
+        "esac; done; "
         "trap '' TERM; stop ) <&3 2>/dev/null &",
         "W=$!",
         *(_preemption_watch() if watch_preemption else []),
@@ -283,13 +285,16 @@ def _preemption_watch() -> list[str]:
     (https://cloud.google.com/compute/docs/instances/spot#detecting_if_a_vm_was_preempted; the
     hanging GET with `wait_for_change=true`:
     https://cloud.google.com/compute/docs/metadata/querying-metadata#waitforchange). It tells
-    the watchdog (SIGUSR1), which stops every rank with the grace. GCE_METADATA_HOST (the
+    the watchdog (SIGUSR1), which stops every rank with the grace. Each hanging GET gives up after
+    10 s (`timeout_sec`), so a change between two of them is seen at most that late.
+    GCE_METADATA_HOST (the
     variable google-auth reads) names another server; without a metadata server the first GET
     fails and the watcher ends. Its own session, so the main shell ends it and its curl at once."""
     watch = (
         'u="http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/preempted"; '
         'h="Metadata-Flavor: Google"; v=$(curl -sf -m 5 -H "$h" "$u") || exit 0; '
-        'while [ "$v" != TRUE ]; do v=$(curl -sf -H "$h" "$u?wait_for_change=true") || exit 0; done; kill -USR1 "$1"'
+        'while [ "$v" != TRUE ]; do v=$(curl -sf -m 20 -H "$h" "$u?wait_for_change=true&timeout_sec=10") || exit 0; '
+        'done; kill -USR1 "$1"'
     )
     return [
         f"( exec setsid -- bash --norc --noprofile -c {shlex.quote(watch)} watch $W ) </dev/null >/dev/null 2>&1 &",

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from gpufleet.health import GPU_QUERY_FIELDS
 from tests.simcluster import SimCluster
@@ -162,13 +163,19 @@ exit 0
 
 
 class FakeMetadata:
-    """The metadata server of one node (only what doctor reads). `host` is GCE_METADATA_HOST."""
+    """The metadata server of one node (what doctor and the preemption watcher read). `host`
+    is GCE_METADATA_HOST. `instance/preempted` is FALSE until `preempt()`; with
+    `?wait_for_change=true` a GET waits until the value changes, or for `timeout_sec` when given
+    (https://cloud.google.com/compute/docs/metadata/querying-metadata#waitforchange)."""
 
     PATH = "/computeMetadata/v1/instance/attributes/physical_host"
+    PREEMPTED = "/computeMetadata/v1/instance/preempted"
 
     def __init__(self, physical_host: str | None, bind: str = "0.0.0.0", reach_at: str = "127.0.0.1"):
         self.physical_host = physical_host
         self.requests: list[str] = []
+        self.preempted = False
+        self._changed = threading.Condition()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -181,6 +188,8 @@ class FakeMetadata:
                     self._reply(403, "Missing required header \"Metadata-Flavor\": \"Google\"\n")
                 elif self.path == fake.PATH and fake.physical_host is not None:
                     self._reply(200, fake.physical_host)
+                elif self.path.partition("?")[0] == fake.PREEMPTED:
+                    self._reply(200, fake.wait_preempted(parse_qs(urlsplit(self.path).query)))
                 else:
                     self._reply(404, "Not Found\n")
 
@@ -201,6 +210,20 @@ class FakeMetadata:
     @property
     def host(self) -> str:
         return f"{self._reach_at}:{self._server.server_address[1]}"
+
+    def preempt(self) -> None:
+        """Compute Engine sends the preemption notice: `instance/preempted` turns TRUE."""
+        with self._changed:
+            self.preempted = True
+            self._changed.notify_all()
+
+    def wait_preempted(self, query: dict[str, list[str]]) -> str:
+        with self._changed:
+            if query.get("wait_for_change") == ["true"]:
+                was = self.preempted
+                timeout = float(query["timeout_sec"][0]) if "timeout_sec" in query else None
+                self._changed.wait_for(lambda: self.preempted != was, timeout=timeout)
+            return "TRUE" if self.preempted else "FALSE"
 
     def close(self) -> None:
         self._server.shutdown()

@@ -16,8 +16,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpufleet.catalog import lookup
+
+if TYPE_CHECKING:
+    from launcher.output import WorkerFailure
 
 __all__ = [
     "UserError",
@@ -213,6 +217,9 @@ class NodeOutcome:
     # because torchrun's failure summary that follows can push them out of the last 20 lines.
     error_lines: list[str] = field(default_factory=list)
     reported_error_before_stop: bool = False  # an error line came before the launcher stopped it
+    # The worker failure torchrun reported last on this node (launcher.output.WorkerFailure),
+    # leaving out a worker killed by the launcher's own stop; None: none, or not torchrun.
+    worker: WorkerFailure | None = None
 
     @property
     def ok(self) -> bool:
@@ -240,6 +247,9 @@ class LaunchResult:
     outcomes: dict[int, NodeOutcome]  # by node rank
     first_failure: int | None = None  # rank of the node that failed first
     signal: int | None = None  # SIGINT/SIGTERM received by the launcher
+    # The exit status of the first worker torchrun reported failed for good (no restarts left),
+    # before the launcher stopped anything: the status when the first failure's own is unknown.
+    first_worker_status: int | None = None
 
     @property
     def failures(self) -> dict[Node, NodeOutcome]:
@@ -247,6 +257,8 @@ class LaunchResult:
 
     @property
     def exit_code(self) -> int:
+        """The root cause's status: the failed worker's own (torchrun itself exits 1 for any
+        worker failure), not the SIGTERM of nodes the launcher stopped after it."""
         if self.signal is not None:
             return 128 + self.signal
         if self.first_failure is None:
@@ -254,4 +266,8 @@ class LaunchResult:
         first = self.outcomes[self.first_failure]
         if first.connection_lost:
             return EXIT_CONNECTION_LOST
+        if first.worker is not None:
+            return first.worker.status
+        if self.first_worker_status is not None:
+            return self.first_worker_status
         return first.exit_code or 1

@@ -1,16 +1,30 @@
-"""Reading what the nodes print: which lines are a program's own error, which stay out of the
-live stream, what a torchrun worker-failure line means, and which node to name as the cause
-when several fail. Pure functions over lines and outcomes."""
+"""Reading what the nodes print: which lines stay out of the live stream (torchrun's agent log
+lines and its `ChildFailedError` report go to the node's log only), which lines make up a
+traceback of the user's own code (shown once, from the first rank that raised it), what a
+torchrun worker-failure line means, which node to name as the cause when several fail, and the
+one line that says so. Pure functions over lines and outcomes."""
 
 from __future__ import annotations
 
 import re
 import signal
+from typing import NamedTuple
 
 from gpufleet.contracts import JSON_MARKER
-from launcher.model import NodeOutcome
+from launcher.model import LaunchResult, NodeOutcome
 
-__all__ = ["worker_failure_note", "shown_live", "root_cause"]
+__all__ = [
+    "WorkerFailure",
+    "worker_failure",
+    "worker_failure_note",
+    "shown_live",
+    "is_agent_line",
+    "Sorted",
+    "StreamSorter",
+    "traceback_key",
+    "root_cause",
+    "failure_line",
+]
 
 # torchrun's agent logs a failed worker at ERROR level, also when it is about to restart the
 # group (torch/distributed/elastic/multiprocessing/api.py): "failed (exitcode: -9) local_rank: 0
@@ -26,25 +40,134 @@ _HIDDEN_LINE_RE = re.compile(
 )
 
 
+class WorkerFailure(NamedTuple):
+    """A worker process torchrun saw fail: its `exitcode` as torchrun reports it (negative: the
+    signal that killed it)."""
+
+    exitcode: int
+    local_rank: int
+    pid: int
+
+    @property
+    def status(self) -> int:
+        """The exit status a shell would report for the worker: 128 + N when killed by signal N."""
+        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+    @property
+    def note(self) -> str:
+        """In words: "worker local_rank 0 (pid 7) exit 2", "... killed by SIGKILL"."""
+        if self.exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-self.exitcode}"
+        else:
+            how = f"exit {self.exitcode}"
+        return f"worker local_rank {self.local_rank} (pid {self.pid}) {how}"
+
+
+def worker_failure(line: str) -> WorkerFailure | None:
+    """The worker failure a torchrun agent line reports, if it is one."""
+    m = _WORKER_FAILED_RE.search(line)
+    return WorkerFailure(int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
 def worker_failure_note(line: str) -> str | None:
     """What a torchrun worker-failure line means, in words ("exit 1", "killed by SIGKILL")."""
-    m = _WORKER_FAILED_RE.search(line)
-    if not m:
-        return None
-    code, local_rank = int(m.group(1)), m.group(2)
-    if code < 0:
-        try:
-            how = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"killed by signal {-code}"
-    else:
-        how = f"exit {code}"
-    return f"worker local_rank {local_rank} (pid {m.group(3)}) {how}"
+    failure = worker_failure(line)
+    return failure.note if failure else None
 
 
 def shown_live(line: str) -> bool:
     """Whether a node's output line belongs in the live stream (every line goes to its log)."""
     return not _HIDDEN_LINE_RE.search(line)
+
+
+# torchrun's agent logs through torch's logging handler (torch/_logging), in glog's layout: level
+# letter, MMDD, time, thread id, the source path and line, "]". Only the agent's own modules
+# (torch/distributed/elastic/..., torch/distributed/run.py, torch/distributed/launcher/...) are
+# hidden, not whatever the workers log the same way. For instance:
+#   E1125 13:08:32.500000 8121 .../torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) ...
+_AGENT_LINE_RE = re.compile(
+    r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/(?:elastic/|run\.py|launcher/)\S*:\d+\] "
+)
+
+# Once a worker has called init_process_group, torch.distributed's excepthook prefixes each line
+# of its uncaught traceback with its global rank, "[rank1]: " (torch/distributed/distributed_c10d.py,
+# `_distributed_excepthook`).
+_RANK_PREFIX_RE = re.compile(r"^(\[rank\d+\]: )")
+_TRACEBACK_START = "Traceback (most recent call last):"
+# The exception torchrun's agent raises when a worker failed (torch/distributed/launcher/api.py),
+# followed by its report between two rules of "=" (errors/__init__.py, ChildFailedError.format_msg).
+_CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+_RULE = "=" * 20
+
+
+def is_agent_line(line: str) -> bool:
+    """Whether `line` is one of torchrun's agent log lines (node log only, never live)."""
+    return bool(_AGENT_LINE_RE.match(line))
+
+
+class Sorted(NamedTuple):
+    """Where a line (or a traceback's lines) goes: `live` (the live stream and the node's log),
+    `log` (the node's log only) or `traceback` (a user traceback, `text` its lines joined by
+    newlines: live once across the launch, see `traceback_key`)."""
+
+    kind: str
+    text: str
+
+
+class StreamSorter:
+    """Sorts one output stream of one node, line by line, into `Sorted` pieces.
+
+    A traceback is held back until its exception line arrives: torchrun's own (it ends in
+    `ChildFailedError`, and the report after it) goes to the log only; anything else is the
+    user's and comes out whole, as one `traceback` piece. Tracebacks of different ranks on one
+    node (each line prefixed "[rankN]: ") are told apart by that prefix."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list[str]] = {}  # by rank prefix ("" for none): a traceback so far
+        self._rules: int | None = None  # inside torchrun's report: how many "=" rules seen
+
+    def feed(self, line: str) -> list[Sorted]:
+        if self._rules is not None:
+            if line.startswith(_RULE):
+                self._rules += 1
+                if self._rules == 2:
+                    self._rules = None
+            return [Sorted("log", line)]
+        if is_agent_line(line):
+            return [Sorted("log", line)]
+        m = _RANK_PREFIX_RE.match(line)
+        prefix = m.group(1) if m else ""
+        body = line[len(prefix) :]
+        block = self._open.get(prefix)
+        if block is None:
+            if body == _TRACEBACK_START:
+                self._open[prefix] = [line]
+                return []
+            return [Sorted("live", line)]
+        block.append(line)
+        if body.startswith((" ", "\t")):
+            return []  # a frame, or the source line under it
+        del self._open[prefix]  # the exception line ends it
+        if body.startswith(_CHILD_FAILED):
+            self._rules = 0
+            return [Sorted("log", x) for x in block]
+        return [Sorted("traceback", "\n".join(block))]
+
+    def flush(self) -> list[Sorted]:
+        """At the end of the stream: a traceback cut short comes out line by line."""
+        out = [Sorted("live", x) for block in self._open.values() for x in block]
+        self._open.clear()
+        return out
+
+
+def traceback_key(text: str) -> str:
+    """What makes two ranks' tracebacks "the same one": their frames and the exception's type,
+    without the rank prefixes and the message (which often names the rank)."""
+    lines = [_RANK_PREFIX_RE.sub("", x) for x in text.split("\n")]
+    return "\n".join([*lines[:-1], lines[-1].partition(":")[0]])
 
 
 def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | None:
@@ -64,3 +187,17 @@ def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | No
         r for r in arrival if not outcomes[r].ok and (not outcomes[r].stopped or outcomes[r].reported_error_before_stop)
     ]
     return min(candidates, key=rank_of) if candidates else None
+
+
+def failure_line(result: LaunchResult) -> str | None:
+    """The one line that names the node that failed first, its host, how, and its log."""
+    if result.first_failure is None:
+        return None
+    o = result.outcomes[result.first_failure]
+    if o.connection_lost:
+        what = f"unreachable ({o.error})"
+    elif o.worker is not None:
+        what = o.worker.note + (f" (exit {o.worker.status})" if o.worker.exitcode < 0 else "")
+    else:
+        what = o.status
+    return f"{o.node.label} failed first: {what}; its log: {result.run_dir / f'node-{o.node.rank}.log'}"

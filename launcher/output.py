@@ -97,6 +97,25 @@ _AGENT_LINE_RE = re.compile(
 # `_distributed_excepthook`).
 _RANK_PREFIX_RE = re.compile(r"^(\[rank\d+\]: )")
 _TRACEBACK_START = "Traceback (most recent call last):"
+# A traceback frame; torchrun's own frames are its modules' and runpy's, which starts it.
+_FRAME_RE = re.compile(r'^\s+File "([^"]*)", line \d+')
+_TORCHRUN_FRAME_RE = re.compile(r"/torch/distributed/|^<frozen runpy>$")
+# What Python prints between the tracebacks of a chain (traceback.py).
+_CHAIN_LINES = frozenset(
+    {
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "During handling of the above exception, another exception occurred:",
+    }
+)
+# c10d's TCPStore, as seen by torchrun's agent (or a worker) when a peer's store went away: a
+# C++ warning and the C++ stack under it, down to a blank line. For instance:
+#   [W1125 13:13:19.142413972 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3, ...
+#   Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 ...
+#   frame #0: c10::Error::Error(c10::SourceLocation, ...
+#   <omitting python frames>
+_STORE_LINE_RE = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ TCPStore\.cpp:\d+\] \[c10d\] ")
+_CPP_STACK_RE = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>)")
 # The exception torchrun's agent raises when a worker failed (torch/distributed/launcher/api.py),
 # followed by its report between two rules of "=" (errors/__init__.py, ChildFailedError.format_msg).
 _CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
@@ -120,14 +139,17 @@ class Sorted(NamedTuple):
 class StreamSorter:
     """Sorts one output stream of one node, line by line, into `Sorted` pieces.
 
-    A traceback is held back until its exception line arrives: torchrun's own (it ends in
-    `ChildFailedError`, and the report after it) goes to the log only; anything else is the
-    user's and comes out whole, as one `traceback` piece. Tracebacks of different ranks on one
-    node (each line prefixed "[rankN]: ") are told apart by that prefix."""
+    A traceback is held back until its exception line arrives: torchrun's own (every frame in
+    torch.distributed or runpy; `ChildFailedError` with the report after it, or a rendezvous
+    error once a peer is gone) goes to the log only, with the lines that chain it to the next;
+    anything else is the user's and comes out whole, as one `traceback` piece. Tracebacks of
+    different ranks on one node (each line prefixed "[rankN]: ") are told apart by that prefix.
+    The agent's log lines and c10d's TCPStore warnings (with their C++ stack) go to the log."""
 
     def __init__(self) -> None:
         self._open: dict[str, list[str]] = {}  # by rank prefix ("" for none): a traceback so far
         self._rules: int | None = None  # inside torchrun's report: how many "=" rules seen
+        self._after_own = False  # just after torchrun's own traceback or a TCPStore warning
 
     def feed(self, line: str) -> list[Sorted]:
         if self._rules is not None:
@@ -138,6 +160,12 @@ class StreamSorter:
             return [Sorted("log", line)]
         if is_agent_line(line):
             return [Sorted("log", line)]
+        if _STORE_LINE_RE.match(line):
+            self._after_own = True
+            return [Sorted("log", line)]
+        if self._after_own and (line in _CHAIN_LINES or _CPP_STACK_RE.match(line)):
+            return [Sorted("log", line)]
+        self._after_own = False
         m = _RANK_PREFIX_RE.match(line)
         prefix = m.group(1) if m else ""
         body = line[len(prefix) :]
@@ -151,8 +179,9 @@ class StreamSorter:
         if body.startswith((" ", "\t")):
             return []  # a frame, or the source line under it
         del self._open[prefix]  # the exception line ends it
-        if body.startswith(_CHILD_FAILED):
-            self._rules = 0
+        if _torchruns_own(block):
+            self._rules = 0 if body.startswith(_CHILD_FAILED) else None
+            self._after_own = True
             return [Sorted("log", x) for x in block]
         return [Sorted("traceback", "\n".join(block))]
 
@@ -161,6 +190,11 @@ class StreamSorter:
         out = [Sorted("live", x) for block in self._open.values() for x in block]
         self._open.clear()
         return out
+
+
+def _torchruns_own(block: list[str]) -> bool:
+    frames = [m.group(1) for m in map(_FRAME_RE.match, (_RANK_PREFIX_RE.sub("", x) for x in block)) if m]
+    return bool(frames) and all(_TORCHRUN_FRAME_RE.search(f) for f in frames)
 
 
 def traceback_key(text: str) -> str:

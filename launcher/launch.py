@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from launcher.command import node_commands, probe_script
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
-from launcher.output import WorkerFailure, root_cause, traceback_key, worker_failure
+from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
+from launcher.output import root_cause, traceback_key, worker_failure
 from launcher.preflight import Probe, check_probes, check_timeout, handshake_limit
 from launcher.session import NodeSession, Report
 from launcher.transport import Transport, make_transport

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import re
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from gpufleet.catalog import lookup
-
-if TYPE_CHECKING:
-    from launcher.output import WorkerFailure
 
 __all__ = [
     "UserError",
@@ -30,6 +28,7 @@ __all__ = [
     "Workload",
     "SshConfig",
     "LaunchConfig",
+    "WorkerFailure",
     "NodeOutcome",
     "LaunchResult",
     "EXIT_CONNECTION_LOST",
@@ -202,6 +201,32 @@ class LaunchConfig:
         return self.runs_dir / self.job_id
 
 
+class WorkerFailure(NamedTuple):
+    """A worker process torchrun saw fail: its `exitcode` as torchrun reports it (negative: the
+    signal that killed it)."""
+
+    exitcode: int
+    local_rank: int
+    pid: int
+
+    @property
+    def status(self) -> int:
+        """The exit status a shell would report for the worker: 128 + N when killed by signal N."""
+        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+    @property
+    def note(self) -> str:
+        """In words: "worker local_rank 0 (pid 7) exit 2", "... killed by SIGKILL"."""
+        if self.exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-self.exitcode}"
+        else:
+            how = f"exit {self.exitcode}"
+        return f"worker local_rank {self.local_rank} (pid {self.pid}) {how}"
+
+
 @dataclass
 class NodeOutcome:
     """What happened on one node."""
@@ -217,7 +242,7 @@ class NodeOutcome:
     # because torchrun's failure summary that follows can push them out of the last 20 lines.
     error_lines: list[str] = field(default_factory=list)
     reported_error_before_stop: bool = False  # an error line came before the launcher stopped it
-    # The worker failure torchrun reported last on this node (launcher.output.WorkerFailure),
+    # The worker failure torchrun reported last on this node (read by launcher.output.worker_failure),
     # leaving out a worker killed by the launcher's own stop; None: none, or not torchrun.
     worker: WorkerFailure | None = None
 

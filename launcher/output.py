@@ -7,14 +7,12 @@ one line that says so. Pure functions over lines and outcomes."""
 from __future__ import annotations
 
 import re
-import signal
 from typing import NamedTuple
 
 from gpufleet.contracts import JSON_MARKER
-from launcher.model import LaunchResult, NodeOutcome
+from launcher.model import LaunchResult, NodeOutcome, WorkerFailure
 
 __all__ = [
-    "WorkerFailure",
     "worker_failure",
     "worker_failure_note",
     "shown_live",
@@ -38,32 +36,6 @@ _WORKER_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) 
 _HIDDEN_LINE_RE = re.compile(
     "^" + re.escape(JSON_MARKER) + r"|\[c10d\] The hostname of the client socket cannot be retrieved"
 )
-
-
-class WorkerFailure(NamedTuple):
-    """A worker process torchrun saw fail: its `exitcode` as torchrun reports it (negative: the
-    signal that killed it)."""
-
-    exitcode: int
-    local_rank: int
-    pid: int
-
-    @property
-    def status(self) -> int:
-        """The exit status a shell would report for the worker: 128 + N when killed by signal N."""
-        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
-
-    @property
-    def note(self) -> str:
-        """In words: "worker local_rank 0 (pid 7) exit 2", "... killed by SIGKILL"."""
-        if self.exitcode < 0:
-            try:
-                how = f"killed by {signal.Signals(-self.exitcode).name}"
-            except ValueError:
-                how = f"killed by signal {-self.exitcode}"
-        else:
-            how = f"exit {self.exitcode}"
-        return f"worker local_rank {self.local_rank} (pid {self.pid}) {how}"
 
 
 def worker_failure(line: str) -> WorkerFailure | None:

@@ -126,7 +126,7 @@ class Launch:
         self._sessions: dict[int, NodeSession] = {}
         self._reports: queue.Queue[Report] = queue.Queue()
         self._worker_failures: dict[int, int] = {}  # torchrun worker failures seen, by node rank
-        self._workers: dict[int, WorkerFailure] = {}  # the last worker failure, by node rank
+        self._workers: dict[int, WorkerFailure] = {}  # the worker failure that ended a node's run
         self._tracebacks: set[str] = set()  # user tracebacks shown (traceback_key)
         self._arrival: list[int] = []  # ranks in the order their workloads ended
         self._failing = False  # a node failed on its own: the others are being stopped
@@ -322,12 +322,14 @@ class Launch:
         failure = worker_failure(text) if self.config.workload.kind == "torchrun" else None
         if failure is None:
             return
-        if session.stop_sent_at is None or failure.exitcode >= 0:  # not a worker our stop killed
+        seen = self._worker_failures[rank] = self._worker_failures.get(rank, 0) + 1
+        limit = self.config.max_restarts
+        # The failure that ends the node's run (torchrun restarts the earlier ones), unless it is
+        # a worker the launcher's own stop killed.
+        if seen > limit and (session.stop_sent_at is None or failure.exitcode >= 0):
             self._workers[rank] = failure
         if self.stop_event.is_set() or self._failing:
             return
-        seen = self._worker_failures[rank] = self._worker_failures.get(rank, 0) + 1
-        limit = self.config.max_restarts
         if seen <= limit:
             log.warning(
                 "%s: %s; torchrun restarts the workers on every node (restart %d of "

@@ -242,7 +242,7 @@ class NodeOutcome:
     # because torchrun's failure summary that follows can push them out of the last 20 lines.
     error_lines: list[str] = field(default_factory=list)
     reported_error_before_stop: bool = False  # an error line came before the launcher stopped it
-    # The worker failure torchrun reported last on this node (read by launcher.output.worker_failure),
+    # The worker failure that ended this node's run, as torchrun reported it (launcher.output.worker_failure),
     # leaving out a worker killed by the launcher's own stop; None: none, or not torchrun.
     worker: WorkerFailure | None = None
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import re
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from gpufleet.catalog import lookup
 
@@ -26,6 +28,7 @@ __all__ = [
     "Workload",
     "SshConfig",
     "LaunchConfig",
+    "WorkerFailure",
     "NodeOutcome",
     "LaunchResult",
     "EXIT_CONNECTION_LOST",
@@ -198,6 +201,32 @@ class LaunchConfig:
         return self.runs_dir / self.job_id
 
 
+class WorkerFailure(NamedTuple):
+    """A worker process torchrun saw fail: its `exitcode` as torchrun reports it (negative: the
+    signal that killed it)."""
+
+    exitcode: int
+    local_rank: int
+    pid: int
+
+    @property
+    def status(self) -> int:
+        """The exit status a shell would report for the worker: 128 + N when killed by signal N."""
+        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+    @property
+    def note(self) -> str:
+        """In words: "worker local_rank 0 (pid 7) exit 2", "... killed by SIGKILL"."""
+        if self.exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-self.exitcode}"
+        else:
+            how = f"exit {self.exitcode}"
+        return f"worker local_rank {self.local_rank} (pid {self.pid}) {how}"
+
+
 @dataclass
 class NodeOutcome:
     """What happened on one node."""
@@ -213,6 +242,9 @@ class NodeOutcome:
     # because torchrun's failure summary that follows can push them out of the last 20 lines.
     error_lines: list[str] = field(default_factory=list)
     reported_error_before_stop: bool = False  # an error line came before the launcher stopped it
+    # The worker failure that ended this node's run, as torchrun reported it (launcher.output.worker_failure),
+    # leaving out a worker killed by the launcher's own stop; None: none, or not torchrun.
+    worker: WorkerFailure | None = None
 
     @property
     def ok(self) -> bool:
@@ -240,6 +272,9 @@ class LaunchResult:
     outcomes: dict[int, NodeOutcome]  # by node rank
     first_failure: int | None = None  # rank of the node that failed first
     signal: int | None = None  # SIGINT/SIGTERM received by the launcher
+    # The exit status of the first worker torchrun reported failed for good (no restarts left),
+    # before the launcher stopped anything: the status when the first failure's own is unknown.
+    first_worker_status: int | None = None
 
     @property
     def failures(self) -> dict[Node, NodeOutcome]:
@@ -247,6 +282,8 @@ class LaunchResult:
 
     @property
     def exit_code(self) -> int:
+        """The root cause's status: the failed worker's own (torchrun itself exits 1 for any
+        worker failure), not the SIGTERM of nodes the launcher stopped after it."""
         if self.signal is not None:
             return 128 + self.signal
         if self.first_failure is None:
@@ -254,4 +291,8 @@ class LaunchResult:
         first = self.outcomes[self.first_failure]
         if first.connection_lost:
             return EXIT_CONNECTION_LOST
+        if first.worker is not None:
+            return first.worker.status
+        if self.first_worker_status is not None:
+            return self.first_worker_status
         return first.exit_code or 1

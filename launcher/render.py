@@ -22,6 +22,7 @@ from launcher.command import node_commands
 from launcher.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.model import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError, Workload
 from launcher.options import build_config, find_cluster
+from launcher.output import failure_line
 from launcher.transport import make_transport
 
 __all__ = [
@@ -118,21 +119,15 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         style = "green" if o.ok else "yellow" if o.stopped else "red"
         table.add_row(str(rank), o.node.host, f"[{style}]{escape(o.status)}[/{style}]", f"{o.duration_s:.1f} s")
     err.print(table)
-    if result.first_failure is not None:
-        o = result.outcomes[result.first_failure]
-        what = f"unreachable ({o.error})" if o.connection_lost else o.status
-        err.print(f"[red]{escape(o.node.label)} failed first: {escape(what)} — last lines:[/red]")
-        tail = o.tail[-20:]
-        for line in o.error_lines:
-            if line not in tail:  # its own error line, pushed out by torchrun's summary
-                err.print(f"  {escape(line)}")
-        if o.error_lines and o.error_lines[-1] not in tail:
-            err.print("  ...")
-        for line in tail:
-            err.print(f"  {escape(line)}")
+    # One line for the cause (its own lines were in the live stream above; everything it printed,
+    # torchrun's report included, is in its log).
+    line = failure_line(result)
+    if line is not None:
+        err.print(f"[red]{escape(line)}[/red]")
     if result.signal is not None:
         err.print(f"[red]stopped every node on signal {result.signal}[/red]")
-    err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
+    if line is None:
+        err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
 def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:

@@ -760,7 +760,9 @@ def test_a_sweep_error_line_names_its_node_as_the_cause(tmp_path):
     )
     assert r.exit_code != 0, r.output
     assert "node 1 (localhost) failed first" in r.output, r.output
-    assert "  sweep: root 5 is not a rank of this run" in r.output
+    # Its error line is shown once, in the live stream: the launcher's line points to its log.
+    assert r.output.count("sweep: root 5 is not a rank of this run") == 1, r.output
+    assert "[node 1] sweep: root 5 is not a rank of this run" in r.output
 
 
 def test_the_sweep_json_line_and_c10d_dns_warnings_stay_in_the_log_not_the_live_stream(tmp_path):

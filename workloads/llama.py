@@ -212,7 +212,14 @@ def build_meta(size: LlamaSize | str, max_seq_len: int | None = None) -> Llama:
 
 def materialize(model: Llama, device: torch.device | str) -> Llama:
     """Give a (possibly sharded) meta model memory on `device` and its initial values. Each rank
-    allocates and fills only its own shards. Draws from torch's global RNG: seed it first."""
+    allocates and fills only its own shards. Draws from torch's global RNG: seed it first.
+
+    Whether sharded values equal the unsharded ones depends on the device: on CUDA, DTensor's
+    offset-based RNG tracker coordinates the shards' random streams; on CPU there is no tracker
+    (torch.distributed.tensor._random.is_rng_supported_mesh) and each rank fills its shard from its
+    own generator. A CPU run that must start from the same weights in every layout materializes
+    first and shards after: parallelize_module scatters rank 0's tensors (src_data_rank=0) and
+    fully_shard keeps each rank's slice of identical tensors."""
     model.to_empty(device=device)
     model.init_weights(buffer_device=device)
     return model

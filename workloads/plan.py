@@ -13,8 +13,9 @@ What one GPU holds, for a model of N parameters on a layout dp_replicate x dp_sh
   stage) or the final norm and output projection (last stage); the larger stage counts.
 - working buffers: with dp_shard > 1, the gathered weights of two FSDP units (the one computing and
   the one prefetched) and the unsharded gradient of one, a unit being the largest of a layer, the
-  embedding and the output (each already split by tp); with dp_shard = 1 under bf16, the bf16
-  copies of the stage's weights that autocast makes and backward keeps.
+  embedding and the output (each already split by tp); with dp_shard = 1 (DDP), the all-reduce
+  buckets, a second fp32 copy of the gradients (DDP without gradient_as_bucket_view), and under
+  bf16 the bf16 copies of the weights that autocast makes and backward keeps.
 - activations of one micro-batch (b sequences of s tokens; hidden h, FFN width f, a query heads,
   KV width h·kv/a): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198) section 4.1 count sbh(34 + 5as/h) bytes per 16-bit GPT layer: 11sbh +
@@ -339,7 +340,8 @@ class _Ask:
             unit = max(m.layer_params, m.first_params, m.last_params + (m.vocab * m.dim if m.tied else 0)) / tp
             buffers = unit * (2 * act_bytes + 4)  # two gathered units + one fp32 gradient
         else:
-            buffers = stage_params / tp * 2 if self.precision == "bf16" else 0.0
+            buckets = 4 if layout.dp_replicate > 1 else 0
+            buffers = stage_params / tp * (buckets + (2 if self.precision == "bf16" else 0))
 
         b, s, h, f = self.micro_batch, self.seq_len, m.dim, m.ffn
         sbh = b * s * h

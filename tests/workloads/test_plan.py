@@ -138,13 +138,13 @@ def test_an_unknown_machine_type_is_a_plan_error_naming_the_flag():
         plan("llama3-8b", Layout(dp_shard=8), machine_type="a9-huge", nodes=1, micro_batch=1, seq_len=64)
 
 
-def test_fp32_doubles_the_16_bit_activations_and_drops_the_bf16_weight_copies():
+def test_fp32_doubles_the_16_bit_activations_and_drops_the_bf16_weight_copies_ddp_keeps_buckets():
     kw = dict(machine_type=A3_MEGA, nodes=1, micro_batch=1, seq_len=1024)
     bf16 = plan("124M", Layout(dp_replicate=8), **kw)
     fp32 = plan("124M", Layout(dp_replicate=8), precision="fp32", **kw)
     assert fp32.params == bf16.params and fp32.optimizer == bf16.optimizer
-    # bf16 under DDP: autocast's bf16 copy of every weight, 2 B each.
-    assert bf16.buffers == 2 * bf16.n_params and fp32.buffers == 0
+    # DDP: its fp32 all-reduce buckets (4 B a parameter), and under bf16 autocast's copies (2 B).
+    assert bf16.buffers == 6 * bf16.n_params and fp32.buffers == 4 * fp32.n_params
     # A GPT-2 layer: 32sbh + 4asb bytes in bf16 (Korthikanti's 34sbh less two dropout masks).
     sbh, asb, head = 1024 * 768, 12 * 1024, 2 * 2 * 1024 * 768
     logits = 10 * 1024 * 50304

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from workloads.llama_sizes import LLAMA_SIZES, LlamaSize, RopeScaling
 
@@ -141,27 +142,53 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """tokens [batch, seq] -> logits [batch, seq, vocab].
+    """tokens [batch, seq] -> logits [batch, seq, vocab], or the mean loss given targets.
 
-    A pipeline stage without `tok_embeddings` takes the previous stage's hidden states instead of
-    tokens; one without `norm`/`output` returns its hidden states.
+    Built on a real device, the model is initialised (`init_weights`) like GPT; built under
+    `torch.device("meta")` it holds shapes only until `materialize`. A pipeline stage takes the
+    previous stage's hidden states (floating point) where the first takes tokens (integers), and
+    one without `norm`/`output` returns its hidden states.
     """
 
-    def __init__(self, size: LlamaSize, max_seq_len: int | None = None) -> None:
+    def __init__(self, size: LlamaSize, max_seq_len: int | None = None, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.size = size
         self.max_seq_len = max_seq_len or size.max_seq_len
+        self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(size.vocab_size, size.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, size) for i in range(size.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(size.dim, eps=size.norm_eps)
         self.output: nn.Linear | None = nn.Linear(size.dim, size.vocab_size, bias=False)
-        self._tie()
+        self.tie_weights()
         # Derived from the size, so not saved: a checkpoint holds only what training changed.
         self.register_buffer("rope", _rope_table(size, self.max_seq_len), persistent=False)
+        if not self.rope.is_meta:
+            self.init_weights()
 
-    def _tie(self) -> None:
+    def tie_weights(self) -> None:
+        """The output projection reuses the embedding matrix, for sizes that tie them (again after
+        anything that replaced one side's Parameter: to_empty, tensor parallelism)."""
         if self.size.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def PP_PARTS(self) -> tuple[tuple[str, ...], str, tuple[str, ...], tuple[str, ...]]:  # noqa: N802
+        """What a pipeline splits (as GPT.PP_PARTS): the first stage's modules, the layers, the
+        last stage's, and the first-stage module the last stage also holds (a tied embedding)."""
+        return (
+            ("tok_embeddings",),
+            "layers",
+            ("norm", "output"),
+            ("tok_embeddings",) if self.size.tie_embeddings else (),
+        )
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters counted once; without an untied embedding table by default, the N of the
+        6N FLOP estimate (a tied table is the output matmul, so it stays)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and not self.size.tie_embeddings and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -175,7 +202,7 @@ class Llama(nn.Module):
         device = torch.device(buffer_device) if buffer_device is not None else self.rope.device
         self.rope = _rope_table(self.size, self.max_seq_len).to(device)
         # to_empty may have replaced the shared Parameter on one side; tie again before filling.
-        self._tie()
+        self.tie_weights()
         if self.tok_embeddings is not None and not self.size.tie_embeddings:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
@@ -186,14 +213,21 @@ class Llama(nn.Module):
             std = self.size.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if tokens.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the RoPE table's {self.max_seq_len}")
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # A tied last stage holds the embedding too: only token ids are embedded.
+        embed = self.tok_embeddings is not None and not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if embed else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+            if self.activation_checkpointing and self.training:
+                h = checkpoint(layer, h, self.rope, use_reentrant=False)
+            else:
+                h = layer(h, self.rope)
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h) if self.norm is not None else h)
+        return logits if targets is None else cross_entropy_loss(logits, targets)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -201,13 +235,13 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
-def build_meta(size: LlamaSize | str, max_seq_len: int | None = None) -> Llama:
+def build_meta(size: LlamaSize | str, max_seq_len: int | None = None, activation_checkpointing: bool = False) -> Llama:
     """The model with every tensor on the meta device: shapes only, no memory. Shard it (TP, PP,
     fully_shard), then `materialize` it."""
     if isinstance(size, str):
         size = LLAMA_SIZES[size]
     with torch.device("meta"):
-        return Llama(size, max_seq_len)
+        return Llama(size, max_seq_len, activation_checkpointing)
 
 
 def materialize(model: Llama, device: torch.device | str) -> Llama:

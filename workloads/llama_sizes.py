@@ -66,6 +66,24 @@ class LlamaSize:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    # The names GPT's ModelSize uses (workloads.config), so code that reads a size's shape (the
+    # config checks, the FLOP count, the plan) takes either family.
+    @property
+    def n_layer(self) -> int:
+        return self.n_layers
+
+    @property
+    def n_head(self) -> int:
+        return self.n_heads
+
+    @property
+    def n_embd(self) -> int:
+        return self.dim
+
+    @property
+    def block_size(self) -> int:
+        return self.max_seq_len
+
     @property
     def hidden_dim(self) -> int:
         """The SwiGLU feed-forward width."""

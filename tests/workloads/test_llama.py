@@ -235,6 +235,60 @@ def test_the_debug_model_learns_in_a_few_adamw_steps():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def test_built_on_a_real_device_the_model_is_initialised_like_gpt():
+    """Llama(size) on CPU, as GPT(size): our init, not nn.Linear's default (std 1/sqrt(3 x 64))."""
+    torch.manual_seed(0)
+    model = Llama(DEBUG)
+    assert abs(model.layers["0"].attention.wq.weight.std().item() - 0.02) < 0.003
+    assert model.output.weight.abs().max() <= 3 * DEBUG.dim**-0.5 + 1e-6
+
+
+def test_given_targets_the_forward_returns_the_mean_loss():
+    model = _debug_model()
+    tokens, targets = torch.randint(0, DEBUG.vocab_size, (2, 2, 8))
+    torch.testing.assert_close(model(tokens, targets), cross_entropy_loss(model(tokens), targets))
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    tokens, targets = torch.randint(0, DEBUG.vocab_size, (2, 2, 8))
+    grads = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        model = materialize(build_meta(DEBUG, activation_checkpointing=ac), "cpu")
+        model(tokens, targets).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_tied_last_stage_holds_the_embedding_but_embeds_nothing():
+    """With tied weights the pipeline's last stage keeps tok_embeddings (its output's weight) and
+    receives hidden states: floating point input is never looked up."""
+    tied = LlamaSize(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=50, tie_embeddings=True)
+    whole = _debug_model(size=tied)
+    first, last = _debug_model(size=tied), _debug_model(size=tied)
+    assert whole.PP_PARTS == (("tok_embeddings",), "layers", ("norm", "output"), ("tok_embeddings",))
+    assert build_meta("llama3-8b").PP_PARTS[3] == ()
+    del first.layers["1"]
+    first.norm = first.output = None
+    del last.layers["0"]
+    tokens = torch.randint(0, 50, (2, 7))
+    torch.testing.assert_close(last(first(tokens)), whole(tokens))
+
+
+def test_num_params_gives_gpts_flop_formula_the_same_n():
+    """workloads.model.flops_per_token(N, L, H, Q, T) with the model's num_params() and the size's
+    GPT-style names is the Llama count: the trainer's MFU needs nothing model-specific."""
+    from workloads.model import flops_per_token as gpt_flops
+
+    for name in ("llama3-8b", "llama3-1b"):
+        size, model = LLAMA_SIZES[name], build_meta(name)
+        n = model.num_params()
+        assert n == size.n_params - (0 if size.tie_embeddings else size.embedding_params)
+        assert gpt_flops(n, size.n_layer, size.n_head, size.n_embd // size.n_head, 4096) == flops_per_token(size, 4096)
+    assert LLAMA_SIZES["llama3-70b"].block_size == 8192
+
+
 def test_cross_entropy_is_computed_in_fp32():
     logits = torch.randn(2, 3, 11).bfloat16()
     targets = torch.randint(0, 11, (2, 3))

@@ -33,7 +33,11 @@ What one GPU holds, for a model of N parameters on a layout dp_replicate x dp_sh
   gathered linear inputs for backward). After the last layer: the final norm's and the output's
   inputs (2sbh) and the logits: bf16 logits, their fp32 copy and fp32 log-softmax at the loss
   (10sbV bytes; split by tp only under loss parallel).
-  Pipeline stages run 1F1B: the first stage holds pp micro-batches in flight, the last one.
+  Under a pipeline the first rank holds the most micro-batches in flight (each a micro-batch
+  through its layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per
+  rank pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
+  (p - 1)/(pm)) layers' worth with m = 2 stages a rank). The last rank holds one micro-batch and
+  the head under 1F1B, all n under GPipe.
   Activation checkpointing keeps each layer's input (2sbh bytes) and recomputes one layer at a
   time in backward (Korthikanti's "full recomputation": 2sbhL, plus that one layer).
 - a reserve of RESERVED_GIB for what torch's allocator does not count: the CUDA context, NCCL's
@@ -69,6 +73,7 @@ __all__ = [
 GiB = 1024**3
 RESERVED_GIB = 2.0
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: tp innermost, as torchtitan
 _MAX_NODE_DOUBLINGS = 8
 
@@ -187,6 +192,8 @@ class MemoryPlan:
     activation_checkpointing: bool
     sequence_parallel: bool
     loss_parallel: bool
+    pp_schedule: str
+    pp_microbatches: int
     params: float
     grads: float
     optimizer: float
@@ -242,10 +249,14 @@ def plan(
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int = 0,
     gpus_per_node: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of `model` at `layout` on `nodes` x `machine_type`, with the smallest change
     that fits when it does not. `layout.dp_shard` -1 takes the ranks the other dimensions leave.
+    `micro_batch` is the samples of one forward (under a pipeline, of one pipeline micro-batch);
+    `pp_microbatches` the micro-batches of a pipeline step (0: pp, the fewest 1F1B runs with).
     `sequence_parallel` and `loss_parallel` (the logits stay split by vocabulary across tp for the
     loss, torch.distributed.tensor.parallel.loss_parallel) change what tp splits.
     Raises PlanError (a ConfigError: exit 2) for a layout that cannot run at all."""
@@ -260,6 +271,10 @@ def plan(
             raise PlanError(f"--{name} must be at least 1, got {value}")
     if precision not in PRECISIONS:
         raise PlanError(f"--precision {precision!r} is unknown; one of: {', '.join(PRECISIONS)}")
+    if pp_schedule not in PP_SCHEDULES:
+        raise PlanError(f"--pp-schedule {pp_schedule!r} is unknown; one of: {', '.join(PP_SCHEDULES)}")
+    if pp_microbatches < 0:
+        raise PlanError(f"--pp-microbatches must be 0 (one per --micro-batch) or more, got {pp_microbatches}")
     layout = _resolve(layout, nodes * gpus, nodes, gpus)
     _check(shape, layout, nodes * gpus, nodes, gpus)
     ask = _Ask(
@@ -273,6 +288,8 @@ def plan(
         precision="fp32" if precision == "fp32" else "bf16",  # auto: bf16 on a GPU; fp16 is 2 bytes too
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
+        pp_schedule=pp_schedule,
+        pp_microbatches=pp_microbatches,
     )
     result = ask.estimate(layout, nodes, activation_checkpointing)
     if result.fits:
@@ -327,6 +344,17 @@ class _Ask:
     precision: str
     sequence_parallel: bool
     loss_parallel: bool
+    pp_schedule: str
+    pp_microbatches: int
+
+    def _in_flight(self, pp: int) -> tuple[float, int]:
+        """Micro-batches in flight on the first and on the last pipeline rank."""
+        n = self.pp_microbatches or pp
+        if self.pp_schedule == "gpipe":
+            return n, n
+        if self.pp_schedule == "interleaved-1f1b":
+            return min(n, pp + (pp - 1) / 2), 1
+        return min(n, pp), 1
 
     def estimate(self, layout: Layout, nodes: int, ac: bool) -> MemoryPlan:
         m, tp, pp = self.shape, layout.tp, layout.pp
@@ -351,13 +379,13 @@ class _Ask:
         kept = act_bytes * sbh / sp  # a checkpointed layer keeps its input
         # The final norm's and the output's inputs; the logits at the loss.
         head = act_bytes * 2 * sbh + 10 * b * s * m.vocab / (tp if self.loss_parallel else 1)
-        # 1F1B: the first stage holds pp micro-batches in flight, the last stage one and the head.
         if pp == 1:
             full = layers * layer + head
             checkpointed = layers * kept + layer + head
         else:
-            full = max(pp * layers * layer, layers * layer + head)
-            checkpointed = max(pp * layers * kept + layer, layers * kept + layer + head)
+            first, last = self._in_flight(pp)
+            full = max(first * layers * layer, last * (layers * layer + head))
+            checkpointed = max(first * layers * kept + layer, last * (layers * kept + head) + layer)
         return MemoryPlan(
             model=m.name,
             n_params=m.n_params,
@@ -372,6 +400,8 @@ class _Ask:
             activation_checkpointing=ac,
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
+            pp_schedule=self.pp_schedule,
+            pp_microbatches=self.pp_microbatches,
             params=4 * shard,
             grads=4 * shard,
             optimizer=8 * shard,
@@ -481,8 +511,12 @@ def format_plan(p: MemoryPlan) -> list[str]:
     ac_used = " (used)" if p.activation_checkpointing else ""
     full_used = "" if p.activation_checkpointing else " (used)"
     mp = "bf16 compute, fp32 weights, gradients and AdamW states" if p.precision == "bf16" else "fp32"
+    pipeline = ""
+    if p.layout.pp > 1:
+        pipeline = f"; pipeline {p.pp_schedule}, {p.pp_microbatches or p.layout.pp} micro-batches a step"
     lines = [
-        f"model {p.model}: {p.n_params / 1e9:.2f}B parameters; micro-batch {p.micro_batch} x seq {p.seq_len}; {mp}",
+        f"model {p.model}: {p.n_params / 1e9:.2f}B parameters; micro-batch {p.micro_batch} x seq {p.seq_len}; "
+        f"{mp}{pipeline}",
         *mesh_lines(p.layout, p.nodes, p.gpus_per_node),
         f"per GPU ({p.nodes} x {p.machine_type}, {p.gpu}):",
         f"  parameters       {gib(p.params)}",

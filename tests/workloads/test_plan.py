@@ -120,6 +120,24 @@ def test_pipeline_stages_split_the_weights_but_the_first_stage_holds_pp_micro_ba
     assert two.activations_checkpointed < one.activations_checkpointed
 
 
+def test_gpipe_keeps_every_micro_batch_and_interleaving_keeps_half_a_round_more():
+    def act(schedule: str) -> float:
+        return _70b(
+            16, Layout(dp_shard=8, tp=8, pp=2), pp_schedule=schedule, pp_microbatches=8, activation_checkpointing=True
+        ).activations_checkpointed
+
+    layer_in, layer, head = 134_217_728, 809_762_816, 268_435_456 + 10_506_731_520
+    # GPipe: 8 micro-batches forward before any backward, on both ranks; the last also 8 heads.
+    assert act("gpipe") == max(8 * 40 * layer_in + layer, 8 * (40 * layer_in + head) + layer)
+    # 1F1B: min(pp 2, 8) on the first rank; interleaved: pp + (pp - 1) / 2 = 2.5.
+    assert act("1f1b") == max(2 * 40 * layer_in + layer, 40 * layer_in + head + layer)
+    assert act("interleaved-1f1b") == max(2.5 * 40 * layer_in + layer, 40 * layer_in + head + layer)
+    text = "\n".join(format_plan(_70b(16, Layout(dp_shard=8, tp=8, pp=2), pp_schedule="gpipe", pp_microbatches=8)))
+    assert "pipeline gpipe, 8 micro-batches a step" in text
+    with pytest.raises(PlanError, match="--pp-schedule 'zb' is unknown; one of: gpipe, 1f1b, interleaved-1f1b"):
+        _70b(16, Layout(dp_shard=8, tp=8, pp=2), pp_schedule="zb")
+
+
 def test_sequence_parallel_splits_the_norm_inputs_too():
     base = _70b(16, Layout(dp_shard=16, tp=8))
     sp = _70b(16, Layout(dp_shard=16, tp=8), sequence_parallel=True)

@@ -36,7 +36,8 @@ __all__ = [
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """The rotation frequency of each channel pair (head_dim / 2 of them), with Llama 3.1's
-    scaling when given (meta-llama/llama-models models/llama3/model.py apply_scaling)."""
+    scaling when given (Meta's apply_scaling; torchtitan models/llama3/model/model.py
+    precompute_freqs_cis computes the same with its RoPEScalingArgs)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return freqs.float()
@@ -172,9 +173,10 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @property
-    def PP_PARTS(self) -> tuple[tuple[str, ...], str, tuple[str, ...], tuple[str, ...]]:  # noqa: N802
-        """What a pipeline splits (as GPT.PP_PARTS): the first stage's modules, the layers, the
-        last stage's, and the first-stage module the last stage also holds (a tied embedding)."""
+    def PP_PARTS(self) -> tuple[tuple[str, ...], str, tuple[str, ...], tuple[str, ...]]:
+        """What a pipeline splits, under the name GPT's class attribute has: the first stage's
+        modules, the layers, the last stage's, and the first-stage module the last stage also holds
+        (a tied embedding). A property here, since only the tied sizes have the last."""
         return (
             ("tok_embeddings",),
             "layers",
@@ -195,9 +197,9 @@ class Llama(nn.Module):
         """Fill every parameter and the RoPE table; works on plain and on sharded (DTensor)
         parameters, module by module, so each rank initialises only what it holds.
 
-        Embedding N(0, 1); wq/wk/wv/w1 truncated N(0, 0.02); wo/w2/w3 N(0, 0.02/sqrt(2(layer+1)));
-        output truncated N(0, dim^-0.5) cut at 3 sigma; norms 1 (torchtitan models/llama3). A tied
-        table gets the output's init (torchtitan skips the embedding's for the tied 1B).
+        Embedding N(0, 1); wq/wk/wv/w1 N(0, 0.02) and wo/w2/w3 N(0, 0.02/sqrt(2(layer+1))), both
+        trunc_normal_; output N(0, dim^-0.5) cut at 3 sigma; norms 1 (torchtitan models/llama3). A
+        tied table gets the output's init (torchtitan skips the embedding's for the tied 1B).
         """
         device = torch.device(buffer_device) if buffer_device is not None else self.rope.device
         self.rope = _rope_table(self.size, self.max_seq_len).to(device)

@@ -51,8 +51,8 @@ class LlamaSize:
     tie_embeddings: bool = False
     """The output projection shares the token embedding's weight (Llama 3.2 1B/3B)."""
     max_seq_len: int = 8192
-    """The longest sequence the RoPE table holds: Llama 3's pre-training context (the Llama 3
-    paper, Dubey et al. 2024, section 3.4.1: "sequences of 8K tokens")."""
+    """The longest sequence the RoPE table holds: Llama 3's pre-training context of 8,192 tokens
+    before its long-context stage (Dubey et al. 2024, sections 3.4.1 and 3.4.2)."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:

@@ -26,13 +26,14 @@ What one GPU holds, for a model of N parameters on a layout dp_replicate x dp_sh
   w2 in) where GELU keeps two. In elements per layer:
       norm inputs 2sbh + linear inputs 2sbh + q sbh + k, v 2sbh·kv/a + attention out sbh
       + FFN 4sbf (SwiGLU) or 2sbf (GELU)
-  times 2 bytes (bf16) or 4 (fp32), plus 4asb. A GPT-2 layer (kv = a, f = 4h, GELU) comes to
-  32sbh + 4asb bytes: Korthikanti's 34sbh less the two dropout masks. Tensor parallelism without
+  times 2 bytes (bf16) or 4 (fp32), plus 4asb, plus each norm's fp32 statistics (RMSNorm 4sb,
+  LayerNorm 8sb). A GPT-2 layer (kv = a, f = 4h, GELU) comes to 32sbh bytes and the small terms:
+  Korthikanti's 34sbh less the two dropout masks. Tensor parallelism without
   sequence parallel splits all but the norm and linear inputs by tp (their "10sbh + 24sbh/t");
   with sequence parallel the norm inputs are split too (PyTorch's SequenceParallel keeps the
   gathered linear inputs for backward). After the last layer: the final norm's and the output's
   inputs (2sbh) and the logits: bf16 logits, their fp32 copy and fp32 log-softmax at the loss
-  (10sbV bytes; split by tp only under loss parallel).
+  (10sbV bytes; 8sbV in fp32, which needs no copy; split by tp only under loss parallel).
   Under a pipeline the first rank holds the most micro-batches in flight (each a micro-batch
   through its layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per
   rank pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
@@ -116,6 +117,7 @@ class _Shape:
     ffn: int
     vocab: int
     gated: bool  # SwiGLU (three FFN matrices, four f-wide activations) vs GELU
+    norm_stats: int  # per-token fp32 statistics a norm keeps: RMSNorm rstd (1), LayerNorm mean, rstd (2)
     layer_params: int
     first_params: int  # held only by the first pipeline stage (embeddings)
     last_params: int  # held only by the last stage (final norm, output projection when untied)
@@ -133,6 +135,7 @@ def _llama_shape(name: str, s: LlamaSize) -> _Shape:
         ffn=s.hidden_dim,
         vocab=s.vocab_size,
         gated=True,
+        norm_stats=1,
         layer_params=s.layer_params,
         first_params=s.embedding_params,
         last_params=s.dim + (0 if s.tie_embeddings else s.embedding_params),
@@ -156,6 +159,7 @@ def _gpt_shape(name: str, s: ModelSize) -> _Shape:
         ffn=4 * c,
         vocab=s.vocab_size,
         gated=False,
+        norm_stats=2,
         layer_params=layer,
         first_params=first,
         last_params=2 * c,
@@ -375,10 +379,13 @@ class _Ask:
         sbh = b * s * h
         sp = tp if self.sequence_parallel else 1
         split = sbh * (2 + 2 * m.n_kv_heads / m.n_heads) + b * s * f * (4 if m.gated else 2)
-        layer = act_bytes * (2 * sbh / sp + 2 * sbh + split / tp) + 4 * (m.n_heads / tp) * s * b
+        # + the attention's fp32 log-sum-exp per head and token, each norm's fp32 statistics per token.
+        stats = 4 * (m.n_heads / tp) * s * b + 2 * 4 * m.norm_stats * b * s / sp
+        layer = act_bytes * (2 * sbh / sp + 2 * sbh + split / tp) + stats
         kept = act_bytes * sbh / sp  # a checkpointed layer keeps its input
         # The final norm's and the output's inputs; the logits at the loss.
-        head = act_bytes * 2 * sbh + 10 * b * s * m.vocab / (tp if self.loss_parallel else 1)
+        logits = act_bytes + (4 if act_bytes != 4 else 0) + 4  # the logits, an fp32 copy, log-softmax
+        head = act_bytes * 2 * sbh + logits * b * s * m.vocab / (tp if self.loss_parallel else 1)
         if pp == 1:
             full = layers * layer + head
             checkpointed = layers * kept + layer + head

@@ -31,15 +31,16 @@ def test_70b_on_16_a3_mega_nodes_at_tp8_dp_shard16_fits_with_checkpointing_by_ha
     #   norm inputs 2sbh + linear inputs 2sbh = 268,435,456 elements (not split by tp)
     #   q + out 2sbh + k, v 2sbh x 8/64 = 2.25 sbh = 150,994,944; SwiGLU 4sbf = 939,524,096; both / 8
     #   -> (268,435,456 + 136,314,880) x 2 B = 809,500,672, + log-sum-exp 4 x 8 heads x 8192 = 262,144
-    layer = 809_762_816
+    #   + the two RMSNorms' fp32 rstd, 2 x 4 x 8192 = 65,536
+    layer = 809_828_352
     # After the layers: final norm and output inputs 2sbh x 2 B = 268,435,456, logits at the loss
     # 10 x s x V = 10 x 8192 x 128256 = 10,506,731,520.
     head = 268_435_456 + 10_506_731_520
-    assert p.activations_full == 80 * layer + head == 75_556_192_256  # 70.4 GiB
+    assert p.activations_full == 80 * layer + head == 75_561_435_136  # 70.4 GiB
     # Checkpointed: each layer keeps its input (sbh x 2 B = 134,217,728), one layer recomputed.
-    assert p.activations_checkpointed == 80 * 134_217_728 + layer + head == 22_322_348_032  # 20.8 GiB
-    total = 2 * 2_204_803_328 + 4_409_606_656 + 1_050_681_344 + 22_322_348_032 + 2 * GiB
-    assert p.total == total == 34_339_726_336  # 31.98 GiB
+    assert p.activations_checkpointed == 80 * 134_217_728 + layer + head == 22_322_413_568  # 20.8 GiB
+    total = 2 * 2_204_803_328 + 4_409_606_656 + 1_050_681_344 + 22_322_413_568 + 2 * GiB
+    assert p.total == total == 34_339_791_872  # 31.98 GiB
     assert p.capacity == 80 * GiB
     assert p.fits and p.verdict == "fits (32.0 of 80 GiB)" and p.suggestion is None
 
@@ -115,7 +116,7 @@ def test_pipeline_stages_split_the_weights_but_the_first_stage_holds_pp_micro_ba
     # 1F1B: stage 0 keeps 2 micro-batches x 40 layers of inputs; the last stage 40 and the head.
     layer_in = 134_217_728
     assert two.activations_checkpointed == max(
-        2 * 40 * layer_in + 809_762_816, 40 * layer_in + 809_762_816 + 268_435_456 + 10_506_731_520
+        2 * 40 * layer_in + 809_828_352, 40 * layer_in + 809_828_352 + 268_435_456 + 10_506_731_520
     )
     assert two.activations_checkpointed < one.activations_checkpointed
 
@@ -126,7 +127,7 @@ def test_gpipe_keeps_every_micro_batch_and_interleaving_keeps_half_a_round_more(
             16, Layout(dp_shard=8, tp=8, pp=2), pp_schedule=schedule, pp_microbatches=8, activation_checkpointing=True
         ).activations_checkpointed
 
-    layer_in, layer, head = 134_217_728, 809_762_816, 268_435_456 + 10_506_731_520
+    layer_in, layer, head = 134_217_728, 809_828_352, 268_435_456 + 10_506_731_520
     # GPipe: 8 micro-batches forward before any backward, on both ranks; the last also 8 heads.
     assert act("gpipe") == max(8 * 40 * layer_in + layer, 8 * (40 * layer_in + head) + layer)
     # 1F1B: min(pp 2, 8) on the first rank; interleaved: pp + (pp - 1) / 2 = 2.5.
@@ -141,8 +142,8 @@ def test_gpipe_keeps_every_micro_batch_and_interleaving_keeps_half_a_round_more(
 def test_sequence_parallel_splits_the_norm_inputs_too():
     base = _70b(16, Layout(dp_shard=16, tp=8))
     sp = _70b(16, Layout(dp_shard=16, tp=8), sequence_parallel=True)
-    # Per layer the two norm inputs (2sbh x 2 B = 268,435,456) shrink to 1/8.
-    assert base.activations_full - sp.activations_full == 80 * 268_435_456 * 7 / 8
+    # Per layer the two norm inputs (2sbh x 2 B = 268,435,456) and their rstd (65,536) shrink to 1/8.
+    assert base.activations_full - sp.activations_full == 80 * (268_435_456 + 65_536) * 7 / 8
 
 
 def test_loss_parallel_splits_the_logits_across_tp():
@@ -163,11 +164,54 @@ def test_fp32_doubles_the_16_bit_activations_and_drops_the_bf16_weight_copies_dd
     assert fp32.params == bf16.params and fp32.optimizer == bf16.optimizer
     # DDP: its fp32 all-reduce buckets (4 B a parameter), and under bf16 autocast's copies (2 B).
     assert bf16.buffers == 6 * bf16.n_params and fp32.buffers == 4 * fp32.n_params
-    # A GPT-2 layer: 32sbh + 4asb bytes in bf16 (Korthikanti's 34sbh less two dropout masks).
-    sbh, asb, head = 1024 * 768, 12 * 1024, 2 * 2 * 1024 * 768
-    logits = 10 * 1024 * 50304
-    assert bf16.activations_full == 12 * (32 * sbh + 4 * asb) + head + logits
-    assert fp32.activations_full == 12 * (64 * sbh + 4 * asb) + 2 * head + logits
+    # A GPT-2 layer: 32sbh bytes in bf16 (Korthikanti's 34sbh less two dropout masks), the fp32
+    # log-sum-exp 4asb and the two LayerNorms' fp32 mean and rstd 16sb.
+    sb = 1024
+    sbh, asb, head = sb * 768, 12 * sb, 2 * 2 * sb * 768
+    assert bf16.activations_full == 12 * (32 * sbh + 4 * asb + 16 * sb) + head + 10 * sb * 50304
+    # fp32: twice the 16-bit tensors; the logits need no fp32 copy (8sbV, not 10).
+    assert fp32.activations_full == 12 * (64 * sbh + 4 * asb + 16 * sb) + 2 * head + 8 * sb * 50304
+
+
+def test_the_layer_formula_is_what_autograd_keeps_for_a_llama_block():
+    """Count the bytes autograd saves for backward in one block of llama3-debug (fp32, CPU): every
+    saved tensor's storage once, weights and the RoPE table aside. It is the plan's per-layer
+    figure plus one sbh per norm: on CPU RMSNorm is composite and its last multiply keeps x·rstd
+    for the weight's gradient, where CUDA's fused kernel (aten._fused_rms_norm, whose backward
+    takes input, rstd and weight) keeps only the input and rstd the plan counts."""
+    torch = pytest.importorskip("torch")
+    from workloads.llama import Llama
+    from workloads.llama_sizes import LLAMA_SIZES
+
+    size, b, s = LLAMA_SIZES["llama3-debug"], 2, 128
+    p = plan(
+        "llama3-debug",
+        Layout(),
+        machine_type=A3_MEGA,
+        nodes=1,
+        gpus_per_node=1,
+        micro_batch=b,
+        seq_len=s,
+        precision="fp32",
+    )
+    head = 4 * 2 * b * s * size.dim + 8 * b * s * size.vocab_size
+    layer = (p.activations_full - head) / size.n_layers
+
+    torch.manual_seed(0)
+    model = Llama(size)
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), model.rope]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(b, s, size.dim, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers["0"](x, model.rope)
+    assert sum(saved.values()) == layer + 2 * 4 * b * s * size.dim
 
 
 @pytest.mark.parametrize("name", ["tiny", "small-test"])

@@ -142,8 +142,8 @@ def nccl_request(o: dict[str, Any]) -> NcclRequest:
 
 
 def rank0_rows(result: LaunchResult, nranks: int) -> list[SweepRow]:
-    """The rows global rank 0 printed. With a c10d rendezvous, which node's agent gets global
-    rank 0 is decided at the rendezvous (not by --node-rank), so look in every node's log."""
+    """The rows global rank 0 printed: node 0's log (RANK 0 runs on node 0), else the first
+    node's log that has rows."""
     for rank in sorted(result.outcomes):
         log = result.run_dir / f"node-{rank}.log"
         if log.exists():

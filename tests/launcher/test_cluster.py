@@ -58,7 +58,7 @@ def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path)
     # gloo was told each node's own interface, resolved on the node from its address.
     assert all("gloo_if=eth0" in l for l in lines)
     assert {l.split("]")[0] for l in lines} == {"[node 0", "[node 1", "[node 2"}
-    # torchrun is not handed a --node-rank it would ignore with c10d, and warn about (issue 11).
+    # torchrun warns about no flag it ignores (issue 11: --node-rank under c10d did).
     (run_dir,) = (tmp_path / "runs").iterdir()
     logs = "".join(p.read_text() for p in run_dir.glob("node-*.log"))
     assert "node_rank is only used" not in r.output + logs

@@ -46,6 +46,7 @@ from launcher.options import (
     build_config,
     find_cluster,
 )
+from launcher.ordering import order_for_launch
 from launcher.render import err, execute_on, setup_logging, user_errors
 
 __all__ = ["nccl_tests", "NcclRequest", "nccl_request", "rank0_rows", "report_rows"]
@@ -235,7 +236,10 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
 
 def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
-    launch on node 0 per collective."""
+    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    err.print(f"[dim]{escape(order.message)}[/dim]")
     env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     nprocs = set(_nprocs(cluster, config))
     if len(nprocs) != 1:

@@ -513,7 +513,8 @@ def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_pa
     ]
     r = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run"])
     assert r.exit_code == 0, r.output
-    lines = r.output.strip().splitlines()
+    assert r.stderr.count("rank order: given here (--dry-run asks no node") == 1, r.output  # mpirun's host order
+    lines = r.stdout.strip().splitlines()
     # One command per collective, run on node 0, which starts mpirun over the 3 nodes.
     assert len(lines) == 2 and all(l.startswith("192.0.2.10\t") for l in lines)
     assert "all_reduce_perf" in lines[0] and "all_gather_perf" in lines[1] and "mpirun" in lines[0]

@@ -37,6 +37,7 @@ from launcher.jobs import (
     write_json_atomic,
 )
 from launcher.model import LaunchResult, UserError
+from launcher.output import failure_line
 
 __all__ = ["main", "Controller"]
 
@@ -181,11 +182,8 @@ class Controller:
         o = result.outcomes.get(rank) if rank is not None else None
         if o is None:
             return self.end(JobState.FAILED, result.exit_code, why="failed" + note)
-        what = f"unreachable ({o.error})" if o.connection_lost else o.status
         tail = [*[line for line in o.error_lines if line not in o.tail], *o.tail[-20:]]
-        return self.end(
-            JobState.FAILED, result.exit_code, why=f"{o.node.label} failed first: {what}{note}", node=rank, tail=tail
-        )
+        return self.end(JobState.FAILED, result.exit_code, why=f"{failure_line(result)}{note}", node=rank, tail=tail)
 
     def end(
         self, state: JobState, code: int, why: str = "", node: int | None = None, tail: list[str] | None = None

@@ -69,12 +69,16 @@ def parse_exit_codes(text: str) -> tuple[int, ...]:
 
 
 def worker_exit_codes(result: LaunchResult, torchrun: bool) -> list[int]:
-    """The exit statuses the program itself ended with, on the nodes that failed: torchrun's
-    summary names each failed worker's (its own exit is 1 whatever the worker's was); a plain
-    command's is the node's."""
+    """The exit statuses the program itself ended with, on the nodes that failed: the worker
+    failure torchrun reported (a worker killed by signal N: 128 + N), else what its summary says
+    (`exitcode  : 2`); a plain command's is the node's."""
     codes: list[int] = []
     for o in result.outcomes.values():
         if o.ok or o.connection_lost or o.exit_code is None:
+            continue
+        worker = getattr(o, "worker", None)  # the failure torchrun reported (launcher.model.WorkerFailure)
+        if torchrun and worker is not None:
+            codes.append(worker.status)
             continue
         found = [int(m.group(1)) for line in o.tail for m in [_EXITCODE_RE.search(line)] if m]
         codes += found if torchrun else [o.exit_code]

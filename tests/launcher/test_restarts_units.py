@@ -21,7 +21,16 @@ from launcher.command import EXIT_MARKER, PREEMPTION_NOTICE, grace_line, node_co
 from launcher.env import job_env, node_env
 from launcher.jobs import STOP_GRACE_FILE, process_start, stop_script
 from launcher.launch import Launch
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload
+from launcher.model import (
+    Cluster,
+    LaunchConfig,
+    LaunchResult,
+    Node,
+    NodeOutcome,
+    UserError,
+    WorkerFailure,
+    Workload,
+)
 from launcher.recover import RecoverPolicy, failure_of, recover_policy
 from launcher.restarts import (
     parse_exit_codes,
@@ -163,6 +172,8 @@ def test_worker_exit_codes_come_from_torchruns_summary_or_the_command_itself():
     assert worker_exit_codes(agent, torchrun=True) == [-9]
     plain = _result(NodeOutcome(node, exit_code=3, tail=["whatever"]), first=1)
     assert worker_exit_codes(plain, torchrun=False) == [3]
+    reported = NodeOutcome(node, exit_code=137, tail=["x"], worker=WorkerFailure(-9, 0, 7))
+    assert worker_exit_codes(_result(reported), torchrun=True) == [137]
     lost = _result(NodeOutcome(node, exit_code=255, connection_lost=True, tail=SUMMARY))
     assert worker_exit_codes(lost, torchrun=True) == []
 

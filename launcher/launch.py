@@ -173,11 +173,14 @@ class Launch:
         """Run each node's own check program (by rank; `key=value` lines, then CHECKED_MARKER,
         then wait for input, as launcher.command.probe_script does), with a launch's bounded
         handshakes and timeout, and send every node home: what each answered."""
-        try:
-            self._check(scripts)
-            return {r: s.probe() for r, s in self._sessions.items()}
-        finally:
-            self._send_home()
+        with self._signals_stop(True):
+            try:
+                self._check(scripts)
+                if self.stop_event.is_set():  # Ctrl-C while asking: Interrupted, as a launch's check
+                    raise Interrupted(self.signals[0] if self.signals else signal.SIGINT)
+                return {r: s.probe() for r, s in self._sessions.items()}
+            finally:
+                self._send_home()
 
     def request_stop(self, signum: int | None = None) -> None:
         """Stop every node (safe from a signal handler or another thread)."""

@@ -28,7 +28,9 @@ __all__ = [
     "LaunchConfig",
     "NodeOutcome",
     "LaunchResult",
+    "Hang",
     "EXIT_CONNECTION_LOST",
+    "EXIT_HANG",
     "EXIT_USER_ERROR",
     "new_job_id",
 ]
@@ -37,6 +39,8 @@ __all__ = [
 # when the connection itself failed, used when a node became unreachable mid-run.
 EXIT_USER_ERROR = 2
 EXIT_CONNECTION_LOST = 255
+# The launch stopped a job that made no progress for --hang-timeout (timeout(1)'s status).
+EXIT_HANG = 124
 
 
 class UserError(Exception):
@@ -182,6 +186,8 @@ class LaunchConfig:
     ssh: SshConfig = field(default_factory=SshConfig)
     check_versions: bool = True  # compare torch versions across nodes in the pre-flight
     stop_grace_s: float = 5.0  # SIGTERM to SIGKILL on the nodes when stopping
+    hang_timeout_s: float | None = None  # --hang-timeout: stop after this long without progress
+    progress: str | None = None  # --progress: the regex a progress line matches (None: any line)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -231,6 +237,16 @@ class NodeOutcome:
         return f"exit {self.exit_code}"
 
 
+@dataclass(frozen=True)
+class Hang:
+    """The launch stopped the job for want of progress (--hang-timeout, launcher.hang)."""
+
+    verdict: str  # one line naming the culprit (launcher.stacks.verdict)
+    node: int | None = None  # rank of the node of the first rank it names, when it names one
+    stacks_dir: Path | None = None  # where the stacks were written
+    reason: str = "hang"  # the word a job record and a restart give for it
+
+
 @dataclass
 class LaunchResult:
     """What happened on every node, and which failed first."""
@@ -240,6 +256,7 @@ class LaunchResult:
     outcomes: dict[int, NodeOutcome]  # by node rank
     first_failure: int | None = None  # rank of the node that failed first
     signal: int | None = None  # SIGINT/SIGTERM received by the launcher
+    hang: Hang | None = None  # set when the launch stopped a hung job
 
     @property
     def failures(self) -> dict[Node, NodeOutcome]:
@@ -249,6 +266,8 @@ class LaunchResult:
     def exit_code(self) -> int:
         if self.signal is not None:
             return 128 + self.signal
+        if self.hang is not None:
+            return EXIT_HANG
         if self.first_failure is None:
             return 0
         first = self.outcomes[self.first_failure]

@@ -132,6 +132,8 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
             err.print(f"  {escape(line)}")
     if result.signal is not None:
         err.print(f"[red]stopped every node on signal {result.signal}[/red]")
+    if result.hang is not None:
+        err.print(f"[red]{escape(result.hang.verdict)}[/red]")
     err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 

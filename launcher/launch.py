@@ -323,6 +323,7 @@ class Launch:
         except Exception as e:  # the job must stop all the same
             log.exception("collecting the stacks failed")
             hang = Hang(f"hang: no progress for {silent:.0f} s; collecting the stacks failed: {type(e).__name__}: {e}")
+        log.error("%s", hang.verdict)  # at once: stopping the nodes takes a few seconds more
         self.result.hang = hang
         self._failing = True
         self._stop_running()

@@ -9,10 +9,10 @@ worker forked from a rank inherits them). It dumps each with `py-spy dump` (ever
 node in parallel) and prints the dumps between marker lines, then any flight-recorder dumps of
 an NCCL job (launcher.hang.flight_recorder_env), which it first asks every rank to write.
 
-A dump is Python frames only (about 0.1 s a process); a rank that looks outside every collective
-is dumped again with `--native` (seconds: py-spy unwinds the C++ frames too), because a rank
-blocked in `work.wait()` or in DDP's backward shows no Python frame of torch.distributed, only
-`c10d::Work::wait` below the caller's line.
+A dump is Python frames only (about 0.1 s a process); a rank whose main thread is not in
+torch.distributed's Python is dumped again, in the same program, with `--native` (seconds: py-spy
+unwinds the C++ frames too), because a rank blocked in `work.wait()` shows no Python frame of
+torch.distributed, only `c10d::Work::wait` below the caller's line.
 
 Parsing, classifying (`classify`) and the verdict (`verdict`) are pure functions over py-spy's
 text, so the attached CLI and the detached controller (which run the same Launch) say the same.
@@ -25,6 +25,7 @@ import logging
 import re
 import shlex
 import subprocess
+import time
 from collections import Counter
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -68,12 +69,14 @@ def _find_workers(token: str) -> list[str]:
     """Lines that leave `pid rank` lines in "$T/w": the job's workers on this node."""
     q = shlex.quote(token)
     return [
-        f"for f in $(grep -lzx {q} /proc/[0-9]*/environ 2>/dev/null); do p=${{f#/proc/}}; p=${{p%/environ}}; "
-        "r=$(tr '\\0' '\\n' < \"$f\" 2>/dev/null | awk -F= '$1==\"RANK\"{r=$2} $1==\"LOCAL_RANK\"{l=$2} "
-        'END{if (r != "" && l != "") print r}\'); [ -n "$r" ] && echo "$p $r"; done > "$T/c"',
+        # One awk over every environ carrying the token: `pid rank` for those with RANK and LOCAL_RANK.
+        f"F=$(grep -lzx {q} /proc/[0-9]*/environ 2>/dev/null); "
+        '[ -n "$F" ] && awk -v RS=\'\\0\' -F= \'FNR == 1 {if (r != "" && l != "") print p, r; '
+        'p = FILENAME; sub("^/proc/", "", p); sub("/environ$", "", p); r = l = ""} '
+        '$1 == "RANK" {r = $2} $1 == "LOCAL_RANK" {l = $2} END {if (r != "" && l != "") print p, r}\' $F > "$T/c"',
         # A rank's own children (DataLoader workers) carry its RANK too: keep the ones whose
         # parent is not a rank (field 4 of /proc/PID/stat, read after the command name).
-        'while read -r p r; do s=$(cat /proc/"$p"/stat 2>/dev/null) || continue; s=${s##*) }; set -- $s; '
+        'touch "$T/c"; while read -r p r; do read -r s < /proc/"$p"/stat || continue; s=${s##*) }; set -- $s; '
         'grep -q "^$2 " "$T/c" || echo "$p $r"; done < "$T/c" > "$T/w"',
     ]
 
@@ -92,17 +95,22 @@ def _find_pyspy(config: LaunchConfig) -> list[str]:
     ]
 
 
-def _dump_all(native: bool) -> list[str]:
-    """Every worker in "$T/w" dumped at once; then `MARKER rank pid status` and each dump."""
-    flags = "--native " if native else ""
-    dump = f'timeout {_DUMP_TIMEOUT_S} "$S" dump {flags}--pid "$1" > "$T/$2.out" 2> "$T/$2.err"'
+def _dump_all() -> list[str]:
+    """Every worker in "$T/w" dumped at once; a rank whose main thread is not in torch.distributed's
+    Python is dumped again with --native (a rank in `work.wait()` shows only its caller's line
+    otherwise). Then `MARKER rank pid status` and each dump."""
+    dump = f'$U timeout {_DUMP_TIMEOUT_S} "$S" dump'
     return [
         # As another user than root, ptrace is refused under Yama's ptrace_scope 1 (the default
-        # on Ubuntu): then py-spy runs again through passwordless sudo where the node has it.
-        f'd() {{ {dump} && return 0; [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null || return 1; sudo -n {dump}; }}',
+        # on Ubuntu): py-spy runs through passwordless sudo where the node has it.
+        'U=; if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then U="sudo -n"; fi',
+        f'd() {{ {dump} --pid "$1" > "$T/$2.out" 2> "$T/$2.err" || return $?; '
+        'n=$(awk \'/"MainThread"/ {m = 1; next} m && /^ / {print; exit}\' "$T/$2.out"); '
+        'case "$n" in *torch/distributed/*) return 0;; esac; '
+        f'{dump} --native --pid "$1" > "$T/$2.n" 2> /dev/null && mv "$T/$2.n" "$T/$2.out"; return 0; }}',
         'while read -r p r; do ( d "$p" "$r"; echo $? > "$T/$r.rc" ) & done < "$T/w"',
         "wait",
-        'while read -r p r; do c=$(cat "$T/$r.rc" 2>/dev/null || echo 255); '
+        'while read -r p r; do c=255; read -r c < "$T/$r.rc"; '
         f'echo "{STACK_MARKER} $r $p $c"; if [ "$c" = 0 ]; then cat "$T/$r.out"; else cat "$T/$r.err" "$T/$r.out"; fi; '
         'done < "$T/w"',
     ]
@@ -118,29 +126,24 @@ def _flight_recorder(prefix: str) -> tuple[list[str], list[str]]:
         "&& K=$((K+1)); done",
     ]
     fetch = [
-        f'i=0; while [ "$K" -gt 0 ] && [ $i -lt 25 ] && [ "$(ls {p}[0-9]* 2>/dev/null | wc -l)" -lt "$K" ]; '
-        "do sleep 0.2; i=$((i+1)); done",
+        # The dumps are regular files; the pipes (`<prefix><rank>.pipe`) match the glob too.
+        f'nd() {{ n=0; for f in {p}[0-9]*; do [ -f "$f" ] && n=$((n+1)); done; echo $n; }}',
+        'i=0; while [ "$K" -gt 0 ] && [ $i -lt 25 ] && [ "$(nd)" -lt "$K" ]; do sleep 0.2; i=$((i+1)); done',
         f'[ "$K" -gt 0 ] && sleep 0.5; for f in {p}[0-9]*; do [ -f "$f" ] || continue; '
         f'echo "{_FR_MARKER} ${{f#{p}}} $(base64 -w0 < "$f")"; rm -f "$f"; done',
     ]
     return trigger, fetch
 
 
-def collect_script(
-    config: LaunchConfig, node: Node, ranks: Collection[int] | None = None, native: bool = False, fr: bool = False
-) -> str:
+def collect_script(config: LaunchConfig, node: Node, fr: bool = False) -> str:
     """The node-side program (bash, one line) that prints the stacks of the job's workers on
-    `node` (only those of global `ranks` when given; `native`: with C++ frames) and, with `fr`,
-    their flight-recorder dumps. Pure: every value that crosses the shell is quoted."""
-    s = ['T=$(mktemp -d) || exit 1', "trap 'rm -rf \"$T\"' EXIT"]
+    `node` and, with `fr`, their flight-recorder dumps. Pure: every value that crosses the
+    shell is quoted."""
+    s = ["T=$(mktemp -d) || exit 1", "trap 'rm -rf \"$T\"' EXIT"]
     s += _find_pyspy(config)
     s += _find_workers(run_token(config.job_id, node.rank))
-    if ranks is not None:
-        keep = " ".join(str(int(r)) for r in sorted(ranks))
-        s.append(f'while read -r p r; do case " {keep} " in *" $r "*) echo "$p $r";; esac; done < "$T/w" > "$T/k"')
-        s.append('mv "$T/k" "$T/w"')
     trigger, fetch = _flight_recorder(flight_recorder_prefix(config.job_id)) if fr else ([], [])
-    s += trigger + _dump_all(native) + fetch + [f"echo {_END}"]
+    s += trigger + _dump_all() + fetch + [f"echo {_END}"]
     return "; ".join(s)
 
 
@@ -412,15 +415,14 @@ def collect(
     them to `<run dir>/stacks/node-<i>-rank-<r>.txt` (with the flight-recorder dumps), and
     return the verdict."""
     chosen = [n for n in cluster.nodes if nodes is None or n.rank in nodes]
+    t0 = time.monotonic()
     got = _gather(transport, {n: collect_script(config, n, fr=flight_recorder) for n in chosen})
-    # The ranks that look outside every collective, dumped again with their C++ frames.
-    suspects: dict[Node, list[int]] = {}
-    for node, ns in got.items():
-        suspects[node] = [s.rank for s in ns.ranks if s.ok and not classify(s.text).in_collective]
-    again = _gather(transport, {n: collect_script(config, n, ranks=r, native=True) for n, r in suspects.items() if r})
-    for node, ns in again.items():
-        deeper = {s.rank: s for s in ns.ranks if s.ok}
-        got[node].ranks = [deeper.get(s.rank, s) for s in got[node].ranks]
+    log.info(
+        "stacks of %d ranks on %d nodes in %.1f s",
+        sum(len(ns.ranks) for ns in got.values()),
+        len(chosen),
+        time.monotonic() - t0,
+    )
     dest = config.run_dir / "stacks"
     found = [got[n] for n in chosen]
     _write(dest, found)

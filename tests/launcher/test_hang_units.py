@@ -220,6 +220,7 @@ def dump_pipe():  # as ProcessGroupNCCL's DumpPipe: a write to <prefix><rank>.pi
     while True:
         try:
             if os.read(fd, 128):
+                time.sleep(0.5)  # the dump takes a while: the node program waits for it
                 with open(prefix + os.environ["RANK"], "wb") as f:
                     f.write(b"fr-dump")
         except BlockingIOError:
@@ -260,7 +261,7 @@ def fake_torchrun(tmp_path):
         p.unlink()
 
 
-def test_the_node_program_dumps_the_rank_not_its_agent_nor_its_child_and_fetches_the_flight_recorder(
+def test_the_node_program_dumps_the_rank_not_its_agent_nor_its_child_with_native_frames_and_the_flight_recorder(
     fake_torchrun,
 ):
     job, worker_pid = fake_torchrun
@@ -270,19 +271,11 @@ def test_the_node_program_dumps_the_rank_not_its_agent_nor_its_child_and_fetches
     r = subprocess.run(Transport(local=True).argv(node, script), capture_output=True, text=True, timeout=120)
     ns = parse_node_output(node, r.stdout)
     assert [(s.rank, s.pid, s.ok) for s in ns.ranks] == [(3, worker_pid, True)], r.stdout + r.stderr
-    assert classify(ns.ranks[0].text).at(1) == "load_batch (<string>:20)"
+    assert classify(ns.ranks[0].text).at(1) == "load_batch (<string>:21)"
     assert ns.flight_recorder == {3: b"fr-dump"}
     assert not Path(flight_recorder_prefix(job) + "3").exists()  # copied back, then removed
-    # The second pass: only the ranks asked for, with native frames.
-    deeper = collect_script(config, node, ranks=[3], native=True)
-    assert "--native" in deeper and "--native" not in script
-    r = subprocess.run(Transport(local=True).argv(node, deeper), capture_output=True, text=True, timeout=120)
-    (s,) = parse_node_output(node, r.stdout).ranks
-    assert "(libc.so.6)" in s.text and not classify(s.text).in_collective
-    r = subprocess.run(
-        Transport(local=True).argv(node, collect_script(config, node, ranks=[0])), capture_output=True, text=True
-    )
-    assert parse_node_output(node, r.stdout).ranks == []
+    # Outside torch.distributed's Python: dumped again in the same program with native frames.
+    assert "clock_nanosleep (libc.so.6)" in ns.ranks[0].text
 
 
 def test_the_node_program_quotes_what_it_is_given():

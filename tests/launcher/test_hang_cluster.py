@@ -56,6 +56,26 @@ def test_attached_run_names_the_sleeping_rank_writes_the_stacks_and_stops(sim_cl
     c.assert_nothing_left()
 
 
+def test_where_every_rank_waits_the_one_in_a_different_collective_is_named(sim_cluster, tmp_path):
+    c = sim_cluster(2)
+    r = subprocess.run(
+        [LAUNCH, "run", *source_args(c, tmp_path), *torch_args(nproc=2), "--env", "HANG_MODE=barrier"]
+        + ["--hang-timeout", "5s", "--", SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+    )
+    assert r.returncode == 124, r.stdout + r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("hang: no progress for ")]
+    assert re.search(
+        r"every rank waits in a collective, but not the same one: node \d \([\d.]+\) rank 0 waits in barrier at "
+        r"main \(hang_script\.py:\d+\), while 3 ranks wait in all_reduce at main \(hang_script\.py:\d+\)",
+        line,
+    ), line
+    c.assert_nothing_left()
+
+
 def test_detached_run_ends_failed_with_reason_hang_naming_the_rank(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 3)
     job_id = detach(c, tmp_path, "run", *torch_args(nproc=2), "--hang-timeout", "5s", "--", SCRIPT)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from launcher.cli import main
 from launcher.env import flight_recorder_on, node_env
 from launcher.hang import STARTUP_S, HangWatch, flight_recorder_env, flight_recorder_prefix
-from launcher.model import Cluster, Hang, LaunchConfig, LaunchResult, Node, Workload, new_job_id
+from launcher.model import Cluster, Hang, LaunchConfig, LaunchResult, Node, SshConfig, Workload, new_job_id
 from launcher.recover import failure_of
 from launcher.stacks import (
     STACK_MARKER,
@@ -356,3 +356,14 @@ def test_hang_timeout_off_turns_trains_default_off():
     assert "[default: 10m]" in " ".join(r.output.split())
     r = CliRunner().invoke(main, ["run", "--help"])
     assert "[default: off]" in " ".join(r.output.split())
+
+
+def test_the_hang_settings_travel_to_the_detached_controller():
+    from launcher.jobs import request_from_json, request_json
+
+    config = LaunchConfig(
+        Workload("torchrun", ("x.py",)), job_id="j", hang_timeout_s=30.0, progress=r"step \d+", ssh=SshConfig()
+    )
+    cluster = Cluster("c", tuple(nodes(2)))
+    _, back = request_from_json(request_json(cluster, config, config.ssh), [], Path("/home/u"), Path("/jobs"))
+    assert back.hang_timeout_s == 30.0 and back.progress == r"step \d+"

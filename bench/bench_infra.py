@@ -60,7 +60,7 @@ def _fleet(nodes: int) -> tuple[float, float]:
     from infra.preview import preview_program
 
     wall, cpu, p = _timed(lambda: preview_program({**CONFIG, "gpufleet:nodes": str(nodes)}, stack="bench"))
-    nics = sum(len(i.inputs["networkInterfaces"]) for i in p.of_type("Instance"))
+    nics = sum(len(i.inputs["networkInterfaces"]) for i in p.node_instances())
     assert len(p.outputs["nodes"]) == nodes and nics == nodes * 9, (len(p.outputs["nodes"]), nics)
     return wall, cpu
 

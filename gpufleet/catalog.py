@@ -45,6 +45,10 @@ __all__ = [
     "H100_MEGA",
     "H200",
     "B200",
+    "HOURS_PER_MONTH",
+    "OnDemandPrice",
+    "ON_DEMAND_PRICES",
+    "on_demand_price",
 ]
 
 
@@ -418,3 +422,48 @@ def peak_flops_for_device(device_name: str) -> float | None:
         if any(s in device_name for s in gpu.device_names):
             return gpu.peak_bf16_flops
     return None
+
+
+# ---- On-demand prices of the small VMs gpufleet declares beside the nodes --------------------------
+
+# Google prices a month of on-demand use as 730 hours (the monthly column of
+# https://cloud.google.com/compute/vm-instance-pricing).
+HOURS_PER_MONTH = 730
+
+
+@dataclass(frozen=True)
+class OnDemandPrice:
+    """A machine type's on-demand (not Spot, no committed-use discount) list price in one region."""
+
+    machine_type: str
+    region: str
+    usd_per_hour: float
+    source: str
+    retrieved: str  # the date the source's figure was generated or read
+
+    @property
+    def usd_per_month(self) -> float:
+        return self.usd_per_hour * HOURS_PER_MONTH
+
+
+ON_DEMAND_PRICES: dict[str, OnDemandPrice] = {
+    # e2-standard-2 (2 vCPUs, 8 GB), us-central1: $0.06701142/h, $48.92/month. Google's VM instance
+    # pricing page (https://cloud.google.com/compute/vm-instance-pricing, "E2 standard machine
+    # types") renders its table from the Cloud Billing Catalog; this figure is that catalog's, as
+    # mirrored in Cyclenerd/google-cloud-pricing-cost-calculator pricing.yml (generated 2025-03-06;
+    # compute.instance.e2-standard-2.cost.us-central1: hour 0.06701142, month 48.9183366). Other
+    # regions cost more or less (us-east4 0.07547082, europe-west4 0.07377204 in the same file).
+    "e2-standard-2": OnDemandPrice(
+        "e2-standard-2",
+        "us-central1",
+        0.06701142,
+        "https://cloud.google.com/compute/vm-instance-pricing (Cloud Billing Catalog via "
+        "Cyclenerd/google-cloud-pricing-cost-calculator pricing.yml)",
+        "2025-03-06",
+    ),
+}
+
+
+def on_demand_price(machine_type: str) -> OnDemandPrice | None:
+    """The on-demand list price the catalog knows for a (non-GPU) machine type, or None."""
+    return ON_DEMAND_PRICES.get(machine_type)

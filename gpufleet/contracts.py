@@ -7,7 +7,10 @@ click, so `infra/` (Pulumi), `launcher/` (the laptop) and `workloads/` (the node
   per node); the launcher reads `pulumi stack output --json` back with `parse_stack_outputs`,
   which refuses anything it would have to guess at (a gap in the node indexes, a repeated one).
 - Instance labels: infra sets `LABEL_CLUSTER` and `LABEL_NODE` on every node; the launcher's
-  `--label` discovery ranks instances by `LABEL_NODE`.
+  `--label` discovery ranks instances by `LABEL_NODE`. The controller VM carries `LABEL_CONTROLLER`
+  instead, so discovery by the cluster label never takes it for a node.
+- The controller VM (`controller` in the stack outputs, `controller_output(...)`): its startup
+  script installs the launcher into `CONTROLLER_VENV` and writes `CONTROLLER_READY_MARKER`.
 - Paths on a node that the startup script makes and the launcher reads: `READY_MARKER`,
   `NCCL_TESTS_DIR`, `LOCAL_SSD_MOUNT`.
 - The sweep's machine-readable line: `workloads.sweep` prints `sweep_json_line(doc)`, the
@@ -32,13 +35,19 @@ __all__ = [
     "READY_MARKER",
     "NCCL_TESTS_DIR",
     "LOCAL_SSD_MOUNT",
+    "LABEL_CONTROLLER",
+    "CONTROLLER_VENV",
+    "CONTROLLER_READY_MARKER",
     "OUTPUT_KEYS",
     "NODE_KEYS",
+    "CONTROLLER_KEYS",
     "OUTPUTS_SHAPE",
     "OutputsError",
     "StackNode",
+    "StackController",
     "StackOutputs",
     "node_output",
+    "controller_output",
     "stack_outputs",
     "parse_stack_outputs",
     "JSON_MARKER",
@@ -73,6 +82,18 @@ NCCL_TESTS_DIR = "/var/lib/gpufleet/nccl-tests/build"
 # mounts it. COS keeps / read-only; /mnt/disks is its writable place for extra disks.
 LOCAL_SSD_MOUNT = {"ubuntu": "/mnt/localssd", "cos": "/mnt/disks/localssd"}
 
+# The controller VM's label (value: the cluster name). It does not carry LABEL_CLUSTER: `--label
+# gpufleet-cluster=NAME` lists the nodes alone, and a node count never includes the controller.
+LABEL_CONTROLLER = "gpufleet-controller"
+
+# On the controller VM: the virtual environment its startup script installs the launcher (and
+# google-cloud-compute, for restarting stopped nodes) into; `launch` is CONTROLLER_VENV/bin/launch.
+CONTROLLER_VENV = "/opt/gpufleet/venv"
+# Written last by the controller's startup script, atomically, at every boot once the launcher is
+# installed. JSON: {"cluster", "controller", "source", "gpufleet", "google_cloud_compute",
+# "booted_at"} (a version the script could not read is "unknown").
+CONTROLLER_READY_MARKER = "/var/lib/gpufleet/controller-ready.json"
+
 
 # ---- the stack outputs ---------------------------------------------------------------------------
 
@@ -83,12 +104,16 @@ OUTPUT_KEYS = (
     "zone",
     "machineType",
     "nodes",
+    "controller",
     "placementPolicy",
     "networks",
     "checkpointBucket",
 )
 # One entry of `nodes`. externalIp is null unless the stack asks for external IPs.
 NODE_KEYS = ("name", "index", "internalIp", "externalIp", "zone")
+# The `controller` output: the cluster's controller VM, as a node entry without an index.
+# Absent when the stack turns the controller off (`gpufleet:controller false`).
+CONTROLLER_KEYS = ("name", "internalIp", "externalIp", "zone")
 
 # What a reader is told to expect when a document is not the stack outputs.
 OUTPUTS_SHAPE = (
@@ -112,6 +137,16 @@ class StackNode:
 
 
 @dataclass(frozen=True)
+class StackController:
+    """The controller VM of the stack outputs: not a node, it runs detached jobs' controllers."""
+
+    name: str
+    internal_ip: str  # what the nodes and the controller reach each other at
+    external_ip: str | None = None
+    zone: str | None = None
+
+
+@dataclass(frozen=True)
 class StackOutputs:
     """The stack outputs the launcher uses; `nodes` in rank order, indexes exactly 0 .. N-1."""
 
@@ -120,11 +155,18 @@ class StackOutputs:
     project: str | None = None
     zone: str | None = None
     machine_type: str | None = None
+    controller: StackController | None = None
+    """None when the stack has no controller VM (`controller` absent or null)."""
 
 
 def node_output(*, name: Any, index: int, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
     """One entry of the `nodes` output, as infra exports it. Values may be Pulumi Outputs."""
     return dict(zip(NODE_KEYS, (name, index, internal_ip, external_ip, zone)))
+
+
+def controller_output(*, name: Any, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
+    """The `controller` output, as infra exports it. Values may be Pulumi Outputs."""
+    return dict(zip(CONTROLLER_KEYS, (name, internal_ip, external_ip, zone)))
 
 
 def stack_outputs(
@@ -137,11 +179,12 @@ def stack_outputs(
     placement_policy: Any,
     networks: Any,
     checkpoint_bucket: Any,
+    controller: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports."""
-    return dict(
-        zip(OUTPUT_KEYS, (cluster, project, zone, machine_type, nodes, placement_policy, networks, checkpoint_bucket))
-    )
+    """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports.
+    `controller` (a controller_output) is left out when None: a stack without one has no key."""
+    values = (cluster, project, zone, machine_type, nodes, controller, placement_policy, networks, checkpoint_bucket)
+    return {k: v for k, v in zip(OUTPUT_KEYS, values) if k != "controller" or controller is not None}
 
 
 def _is_int(value: Any) -> bool:
@@ -179,6 +222,32 @@ def _stack_node(i: int, entry: Any) -> StackNode:
     )
 
 
+def _stack_controller(raw: Any, nodes: list[StackNode]) -> StackController | None:
+    if raw is None:
+        return None
+    shape = "expected controller: {name, internalIp, externalIp, zone}, or no controller key"
+    if not isinstance(raw, dict):
+        raise OutputsError(f"'controller' is {type(raw).__name__}, not an object; {shape}")
+    for key, what in (("name", "name"), ("internalIp", "internalIp")):
+        value = raw.get(key)
+        if not isinstance(value, str) or not value:
+            shown = "" if value is None else f" ({value!r})"
+            raise OutputsError(f"controller has no {what}{shown}; {shape}")
+    ip = raw["internalIp"]
+    for n in nodes:
+        if n.internal_ip == ip:
+            raise OutputsError(
+                f"controller {raw['name']} has node {n.index}'s internalIp {ip}; the controller is its own "
+                "VM, not a node: save the outputs again (`pulumi stack output --json > FILE`)"
+            )
+    return StackController(
+        name=raw["name"],
+        internal_ip=ip,
+        external_ip=_optional_str("controller.externalIp", raw.get("externalIp")),
+        zone=_optional_str("controller.zone", raw.get("zone")),
+    )
+
+
 def _check_indexes(nodes: list[StackNode]) -> None:
     """Indexes are the ranks: exactly 0 .. N-1. A gap is not closed up (nodes 0, 1, 3 would
     silently become ranks 0, 1, 2, and `--exclude`, logs and labels would name the wrong node)."""
@@ -202,7 +271,9 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
     Raises OutputsError (one line) for: a top level that is not an object; `nodes` missing,
     empty or not a list; a node without an internalIp or an integer index >= 0; a top-level
     string or a node's name/externalIp/zone of another type; a repeated index; a gap in the
-    indexes (0, 1, 3 names index 2)."""
+    indexes (0, 1, 3 names index 2); a `controller` that is not an object with a name and an
+    internalIp (a node's address refused), or whose externalIp/zone is not a string. No
+    `controller` (or null) is a stack without a controller VM."""
     if not isinstance(doc, Mapping):
         raise OutputsError(f"top level is {type(doc).__name__}, not an object; {OUTPUTS_SHAPE}")
     raw_nodes = doc.get("nodes")
@@ -213,6 +284,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         raise OutputsError(f"'nodes' is empty; {OUTPUTS_SHAPE}")
     nodes = [_stack_node(i, n) for i, n in enumerate(raw_nodes)]
     _check_indexes(nodes)
+    controller = _stack_controller(doc.get("controller"), nodes)
     top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType")}
     return StackOutputs(
         nodes=tuple(sorted(nodes, key=lambda n: n.index)),
@@ -220,6 +292,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         project=top["project"],
         zone=top["zone"],
         machine_type=top["machineType"],
+        controller=controller,
     )
 
 

@@ -1,4 +1,4 @@
-"""The gpufleet Pulumi program: stack config -> networks, placement, identity, nodes -> outputs.
+"""The gpufleet Pulumi program: stack config -> networks, placement, identity, nodes, controller -> outputs.
 
 Pulumi runs this file as `__main__` (Pulumi.yaml `main: infra/`). It only wires: the config is
 read once into a validated FleetSpec (infra/config.py) before any resource is declared, and the
@@ -20,12 +20,13 @@ import pulumi  # noqa: E402
 
 from gpufleet.contracts import stack_outputs  # noqa: E402
 from infra.config import ConfigError, read_spec  # noqa: E402
+from infra.controller import ControllerVm, ControllerVmArgs  # noqa: E402
 from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
 from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
 from infra.nodes import NodePool, NodePoolArgs  # noqa: E402
 from infra.placement import PlacementPolicy, PlacementPolicyArgs  # noqa: E402
 from infra.restart_grant import RestartGrant, RestartGrantArgs  # noqa: E402
-from infra.startup import render_startup_script  # noqa: E402
+from infra.startup import render_controller_script, render_startup_script  # noqa: E402
 
 
 def main() -> None:
@@ -83,7 +84,7 @@ def main() -> None:
     )
 
     # --recover's restart of a stopped Spot node: start and get on these instances, nothing more.
-    RestartGrant(
+    restart = RestartGrant(
         f"{spec.cluster}-restart",
         RestartGrantArgs(
             cluster=spec.cluster,
@@ -94,6 +95,28 @@ def main() -> None:
         ),
     )
 
+    # Detached jobs' controllers run here, off the GPU nodes; it restarts their stopped VMs.
+    controller = None
+    if spec.controller:
+        controller = ControllerVm(
+            f"{spec.cluster}-controller",
+            ControllerVmArgs(
+                cluster=spec.cluster,
+                project=spec.project,
+                zone=spec.zone,
+                subnetwork=networks.nic_targets[0][0],
+                external_ip=spec.external_ip,
+                labels=dict(spec.labels),
+                network_tag=spec.cluster,
+                startup_script=render_controller_script(cluster=spec.cluster, source=spec.controller_source),
+                restart_role=restart.role_name,
+                nodes=[(f"{spec.cluster}-{i}", inst) for i, inst in enumerate(pool.instances)],
+                checkpoint_bucket=identity.bucket_name,
+                depends_on=networks.attach_after,
+                grants_after=[restart.role],
+            ),
+        )
+
     outputs = stack_outputs(
         cluster=spec.cluster,
         project=spec.project,
@@ -103,6 +126,7 @@ def main() -> None:
         placement_policy=placement.policy.name if placement else None,
         networks=networks.summary,
         checkpoint_bucket=identity.bucket_name,
+        controller=controller.output if controller else None,
     )
     for key, value in outputs.items():
         pulumi.export(key, value)

@@ -28,6 +28,7 @@ __all__ = [
     "IAP_RANGE",
     "COMPACT_PLACEMENT_MAX_VMS",
     "SUBNET_MAX_NODES",
+    "DEFAULT_CONTROLLER_SOURCE",
     "parse_spec",
     "read_spec",
     "read_stack_file",
@@ -51,6 +52,13 @@ COMPACT_PLACEMENT_MAX_VMS = 1500
 # Every subnet is a /20 (infra/networks.py): 4096 addresses less the 4 GCE reserves.
 SUBNET_MAX_NODES = 4092
 
+# Where the controller VM's startup script installs the launcher from (`pip install "gpufleet @
+# SOURCE"`, which brings google-cloud-compute, a core dependency). The nodes install nothing of
+# gpufleet at boot (README: `pip install -e ".[workloads]"` on the nodes, by hand), so there is
+# no source to share with them; point gpufleet:controllerSource at your fork, or pin a tag
+# (`...gpufleet.git@v0.1.0`) so every boot installs the same launcher.
+DEFAULT_CONTROLLER_SOURCE = "git+https://github.com/gpufleet/gpufleet.git"
+
 DEFAULTS: dict[str, Any] = {
     "machineType": "a3-highgpu-8g",
     "nodes": 2,
@@ -62,6 +70,9 @@ DEFAULTS: dict[str, Any] = {
     # Flex-start VMs need a max run duration (pulumi-gcp 10.2.0 InstanceSchedulingArgs
     # provisioning_model docstring); Google caps Flex-start runs at seven days.
     "maxRunHours": 24,
+    # A small on-demand VM runs detached jobs' controllers, so no GPU node is special.
+    "controller": True,
+    "controllerSource": DEFAULT_CONTROLLER_SOURCE,
 }
 
 # Every key this program reads, in the namespace `gpufleet`. Anything else there is a typo.
@@ -81,6 +92,8 @@ KEYS = (
     "serviceAccount",
     "checkpointBucket",
     "labels",
+    "controller",
+    "controllerSource",
 )
 
 _PLACEMENTS = ("compact", "none")
@@ -100,6 +113,12 @@ _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 # digits, '-', '_', '.'; start and end with a letter or digit; 3-63 characters (up to 222 with
 # dots, each dot-separated part at most 63); not an IP address; no "goog" prefix, no "google".
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+# A pip direct-reference source without credentials: the host part admits no `user:token@`, since
+# the URL lands in instance metadata, which every process on the VM can read.
+_SOURCE_RE = re.compile(
+    r"^(git\+https://[a-z0-9.-]+(:[0-9]{1,5})?/[A-Za-z0-9._~/-]+(@[A-Za-z0-9._/-]+)?"
+    r"|https://[a-z0-9.-]+(:[0-9]{1,5})?/[A-Za-z0-9._~/%+-]+\.(whl|tar\.gz|zip))$"
+)
 
 
 class ConfigError(ValueError):
@@ -134,6 +153,10 @@ class FleetSpec:
     checkpoint_bucket: str | None
     labels: tuple[tuple[str, str], ...]
     """User labels (sorted pairs; frozen), added to every labelled resource."""
+    controller: bool = True
+    """Declare the controller VM (infra/controller.py)."""
+    controller_source: str = DEFAULT_CONTROLLER_SOURCE
+    """What the controller's startup script pip-installs gpufleet from."""
 
     @property
     def region(self) -> str:
@@ -432,6 +455,19 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     bucket = None if get("checkpointBucket") is None else _bucket("checkpointBucket", get("checkpointBucket"))
     labels = () if get("labels") is None else _labels("labels", get("labels"))
 
+    controller = DEFAULTS["controller"] if get("controller") is None else _bool("controller", get("controller"))
+    controller_source = DEFAULTS["controllerSource"]
+    if get("controllerSource") is not None:
+        controller_source = _string(
+            "controllerSource",
+            get("controllerSource"),
+            _SOURCE_RE,
+            "a pip source without credentials (it is kept in instance metadata): "
+            "git+https://HOST/OWNER/REPO.git[@REF] or https://HOST/PATH.whl (.tar.gz, .zip)",
+        )
+        if not controller:
+            raise _fail(_key("controllerSource"), controller_source, "only with gpufleet:controller true")
+
     return FleetSpec(
         cluster=cluster,
         project=project,
@@ -450,6 +486,8 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         service_account=service_account,
         checkpoint_bucket=bucket,
         labels=labels,
+        controller=controller,
+        controller_source=controller_source,
     )
 
 
@@ -543,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
-        f"placement {spec.placement})"
+        f"placement {spec.placement}{', a controller VM' if spec.controller else ', no controller VM'})"
     )
     return 0
 

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-__all__ = ["NODE_ROLES", "BUCKET_ROLE", "service_account_id", "NodeIdentityArgs", "NodeIdentity"]
+__all__ = [
+    "NODE_ROLES",
+    "BUCKET_ROLE",
+    "service_account_id",
+    "service_account_email",
+    "NodeIdentityArgs",
+    "NodeIdentity",
+]
 
 # What a node needs and nothing more: write its logs and metrics, pull the GPUDirect images from
 # Artifact Registry (dstack grants roles/artifactregistry.reader for them: github.com/dstackai/dstack
@@ -35,6 +42,15 @@ def service_account_id(cluster: str) -> str:
         return f"{cluster}-nodes"
     digest = hashlib.sha256(cluster.encode()).hexdigest()[:6]
     return f"{cluster[:17].rstrip('-')}-nodes-{digest}"
+
+
+def service_account_email(account_id: str, project: str) -> str:
+    """A created account's email, fixed by its ID and project: ID@PROJECT.iam.gserviceaccount.com,
+    and for a domain-scoped project "example.com:proj", ID@proj.example.com.iam.gserviceaccount.com
+    (https://cloud.google.com/iam/docs/service-account-overview)."""
+    domain, _, project_name = project.rpartition(":")
+    host = f"{project_name}.{domain}" if domain else project_name
+    return f"{account_id}@{host}.iam.gserviceaccount.com"
 
 
 @dataclass(frozen=True)

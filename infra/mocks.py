@@ -54,8 +54,10 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
     Addresses are placeholders: NIC k of the instance labelled `gpufleet-node=i` gets its subnet's
     address `.2 + i` (the first GCE hands out, then in rank order), so a preview's outputs are the
-    same every run; an unlabelled instance takes the subnet's next free address. An external IP
-    comes from 203.0.113.0/24 (documentation range, RFC 5737).
+    same every run; an instance without that label (the controller VM) takes the subnet's last
+    usable address (GCE reserves the last two), the next one down for a second, so it never
+    takes a node's, whatever order the registrations arrive in. An external IP comes from
+    203.0.113.0/24 (documentation range, RFC 5737).
     """
 
     def __init__(self) -> None:
@@ -68,7 +70,15 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
     def _host(self, subnet: str, wanted: int | None) -> int:
         used = self._used.setdefault(subnet, set())
-        host = wanted if wanted is not None and wanted not in used else max(used | {_FIRST_HOST - 1}) + 1
+        if wanted is None:
+            # From the top: the last usable address is the third from the end of the range
+            # (https://cloud.google.com/vpc/docs/subnets#unusable-ip-addresses-in-every-subnet).
+            size = self._cidr[subnet].num_addresses if subnet in self._cidr else 1 << 16
+            host = size - 3
+            while host in used:
+                host -= 1
+        else:
+            host = wanted if wanted not in used else max(used | {_FIRST_HOST - 1}) + 1
         used.add(host)
         return host
 

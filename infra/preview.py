@@ -37,7 +37,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpufleet.contracts import LABEL_NODE
+from gpufleet.catalog import on_demand_price
+from gpufleet.contracts import LABEL_CONTROLLER, LABEL_NODE
 from infra.config import ConfigError, parse_spec, read_stack_config
 from infra.mocks import Declared, RecordingMocks, run_under_mocks
 
@@ -60,8 +61,8 @@ MAIN = str(Path(__file__).with_name("__main__.py"))
 NOTE_KEY = "_preview"
 _PLACEHOLDERS = (
     "Addresses are placeholders from the subnets the program declares (node i: the subnet's "
-    "address .2+i; external IPs from 203.0.113.0/24, a documentation range). After `pulumi up`, "
-    "`pulumi stack output --json` gives the real ones."
+    "address .2+i; the controller: its last usable one; external IPs from 203.0.113.0/24, a "
+    "documentation range). After `pulumi up`, `pulumi stack output --json` gives the real ones."
 )
 OUTPUTS_NOTE = f"Written by `python -m infra.preview` under Pulumi's mocks: nothing was created. {_PLACEHOLDERS}"
 _SUMMARY_NOTE = f"A preview under Pulumi's mocks: nothing was created. {_PLACEHOLDERS}"
@@ -78,6 +79,18 @@ class Preview:
     def of_type(self, token: str) -> list[Declared]:
         """Resources of a type, by its short name ("Instance") or full token."""
         return [d for d in self.declared if d.type == token or d.type.rsplit(":", 1)[-1] == token]
+
+    def node_instances(self) -> list[Declared]:
+        """The nodes' instances (labelled with their index), in rank order."""
+        nodes = [d for d in self.of_type("Instance") if LABEL_NODE in (d.inputs.get("labels") or {})]
+        return sorted(nodes, key=_rank)
+
+    def controller_instance(self) -> Declared | None:
+        """The controller VM's instance, or None when the stack has none."""
+        found = [d for d in self.of_type("Instance") if LABEL_CONTROLLER in (d.inputs.get("labels") or {})]
+        if len(found) > 1:
+            raise KeyError(f"{len(found)} controller instances")
+        return found[0] if found else None
 
     def named(self, name: str) -> Declared:
         found = [d for d in self.declared if d.name == name]
@@ -146,9 +159,11 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
     """What `pulumi up` would create, as plain data: resource counts by type, networks, each node
     (machine type, zone, NICs, placement, scheduling, service account, labels), the service
     account's roles, the bucket, firewall rules, and the stack outputs (placeholder addresses)."""
-    inputs = {d.name: _plain(d.inputs) for d in preview.declared}
-    networks = {i["name"]: i for d in preview.of_type("Network") for i in [inputs[d.name]]}
-    subnets = {i["name"]: i for d in preview.of_type("Subnetwork") for i in [inputs[d.name]]}
+    # By resource, not by name: a component and its own resource may share a name (NodePool and
+    # the nodes' Account are both `<cluster>-nodes`).
+    inputs = {id(d): _plain(d.inputs) for d in preview.declared}
+    networks = {i["name"]: i for d in preview.of_type("Network") for i in [inputs[id(d)]]}
+    subnets = {i["name"]: i for d in preview.of_type("Subnetwork") for i in [inputs[id(d)]]}
     addresses = {n["name"]: n for n in preview.outputs.get("nodes") or []}
     roles = {n["name"]: n.get("role") for n in preview.outputs.get("networks") or []}
 
@@ -161,9 +176,7 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
     def mtu(network: str) -> int:
         return networks.get(network, {}).get("mtu") or _VPC_DEFAULT_MTU
 
-    nodes = []
-    for inst in sorted(preview.of_type("Instance"), key=_rank):
-        i = inputs[inst.name]
+    def nics_of(i: dict[str, Any]) -> list[dict[str, Any]]:
         nics = []
         for k, nic in enumerate(i.get("networkInterfaces") or []):
             subnet = _last(nic.get("subnetwork"))
@@ -179,6 +192,12 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
                     "externalIp": bool(nic.get("accessConfigs")),
                 }
             )
+        return nics
+
+    nodes = []
+    for inst in preview.node_instances():
+        i = inputs[id(inst)]
+        nics = nics_of(i)
         sched = i.get("scheduling") or {}
         affinity = i.get("reservationAffinity") or {}
         max_run = (sched.get("maxRunDuration") or {}).get("seconds")
@@ -212,16 +231,19 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
     member = f"serviceAccount:{email}"
     account = {
         "email": email,
-        "created": bool(preview.of_type("gcp:serviceaccount/account:Account")),
+        "created": any(
+            (email or "").startswith(f"{inputs[id(d)]['accountId']}@")
+            for d in preview.of_type("gcp:serviceaccount/account:Account")
+        ),
         "projectRoles": sorted(
-            inputs[g.name]["role"]
+            inputs[id(g)]["role"]
             for g in preview.of_type("gcp:projects/iAMMember:IAMMember")
-            if inputs[g.name].get("member") == member
+            if inputs[id(g)].get("member") == member
         ),
         "bucketRoles": [
-            {"bucket": inputs[g.name]["bucket"], "role": inputs[g.name]["role"]}
+            {"bucket": inputs[id(g)]["bucket"], "role": inputs[id(g)]["role"]}
             for g in preview.of_type("BucketIAMMember")
-            if inputs[g.name].get("member") == member
+            if inputs[id(g)].get("member") == member
         ],
     }
     # Networks in the program's NIC order (the `networks` output), subnets by address: the
@@ -257,18 +279,67 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
             "targetTags": f.get("targetTags") or [],
         }
         for f in sorted(
-            (inputs[d.name] for d in preview.of_type("Firewall")),
+            (inputs[id(d)] for d in preview.of_type("Firewall")),
             key=lambda f: (place(_last(f.get("network"))), f["name"]),
         )
     ]
     policies = [
         {"name": p["name"], **p.get("groupPlacementPolicy", {})}
-        for p in (inputs[d.name] for d in preview.of_type("ResourcePolicy"))
+        for p in (inputs[id(d)] for d in preview.of_type("ResourcePolicy"))
     ]
     buckets = [
         {k: b.get(k) for k in ("name", "location", "uniformBucketLevelAccess", "publicAccessPrevention")}
-        for b in (inputs[d.name] for d in preview.of_type("gcp:storage/bucket:Bucket"))
+        for b in (inputs[id(d)] for d in preview.of_type("gcp:storage/bucket:Bucket"))
     ]
+    controller = None
+    ctl = preview.controller_instance()
+    if ctl is not None:
+        i = inputs[id(ctl)]
+        sched = i.get("scheduling") or {}
+        ctl_member = f"serviceAccount:{(i.get('serviceAccount') or {}).get('email')}"
+        price = on_demand_price(i.get("machineType", ""))
+        grants = sorted(
+            [
+                {"role": inputs[id(g)]["role"], "on": f"instance {inputs[id(g)]['instanceName']}"}
+                for g in preview.of_type("InstanceIAMMember")
+                if inputs[id(g)].get("member") == ctl_member
+            ]
+            + [
+                {"role": inputs[id(g)]["role"], "on": f"bucket {inputs[id(g)]['bucket']}"}
+                for g in preview.of_type("BucketIAMMember")
+                if inputs[id(g)].get("member") == ctl_member
+            ]
+            + [
+                {"role": inputs[id(g)]["role"], "on": f"project {inputs[id(g)]['project']}"}
+                for g in preview.of_type("gcp:projects/iAMMember:IAMMember")
+                if inputs[id(g)].get("member") == ctl_member
+            ],
+            key=lambda g: (g["on"].split()[0] != "instance", g["on"], g["role"]),
+        )
+        listed = preview.outputs.get("controller") or {}
+        controller = {
+            "name": i["name"],
+            "machineType": i.get("machineType"),
+            "zone": i.get("zone"),
+            "internalIp": listed.get("internalIp"),
+            "externalIp": listed.get("externalIp"),
+            "nics": nics_of(i),
+            "provisioningModel": sched.get("provisioningModel"),
+            "preemptible": bool(sched.get("preemptible")),
+            "onHostMaintenance": sched.get("onHostMaintenance"),
+            "serviceAccount": (i.get("serviceAccount") or {}).get("email"),
+            "grants": grants,
+            "labels": dict(sorted((i.get("labels") or {}).items())),
+            "cost": None
+            if price is None
+            else {
+                "usdPerHour": price.usd_per_hour,
+                "usdPerMonth": round(price.usd_per_month, 2),
+                "region": price.region,
+                "source": price.source,
+                "retrieved": price.retrieved,
+            },
+        }
     out = preview.outputs
     return {
         "stack": stack,
@@ -281,6 +352,7 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
         "networks": network_rows,
         "placementPolicies": policies,
         "nodes": nodes,
+        "controller": controller,
         "serviceAccount": account,
         "buckets": buckets,
         "firewalls": firewalls,
@@ -395,6 +467,52 @@ def _render(summary: dict[str, Any], console: Console) -> None:
     for k, (role, on) in enumerate(rows or [("(none granted here)", "")]):
         t.add_row(f"{a['email']} ({how})" if k == 0 else "", role, escape(on))
     console.print(t)
+    c = s["controller"]
+    if c is not None:
+        t = table(
+            "Controller VM",
+            "name",
+            "machine type",
+            "zone",
+            "internal IP*",
+            "subnet",
+            "external IP",
+            "provisioning",
+            "on host maintenance",
+            "cost per month",
+        )
+        cost = c["cost"]
+        monthly = f"${cost['usdPerMonth']:.2f}" if cost else "unknown"
+        t.add_row(
+            c["name"],
+            c["machineType"] or "",
+            c["zone"] or "",
+            str(c["internalIp"] or ""),
+            c["nics"][0]["subnet"] if c["nics"] else "",
+            "yes" if any(n["externalIp"] for n in c["nics"]) else "no",
+            c["provisioningModel"] or "",
+            c["onHostMaintenance"] or "",
+            monthly,
+        )
+        if cost:
+            t.caption = (
+                f"on-demand list price in {cost['region']}: ${cost['usdPerHour']:.4f}/h x 730 h "
+                f"({cost['retrieved']}; other regions differ; boot disk not included)"
+            )
+        console.print(t)
+        # One row per role: the restart role is granted on every node's instance, which a
+        # 128-node fleet would otherwise list 128 times.
+        rows: dict[tuple[str, str], list[str]] = {}
+        for g in c["grants"]:
+            kind, _, target = g["on"].partition(" ")
+            rows.setdefault((g["role"], kind), []).append(target)
+        t = table("Controller service account", "account", "role", "on")
+        for k, ((role, kind), targets) in enumerate(rows.items() or [(("(none granted here)", ""), [""])]):
+            on = f"{kind} {targets[0]}" if len(targets) == 1 else f"each node's instance ({len(targets)})"
+            t.add_row(f"{c['serviceAccount']} (created)" if k == 0 else "", escape(role), escape(on.strip()))
+        console.print(t)
+    else:
+        console.print("no controller VM (gpufleet:controller false): detached jobs' controllers run on node 0")
     for p in s["placementPolicies"]:
         extra = f", max distance {p['maxDistance']}" if p.get("maxDistance") else ""
         console.print(

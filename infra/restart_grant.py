@@ -66,6 +66,7 @@ class RestartGrant(pulumi.ComponentResource):
             ),
             opts=pulumi.ResourceOptions(parent=self),
         )
+        self.role = role  # what another grant of the same role must be created after
         # The role's full name is fixed by the project and the ID: projects/P/roles/ID.
         self.role_name = f"projects/{args.project}/roles/{role_id}"
         self.bindings = [

@@ -1,8 +1,10 @@
 """Render a node's startup script from infra/templates/. Pure: no pulumi, no I/O beyond the templates.
 
 `base.sh` holds the steps every node runs (NIC wait, driver, persistence, ulimits, local SSD RAID0,
-nccl-tests, ready marker); one file per network stack defines `net_stack_setup`. Placeholders are
-`@@NAME@@` (bash's own `$NAME` stays untouched); every value is shell-quoted.
+nccl-tests, ready marker); one file per network stack defines `net_stack_setup`. `controller.sh` is
+the controller VM's (the launcher into a venv, its ready marker). Both take the helpers in
+`common.sh`. Placeholders are `@@NAME@@` (bash's own `$NAME` stays untouched); every value is
+shell-quoted.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ from functools import cache
 from importlib import resources
 
 from gpufleet.catalog import MachineType, NetStack
-from gpufleet.contracts import LOCAL_SSD_MOUNT, NCCL_TESTS_DIR, READY_MARKER
+from gpufleet.contracts import (
+    CONTROLLER_READY_MARKER,
+    CONTROLLER_VENV,
+    LOCAL_SSD_MOUNT,
+    NCCL_TESTS_DIR,
+    READY_MARKER,
+)
 
-__all__ = ["STACK_TEMPLATES", "render_startup_script"]
+__all__ = ["STACK_TEMPLATES", "LAUNCH_LINK", "render_startup_script", "render_controller_script"]
+
+# Where the controller's script links `launch` (CONTROLLER_VENV/bin/launch), so a login shell has it.
+LAUNCH_LINK = "/usr/local/bin/launch"
 
 # The template that defines net_stack_setup for each stack.
 STACK_TEMPLATES: dict[NetStack, str] = {
@@ -69,4 +80,24 @@ def render_startup_script(machine: MachineType, *, cluster: str, image_os: str) 
     }
     section = _fill(_template(STACK_TEMPLATES[machine.net_stack]), values).rstrip("\n")
     # re.sub does not rescan what it inserts, so the filled section goes in verbatim.
-    return _fill(_template("base.sh"), {**values, "NET_STACK_SETUP": section})
+    return _fill(_template("base.sh"), {**values, "COMMON": _common(), "NET_STACK_SETUP": section})
+
+
+def _common() -> str:
+    return _template("common.sh").rstrip("\n")
+
+
+def render_controller_script(*, cluster: str, source: str) -> str:
+    """The controller VM's startup script: `pip install "gpufleet @ SOURCE"` into CONTROLLER_VENV
+    (once per source: a reboot with the same source installs nothing), `launch` on the PATH, then
+    CONTROLLER_READY_MARKER. `source` is any pip direct-reference URL; infra/config.py checks the
+    one a stack gives (no credentials: the script is instance metadata)."""
+    values = {
+        "CLUSTER": shlex.quote(cluster),
+        "SOURCE": shlex.quote(source),
+        "VENV": shlex.quote(CONTROLLER_VENV),
+        "LAUNCH_LINK": shlex.quote(LAUNCH_LINK),
+        "READY_MARKER": shlex.quote(CONTROLLER_READY_MARKER),
+        "COMMON": _common(),
+    }
+    return _fill(_template("controller.sh"), values)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -22,7 +23,7 @@ from rich.table import Table
 
 from gpufleet.contracts import READY_MARKER
 from launcher.launch import Interrupted, Launch
-from launcher.model import LaunchResult, UserError, Workload
+from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workload
 from launcher.options import (
     DETACH_OPTION,
     ENV_OPTION,
@@ -39,6 +40,7 @@ from launcher.options import (
 )
 from launcher.render import err, execute_on, finish, live_printer, render_result, setup_logging, user_errors
 from launcher.topology import metadata_statement, node_physical_hosts, spread_warning
+from launcher.workload_args import TrainArgs, WorkloadCommand, no_such_option, option_names
 
 __all__ = ["main"]
 
@@ -59,6 +61,10 @@ class _OneLineErrors(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS_IS_HELP as e:  # bare `launch`: the help itself, as click prints it
             click.echo(e.format_message(), err=True)
+            rv = e.exit_code
+        except click.NoSuchOption as e:  # worded as launch train words a workload option it does not know
+            names = option_names(e.ctx.command) if e.ctx is not None else list(e.possibilities or ())
+            err.print(f"[red]error: {escape(no_such_option(e.option_name, names))}[/red]")
             rv = e.exit_code
         except click.ClickException as e:
             hint = ""
@@ -96,7 +102,11 @@ class _OneLineErrors(click.Group):
         return super().get_command(ctx, name)
 
 
-def _start(o: dict[str, Any], workload: Workload) -> None:
+# Checks a workload's arguments against the nodes and ranks a launch will start (UserError if not).
+WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
+
+
+def _start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None) -> None:
     """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
     given = [k for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped") if o.get(k) is not None]
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
@@ -106,23 +116,29 @@ def _start(o: dict[str, Any], workload: Workload) -> None:
     if o.pop("detach", False):
         from launcher.jobs_cli import start_detached  # loaded only when asked for, as _lazy's commands
 
-        start_detached(o, workload)
+        start_detached(o, workload, check)
     else:
-        finish(_attached(o, workload))
+        finish(_attached(o, workload, check))
 
 
-def _attached(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
+def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None) -> LaunchResult | None:
     """render.execute, refusing (one line, nothing started) when a detached job holds the nodes."""
     setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
+    if check is not None:
+        check(cluster, config)
     if config.dry_run or cluster.local:
         return execute_on(cluster, config)
     from launcher.busy import BusyCheck
+    from launcher.ordering import order_for_launch
+
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
 
     stop = threading.Event()
     busy = BusyCheck(cluster, config, stop)
-    on_event, status = live_printer(cluster)
+    on_event, status = live_printer(cluster, order.message)
     try:
         result = Launch(cluster, config, on_event=busy.gate(on_event), stop=stop).run()
     except Interrupted:
@@ -143,13 +159,17 @@ def main() -> None:
     """Launch torchrun (or any command) on every node of a GPU cluster over SSH."""
 
 
-@main.command(context_settings=PASS_THROUGH)
+@main.command(
+    cls=WorkloadCommand, workload_title=TrainArgs.TITLE, workload_rows=TrainArgs.rows, context_settings=PASS_THROUGH
+)
 @apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + HANG_OPTIONS_TRAIN + [DETACH_OPTION] + RECOVER_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:
-    """Run the built-in training workload (workloads.train); extra ARGS go to it."""
-    _start(o, Workload("torchrun", ("-m", "workloads.train", *args)))
+    """Run the built-in training workload (workloads.train); extra ARGS go to it, checked here
+    first (the workload's options are listed below the launcher's)."""
+    checked = TrainArgs(args, option_names(click.get_current_context().command))
+    _start(o, Workload("torchrun", ("-m", "workloads.train", *args)), checked.check)
 
 
 @main.command(context_settings=PROGRAM_AFTER)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from launcher.jobs import JobRecord, JobState, controller_alive, process_start, request_from_json, write_json_atomic
 from launcher.model import LaunchResult, UserError
+from launcher.output import failure_line
 
 __all__ = ["main", "Controller"]
 
@@ -158,11 +159,8 @@ class Controller:
         o = result.outcomes.get(rank) if rank is not None else None
         if o is None:
             return self.end(JobState.FAILED, result.exit_code, why="failed" + note)
-        what = f"unreachable ({o.error})" if o.connection_lost else o.status
         tail = [*[line for line in o.error_lines if line not in o.tail], *o.tail[-20:]]
-        return self.end(
-            JobState.FAILED, result.exit_code, why=f"{o.node.label} failed first: {what}{note}", node=rank, tail=tail
-        )
+        return self.end(JobState.FAILED, result.exit_code, why=f"{failure_line(result)}{note}", node=rank, tail=tail)
 
     def end(
         self,

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from launcher.handoff import detach
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.ordering import order_for_launch
 from launcher.recover import recover_policy, recovery_lines
 from launcher.render import err, setup_logging, user_errors
 from launcher.transport import make_transport
@@ -42,15 +44,26 @@ _STYLE = {
 }
 
 
-def start_detached(o: dict[str, Any], workload: Workload) -> None:
-    """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line)."""
+def start_detached(
+    o: dict[str, Any], workload: Workload, check: Callable[[Cluster, LaunchConfig], None] | None = None
+) -> None:
+    """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line).
+    `check` refuses workload arguments that do not fit the ranks the job will start."""
     setup_logging()
     if o.get("dry_run"):
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(o, workload.argv, detach=True)
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
+    if check is not None:
+        check(cluster, config)
     n = len(cluster.nodes)
+    # The controller keeps this order: the request carries the nodes in it, and a recovery
+    # relaunches from the request.
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    if order.message:
+        err.print(f"[dim]{escape(order.message)}[/dim]")
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
         job_id = detach(cluster, config, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")

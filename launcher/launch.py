@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from launcher.command import node_commands, probe_script
 from launcher.hang import HangWatch
-from launcher.model import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
-from launcher.output import root_cause, worker_failure_note
+from launcher.model import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
+from launcher.output import root_cause, traceback_key, worker_failure
 from launcher.preflight import Probe, check_probes, check_timeout, handshake_limit
 from launcher.session import NodeSession, Report
 from launcher.transport import Transport, make_transport
@@ -127,6 +127,8 @@ class Launch:
         self._sessions: dict[int, NodeSession] = {}
         self._reports: queue.Queue[Report] = queue.Queue()
         self._worker_failures: dict[int, int] = {}  # torchrun worker failures seen, by node rank
+        self._workers: dict[int, WorkerFailure] = {}  # the worker failure that ended a node's run
+        self._tracebacks: set[str] = set()  # user tracebacks shown (traceback_key)
         self._arrival: list[int] = []  # ranks in the order their workloads ended
         self._failing = False  # a node failed on its own: the others are being stopped
         self._hang = HangWatch(config.hang_timeout_s, config.progress) if config.hang_timeout_s else None
@@ -288,8 +290,10 @@ class Launch:
             except queue.Empty:
                 self._force_overdue()
                 continue
-            if report.kind == "line":
-                self._on_line(report.rank, report.text)
+            if report.kind in ("line", "log"):
+                self._on_line(report.rank, report.text, live=report.kind == "line")
+            elif report.kind == "traceback":
+                self._on_traceback(report.rank, report.text)
             elif report.kind == "exit" and self.states[report.rank] is NodeState.RUNNING:
                 self._on_exit(report.rank, int(report.text))
         if self._failing and self.result.hang is None:
@@ -337,38 +341,58 @@ class Launch:
             if session.stop_sent_at is not None and now - session.stop_sent_at > force_after:
                 session.force()
 
-    def _on_line(self, rank: int, text: str) -> None:
-        node = self._sessions[rank].node
-        if self._hang is not None:
-            self._hang.saw(text)
-        self._emit(NodeEvent(node, line=text))
-        note = worker_failure_note(text) if self.config.workload.kind == "torchrun" else None
-        if not note or self.stop_event.is_set() or self._failing:
+    def _on_line(self, rank: int, text: str, live: bool = True) -> None:
+        session = self._sessions[rank]
+        if live:
+            self._emit(NodeEvent(session.node, line=text))
+            if self._hang is not None:  # the job's own output; torchrun's report ("log") is not progress
+                self._hang.saw(text)
+        failure = worker_failure(text) if self.config.workload.kind == "torchrun" else None
+        if failure is None:
             return
         seen = self._worker_failures[rank] = self._worker_failures.get(rank, 0) + 1
         limit = self.config.max_restarts
+        # The failure that ends the node's run (torchrun restarts the earlier ones), unless it is
+        # a worker the launcher's own stop killed.
+        if seen > limit and (session.stop_sent_at is None or failure.exitcode >= 0):
+            self._workers[rank] = failure
+        if self.stop_event.is_set() or self._failing:
+            return
         if seen <= limit:
             log.warning(
                 "%s: %s; torchrun restarts the workers on every node (restart %d of "
                 "--max-restarts %d; they resume from the latest checkpoint if the "
                 "workload has one)",
-                node.label,
-                note,
+                session.node.label,
+                failure.note,
                 seen,
                 limit,
             )
-        else:
-            log.warning("%s: %s; no restarts left (--max-restarts %d)", node.label, note, limit)
+        elif self.result.first_worker_status is None:
+            # The end of the run: the launcher's one line on it comes with the result.
+            self.result.first_worker_status = failure.status
+
+    def _on_traceback(self, rank: int, text: str) -> None:
+        """A user traceback: shown from the first rank that raised it; the others' stay in their logs."""
+        key = traceback_key(text)
+        if key in self._tracebacks:
+            return
+        self._tracebacks.add(key)
+        for line in text.split("\n"):
+            self._emit(NodeEvent(self._sessions[rank].node, line=line))
 
     def _on_exit(self, rank: int, transport_rc: int) -> None:
         outcome = self._sessions[rank].outcome(transport_rc)
+        outcome.worker = self._workers.get(rank)
         self.result.outcomes[rank] = outcome
         self._arrival.append(rank)
         self._set_state(rank, _final_state(outcome), outcome.status)
         if not outcome.ok and not outcome.stopped and not self._failing:
             self._failing = True
-            what = outcome.status if not outcome.connection_lost else f"unreachable: {outcome.error}"
-            log.error("%s failed (%s); stopping the other nodes", outcome.node.label, what)
+            # Which node failed first is decided once every node has ended (root_cause): the
+            # first to end is often a peer of the cause, so none is named here.
+            if self.in_state(NodeState.RUNNING):
+                log.warning("a node failed; stopping the other nodes")
             self._stop_running()
 
 

@@ -3,9 +3,10 @@ what happened (`LaunchResult`, with outcomes and failures keyed by node).
 
 Vocabulary (the same as gpufleet.catalog):
 - *node*: one machine (a VM, a simulated namespace, or one process group under `--local`).
-- *rank* of a node: its position in the cluster's order; node 0 hosts the c10d rendezvous, and
-  the node's program sees it as GPUFLEET_NODE_RANK (torchrun's group rank is assigned at the
-  c10d rendezvous, so it need not match).
+- *rank* of a node: its position in the cluster's order (the node source's, or the topology's:
+  launcher.topology); node 0 hosts the rendezvous, and the node's program sees it as
+  GPUFLEET_NODE_RANK and as torchrun's group rank (a static rendezvous: `--node-rank`), so the
+  workers of node i hold the global ranks after node i-1's, and RANK 0 is on node 0.
 - *local rank*: a process's index among the `nproc_per_node` processes torchrun starts on a node.
 """
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import re
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from gpufleet.catalog import lookup
 
@@ -26,6 +29,7 @@ __all__ = [
     "Workload",
     "SshConfig",
     "LaunchConfig",
+    "WorkerFailure",
     "NodeOutcome",
     "LaunchResult",
     "Hang",
@@ -186,6 +190,9 @@ class LaunchConfig:
     ssh: SshConfig = field(default_factory=SshConfig)
     check_versions: bool = True  # compare torch versions across nodes in the pre-flight
     stop_grace_s: float = 5.0  # SIGTERM to SIGKILL on the nodes when stopping
+    # "topology" | "given"; None: topology when every node reports a physical host, else given
+    # (launcher.topology.launch_order). Decided once, before the nodes' commands are built.
+    rank_order: str | None = None
     hang_timeout_s: float | None = None  # --hang-timeout: stop after this long without progress
     progress: str | None = None  # --progress: the regex a progress line matches (None: any line)
 
@@ -198,10 +205,38 @@ class LaunchConfig:
             raise UserError(f"--rdzv-port {self.rdzv_port} must be between 1024 and 65535")
         if self.image_os not in (None, "ubuntu", "cos"):
             raise UserError(f"--image-os {self.image_os!r} is unknown; one of: ubuntu, cos")
+        if self.rank_order not in (None, "topology", "given"):
+            raise UserError(f"--rank-order {self.rank_order!r} is unknown; one of: topology, given")
 
     @property
     def run_dir(self) -> Path:
         return self.runs_dir / self.job_id
+
+
+class WorkerFailure(NamedTuple):
+    """A worker process torchrun saw fail: its `exitcode` as torchrun reports it (negative: the
+    signal that killed it)."""
+
+    exitcode: int
+    local_rank: int
+    pid: int
+
+    @property
+    def status(self) -> int:
+        """The exit status a shell would report for the worker: 128 + N when killed by signal N."""
+        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+    @property
+    def note(self) -> str:
+        """In words: "worker local_rank 0 (pid 7) exit 2", "... killed by SIGKILL"."""
+        if self.exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-self.exitcode}"
+        else:
+            how = f"exit {self.exitcode}"
+        return f"worker local_rank {self.local_rank} (pid {self.pid}) {how}"
 
 
 @dataclass
@@ -219,6 +254,9 @@ class NodeOutcome:
     # because torchrun's failure summary that follows can push them out of the last 20 lines.
     error_lines: list[str] = field(default_factory=list)
     reported_error_before_stop: bool = False  # an error line came before the launcher stopped it
+    # The worker failure that ended this node's run, as torchrun reported it (launcher.output.worker_failure),
+    # leaving out a worker killed by the launcher's own stop; None: none, or not torchrun.
+    worker: WorkerFailure | None = None
 
     @property
     def ok(self) -> bool:
@@ -256,6 +294,9 @@ class LaunchResult:
     outcomes: dict[int, NodeOutcome]  # by node rank
     first_failure: int | None = None  # rank of the node that failed first
     signal: int | None = None  # SIGINT/SIGTERM received by the launcher
+    # The exit status of the first worker torchrun reported failed for good (no restarts left),
+    # before the launcher stopped anything: the status when the first failure's own is unknown.
+    first_worker_status: int | None = None
     hang: Hang | None = None  # set when the launch stopped a hung job
 
     @property
@@ -264,6 +305,8 @@ class LaunchResult:
 
     @property
     def exit_code(self) -> int:
+        """The root cause's status: the failed worker's own (torchrun itself exits 1 for any
+        worker failure), not the SIGTERM of nodes the launcher stopped after it."""
         if self.signal is not None:
             return 128 + self.signal
         if self.hang is not None:
@@ -273,4 +316,8 @@ class LaunchResult:
         first = self.outcomes[self.first_failure]
         if first.connection_lost:
             return EXIT_CONNECTION_LOST
+        if first.worker is not None:
+            return first.worker.status
+        if self.first_worker_status is not None:
+            return self.first_worker_status
         return first.exit_code or 1

@@ -46,7 +46,10 @@ from launcher.options import (
     build_config,
     find_cluster,
 )
+from launcher.ordering import order_for_launch
 from launcher.render import err, execute_on, setup_logging, user_errors
+from launcher.workload_args import WorkloadCommand, parser_help
+from workloads.sweep_args import build_parser as build_sweep_parser
 
 __all__ = ["nccl_tests", "NcclRequest", "nccl_request", "rank0_rows", "report_rows"]
 
@@ -58,8 +61,12 @@ def _out() -> Console:
     return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
+_SWEEP = build_sweep_parser()  # the sweep's own command line, whose words the forwarded options use
+# The options that go to workloads.sweep on every node; --help lists them in a section of their own.
+_FORWARDED = ("ops", *(name for name, _ in SWEEP_FLAGS))
+
 _SWEEP_OPTIONS = [
-    click.option("--ops", "ops", default=_SPEC.ops, show_default=True, help="Collectives: a comma list, or all."),
+    click.option("--ops", "ops", default=_SPEC.ops, show_default=True, help=parser_help(_SWEEP, "--ops")),
     # -b -e -f -n -w -c -d -o, as nccl-tests and workloads.sweep read them (gpufleet.collectives).
     *(
         click.option(
@@ -68,6 +75,7 @@ _SWEEP_OPTIONS = [
             type=type(getattr(_SPEC, name)),
             default=getattr(_SPEC, name),
             show_default=True,
+            help=parser_help(_SWEEP, flag),
         )
         for name, flag in SWEEP_FLAGS
     ),
@@ -142,8 +150,8 @@ def nccl_request(o: dict[str, Any]) -> NcclRequest:
 
 
 def rank0_rows(result: LaunchResult, nranks: int) -> list[SweepRow]:
-    """The rows global rank 0 printed. With a c10d rendezvous, which node's agent gets global
-    rank 0 is decided at the rendezvous (not by --node-rank), so look in every node's log."""
+    """The rows global rank 0 printed: node 0's log (RANK 0 runs on node 0), else the first
+    node's log that has rows."""
     for rank in sorted(result.outcomes):
         log = result.run_dir / f"node-{rank}.log"
         if log.exists():
@@ -184,7 +192,12 @@ def report_rows(
     return 1 if lines else 0
 
 
-@click.command(name="nccl-tests")
+@click.command(
+    name="nccl-tests",
+    cls=WorkloadCommand,
+    workload_title="Sweep options (python -m workloads.sweep on every node)",
+    workload_params=_FORWARDED,
+)
 @apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS + [DETACH_OPTION])
 @user_errors
 def nccl_tests(**o: Any) -> None:
@@ -235,7 +248,10 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
 
 def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
-    launch on node 0 per collective."""
+    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    err.print(f"[dim]{escape(order.message)}[/dim]")
     env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     nprocs = set(_nprocs(cluster, config))
     if len(nprocs) != 1:

@@ -22,6 +22,8 @@ from launcher.command import node_commands
 from launcher.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.model import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError, Workload
 from launcher.options import build_config, find_cluster
+from launcher.ordering import order_for_launch
+from launcher.output import failure_line
 from launcher.transport import make_transport
 
 __all__ = [
@@ -80,9 +82,10 @@ def user_errors(fn):
 _NAME_WAITING = 3
 
 
-def live_printer(cluster: Cluster):
+def live_printer(cluster: Cluster, order: str = ""):
     """The live display of a launch: a status line (on stderr) while the nodes connect and
-    check, then each node's output on stdout as `[node N] line`. Returns (on_event, status)."""
+    check, then each node's output on stdout as `[node N] line`; the start line ends with
+    `order` (the rank order used and why). Returns (on_event, status)."""
     n = len(cluster.nodes)
     waiting = {node.rank: node.label for node in cluster.nodes}
     status = err.status(f"connecting to {n} node{'s' * (n != 1)}…")
@@ -96,7 +99,7 @@ def live_printer(cluster: Cluster):
         elif event.state is NodeState.RUNNING:
             if rank == n - 1:
                 status.stop()
-                err.print(f"[dim]started on {n} node{'s' * (n != 1)}[/dim]")
+                err.print(f"[dim]started on {n} node{'s' * (n != 1)}{escape('; ' + order if order else '')}[/dim]")
         elif event.state is not NodeState.CONNECTING and rank in waiting:
             # The node answered its check (passed it, or ended): one fewer to wait for.
             waiting.pop(rank)
@@ -118,24 +121,18 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         style = "green" if o.ok else "yellow" if o.stopped else "red"
         table.add_row(str(rank), o.node.host, f"[{style}]{escape(o.status)}[/{style}]", f"{o.duration_s:.1f} s")
     err.print(table)
-    if result.first_failure is not None:
-        o = result.outcomes[result.first_failure]
-        what = f"unreachable ({o.error})" if o.connection_lost else o.status
-        err.print(f"[red]{escape(o.node.label)} failed first: {escape(what)} — last lines:[/red]")
-        tail = o.tail[-20:]
-        for line in o.error_lines:
-            if line not in tail:  # its own error line, pushed out by torchrun's summary
-                err.print(f"  {escape(line)}")
-        if o.error_lines and o.error_lines[-1] not in tail:
-            err.print("  ...")
-        for line in tail:
-            err.print(f"  {escape(line)}")
+    # One line for the cause (its own lines were in the live stream above; everything it printed,
+    # torchrun's report included, is in its log).
+    line = failure_line(result)
+    if line is not None:
+        err.print(f"[red]{escape(line)}[/red]")
     if result.signal is not None:
         err.print(f"[red]stopped every node on signal {result.signal}[/red]")
     if result.hang is not None:  # the `hang:` line itself came when the stacks were in
         where = f"; stacks: {result.hang.stacks_dir}/" if result.hang.stacks_dir else ""
         err.print(f"[red]stopped every node: no progress (the hang: line above names the culprit){escape(where)}[/red]")
-    err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
+    if line is None:
+        err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
 def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
@@ -147,13 +144,18 @@ def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
 
 def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
     """Run `config` on `cluster` with the live display and the summary table, or, for --dry-run,
-    print each node's command and connect to nothing (returns None)."""
+    print each node's command and connect to nothing (returns None). The nodes run in the rank
+    order launcher.ordering decides."""
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
     if config.dry_run:
+        if order.message:
+            err.print(f"[dim]{escape(order.message)}[/dim]")
         transport = make_transport(cluster, config)
         for rank, script in node_commands(cluster, config).items():
             click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
         return None
-    on_event, status = live_printer(cluster)
+    on_event, status = live_printer(cluster, order.message)
     try:
         result = Launch(cluster, config, on_event=on_event).run()
     finally:

@@ -20,7 +20,7 @@ from typing import IO, NamedTuple
 from gpufleet.contracts import is_error_line
 from launcher.command import CHECKED_MARKER, EXIT_MARKER
 from launcher.model import Node, NodeOutcome
-from launcher.output import shown_live
+from launcher.output import Sorted, StreamSorter, shown_live
 from launcher.preflight import Probe, clock_skew
 
 __all__ = ["Report", "NodeSession"]
@@ -28,7 +28,10 @@ __all__ = ["Report", "NodeSession"]
 
 class Report(NamedTuple):
     """What a session's reader threads saw: `checked` (the check half is done), `line` (an
-    output line for the live stream) or `exit` (text: the transport's exit status)."""
+    output line for the live stream), `log` (a line of torchrun's own, kept in the node's log
+    and out of the live stream), `traceback` (a user traceback, its lines joined by newlines:
+    the launch shows it unless another rank's was shown) or `exit` (text: the transport's exit
+    status)."""
 
     kind: str
     rank: int
@@ -61,8 +64,8 @@ class NodeSession:
             start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher, which stops in order
         )
         self._readers = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, False), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stdout, False, StreamSorter()), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, True, StreamSorter()), daemon=True),
         ]
         for t in self._readers:
             t.start()
@@ -70,13 +73,14 @@ class NodeSession:
 
     # ---- reader threads ----
 
-    def _read(self, stream: IO[bytes], is_err: bool) -> None:
+    def _read(self, stream: IO[bytes], is_err: bool, sorter: StreamSorter) -> None:
         for raw in iter(stream.readline, b""):
             text = raw.decode("utf-8", "replace").rstrip("\r\n")
             if self._log is None:
                 self._check_line(text, is_err)
             else:
-                self._output_line(text, is_err)
+                self._output_line(text, is_err, sorter)
+        self._report(sorter.flush(), is_err)
 
     def _check_line(self, text: str, is_err: bool) -> None:
         # The check half: facts on stdout (anything else there, e.g. a banner printed by the
@@ -91,7 +95,7 @@ class NodeSession:
             if eq:
                 self.facts[key] = value
 
-    def _output_line(self, text: str, is_err: bool) -> None:
+    def _output_line(self, text: str, is_err: bool, sorter: StreamSorter) -> None:
         if not is_err and EXIT_MARKER in text:
             before, _, after = text.partition(EXIT_MARKER)
             try:
@@ -103,16 +107,21 @@ class NodeSession:
             text = before
         self._log.write(text.encode() + b"\n")
         self._log.flush()
-        if not shown_live(text):
-            return
-        self.tail.append(text)
-        if is_err:
-            self.err.append(text)
-        if is_error_line(text):
-            self.error_lines.append(text)
-            if self.error_at is None:
-                self.error_at = time.monotonic()
-        self._reports.put(Report("line", self.node.rank, text))
+        if shown_live(text):
+            self._report(sorter.feed(text), is_err)
+
+    def _report(self, pieces: list[Sorted], is_err: bool) -> None:
+        for kind, text in pieces:
+            if kind != "log":
+                for line in text.split("\n"):
+                    self.tail.append(line)
+                    if is_err:
+                        self.err.append(line)
+                    if is_error_line(line):
+                        self.error_lines.append(line)
+                        if self.error_at is None:
+                            self.error_at = time.monotonic()
+            self._reports.put(Report("line" if kind == "live" else kind, self.node.rank, text))
 
     def _reap(self) -> None:
         rc = self.proc.wait()

@@ -74,8 +74,10 @@ class TrainConfig:
     """Tokens per sample; 0 = the model's block size."""
     steps: int = 100
     """Optimizer steps to run in total (a resumed run counts the steps already done)."""
-    global_batch: int = 8
-    """Samples per optimizer step across all ranks (micro_batch x world size x accumulation)."""
+    global_batch: int = 0
+    """Samples per optimizer step across all ranks (micro_batch x data-parallel ranks x
+    accumulation); 0 = micro_batch x data-parallel ranks (no accumulation), so the default runs at
+    any world size."""
     micro_batch: int = 4
     """Samples per rank per forward/backward."""
     world_size: int = 1
@@ -152,13 +154,13 @@ class TrainConfig:
     """A rank whose forward time is above this x the median of all ranks' is named in a warning."""
     _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
     _budget_s: float = field(default=30.0, init=False, repr=False)
+    _batch_is_default: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
             raise ConfigError(f"--model {self.model!r} is unknown; one of: {', '.join(MODEL_SIZES)}")
         for name in (
             "steps",
-            "global_batch",
             "micro_batch",
             "world_size",
             "log_every",
@@ -168,7 +170,14 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("seq_len", "warmup_steps", "lr_decay_steps", "checkpoint_every", "straggler_every"):
+        for name in (
+            "seq_len",
+            "global_batch",
+            "warmup_steps",
+            "lr_decay_steps",
+            "checkpoint_every",
+            "straggler_every",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
         for name, value in (("lr", self.lr), ("bucket-cap-mb", self.bucket_cap_mb)):
@@ -191,16 +200,19 @@ class TrainConfig:
         if self.profile_steps is not None:
             self._profile_range = _parse_range(self.profile_steps)
         self._budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
+        if self.global_batch == 0:
+            self.global_batch = self.micro_batch * self.dp_size
+            self._batch_is_default = True
         self._check_cross_field()
 
     def _check_cross_field(self) -> None:
         """Rules that tie several fields together, each with its arithmetic in the message."""
-        per_step = self.micro_batch * self.world_size
+        per_step = self.micro_batch * self.dp_size
         if self.global_batch % per_step:
             raise ConfigError(
                 f"--global-batch {self.global_batch} is not divisible by --micro-batch "
-                f"{self.micro_batch} x world size {self.world_size} = {per_step}; "
-                f"use a multiple of {per_step}"
+                f"{self.micro_batch} x {_ranks(self.dp_size)} = {per_step}; "
+                f"use a multiple of {per_step}, or leave --global-batch out for {per_step}"
             )
         size = MODEL_SIZES[self.model]
         if self.seq_len > size.block_size:
@@ -238,9 +250,22 @@ class TrainConfig:
             )
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the ranks that each take their own share of a batch. Every rank
+        is one under DDP and FSDP; a tensor or pipeline dimension would divide the world by its size."""
+        return self.world_size
+
+    @property
     def grad_accum(self) -> int:
-        """Micro-steps per optimizer step: global_batch / (micro_batch x world_size)."""
-        return self.global_batch // (self.micro_batch * self.world_size)
+        """Micro-steps per optimizer step: global_batch / (micro_batch x dp_size)."""
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+    def batch_summary(self) -> str:
+        """How the global batch splits, and whether it was chosen for the user: the banner's words."""
+        split = f"global batch {self.global_batch} = micro-batch {self.micro_batch} x {_ranks(self.dp_size)}"
+        if self._batch_is_default:
+            return f"{split} (default; --global-batch to set)"
+        return f"{split} x {self.grad_accum} accumulation step{'s' * (self.grad_accum != 1)}"
 
     @property
     def size(self) -> ModelSize:
@@ -258,6 +283,10 @@ class TrainConfig:
     def preemption_budget_s(self) -> float:
         """--preemption-budget in seconds."""
         return self._budget_s
+
+
+def _ranks(n: int) -> str:
+    return f"{n} data-parallel rank{'s' * (n != 1)}"
 
 
 def _parse_seconds(flag: str, text: str) -> float:
@@ -288,14 +317,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting on its own."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see python -m workloads.train --help)")
+        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per TrainConfig field (except world_size), help text from the field docs."""
-    parser = _Parser(
-        prog="python -m workloads.train", description="GPT training under torchrun (DDP or FSDP, NCCL or gloo)."
-    )
+def build_parser(prog: str = "python -m workloads.train") -> argparse.ArgumentParser:
+    """One flag per TrainConfig field (except world_size), help text from the field docs. `prog`
+    names the command in usage errors: the launcher parses the same flags as `launch train`."""
+    parser = _Parser(prog=prog, description="GPT training under torchrun (DDP or FSDP, NCCL or gloo).")
     docs = _field_docs()
     for f in fields(TrainConfig):
         if f.name in ("world_size",) or f.name.startswith("_"):

@@ -30,7 +30,6 @@ that cannot be written is found before the sweep starts).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -49,23 +48,21 @@ from gpufleet.bandwidth import (
     COLLECTIVES,
     DTYPE_SIZES,
     REDOPS,
-    SizeError,
     algbw,
     avg_busbw,
     busbw,
     coll_sizes,
-    parse_size,
     size_ladder,
 )
 from gpufleet.contracts import JSON_MARKER, SWEEP_ERROR_PREFIX, SWEEP_JSON_VERSION, SweepRow, sweep_json_line
-from gpufleet.groups import NODE_RANK_ENV, Plan, parse_rounds
+from gpufleet.groups import NODE_RANK_ENV, Plan
+from workloads.sweep_args import build_parser
 
 __all__ = ["JSON_MARKER", "SweepConfig", "SweepRow", "run_sweep", "format_table", "main"]
 
 JSON_VERSION = SWEEP_JSON_VERSION  # the document's format: gpufleet.contracts
 
-# nccl-tests type names that torch.distributed can carry. uint32/uint64 are NCCL types, but torch's
-# collectives reject them ("Invalid scalar type" on gloo, torch 2.13).
+# The dtype of each type name the command line takes (workloads.sweep_args.DATATYPES).
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
@@ -799,69 +796,8 @@ def _sweep_rounds(
 # ---- command line ----------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump, exit 2
-        print(f"{SWEEP_ERROR_PREFIX}{message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except SizeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    def conv(text: str) -> tuple[str, ...]:
-        items = tuple(s.strip() for s in text.split(",") if s.strip())
-        return choices if items == ("all",) else items
-
-    return conv
-
-
-def _rounds_arg(text: str) -> Plan:
-    try:
-        return parse_rounds(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--rounds {text!r}: {e}") from None
-
-
 def parse_args(argv: list[str] | None = None) -> SweepConfig:
-    p = _Parser(prog="python -m workloads.sweep", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--ops",
-        "--collective",
-        dest="collectives",
-        type=_list(COLLECTIVES),
-        default=("all_reduce",),
-        help="comma list of collectives, or all",
-    )
-    p.add_argument("-b", "--minbytes", type=_size_arg, default=32 * 1024**2)
-    p.add_argument("-e", "--maxbytes", type=_size_arg, default=32 * 1024**2)
-    p.add_argument("-i", "--stepbytes", type=_size_arg, default=1024**2)
-    p.add_argument("-f", "--stepfactor", type=int, default=1)
-    p.add_argument("-n", "--iters", type=int, default=20)
-    p.add_argument("-w", "--warmup_iters", type=int, default=1)
-    p.add_argument("-c", "--check", type=int, default=1)
-    p.add_argument("-d", "--datatype", type=_list(tuple(TORCH_DTYPES)), default=("float",))
-    p.add_argument("-o", "--op", type=_list(REDOPS), default=("sum",))
-    p.add_argument("-r", "--root", type=int, default=0)
-    p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="cut a size's calls short once they would take longer (see SweepConfig)",
-    )
-    p.add_argument(
-        "--rounds",
-        type=_rounds_arg,
-        default=None,
-        metavar="PLAN",
-        help="one sweep per node group, e.g. 0+3,1+2;0+2,3+1 (gpufleet.groups)",
-    )
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         return SweepConfig(

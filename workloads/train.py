@@ -849,8 +849,7 @@ class Trainer:
         return (
             f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {cfg.parallelism} x "
             f"{self.world} ranks on {self.device.type} ({dist.get_backend()}) | {self.precision} | "
-            f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x {self.world} ranks x "
-            f"{cfg.grad_accum} accum | seq {cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
+            f"{cfg.batch_summary()} | seq {cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
             f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak}"
         )
 

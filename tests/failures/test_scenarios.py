@@ -333,9 +333,11 @@ def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint
     assert rc not in (0, 2), out
     report = failed_first(out)
     # The node named is the one that said what went wrong (rank 0's), not a peer whose
-    # collective broke as a consequence: its own error line is in the block.
-    errors = [ln.strip() for ln in report.splitlines() if ln.strip().startswith("error:")]
-    assert errors and f"{disk / 'step_00000002'}" in errors[0] and "No space left on device" in errors[0], report
+    # collective broke as a consequence: its own error line, shown once in the live stream.
+    node = re.search(r"node (\d+) \(\S+\) failed first", report).group(1)
+    errors = [ln for ln in out.splitlines() if "error: " in ln and "No space left on device" in ln]
+    assert errors and errors[0].startswith(f"[node {node}] error: "), out
+    assert f"{disk / 'step_00000002'}" in errors[0] and out.count(errors[0]) == 1, out
     assert "[rank" not in errors[0]
     assert (disk / "latest").read_text().strip() == "step_00000001"
     assert checkpoint_step(disk) == 1

@@ -10,11 +10,14 @@ import pytest
 
 from gpufleet import contracts
 from gpufleet.contracts import (
+    CONTROLLER_KEYS,
     NODE_KEYS,
     OUTPUT_KEYS,
     OutputsError,
+    StackController,
     StackNode,
     SweepRow,
+    controller_output,
     is_error_line,
     node_output,
     parse_stack_outputs,
@@ -41,7 +44,12 @@ def _node(i: int, ip: str | None = None, **kw) -> dict:
     }
 
 
-def _outputs(*indexes: int, **top) -> dict:
+CONTROLLER = controller_output(
+    name="demo-controller", internal_ip="10.0.15.253", external_ip=None, zone="us-central1-a"
+)
+
+
+def _outputs(*indexes: int, controller: dict | None = CONTROLLER, **top) -> dict:
     return (
         stack_outputs(
             cluster="demo",
@@ -52,6 +60,7 @@ def _outputs(*indexes: int, **top) -> dict:
             placement_policy=None,
             networks=[],
             checkpoint_bucket=None,
+            controller=controller,
         )
         | top
     )
@@ -61,6 +70,9 @@ def test_infras_builders_make_every_output_key_and_every_node_key_in_order():
     doc = _outputs(0, 1)
     assert tuple(doc) == OUTPUT_KEYS
     assert tuple(doc["nodes"][0]) == NODE_KEYS
+    assert tuple(doc["controller"]) == CONTROLLER_KEYS
+    # A stack without a controller VM exports no `controller` key at all.
+    assert tuple(_outputs(0, 1, controller=None)) == tuple(k for k in OUTPUT_KEYS if k != "controller")
     assert doc["nodes"][1] == {
         "name": "n1",
         "index": 1,
@@ -89,6 +101,46 @@ def test_a_hand_written_file_needs_only_index_and_internal_ip():
     parsed = parse_stack_outputs({"nodes": [{"index": 0, "internalIp": "10.0.0.2"}], "machineType": None})
     assert parsed.nodes == (StackNode(index=0, internal_ip="10.0.0.2"),)
     assert parsed.machine_type is None and parsed.cluster is None
+    assert parsed.controller is None
+
+
+def test_the_controller_is_read_beside_the_nodes():
+    parsed = parse_stack_outputs(json.loads(json.dumps(_outputs(0, 1))))
+    assert parsed.controller == StackController(
+        name="demo-controller", internal_ip="10.0.15.253", external_ip=None, zone="us-central1-a"
+    )
+    assert [n.index for n in parsed.nodes] == [0, 1]  # the controller is not a node
+    public = controller_output(name="c", internal_ip="10.0.15.253", external_ip="203.0.113.9", zone=None)
+    assert parse_stack_outputs(_outputs(0, controller=public)).controller == StackController(
+        name="c", internal_ip="10.0.15.253", external_ip="203.0.113.9"
+    )
+
+
+@pytest.mark.parametrize("doc", [_outputs(0, controller=None), _outputs(0, controller=None) | {"controller": None}])
+def test_no_controller_key_or_null_is_a_stack_without_a_controller_vm(doc):
+    parsed = parse_stack_outputs(doc)
+    assert parsed.controller is None and len(parsed.nodes) == 1
+
+
+@pytest.mark.parametrize(
+    "controller, culprit",
+    [
+        ("10.0.15.253", "'controller' is str, not an object"),
+        (["demo-controller"], "'controller' is list, not an object"),
+        ({"internalIp": "10.0.15.253"}, "controller has no name"),
+        ({"name": "", "internalIp": "10.0.15.253"}, "controller has no name ('')"),
+        ({"name": "c"}, "controller has no internalIp"),
+        ({"name": "c", "internalIp": 7}, "controller has no internalIp (7)"),
+        ({"name": "c", "internalIp": "10.0.15.253", "externalIp": 7}, "controller.externalIp is 7, not a string"),
+        ({"name": "c", "internalIp": "10.0.15.253", "zone": ["z"]}, "controller.zone is ['z'], not a string"),
+        ({"name": "c", "internalIp": "10.0.0.3"}, "controller c has node 1's internalIp 10.0.0.3"),
+    ],
+)
+def test_a_malformed_controller_is_one_line_naming_the_culprit(controller, culprit):
+    with pytest.raises(OutputsError) as e:
+        parse_stack_outputs(_outputs(0, 1, controller=controller))
+    assert culprit in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("indexes, missing", [((0, 1, 3), 2), ((1, 2), 0), ((0, 2, 3, 5), 1), ((0, 5), 1)])

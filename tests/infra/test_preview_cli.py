@@ -76,10 +76,11 @@ def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
     assert rc == 0, err
     s = json.loads(out)  # stdout holds the JSON document and nothing else
     counts = {r["type"]: r["count"] for r in s["resources"]}
-    assert counts["gcp:compute/instance:Instance"] == nodes
+    assert counts["gcp:compute/instance:Instance"] == nodes + 1  # the nodes and the controller VM
     assert counts["gcp:compute/network:Network"] == n_nets
     assert counts.get("gcp:compute/resourcePolicy:ResourcePolicy", 0) == (1 if policy else 0)
     assert {r["type"] for r in s["resources"] if r["component"]} <= {
+        "gpufleet:infra:ControllerVm",
         "gpufleet:infra:GpuNetworks",
         "gpufleet:infra:NodeIdentity",
         "gpufleet:infra:NodePool",
@@ -119,6 +120,16 @@ def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
     assert [f["sourceRanges"] for f in ssh] == [list(spec.ssh_source_ranges)]
     assert all("0.0.0.0/0" not in f["sourceRanges"] for f in s["firewalls"])
     assert sorted(s["outputs"]) == sorted(OUTPUT_KEYS)
+    controller = s["controller"]
+    assert (controller["name"], controller["machineType"], controller["zone"]) == (
+        f"{spec.cluster}-controller",
+        "e2-standard-2",
+        spec.zone,
+    )
+    assert controller["provisioningModel"] == "STANDARD" and controller["preemptible"] is False
+    assert [nic["subnet"] for nic in controller["nics"]] == [s["nodes"][0]["nics"][0]["subnet"]]
+    assert controller["internalIp"] == s["outputs"]["controller"]["internalIp"]
+    assert controller["cost"]["usdPerMonth"] == 48.92 and controller["cost"]["region"] == "us-central1"
 
 
 def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
@@ -128,7 +139,7 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     def row(*cells: str) -> re.Pattern[str]:
         return re.compile(r"│\s*" + r"\s*│\s*".join(re.escape(c) for c in cells) + r"\s*│")
 
-    assert row("gcp:compute/instance:Instance", "2").search(out)
+    assert row("gcp:compute/instance:Instance", "3").search(out)
     assert row("gcp:compute/network:Network", "9").search(out)
     assert row("gcp:compute/subnetwork:Subnetwork", "9").search(out)
     assert row("gcp:compute/firewall:Firewall", "10").search(out)
@@ -157,6 +168,28 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(out)
     assert row("llm-dev-ssh", "llm-dev-net", "INGRESS", "tcp:22", "35.235.240.0/20", "llm-dev").search(out)
     assert "gpufleet-cluster=llm-dev, gpufleet-node=1, team=research" in out
+    # The README's count of the example's resources is the preview's.
+    (count,) = re.findall(r"The first prints the (\d+) Google Cloud resources", (ROOT / "README.md").read_text())
+    assert f"{count} Google Cloud resources, 6 gpufleet components" in out and count == "47"
+    # The controller VM and what it costs: e2-standard-2, on-demand, $0.06701142/h x 730 h.
+    assert row(
+        "llm-dev-controller",
+        "e2-standard-2",
+        "us-central1-a",
+        "10.0.15.253",
+        "llm-dev-net-subnet",
+        "no",
+        "STANDARD",
+        "MIGRATE",
+        "$48.92",
+    ).search(out), out
+    assert "on-demand list price in us-central1: $0.0670/h x 730 h" in out
+    account = "llm-dev-controller@my-project-id.iam.gserviceaccount.com (created)"
+    role = "projects/my-project-id/roles/gpufleet_llm_dev_restart"
+    assert row(account, role, "each node's instance (2)").search(out)
+    assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(
+        out.split("Controller")[-1]
+    )
 
 
 def test_stack_name_reads_that_stack_file_in_the_current_directory(capsys, tmp_path, monkeypatch):
@@ -326,9 +359,9 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT
         (torchrun,) = re.findall(r"python3 -m torch\.distributed\.run [^)]*", script)
         args = torchrun.split()
-        assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d"], torchrun
-        assert "--rdzv-endpoint=10.0.0.2:29500" in args and f"--local-addr={ip}" in args
-        assert f"is_host={int(rank == 0)}" in torchrun and args[-2:] == ["-m", "workloads.train"]
+        assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=static"], torchrun
+        assert "--master-addr=10.0.0.2" in args and "--master-port=29500" in args and f"--local-addr={ip}" in args
+        assert f"--node-rank={rank}" in args and args[-2:] == ["-m", "workloads.train"]
         assert f"GPUFLEET_NODE_RANK={rank} GPUFLEET_NNODES=2" in script
         # a3-megagpu-8g: the TCPXO environment, with the host NIC for the control path.
         assert "NCCL_FASTRAK_CTRL_DEV=enp0s12" in script and "NCCL_SOCKET_IFNAME=enp0s12" in script

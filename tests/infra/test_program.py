@@ -34,11 +34,6 @@ SIZES = (1, 2, 16)
 CASES = [(m, n) for m in FAMILIES for n in SIZES]
 
 
-def in_rank_order(instances):
-    # Registrations reach the mock monitor concurrently, so declaration order is not kept.
-    return sorted(instances, key=lambda d: int(d.inputs["name"].rsplit("-", 1)[1]))
-
-
 def run(fleet, machine, nodes, **extra):
     return fleet(machineType=machine, nodes=nodes, **{**FAMILIES[machine][4], **extra})
 
@@ -49,7 +44,7 @@ def test_counts_of_networks_subnets_instances_and_nics(fleet, machine, nodes):
     p = run(fleet, machine, nodes)
     assert len(p.of_type("Network")) == n_nets
     assert len(p.of_type("Subnetwork")) == n_subnets
-    instances = in_rank_order(p.of_type("Instance"))
+    instances = p.node_instances()
     assert [i.inputs["name"] for i in instances] == [f"dev-{k}" for k in range(nodes)]
     for inst in instances:
         nics = inst.inputs["networkInterfaces"]
@@ -66,7 +61,7 @@ def test_mtu_and_nic_types_follow_the_catalog(fleet, machine, nodes):
         assert net.inputs.get("mtu") == mtu
         assert net.inputs["autoCreateSubnetworks"] is False
     roles = [nic.role for nic in lookup(machine).nics]
-    for inst in p.of_type("Instance"):
+    for inst in p.node_instances():
         types = [nic["nicType"] for nic in inst.inputs["networkInterfaces"]]
         assert types == ["MRDMA" if r == "rdma" else "GVNIC" for r in roles]
 
@@ -75,7 +70,7 @@ def test_mtu_and_nic_types_follow_the_catalog(fleet, machine, nodes):
 def test_compact_placement_is_attached_to_every_instance_of_a_multi_node_fleet(fleet, machine, nodes):
     p = run(fleet, machine, nodes)
     policies = p.of_type("ResourcePolicy")
-    instances = p.of_type("Instance")
+    instances = p.node_instances()
     if nodes == 1:
         assert policies == []
         assert all(i.inputs.get("resourcePolicies") is None for i in instances)
@@ -93,7 +88,7 @@ def test_compact_placement_is_attached_to_every_instance_of_a_multi_node_fleet(f
 @pytest.mark.parametrize("machine, nodes", CASES)
 def test_no_external_ip_and_nothing_open_to_the_internet_by_default(fleet, machine, nodes):
     p = run(fleet, machine, nodes)
-    for inst in p.of_type("Instance"):
+    for inst in p.of_type("Instance"):  # the nodes and the controller VM
         assert all(not nic.get("accessConfigs") for nic in inst.inputs["networkInterfaces"])
     for fw in p.of_type("Firewall"):
         assert "0.0.0.0/0" not in fw.inputs["sourceRanges"]
@@ -123,7 +118,7 @@ def test_internal_firewall_covers_exactly_each_networks_own_subnets(fleet, machi
 @pytest.mark.parametrize("machine, nodes", CASES)
 def test_labels_name_the_cluster_and_node_index(fleet, machine, nodes):
     p = run(fleet, machine, nodes, labels={"team": "research"})
-    for k, inst in enumerate(in_rank_order(p.of_type("Instance"))):
+    for k, inst in enumerate(p.node_instances()):
         assert inst.inputs["labels"] == {"team": "research", LABEL_CLUSTER: "dev", LABEL_NODE: str(k)}
         assert inst.inputs["metadata"]["enable-oslogin"] == "TRUE"
         assert inst.inputs["tags"] == ["dev"]
@@ -192,9 +187,9 @@ def test_every_instance_waits_for_its_subnets_nat_identity_and_policy(fleet, mac
     p = run(fleet, machine, 2)
     subnets = {s.name for s in p.of_type("Subnetwork")}
     (nat,) = p.of_type("RouterNat")
-    (account,) = p.of_type("Account")
+    (account,) = [a for a in p.of_type("Account") if a.name == "dev-nodes"]
     needed = subnets | {nat.name, account.name, "dev-placement"} | {g.name for g in p.of_type("IAMMember")}
-    for inst in p.of_type("Instance"):
+    for inst in p.node_instances():
         assert needed <= set(inst.depends_on), needed - set(inst.depends_on)
         nic_subnets = {nic["subnetwork"].rsplit("/", 1)[1] for nic in inst.inputs["networkInterfaces"]}
         assert nic_subnets <= subnets
@@ -207,7 +202,7 @@ def test_every_instance_waits_for_its_subnets_nat_identity_and_policy(fleet, mac
 def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
     p = run(fleet, machine, 2)
     t = lookup(machine)
-    for inst in p.of_type("Instance"):
+    for inst in p.node_instances():
         params = inst.inputs["bootDisk"]["initializeParams"]
         assert params["image"] == t.default_image
         assert params["type"] == ("hyperdisk-balanced" if t.family in ("a3-ultra", "a4") else "pd-ssd")
@@ -233,7 +228,7 @@ def test_boot_disk_local_ssds_and_image_come_from_the_catalog(fleet, machine):
 def test_nics_join_the_subnets_in_the_order_the_gpu_stack_expects(fleet, machine, subnets):
     p = run(fleet, machine, 2)
     by_name = {s.name: s for s in p.of_type("Subnetwork")}
-    for inst in p.of_type("Instance"):
+    for inst in p.node_instances():
         names = [nic["subnetwork"].rsplit("/", 1)[1] for nic in inst.inputs["networkInterfaces"]]
         assert names == subnets
         for nic in inst.inputs["networkInterfaces"]:
@@ -250,7 +245,7 @@ def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet
     )
     rdma_subnets = [s for s in p.of_type("Subnetwork") if s.inputs["network"].endswith("/dev-rdma-net")]
     assert len(rdma_subnets) == 8
-    for inst in p.of_type("Instance"):
+    for inst in p.node_instances():
         mrdma = [nic for nic in inst.inputs["networkInterfaces"] if nic["nicType"] == "MRDMA"]
         assert [nic["subnetwork"].rsplit("/", 1)[1] for nic in mrdma] == [f"dev-rdma-net-subnet-{j}" for j in range(8)]
     # No firewall on the RoCE VPC (cluster-toolkit's a3ultra-vm.yaml / a4high-vm.yaml declare none).
@@ -258,7 +253,7 @@ def test_rdma_families_get_a_roce_vpc_with_eight_subnets_one_per_mrdma_nic(fleet
 
 
 def test_standard_scheduling_terminates_on_maintenance_and_restarts(fleet):
-    (inst, _) = fleet(machineType="a3-megagpu-8g", nodes=2).of_type("Instance")
+    (inst, _) = fleet(machineType="a3-megagpu-8g", nodes=2).node_instances()
     assert inst.inputs["scheduling"] == {
         "provisioningModel": "STANDARD",
         "onHostMaintenance": "TERMINATE",
@@ -268,7 +263,7 @@ def test_standard_scheduling_terminates_on_maintenance_and_restarts(fleet):
 
 
 def test_spot_scheduling_is_preemptible_without_restart_and_stops_on_preemption(fleet):
-    for inst in fleet(machineType="a3-megagpu-8g", nodes=2, provisioning="spot").of_type("Instance"):
+    for inst in fleet(machineType="a3-megagpu-8g", nodes=2, provisioning="spot").node_instances():
         assert inst.inputs["scheduling"] == {
             "provisioningModel": "SPOT",
             "preemptible": True,
@@ -279,9 +274,8 @@ def test_spot_scheduling_is_preemptible_without_restart_and_stops_on_preemption(
 
 
 def test_flex_start_scheduling_has_a_max_run_duration_and_no_reservation(fleet):
-    for inst in fleet(machineType="a3-ultragpu-8g", nodes=2, provisioning="flex-start", maxRunHours=48).of_type(
-        "Instance"
-    ):
+    flex = fleet(machineType="a3-ultragpu-8g", nodes=2, provisioning="flex-start", maxRunHours=48)
+    for inst in flex.node_instances():
         s = inst.inputs["scheduling"]
         assert s["provisioningModel"] == "FLEX_START" and s["automaticRestart"] is False
         assert s["instanceTerminationAction"] == "DELETE" and s["maxRunDuration"] == {"seconds": 48 * 3600}
@@ -292,7 +286,7 @@ def test_flex_start_scheduling_has_a_max_run_duration_and_no_reservation(fleet):
 def test_a_reservation_binds_every_node_to_that_specific_reservation(fleet, machine, model):
     p = fleet(machineType=machine, nodes=2, reservation="my-res")
     assert p.of_type("ResourcePolicy") == []
-    for inst in p.of_type("Instance"):
+    for inst in p.node_instances():
         assert inst.inputs["reservationAffinity"] == {
             "type": "SPECIFIC_RESERVATION",
             "specificReservation": {"key": "compute.googleapis.com/reservation-name", "values": ["my-res"]},
@@ -308,7 +302,7 @@ def test_max_distance_reaches_the_policy(fleet):
 
 def test_external_ip_when_asked_only_on_the_host_nic(fleet):
     p = fleet(machineType="a3-highgpu-8g", nodes=2, externalIp=True, sshSourceRanges=["203.0.113.0/24"])
-    for inst in p.of_type("Instance"):
+    for inst in p.of_type("Instance"):  # the nodes and the controller VM
         nics = inst.inputs["networkInterfaces"]
         assert nics[0]["accessConfigs"] == [{"networkTier": "PREMIUM"}]
         assert all(not nic.get("accessConfigs") for nic in nics[1:])
@@ -319,7 +313,7 @@ def test_external_ip_when_asked_only_on_the_host_nic(fleet):
 
 def test_created_service_account_gets_only_the_node_roles(fleet):
     p = fleet(machineType="a2-highgpu-8g", nodes=2)
-    (account,) = p.of_type("Account")
+    (account,) = [a for a in p.of_type("Account") if a.name == "dev-nodes"]
     email = f"{account.inputs['accountId']}@{BASE['gcp:project']}.iam.gserviceaccount.com"
     grants = p.of_type("IAMMember")
     assert sorted(g.inputs["role"] for g in grants) == [
@@ -328,7 +322,7 @@ def test_created_service_account_gets_only_the_node_roles(fleet):
         "roles/monitoring.metricWriter",
     ]
     assert all(g.inputs["member"] == f"serviceAccount:{email}" for g in grants)
-    assert all(i.inputs["serviceAccount"]["email"] == email for i in p.of_type("Instance"))
+    assert all(i.inputs["serviceAccount"]["email"] == email for i in p.node_instances())
 
 
 def test_checkpoint_bucket_is_private_and_granted_to_the_nodes_alone(fleet):
@@ -341,14 +335,15 @@ def test_checkpoint_bucket_is_private_and_granted_to_the_nodes_alone(fleet):
     (bucket,) = p.of_type("Bucket")
     assert bucket.inputs["name"] == "gpufleet-test-ckpts" and bucket.inputs["location"] == "US-CENTRAL1"
     assert bucket.inputs["uniformBucketLevelAccess"] is True and bucket.inputs["publicAccessPrevention"] == "enforced"
-    (grant,) = p.of_type("BucketIAMMember")
+    grant = p.named("dev-nodes-checkpoints")
     assert grant.inputs == {
         "bucket": "gpufleet-test-ckpts",
         "role": "roles/storage.objectUser",
         "member": "serviceAccount:trainer@gpufleet-test.iam.gserviceaccount.com",
     }
-    # A given service account is used as is: none created, no project-wide grants.
-    assert p.of_type("Account") == [] and p.of_type("IAMMember") == []
+    # A given service account is used as is: none created for the nodes (the controller VM has
+    # its own), no project-wide grants.
+    assert [a.name for a in p.of_type("Account")] == ["dev-controller"] and p.of_type("IAMMember") == []
     assert p.outputs["checkpointBucket"] == "gpufleet-test-ckpts"
 
 
@@ -392,5 +387,11 @@ def test_service_account_ids_stay_unique_and_within_iam_limits():
 
 def test_clusters_sharing_a_long_prefix_get_their_own_service_accounts(fleet):
     names = ["research-cluster-west-team-a", "research-cluster-west-team-b"]
-    accounts = [fleet(name=n, machineType="a2-highgpu-8g", nodes=1).of_type("Account")[0] for n in names]
+    accounts = [
+        a
+        for n in names
+        for a in fleet(name=n, machineType="a2-highgpu-8g", nodes=1).of_type("Account")
+        if a.name == f"{n}-nodes"
+    ]
+    assert len(accounts) == 2
     assert accounts[0].inputs["accountId"] != accounts[1].inputs["accountId"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpufleet.catalog import MACHINE_TYPES, NetStack, lookup
-from gpufleet.contracts import READY_MARKER
-from infra.startup import STACK_TEMPLATES, render_startup_script
+from gpufleet.contracts import CONTROLLER_READY_MARKER, CONTROLLER_VENV, READY_MARKER
+from infra.startup import LAUNCH_LINK, STACK_TEMPLATES, render_controller_script, render_startup_script
 
 SCRIPTS = [(t, os_) for t in sorted(MACHINE_TYPES) for os_ in ("ubuntu", "cos")]
 
@@ -183,3 +183,142 @@ def test_a_failed_boot_leaves_no_ready_marker_and_says_where_it_failed(node):
     assert marker is None
     assert "expected 1 GPUs on a3-highgpu-1g, nvidia-smi lists 0" in proc.stderr
     assert error is not None and error.startswith("line ")
+
+
+# ---- the controller VM's script ----------------------------------------------------------------
+
+CONTROLLER_SOURCE = "git+https://github.com/me/gpufleet.git@v0.1.0"
+
+
+def test_the_controller_script_passes_bash_n_and_shellcheck(tmp_path):
+    assert shutil.which("shellcheck"), "shellcheck is not installed (.ci/run installs it)"
+    path = tmp_path / "controller.sh"
+    path.write_text(render_controller_script(cluster="demo", source=CONTROLLER_SOURCE))
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:]
+
+
+def test_the_controller_script_carries_its_facts_and_quotes_them():
+    s = render_controller_script(cluster="demo", source=CONTROLLER_SOURCE)
+    assert "@@" not in s
+    assert f"readonly SOURCE={CONTROLLER_SOURCE}" in s
+    assert f"readonly VENV={CONTROLLER_VENV}" in s and f"readonly READY_MARKER={CONTROLLER_READY_MARKER}" in s
+    # The helpers are the nodes' own (one common.sh), not a copy.
+    node = render_startup_script(lookup("a2-highgpu-8g"), cluster="demo", image_os="ubuntu")
+    for helper in ("apt_install() {", "on_error() {", "json_str() {"):
+        assert s.count(helper) == 1 and node.count(helper) == 1
+    # Whatever the source holds, it stays one word: the render quotes it.
+    hostile = "https://example.com/x.whl; touch /tmp/owned"
+    assert f"readonly SOURCE='{hostile}'" in render_controller_script(cluster="demo", source=hostile)
+
+
+# Run it: python3, its venv and pip stubbed, in a private mount namespace (tmpfs over /var/lib, /opt
+# and /usr/local/bin, carried between boots), as the node script runs above.
+CONTROLLER_STUB = textwrap.dedent(
+    r"""
+    #!/bin/bash
+    tool=$(basename "$0")
+    echo "$tool $*" >>"$STUB_LOG"
+    case "$tool" in
+      dpkg-query) echo "install ok installed" ;;
+      python3)  # python3 -m venv DIR: a venv whose python is this stub
+        dir=${@: -1}; mkdir -p "$dir/bin"; cp "$0" "$dir/bin/python" ;;
+      python)
+        venv=$(dirname "$(dirname "$0")")
+        case "$*" in
+          "-m pip install"*)
+            [[ -z "${STUB_PIP_FAIL:-}" ]] || exit 1
+            touch "$venv/installed"; printf '#!/bin/sh\n' >"$venv/bin/launch"; chmod +x "$venv/bin/launch" ;;
+          *importlib.metadata*)
+            [[ "${@: -1}" == gpufleet ]] && echo 0.1.0 || echo 1.40.0 ;;
+          *) [[ -e "$venv/installed" ]] ;;  # -c 'import launcher.cli, google.cloud.compute_v1'
+        esac ;;
+    esac
+    """
+).lstrip()
+
+
+@pytest.fixture
+def controller(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("python3", "dpkg-query", "apt-get"):
+        (bindir / tool).write_text(CONTROLLER_STUB)
+        (bindir / tool).chmod(0o755)
+    log = tmp_path / "calls.log"
+    state = tmp_path / "state"
+    dirs = ("/var/lib", "/opt", "/usr/local/bin")
+
+    def boot(source: str = CONTROLLER_SOURCE, pip_fails: bool = False):
+        """One boot; returns (process, ready marker, error file, the `launch` link's target, calls)."""
+        script = tmp_path / "controller.sh"
+        script.write_text(render_controller_script(cluster="demo", source=source))
+        log.write_text("")
+        restore = "\n".join(f"mount -t tmpfs none {d}; mkdir -p {state}{d}; cp -a {state}{d}/. {d}/" for d in dirs)
+        save = "\n".join(f"rm -rf {state}{d}; mkdir -p {state}{d}; cp -a {d}/. {state}{d}/" for d in dirs)
+        inner = f"""
+            set -e
+            {restore}
+            rc=0; PATH={bindir}:$PATH STUB_LOG={log} STUB_PIP_FAIL={"1" if pip_fails else ""} bash {script} || rc=$?
+            readlink {LAUNCH_LINK} >{tmp_path}/link || true
+            {save}
+            exit $rc
+        """
+        proc = subprocess.run(["unshare", "-m", "bash", "-c", inner], capture_output=True, text=True, timeout=60)
+        lib = state / "var/lib"
+        marker = lib / CONTROLLER_READY_MARKER.removeprefix("/var/lib/")
+        err = lib / "gpufleet" / "startup-error.txt"
+        return (
+            proc,
+            json.loads(marker.read_text()) if marker.exists() else None,
+            err.read_text() if err.exists() else None,
+            (tmp_path / "link").read_text().strip(),
+            log.read_text().splitlines(),
+        )
+
+    return boot
+
+
+def _installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if c.startswith("python3 -m venv") or " -m pip install" in c]
+
+
+def test_the_controller_script_installs_the_launcher_once_per_source(controller):
+    proc, marker, error, link, calls = controller()
+    assert proc.returncode == 0, proc.stderr
+    assert error is None and link == f"{CONTROLLER_VENV}/bin/launch"
+    assert {k: v for k, v in marker.items() if k not in ("controller", "booted_at")} == {
+        "cluster": "demo",
+        "source": CONTROLLER_SOURCE,
+        "gpufleet": "0.1.0",
+        "google_cloud_compute": "1.40.0",
+    }
+    assert _installs(calls) == [
+        f"python3 -m venv {CONTROLLER_VENV}",
+        f"python -m pip install --quiet --disable-pip-version-check gpufleet @ {CONTROLLER_SOURCE}",
+    ]
+
+    # A reboot with the same source: no venv, no pip; the same marker.
+    proc, again, error, link, calls = controller()
+    assert proc.returncode == 0, proc.stderr
+    assert _installs(calls) == [] and link == f"{CONTROLLER_VENV}/bin/launch"
+    assert {k: v for k, v in again.items() if k != "booted_at"} == {k: v for k, v in marker.items() if k != "booted_at"}
+
+    # A new source (a `pulumi up` that changed gpufleet:controllerSource): installed into the same venv.
+    newer = "git+https://github.com/me/gpufleet.git@v0.2.0"
+    proc, marker, _, _, calls = controller(source=newer)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        _installs(calls) == [f"python -m pip install --quiet --disable-pip-version-check gpufleet @ {newer}"]
+        and marker["source"] == newer
+    )
+
+
+def test_a_failed_install_leaves_no_ready_marker_and_says_where(controller):
+    assert controller()[0].returncode == 0  # a good boot first: its marker must not survive a bad one
+    proc, marker, error, _, _ = controller(source="git+https://github.com/me/gpufleet.git@broken", pip_fails=True)
+    assert proc.returncode != 0
+    assert marker is None
+    assert error is not None and error.startswith("line ") and "pip install" in error

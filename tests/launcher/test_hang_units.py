@@ -333,12 +333,13 @@ def test_a_hang_ends_the_launch_with_124_and_is_a_failure_to_restart_from():
 def test_bad_hang_input_is_one_line_exit_2_and_nothing_starts(tmp_path, command, args, culprit):
     if command == "train" and args[0] == "--progress":
         args = ["--hang-timeout", "off", *args]
+    program = ["x.py"] if command == "run" else ["--steps", "1"]
     hosts = tmp_path / "hosts"
     hosts.write_text("10.255.255.1\n")  # nothing answers there: any connection would hang the test
     for detach in ([], ["--detach"]):
         r = CliRunner().invoke(
             main,
-            [command, "--hostfile", str(hosts), "--runs-dir", str(tmp_path / "runs"), *detach, *args, "--", "x.py"],
+            [command, "--hostfile", str(hosts), "--runs-dir", str(tmp_path / "runs"), *detach, *args, "--", *program],
         )
         assert r.exit_code == 2, r.output
         assert r.output.count("\n") == 1 and culprit in r.output, r.output

@@ -14,7 +14,8 @@ def test_a_batch_that_does_not_divide_is_one_line_from_rank_0_under_torchrun():
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     # Both ranks find the mistake; only rank 0 says so.
     assert errors == [
-        "error: --global-batch 10 is not divisible by --micro-batch 4 x world size 2 = 8; use a multiple of 8"
+        "error: --global-batch 10 is not divisible by --micro-batch 4 x 2 data-parallel ranks = 8; "
+        "use a multiple of 8, or leave --global-batch out for 8"
     ], run.stderr
     assert "[rank" not in run.stderr and "exitcode  : 2" in run.stderr
 

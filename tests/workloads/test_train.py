@@ -58,7 +58,7 @@ def test_two_ranks_reach_the_parameters_of_one_process_with_the_same_global_batc
     args = REF_ARGS + ["--steps", str(REF_STEPS), "--micro-batch", "64", "--save-params", str(out)]
     run = train(args, nproc=1)
     assert run.returncode == 0, run.stderr
-    assert "micro 64 x 1 ranks x 1 accum" in run.stdout
+    assert "global batch 64 = micro-batch 64 x 1 data-parallel rank x 1 accumulation step |" in run.stdout
     assert_same_params(reference, params(out), atol=1e-5)
 
 

@@ -15,10 +15,36 @@ from workloads.model import GPT, flops_per_token, mfu
 def test_a_global_batch_that_does_not_divide_names_the_arithmetic():
     with pytest.raises(
         ConfigError,
-        match=r"--global-batch 12 is not divisible by --micro-batch 4 "
-        r"x world size 2 = 8; use a multiple of 8",
+        match=r"^--global-batch 12 is not divisible by --micro-batch 4 "
+        r"x 2 data-parallel ranks = 8; use a multiple of 8, or leave --global-batch out for 8$",
     ):
         TrainConfig(global_batch=12, micro_batch=4, world_size=2)
+
+
+@pytest.mark.parametrize("ranks", [1, 3, 6, 128])
+def test_without_global_batch_it_follows_the_data_parallel_ranks(ranks):
+    cfg = TrainConfig(world_size=ranks)
+    assert cfg.dp_size == ranks
+    assert (cfg.global_batch, cfg.grad_accum) == (4 * ranks, 1)
+    assert cfg.batch_summary() == (
+        f"global batch {4 * ranks} = micro-batch 4 x {ranks} data-parallel rank{'s' * (ranks > 1)} "
+        "(default; --global-batch to set)"
+    )
+
+
+def test_the_default_global_batch_follows_the_micro_batch_and_the_command_line_leaves_it_open():
+    assert config_from_args(["--micro-batch", "2"], world_size=128).global_batch == 256
+    assert build_parser().get_default("global_batch") == 0
+
+
+def test_an_explicit_global_batch_says_its_accumulation():
+    cfg = TrainConfig(global_batch=24, micro_batch=4, world_size=3)
+    assert cfg.batch_summary() == "global batch 24 = micro-batch 4 x 3 data-parallel ranks x 2 accumulation steps"
+
+
+def test_a_negative_global_batch_is_refused():
+    with pytest.raises(ConfigError, match=r"^--global-batch must be 0 or more, got -1$"):
+        TrainConfig(global_batch=-1)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,547 @@
+"""The memory plan: does a model fit the GPUs at a layout, and if not, what is the smallest change
+that makes it fit. `python -m workloads.train --plan` and `launch train --dry-run` print it.
+
+Importing this module does not import torch: the launcher runs it on a laptop.
+
+What one GPU holds, for a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
+
+- weights, gradients and AdamW states, sharded over tp x pp x dp_shard (dp_replicate copies):
+  4 + 4 + 8 bytes per parameter in both precisions. Under bf16, FSDP2's mixed precision (torchtitan
+  `mixed_precision_param = bfloat16`, `mixed_precision_reduce = float32`) keeps fp32 sharded
+  weights, reduces gradients in fp32 into fp32 shards, and AdamW keeps exp_avg and exp_avg_sq in
+  the weights' dtype. A pipeline stage holds its share of the layers plus the embedding (first
+  stage) or the final norm and output projection (last stage); the larger stage counts.
+- working buffers: with dp_shard > 1, the gathered weights of two FSDP units (the one computing and
+  the one prefetched) and the unsharded gradient of one, a unit being the largest of a layer, the
+  embedding and the output (each already split by tp); with dp_shard = 1 (DDP), the all-reduce
+  buckets, a second fp32 copy of the gradients (DDP without gradient_as_bucket_view), and under
+  bf16 the bf16 copies of the weights that autocast makes and backward keeps.
+- activations of one micro-batch (b sequences of s tokens; hidden h, FFN width f, a query heads,
+  KV width h·kv/a): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (arXiv:2205.05198) section 4.1 count sbh(34 + 5as/h) bytes per 16-bit GPT layer: 11sbh +
+  5as²b for attention, 19sbh for the MLP, 4sbh for the two LayerNorms. Adapted to these models:
+  no dropout (minus the two sbh masks), flash attention / SDPA keeps no s x s matrix (minus 5as²b)
+  but its output and an fp32 log-sum-exp per head and token (4asb bytes), grouped-query K and V
+  are kv/a of the queries' width, and SwiGLU keeps four f-wide tensors (w1 out, silu out, w3 out,
+  w2 in) where GELU keeps two. In elements per layer:
+      norm inputs 2sbh + linear inputs 2sbh + q sbh + k, v 2sbh·kv/a + attention out sbh
+      + FFN 4sbf (SwiGLU) or 2sbf (GELU)
+  times 2 bytes (bf16) or 4 (fp32), plus 4asb, plus each norm's fp32 statistics (RMSNorm 4sb,
+  LayerNorm 8sb). A GPT-2 layer (kv = a, f = 4h, GELU) comes to 32sbh bytes and the small terms:
+  Korthikanti's 34sbh less the two dropout masks. Tensor parallelism without
+  sequence parallel splits all but the norm and linear inputs by tp (their "10sbh + 24sbh/t");
+  with sequence parallel the norm inputs are split too (PyTorch's SequenceParallel keeps the
+  gathered linear inputs for backward). After the last layer: the final norm's and the output's
+  inputs (2sbh) and the logits: bf16 logits, their fp32 copy and fp32 log-softmax at the loss
+  (10sbV bytes; 8sbV in fp32, which needs no copy; split by tp only under loss parallel).
+  Under a pipeline the first rank holds the most micro-batches in flight (each a micro-batch
+  through its layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per
+  rank pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
+  (p - 1)/(pm)) layers' worth with m = 2 stages a rank). The last rank holds one micro-batch and
+  the head under 1F1B, all n under GPipe.
+  Activation checkpointing keeps each layer's input (2sbh bytes) and recomputes one layer at a
+  time in backward (Korthikanti's "full recomputation": 2sbhL, plus that one layer).
+- a reserve of RESERVED_GIB for what torch's allocator does not count: the CUDA context, NCCL's
+  buffers, fragmentation.
+
+A GPU's memory is the catalog's figure (gpufleet.catalog GPU.memory_gb), read as GiB: the marketed
+"80 GB" of an H100 is what nvidia-smi reports as about 79.6 GiB, and the reserve covers the gap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+
+from gpufleet.catalog import UnknownMachineType, lookup
+from workloads.config import MODEL_SIZES, ConfigError, ModelSize
+from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
+
+__all__ = [
+    "GiB",
+    "RESERVED_GIB",
+    "Layout",
+    "MemoryPlan",
+    "PlanError",
+    "Suggestion",
+    "format_plan",
+    "mesh_lines",
+    "model_names",
+    "plan",
+]
+
+GiB = 1024**3
+RESERVED_GIB = 2.0
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+_MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: tp innermost, as torchtitan
+_MAX_NODE_DOUBLINGS = 8
+
+
+class PlanError(ConfigError):
+    """A plan asked for something impossible; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks are split: dp_replicate x dp_shard x tp x pp = world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    def arithmetic(self) -> str:
+        return f"dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp}) x pp({self.pp})"
+
+    def flags(self) -> str:
+        """The command-line flags that ask for this layout."""
+        return " ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "pp"))
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the memory formulas need from a model, whichever family it is."""
+
+    name: str
+    n_params: int
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn: int
+    vocab: int
+    gated: bool  # SwiGLU (three FFN matrices, four f-wide activations) vs GELU
+    norm_stats: int  # per-token fp32 statistics a norm keeps: RMSNorm rstd (1), LayerNorm mean, rstd (2)
+    layer_params: int
+    first_params: int  # held only by the first pipeline stage (embeddings)
+    last_params: int  # held only by the last stage (final norm, output projection when untied)
+    tied: bool
+
+
+def _llama_shape(name: str, s: LlamaSize) -> _Shape:
+    return _Shape(
+        name=name,
+        n_params=s.n_params,
+        n_layers=s.n_layers,
+        dim=s.dim,
+        n_heads=s.n_heads,
+        n_kv_heads=s.n_kv_heads,
+        ffn=s.hidden_dim,
+        vocab=s.vocab_size,
+        gated=True,
+        norm_stats=1,
+        layer_params=s.layer_params,
+        first_params=s.embedding_params,
+        last_params=s.dim + (0 if s.tie_embeddings else s.embedding_params),
+        tied=s.tie_embeddings,
+    )
+
+
+def _gpt_shape(name: str, s: ModelSize) -> _Shape:
+    c = s.n_embd
+    # workloads.model.GPT: per block 2 LayerNorms (2·2c), qkv (3c² + 3c), proj (c² + c), MLP
+    # (4c² + 4c, 4c² + c) = 12c² + 13c; token and position tables; final LayerNorm; tied output.
+    layer = 12 * c * c + 13 * c
+    first = (s.vocab_size + s.block_size) * c
+    return _Shape(
+        name=name,
+        n_params=first + s.n_layer * layer + 2 * c,
+        n_layers=s.n_layer,
+        dim=c,
+        n_heads=s.n_head,
+        n_kv_heads=s.n_head,
+        ffn=4 * c,
+        vocab=s.vocab_size,
+        gated=False,
+        norm_stats=2,
+        layer_params=layer,
+        first_params=first,
+        last_params=2 * c,
+        tied=True,
+    )
+
+
+def model_names() -> list[str]:
+    return [*MODEL_SIZES, *LLAMA_SIZES]
+
+
+def _shape(model: str) -> _Shape:
+    if model in LLAMA_SIZES:
+        return _llama_shape(model, LLAMA_SIZES[model])
+    if model in MODEL_SIZES:
+        return _gpt_shape(model, MODEL_SIZES[model])
+    raise PlanError(f"--model {model!r} is unknown; one of: {', '.join(model_names())}")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU memory of one layout, in bytes, against the GPU's."""
+
+    model: str
+    n_params: int
+    layout: Layout
+    nodes: int
+    gpus_per_node: int
+    machine_type: str
+    gpu: str
+    micro_batch: int
+    seq_len: int
+    precision: str  # "bf16" or "fp32"
+    activation_checkpointing: bool
+    sequence_parallel: bool
+    loss_parallel: bool
+    pp_schedule: str
+    pp_microbatches: int
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    activations_full: float
+    """Activations without checkpointing."""
+    activations_checkpointed: float
+    """Activations with per-layer checkpointing."""
+    reserved: float
+    capacity: float
+    suggestion: Suggestion | None = None
+    """The smallest change that fits, when this layout does not (None when it fits, or nothing
+    within the search does)."""
+
+    @property
+    def activations(self) -> float:
+        """The activations of the run as asked (checkpointed or not)."""
+        return self.activations_checkpointed if self.activation_checkpointing else self.activations_full
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers + self.activations + self.reserved
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def verdict(self) -> str:
+        if self.fits:
+            return f"fits ({self.total / GiB:.1f} of {self.capacity / GiB:.0f} GiB)"
+        return f"does not fit by {(self.total - self.capacity) / GiB:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A layout (and possibly more nodes, or checkpointing) that fits, with what to change."""
+
+    change: str
+    """The flags to pass, e.g. "--activation-checkpointing" or "--tp 8 --dp-shard 2"."""
+    plan: MemoryPlan
+
+
+def plan(
+    model: str,
+    layout: Layout,
+    *,
+    machine_type: str,
+    nodes: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int = 0,
+    gpus_per_node: int | None = None,
+) -> MemoryPlan:
+    """The memory plan of `model` at `layout` on `nodes` x `machine_type`, with the smallest change
+    that fits when it does not. `layout.dp_shard` -1 takes the ranks the other dimensions leave.
+    `micro_batch` is the samples of one forward (under a pipeline, of one pipeline micro-batch);
+    `pp_microbatches` the micro-batches of a pipeline step (0: pp, the fewest 1F1B runs with).
+    `sequence_parallel` and `loss_parallel` (the logits stay split by vocabulary across tp for the
+    loss, torch.distributed.tensor.parallel.loss_parallel) change what tp splits.
+    Raises PlanError (a ConfigError: exit 2) for a layout that cannot run at all."""
+    shape = _shape(model)
+    try:
+        machine = lookup(machine_type)
+    except UnknownMachineType as e:
+        raise PlanError(f"--machine-type: {e}") from None
+    gpus = gpus_per_node or machine.gpu_count
+    for name, value in (("nodes", nodes), ("micro-batch", micro_batch), ("seq-len", seq_len), ("nproc-per-node", gpus)):
+        if value < 1:
+            raise PlanError(f"--{name} must be at least 1, got {value}")
+    if precision not in PRECISIONS:
+        raise PlanError(f"--precision {precision!r} is unknown; one of: {', '.join(PRECISIONS)}")
+    if pp_schedule not in PP_SCHEDULES:
+        raise PlanError(f"--pp-schedule {pp_schedule!r} is unknown; one of: {', '.join(PP_SCHEDULES)}")
+    if pp_microbatches < 0:
+        raise PlanError(f"--pp-microbatches must be 0 (one per --micro-batch) or more, got {pp_microbatches}")
+    layout = _resolve(layout, nodes * gpus, nodes, gpus)
+    _check(shape, layout, nodes * gpus, nodes, gpus)
+    ask = _Ask(
+        shape=shape,
+        machine_type=machine_type,
+        gpu=machine.gpu.model,
+        capacity=machine.gpu.memory_gb * GiB,
+        gpus=gpus,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        precision="fp32" if precision == "fp32" else "bf16",  # auto: bf16 on a GPU; fp16 is 2 bytes too
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        pp_schedule=pp_schedule,
+        pp_microbatches=pp_microbatches,
+    )
+    result = ask.estimate(layout, nodes, activation_checkpointing)
+    if result.fits:
+        return result
+    return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing))
+
+
+def _resolve(layout: Layout, world: int, nodes: int, gpus: int) -> Layout:
+    if layout.dp_shard != -1:
+        return layout
+    rest = layout.dp_replicate * layout.tp * layout.pp
+    if rest < 1 or world % rest:
+        raise PlanError(
+            f"--dp-shard -1 takes the ranks left by dp_replicate({layout.dp_replicate}) x tp({layout.tp}) x "
+            f"pp({layout.pp}) = {rest}, which does not divide world size {world} ({nodes} nodes x {gpus} GPUs)"
+        )
+    return replace(layout, dp_shard=world // rest)
+
+
+def _check(shape: _Shape, layout: Layout, world: int, nodes: int, gpus: int) -> None:
+    for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        if getattr(layout, name) < 1:
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(layout, name)}")
+    if layout.world_size != world:
+        raise PlanError(
+            f"{layout.arithmetic()} = {layout.world_size} != world size {world} ({nodes} nodes x {gpus} GPUs); "
+            "make the product equal the world size (--dp-shard -1 takes the rest)"
+        )
+    if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
+        raise PlanError(
+            f"--tp {layout.tp} does not divide model {shape.name}'s {shape.n_heads} heads and "
+            f"{shape.n_kv_heads} KV heads; use a tp that divides {math.gcd(shape.n_heads, shape.n_kv_heads)}"
+        )
+    if layout.pp > shape.n_layers:
+        raise PlanError(
+            f"--pp {layout.pp} is more than model {shape.name}'s {shape.n_layers} layers; "
+            f"use --pp {shape.n_layers} or less"
+        )
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """Everything about the run but the layout, the node count and checkpointing."""
+
+    shape: _Shape
+    machine_type: str
+    gpu: str
+    capacity: float
+    gpus: int
+    micro_batch: int
+    seq_len: int
+    precision: str
+    sequence_parallel: bool
+    loss_parallel: bool
+    pp_schedule: str
+    pp_microbatches: int
+
+    def _in_flight(self, pp: int) -> tuple[float, int]:
+        """Micro-batches in flight on the first and on the last pipeline rank."""
+        n = self.pp_microbatches or pp
+        if self.pp_schedule == "gpipe":
+            return n, n
+        if self.pp_schedule == "interleaved-1f1b":
+            return min(n, pp + (pp - 1) / 2), 1
+        return min(n, pp), 1
+
+    def estimate(self, layout: Layout, nodes: int, ac: bool) -> MemoryPlan:
+        m, tp, pp = self.shape, layout.tp, layout.pp
+        act_bytes = 4 if self.precision == "fp32" else 2
+        layers = math.ceil(m.n_layers / pp)
+        # A pipeline's last stage holds its own copy of a tied table, as the output projection.
+        last = m.last_params + (m.vocab * m.dim if m.tied and pp > 1 else 0)
+        stage_params = m.n_params if pp == 1 else layers * m.layer_params + max(m.first_params, last)
+        shard = stage_params / (tp * layout.dp_shard)
+        if layout.dp_shard > 1:
+            unit = max(m.layer_params, m.first_params, m.last_params + (m.vocab * m.dim if m.tied else 0)) / tp
+            buffers = unit * (2 * act_bytes + 4)  # two gathered units + one fp32 gradient
+        else:
+            buckets = 4 if layout.dp_replicate > 1 else 0
+            buffers = stage_params / tp * (buckets + (2 if self.precision == "bf16" else 0))
+
+        b, s, h, f = self.micro_batch, self.seq_len, m.dim, m.ffn
+        sbh = b * s * h
+        sp = tp if self.sequence_parallel else 1
+        split = sbh * (2 + 2 * m.n_kv_heads / m.n_heads) + b * s * f * (4 if m.gated else 2)
+        # + the attention's fp32 log-sum-exp per head and token, each norm's fp32 statistics per token.
+        stats = 4 * (m.n_heads / tp) * s * b + 2 * 4 * m.norm_stats * b * s / sp
+        layer = act_bytes * (2 * sbh / sp + 2 * sbh + split / tp) + stats
+        kept = act_bytes * sbh / sp  # a checkpointed layer keeps its input
+        # The final norm's and the output's inputs; the logits at the loss.
+        logits = act_bytes + (4 if act_bytes != 4 else 0) + 4  # the logits, an fp32 copy, log-softmax
+        head = act_bytes * 2 * sbh + logits * b * s * m.vocab / (tp if self.loss_parallel else 1)
+        if pp == 1:
+            full = layers * layer + head
+            checkpointed = layers * kept + layer + head
+        else:
+            first, last = self._in_flight(pp)
+            full = max(first * layers * layer, last * (layers * layer + head))
+            checkpointed = max(first * layers * kept + layer, last * (layers * kept + head) + layer)
+        return MemoryPlan(
+            model=m.name,
+            n_params=m.n_params,
+            layout=layout,
+            nodes=nodes,
+            gpus_per_node=self.gpus,
+            machine_type=self.machine_type,
+            gpu=self.gpu,
+            micro_batch=b,
+            seq_len=s,
+            precision=self.precision,
+            activation_checkpointing=ac,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+            pp_schedule=self.pp_schedule,
+            pp_microbatches=self.pp_microbatches,
+            params=4 * shard,
+            grads=4 * shard,
+            optimizer=8 * shard,
+            buffers=buffers,
+            activations_full=full,
+            activations_checkpointed=checkpointed,
+            reserved=RESERVED_GIB * GiB,
+            capacity=self.capacity,
+        )
+
+    def _moves(self, layout: Layout, ac: bool) -> list[tuple[Layout, bool]]:
+        """One step each: checkpointing on; shard more (a replica's factor 2 to dp_shard); double tp
+        within a node; double pp. tp and pp take their factor 2 from dp_shard, else dp_replicate."""
+        out: list[tuple[Layout, bool]] = []
+        if not ac:
+            out.append((layout, True))
+        if layout.dp_replicate % 2 == 0:
+            out.append((replace(layout, dp_replicate=layout.dp_replicate // 2, dp_shard=layout.dp_shard * 2), ac))
+        for dim, limit in (("tp", self.gpus), ("pp", self.shape.n_layers)):
+            grown = getattr(layout, dim) * 2
+            if grown > limit:
+                continue
+            if dim == "tp" and (self.shape.n_heads % grown or self.shape.n_kv_heads % grown):
+                continue
+            for source in ("dp_shard", "dp_replicate"):
+                if getattr(layout, source) % 2 == 0:
+                    out.append((replace(layout, **{dim: grown, source: getattr(layout, source) // 2}), ac))
+                    break
+        return out
+
+    def _search(self, start: Layout, nodes: int, ac: bool) -> MemoryPlan | None:
+        """Breadth first over the moves: the fitting layout fewest doublings away (ties go to the
+        move listed first in `_moves`)."""
+        seen = {(start, ac)}
+        queue = deque([(start, ac)])
+        while queue:
+            layout, on = queue.popleft()
+            candidate = self.estimate(layout, nodes, on)
+            if candidate.fits:
+                return candidate
+            for nxt in self._moves(layout, on):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+        return None
+
+    def smallest_fix(self, layout: Layout, nodes: int, ac: bool) -> Suggestion | None:
+        """The same nodes at another layout; failing that, the fewest doublings of the node count
+        (the new ranks added to dp_shard)."""
+        for doublings in range(_MAX_NODE_DOUBLINGS + 1):
+            factor = 2**doublings
+            found = self._search(replace(layout, dp_shard=layout.dp_shard * factor), nodes * factor, ac)
+            if found is not None:
+                return Suggestion(_change(layout, nodes, ac, found), found)
+        return None
+
+
+def _change(was: Layout, nodes: int, ac: bool, now: MemoryPlan) -> str:
+    flags = []
+    if now.nodes != nodes:
+        flags.append(f"--nodes {now.nodes}")
+    flags += [
+        f"--{n.replace('_', '-')} {getattr(now.layout, n)}"
+        for n in ("dp_replicate", "dp_shard", "tp", "pp")
+        if getattr(now.layout, n) != getattr(was, n)
+    ]
+    if now.activation_checkpointing and not ac:
+        flags.append("--activation-checkpointing")
+    return " ".join(flags)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    if len(ranks) > 4:
+        return f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def mesh_lines(layout: Layout, nodes: int, gpus: int) -> list[str]:
+    """The mesh, and for each dimension whether its groups stay inside a node."""
+    sizes = {n: getattr(layout, n) for n in _MESH_ORDER}
+    dims = " x ".join(f"{n} {sizes[n]}" for n in _MESH_ORDER)
+    nodes_hold = f"node k holds ranks {gpus}k..{gpus}k+{gpus - 1}" if gpus > 1 else "one rank per node"
+    on_nodes = f"{nodes} node" + ("s" if nodes != 1 else "")
+    lines = [f"mesh: {dims} = {layout.world_size} ranks on {on_nodes}, tp innermost; {nodes_hold}"]
+    stride = 1
+    for name in reversed(_MESH_ORDER):
+        size = sizes[name]
+        if size > 1:
+            group = [i * stride for i in range(size)]
+            on = sorted({r // gpus for r in group})
+            where = f"within node {on[0]}" if len(on) == 1 else f"across {len(on)} nodes"
+            lines.append(f"  {name} {size}: ranks {_ranks(group)} form one group, {where}")
+            if name == "tp" and len(on) > 1:
+                lines.append(f"  warning: tp {size} > {gpus} GPUs per node: its all-reduces cross the network")
+        stride *= size
+    return lines
+
+
+def format_plan(p: MemoryPlan) -> list[str]:
+    """The plan as lines of text for a person."""
+
+    def gib(x: float) -> str:
+        return f"{x / GiB:8.2f} GiB"
+
+    ac_used = " (used)" if p.activation_checkpointing else ""
+    full_used = "" if p.activation_checkpointing else " (used)"
+    mp = "bf16 compute, fp32 weights, gradients and AdamW states" if p.precision == "bf16" else "fp32"
+    pipeline = ""
+    if p.layout.pp > 1:
+        pipeline = f"; pipeline {p.pp_schedule}, {p.pp_microbatches or p.layout.pp} micro-batches a step"
+    lines = [
+        f"model {p.model}: {p.n_params / 1e9:.2f}B parameters; micro-batch {p.micro_batch} x seq {p.seq_len}; "
+        f"{mp}{pipeline}",
+        *mesh_lines(p.layout, p.nodes, p.gpus_per_node),
+        f"per GPU ({p.nodes} x {p.machine_type}, {p.gpu}):",
+        f"  parameters       {gib(p.params)}",
+        f"  gradients        {gib(p.grads)}",
+        f"  optimizer state  {gib(p.optimizer)}",
+        f"  working buffers  {gib(p.buffers)}",
+        f"  activations      {gib(p.activations_full)} without checkpointing{full_used}",
+        f"                   {gib(p.activations_checkpointed)} with activation checkpointing{ac_used}",
+        f"  reserved         {gib(p.reserved)} (CUDA context, NCCL buffers, fragmentation)",
+        f"  total            {gib(p.total)} of {p.capacity / GiB:.0f} GiB",
+        f"verdict: {p.verdict}",
+    ]
+    if not p.fits:
+        if p.suggestion is None:
+            lines.append(
+                f"  nothing fits up to {p.nodes * 2**_MAX_NODE_DOUBLINGS} nodes: lower --micro-batch or --seq-len"
+            )
+        else:
+            s = p.suggestion.plan
+            lines.append(f"  smallest change that fits: {p.suggestion.change} -> {s.layout.arithmetic()}: {s.verdict}")
+    return lines

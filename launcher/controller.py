@@ -57,8 +57,6 @@ class Controller:
         self.metrics = None  # the job's sampling (launcher.job_metrics), while it runs
         self.preempted, self.last_step = False, None  # this attempt's, for launcher.recover
         self.launch = None  # the attempt running now (a launcher.launch.Launch)
-        self.stop_signal: int | None = None  # SIGTERM/SIGINT received: a person's stop
-        self.restart_request = None  # launcher.restarts.request_restart's, until the relaunch
         wl = self.request["workload"]
         pid = os.getpid()
         self.record = JobRecord(
@@ -77,7 +75,7 @@ class Controller:
     def run(self) -> int:
         (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self._on_stop_signal(signum))
+            signal.signal(sig, lambda signum, frame: self._on_stop_signal())
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if not self.wait_turn():
             return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
@@ -104,10 +102,9 @@ class Controller:
 
         return Recoverer(self, cluster, config, RecoverPolicy(**self.request["recover"])).run(result)
 
-    def _on_stop_signal(self, signum: int) -> None:
+    def _on_stop_signal(self) -> None:
         """`launch stop` (SIGTERM): stop every node, with the grace `launch stop --grace` left in
         the job's directory, if it did."""
-        self.stop_signal = signum
         try:
             grace = float((self.jobdir / STOP_GRACE_FILE).read_text())
         except (OSError, ValueError):
@@ -173,6 +170,9 @@ class Controller:
             return self.end(
                 JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): every node was stopped"
             )
+        if result.hang is not None:
+            h = result.hang
+            return self.end(JobState.FAILED, result.exit_code, why=h.verdict + note, node=h.node, reason=h.reason)
         if result.exit_code == 0:
             return self.end(JobState.SUCCEEDED, 0)
         return self._failed(result, note)
@@ -186,12 +186,19 @@ class Controller:
         return self.end(JobState.FAILED, result.exit_code, why=f"{failure_line(result)}{note}", node=rank, tail=tail)
 
     def end(
-        self, state: JobState, code: int, why: str = "", node: int | None = None, tail: list[str] | None = None
+        self,
+        state: JobState,
+        code: int,
+        why: str = "",
+        node: int | None = None,
+        tail: list[str] | None = None,
+        reason: str = "",
     ) -> int:
         if self.metrics is not None:  # sampling ends first: a final record's samples are whole
             self.metrics.stop()
         r = self.record
         r.state, r.exit, r.why, r.failed_node, r.tail, r.ended = state, code, why, node, tail or [], time.time()
+        r.reason = reason
         self.save()
         log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
         return code

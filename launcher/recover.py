@@ -27,7 +27,6 @@ from launcher.restarts import (
     parse_exit_codes,
     program_error_line,
     restart_refusal,
-    take_restart_request,
     worker_exit_codes,
 )
 
@@ -90,7 +89,7 @@ class Recovery:
 
 
 def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
-    """`90`, `90s`, `30m`, `2h` in seconds."""
+    """`90`, `90s`, `30m`, `2h` in seconds; a bad value is a UserError naming `flag`."""
     m = _DURATION_RE.match(text)
     if not m or float(m.group(1)) <= 0:
         raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)")
@@ -174,6 +173,8 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
             return None
         cause = "preempted: the workers got SIGTERM and saved a checkpoint"
         return Recovery(now, None, cause, step, reason="preempted")
+    if result.hang is not None:  # the same hang at the same step twice is not retried
+        return Recovery(now, result.hang.node, result.hang.verdict, step, signature=result.hang.reason, reason="hang")
     rank = result.first_failure
     o = result.outcomes.get(rank) if rank is not None else None
     if o is None:
@@ -235,8 +236,7 @@ class Recoverer:
     def run(self, result: LaunchResult) -> int:
         """From a finished attempt's result to the job's exit status (the record says the rest)."""
         while True:
-            asked = take_restart_request(self.c)
-            rec = Recovery(**asked) if asked else failure_of(result, self.c.preempted, self.c.last_step)
+            rec = failure_of(result, self.c.preempted, self.c.last_step)
             if rec is None:
                 return self.c.finish(result)
             refusal = self._refusal(rec, result)
@@ -266,9 +266,7 @@ class Recoverer:
         self.c.record.recoveries.append(rec.to_json())
         node = f"node {rec.node}: " if rec.node is not None else ""
         why = f"{node}{rec.cause}; {refusal}"
-        # Preempted: every rank saved and exited 0, but the run is not done; or a restart asked for
-        # (a hang) stopped the attempt.
-        if result.exit_code == 0 or result.signal is not None:
+        if result.exit_code == 0:  # preempted: every rank saved and exited 0, but the run is not done
             return self.c.end(JobState.FAILED, 1, why=why, node=rec.node)
         said = rec.signature.partition(" / ")[2]  # the node's own error lines, if it printed any
         if not said and self.policy.max_restarts is not None:

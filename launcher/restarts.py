@@ -1,6 +1,5 @@
 """Relaunching a user's own program (`launch run|exec --detach --recover`): why an attempt ended,
-whether the policy allows another, and the entry point other parts of the controller call to
-restart the running attempt (the hang detector: reason `hang`).
+and whether the policy allows another.
 
 The program resumes from its own checkpoint; gpufleet's side of the contract is the environment
 every rank gets (launcher.env.job_env): GPUFLEET_JOB_ID (the same on every attempt),
@@ -10,7 +9,8 @@ GPUFLEET_ATTEMPT (0, 1, ...) and GPUFLEET_RESTART_REASON, one of `REASONS`:
 - preempted: a node's metadata server said `instance/preempted` TRUE (launcher.command's
   watcher printed PREEMPTION_NOTICE), or the built-in workload saved and exited on a SIGTERM;
 - worker-failed: the program exited nonzero on some rank;
-- hang: the hang detector found no progress and asked for a restart (`request_restart`).
+- hang: the launch's hang detector (launcher.hang) stopped the attempt for want of progress
+  (`LaunchResult.hang`).
 
 Budgets: node-lost and preempted are the cluster's doing, bounded by --max-recoveries (3) and
 --recover-timeout; worker-failed and hang are the program's, bounded by --max-restarts (0 unless
@@ -18,13 +18,12 @@ given); a worker exit status in --no-restart-exit-codes (2: a usage error) is ne
 The built-in workload (`launch train`) keeps its own rule (launcher.recover): every recovery
 counts against --max-recoveries, and --max-restarts stays torchrun's in-place restarts.
 
-Pure functions, except `request_restart` and `take_restart_request`, which touch the controller.
+Pure functions: the controller (launcher.recover.Recoverer) does the waiting and relaunching.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,6 @@ __all__ = [
     "worker_exit_codes",
     "program_error_line",
     "restart_refusal",
-    "request_restart",
-    "take_restart_request",
 ]
 
 REASONS = ("node-lost", "preempted", "worker-failed", "hang")
@@ -141,27 +138,3 @@ def restart_refusal(
     if n >= policy.max_recoveries:
         return f"gave up after {n} recoveries (--max-recoveries {policy.max_recoveries})"
     return ""
-
-
-def request_restart(controller: Any, cause: str, node: int | None = None, reason: str = "hang") -> bool:
-    """Stop the running attempt of a detached job and have its controller relaunch it with
-    GPUFLEET_RESTART_REASON=`reason`, counted against --max-restarts like a failed worker (the
-    hang detector's entry point). Safe from another thread of the controller. False when the job
-    has no --recover: the caller ends it (FAILED) itself."""
-    if controller.request.get("recover") is None or controller.launch is None:
-        return False
-    if reason not in REASONS:
-        raise ValueError(f"restart reason {reason!r}; one of {', '.join(REASONS)}")
-    controller.restart_request = {"at": time.time(), "node": node, "cause": cause, "reason": reason}
-    controller.launch.request_stop()
-    return True
-
-
-def take_restart_request(controller: Any) -> dict[str, Any] | None:
-    """The restart `request_restart` asked for, once (None: there is none, or a person's stop
-    came too, which wins). The stop it caused is cleared, so the relaunch is not taken for one."""
-    asked, controller.restart_request = controller.restart_request, None
-    if asked is None or controller.stop_signal is not None:
-        return None
-    controller.stop.clear()
-    return asked

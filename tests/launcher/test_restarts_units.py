@@ -8,10 +8,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -20,7 +18,6 @@ from launcher.cli import main
 from launcher.command import EXIT_MARKER, PREEMPTION_NOTICE, grace_line, node_commands, remote_script
 from launcher.env import job_env, node_env
 from launcher.jobs import STOP_GRACE_FILE, process_start, stop_script
-from launcher.launch import Launch
 from launcher.model import (
     Cluster,
     LaunchConfig,
@@ -35,9 +32,7 @@ from launcher.recover import RecoverPolicy, failure_of, recover_policy
 from launcher.restarts import (
     parse_exit_codes,
     program_error_line,
-    request_restart,
     restart_refusal,
-    take_restart_request,
     worker_exit_codes,
 )
 from tests.launcher.fake_gpu_node import FakeMetadata
@@ -211,22 +206,6 @@ def test_the_programs_own_error_line_is_found_in_its_tail_or_its_log(tmp_path):
     pushed_out = _result(NodeOutcome(node, exit_code=1, tail=SUMMARY), first=1, run_dir=tmp_path)
     assert program_error_line(pushed_out) == "ValueError: bad shard 7"
     assert program_error_line(_result(NodeOutcome(node, exit_code=1, tail=SUMMARY), first=1)) == ""
-
-
-def test_a_restart_request_stops_the_attempt_once_and_a_persons_stop_wins(tmp_path):
-    stop = threading.Event()
-    cluster = Cluster("l", (Node(0, "localhost", "127.0.0.1"),), local=True)
-    c = SimpleNamespace(request={"recover": {}}, stop=stop, stop_signal=None, restart_request=None)
-    c.launch = Launch(cluster, _cfg(), stop=stop)
-    assert request_restart(c, "no progress for 30 s", node=1)
-    assert stop.is_set()
-    asked = take_restart_request(c)
-    assert asked["reason"] == "hang" and asked["node"] == 1 and asked["cause"] == "no progress for 30 s"
-    assert not stop.is_set() and take_restart_request(c) is None
-    request_restart(c, "again")
-    c.stop_signal = 15  # `launch stop` came too: the job stops
-    assert take_restart_request(c) is None and stop.is_set()
-    assert not request_restart(SimpleNamespace(request={"recover": None}, launch=c.launch), "x")
 
 
 # ---- `launch stop --grace`, and the watchdog's grace on a node --------------------------------

@@ -39,10 +39,10 @@ from gpufleet.health import (
     parse_xids,
 )
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from launcher.command import CHECKED_MARKER
-from launcher.model import Cluster, LaunchConfig, Node, UserError
-from launcher.prestart import Expectation, expectation, gpu_statement, nic_statements
-from launcher.topology import metadata_statement, spread_warning
+from launcher.cluster.topology import metadata_statement, spread_warning
+from launcher.core.command import CHECKED_MARKER
+from launcher.core.prestart import Expectation, expectation, gpu_statement, nic_statements
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
 __all__ = [
     "CHECKS",

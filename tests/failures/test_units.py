@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from launcher.cli import main
-from launcher.env import TORCHRUN_DEFAULTS, node_env
-from launcher.model import Cluster, LaunchConfig, Node, NodeOutcome, Workload
-from launcher.output import root_cause, worker_failure_note
+from launcher.cli.main import main
+from launcher.core.env import TORCHRUN_DEFAULTS, node_env
+from launcher.core.output import root_cause, worker_failure_note
+from launcher.core.types import Cluster, LaunchConfig, Node, NodeOutcome, Workload
 
 NODES = [Node(rank=i, host=f"10.0.0.{i + 2}", address=f"10.0.0.{i + 2}") for i in range(3)]
 

@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
-from launcher.cluster_key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
-from launcher.jobs import (
+from launcher.cluster.key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
+from launcher.jobs.record import (
     LIST_MARKER,
     JobRecord,
     JobState,
@@ -24,7 +25,6 @@ from launcher.jobs import (
     stop_script,
     write_json_atomic,
 )
-from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload
 
 CLUSTER = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3", slots=2)))
 
@@ -150,7 +150,7 @@ def test_stop_and_logs_scripts_quote_the_job_dir():
 def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_path, args, message):
     from click.testing import CliRunner
 
-    from launcher.cli import main
+    from launcher.cli.main import main
 
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.2\n")

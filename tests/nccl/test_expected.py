@@ -17,7 +17,7 @@ import pytest
 from gpufleet import bandwidth, expected
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.expected import Algorithm
-from launcher import nccl_report as rep
+from launcher.nccl import report as rep
 
 CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "nccl-outputs"
 CASES = {
@@ -242,8 +242,8 @@ def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_
 
     from rich.console import Console
 
-    from launcher import nccl_cmd
-    from launcher.model import Cluster, LaunchConfig, Node, Workload
+    from launcher.cli import cmd_nccl_tests as nccl_cmd
+    from launcher.core.types import Cluster, LaunchConfig, Node, Workload
 
     rows = _slowed(_rows("09-a3mega-slurm-allreduce-2node.txt"), 0.6)
     cluster = Cluster("c", (Node(0, "a", "10.0.0.1"), Node(1, "b", "10.0.0.2")), machine_type="a3-megagpu-8g")

@@ -11,7 +11,7 @@ with both values).
 The node's program (`node_script`) only reads: it runs `nvidia-smi` queries, reads the kernel log,
 /sys/class/net, `docker ps`, `df`, the ready marker and the metadata server, prints `key=value`
 lines and the launcher's CHECKED_MARKER, then waits for end of input, like the check half of a
-launch (launcher.command), so it rides the same SSH sessions. Nothing it runs writes a file.
+launch (launcher.core.command), so it rides the same SSH sessions. Nothing it runs writes a file.
 
 Test hooks, read on the node, each defaulting to the real thing: GCE_METADATA_HOST (the metadata
 server's host:port, as google-auth honours it), GPUFLEET_READY_MARKER (the ready marker's path,
@@ -39,10 +39,10 @@ from gpufleet.health import (
     parse_xids,
 )
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from launcher.command import CHECKED_MARKER
-from launcher.model import Cluster, LaunchConfig, Node, UserError
-from launcher.prestart import Expectation, expectation, gpu_statement, nic_statements
-from launcher.topology import metadata_statement, spread_warning
+from launcher.cluster.topology import metadata_statement, spread_warning
+from launcher.core.command import CHECKED_MARKER
+from launcher.core.prestart import Expectation, expectation, gpu_statement, nic_statements
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
 __all__ = [
     "CHECKS",
@@ -65,7 +65,7 @@ CHECKS = ("gpus", "driver", "cuda", "persistence", "ecc", "xid", "nics", "net", 
 RXDM_CONTAINER = "receive-datapath-manager"
 
 # Beyond a couple of seconds, log timestamps and timeouts stop lining up across nodes (the same
-# bound the launch's pre-start check warns at, launcher.preflight.check_probes).
+# bound the launch's pre-start check warns at, launcher.core.preflight.check_probes).
 CLOCK_WARN_S = 2.0
 
 # A GPU reporting less memory than this share of the catalog's figure is not the catalog's GPU:
@@ -96,9 +96,9 @@ def node_script(
     env: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The read-only bash program that reports on `node` as `key=value` lines, then prints
-    CHECKED_MARKER and waits for end of input (one line: launcher.command's `_join` form).
+    CHECKED_MARKER and waits for end of input (one line: launcher.core.command's `_join` form).
     `env` is the user's --env, exported first as a launch does, so `--env PATH=...` picks the
-    same python3 here as in the run (PATH-like values are prepended, as launcher.command does)."""
+    same python3 here as in the run (PATH-like values are prepended, as launcher.core.command does)."""
     q = shlex.quote
     s = [f"export {k}={q(v)}${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else f"export {k}={q(v)}" for k, v in env]
     s += [
@@ -108,7 +108,7 @@ def node_script(
         # the background; the rest reads files meanwhile, and `wait` joins them before the marker.
         # Each line is one write of a few hundred bytes, so lines from different probes never mix
         # (POSIX: writes of at most PIPE_BUF bytes to a pipe are atomic).
-        # GPUs, and the driver's CUDA version (launcher.prestart).
+        # GPUs, and the driver's CUDA version (launcher.core.prestart).
         gpu_statement(cuda=True),
         # python and torch: torch's version from its dist-info directory on the interpreter's own
         # path, the first one found in sys.path order as importlib.metadata would find it, without
@@ -117,7 +117,7 @@ def node_script(
         "d = [g for p in sys.path for g in sorted(glob.glob((p or \".\") + \"/torch-*.dist-info\"))]; "
         "print(\"torch=\" + (d[0].rsplit(\"/\", 1)[1][6:-10] if d else \"missing\"))' "
         "2>/dev/null || echo python=missing &",
-        # Where the VM sits (launcher.topology.metadata_statement).
+        # Where the VM sits (launcher.cluster.topology.metadata_statement).
         f"{{ {metadata_statement()}; }} &",
         # XIDs since boot: the kernel log (dmesg needs root where kernel.dmesg_restrict=1; the
         # journal's kernel messages of this boot are the fallback).
@@ -585,7 +585,7 @@ def judge(
 
 
 def prestart_verdict(cluster: Cluster, probes: Mapping[int, Any], config: LaunchConfig) -> list[str]:
-    """The launch's pre-start judgement of what launcher.prestart's statements reported (probes
+    """The launch's pre-start judgement of what launcher.core.prestart's statements reported (probes
     by rank, each with `.ok`, `.node` and `.facts`): raise one UserError naming every node with a
     GPU or NIC missing (nothing was started); return warnings for the rest (drift of the driver,
     ECC errors, a wrong MTU). Nothing to say when the check did not run them (no machine type)."""

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from infra.config import KEYS
 from infra.config import main as check_stack
-from launcher.cli import main
+from launcher.cli.main import main
 from tests.infra.test_config import WRONG_TYPES
 from tests.simcluster import SimCluster
 from tests.support import LAUNCH, REPO

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.contracts import LABEL_NODE
-from launcher.cli import main
+from launcher.cli.main import main
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.support import LAUNCH, REPO, source_args, torch_args, wait_for
 

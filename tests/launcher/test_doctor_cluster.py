@@ -45,7 +45,7 @@ def cluster(gc):
 
 
 def doctor(c: GpuSimCluster, tmp_path: Path, *extra: str):
-    from launcher.doctor_cli import doctor as cmd
+    from launcher.cli.cmd_doctor import doctor as cmd
 
     r = CliRunner().invoke(cmd, [*c.args(tmp_path), *extra])
     return r

@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
-from launcher.cluster_key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
-from launcher.jobs import (
+from launcher.cluster.key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
+from launcher.jobs.record import (
     LIST_MARKER,
     JobRecord,
     JobState,
@@ -24,7 +25,6 @@ from launcher.jobs import (
     stop_script,
     write_json_atomic,
 )
-from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload
 
 CLUSTER = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3", slots=2)))
 
@@ -100,8 +100,8 @@ def test_the_controller_and_its_recoveries_run_the_clients_rank_order(tmp_path):
     and every recovery's relaunch, rebuild the cluster from the request: the same order, so each
     node gets the same --node-rank again."""
     from gpufleet.health import PhysicalHost
-    from launcher.command import node_commands
-    from launcher.topology import launch_order
+    from launcher.cluster.topology import launch_order
+    from launcher.core.command import node_commands
 
     nodes = tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(3))
     hosts = {n.host: PhysicalHost("c", f"b{[1, 2, 1][n.rank]}", None, f"h{n.rank}") for n in nodes}
@@ -172,7 +172,7 @@ def test_stop_and_logs_scripts_quote_the_job_dir():
 def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_path, args, message):
     from click.testing import CliRunner
 
-    from launcher.cli import main
+    from launcher.cli.main import main
 
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.2\n")

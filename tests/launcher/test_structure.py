@@ -11,33 +11,46 @@ import pytest
 LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 
 # Modules moved onto the Launch object in issue 12, and the command modules that share the CLI's
-# options (launcher.options) and display (launcher.render) by their public names.
+# options (launcher.cli.options) and display (launcher.cli.render) by their public names.
 SPLIT = [
-    "cli",
-    "command",
-    "discovery",
-    "env",
-    "launch",
-    "model",
-    "options",
-    "output",
-    "preflight",
-    "render",
-    "session",
-    "transport",
+    "cli.main",
+    "core.command",
+    "cluster.discovery",
+    "core.env",
+    "core.launch",
+    "core.types",
+    "cli.options",
+    "core.output",
+    "core.preflight",
+    "cli.render",
+    "core.session",
+    "core.transport",
 ]
-COMMANDS = ["doctor_cli", "top_cli", "nccl_cmd", "nccl_from"]
+COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "nccl.from_files"]
 # The collective sweep's report, split by job in issue 12: parse, judge, render and store, find a
-# bad node, the mpirun command; nccl_report gathers their public names.
-REPORT = ["nccl_parse", "nccl_judge", "nccl_render", "badnodes", "nccl_mpirun", "nccl_report"]
+# bad node, the mpirun command; nccl.report gathers their public names.
+REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
-BUILDERS = {("command", "remote_script"), ("doctor", "node_script")}
-# Every module of the package, for the rules that hold everywhere.
-ALL = sorted(p.stem for p in LAUNCHER.glob("*.py") if p.stem != "__init__")
+BUILDERS = {("core.command", "remote_script"), ("doctor", "node_script")}
+
+
+def _name(path: Path) -> str:
+    """launcher/core/launch.py -> "core.launch"; a package's __init__.py -> the package's name."""
+    parts = path.relative_to(LAUNCHER).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# Every module of the package and its subpackages, for the rules that hold everywhere.
+ALL = sorted(_name(p) for p in LAUNCHER.rglob("*.py") if p.relative_to(LAUNCHER).as_posix() != "__init__.py")
+
+
+def _path(name: str) -> Path:
+    base = LAUNCHER.joinpath(*name.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
 
 def _tree(name: str) -> ast.Module:
-    return ast.parse((LAUNCHER / f"{name}.py").read_text())
+    return ast.parse(_path(name).read_text())
 
 
 def _launcher_imports(tree: ast.Module) -> list[ast.ImportFrom]:
@@ -66,11 +79,23 @@ def test_every_function_is_under_60_lines(name):
     assert not long, f"launcher.{name}: {long}"
 
 
+def _deps(name: str) -> set[str]:
+    """The launcher modules `name` imports: `from launcher.a.b import x` -> "a.b", and
+    `from launcher.a import b` -> "a.b" when b is a module, else "a"."""
+    deps = set()
+    for n in _launcher_imports(_tree(name)):
+        module = n.module.split(".", 1)[1] if "." in n.module else ""
+        for a in n.names:
+            sub = f"{module}.{a.name}" if module else a.name
+            if sub in ALL:
+                deps.add(sub)
+            elif module:
+                deps.add(module)
+    return deps - {name}
+
+
 def test_the_launcher_modules_import_no_cycle():
-    graph = {
-        p.stem: {n.module.split(".")[1] for n in _launcher_imports(ast.parse(p.read_text())) if "." in n.module}
-        for p in LAUNCHER.glob("*.py")
-    }
+    graph = {name: _deps(name) for name in ALL}
 
     def visit(name: str, path: tuple[str, ...]) -> None:
         for dep in graph.get(name, ()):
@@ -83,7 +108,7 @@ def test_the_launcher_modules_import_no_cycle():
 
 def test_library_modules_never_print():
     """rich and print() belong to the CLI, which renders the launch's events and result."""
-    for name in (set(SPLIT) | set(REPORT)) - {"cli", "render", "nccl_render", "nccl_report"}:
+    for name in (set(SPLIT) | set(REPORT)) - {"cli.main", "cli.render", "nccl.render", "nccl.report"}:
         tree = _tree(name)
         calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
         assert "print" not in calls, f"launcher.{name} prints"
@@ -94,7 +119,7 @@ def test_library_modules_never_print():
 
 def test_node_state_changes_in_one_place():
     """`Launch._set_state` is the only code that assigns a node's state."""
-    tree = _tree("launch")
+    tree = _tree("core.launch")
     writers = set()
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef):
@@ -131,21 +156,21 @@ def _calls_of(tree: ast.Module, module: str, attr: str) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize("name", ["nccl_cmd", "badnodes"])
+@pytest.mark.parametrize("name", ["cli.cmd_nccl_tests", "nccl.badnodes"])
 def test_nccl_tests_and_the_bad_node_search_leave_signals_to_launch(name):
-    """Signal handling is Launch's (launcher.launch): the nccl-tests command and the bad-node
+    """Signal handling is Launch's (launcher.core.launch): the nccl-tests command and the bad-node
     search install no handler of their own, and drive `Launch` rather than copying it."""
     tree = _tree(name)
     assert not _calls_of(tree, "signal", "signal"), f"launcher.{name} installs a signal handler"
     assert not _calls_of(tree, "signal", "set_wakeup_fd"), f"launcher.{name} touches signal delivery"
-    if name == "badnodes":
-        assert _calls_of(tree, "launcher.launch", "Launch"), "the bad-node search does not drive Launch"
+    if name == "nccl.badnodes":
+        assert _calls_of(tree, "launcher.core.launch", "Launch"), "the bad-node search does not drive Launch"
 
 
 def test_the_compatibility_module_run_is_gone_and_nothing_imports_it():
     assert not (LAUNCHER / "run.py").exists()
     repo = LAUNCHER.parent
-    for path in [*LAUNCHER.glob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "bench").glob("*.py")]:
+    for path in [*LAUNCHER.rglob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "bench").glob("*.py")]:
         tree = ast.parse(path.read_text())
         bad = [
             n.lineno

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from gpufleet.contracts import JSON_MARKER
 from gpufleet.groups import format_rounds, group_documents, parse_rounds
-from launcher import badnodes
-from launcher.cli import main
+from launcher.cli.main import main
+from launcher.nccl import badnodes
 from tests.support import Launch, source_args, torch_args, wait_for, workers
 
 # ---- the plan: launcher -> sweep -------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from gpufleet import bandwidth, expected
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.expected import Algorithm
-from launcher import nccl_report as rep
+from launcher.nccl import report as rep
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-outputs"
 CASES = {
@@ -237,13 +237,13 @@ def test_bandwidth_keeps_its_old_names():
 
 
 def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_path, capsys):
-    """What `launch nccl-tests` prints after a run (launcher.nccl_cmd.report_rows), on 09 slowed to 60%."""
+    """What `launch nccl-tests` prints after a run (launcher.cli.cmd_nccl_tests.report_rows), on 09 slowed to 60%."""
     import io
 
     from rich.console import Console
 
-    from launcher import nccl_cmd
-    from launcher.model import Cluster, LaunchConfig, Node, Workload
+    from launcher.cli import cmd_nccl_tests as nccl_cmd
+    from launcher.core.types import Cluster, LaunchConfig, Node, Workload
 
     rows = _slowed(_rows("09-a3mega-slurm-allreduce-2node.txt"), 0.6)
     cluster = Cluster("c", (Node(0, "a", "10.0.0.1"), Node(1, "b", "10.0.0.2")), machine_type="a3-megagpu-8g")

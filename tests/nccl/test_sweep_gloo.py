@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.bandwidth import COLLECTIVES, bus_factor, coll_sizes, size_ladder
-from launcher import nccl_report as rep
+from launcher.nccl import report as rep
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from gpufleet import atomic
 from launcher.core.command import node_commands, probe_script
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
@@ -441,4 +442,5 @@ def write_summary(result: LaunchResult, cluster: Cluster) -> None:
             for o in sorted(result.outcomes.values(), key=lambda o: o.node.rank)
         ],
     }
-    (result.run_dir / "launch.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # Written whole: `launch attach` reads a detached job's launch.json on node 0 as it ends.
+    atomic.write_text(result.run_dir / "launch.json", json.dumps(summary, indent=2) + "\n")

@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from gpufleet import atomic
 from launcher.core.output import failure_line
 from launcher.core.types import LaunchResult, UserError
 from launcher.jobs.record import (
@@ -35,7 +36,6 @@ from launcher.jobs.record import (
     controller_alive,
     process_start,
     request_from_json,
-    write_json_atomic,
 )
 
 __all__ = ["main", "Controller"]
@@ -68,7 +68,7 @@ class Controller:
         )
 
     def save(self) -> None:
-        write_json_atomic(self.jobdir / "state.json", self.record.to_json())
+        atomic.write_text(self.jobdir / "state.json", json.dumps(self.record.to_json(), indent=1) + "\n")
 
     def run(self) -> int:
         (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")

@@ -39,7 +39,6 @@ __all__ = [
     "JOBS_DIR",
     "LIST_MARKER",
     "jobs_home",
-    "write_json_atomic",
     "process_start",
     "controller_alive",
     "request_json",
@@ -129,17 +128,6 @@ class JobRecord:
 def jobs_home() -> Path:
     """`~/.gpufleet/jobs` of this account: called on node 0, by the controller."""
     return Path(os.path.expanduser("~")) / JOBS_DIR
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` to `path` so that readers see the old file or the new one, whole: a temporary
-    file in the same directory, fsync'ed, then renamed over (rename(2) is atomic)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def process_start(pid: int) -> str | None:

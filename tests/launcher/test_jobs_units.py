@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from gpufleet import atomic
 from launcher.cluster.key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.jobs.record import (
@@ -23,7 +24,6 @@ from launcher.jobs.record import (
     request_from_json,
     request_json,
     stop_script,
-    write_json_atomic,
 )
 
 CLUSTER = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3", slots=2)))
@@ -64,7 +64,7 @@ def test_list_script_tells_a_live_controller_from_a_dead_one(tmp_path):
     jobs = tmp_path / ".gpufleet" / "jobs"
     for job_id, pid in (("20260101-000000-aaaaaa", os.getpid()), ("20260101-000001-bbbbbb", 999999)):
         (jobs / job_id).mkdir(parents=True)
-        write_json_atomic(jobs / job_id / "state.json", record(id=job_id, pid=pid).to_json())
+        atomic.write_text(jobs / job_id / "state.json", json.dumps(record(id=job_id, pid=pid).to_json()))
         (jobs / job_id / "controller.pid").write_text(f"{pid} {process_start(os.getpid())}\n")
     out = subprocess.run(
         ["bash", "-c", list_script()], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)}
@@ -148,8 +148,8 @@ def test_node_0_gets_the_host_keys_the_client_verified_even_from_a_hashed_known_
 
 def test_records_are_replaced_whole(tmp_path):
     p = tmp_path / "state.json"
-    write_json_atomic(p, {"a": 1})
-    write_json_atomic(p, {"a": 2})
+    atomic.write_text(p, json.dumps({"a": 1}))
+    atomic.write_text(p, json.dumps({"a": 2}))
     assert json.loads(p.read_text()) == {"a": 2} and [f.name for f in tmp_path.iterdir()] == ["state.json"]
 
 
@@ -180,3 +180,12 @@ def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_pa
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
+
+
+def test_a_failed_record_write_keeps_the_old_record_and_leaves_no_temporary_file(tmp_path):
+    p = tmp_path / "state.json"
+    atomic.write_text(p, '{"a": 1}')
+    with pytest.raises(OSError), atomic.replacing(p) as tmp:
+        tmp.write_text('{"a": ')
+        raise OSError(28, "No space left on device")
+    assert p.read_text() == '{"a": 1}' and [f.name for f in tmp_path.iterdir()] == ["state.json"]

@@ -29,7 +29,8 @@ from launcher.cluster.ordering import order_for_launch
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
-from launcher.jobs.record import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
+from launcher.jobs.node0 import Node0
+from launcher.jobs.record import JobRecord, check_job_id, logs_script, stop_script
 from launcher.jobs.recovery import recover_policy, recovery_lines
 
 __all__ = ["start_detached", "jobs", "logs", "stop", "attach"]
@@ -72,42 +73,17 @@ def start_detached(
     )
 
 
-class _Node0:
-    """The client's SSH to node 0 of the cluster the flags name."""
-
-    def __init__(self, o: dict[str, Any]):
-        setup_logging()
-        self.cluster: Cluster = find_cluster(o)
-        if self.cluster.local:
-            raise UserError(
-                "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
-                "cluster's node flags (--hostfile, --stack, ...)"
-            )
-        self.config: LaunchConfig = build_config(o, Workload("exec", ("true",)), self.cluster)
-        self.transport = make_transport(self.cluster, self.config)
-        self.head = self.cluster.nodes[0]
-
-    def argv(self, script: str) -> list[str]:
-        return self.transport.argv(self.head, script)
-
-    def run(self, script: str) -> str:
-        try:
-            r = subprocess.run(self.argv(script), capture_output=True, text=True, timeout=60)
-        except subprocess.TimeoutExpired:
-            raise UserError(f"{self.head.label} did not answer within 60 s") from None
-        if r.returncode != 0:
-            why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-            raise UserError(f"{self.head.label}: {why}")
-        return r.stdout
-
-    def records(self, job_id: str | None = None) -> list[JobRecord]:
-        return parse_listing(self.run(list_script(job_id)))
-
-    def record(self, job_id: str) -> JobRecord:
-        found = self.records(job_id)
-        if not found:
-            raise UserError(f"no job {job_id} on {self.head.label}; `launch jobs` lists the jobs there")
-        return found[0]
+def _node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
+    """The cluster the flags name, and the client's SSH to its node 0."""
+    setup_logging()
+    cluster = find_cluster(o)
+    if cluster.local:
+        raise UserError(
+            "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
+            "cluster's node flags (--hostfile, --stack, ...)"
+        )
+    config = build_config(o, Workload("exec", ("true",)), cluster)
+    return cluster, Node0(make_transport(cluster, config), cluster.nodes[0])
 
 
 def _when(t: float | None) -> str:
@@ -142,7 +118,7 @@ def _recoveries(r: JobRecord) -> str:
 @user_errors
 def jobs(as_json: bool, **o: Any) -> None:
     """List the cluster's detached jobs, newest first."""
-    records = _Node0(o).records()
+    records = _node0(o)[1].records()
     if as_json:
         for r in records:
             click.echo(json.dumps(r.to_json()))
@@ -168,7 +144,7 @@ def _reader_gone() -> None:
     raise SystemExit(0)
 
 
-def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
+def _follow(n0: Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
     """Print the job's stream as it grows until the job ends; Ctrl-C stops following only."""
     proc = subprocess.Popen(
         n0.argv(logs_script(job_id, node, follow=True)),
@@ -207,9 +183,9 @@ def _follow(n0: _Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
 def logs(job_id: str, node: int | None, follow: bool, **o: Any) -> None:
     """Print a detached job's output (every node's, prefixed, or one node's)."""
     check_job_id(job_id)
-    n0 = _Node0(o)
-    if node is not None and not 0 <= node < len(n0.cluster.nodes):
-        raise UserError(f"--node {node} is not a node of this cluster (0..{len(n0.cluster.nodes) - 1})")
+    cluster, n0 = _node0(o)
+    if node is not None and not 0 <= node < len(cluster.nodes):
+        raise UserError(f"--node {node} is not a node of this cluster (0..{len(cluster.nodes) - 1})")
     copy = _copy_path(o, job_id, node)
     if follow:
         record = _follow(n0, job_id, node, copy)
@@ -223,7 +199,7 @@ def logs(job_id: str, node: int | None, follow: bool, **o: Any) -> None:
         _reader_gone()
 
 
-def _wait_final(n0: _Node0, job_id: str, timeout: float) -> JobRecord:
+def _wait_final(n0: Node0, job_id: str, timeout: float) -> JobRecord:
     deadline = time.monotonic() + timeout
     while True:
         record = n0.record(job_id)
@@ -239,7 +215,7 @@ def _wait_final(n0: _Node0, job_id: str, timeout: float) -> JobRecord:
 def stop(job_id: str, **o: Any) -> None:
     """Stop a detached job on every node (a pending one leaves the queue)."""
     check_job_id(job_id)
-    n0 = _Node0(o)
+    _, n0 = _node0(o)
     n0.record(job_id)  # names a job that is not there
     said = n0.run(stop_script(job_id)).strip().splitlines()
     with err.status(f"stopping job {job_id}…"):
@@ -249,7 +225,7 @@ def stop(job_id: str, **o: Any) -> None:
     err.print(f"job {job_id}: [{_STYLE[record.state.value]}]{record.state.value}[/] {escape(record.why)}")
 
 
-def _fetch_summary(n0: _Node0, job_id: str) -> dict[str, Any] | None:
+def _fetch_summary(n0: Node0, job_id: str) -> dict[str, Any] | None:
     text = n0.run(f'cat "$HOME"/.gpufleet/jobs/{check_job_id(job_id)}/launch.json 2>/dev/null; exit 0')
     try:
         return json.loads(text) if text.strip() else None
@@ -282,7 +258,7 @@ def render_summary(record: JobRecord, summary: dict[str, Any] | None) -> None:
 def attach(job_id: str, **o: Any) -> None:
     """Follow a detached job's output until it ends, then show its summary table."""
     check_job_id(job_id)
-    n0 = _Node0(o)
+    _, n0 = _node0(o)
     record = _follow(n0, job_id, None, _copy_path(o, job_id, None))
     render_summary(record, _fetch_summary(n0, job_id))
     raise SystemExit(record.exit or 0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +33,8 @@ from launcher.cli.options import SOURCE_OPTIONS, apply_options, build_config, fi
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
-from launcher.jobs.record import JobRecord, check_job_id, list_script, parse_listing
+from launcher.jobs.node0 import Node0
+from launcher.jobs.record import JobRecord, check_job_id
 from launcher.observe.job_metrics import INTERVAL_S as JOB_INTERVAL_S
 from launcher.observe.job_metrics import RECORD, record_script
 from launcher.observe.top import (
@@ -254,18 +254,6 @@ def _summary(stats: _ViewStats, sampler: TopSampler, recorder: Recorder | None) 
     return s
 
 
-def _on_node0(transport: Transport, head: Node, script: str) -> str:
-    """What `script` prints on node 0 (where detached jobs keep their records)."""
-    try:
-        r = subprocess.run(transport.argv(head, script), capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"{head.label} did not answer within 60 s") from None
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-        raise UserError(f"{head.label}: {why}")
-    return r.stdout
-
-
 def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, LaunchConfig, Transport]:
     """The cluster whose node 0 holds `job_id`'s record, from the node-source flags."""
     check_job_id(job_id)
@@ -286,10 +274,7 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
 def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
     """`cluster` narrowed to the nodes of detached job `job_id`, ranked as in the job."""
     head = cluster.nodes[0]
-    found = parse_listing(_on_node0(transport, head, list_script(job_id)))
-    if not found:
-        raise UserError(f"no job {job_id} on {head.label}; `launch jobs` lists the jobs there")
-    job = found[0]
+    job = Node0(transport, head).record(job_id)
     if job.state.final:
         raise UserError(
             f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
@@ -321,7 +306,7 @@ class _JobWatch:
     `record` holds the job's record, once it has ended (the view of its nodes ends with it)."""
 
     def __init__(self, transport: Transport, head: Node, job_id: str, every_s: float = 5.0):
-        self.transport, self.head, self.job_id, self.every_s = transport, head, job_id, every_s
+        self.node0, self.job_id, self.every_s = Node0(transport, head), job_id, every_s
         self.ended = threading.Event()
         self.record: JobRecord | None = None
         self._stop = threading.Event()
@@ -337,7 +322,7 @@ class _JobWatch:
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                found = parse_listing(_on_node0(self.transport, self.head, list_script(self.job_id)))
+                found = self.node0.records(self.job_id)
             except UserError:
                 continue  # node 0 did not answer this time: the view goes on, as for any node
             if found and found[0].state.final:
@@ -363,7 +348,7 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = _on_node0(transport, cluster.nodes[0], record_script(job_id))
+    text = Node0(transport, cluster.nodes[0]).run(record_script(job_id))
     if not text.strip():
         raise UserError(
             f"job {job_id} has no samples yet (its controller samples every "

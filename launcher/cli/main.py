@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +35,10 @@ from launcher.cli.options import (
     build_config,
     find_cluster,
 )
-from launcher.cli.render import err, execute_on, finish, live_printer, render_result, setup_logging, user_errors
+from launcher.cli.render import err, execute_on, finish, setup_logging, user_errors
 from launcher.cli.workload_args import TrainArgs, WorkloadCommand, no_such_option, option_names
 from launcher.cluster.topology import metadata_statement, node_physical_hosts, spread_warning
-from launcher.core.launch import Interrupted, Launch
+from launcher.core.launch import Launch
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
 
 __all__ = ["main"]
@@ -122,34 +121,14 @@ def _start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = 
 
 
 def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None) -> LaunchResult | None:
-    """render.execute, refusing (one line, nothing started) when a detached job holds the nodes."""
+    """The nodes and the config from the flags, the workload's arguments checked against them,
+    then the one attached path (render.execute_on)."""
     setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
     if check is not None:
         check(cluster, config)
-    if config.dry_run or cluster.local:
-        return execute_on(cluster, config)
-    from launcher.cluster.ordering import order_for_launch
-    from launcher.jobs.busy import BusyCheck
-
-    order = order_for_launch(cluster, config)
-    cluster = order.cluster
-
-    stop = threading.Event()
-    busy = BusyCheck(cluster, config, stop)
-    on_event, status = live_printer(cluster, order.message)
-    try:
-        result = Launch(cluster, config, on_event=busy.gate(on_event), stop=stop).run()
-    except Interrupted:
-        if busy.busy is not None:
-            raise busy.refusal() from None
-        raise
-    finally:
-        status.stop()
-        busy.close()
-    render_result(result, cluster)
-    return result
+    return execute_on(cluster, config)
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

@@ -11,20 +11,20 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Any
+import threading
 
 import click
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli.options import build_config, find_cluster
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.command import node_commands
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.core.output import failure_line
 from launcher.core.transport import make_transport
-from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
+from launcher.jobs.busy import BusyCheck
 
 __all__ = [
     "err",
@@ -33,7 +33,6 @@ __all__ = [
     "user_errors",
     "live_printer",
     "render_result",
-    "execute",
     "execute_on",
     "finish",
 ]
@@ -135,17 +134,11 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
-def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
-    """Find the nodes, build the config, run (or print for --dry-run). Returns None for dry runs."""
-    setup_logging()
-    cluster = find_cluster(o)
-    return execute_on(cluster, build_config(o, workload, cluster))
-
-
 def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
-    """Run `config` on `cluster` with the live display and the summary table, or, for --dry-run,
-    print each node's command and connect to nothing (returns None). The nodes run in the rank
-    order launcher.cluster.ordering decides."""
+    """Every attached launch's one path: run `config` on `cluster` with the live display and the
+    summary table, or, for --dry-run, print each node's command and connect to nothing (returns
+    None). On SSH nodes a detached job holding them refuses the launch: one line, nothing started.
+    The nodes run in the rank order launcher.cluster.ordering decides."""
     order = order_for_launch(cluster, config)
     cluster = order.cluster
     if config.dry_run:
@@ -155,11 +148,19 @@ def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
         for rank, script in node_commands(cluster, config).items():
             click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
         return None
+    stop = threading.Event()
+    busy = None if cluster.local else BusyCheck(cluster, config, stop)
     on_event, status = live_printer(cluster, order.message)
     try:
-        result = Launch(cluster, config, on_event=on_event).run()
+        result = Launch(cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop).run()
+    except Interrupted:
+        if busy is not None and busy.busy is not None:
+            raise busy.refusal() from None
+        raise
     finally:
         status.stop()
+        if busy is not None:
+            busy.close()
     render_result(result, cluster)
     return result
 

@@ -149,6 +149,11 @@ class Launch:
         """Ranks of the nodes in `state`."""
         return [r for r, s in self.states.items() if s is state]
 
+    def first_bad(self) -> int | None:
+        """The lowest rank this launch found unreachable or failed: the node a record names."""
+        bad = self.in_state(NodeState.UNREACHABLE) + self.in_state(NodeState.FAILED)
+        return min(bad) if bad else None
+
     # ---- what callers call ----
 
     def run(self, handle_signals: bool = True) -> LaunchResult:

@@ -1,7 +1,7 @@
-"""Detached jobs: the record on node 0 (record), the client's hand-off (handoff), the refusal of an
-attached launch on nodes a detached job holds (busy), the controller that runs the job on node 0
-(`python -m launcher.jobs.controller JOBDIR`, not imported here) and its recovery (recovery).
-No click, no rich: node 0 runs this package with `python -S`.
+"""Detached jobs: the record on node 0 (record), the client's hand-off (handoff), the client's
+SSH to node 0 (node0), the refusal of an attached launch on nodes a detached job holds (busy), the
+controller that runs the job on node 0 (`python -m launcher.jobs.controller JOBDIR`, not imported
+here) and its recovery (recovery). No click, no rich: node 0 runs this package with `python -S`.
 
 A job's life, each state one `JobState` value the controller writes to `state.json`:
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from launcher.jobs.busy import BusyCheck
 from launcher.jobs.handoff import detach
+from launcher.jobs.node0 import Node0
 from launcher.jobs.record import JobRecord, JobState, check_job_id
 from launcher.jobs.recovery import Recoverer, RecoverPolicy, recover_policy
 
@@ -25,6 +26,7 @@ __all__ = [
     "BusyCheck",
     "JobRecord",
     "JobState",
+    "Node0",
     "RecoverPolicy",
     "Recoverer",
     "check_job_id",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from launcher.core.launch import NodeEvent, NodeState
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError
+from launcher.jobs.node0 import Node0
 from launcher.jobs.record import JobRecord, list_script, parse_listing
 
 __all__ = ["BusyCheck"]
@@ -32,13 +33,13 @@ class BusyCheck:
         self.stop = stop
         self.busy: JobRecord | None = None
         self._answered: set[int] = set()  # ranks whose check has ended, one way or another
-        self._transport = make_transport(cluster, config)
+        self._node0 = Node0(make_transport(cluster, config), cluster.nodes[0])
         self._timeout = config.ssh.connect_timeout + 10.0
         self._proc: subprocess.Popen | None = None
 
     def _ask(self) -> None:
         self._proc = subprocess.Popen(
-            self._transport.argv(self.cluster.nodes[0], list_script()),
+            self._node0.argv(list_script()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -90,7 +90,7 @@ class Controller:
             try:
                 result = launch.run(handle_signals=True)
             except UserError as e:
-                return self.end(JobState.FAILED, 2, why=str(e), node=_first_bad(launch))
+                return self.end(JobState.FAILED, 2, why=str(e), node=launch.first_bad())
             except Interrupted as e:
                 return self.end(JobState.STOPPED, 128 + e.signum, why="stopped while connecting; nothing ran")
         if self.request.get("recover") is None:
@@ -186,13 +186,6 @@ class Controller:
         self.save()
         log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
         return code
-
-
-def _first_bad(launch) -> int | None:  # a launcher.core.launch.Launch
-    from launcher.core.launch import NodeState
-
-    bad = launch.in_state(NodeState.UNREACHABLE) + launch.in_state(NodeState.FAILED)
-    return min(bad) if bad else None
 
 
 def main(argv: list[str] | None = None) -> int:

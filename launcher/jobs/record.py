@@ -142,6 +142,8 @@ def process_start(pid: int) -> str | None:
 
 
 def controller_alive(record: JobRecord) -> bool:
+    """Whether the record's controller still runs: its pid names a process that is not a zombie and
+    started when the controller did (node 0's readers run the same test, `_alive_sh`)."""
     return bool(record.pid) and process_start(record.pid) == record.pid_start
 
 
@@ -226,16 +228,25 @@ def _job_dir(job_id: str) -> str:
     return f'"$HOME"/{JOBS_DIR}/{shlex.quote(check_job_id(job_id))}'
 
 
+def _alive_sh(d: str) -> str:
+    """Bash that sets `p` to the controller's pid from `$d/controller.pid` and `a` to 1 when that
+    controller still runs (not a zombie, and started when the record says: a reused pid is not
+    it), else 0: `controller_alive`'s test, for the node-side readers."""
+    return (
+        f'p=; t=; read -r p t < "{d}/controller.pid" 2>/dev/null; '
+        'a=0; if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then '
+        's=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
+        'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then a=1; fi; fi; '
+    )
+
+
 def list_script(job_id: str | None = None) -> str:
     """Print `LIST_MARKER alive state.json-on-one-line` for each job (or the one job)."""
     glob = _job_dir(job_id) if job_id else f'"$HOME"/{JOBS_DIR}/*'
     return (
         f"for d in {glob}; do [ -f \"$d/state.json\" ] || continue; "
-        "p=; t=; read -r p t < \"$d/controller.pid\" 2>/dev/null; "
-        'a=0; if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then '
-        's=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
-        'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then a=1; fi; fi; '
-        f'printf "%s %s %s\\n" {LIST_MARKER} "$a" "$(tr -d "\\n" < "$d/state.json")"; done'
+        + _alive_sh("$d")
+        + f'printf "%s %s %s\\n" {LIST_MARKER} "$a" "$(tr -d "\\n" < "$d/state.json")"; done'
     )
 
 
@@ -264,8 +275,7 @@ def logs_script(job_id: str, node: int | None, follow: bool) -> str:
         return head + f"[ -f {f} ] && cat {f}; exit 0"
     # tail -F waits for a pending job's file to appear; --pid ends the follow with the controller.
     return head + (
-        'p=; read -r p t < "$D/controller.pid" 2>/dev/null; [ -n "$p" ] || p=1; '
-        f'if kill -0 "$p" 2>/dev/null; then exec tail -n +1 -s 0.2 -F --pid="$p" {f} 2>/dev/null; '
+        _alive_sh("$D") + f'if [ "$a" = 1 ]; then exec tail -n +1 -s 0.2 -F --pid="$p" {f} 2>/dev/null; '
         f"else [ -f {f} ] && cat {f}; fi; exit 0"
     )
 
@@ -276,8 +286,7 @@ def stop_script(job_id: str) -> str:
     d = _job_dir(job_id)
     return (
         f'D={d}; [ -d "$D" ] || {{ echo "no job {check_job_id(job_id)} on this node" >&2; exit 3; }}; '
-        'p=; t=; read -r p t < "$D/controller.pid" 2>/dev/null; '
-        'if [ -n "$p" ] && [ -r /proc/"$p"/stat ]; then s=$(sed "s/.*) //" /proc/"$p"/stat); set -- $s; '
-        'if [ "$1" != Z ] && [ "${20}" = "$t" ]; then kill -TERM "$p" && echo stopping && exit 0; fi; fi; '
+        + _alive_sh("$D")
+        + 'if [ "$a" = 1 ]; then kill -TERM "$p" && echo stopping && exit 0; fi; '
         "echo ended"
     )

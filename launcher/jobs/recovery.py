@@ -34,7 +34,6 @@ __all__ = [
     "failure_of",
     "recovery_lines",
     "Recoverer",
-    "first_bad",
 ]
 
 log = logging.getLogger("launcher")
@@ -245,7 +244,7 @@ class Recoverer:
                 try:
                     return launch.run(handle_signals=True)
                 except UserError as e:
-                    bad = first_bad(launch)
+                    bad = launch.first_bad()
                     why = str(e)
                 except Interrupted as e:
                     return self.c.end(JobState.STOPPED, 128 + e.signum, why="stopped while recovering")
@@ -299,9 +298,3 @@ class Recoverer:
                 log.warning("job %s: relaunched with --resume after %.1f s", self.c.record.id, time.monotonic() - t0)
 
         return on_event
-
-
-def first_bad(launch: Any) -> int | None:
-    """The lowest rank a launch found unreachable or failed (a launcher.core.launch.Launch)."""
-    bad = [r for r, s in launch.states.items() if s.value in ("unreachable", "failed")]
-    return min(bad) if bad else None

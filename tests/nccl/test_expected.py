@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet import bandwidth, expected
+from gpufleet import expected
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.expected import Algorithm
 from launcher.nccl import report as rep
@@ -224,16 +224,6 @@ def test_the_calibration_constants_are_what_the_published_sweeps_fit():
     assert expected.fit_calibration(points, exp.plateau, exp.factor, cal.trusted_fraction) == pytest.approx(
         cal.latency_s, abs=5e-6
     )
-
-
-def test_bandwidth_keeps_its_old_names():
-    mega = lookup("a3-megagpu-8g")
-    assert bandwidth.plateau_busbw(mega, "all_gather", 2) == pytest.approx(188.0)
-    assert bandwidth.EFFICIENCY is expected.EFFICIENCY
-    assert bandwidth.uses_single_nic("alltoall") and not bandwidth.uses_single_nic("all_reduce")
-    assert set(bandwidth.DEFAULT_LATENCY_S) == set(expected.EFFICIENCY)
-    with pytest.raises(AttributeError):
-        bandwidth.no_such_name  # noqa: B018
 
 
 def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_path, capsys):

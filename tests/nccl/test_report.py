@@ -10,8 +10,9 @@ import json
 import pytest
 from rich.console import Console
 
-from gpufleet.bandwidth import bus_factor, model_busbw, plateau_busbw
+from gpufleet.bandwidth import bus_factor
 from gpufleet.catalog import lookup
+from gpufleet.expected import model_busbw, plateau_busbw
 from launcher.nccl import report as rep
 from tests.nccl import samples
 

@@ -20,8 +20,9 @@ from launcher.cli.options import SOURCE_OPTIONS, apply_options, build_config, fi
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.cluster.topology import RANK_ORDERS, RankOrder, rank_order
 from launcher.core.env import node_env
+from launcher.core.prestart import CHECKS, FAIL, OK, WARN, expectation
 from launcher.core.types import Cluster, LaunchConfig, Workload
-from launcher.doctor import CHECKS, FAIL, OK, WARN, Report, expectation, judge, node_script
+from launcher.doctor import Report, judge, node_script
 
 __all__ = ["doctor", "run_doctor", "render"]
 

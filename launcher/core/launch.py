@@ -44,7 +44,7 @@ from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
 
-__all__ = ["NodeState", "NodeEvent", "Interrupted", "Launch", "launch", "preflight", "write_summary"]
+__all__ = ["NodeState", "NodeEvent", "Interrupted", "Launch", "write_summary"]
 
 log = logging.getLogger("launcher")
 
@@ -403,29 +403,6 @@ class Launch:
             if self.in_state(NodeState.RUNNING):
                 log.warning("a node failed; stopping the other nodes")
             self._stop_running()
-
-
-def launch(
-    cluster: Cluster,
-    config: LaunchConfig,
-    on_event: OnEvent | None = None,
-    handle_signals: bool = True,
-    stop: threading.Event | None = None,
-) -> LaunchResult:
-    """`Launch(cluster, config, on_event, stop).run(handle_signals)`: the one library call."""
-    return Launch(cluster, config, on_event=on_event, stop=stop).run(handle_signals)
-
-
-def preflight(
-    cluster: Cluster,
-    config: LaunchConfig,
-    transport: Transport,
-    check_torch: bool,
-    stop: threading.Event | None = None,
-    on_event: OnEvent | None = None,
-) -> dict[int, Probe]:
-    """The check alone on every node: `Launch(...).probe(check_torch)`."""
-    return Launch(cluster, config, on_event=on_event, stop=stop, transport=transport).probe(check_torch)
 
 
 def write_summary(result: LaunchResult, cluster: Cluster) -> None:

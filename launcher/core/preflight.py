@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
+from launcher.core.prestart import prestart_verdict
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
-from launcher.doctor import prestart_verdict
 
 __all__ = [
     "Probe",

@@ -22,8 +22,9 @@ from gpufleet.health import (
 )
 from launcher.cluster.topology import launch_order, order, rank_order, spread_warning
 from launcher.core.command import CHECKED_MARKER
+from launcher.core.prestart import CHECKS, Expectation, expectation
 from launcher.core.types import Cluster, Node, UserError
-from launcher.doctor import CHECKS, Expectation, expectation, judge, node_script
+from launcher.doctor import judge, node_script
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
@@ -470,8 +471,8 @@ class _Probe:
 
 
 def test_the_pre_start_check_refuses_a_node_missing_a_gpu_or_nic_and_warns_about_drift(healthy):
+    from launcher.core.prestart import prestart_verdict
     from launcher.core.types import LaunchConfig, Workload
-    from launcher.doctor import prestart_verdict
 
     cluster = Cluster("t", tuple(_nodes(3)), machine_type="a3-highgpu-8g")
     config = LaunchConfig(Workload("torchrun", ("x.py",)))

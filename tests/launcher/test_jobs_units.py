@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -189,3 +190,33 @@ def test_a_failed_record_write_keeps_the_old_record_and_leaves_no_temporary_file
         tmp.write_text('{"a": ')
         raise OSError(28, "No space left on device")
     assert p.read_text() == '{"a": 1}' and [f.name for f in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_the_code_shipped_to_node_0_runs_the_controller_under_python_S_from_the_copy(tmp_path):
+    """handoff ships launcher/ and gpufleet/ with their subpackages; node 0 runs the controller from
+    that copy with `python -S` (no site-packages: the standard library only)."""
+    from launcher.jobs.handoff import _code_files
+
+    files, _ = _code_files()
+    for name in (
+        "launcher/jobs/controller.py",
+        "launcher/core/launch.py",
+        "launcher/observe/top.py",
+        "gpufleet/atomic.py",
+    ):
+        assert name in files, sorted(files)
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)}
+    code = (
+        "import launcher.jobs.controller as c, launcher.jobs.recovery, launcher.observe.job_metrics, sys; "
+        "print(c.__file__); print(sorted({'click', 'rich', 'torch'} & set(sys.modules)))"
+    )
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [str(tmp_path / "launcher/jobs/controller.py"), "[]"]
+    r = subprocess.run(
+        [sys.executable, "-S", "-m", "launcher.jobs.controller"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert (r.returncode, r.stderr) == (2, "usage: python -m launcher.jobs.controller JOBDIR\n")

@@ -180,3 +180,41 @@ def test_the_compatibility_module_run_is_gone_and_nothing_imports_it():
             or (isinstance(n, ast.ImportFrom) and n.module == "launcher" and any(a.name == "run" for a in n.names))
         ]
         assert not bad, f"{path.relative_to(repo)}:{bad[0]} imports launcher.run"
+
+
+def _imported(name: str) -> tuple[set[str], set[str]]:
+    """What module `name` imports anywhere in it (a function's lazy import too): the launcher
+    modules, each with the packages above it (importing one runs their __init__), and the
+    top-level names of everything else."""
+    inner, outer = set(), set()
+    for n in ast.walk(_tree(name)):
+        if isinstance(n, ast.Import):
+            dotted = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            dotted = [n.module, *(f"{n.module}.{a.name}" for a in n.names)]
+        else:
+            continue
+        for d in dotted:
+            parts = d.split(".")
+            if parts[0] != "launcher":
+                outer.add(parts[0])
+                continue
+            inner.update(m for m in (".".join(parts[1:i]) for i in range(2, len(parts) + 1)) if m in ALL)
+    return inner, outer
+
+
+@pytest.mark.parametrize("package", ["core", "jobs"])
+def test_core_and_jobs_import_neither_click_nor_rich(package):
+    """Node 0 runs core/ and jobs/ with `python -S` (no site-packages), and library code leaves
+    the display to the CLI: neither package reaches click or rich, through any launcher module."""
+    start = [m for m in ALL if m == package or m.startswith(package + ".")]
+    via = {m: (m,) for m in start}
+    todo = list(start)
+    while todo:
+        name = todo.pop()
+        inner, outer = _imported(name)
+        bad = outer & {"click", "rich"}
+        assert not bad, f"launcher.{package} reaches {sorted(bad)}: " + " -> ".join(via[name])
+        for dep in inner - via.keys():
+            via[dep] = (*via[name], dep)
+            todo.append(dep)

@@ -97,7 +97,7 @@ CONTROLLER_READY_MARKER = "/var/lib/gpufleet/controller-ready.json"
 
 # ---- the stack outputs ---------------------------------------------------------------------------
 
-# The stack outputs, exactly (issue 3 "Outputs"), in the order infra exports them.
+# The stack outputs, exactly, in the order infra exports them.
 OUTPUT_KEYS = (
     "cluster",
     "project",

@@ -1,6 +1,6 @@
 """What bus bandwidth a healthy cluster gives, per collective, machine type and node count.
 
-Pure: no torch, no I/O. `launcher/nccl_report.py` judges a sweep with it; `bench/bench_expected.py`
+Pure: no torch, no I/O. `launcher/nccl/report.py` judges a sweep with it; `bench/bench_expected.py`
 checks it against Google's published sweeps.
 
 **The model.** For sizes S in its trusted range, the α-β (Hockney) form (Thakur, Rabenseifner &

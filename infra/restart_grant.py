@@ -1,4 +1,4 @@
-"""The nodes may start their own cluster's stopped VMs, and nothing more (issue 14).
+"""The nodes may start their own cluster's stopped VMs, and nothing more (least privilege).
 
 `launch train --detach --recover` restarts a Spot node that Compute Engine stopped on preemption:
 the controller on node 0 calls `instances.get` and `instances.start` as the nodes' service account

@@ -1,7 +1,7 @@
 """`launch doctor`: what every node should have, the read-only program that asks it, and the
 verdict. Pure functions: building the node's program and judging its answers touch no network.
 
-The one most common cause of a hung or slow multi-node job is one node that differs (issue 16): a
+The one most common cause of a hung or slow multi-node job is one node that differs: a
 GPU missing or with ECC errors, a GPU NIC down or with the wrong MTU, the receive-datapath manager
 not running, another driver than its neighbours (Cluster Toolkit issue #3032: a newer driver broke
 TCPX with "Connection refused"). So each node is judged twice: against the catalog's entry for

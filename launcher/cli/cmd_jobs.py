@@ -1,9 +1,9 @@
-"""Detached jobs at the command line (issue 13): `launch train|run|exec ... --detach` (through
+"""Detached jobs at the command line: `launch train|run|exec ... --detach` (through
 `start_detached`), `launch jobs`, `launch logs`, `launch stop` and `launch attach`.
 
 Every command reads node 0 of the cluster the node-source flags name, over the client's own SSH
 (the same known_hosts and options as any launch): the records live there, under the home of the
-account on node 0 (launcher.jobs), never on this machine.
+account on node 0 (launcher.jobs.record), never on this machine.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `--interval`; `--record FILE.jsonl` keeps every sample; `--plot FILE.jsonl` draws a record.
 
 `launch top JOB_ID` views a detached job's nodes only, read from the job's record on node 0 of
-the cluster the node flags name (launcher.jobs); `--plot JOB_ID` copies the samples the job's
+the cluster the node flags name (launcher.jobs.record); `--plot JOB_ID` copies the samples the job's
 controller took (launcher.observe.job_metrics) to RUNS_DIR/JOB_ID/top.jsonl and draws them.
 
 On a terminal the table redraws in place (rich Live); into a pipe or file it is printed once per

@@ -53,7 +53,7 @@ _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 class _OneLineErrors(click.Group):
     """click reports a bad flag with a usage block and a blank line before the error; every
-    other user error here is one red line, so bad flags are too (issue 7's input corpus)."""
+    other user error here is one red line, so bad flags are too."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
         try:

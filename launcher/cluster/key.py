@@ -1,4 +1,4 @@
-"""The cluster key (issue 13): how node 0's controller reaches every node, itself included.
+"""The cluster key: how node 0's controller reaches every node, itself included.
 
 - The key is made once per cluster on the client (ed25519, `ssh-keygen`), kept under the
   client's state directory (`~/.cache/gpufleet/<cluster>/id_ed25519`, mode 600).

@@ -1,4 +1,4 @@
-"""Starting the cluster's stopped Spot VMs again (issue 14, `--restart-stopped`): our Spot nodes
+"""Starting the cluster's stopped Spot VMs again (`--restart-stopped`): our Spot nodes
 stop, not delete, on preemption (instanceTerminationAction STOP), so a preempted node is an
 instance in TERMINATED that `instances.start` boots with its disk as it was
 (https://cloud.google.com/compute/docs/instances/spot#preemption-process).

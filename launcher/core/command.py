@@ -9,7 +9,7 @@ check sees what the run will; then come two halves, and one SSH session per node
 1. the check: it prints what the launcher compares across nodes as `key=value` lines (hostname,
    clock, ready marker, torch version, --workdir), takes node 0's lock on the rendezvous port
    for a torchrun job (so a second launch on the same port refuses instead of joining the first
-   one's store, issue 7), prints `CHECKED_MARKER` and waits for one line on stdin. The launcher
+   one's store), prints `CHECKED_MARKER` and waits for one line on stdin. The launcher
    sends `go` only once every node has answered and passed; end of input instead (a node
    failed the check, or Ctrl-C) makes it exit without running anything. Every node is checked
    before any workload starts, but no node pays for a second session, and each node's
@@ -174,7 +174,7 @@ def remote_script(
     job = config.job_id
     token = shlex.quote(run_token(job, node.rank))
     grace_ticks = max(1, int(config.stop_grace_s * 5))
-    # The environment first: the check must see what the run will (issue 11: `--env PATH=...`
+    # The environment first: the check must see what the run will (`--env PATH=...`
     # decides which `python3` has torch), so it is exported before the check's lines.
     s = _env_statements(cluster, node, env)
     s += _check_statements(config, facts=check, torch=check and check_torch)

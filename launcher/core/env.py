@@ -38,7 +38,7 @@ TORCHRUN_DEFAULTS = {
     # agent numbers attempts itself (TORCHELASTIC_RESTART_COUNT counts its own failures, not the
     # membership restarts another node's failure causes), so nodes cannot agree on a per-attempt
     # prefix either. On a multi-node `--max-restarts` restart that stranded the workers for the
-    # 10-minute store timeout (issue 7). With this opt-out each rendezvous round picks a free port
+    # 10-minute store timeout. With this opt-out each rendezvous round picks a free port
     # on global rank 0's node and the workers build a new store there (RendezvousStoreInfo.build).
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
 }

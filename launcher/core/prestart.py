@@ -292,7 +292,8 @@ def nic_problems(facts: Mapping[str, str], expect: Expectation) -> tuple[int, li
     return good, out
 
 
-# Versions that must agree across nodes (issue 16), by the column their drift shows in.
+# Versions that must agree across nodes (one node that differs hangs or slows the job), by the
+# column their drift shows in.
 _DRIFT = {
     "driver": "driver",
     "cuda": "cuda",
@@ -330,7 +331,7 @@ def judge_drift(reports: list[NodeReport], expect: Expectation) -> None:
 
 
 def prestart_verdict(cluster: Cluster, probes: Mapping[int, Any], config: LaunchConfig) -> list[str]:
-    """The launch's pre-start judgement of what launcher.prestart's statements reported (probes
+    """The launch's pre-start judgement of what launcher.core.prestart's statements reported (probes
     by rank, each with `.ok`, `.node` and `.facts`): raise one UserError naming every node with a
     GPU or NIC missing (nothing was started); return warnings for the rest (drift of the driver,
     ECC errors, a wrong MTU). Nothing to say when the check did not run them (no machine type)."""

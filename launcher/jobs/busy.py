@@ -1,7 +1,7 @@
-"""An attached launch on nodes busy with a detached job is refused (issue 13), with one line
-naming that job.
+"""An attached launch on nodes busy with a detached job is refused (its workers would fight the
+job's for the GPUs and the rendezvous port), with one line naming that job.
 
-The question goes to node 0 (where detached jobs' records live, launcher.jobs) in a session of
+The question goes to node 0 (where detached jobs' records live, launcher.jobs.record) in a session of
 its own, started as soon as node 0 has passed its check: it then rides node 0's open connection
 (ControlMaster) instead of paying a handshake of its own, and it overlaps the other nodes' checks.
 The launch waits for the answer only once every node has answered its check, before any is told

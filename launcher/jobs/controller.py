@@ -2,7 +2,7 @@
 
 Started by launcher.jobs.handoff in a session of its own, it runs the same `launcher.core.launch.Launch`
 an attached launch runs (node 0 reaching every node, itself included, over SSH with the cluster
-key) and keeps the job's record (launcher.jobs) up to date:
+key) and keeps the job's record (launcher.jobs.record) up to date:
 
     PENDING ──> RUNNING ──> SUCCEEDED | FAILED | STOPPED
        │           ↑  └──> RECOVERING ──> FAILED | STOPPED   (--recover: launcher.jobs.recovery)

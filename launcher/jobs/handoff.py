@@ -1,4 +1,4 @@
-"""`--detach` on the client (issue 13): check every node as an attached launch does, then hand
+"""`--detach` on the client: check every node as an attached launch does, then hand
 the job to a controller on node 0 and return its id.
 
 1. The check: each node runs the same node-side program an attached launch runs

@@ -1,4 +1,4 @@
-"""Detached jobs' records (issue 13): what a job is (`JobRecord`, `JobState`), where its record
+"""Detached jobs' records: what a job is (`JobRecord`, `JobState`), where its record
 lives on node 0, how it is written (atomically: a reader never sees half a file) and how a reader
 tells a live job from one whose controller died.
 
@@ -63,7 +63,7 @@ class JobState(str, enum.Enum):
 
     PENDING = "PENDING"
     RUNNING = "RUNNING"
-    RECOVERING = "RECOVERING"  # --recover (issue 14): a node failed; waiting for every node, then --resume
+    RECOVERING = "RECOVERING"  # --recover: a node failed; waiting for every node, then --resume
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     STOPPED = "STOPPED"

@@ -1,4 +1,4 @@
-"""Recovery without a person (issue 14): what `--recover` asks for, and how the controller on
+"""Recovery without a person: what `--recover` asks for, and how the controller on
 node 0 (launcher.jobs.controller) tells a failure it should recover from, and one it should not.
 
 A detached training job started with `--recover` that fails because a node became unreachable,
@@ -8,7 +8,8 @@ its controller with `--resume` once every node passes the launch's own check aga
 after `max_recoveries`, when a node is not back within `timeout_s`, or when a crash repeats at
 the same step with the same error (a bug does not heal by restarting).
 
-Pure functions only: the controller does the waiting and the relaunching.
+The policy and the reading of a failure are pure functions; `Recoverer` is the one stateful part:
+it does the waiting and the relaunching for the controller, through the same `Launch`.
 """
 
 from __future__ import annotations

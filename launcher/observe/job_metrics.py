@@ -1,4 +1,4 @@
-"""A detached job's own `launch top --record` (issue 15): while the job runs, its controller on
+"""A detached job's own `launch top --record`: while the job runs, its controller on
 node 0 samples every node of the job into the job record, `~/.gpufleet/jobs/<id>/top.jsonl`,
 in the same JSONL schema as `launch top --record` (launcher.observe.top.SCHEMA; the session is the job
 id), so `launch top --plot JOB_ID` can draw the whole run afterwards.
@@ -12,8 +12,9 @@ with it and each node's loop ends the same way. Nothing is left on any node.
 Sampling is a by-product: it never fails the job. A sampler that cannot start is logged in
 controller.log and the job runs unsampled.
 
-The interval is 10 s (issue 15); GPUFLEET_JOB_TOP_INTERVAL in the controller's environment
-(node 0's) overrides it, for tests that should not wait.
+The interval is 10 s (coarser than the live view's 1 s: it samples for the whole job);
+GPUFLEET_JOB_TOP_INTERVAL in the controller's environment (node 0's) overrides it, for tests
+that should not wait.
 """
 
 from __future__ import annotations

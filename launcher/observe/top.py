@@ -2,7 +2,7 @@
 turned into one `NodeRow` per node: GPU, CPU and per-role NIC rates, outliers flagged.
 
 No rich here (the CLI renders, launcher.cli.cmd_top) and no click: a detached job's controller
-(issue 13) drives the same `TopSampler` with its own interval and an `on_row` that appends to the
+(python -S on node 0) drives the same `TopSampler` with its own interval and an `on_row` that appends to the
 job record, exactly as `launch top --record` does.
 
 NIC roles. The catalog says which interfaces are the host NIC and which the GPU NICs for the
@@ -64,7 +64,8 @@ SCHEMA = "gpufleet.top/1"
 
 HOST, GPU, OTHER = "host", "gpu", "other"
 
-# Flag a node whose data NICs move less than this fraction of the cluster's median (issue 15)...
+# Flag a node whose data NICs move less than this fraction of the cluster's median (the laggard
+# every collective waits on)...
 FLAG_FRACTION = 0.5
 # ...once the median itself is traffic: below 10 Mbit/s (SSH, this view's own stream, ARP) an
 # idle cluster is not a collective with an outlier.

@@ -1,4 +1,4 @@
-"""Hostile or broken input for the launcher and the stack config (issue 7): each case gets one
+"""Hostile or broken input for the launcher and the stack config: each case gets one
 clear line and exit 2, never a traceback, and nothing runs on any node.
 
 The launcher cases point at real simulated nodes, and the command they would run creates a

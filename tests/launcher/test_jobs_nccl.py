@@ -1,4 +1,4 @@
-"""`launch nccl-tests --detach` (issue 13): the sweep runs under node 0's controller without the
+"""`launch nccl-tests --detach`: the sweep runs under node 0's controller without the
 client, and its report is read back from the node log with `--from`, as from any log that exists."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Detached jobs' pure parts (issue 13): records, the request, the node-side reader programs and the
+"""Detached jobs' pure parts: records, the request, the node-side reader programs and the
 cluster key's authorized_keys entry, without a network."""
 
 from __future__ import annotations

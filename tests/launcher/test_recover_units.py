@@ -1,4 +1,4 @@
-"""--recover's pure parts (issue 14): the options, the failure a result calls for, the step a line
+"""--recover's pure parts: the options, the failure a result calls for, the step a line
 says the run is at, without a network."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The launcher's shape (issue 12): one job per module, no reaching into another module's private
+"""The launcher's shape: one job per module, no reaching into another module's private
 names, no import cycle, and functions short enough to read."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 
-# Modules moved onto the Launch object in issue 12, and the command modules that share the CLI's
+# The modules around the Launch object, and the command modules that share the CLI's
 # options (launcher.cli.options) and display (launcher.cli.render) by their public names.
 SPLIT = [
     "cli.main",
@@ -27,7 +27,7 @@ SPLIT = [
     "core.transport",
 ]
 COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "nccl.from_files"]
-# The collective sweep's report, split by job in issue 12: parse, judge, render and store, find a
+# The collective sweep's report, split by job: parse, judge, render and store, find a
 # bad node, the mpirun command; nccl.report gathers their public names.
 REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]
 # Pure command builders may run long: each line is one statement of the node-side program.

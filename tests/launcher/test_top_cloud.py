@@ -1,4 +1,4 @@
-"""`launch top --cloud-monitoring` (issue 15) against a local stand-in for Cloud Monitoring's
+"""`launch top --cloud-monitoring` against a local stand-in for Cloud Monitoring's
 `MetricService.CreateTimeSeries`, served over gRPC (the transport google-cloud-monitoring's
 `MetricServiceClient` uses), that checks each request as the real API does.
 

@@ -1,4 +1,4 @@
-"""`launch top` and detached jobs (issue 15): `launch top JOB_ID` views that job's nodes only,
+"""`launch top` and detached jobs: `launch top JOB_ID` views that job's nodes only,
 the job's controller samples its nodes into the job record while it runs (launcher.observe.job_metrics),
 and `launch top --plot JOB_ID` draws those samples.
 

@@ -779,7 +779,7 @@ def test_misspelt_launcher_option_is_an_error_not_a_command(tmp_path):
     assert (r.exit_code, r.output) == (2, "error: no such option --nodez (did you mean --nodes?)\n")
 
 
-# ---- issue 11: what the terminal shows, one environment, small things ---------------------------
+# ---- what the terminal shows, one environment, small things ---------------------------
 
 
 def test_the_check_sees_the_launch_environment(tmp_path):
@@ -853,7 +853,7 @@ def test_the_sweep_json_line_and_c10d_dns_warnings_stay_in_the_log_not_the_live_
     assert log.read_text().splitlines() == ['#gpufleet-json {"rows": []}', dns, "visible"]
 
 
-# ---- the Launch object (issue 12) ----------------------------------------------------------------
+# ---- the Launch object ---------------------------------------------------------------------
 
 
 def test_launch_moves_each_node_through_its_states_and_reports_them(tmp_path):

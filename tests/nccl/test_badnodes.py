@@ -1,4 +1,4 @@
-"""The bad-node finder in bounded time (issue 11, item 3): the round plan it hands the sweep, the
+"""The bad-node finder in bounded time: the round plan it hands the sweep, the
 rule that skips the confirming pass, and the finder on a simulated cluster with a throttled link."""
 
 from __future__ import annotations

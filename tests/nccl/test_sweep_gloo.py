@@ -270,7 +270,7 @@ def test_the_json_file_is_the_printed_document(monkeypatch, capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
 
 
-# ---- --time-budget and --rounds (the bad-node finder's sweep, issue 11) ------------------------
+# ---- --time-budget and --rounds (the bad-node finder's sweep) -----------------------------
 
 
 def test_a_size_over_the_time_budget_is_answered_by_its_first_call(monkeypatch, capsys):

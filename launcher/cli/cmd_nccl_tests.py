@@ -241,7 +241,7 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
             f"--detach hands one sweep to node 0; {what} runs several launches from this "
             "machine: drop --detach, or run it from a machine that stays up"
         )
-    from launcher.cli.cmd_jobs import start_detached  # loaded only when asked for, as cli's --detach does
+    from launcher.cli.detached import start_detached  # loaded only when asked for, as cli's --detach does
 
     start_detached({**o, "env": request.env}, workload)
 

@@ -1,7 +1,9 @@
-"""`launch`: the click group and its commands. Each command maps its options into a
-`LaunchConfig` (launcher.cli.options), finds the `Cluster`, and drives one `launcher.core.launch.Launch`
-through launcher.cli.render, which shows its events: a status line and the final table on stderr,
-node output on stdout, one red line per error.
+"""`launch`: the click group and its command table, one module per command named after it
+(cmd_train, cmd_run, cmd_exec, cmd_hosts, cmd_nccl_tests, cmd_doctor, cmd_top, cmd_jobs,
+cmd_logs, cmd_stop, cmd_attach). Each command maps its options into a `LaunchConfig`
+(launcher.cli.options), finds the `Cluster`, and drives one `launcher.core.launch.Launch`
+through launcher.cli.render, which shows its events: a status line and the final table on
+stderr, node output on stdout, one red line per error.
 
 Exit status: the first failed node's status; 2 for a user error (nothing ran); 130/143 when
 stopped by SIGINT/SIGTERM; 255 when a node became unreachable; 124 when --hang-timeout stopped
@@ -11,35 +13,12 @@ a job that made no progress.
 from __future__ import annotations
 
 import importlib
-import sys
-from collections.abc import Callable
-from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from gpufleet.contracts import READY_MARKER
-from launcher.cli.options import (
-    DETACH_OPTION,
-    ENV_OPTION,
-    HANG_OPTIONS_RUN,
-    HANG_OPTIONS_TRAIN,
-    PASS_THROUGH,
-    PROGRAM_AFTER,
-    RECOVER_OPTIONS,
-    SOURCE_OPTIONS,
-    TORCHRUN_OPTIONS,
-    apply_options,
-    build_config,
-    find_cluster,
-)
-from launcher.cli.render import err, execute_on, finish, setup_logging, user_errors
-from launcher.cli.workload_args import TrainArgs, WorkloadCommand, no_such_option, option_names
-from launcher.cluster.topology import metadata_statement, node_physical_hosts, spread_warning
-from launcher.core.launch import Launch
-from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.cli.render import err
+from launcher.cli.workload_args import no_such_option, option_names
 
 __all__ = ["main"]
 
@@ -79,20 +58,24 @@ class _OneLineErrors(click.Group):
             return rv
         raise SystemExit(rv if isinstance(rv, int) else 0)
 
-    # Commands that live in modules of their own, imported when named (click's documented lazy
-    # loading), so `launch exec` does not pay for the sweep's report or the doctor's checks.
+    # Every command, each in a module of its own named after it, imported when named (click's
+    # documented lazy loading), so `launch exec` does not pay for the sweep's report or the doctor's.
     _lazy = {
+        "train": ("launcher.cli.cmd_train", "train"),
+        "run": ("launcher.cli.cmd_run", "run"),
+        "exec": ("launcher.cli.cmd_exec", "exec_"),
+        "hosts": ("launcher.cli.cmd_hosts", "hosts"),
         "nccl-tests": ("launcher.cli.cmd_nccl_tests", "nccl_tests"),
         "doctor": ("launcher.cli.cmd_doctor", "doctor"),
         "top": ("launcher.cli.cmd_top", "top"),
         "jobs": ("launcher.cli.cmd_jobs", "jobs"),
-        "logs": ("launcher.cli.cmd_jobs", "logs"),
-        "stop": ("launcher.cli.cmd_jobs", "stop"),
-        "attach": ("launcher.cli.cmd_jobs", "attach"),
+        "logs": ("launcher.cli.cmd_logs", "logs"),
+        "stop": ("launcher.cli.cmd_stop", "stop"),
+        "attach": ("launcher.cli.cmd_attach", "attach"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *self._lazy])
+        return sorted(self._lazy)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self._lazy:
@@ -101,111 +84,8 @@ class _OneLineErrors(click.Group):
         return super().get_command(ctx, name)
 
 
-# Checks a workload's arguments against the nodes and ranks a launch will start (UserError if not).
-WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
-
-
-def _start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None) -> None:
-    """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
-    given = [k for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped") if o.get(k) is not None]
-    if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
-        from launcher.jobs.recovery import recover_policy
-
-        recover_policy(o, workload.argv, detach=False)  # refuses: --recover lives on node 0's controller
-    if o.pop("detach", False):
-        from launcher.cli.cmd_jobs import start_detached  # loaded only when asked for, as _lazy's commands
-
-        start_detached(o, workload, check)
-    else:
-        finish(_attached(o, workload, check))
-
-
-def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None) -> LaunchResult | None:
-    """The nodes and the config from the flags, the workload's arguments checked against them,
-    then the one attached path (render.execute_on)."""
-    setup_logging()
-    cluster = find_cluster(o)
-    config = build_config(o, workload, cluster)
-    if check is not None:
-        check(cluster, config)
-    return execute_on(cluster, config)
-
-
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 # The installed distribution's version (importlib.metadata), so it always says what pip installed.
 @click.version_option(package_name="gpufleet", prog_name="launch")
 def main() -> None:
     """Launch torchrun (or any command) on every node of a GPU cluster over SSH."""
-
-
-@main.command(
-    cls=WorkloadCommand, workload_title=TrainArgs.TITLE, workload_rows=TrainArgs.rows, context_settings=PASS_THROUGH
-)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + HANG_OPTIONS_TRAIN + [DETACH_OPTION] + RECOVER_OPTIONS)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@user_errors
-def train(args: tuple[str, ...], **o: Any) -> None:
-    """Run the built-in training workload (workloads.train); extra ARGS go to it, checked here
-    first (the workload's options are listed below the launcher's)."""
-    checked = TrainArgs(args, option_names(click.get_current_context().command))
-    _start(o, Workload("torchrun", ("-m", "workloads.train", *args)), checked.check)
-
-
-@main.command(context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + HANG_OPTIONS_RUN + [DETACH_OPTION])
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@user_errors
-def run(args: tuple[str, ...], **o: Any) -> None:
-    """Run SCRIPT [ARGS] (or -m MODULE [ARGS]) under torchrun on every node."""
-    if not args:
-        raise UserError("nothing to run: `launch run ... -- SCRIPT [ARGS]` or `-- -m MODULE [ARGS]`")
-    if args[0] == "-m" and len(args) < 2:
-        raise UserError("`-m` needs a module name: `launch run ... -- -m package.module`")
-    _start(o, Workload("torchrun", tuple(args)))
-
-
-@main.command(name="exec", context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + [ENV_OPTION, DETACH_OPTION])
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@user_errors
-def exec_(args: tuple[str, ...], **o: Any) -> None:
-    """Run a plain command (CMD [ARGS]) on every node."""
-    if not args:
-        raise UserError("nothing to run: `launch exec ... -- CMD [ARGS]`")
-    _start(o, Workload("exec", tuple(args)))
-
-
-@main.command()
-@apply_options(SOURCE_OPTIONS)
-@user_errors
-def hosts(**o: Any) -> None:
-    """List the nodes in rank order; check SSH and the startup script's ready marker."""
-    setup_logging()
-    cluster = find_cluster(o)
-    config = build_config(o, Workload("exec", ("true",)), cluster)
-    if config.dry_run:
-        for n in cluster.nodes:
-            click.echo(f"{n.rank}\t{n.host}\t{n.address}\t{n.name}")
-        return
-    with err.status(f"checking {len(cluster.nodes)} nodes…"):
-        # Where each node sits, from its metadata server (or the API, for --label): doctor's topology.
-        probes = Launch(cluster, config).probe(check_torch=False, extra=[metadata_statement()])
-    places = node_physical_hosts(cluster, {r: p.facts for r, p in probes.items() if p.ok})
-    table = Table()
-    for col in ("node", "host", "address", "name", "ssh", "ready", "hostname", "block/subblock"):
-        table.add_column(col)
-    for n in cluster.nodes:
-        p, place = probes[n.rank], places.get(n.host)
-        ssh = "[green]ok[/green]" if p.ok else f"[red]{escape(p.error)}[/red]"
-        ready = p.facts.get("ready", "-")
-        ready = "[green]yes[/green]" if ready == "yes" else f"[yellow]{ready}[/yellow]"
-        where = "/".join(x for x in (place.block, place.subblock) if x) if place else "-"
-        table.add_row(str(n.rank), n.host, n.address, n.name, ssh, ready, p.facts.get("host", ""), where)
-    # A pipe or file gets the whole table, not one squeezed into 80 columns.
-    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
-    spread = spread_warning(places)
-    if spread:
-        err.print(f"[yellow]warning: {escape(spread)}[/yellow]")
-    err.print(f"[dim]ready marker: {READY_MARKER}[/dim]")
-    if any(not p.ok for p in probes.values()):
-        raise SystemExit(1)

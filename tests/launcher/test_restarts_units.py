@@ -15,10 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.command import EXIT_MARKER, PREEMPTION_NOTICE, grace_line, node_commands, remote_script
-from launcher.env import job_env, node_env
-from launcher.jobs import STOP_GRACE_FILE, process_start, stop_script
-from launcher.model import (
+from launcher.core.command import EXIT_MARKER, PREEMPTION_NOTICE, grace_line, node_commands, remote_script
+from launcher.core.env import job_env, node_env
+from launcher.core.types import (
     Cluster,
     LaunchConfig,
     LaunchResult,
@@ -28,8 +27,9 @@ from launcher.model import (
     WorkerFailure,
     Workload,
 )
-from launcher.recover import RecoverPolicy, failure_of, recover_policy
-from launcher.restarts import (
+from launcher.jobs.record import STOP_GRACE_FILE, process_start, stop_script
+from launcher.jobs.recovery import RecoverPolicy, failure_of, recover_policy
+from launcher.jobs.restarts import (
     parse_exit_codes,
     program_error_line,
     restart_refusal,
@@ -297,8 +297,8 @@ def test_a_preemption_notice_from_the_metadata_server_stops_every_rank_with_the_
 
 
 def test_the_request_carries_the_attempt_defaults_and_the_term_grace():
-    from launcher.jobs import request_from_json, request_json
-    from launcher.model import SshConfig
+    from launcher.core.types import SshConfig
+    from launcher.jobs.record import request_from_json, request_json
 
     cfg = _cfg(stop_grace_s=12.0)
     d = json.loads(json.dumps(request_json(_cluster(), cfg, SshConfig(key=Path("k"), known_hosts=Path("kh")))))

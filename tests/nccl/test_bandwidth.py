@@ -7,6 +7,7 @@ import pytest
 from gpufleet import bandwidth as bw
 from gpufleet.catalog import NetStack, lookup
 from gpufleet.contracts import SweepRow
+from gpufleet.expected import DEFAULT_LATENCY_S, EFFICIENCY, fit_latency, model_busbw, plateau_busbw, uses_single_nic
 
 # (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (NVIDIA/nccl-tests src/<coll>.cu).
 HAND_FACTORS = {
@@ -132,39 +133,39 @@ def test_size_ladder_errors_name_the_fix():
 def test_model_is_half_the_plateau_at_s_half():
     b, a, f = 100.0, 50e-6, 1.5
     s_half = a * b * 1e9 / f  # busbw(S_half) = B/2: A·B/(f·S) = 1
-    assert bw.model_busbw(s_half, b, a, f) == pytest.approx(50.0)
-    assert bw.model_busbw(1 << 40, b, a, f) == pytest.approx(100.0, rel=1e-3)
-    assert bw.model_busbw(0, b, a, f) == 0.0
+    assert model_busbw(s_half, b, a, f) == pytest.approx(50.0)
+    assert model_busbw(1 << 40, b, a, f) == pytest.approx(100.0, rel=1e-3)
+    assert model_busbw(0, b, a, f) == 0.0
 
 
 def test_fit_recovers_latency_from_small_sizes_only():
     b, a, f = 188.0, 115e-6, 15 / 16
-    pts = [(s, bw.model_busbw(s, b, a, f)) for s in (8 << i for i in range(31))]
+    pts = [(s, model_busbw(s, b, a, f)) for s in (8 << i for i in range(31))]
     # Spoil the large sizes: the fit must not look at them.
     pts = [(s, v * (0.3 if s > (1 << 20) else 1.0)) for s, v in pts]
-    assert bw.fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
+    assert fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
 
 
 def test_fit_is_robust_to_one_outlier_and_never_negative():
     b, a, f = 50.0, 20e-6, 1.0
-    pts = [(s, bw.model_busbw(s, b, a, f)) for s in (1024, 4096, 16384, 65536, 262144)]
+    pts = [(s, model_busbw(s, b, a, f)) for s in (1024, 4096, 16384, 65536, 262144)]
     pts[2] = (pts[2][0], pts[2][1] / 10)  # one slow hiccup
-    assert bw.fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
+    assert fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
     # Faster than the plateau (impossible for the model): A clamps to 0.
-    assert bw.fit_latency([(1024, 1e6)], b, f) == 0.0
-    assert bw.fit_latency([(1 << 30, 10.0)], b, f) is None
+    assert fit_latency([(1024, 1e6)], b, f) == 0.0
+    assert fit_latency([(1 << 30, 10.0)], b, f) is None
 
 
 def test_plateau_uses_catalog_rate_times_stack_efficiency():
     mega = lookup("a3-megagpu-8g")  # 1600 Gbps GPU network = 200 GB/s, TCPXO η 0.94
-    assert bw.plateau_busbw(mega, "all_gather", 2) == pytest.approx(188.0)
+    assert plateau_busbw(mega, "all_gather", 2) == pytest.approx(188.0)
     # all_reduce runs as an NVLS tree under TCPXO's profile: 2(16-1)/16 / (2(2-1)/2) = 1.875x.
-    assert bw.plateau_busbw(mega, "all_reduce", 2) == pytest.approx(188.0 * 1.875)
-    assert bw.plateau_busbw(mega, "alltoall", 2) == pytest.approx(188.0 / 8)  # one NIC of 8
-    assert bw.plateau_busbw(mega, "all_reduce", 1) is None
+    assert plateau_busbw(mega, "all_reduce", 2) == pytest.approx(188.0 * 1.875)
+    assert plateau_busbw(mega, "alltoall", 2) == pytest.approx(188.0 / 8)  # one NIC of 8
+    assert plateau_busbw(mega, "all_reduce", 1) is None
     a2 = lookup("a2-highgpu-8g")  # 100 Gbps, Fast Socket, one NIC
-    assert bw.plateau_busbw(a2, "sendrecv", 4) == pytest.approx(12.5 * 0.71)
-    assert set(bw.EFFICIENCY) == set(NetStack) == set(bw.DEFAULT_LATENCY_S)
+    assert plateau_busbw(a2, "sendrecv", 4) == pytest.approx(12.5 * 0.71)
+    assert set(EFFICIENCY) == set(NetStack) == set(DEFAULT_LATENCY_S)
 
 
 def test_avg_busbw_is_the_mean_of_every_printed_block_and_skips_missing_ones():
@@ -178,6 +179,6 @@ def test_avg_busbw_is_the_mean_of_every_printed_block_and_skips_missing_ones():
 
 def test_the_single_nic_collectives_get_one_nics_share_of_the_plateau():
     machine = lookup("a3-megagpu-8g")
-    assert [c for c in bw.COLLECTIVES if bw.uses_single_nic(c)] == ["alltoall", "sendrecv"]
+    assert [c for c in bw.COLLECTIVES if uses_single_nic(c)] == ["alltoall", "sendrecv"]
     nics = max(1, len(machine.gpu_nics))
-    assert bw.plateau_busbw(machine, "alltoall", 2) == pytest.approx(bw.plateau_busbw(machine, "all_gather", 2) / nics)
+    assert plateau_busbw(machine, "alltoall", 2) == pytest.approx(plateau_busbw(machine, "all_gather", 2) / nics)

@@ -95,6 +95,7 @@ def hostfile(tmp_path: Path) -> Path:
         ),
         (["run", "--term-grace", "abc", "--", "train.py"], "--term-grace 'abc' is not a duration"),
         (["exec", "--detach", "--term-grace", "0", "--", "true"], "--term-grace '0' is not a duration"),
+        (["stop", "--grace", "abc", "20260101-120000-a1b2c3"], "--grace 'abc' is not a duration"),
     ],
 )
 def test_bad_recover_and_grace_input_is_one_line_exit_2_and_nothing_starts(hostfile, tmp_path, args, words):

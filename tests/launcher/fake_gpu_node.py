@@ -164,7 +164,9 @@ exit 0
 
 class FakeMetadata:
     """The metadata server of one node (what doctor and the preemption watcher read). `host`
-    is GCE_METADATA_HOST. `instance/preempted` is FALSE until `preempt()`; with
+    is GCE_METADATA_HOST. `instance/preempted` is FALSE until `preempt()` (for every client, or for
+    the one at `address`: one server may stand for several nodes' own, each asking from its own
+    address, as each VM asks its own); with
     `?wait_for_change=true` a GET waits until the value changes, or for `timeout_sec` when given
     (https://cloud.google.com/compute/docs/metadata/querying-metadata#waitforchange)."""
 
@@ -175,6 +177,7 @@ class FakeMetadata:
         self.physical_host = physical_host
         self.requests: list[str] = []
         self.preempted = False
+        self.preempted_addresses: set[str] = set()
         self._changed = threading.Condition()
         fake = self
 
@@ -189,7 +192,8 @@ class FakeMetadata:
                 elif self.path == fake.PATH and fake.physical_host is not None:
                     self._reply(200, fake.physical_host)
                 elif self.path.partition("?")[0] == fake.PREEMPTED:
-                    self._reply(200, fake.wait_preempted(parse_qs(urlsplit(self.path).query)))
+                    query = parse_qs(urlsplit(self.path).query)
+                    self._reply(200, fake.wait_preempted(query, self.client_address[0]))
                 else:
                     self._reply(404, "Not Found\n")
 
@@ -200,7 +204,10 @@ class FakeMetadata:
                 self.send_header("Content-Type", "application/text")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client went away while it waited (a node stopped, its watcher killed)
 
         self._server = ThreadingHTTPServer((bind, 0), Handler)
         self._reach_at = reach_at
@@ -211,19 +218,34 @@ class FakeMetadata:
     def host(self) -> str:
         return f"{self._reach_at}:{self._server.server_address[1]}"
 
-    def preempt(self) -> None:
-        """Compute Engine sends the preemption notice: `instance/preempted` turns TRUE."""
+    def preempt(self, address: str | None = None) -> None:
+        """Compute Engine sends the preemption notice: `instance/preempted` turns TRUE (for the
+        node asking from `address` only, when given)."""
         with self._changed:
-            self.preempted = True
+            if address is None:
+                self.preempted = True
+            else:
+                self.preempted_addresses.add(address)
             self._changed.notify_all()
 
-    def wait_preempted(self, query: dict[str, list[str]]) -> str:
+    def boot(self, address: str | None = None) -> None:
+        """The VM (the one at `address`, or every one) started again: not preempted any more."""
+        with self._changed:
+            if address is None:
+                self.preempted = False
+            self.preempted_addresses.discard(address or "")
+            self._changed.notify_all()
+
+    def wait_preempted(self, query: dict[str, list[str]], address: str = "") -> str:
+        def now() -> bool:
+            return self.preempted or address in self.preempted_addresses
+
         with self._changed:
             if query.get("wait_for_change") == ["true"]:
-                was = self.preempted
+                was = now()
                 timeout = float(query["timeout_sec"][0]) if "timeout_sec" in query else None
-                self._changed.wait_for(lambda: self.preempted != was, timeout=timeout)
-            return "TRUE" if self.preempted else "FALSE"
+                self._changed.wait_for(lambda: now() != was, timeout=timeout)
+            return "TRUE" if now() else "FALSE"
 
     def close(self) -> None:
         self._server.shutdown()

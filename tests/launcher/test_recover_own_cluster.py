@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.test_jobs_cluster import cluster, detach, launch, wait_state
+from launcher.core.command import PREEMPTION_NOTICE
+from tests.launcher.fake_gpu_node import FakeMetadata
+from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
 from tests.simcluster import _environ
 from tests.support import PY, REPO, source_args, wait_for
 from tests.workloads.conftest import start_gcs_emulator
@@ -132,6 +134,54 @@ def test_a_snapshot_in_gcs_is_resumed_after_a_worker_fails_under_max_restarts_1(
     second = out[out.index("attempt 1 (restart reason worker-failed)") :]
     resumed = re.search(r"resuming from the snapshot at epoch (\d+)", second)
     assert resumed and int(resumed.group(1)) >= 4 and "] epoch 0 |" not in second, second
+    c.assert_nothing_left()
+
+
+def test_a_spot_preemption_notice_stops_the_ranks_and_the_job_resumes_with_reason_preempted(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    snap = wd / "snapshot.pt"
+    # One server stands for each node's own metadata server: it answers by the asking address.
+    metadata = FakeMetadata(None, reach_at=c.gateway)
+    try:
+        job_id = detach(
+            c,
+            tmp_path,
+            "run",
+            *own_args(wd, "--env", f"GCE_METADATA_HOST={metadata.host}", "--recover", "--term-grace", "5s"),
+            "--",
+            str(EXAMPLE),
+            "--epochs",
+            "60",
+            "--save-every",
+            "2",
+            "--epoch-seconds",
+            "0.3",
+        )
+        read = lambda: snap.read_bytes() if snap.exists() else None  # noqa: E731
+        wait_for(lambda: snapshot_epochs(read) >= 4, 120, "epoch 4 saved")
+        metadata.preempt(c.nodes[1].address)
+        # The VM stops once its ranks are told (Compute Engine: 30 s after the notice), and boots again.
+        out_log = jobdir(tmp_path, job_id) / "output.log"
+        wait_for(lambda: PREEMPTION_NOTICE in out_log.read_text(), 60, "the preemption notice")
+        c.power_off(1)
+        wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
+        time.sleep(3)
+        metadata.boot(c.nodes[1].address)
+        c.restart_sshd(1)
+        done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
+    finally:
+        metadata.close()
+    assert done["state"] == "SUCCEEDED", (done["why"], done["recoveries"])
+    (rec,) = done["recoveries"]
+    assert rec["reason"] == "preempted" and rec["waited_s"] is not None, rec
+    out = logs(c, tmp_path, job_id)
+    assert f"[node 1] {PREEMPTION_NOTICE} (instance/preempted is TRUE): SIGTERM to every rank, SIGKILL after 5 s" in out
+    assert f"[node 0] {PREEMPTION_NOTICE}" not in out
+    second = out[out.index("attempt 1 (restart reason preempted)") :]
+    resumed = re.search(r"resuming from the snapshot at epoch (\d+)", second)
+    assert resumed and int(resumed.group(1)) >= 4 and "] epoch 59 | loss" in second, second
     c.assert_nothing_left()
 
 

@@ -16,13 +16,15 @@ check sees what the run will; then come two halves, and one SSH session per node
    handshake overlaps the others' instead of waiting behind a barrier;
 2. the run: it starts the workload under `setsid` (its own session and process group)
    with a unique `GPUFLEET_RUN` token in its environment. A watchdog reads the rest of stdin:
-   when the launcher closes it, or the SSH connection drops, it sends SIGTERM to the workload's
-   process group, waits, then SIGKILLs every process that carries the token (torchrun starts
-   workers in sessions of their own, so the group alone is not enough). `EXIT_MARKER <status>`
+   when the launcher closes it, or the SSH connection drops, or a Spot preemption notice comes
+   (a watcher of the node's metadata server), it sends SIGTERM to the workload's process group
+   and to every rank (torchrun starts workers in sessions of their own, so the group alone is
+   not enough), waits up to --term-grace, then SIGKILLs every process that carries the token,
+   and prints one STOP_REPORT line per rank: exited by itself, or killed. `EXIT_MARKER <status>`
    comes last, which tells a nonzero exit of the code apart from a lost connection (no marker).
 
-Each fork on a node costs on every node of every launch, so the run half forks twice (the
-workload and its watchdog) and writes no files.
+Each fork on a node costs on every node of every launch, so the run half forks three times (the
+workload, its watchdog, and on a cluster the preemption watcher) and writes no files.
 """
 
 from __future__ import annotations

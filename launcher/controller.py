@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from launcher.goodput import MarkKeeper, is_node_failure, note_state
 from launcher.jobs import JobRecord, JobState, controller_alive, process_start, request_from_json, write_json_atomic
 from launcher.model import LaunchResult, UserError
 from launcher.output import failure_line
@@ -34,6 +35,8 @@ from launcher.output import failure_line
 __all__ = ["main", "Controller"]
 
 log = logging.getLogger("launcher")
+
+MARKS_SAVE_S = 2.0  # a new progress mark alone rewrites the record at most this often
 
 
 class Controller:
@@ -58,10 +61,15 @@ class Controller:
             submitted=time.time(),
             pid=pid,
             pid_start=process_start(pid) or "",
+            machine_type=self.request["cluster"].get("machine_type"),
         )
+        self.marks = MarkKeeper(self.record, wl["kind"])  # the goodput timeline's marks
+        self._saved_at = 0.0
 
     def save(self) -> None:
+        note_state(self.record, time.time())
         write_json_atomic(self.jobdir / "state.json", self.record.to_json())
+        self._saved_at = time.monotonic()
 
     def run(self) -> int:
         (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
@@ -93,6 +101,7 @@ class Controller:
         return Recoverer(self, cluster, config, RecoverPolicy(**self.request["recover"])).run(result)
 
     def on_event(self, out, event) -> None:  # a launcher.launch.NodeEvent
+        self._mark(event)
         if event.line is not None:
             out.write(f"[node {event.node.rank}] {event.line}\n")
             if self.request.get("recover") is not None:
@@ -104,6 +113,20 @@ class Controller:
     def reset_attempt(self) -> None:
         """A relaunch starts: what the last attempt's output said is forgotten."""
         self.preempted, self.last_step = False, None
+        self.marks.new_attempt()
+
+    def _mark(self, event) -> None:
+        """Note progress, checkpoints and the first node failure for the goodput timeline; a
+        changed mark is saved with the next state change, or within MARKS_SAVE_S."""
+        now = time.time()
+        if event.line is not None:
+            changed = self.marks.line(event.line, now)
+        elif event.state is not None and self.record.state is JobState.RUNNING and is_node_failure(event.state.value):
+            changed = self.marks.node_failed(now)
+        else:
+            return
+        if changed and time.monotonic() - self._saved_at >= MARKS_SAVE_S:
+            self.save()
 
     def wait_turn(self) -> bool:
         """Wait (PENDING) until no earlier job, and no running one, uses any of this job's nodes;

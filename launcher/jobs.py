@@ -92,6 +92,9 @@ class JobRecord:
     why: str = ""  # for FAILED/STOPPED: what happened, in one line
     tail: list[str] = field(default_factory=list)  # the failed node's last lines
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # launcher.recover.Recovery, in order
+    machine_type: str | None = None  # the nodes' (None: unknown), for the cost (launcher.goodput)
+    states: list[dict[str, Any]] = field(default_factory=list)  # {at, state}: each change (launcher.goodput)
+    marks: list[dict[str, Any]] = field(default_factory=list)  # progress and checkpoint marks (launcher.goodput)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

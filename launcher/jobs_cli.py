@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from launcher.goodput import format_cost, goodput_of
 from launcher.handoff import detach
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
@@ -110,6 +111,7 @@ def _when(t: float | None) -> str:
 def _row(r: JobRecord) -> list[str]:
     dur = r.duration_s
     what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
+    g = goodput_of(r)
     return [
         r.id,
         escape(what),
@@ -117,6 +119,9 @@ def _row(r: JobRecord) -> list[str]:
         str(len(r.nodes)),
         _when(r.started),
         "-" if dur is None else f"{dur:.0f} s",
+        "-" if g.goodput_pct is None else f"{g.goodput_pct:.1f}%",
+        f"{g.node_hours:.2f}",
+        escape(format_cost(g)),
         "-" if r.exit is None else str(r.exit),
         escape(r.why + _recoveries(r)) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else "",
     ]
@@ -134,14 +139,15 @@ def _recoveries(r: JobRecord) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job per line.")
 @user_errors
 def jobs(as_json: bool, **o: Any) -> None:
-    """List the cluster's detached jobs, newest first."""
+    """List the cluster's detached jobs, newest first, with each one's goodput (productive share
+    of its time on the nodes), node-hours and cost so far at on-demand / Spot list prices."""
     records = _Node0(o).records()
     if as_json:
         for r in records:
-            click.echo(json.dumps(r.to_json()))
+            click.echo(json.dumps({**r.to_json(), "goodput": goodput_of(r).to_json()}))
         return
     table = Table()
-    for col in ("id", "what", "state", "nodes", "started", "duration", "exit", "why"):
+    for col in ("id", "what", "state", "nodes", "started", "duration", "goodput", "node-h", "cost", "exit", "why"):
         table.add_column(col)
     for r in records:
         table.add_row(*_row(r))

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
+from launcher.goodput import goodput_of, summary
 from launcher.job_metrics import INTERVAL_S as JOB_INTERVAL_S
 from launcher.job_metrics import RECORD, record_script
 from launcher.jobs import JobRecord, check_job_id, list_script, parse_listing
@@ -188,8 +190,10 @@ class _ViewStats:
         return [b - a for a, b in zip(self.frames, self.frames[1:])]
 
 
-def _view(sampler: TopSampler, duration: float | None, title: str, until: threading.Event | None = None) -> _ViewStats:
-    """Redraw every interval until `duration`, a signal or `until` is set."""
+def _view(
+    sampler: TopSampler, duration: float | None, title: Callable[[], str], until: threading.Event | None = None
+) -> _ViewStats:
+    """Redraw every interval until `duration`, a signal or `until` is set; `title()` heads each frame."""
     out = Console(highlight=False, soft_wrap=False)
     batch = not out.is_terminal
     if batch:
@@ -218,7 +222,7 @@ def _view(sampler: TopSampler, duration: float | None, title: str, until: thread
             stats.frames.append(t0)
             rows = sampler.rows()
             hist = {r.node.rank: sampler.history(r.node.rank)[0] for r in rows}
-            table = render_table(rows, hist, f"{title}  {time.strftime('%H:%M:%S')}")
+            table = render_table(rows, hist, f"{title()}  {time.strftime('%H:%M:%S')}")
             if live:
                 live.update(table, refresh=True)
             else:
@@ -317,13 +321,15 @@ def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, Launch
 
 
 class _JobWatch:
-    """Asks node 0 for a detached job's state every `every_s` seconds; `ended` is set, and
-    `record` holds the job's record, once it has ended (the view of its nodes ends with it)."""
+    """Asks node 0 for a detached job's state every `every_s` seconds; `latest` is its latest
+    record; `ended` is set, and `record` holds the job's record, once it has ended (the view of
+    its nodes ends with it)."""
 
     def __init__(self, transport: Transport, head: Node, job_id: str, every_s: float = 5.0):
         self.transport, self.head, self.job_id, self.every_s = transport, head, job_id, every_s
         self.ended = threading.Event()
         self.record: JobRecord | None = None
+        self.latest: JobRecord | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="top-job-watch")
 
@@ -334,15 +340,23 @@ class _JobWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def goodput(self) -> str:
+        """The job's goodput line for the view's title (empty until node 0 has answered)."""
+        return f"  {summary(goodput_of(self.latest))}" if self.latest else ""
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
             try:
                 found = parse_listing(_on_node0(self.transport, self.head, list_script(self.job_id)))
             except UserError:
-                continue  # node 0 did not answer this time: the view goes on, as for any node
+                found = []  # node 0 did not answer this time: the view goes on, as for any node
+            if found:
+                self.latest = found[0]
             if found and found[0].state.final:
                 self.record = found[0]
                 self.ended.set()
+                return
+            if self._stop.wait(self.every_s):
                 return
 
 
@@ -488,7 +502,9 @@ def top(
     if exporter:
         exporter.start()
     try:
-        stats = _view(sampler, duration, _title(cluster, job_id), watch.ended if watch else None)
+        title = _title(cluster, job_id)
+        heading = (lambda: title + watch.goodput()) if watch else (lambda: title)
+        stats = _view(sampler, duration, heading, watch.ended if watch else None)
     finally:
         if watch:
             watch.stop()

@@ -63,7 +63,7 @@ class Controller:
             pid_start=process_start(pid) or "",
             machine_type=self.request["cluster"].get("machine_type"),
         )
-        self.marks = MarkKeeper(self.record, wl["kind"])  # the goodput timeline's marks
+        self.marks = MarkKeeper(self.record)  # the goodput timeline's marks
         self._saved_at = 0.0
 
     def save(self) -> None:

@@ -130,31 +130,29 @@ class Goodput:
 
 def note_state(record: Any, now: float) -> None:
     """Append the record's state to `record.states` if it changed (a launcher.jobs.JobRecord).
-    The first entry is at `submitted`, the first RUNNING at `started`, a final state at `ended`,
-    so the timeline and the record's own times agree exactly."""
+    Every job begins PENDING at `submitted` (even one first saved RUNNING); the first RUNNING is
+    at `started` and a final state at `ended`, so the timeline and the record's times agree."""
     states = record.states
     state = record.state.value
-    if states and states[-1]["state"] == state:
+    if not states:
+        states.append({"at": record.submitted, "state": "PENDING"})
+    if states[-1]["state"] == state:
         return
     at = now
-    if not states:
-        at = record.submitted
-    elif record.state.final and record.ended is not None:
+    if record.state.final and record.ended is not None:
         at = record.ended
     elif state == "RUNNING" and record.started is not None and not any(s["state"] == "RUNNING" for s in states):
         at = record.started
-    if states:
-        at = max(at, states[-1]["at"])
-    states.append({"at": at, "state": state})
+    states.append({"at": max(at, states[-1]["at"]), "state": state})
 
 
 class MarkKeeper:
     """Keeps an attempt's marks in `record.marks` (see the module's docstring); `line` and
     `node_failed` say whether a mark changed, so the caller saves the record when it likes."""
 
-    def __init__(self, record: Any, workload_kind: str):
+    def __init__(self, record: Any):
         self.record = record
-        self.steps_only = workload_kind == "train"  # other workloads: any line is progress
+        self.steps_only = _train_argv(record.what) is not None  # other workloads: any line is progress
         self._first = len(record.marks)  # this attempt's marks are record.marks[_first:]
         self._seen: dict[int, float] = {}  # step -> when its line was seen, since the last checkpoint
 
@@ -205,16 +203,23 @@ def is_node_failure(state_value: str) -> bool:
 # ---- the reader's side: the timeline and the figures ----
 
 
+def _train_argv(what: str) -> list[str] | None:
+    """workloads.train's own arguments when a record's `what` (`torchrun -m workloads.train ...`,
+    launcher.controller) runs the built-in workload, else None."""
+    try:
+        argv = shlex.split(what)
+    except ValueError:
+        return None
+    return argv[3:] if argv[:3] == ["torchrun", "-m", "workloads.train"] else None
+
+
 def _reports_checkpoints(record: Any) -> bool:
     """Whether the job tells us its checkpoints: it logged one, or it is workloads.train given
     --checkpoint-dir (which logs each save)."""
     if any(m["kind"] == "checkpoint" for m in record.marks):
         return True
-    try:
-        argv = shlex.split(record.what)
-    except ValueError:
-        return False
-    return bool(argv) and argv[0] == "train" and any(a.split("=", 1)[0] == "--checkpoint-dir" for a in argv)
+    argv = _train_argv(record.what) or []
+    return any(a.split("=", 1)[0] == "--checkpoint-dir" for a in argv)
 
 
 def _state_spans(record: Any, end: float) -> list[tuple[float, float, str, str | None]]:

@@ -9,7 +9,7 @@ from gpufleet import catalog
 from launcher.goodput import CATEGORIES, MarkKeeper, format_cost, goodput_of, note_state, summary, timeline
 from launcher.jobs import JobRecord, JobState
 
-TRAIN = "train --steps 100 --checkpoint-dir /tmp/ck --checkpoint-every 10"
+TRAIN = "torchrun -m workloads.train --steps 100 --checkpoint-dir /tmp/ck --checkpoint-every 10"
 
 
 def _record(states, marks=(), what=TRAIN, nodes=2, machine_type=None, now_state=None) -> JobRecord:
@@ -105,7 +105,7 @@ def test_a_job_that_reports_no_checkpoints_loses_only_the_work_after_its_last_pr
     r = _record(
         [(0.0, "PENDING"), (0.0, "RUNNING"), (30.0, "RECOVERING"), (40.0, "RUNNING"), (70.0, "SUCCEEDED")],
         marks=[(3.0, "first", None), (20.0, "progress", None), (25.0, "failure", None), (45.0, "first", None)],
-        what="run -- python my_train.py",
+        what="torchrun my_train.py --epochs 3",
     )
     g = goodput_of(r)
     assert _by_category(g.segments)[:4] == [
@@ -138,7 +138,7 @@ def test_a_record_from_before_states_were_kept_is_read_from_its_times():
     r = JobRecord(
         id="20260101-120000-a1b2c3",
         state=JobState.SUCCEEDED,
-        what="exec -- true",
+        what="exec true",
         nodes=["a"],
         submitted=0.0,
         started=3.0,
@@ -199,10 +199,16 @@ def test_note_state_records_each_change_once_at_the_records_own_times():
         {"at": 120.0, "state": "FAILED"},
     ]
 
+    # A job with nothing ahead is first saved RUNNING: its (short) queue still starts the timeline.
+    quick = _record([(200.0, "PENDING")])
+    quick.states, quick.state, quick.started = [], JobState.RUNNING, 200.5
+    note_state(quick, now=200.6)
+    assert quick.states == [{"at": 200.0, "state": "PENDING"}, {"at": 200.5, "state": "RUNNING"}]
+
 
 def test_the_mark_keeper_keeps_at_most_four_marks_per_attempt_from_train_lines():
     r = _record([(0.0, "PENDING")])
-    keeper = MarkKeeper(r, "train")
+    keeper = MarkKeeper(r)
     assert not keeper.line("model: 1.2M parameters", 1.0)  # not a step line: no progress for train
     for step in range(1, 13):
         assert keeper.line(f"step {step}/100 | loss 3.2 | lr 6.00e-04 | 12.0 ms/step", 10.0 + step)
@@ -221,7 +227,7 @@ def test_the_mark_keeper_keeps_at_most_four_marks_per_attempt_from_train_lines()
 
 
 def test_for_other_workloads_any_output_line_is_progress():
-    r = _record([(0.0, "PENDING")], what="run -- python my_train.py")
-    keeper = MarkKeeper(r, "run")
+    r = _record([(0.0, "PENDING")], what="torchrun my_train.py --epochs 3")
+    keeper = MarkKeeper(r)
     assert keeper.line("epoch 0 loss 1.0", 5.0) and keeper.line("epoch 1 loss 0.9", 6.0)
     assert [m["kind"] for m in r.marks] == ["first", "progress"]

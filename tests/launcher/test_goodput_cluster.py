@@ -4,6 +4,7 @@ the controller on node 0 writing the timeline's states and marks into the job's 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -65,4 +66,19 @@ def test_launch_jobs_json_carries_goodput_fields_that_agree_with_the_record(sim_
     table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
     (row,) = [line for line in table.splitlines() if job_id in line]
     assert f"{g['goodput_pct']:.1f}%" in row and f"{g['node_hours']:.2f}" in row and "n/a" in row, table
+    c.assert_nothing_left()
+
+
+def test_launch_top_job_id_shows_the_jobs_goodput_while_it_runs(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    # Not workloads.train: any output line is progress, so the job is productive from "ready" on.
+    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", "echo ready; sleep 12")
+    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), "--duration", "3", check=True)
+    titles = [line for line in r.stdout.splitlines() if line.startswith(f"launch top: job {job_id}, 2 nodes")]
+    # Once node 0 has answered (the first frame may come before), each frame's title has the goodput.
+    assert any(re.search(r"  goodput \d+\.\d%.*, 0\.\d\d node-h, cost n/a  ", t) for t in titles), r.stdout
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
+    assert done["state"] == "SUCCEEDED", done
+    g = done["goodput"]
+    assert g["seconds"]["productive"] >= 11 and g["seconds"]["lost"] == 0 and g["seconds"]["recovering"] == 0, g
     c.assert_nothing_left()

@@ -1,4 +1,4 @@
-"""Detached jobs (issue 13): what `--detach`, `launch jobs` and `launch logs` cost, each against its
+"""Detached jobs: what `--detach`, `launch jobs` and `launch logs` cost, each against its
 anchor in the same run, on 16 simulated nodes (netns; each node with a HOME of its own, the client
 with another).
 
@@ -101,7 +101,7 @@ class Bench:
             for line in p.stdout:
                 if "started on" in line:
                     go = time.perf_counter() - t0
-                if "] step 1/" in line:  # rank 0 logs; its node is the one c10d made group rank 0
+                if "] step 1/" in line:  # rank 0 logs, on node 0
                     step = time.perf_counter() - t0
                     break
             else:

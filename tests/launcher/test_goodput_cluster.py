@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from launcher.goodput import CATEGORIES, goodput_of
-from launcher.jobs import JobRecord
+from launcher.jobs.goodput import CATEGORIES, goodput_of
+from launcher.jobs.record import JobRecord
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
 from tests.support import TRAIN, source_args, torch_args
 

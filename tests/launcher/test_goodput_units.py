@@ -1,4 +1,4 @@
-"""A detached job's timeline, goodput, node-hours and cost (launcher.goodput), from records built
+"""A detached job's timeline, goodput, node-hours and cost (launcher.jobs.goodput), from records built
 the way the controller writes them, and the catalog's price table they use."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpufleet import catalog
-from launcher.goodput import CATEGORIES, MarkKeeper, format_cost, goodput_of, note_state, summary, timeline
-from launcher.jobs import JobRecord, JobState
+from launcher.jobs.goodput import CATEGORIES, MarkKeeper, format_cost, goodput_of, note_state, summary, timeline
+from launcher.jobs.record import JobRecord, JobState
 
 TRAIN = "torchrun -m workloads.train --steps 100 --checkpoint-dir /tmp/ck --checkpoint-every 10"
 
@@ -231,3 +231,10 @@ def test_for_other_workloads_any_output_line_is_progress():
     keeper = MarkKeeper(r)
     assert keeper.line("epoch 0 loss 1.0", 5.0) and keeper.line("epoch 1 loss 0.9", 6.0)
     assert [m["kind"] for m in r.marks] == ["first", "progress"]
+
+
+def test_with_a_progress_regex_only_matching_lines_are_progress():
+    r = _record([(0.0, "PENDING")], what="torchrun my_train.py --epochs 3")
+    keeper = MarkKeeper(r, progress=r"epoch \d+ done")
+    assert not keeper.line("loading data", 1.0) and keeper.line("epoch 0 done", 2.0)
+    assert r.marks == [{"at": 2.0, "kind": "first", "step": None}]

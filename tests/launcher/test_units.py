@@ -18,12 +18,22 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.catalog import lookup
+from gpufleet.health import PhysicalHost
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.cli import main
-from launcher.command import CHECKED_MARKER, EXIT_MARKER, join_timeout_s, remote_command, remote_script, torchrun_argv
-from launcher.discovery import cluster_from_outputs, local_cluster, parse_hostfile
-from launcher.env import node_env, parse_env_pairs
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
+from launcher.cluster.discovery import cluster_from_outputs, local_cluster, parse_hostfile
+from launcher.cluster.topology import launch_order
+from launcher.core.command import (
+    CHECKED_MARKER,
+    EXIT_MARKER,
+    join_timeout_s,
+    node_commands,
+    remote_command,
+    remote_script,
+    torchrun_argv,
+)
+from launcher.core.env import node_env, parse_env_pairs
+from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
 from tests.support import LAUNCH, REPO
 
 HOSTILE = '"; rm -rf ~'
@@ -172,7 +182,7 @@ def test_each_machine_family_gets_its_stack_profile():
 
 def test_env_override_replaces_profile_value_and_is_logged(caplog):
     cfg = _cfg(env=parse_env_pairs(["NCCL_BUFFSIZE=1048576", "MY_FLAG=a=b"]))
-    with caplog.at_level(logging.WARNING, logger="launcher.env"):
+    with caplog.at_level(logging.WARNING, logger="launcher.core.env"):
         env = node_env(_cluster(2, "a3-megagpu-8g"), cfg)
     assert env["NCCL_BUFFSIZE"] == "1048576" and env["MY_FLAG"] == "a=b"
     assert "NCCL_BUFFSIZE=1048576 overrides the profile value NCCL_BUFFSIZE=8388608" in caplog.text
@@ -189,26 +199,56 @@ def test_bad_env_pair_and_unknown_machine_type_are_user_errors():
 # ---- command building -------------------------------------------------------------------------
 
 
-def test_torchrun_argv_has_rendezvous_on_node_zero_and_no_node_rank():
+def test_torchrun_argv_is_a_static_rendezvous_on_node_zero_with_the_nodes_rank():
     c = _cluster(3)
     argv = torchrun_argv(c, c.nodes[2], _cfg(max_restarts=2, rdzv_port=29511), 8, ["-m", "workloads.train"])
     assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
-    # torchrun ignores --node-rank with c10d and warns on every node that gets one (issue 11).
-    assert not any(a.startswith(("--node-rank", "--node_rank")) for a in argv)
     for flag in (
         "--nnodes=3",
         "--nproc-per-node=8",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=10.0.0.2:29511",
+        # Node i of the cluster's order is torchrun's group rank i; node 0 hosts the store.
+        "--rdzv-backend=static",
+        "--master-addr=10.0.0.2",
+        "--master-port=29511",
+        "--node-rank=2",
         "--rdzv-id=job1",
+        f"--rdzv-conf=timeout={join_timeout_s(3)}",
         "--max-restarts=2",
         "--local-addr=10.0.0.4",
     ):
         assert flag in argv
-    assert f"--rdzv-conf=join_timeout={join_timeout_s(3)},is_host=0" in argv
+    assert not any(a.startswith(("--rdzv-endpoint", "--rdzv_endpoint")) for a in argv)
     assert argv[-2:] == ["-m", "workloads.train"]
     head = torchrun_argv(c, c.nodes[0], _cfg(), 1, ["x.py"])
-    assert any(a.endswith("is_host=1") for a in head)
+    assert "--node-rank=0" in head and "--master-addr=10.0.0.2" in head and "--master-port=29500" in head
+
+
+def test_torchrun_argv_brackets_an_ipv6_master_address():
+    c = Cluster("c", (Node(0, "fd00::2", "fd00::2"), Node(1, "fd00::3", "fd00::3")))
+    assert "--master-addr=[fd00::2]" in torchrun_argv(c, c.nodes[1], _cfg(), 1, ["x.py"])
+
+
+def test_node_commands_follow_a_reordered_cluster():
+    """A cluster renumbered by topology: each node's program carries its new rank, as torchrun's
+    --node-rank and as GPUFLEET_NODE_RANK, and node 0 takes the rendezvous-port lock."""
+    c = _cluster(3)
+    hosts = {
+        "10.0.0.2": PhysicalHost("c", "b1", "s1", "h1"),
+        "10.0.0.3": PhysicalHost("c", "b2", "s1", "h2"),
+        "10.0.0.4": PhysicalHost("c", "b1", "s1", "h3"),
+    }
+    ordered = launch_order(c, None, hosts).cluster
+    assert [n.host for n in ordered.nodes] == ["10.0.0.2", "10.0.0.4", "10.0.0.3"]
+    cmds = node_commands(ordered, _cfg())
+    assert "--node-rank=1" in cmds[1] and "GPUFLEET_NODE_RANK=1 " in cmds[1] and "--local-addr=10.0.0.4" in cmds[1]
+    assert "--node-rank=2" in cmds[2] and "--local-addr=10.0.0.3" in cmds[2]
+    assert "gpufleet-rdzv-10.0.0.2-29500.lock" in cmds[0]
+    assert not any("rdzv-" + "10.0.0.4" in cmds[r] for r in (1, 2))
+
+
+def test_an_unknown_rank_order_is_refused_in_the_config():
+    with pytest.raises(UserError, match="--rank-order 'random' is unknown; one of: topology, given"):
+        _cfg(rank_order="random")
 
 
 def test_join_timeout_grows_with_node_count():
@@ -369,11 +409,43 @@ def test_dry_run_prints_host_tab_command_per_node_and_connects_to_nothing(tmp_pa
         ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs"), "--", "train.py", HOSTILE],
     )
     assert r.exit_code == 0, r.output
-    lines = r.output.strip().splitlines()
+    lines = r.stdout.strip().splitlines()
     assert [l.split("\t")[0] for l in lines] == ["192.0.2.10", "192.0.2.11"]
     assert all(l.split("\t")[1].startswith("exec bash --norc --noprofile -c ") for l in lines)
     assert "--nproc-per-node=2" in lines[1] and "--nproc-per-node=1" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_says_which_rank_order_and_why(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.11\n192.0.2.10\n")  # not address order: the given order is kept
+    base = ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs")]
+    r = CliRunner().invoke(main, [*base, "--", "train.py"])
+    assert r.exit_code == 0, r.output
+    assert (
+        "rank order: given here (--dry-run asks no node for its physical_host; a launch orders by "
+        "topology if every node reports one)" in r.stderr
+    ), r.output
+    hosts = [l.split("\t")[0] for l in r.stdout.splitlines()]
+    assert hosts == ["192.0.2.11", "192.0.2.10"]
+    assert "--node-rank=0" in r.stdout.splitlines()[0] and "--master-addr=192.0.2.11" in r.stdout
+    r = CliRunner().invoke(main, [*base, "--rank-order", "given", "--", "train.py"])
+    assert r.exit_code == 0 and "rank order: given (--rank-order given)" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--dry-run"])
+    assert "rank order: given (--local: every node is this machine)" in r.stderr, r.output
+
+
+def test_bad_rank_orders_are_one_line_exit_2():
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--rank-order", "random", "--dry-run"])
+    assert r.exit_code == 2, r.output
+    (line,) = r.output.strip().splitlines()
+    assert "'random' is not one of 'topology', 'given'" in line and "--rank-order" in line
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--rank-order", "topology", "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines() == [
+        "error: --rank-order topology does not apply to --local (its nodes are processes on this "
+        "machine); pass --rank-order given or leave it out"
+    ]
 
 
 def test_local_dry_run_uses_this_python_and_loopback():
@@ -441,7 +513,8 @@ def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_pa
     ]
     r = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run"])
     assert r.exit_code == 0, r.output
-    lines = r.output.strip().splitlines()
+    assert r.stderr.count("rank order: given here (--dry-run asks no node") == 1, r.output  # mpirun's host order
+    lines = r.stdout.strip().splitlines()
     # One command per collective, run on node 0, which starts mpirun over the 3 nodes.
     assert len(lines) == 2 and all(l.startswith("192.0.2.10\t") for l in lines)
     assert "all_reduce_perf" in lines[0] and "all_gather_perf" in lines[1] and "mpirun" in lines[0]
@@ -453,7 +526,7 @@ def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_pa
 
 
 def test_rank_count_follows_each_nodes_slots():
-    from launcher.nccl_cmd import _nranks
+    from launcher.cli.cmd_nccl_tests import _nranks
 
     c = Cluster("c", (Node(0, "a", "a", slots=2), Node(1, "b", "b", slots=1), Node(2, "c", "c")), "a3-megagpu-8g")
     assert _nranks(c, _cfg()) == 2 + 1 + 8  # slots where given, else the machine type's GPUs
@@ -461,8 +534,8 @@ def test_rank_count_follows_each_nodes_slots():
 
 
 def test_the_status_line_names_the_last_nodes_still_to_answer():
-    from launcher.launch import NodeEvent, NodeState
-    from launcher.render import live_printer
+    from launcher.cli.render import live_printer
+    from launcher.core.launch import NodeEvent, NodeState
 
     c = _cluster(5)
     on_event, status = live_printer(c)
@@ -591,7 +664,7 @@ def test_local_cluster_has_loopback_nodes():
 
 
 def _probes(facts: list[dict], skews=None):
-    from launcher.preflight import Probe
+    from launcher.core.preflight import Probe
 
     c = _cluster(len(facts))
     return c, {
@@ -600,7 +673,7 @@ def _probes(facts: list[dict], skews=None):
 
 
 def test_preflight_refuses_different_torch_versions_naming_each_node():
-    from launcher.preflight import check_probes
+    from launcher.core.preflight import check_probes
 
     c, probes = _probes([{"host": "a", "torch": "2.13.0"}, {"host": "b", "torch": "2.12.1"}])
     with pytest.raises(UserError, match=r"torch versions differ .*node 1 \(10.0.0.3\): 2.12.1"):
@@ -608,7 +681,7 @@ def test_preflight_refuses_different_torch_versions_naming_each_node():
 
 
 def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
-    from launcher.preflight import Probe, check_probes
+    from launcher.core.preflight import Probe, check_probes
 
     c, probes = _probes([{"host": "a", "port": "busy:job0"}, {"host": "b"}, {"host": "c"}])
     with pytest.raises(UserError, match="in use by another launch \\(job job0\\)"):
@@ -622,10 +695,10 @@ def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
 
 
 def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
-    from launcher.preflight import check_probes
+    from launcher.core.preflight import check_probes
 
     c = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2", name="gpu-0"), Node(1, "10.0.0.3", "10.0.0.3", name="gpu-1")))
-    from launcher.preflight import Probe
+    from launcher.core.preflight import Probe
 
     probes = {
         0: Probe(c.nodes[0], True, facts={"host": "gpu-0"}, skew_s=0.1),
@@ -638,10 +711,10 @@ def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
 
 
 def test_connections_through_a_proxy_are_bounded_below_maxstartups():
-    from launcher.command import ssh_base_argv
-    from launcher.model import SshConfig
-    from launcher.preflight import through_gateway
-    from launcher.transport import Transport
+    from launcher.core.command import ssh_base_argv
+    from launcher.core.preflight import through_gateway
+    from launcher.core.transport import Transport
+    from launcher.core.types import SshConfig
 
     node = Node(0, "10.0.0.2", "10.0.0.2")
     for opts, iap, expect in [
@@ -656,8 +729,8 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
 
 
 def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():
-    from launcher.command import ssh_argv, ssh_base_argv
-    from launcher.model import SshConfig
+    from launcher.core.command import ssh_argv, ssh_base_argv
+    from launcher.core.types import SshConfig
 
     base = ssh_base_argv(
         SshConfig(user="ml", options=("StrictHostKeyChecking=yes",), iap=True, zone="us-east5-a"),
@@ -706,7 +779,7 @@ def test_misspelt_launcher_option_is_an_error_not_a_command(tmp_path):
     assert (r.exit_code, r.output) == (2, "error: no such option --nodez (did you mean --nodes?)\n")
 
 
-# ---- issue 11: what the terminal shows, one environment, small things ---------------------------
+# ---- what the terminal shows, one environment, small things ---------------------------
 
 
 def test_the_check_sees_the_launch_environment(tmp_path):
@@ -780,11 +853,11 @@ def test_the_sweep_json_line_and_c10d_dns_warnings_stay_in_the_log_not_the_live_
     assert log.read_text().splitlines() == ['#gpufleet-json {"rows": []}', dns, "visible"]
 
 
-# ---- the Launch object (issue 12) ----------------------------------------------------------------
+# ---- the Launch object ---------------------------------------------------------------------
 
 
 def test_launch_moves_each_node_through_its_states_and_reports_them(tmp_path):
-    from launcher.launch import Launch, NodeState
+    from launcher.core.launch import Launch, NodeState
 
     cmd = 'if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo bye; exit 3; fi; sleep 30'
     cfg = LaunchConfig(workload=Workload("exec", ("sh", "-c", cmd)), job_id=new_job_id(), runs_dir=tmp_path)
@@ -800,7 +873,7 @@ def test_launch_moves_each_node_through_its_states_and_reports_them(tmp_path):
 
 
 def test_a_node_that_never_answers_its_check_is_unreachable_and_the_rest_go_home(tmp_path):
-    from launcher.launch import Launch, NodeState
+    from launcher.core.launch import Launch, NodeState
 
     c = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"), Node(1, "127.0.0.2", "127.0.0.2")))
     cfg = LaunchConfig(workload=Workload("exec", ("true",)), job_id=new_job_id(), runs_dir=tmp_path)
@@ -817,8 +890,8 @@ class _BashHereSshToNode1:
     local = False
 
     def __init__(self, tmp_path):
-        from launcher.command import ssh_base_argv
-        from launcher.model import SshConfig
+        from launcher.core.command import ssh_base_argv
+        from launcher.core.types import SshConfig
 
         ssh = SshConfig(options=("Port=1",), connect_timeout=3)
         # A short ControlPath directory: a socket path has at most 108 bytes, and pytest's
@@ -827,7 +900,7 @@ class _BashHereSshToNode1:
         self.ssh_base = ssh_base_argv(ssh, control, str(tmp_path / "known_hosts"))
 
     def argv(self, node, script):
-        from launcher.command import remote_command, ssh_argv
+        from launcher.core.command import remote_command, ssh_argv
 
         if node.rank == 0:
             return ["bash", "--norc", "--noprofile", "-c", script]

@@ -62,7 +62,9 @@ CATEGORIES = ("queued", "starting", "productive", "lost", "recovering")
 # workloads.metrics.format_log_line and workloads.train's save line (`checkpoint step 8 -> DIR (...)`).
 _STEP_RE = re.compile(r"\bstep (\d+)/\d+ \|")
 _CHECKPOINT_RE = re.compile(r"\bcheckpoint step (\d+) -> ")
-_FAILED_STATES = ("failed", "unreachable")  # launcher.launch.NodeState values of a node failure
+_FAILED_STATES = ("failed", "unreachable")  # launcher.core.launch.NodeState values of a node failure
+# Steps whose line times are kept for the next checkpoint's mark: a save follows its step closely.
+_SEEN_MAX = 1024
 
 
 def progress_step(line: str) -> int | None:
@@ -179,6 +181,8 @@ class MarkKeeper:
             return False
         if step is not None:
             self._seen[step] = now
+            if len(self._seen) > _SEEN_MAX:  # a job that never checkpoints: keep the latest steps only
+                self._seen = dict(list(self._seen.items())[-_SEEN_MAX // 2 :])
         if self._mine("first") is None:
             return self._put("first", now, step)
         return self._put("progress", now, step)
@@ -212,7 +216,7 @@ def is_node_failure(state_value: str) -> bool:
 
 def _train_argv(what: str) -> list[str] | None:
     """workloads.train's own arguments when a record's `what` (`torchrun -m workloads.train ...`,
-    launcher.controller) runs the built-in workload, else None."""
+    launcher.jobs.controller) runs the built-in workload, else None."""
     try:
         argv = shlex.split(what)
     except ValueError:

@@ -238,3 +238,14 @@ def test_with_a_progress_regex_only_matching_lines_are_progress():
     keeper = MarkKeeper(r, progress=r"epoch \d+ done")
     assert not keeper.line("loading data", 1.0) and keeper.line("epoch 0 done", 2.0)
     assert r.marks == [{"at": 2.0, "kind": "first", "step": None}]
+
+
+def test_a_job_that_never_checkpoints_keeps_a_bounded_memory_of_step_times():
+    r = _record([(0.0, "PENDING")], what="torchrun -m workloads.train --steps 100000")
+    keeper = MarkKeeper(r)
+    for step in range(1, 5001):
+        keeper.line(f"step {step}/100000 | loss 3.2 | lr 6.00e-04 | 12.0 ms/step", float(step))
+    assert len(keeper._seen) <= 1024 and len(r.marks) == 2
+    # A (late) save of a recent step still finds that step's time.
+    assert keeper.line("checkpoint step 4990 -> /tmp/ck/step_4990 (1 MiB in 0.1 s)", 5001.0)
+    assert r.marks[-1] == {"at": 4990.0, "kind": "checkpoint", "step": 4990}

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
 from launcher.jobs.goodput import CATEGORIES, goodput_of
 from launcher.jobs.record import JobRecord
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
-from tests.support import TRAIN, source_args, torch_args
+from tests.support import TRAIN, checkpoint_step, source_args, torch_args, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -81,4 +82,42 @@ def test_launch_top_job_id_shows_the_jobs_goodput_while_it_runs(sim_cluster, tmp
     assert done["state"] == "SUCCEEDED", done
     g = done["goodput"]
     assert g["seconds"]["productive"] >= 11 and g["seconds"]["lost"] == 0 and g["seconds"]["recovering"] == 0, g
+    c.assert_nothing_left()
+
+
+def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_add_up(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--recover",
+        "--",
+        *TRAIN,
+        *("--global-batch", "2", "--steps", "300", "--log-every", "1"),
+        *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"),
+    )
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    c.power_off(1)
+    wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=60)
+    time.sleep(2)
+    c.restart_sshd(1)
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=300)
+    assert done["state"] == "SUCCEEDED" and len(done["recoveries"]) == 1, done
+    g, record = done["goodput"], JobRecord.from_json(json.loads((jobdir(tmp_path, job_id) / "state.json").read_text()))
+    assert [s["state"] for s in record.states] == ["PENDING", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"]
+    cats = [s[2] for s in g["segments"]]
+    assert cats[-6:] == ["starting", "productive", "lost", "recovering", "starting", "productive"], g["segments"]
+    assert cats[:-6] in ([], ["queued"]), g["segments"]  # nothing was ahead: a queue of microseconds
+    # Lost work runs from the last checkpoint's step line to node 1's failure, then recovering to
+    # the relaunch: the node was off for 2 s at least.
+    (failure,) = [m for m in record.marks if m["kind"] == "failure"]
+    saved = max(m["at"] for m in record.marks if m["kind"] == "checkpoint" and m["at"] <= failure["at"])
+    lost = next(s for s in g["segments"] if s[2] == "lost")
+    assert lost[:2] == [saved, failure["at"]]
+    assert g["seconds"]["recovering"] >= 2 and g["seconds"]["productive"] > 0
+    assert sum(g["seconds"].values()) == pytest.approx(record.ended - record.submitted, abs=1e-2)
+    assert g == goodput_of(record).to_json()
     c.assert_nothing_left()

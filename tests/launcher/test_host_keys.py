@@ -1,0 +1,52 @@
+"""A node back at another address: its address and host keys come from the Compute Engine API
+(instances.get, instances.getGuestAttributes under hostkeys/), served by the documented fake."""
+
+from __future__ import annotations
+
+from launcher.host_keys import find_moved, published_host_keys
+from launcher.model import Node
+from launcher.restart_vms import instances_client
+from tests.launcher.fake_compute import FakeCompute, FakeInstance
+
+P, Z = "proj-1", "us-central1-a"
+ED = "AAAAC3NzaC1lZDI1NTE5AAAAIBx0dGVzdGtleXRlc3RrZXl0ZXN0a2V5dGVzdGtleQ"
+
+
+def test_a_node_at_a_new_address_gets_it_and_the_keys_its_guest_environment_published():
+    inst = FakeInstance("dev-1", "10.0.0.9", host_keys={"ssh-ed25519": ED, "ecdsa-sha2-nistp256": "AAAAE2Vj"})
+    with FakeCompute({(P, Z): [inst]}) as api:
+        node = Node(rank=1, host="10.0.0.3", address="10.0.0.3", name="dev-1")
+        moved = find_moved(instances_client(api.endpoint), P, Z, node)
+    assert moved is not None and (moved.node.host, moved.node.address, moved.node.rank) == ("10.0.0.9", "10.0.0.9", 1)
+    assert sorted(moved.known_hosts_lines()) == [
+        "10.0.0.9 ecdsa-sha2-nistp256 AAAAE2Vj",
+        f"10.0.0.9 ssh-ed25519 {ED}",
+    ]
+    assert moved.known_hosts_lines(2222)[0].startswith("[10.0.0.9]:2222 ")
+    assert [q["method"] for q in api.requests] == ["get", "getGuestAttributes"]
+
+
+def test_an_unchanged_address_asks_for_no_keys():
+    inst = FakeInstance("dev-1", "10.0.0.3", host_keys={"ssh-ed25519": ED})
+    with FakeCompute({(P, Z): [inst]}) as api:
+        node = Node(rank=1, host="10.0.0.3", address="10.0.0.3", name="dev-1")
+        assert find_moved(instances_client(api.endpoint), P, Z, node) is None
+        assert find_moved(instances_client(api.endpoint), P, Z, Node(rank=0, host="h", address="h")) is None
+    assert [q["method"] for q in api.requests] == ["get"]
+
+
+def test_an_external_host_follows_the_new_external_ip():
+    inst = FakeInstance("dev-0", "10.0.0.2", external_ip="203.0.113.7", host_keys={"ssh-ed25519": ED})
+    with FakeCompute({(P, Z): [inst]}) as api:
+        node = Node(rank=0, host="203.0.113.5", address="10.0.0.2", name="dev-0")
+        moved = find_moved(instances_client(api.endpoint), P, Z, node)
+    assert moved is not None and (moved.node.host, moved.node.address) == ("203.0.113.7", "10.0.0.2")
+
+
+def test_a_moved_node_without_published_keys_gets_none_never_the_offered_one():
+    inst = FakeInstance("dev-1", "10.0.0.9")
+    with FakeCompute({(P, Z): [inst]}) as api:
+        client = instances_client(api.endpoint)
+        assert published_host_keys(client, P, Z, "dev-1") == []
+        moved = find_moved(client, P, Z, Node(rank=1, host="10.0.0.3", address="10.0.0.3", name="dev-1"))
+    assert moved is not None and moved.host_keys == () and moved.known_hosts_lines() == []

@@ -101,7 +101,7 @@ class Bench:
             for line in p.stdout:
                 if "started on" in line:
                     go = time.perf_counter() - t0
-                if "] step 1/" in line:  # rank 0 logs; its node is the one c10d made group rank 0
+                if "] step 1/" in line:  # rank 0 logs, on node 0
                     step = time.perf_counter() - t0
                     break
             else:

@@ -128,10 +128,14 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
     if config.dry_run or cluster.local:
         return execute_on(cluster, config)
     from launcher.busy import BusyCheck
+    from launcher.ordering import order_for_launch
+
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
 
     stop = threading.Event()
     busy = BusyCheck(cluster, config, stop)
-    on_event, status = live_printer(cluster)
+    on_event, status = live_printer(cluster, order.message)
     try:
         result = Launch(cluster, config, on_event=busy.gate(on_event), stop=stop).run()
     except Interrupted:

@@ -63,7 +63,7 @@ def rdzv_lock_path(address: str, port: int) -> str:
 
 
 def join_timeout_s(nnodes: int) -> int:
-    """c10d join timeout: torch's default 600 s for small jobs, plus 5 s per node beyond 64, since
+    """Rendezvous timeout: torch's default 600 s for small jobs, plus 5 s per node beyond 64, since
     the last node to boot and connect arrives later on a big cluster."""
     return 600 + 5 * max(0, nnodes - 64)
 
@@ -80,28 +80,31 @@ def nproc_for(node: Node, gpu_count: int | None, config: LaunchConfig) -> int:
 def torchrun_argv(
     cluster: Cluster, node: Node, config: LaunchConfig, nproc: int, workload_argv: Sequence[str]
 ) -> list[str]:
-    """`python -m torch.distributed.run ...` for one node, with a c10d rendezvous on node 0."""
+    """`python -m torch.distributed.run ...` for one node, with a static rendezvous on node 0:
+    the node's group rank is its rank in the cluster's order, so RANK 0 runs on node 0."""
     head = cluster.nodes[0]
+    n = len(cluster.nodes)
+    # IPv6 in brackets, as torchrun's --master-addr help asks (torch/distributed/run.py).
+    master = f"[{head.address}]" if ":" in head.address else head.address
     return [
         config.python,
         "-m",
         "torch.distributed.run",
-        f"--nnodes={len(cluster.nodes)}",
+        f"--nnodes={n}",
         f"--nproc-per-node={nproc}",
-        # No --node-rank: with a c10d rendezvous torchrun ignores it and logs a warning saying so
-        # on every node but node 0 (torch/distributed/run.py, config_from_args: it is read only
-        # for rdzv_backend=static); each agent's group rank is assigned at the rendezvous. The
-        # node's own rank reaches the workload as GPUFLEET_NODE_RANK.
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={head.address}:{config.rdzv_port}",
+        # A static rendezvous (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py):
+        # the group rank is --node-rank and node 0 hosts the TCPStore on --master-port. A c10d
+        # rendezvous would assign group ranks by sorting the nodes' addresses
+        # (dynamic_rendezvous.py, `_mark_rendezvous_complete`), throwing the order away.
+        "--rdzv-backend=static",
+        f"--master-addr={master}",
+        f"--master-port={config.rdzv_port}",
+        f"--node-rank={node.rank}",
         f"--rdzv-id={config.job_id}",
-        # is_host: node 0 hosts the store. Left to torch, it guesses from hostname and addresses,
-        # which fails where nodes share a hostname (network namespaces) or NICs are secondary
-        # (torch/distributed/elastic/rendezvous/utils.py `_matches_machine_hostname`).
-        f"--rdzv-conf=join_timeout={join_timeout_s(len(cluster.nodes))},is_host={1 if node.rank == 0 else 0}",
-        # The address the other nodes reach this one at; it becomes the workers' MASTER_ADDR on
-        # node 0. Left out, torch uses socket.getfqdn(), which on a node whose /etc/hosts maps
-        # its hostname to 127.0.0.1 is "localhost" and strands every other node's workers.
+        # How long the store waits for every node (the static handler's `timeout`).
+        f"--rdzv-conf=timeout={join_timeout_s(n)}",
+        # The address the other nodes reach this one at. Left out, torch uses socket.getfqdn(),
+        # which on a node whose /etc/hosts maps its hostname to 127.0.0.1 is "localhost".
         f"--local-addr={node.address}",
         f"--max-restarts={config.max_restarts}",
         *workload_argv,

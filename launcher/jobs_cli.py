@@ -27,6 +27,7 @@ from launcher.handoff import detach
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.ordering import order_for_launch
 from launcher.recover import recover_policy, recovery_lines
 from launcher.render import err, setup_logging, user_errors
 from launcher.transport import make_transport
@@ -57,6 +58,12 @@ def start_detached(
     if check is not None:
         check(cluster, config)
     n = len(cluster.nodes)
+    # The controller keeps this order: the request carries the nodes in it, and a recovery
+    # relaunches from the request.
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    if order.message:
+        err.print(f"[dim]{escape(order.message)}[/dim]")
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
         job_id = detach(cluster, config, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")

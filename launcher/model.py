@@ -3,9 +3,10 @@ what happened (`LaunchResult`, with outcomes and failures keyed by node).
 
 Vocabulary (the same as gpufleet.catalog):
 - *node*: one machine (a VM, a simulated namespace, or one process group under `--local`).
-- *rank* of a node: its position in the cluster's order; node 0 hosts the c10d rendezvous, and
-  the node's program sees it as GPUFLEET_NODE_RANK (torchrun's group rank is assigned at the
-  c10d rendezvous, so it need not match).
+- *rank* of a node: its position in the cluster's order (the node source's, or the topology's:
+  launcher.topology); node 0 hosts the rendezvous, and the node's program sees it as
+  GPUFLEET_NODE_RANK and as torchrun's group rank (a static rendezvous: `--node-rank`), so the
+  workers of node i hold the global ranks after node i-1's, and RANK 0 is on node 0.
 - *local rank*: a process's index among the `nproc_per_node` processes torchrun starts on a node.
 """
 
@@ -185,6 +186,9 @@ class LaunchConfig:
     ssh: SshConfig = field(default_factory=SshConfig)
     check_versions: bool = True  # compare torch versions across nodes in the pre-flight
     stop_grace_s: float = 5.0  # SIGTERM to SIGKILL on the nodes when stopping
+    # "topology" | "given"; None: topology when every node reports a physical host, else given
+    # (launcher.topology.launch_order). Decided once, before the nodes' commands are built.
+    rank_order: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -195,6 +199,8 @@ class LaunchConfig:
             raise UserError(f"--rdzv-port {self.rdzv_port} must be between 1024 and 65535")
         if self.image_os not in (None, "ubuntu", "cos"):
             raise UserError(f"--image-os {self.image_os!r} is unknown; one of: ubuntu, cos")
+        if self.rank_order not in (None, "topology", "given"):
+            raise UserError(f"--rank-order {self.rank_order!r} is unknown; one of: topology, given")
 
     @property
     def run_dir(self) -> Path:

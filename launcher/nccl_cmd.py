@@ -46,6 +46,7 @@ from launcher.options import (
     build_config,
     find_cluster,
 )
+from launcher.ordering import order_for_launch
 from launcher.render import err, execute_on, setup_logging, user_errors
 from launcher.workload_args import WorkloadCommand, parser_help
 from workloads.sweep_args import build_parser as build_sweep_parser
@@ -149,8 +150,8 @@ def nccl_request(o: dict[str, Any]) -> NcclRequest:
 
 
 def rank0_rows(result: LaunchResult, nranks: int) -> list[SweepRow]:
-    """The rows global rank 0 printed. With a c10d rendezvous, which node's agent gets global
-    rank 0 is decided at the rendezvous (not by --node-rank), so look in every node's log."""
+    """The rows global rank 0 printed: node 0's log (RANK 0 runs on node 0), else the first
+    node's log that has rows."""
     for rank in sorted(result.outcomes):
         log = result.run_dir / f"node-{rank}.log"
         if log.exists():
@@ -247,7 +248,10 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
 
 def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
-    launch on node 0 per collective."""
+    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    err.print(f"[dim]{escape(order.message)}[/dim]")
     env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     nprocs = set(_nprocs(cluster, config))
     if len(nprocs) != 1:

@@ -14,6 +14,7 @@ import click
 from launcher import discovery
 from launcher.env import parse_env_pairs
 from launcher.model import Cluster, LaunchConfig, SshConfig, UserError, Workload, new_job_id
+from launcher.topology import RANK_ORDERS
 
 __all__ = [
     "SOURCE_OPTIONS",
@@ -110,6 +111,13 @@ TORCHRUN_OPTIONS = [
     ENV_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
+    click.option(
+        "--rank-order",
+        type=click.Choice(RANK_ORDERS),
+        help="Node i of this order holds torchrun's group rank i (RANK 0 on node 0): topology (by each "
+        "node's physical_host, as `launch doctor` orders them) or given (the node source's order) "
+        "[default: topology when every node reports a physical_host, else given].",
+    ),
 ]
 
 
@@ -227,6 +235,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         runs_dir=o.get("runs_dir") or Path("runs"),
         dry_run=o.get("dry_run", False),
         ssh=ssh,
+        rank_order=o.get("rank_order"),
     )
 
 

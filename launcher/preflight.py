@@ -19,6 +19,7 @@ __all__ = [
     "check_timeout",
     "clock_skew",
     "check_probes",
+    "refuse_unreachable",
 ]
 
 
@@ -83,7 +84,7 @@ def clock_skew(facts: dict[str, str], t0: float, t1: float) -> float | None:
 
 def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfig) -> list[str]:
     """Raise one UserError naming every node that cannot run; return warnings for the rest."""
-    _refuse_unreachable(cluster, probes)
+    refuse_unreachable(cluster, probes)
     _refuse_busy_port(probes, config)
     _refuse_missing_workdir(probes, config)
     _refuse_torch(probes, config)
@@ -92,7 +93,7 @@ def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfi
     return _clock_warnings(probes) + _hostname_warnings(cluster, probes) + drift
 
 
-def _refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:
+def refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:
     bad = [p for p in probes.values() if not p.ok]
     if bad:
         listed = "; ".join(f"{p.node.label}: {p.error}" for p in bad)

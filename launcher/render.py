@@ -22,6 +22,7 @@ from launcher.command import node_commands
 from launcher.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.model import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError, Workload
 from launcher.options import build_config, find_cluster
+from launcher.ordering import order_for_launch
 from launcher.output import failure_line
 from launcher.transport import make_transport
 
@@ -81,9 +82,10 @@ def user_errors(fn):
 _NAME_WAITING = 3
 
 
-def live_printer(cluster: Cluster):
+def live_printer(cluster: Cluster, order: str = ""):
     """The live display of a launch: a status line (on stderr) while the nodes connect and
-    check, then each node's output on stdout as `[node N] line`. Returns (on_event, status)."""
+    check, then each node's output on stdout as `[node N] line`; the start line ends with
+    `order` (the rank order used and why). Returns (on_event, status)."""
     n = len(cluster.nodes)
     waiting = {node.rank: node.label for node in cluster.nodes}
     status = err.status(f"connecting to {n} node{'s' * (n != 1)}…")
@@ -97,7 +99,7 @@ def live_printer(cluster: Cluster):
         elif event.state is NodeState.RUNNING:
             if rank == n - 1:
                 status.stop()
-                err.print(f"[dim]started on {n} node{'s' * (n != 1)}[/dim]")
+                err.print(f"[dim]started on {n} node{'s' * (n != 1)}{escape('; ' + order if order else '')}[/dim]")
         elif event.state is not NodeState.CONNECTING and rank in waiting:
             # The node answered its check (passed it, or ended): one fewer to wait for.
             waiting.pop(rank)
@@ -139,13 +141,18 @@ def execute(o: dict[str, Any], workload: Workload) -> LaunchResult | None:
 
 def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
     """Run `config` on `cluster` with the live display and the summary table, or, for --dry-run,
-    print each node's command and connect to nothing (returns None)."""
+    print each node's command and connect to nothing (returns None). The nodes run in the rank
+    order launcher.ordering decides."""
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
     if config.dry_run:
+        if order.message:
+            err.print(f"[dim]{escape(order.message)}[/dim]")
         transport = make_transport(cluster, config)
         for rank, script in node_commands(cluster, config).items():
             click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
         return None
-    on_event, status = live_printer(cluster)
+    on_event, status = live_printer(cluster, order.message)
     try:
         result = Launch(cluster, config, on_event=on_event).run()
     finally:

@@ -33,6 +33,7 @@ __all__ = [
     "RankOrder",
     "rank_order",
     "api_rank_order",
+    "launch_order",
     "blocks",
     "spread_warning",
 ]
@@ -171,6 +172,55 @@ def api_rank_order(cluster: Cluster, mode: str | None) -> RankOrder | None:
         except ValueError:
             hosts[host] = None
     return rank_order(cluster, hosts, mode, "the Compute Engine API")
+
+
+def _named(labels: Sequence[str], most: int = 3) -> str:
+    return ", ".join(labels[:most]) + (", ..." if len(labels) > most else "")
+
+
+def launch_order(
+    cluster: Cluster,
+    mode: str | None,
+    hosts: Mapping[str, PhysicalHost | None] | None,
+    source: str = "the metadata server",
+) -> RankOrder:
+    """The order a launch runs its nodes in, and one line saying which and why ("rank order:
+    given (node 2 (10.0.0.4) reports no physical_host)", "rank order: topology (2 blocks; 1 of 4
+    nodes moved)"). `mode`: --rank-order ("topology", "given"; None: topology exactly when every
+    node has a physical host). `hosts`: node.host -> where it sits (None: unknown); None when no
+    node was asked (--dry-run). Raises UserError for "topology" when a node has none."""
+    if mode not in (None, *RANK_ORDERS):
+        raise UserError(f"--rank-order {mode!r} is unknown; one of: {', '.join(RANK_ORDERS)}")
+    if mode == "given":
+        return RankOrder(cluster, False, "rank order: given (--rank-order given)")
+    if cluster.local:
+        if mode == "topology":
+            raise UserError(
+                "--rank-order topology does not apply to --local (its nodes are processes on this "
+                "machine); pass --rank-order given or leave it out"
+            )
+        return RankOrder(cluster, False, "rank order: given (--local: every node is this machine)")
+    if hosts is None:
+        if mode == "topology":
+            why = "--dry-run asks no node for its physical_host; a launch refuses unless every node reports one"
+        else:
+            why = "--dry-run asks no node for its physical_host; a launch orders by topology if every node reports one"
+        return RankOrder(cluster, False, f"rank order: given here ({why})")
+    missing = [node.label for node in cluster.nodes if hosts.get(node.host) is None]
+    if missing:
+        verb = "reports" if len(missing) == 1 else "report"
+        if mode == "topology":
+            raise UserError(
+                f"--rank-order topology: {_named(missing, 8)} {verb} no physical_host (from {source}; "
+                "only VMs in a placement policy have one); pass --rank-order given"
+            )
+        what = missing[0] if len(missing) == 1 else f"{len(missing)} of {len(cluster.nodes)} nodes: {_named(missing)}"
+        return RankOrder(cluster, False, f"rank order: given ({what} {verb} no physical_host)")
+    ordered = rank_order(cluster, hosts, "topology", source).cluster
+    moved = sum(a.host != b.host for a, b in zip(cluster.nodes, ordered.nodes))
+    nblocks = len(blocks(hosts)) or 1
+    what = f"{moved} of {len(cluster.nodes)} nodes moved" if moved else "the given order already is"
+    return RankOrder(ordered, True, f"rank order: topology ({nblocks} block{'s' * (nblocks != 1)}; {what})")
 
 
 def blocks(hosts: Mapping[str, PhysicalHost | None]) -> dict[str, list[str]]:

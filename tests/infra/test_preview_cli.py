@@ -359,9 +359,9 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT
         (torchrun,) = re.findall(r"python3 -m torch\.distributed\.run [^)]*", script)
         args = torchrun.split()
-        assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d"], torchrun
-        assert "--rdzv-endpoint=10.0.0.2:29500" in args and f"--local-addr={ip}" in args
-        assert f"is_host={int(rank == 0)}" in torchrun and args[-2:] == ["-m", "workloads.train"]
+        assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=static"], torchrun
+        assert "--master-addr=10.0.0.2" in args and "--master-port=29500" in args and f"--local-addr={ip}" in args
+        assert f"--node-rank={rank}" in args and args[-2:] == ["-m", "workloads.train"]
         assert f"GPUFLEET_NODE_RANK={rank} GPUFLEET_NNODES=2" in script
         # a3-megagpu-8g: the TCPXO environment, with the host NIC for the control path.
         assert "NCCL_FASTRAK_CTRL_DEV=enp0s12" in script and "NCCL_SOCKET_IFNAME=enp0s12" in script

@@ -58,7 +58,7 @@ def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path)
     # gloo was told each node's own interface, resolved on the node from its address.
     assert all("gloo_if=eth0" in l for l in lines)
     assert {l.split("]")[0] for l in lines} == {"[node 0", "[node 1", "[node 2"}
-    # torchrun is not handed a --node-rank it would ignore with c10d, and warn about (issue 11).
+    # torchrun warns about no flag it ignores (issue 11: --node-rank under c10d did).
     (run_dir,) = (tmp_path / "runs").iterdir()
     logs = "".join(p.read_text() for p in run_dir.glob("node-*.log"))
     assert "node_rank is only used" not in r.output + logs
@@ -179,6 +179,95 @@ def test_local_mode_runs_two_nodes_as_process_groups_here(tmp_path):
     assert r.exit_code == 0, r.output
     lines = [l for l in r.output.splitlines() if "world=" in l]
     assert len(lines) == 2 and all("world=2 sum=3 expected=3 gloo_if=lo" in l for l in lines)
+    # Node 0 holds RANK 0 (a static rendezvous), so rank 0's lines come under [node 0].
+    assert any(l.startswith("[node 0] rank=0 ") and l.endswith(" node=0") for l in lines), lines
+    assert "rank order: given (--local: every node is this machine)" in r.stderr
+
+
+# Prints what torchrun gave the worker and the address of the node it runs on.
+WHERE = """import os, subprocess
+out = subprocess.run(["ip", "-o", "-4", "addr", "show", "eth0"], capture_output=True, text=True).stdout
+print(f"RANK={os.environ['RANK']} GROUP_RANK={os.environ['GROUP_RANK']} addr={out.split()[3].split('/')[0]}")
+"""
+
+
+def _where(output: str) -> dict[int, tuple[str, str]]:
+    """{node: (RANK, address)} from WHERE's lines under each `[node N]` prefix."""
+    out = {}
+    for line in output.splitlines():
+        if line.startswith("[node ") and "RANK=" in line:
+            node = int(line.split("]")[0].removeprefix("[node "))
+            words = dict(w.split("=", 1) for w in line.split("] ", 1)[1].split())
+            assert words["RANK"] == words["GROUP_RANK"] == str(node), line  # one process per node
+            out[node] = (words["RANK"], words["addr"])
+    return out
+
+
+def test_rank_0_runs_on_the_hostfiles_first_node_when_that_is_not_address_order(sim_cluster, tmp_path):
+    c = sim_cluster(3)
+    script = tmp_path / "where.py"
+    script.write_text(WHERE)
+    # Highest address first: a rendezvous that sorts by address would make it the last node.
+    order = [c.addresses[2], c.addresses[0], c.addresses[1]]
+    hf = tmp_path / "hostfile"
+    hf.write_text("".join(f"{a}\n" for a in order))
+    args = ["run", *source_args(c, tmp_path, hf), *torch_args(), "--", str(script)]
+    dry = CliRunner().invoke(main, [*args[:1], "--dry-run", *args[1:]])
+    assert dry.exit_code == 0, dry.output
+    assert [l.split("\t")[0] for l in dry.stdout.splitlines()] == order
+    assert "rank order: given here (--dry-run asks no node for its physical_host" in dry.stderr, dry.output
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert _where(r.output) == {i: (str(i), a) for i, a in enumerate(order)}, r.output
+    # The nodes have no metadata server: the order is the hostfile's, and the start line says why.
+    assert (
+        f"started on 3 nodes; rank order: given (3 of 3 nodes: node 0 ({order[0]}), node 1 ({order[1]}), "
+        f"node 2 ({order[2]}) report no physical_host)" in r.stderr
+    ), r.output
+    given = CliRunner().invoke(main, [*args[:1], "--rank-order", "given", *args[1:]])
+    assert given.exit_code == 0 and "rank order: given (--rank-order given)" in given.stderr, given.output
+    assert _where(given.output) == {i: (str(i), a) for i, a in enumerate(order)}, given.output
+    c.assert_nothing_left()
+
+
+def test_ranks_follow_the_topology_each_node_reports_and_topology_refuses_a_node_without_one(tmp_path):
+    from tests.launcher.fake_gpu_node import FakeMetadata
+    from tests.simcluster import SimCluster
+
+    # Nodes 0 and 2 share block b1, node 1 sits in b2: topology order is 0, 2, 1.
+    places = ["/clu/b1/s1/h01", "/clu/b2/s1/h07", "/clu/b1/s1/h02"]
+    c = SimCluster(3, workdir=tmp_path / "sim")
+    metadata = [FakeMetadata(p, reach_at=c.gateway) for p in places]
+    c.node_env = {i: {"GCE_METADATA_HOST": m.host} for i, m in enumerate(metadata)}
+    script = tmp_path / "where.py"
+    script.write_text(WHERE)
+    try:
+        c.start()
+        args = ["run", *source_args(c, tmp_path), *torch_args(), "--", str(script)]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        a = c.addresses
+        assert _where(r.output) == {0: ("0", a[0]), 1: ("1", a[2]), 2: ("2", a[1])}, r.output
+        assert "started on 3 nodes; rank order: topology (2 blocks; 2 of 3 nodes moved)" in r.stderr, r.output
+        given = CliRunner().invoke(main, [*args[:1], "--rank-order", "given", *args[1:]])
+        assert given.exit_code == 0, given.output
+        assert _where(given.output) == {i: (str(i), a[i]) for i in range(3)}, given.output
+        # Node 1's metadata server has no physical_host (a VM without a placement policy).
+        metadata[1].physical_host = None
+        r = CliRunner().invoke(main, [*args[:1], "--rank-order", "topology", *args[1:]])
+        assert r.exit_code == 2, r.output
+        assert r.output.strip().splitlines() == [
+            f"error: --rank-order topology: node 1 ({a[1]}) reports no physical_host (from the metadata "
+            "server; only VMs in a placement policy have one); pass --rank-order given"
+        ]
+        assert len(list((tmp_path / "runs").iterdir())) == 2  # nothing started for the refused one
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0 and f"rank order: given (node 1 ({a[1]}) reports no physical_host)" in r.stderr
+        c.assert_nothing_left()
+    finally:
+        c.stop()
+        for m in metadata:
+            m.close()
 
 
 def test_console_script_sigint_stops_everything_and_second_launch_on_same_port_refuses(sim_cluster, tmp_path):

@@ -256,12 +256,14 @@ def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift
         f"[node {i}] ran on node {i}" for i in range(N)
     ]
     assert "GPU" not in ok.stderr and "driver" not in ok.stderr
+    # Every node reports a physical_host: the launch runs in doctor's order, 0, 2, 1, 3.
+    assert "started on 4 nodes; rank order: topology (1 block; 2 of 4 nodes moved)" in ok.stderr, ok.stderr
 
     _missing_gpu(cluster)
     refused = _run(cluster, tmp_path)
     assert refused.returncode == 2, refused.stderr
     (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("error:")]
-    assert f"node 1 ({cluster.sim.addresses[1]}): 7 GPUs found, a3-highgpu-8g has 8" in line
+    assert f"node 2 ({cluster.sim.addresses[1]}): 7 GPUs found, a3-highgpu-8g has 8" in line  # rank 2 by topology
     assert "nothing was started" in line and "--exclude" in line
     assert "ran on node" not in refused.stdout
     cluster.heal(1)

@@ -23,7 +23,7 @@ from gpufleet.health import (
 from launcher.command import CHECKED_MARKER
 from launcher.doctor import CHECKS, Expectation, expectation, judge, node_script
 from launcher.model import Cluster, Node, UserError
-from launcher.topology import order, rank_order, spread_warning
+from launcher.topology import launch_order, order, rank_order, spread_warning
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
@@ -344,6 +344,59 @@ def test_rank_order_keeps_the_given_order_unless_every_node_is_known():
     )
     with pytest.raises(UserError, match=r"--rank-order topology: no physical host for node 1 \(10.0.0.3\)"):
         rank_order(c, hosts, "topology", "the Compute Engine API")
+
+
+def test_launch_order_by_topology_from_physical_host_paths():
+    c = _cluster(4)
+    paths = ["/CCCCCC/BBBBBB/AAAA", "/CCCCCC/BBBBB2/AAAA", "/CCCCCC/BBBBBB/AAAB", "/CCCCCC/BBBBB2/AAAC"]
+    hosts = {n.host: parse_physical_host(p) for n, p in zip(c.nodes, paths)}
+    r = launch_order(c, None, hosts)
+    # Block BBBBBB's nodes (0, 2) first, then BBBBB2's (1, 3); node 0 stays first.
+    assert [n.host for n in r.cluster.nodes] == ["10.0.0.2", "10.0.0.4", "10.0.0.3", "10.0.0.5"]
+    assert [n.rank for n in r.cluster.nodes] == [0, 1, 2, 3] and r.reordered
+    assert r.message == "rank order: topology (2 blocks; 2 of 4 nodes moved)"
+    assert launch_order(c, "topology", hosts).cluster == r.cluster
+    same = launch_order(r.cluster, None, hosts)
+    assert same.cluster == r.cluster and same.message == "rank order: topology (2 blocks; the given order already is)"
+
+
+def test_launch_order_given_keeps_the_node_source_order():
+    c = _cluster(3)
+    hosts = {n.host: PhysicalHost("c", f"b{2 - n.rank}", None, "h") for n in c.nodes}
+    r = launch_order(c, "given", hosts)
+    assert r.cluster is c and not r.reordered and r.message == "rank order: given (--rank-order given)"
+
+
+def test_launch_order_falls_back_to_given_and_names_the_nodes_without_a_physical_host():
+    c = _cluster(5)
+    one = {n.host: PhysicalHost("c", "b", None, f"h{n.rank}") for n in c.nodes} | {"10.0.0.4": None}
+    r = launch_order(c, None, one)
+    assert r.cluster is c and r.message == "rank order: given (node 2 (10.0.0.4) reports no physical_host)"
+    none = dict.fromkeys((n.host for n in c.nodes), None)
+    assert launch_order(c, None, none).message == (
+        "rank order: given (5 of 5 nodes: node 0 (10.0.0.2), node 1 (10.0.0.3), node 2 (10.0.0.4), ... "
+        "report no physical_host)"
+    )
+    with pytest.raises(UserError) as e:
+        launch_order(c, "topology", one)
+    assert str(e.value) == (
+        "--rank-order topology: node 2 (10.0.0.4) reports no physical_host (from the metadata server; "
+        "only VMs in a placement policy have one); pass --rank-order given"
+    )
+    with pytest.raises(UserError, match=r"node 0 \(10.0.0.2\), node 1 .* report no physical_host"):
+        launch_order(c, "topology", none)
+
+
+def test_launch_order_without_asking_the_nodes():
+    c = _cluster(2)
+    dry = launch_order(c, None, None)
+    assert dry.cluster is c and dry.message.startswith("rank order: given here (--dry-run asks no node")
+    local = Cluster("local", c.nodes, local=True)
+    assert launch_order(local, None, None).message == "rank order: given (--local: every node is this machine)"
+    with pytest.raises(UserError, match="--rank-order topology does not apply to --local"):
+        launch_order(local, "topology", None)
+    with pytest.raises(UserError, match="--rank-order 'best' is unknown; one of: topology, given"):
+        launch_order(c, "best", None)
 
 
 def test_a_cluster_across_two_blocks_is_warned_about():

@@ -94,9 +94,10 @@ def test_detached_train_on_3_nodes_succeeds_after_the_client_exits(sim_cluster, 
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0 and done["failed_node"] is None, done
     r = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True)
-    # The last step, logged by rank 0 (on whichever node c10d made group rank 0).
+    # The last step, logged by rank 0, which runs on node 0 (node i holds group rank i).
     (last,) = [line for line in r.stdout.splitlines() if "] step 20/20 |" in line]
     rank0_node = int(last.split("]")[0].removeprefix("[node "))
+    assert rank0_node == 0, last
     # What `logs` showed is also in the client's runs dir.
     assert (tmp_path / "runs" / job_id / "output.log").read_text() == r.stdout
     one = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, "--node", str(rank0_node), check=True)

@@ -95,6 +95,28 @@ def test_the_request_carries_no_env_values_and_round_trips(tmp_path):
     assert "ControlMaster=no" in back.ssh.options
 
 
+def test_the_controller_and_its_recoveries_run_the_clients_rank_order(tmp_path):
+    """The client orders the nodes (here by topology) before the hand-off; node 0's controller,
+    and every recovery's relaunch, rebuild the cluster from the request: the same order, so each
+    node gets the same --node-rank again."""
+    from gpufleet.health import PhysicalHost
+    from launcher.command import node_commands
+    from launcher.topology import launch_order
+
+    nodes = tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(3))
+    hosts = {n.host: PhysicalHost("c", f"b{[1, 2, 1][n.rank]}", None, f"h{n.rank}") for n in nodes}
+    ordered = launch_order(Cluster("c", nodes), None, hosts).cluster
+    assert [n.host for n in ordered.nodes] == ["10.0.0.2", "10.0.0.4", "10.0.0.3"]
+    config = LaunchConfig(Workload("torchrun", ("train.py",)), job_id="j")
+    d = request_json(ordered, config, controller_ssh("root", 22, "c-abc", ".gpufleet/jobs/j/known_hosts"))
+    cluster, back = request_from_json(json.loads(json.dumps(d)), [], tmp_path, tmp_path / "jobs")
+    assert cluster.nodes == ordered.nodes
+    assert (
+        "--node-rank=1" in node_commands(cluster, back)[1]
+        and "--local-addr=10.0.0.4" in node_commands(cluster, back)[1]
+    )
+
+
 def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path):
     (auth,) = authorize_statements("ssh-ed25519 AAAAC3Nz comment", CLUSTER)
     env = {**os.environ, "HOME": str(tmp_path)}

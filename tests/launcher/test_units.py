@@ -18,12 +18,22 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.catalog import lookup
+from gpufleet.health import PhysicalHost
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.cli import main
-from launcher.command import CHECKED_MARKER, EXIT_MARKER, join_timeout_s, remote_command, remote_script, torchrun_argv
+from launcher.command import (
+    CHECKED_MARKER,
+    EXIT_MARKER,
+    join_timeout_s,
+    node_commands,
+    remote_command,
+    remote_script,
+    torchrun_argv,
+)
 from launcher.discovery import cluster_from_outputs, local_cluster, parse_hostfile
 from launcher.env import node_env, parse_env_pairs
 from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
+from launcher.topology import launch_order
 from tests.support import LAUNCH, REPO
 
 HOSTILE = '"; rm -rf ~'
@@ -189,26 +199,56 @@ def test_bad_env_pair_and_unknown_machine_type_are_user_errors():
 # ---- command building -------------------------------------------------------------------------
 
 
-def test_torchrun_argv_has_rendezvous_on_node_zero_and_no_node_rank():
+def test_torchrun_argv_is_a_static_rendezvous_on_node_zero_with_the_nodes_rank():
     c = _cluster(3)
     argv = torchrun_argv(c, c.nodes[2], _cfg(max_restarts=2, rdzv_port=29511), 8, ["-m", "workloads.train"])
     assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
-    # torchrun ignores --node-rank with c10d and warns on every node that gets one (issue 11).
-    assert not any(a.startswith(("--node-rank", "--node_rank")) for a in argv)
     for flag in (
         "--nnodes=3",
         "--nproc-per-node=8",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=10.0.0.2:29511",
+        # Node i of the cluster's order is torchrun's group rank i; node 0 hosts the store.
+        "--rdzv-backend=static",
+        "--master-addr=10.0.0.2",
+        "--master-port=29511",
+        "--node-rank=2",
         "--rdzv-id=job1",
+        f"--rdzv-conf=timeout={join_timeout_s(3)}",
         "--max-restarts=2",
         "--local-addr=10.0.0.4",
     ):
         assert flag in argv
-    assert f"--rdzv-conf=join_timeout={join_timeout_s(3)},is_host=0" in argv
+    assert not any(a.startswith(("--rdzv-endpoint", "--rdzv_endpoint")) for a in argv)
     assert argv[-2:] == ["-m", "workloads.train"]
     head = torchrun_argv(c, c.nodes[0], _cfg(), 1, ["x.py"])
-    assert any(a.endswith("is_host=1") for a in head)
+    assert "--node-rank=0" in head and "--master-addr=10.0.0.2" in head and "--master-port=29500" in head
+
+
+def test_torchrun_argv_brackets_an_ipv6_master_address():
+    c = Cluster("c", (Node(0, "fd00::2", "fd00::2"), Node(1, "fd00::3", "fd00::3")))
+    assert "--master-addr=[fd00::2]" in torchrun_argv(c, c.nodes[1], _cfg(), 1, ["x.py"])
+
+
+def test_node_commands_follow_a_reordered_cluster():
+    """A cluster renumbered by topology: each node's program carries its new rank, as torchrun's
+    --node-rank and as GPUFLEET_NODE_RANK, and node 0 takes the rendezvous-port lock."""
+    c = _cluster(3)
+    hosts = {
+        "10.0.0.2": PhysicalHost("c", "b1", "s1", "h1"),
+        "10.0.0.3": PhysicalHost("c", "b2", "s1", "h2"),
+        "10.0.0.4": PhysicalHost("c", "b1", "s1", "h3"),
+    }
+    ordered = launch_order(c, None, hosts).cluster
+    assert [n.host for n in ordered.nodes] == ["10.0.0.2", "10.0.0.4", "10.0.0.3"]
+    cmds = node_commands(ordered, _cfg())
+    assert "--node-rank=1" in cmds[1] and "GPUFLEET_NODE_RANK=1 " in cmds[1] and "--local-addr=10.0.0.4" in cmds[1]
+    assert "--node-rank=2" in cmds[2] and "--local-addr=10.0.0.3" in cmds[2]
+    assert "gpufleet-rdzv-10.0.0.2-29500.lock" in cmds[0]
+    assert not any("rdzv-" + "10.0.0.4" in cmds[r] for r in (1, 2))
+
+
+def test_an_unknown_rank_order_is_refused_in_the_config():
+    with pytest.raises(UserError, match="--rank-order 'random' is unknown; one of: topology, given"):
+        _cfg(rank_order="random")
 
 
 def test_join_timeout_grows_with_node_count():
@@ -369,11 +409,43 @@ def test_dry_run_prints_host_tab_command_per_node_and_connects_to_nothing(tmp_pa
         ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs"), "--", "train.py", HOSTILE],
     )
     assert r.exit_code == 0, r.output
-    lines = r.output.strip().splitlines()
+    lines = r.stdout.strip().splitlines()
     assert [l.split("\t")[0] for l in lines] == ["192.0.2.10", "192.0.2.11"]
     assert all(l.split("\t")[1].startswith("exec bash --norc --noprofile -c ") for l in lines)
     assert "--nproc-per-node=2" in lines[1] and "--nproc-per-node=1" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_says_which_rank_order_and_why(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.11\n192.0.2.10\n")  # not address order: the given order is kept
+    base = ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs")]
+    r = CliRunner().invoke(main, [*base, "--", "train.py"])
+    assert r.exit_code == 0, r.output
+    assert (
+        "rank order: given here (--dry-run asks no node for its physical_host; a launch orders by "
+        "topology if every node reports one)" in r.stderr
+    ), r.output
+    hosts = [l.split("\t")[0] for l in r.stdout.splitlines()]
+    assert hosts == ["192.0.2.11", "192.0.2.10"]
+    assert "--node-rank=0" in r.stdout.splitlines()[0] and "--master-addr=192.0.2.11" in r.stdout
+    r = CliRunner().invoke(main, [*base, "--rank-order", "given", "--", "train.py"])
+    assert r.exit_code == 0 and "rank order: given (--rank-order given)" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--dry-run"])
+    assert "rank order: given (--local: every node is this machine)" in r.stderr, r.output
+
+
+def test_bad_rank_orders_are_one_line_exit_2():
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--rank-order", "random", "--dry-run"])
+    assert r.exit_code == 2, r.output
+    (line,) = r.output.strip().splitlines()
+    assert "'random' is not one of 'topology', 'given'" in line and "--rank-order" in line
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--rank-order", "topology", "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines() == [
+        "error: --rank-order topology does not apply to --local (its nodes are processes on this "
+        "machine); pass --rank-order given or leave it out"
+    ]
 
 
 def test_local_dry_run_uses_this_python_and_loopback():
@@ -441,7 +513,8 @@ def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_pa
     ]
     r = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run"])
     assert r.exit_code == 0, r.output
-    lines = r.output.strip().splitlines()
+    assert r.stderr.count("rank order: given here (--dry-run asks no node") == 1, r.output  # mpirun's host order
+    lines = r.stdout.strip().splitlines()
     # One command per collective, run on node 0, which starts mpirun over the 3 nodes.
     assert len(lines) == 2 and all(l.startswith("192.0.2.10\t") for l in lines)
     assert "all_reduce_perf" in lines[0] and "all_gather_perf" in lines[1] and "mpirun" in lines[0]

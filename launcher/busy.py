@@ -38,7 +38,7 @@ class BusyCheck:
 
     def _ask(self) -> None:
         self._proc = subprocess.Popen(
-            self._transport.argv(self.cluster.nodes[0], list_script()),
+            self._transport.argv(self.cluster.controller or self.cluster.nodes[0], list_script()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

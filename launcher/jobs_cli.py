@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.handoff import detach
+from launcher.handoff import detach, job_host
 from launcher.jobs import JobRecord, check_job_id, list_script, logs_script, parse_listing, stop_script
 from launcher.model import Cluster, LaunchConfig, UserError, Workload
 from launcher.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
@@ -85,7 +85,7 @@ class _Node0:
             )
         self.config: LaunchConfig = build_config(o, Workload("exec", ("true",)), self.cluster)
         self.transport = make_transport(self.cluster, self.config)
-        self.head = self.cluster.nodes[0]
+        self.head = job_host(self.cluster)  # the controller host, else node 0
 
     def argv(self, script: str) -> list[str]:
         return self.transport.argv(self.head, script)

@@ -30,6 +30,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
+from launcher.handoff import job_host
 from launcher.job_metrics import INTERVAL_S as JOB_INTERVAL_S
 from launcher.job_metrics import RECORD, record_script
 from launcher.jobs import JobRecord, check_job_id, list_script, parse_listing
@@ -285,7 +286,7 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
 
 def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
     """`cluster` narrowed to the nodes of detached job `job_id`, ranked as in the job."""
-    head = cluster.nodes[0]
+    head = job_host(cluster)
     found = parse_listing(_on_node0(transport, head, list_script(job_id)))
     if not found:
         raise UserError(f"no job {job_id} on {head.label}; `launch jobs` lists the jobs there")
@@ -310,10 +311,10 @@ def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, Launch
     flags' node 0 (where the job's record is)."""
     if job_id:
         cluster, config, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return _job_nodes(cluster, transport, job_id), config, transport, cluster.nodes[0]
+        return _job_nodes(cluster, transport, job_id), config, transport, job_host(cluster)
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config), cluster.nodes[0]
+    return cluster, config, make_transport(cluster, config), job_host(cluster)
 
 
 class _JobWatch:
@@ -363,7 +364,7 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = _on_node0(transport, cluster.nodes[0], record_script(job_id))
+    text = _on_node0(transport, job_host(cluster), record_script(job_id))
     if not text.strip():
         raise UserError(
             f"job {job_id} has no samples yet (its controller samples every "

@@ -16,12 +16,14 @@ address offers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from launcher.model import Node
+from launcher.model import Cluster, Node
 
-__all__ = ["HOSTKEYS_PATH", "published_host_keys", "Moved", "find_moved"]
+__all__ = ["HOSTKEYS_PATH", "published_host_keys", "Moved", "find_moved", "follow_moved"]
 
 log = logging.getLogger("launcher")
 
@@ -86,3 +88,25 @@ def find_moved(client: Any, project: str, zone: str, node: Node) -> Moved | None
         f"{len(keys)} host key(s) read from its guest attributes" if keys else "it published no host keys",
     )
     return Moved(moved, keys)
+
+
+def follow_moved(client: Any, cluster: Cluster, ranks: Iterable[int], known_hosts: Path, port: int = 22) -> Cluster:
+    """`cluster` with each of `ranks`' nodes (the unreachable ones) at its instance's address now,
+    where it moved and published its host keys; those keys are appended to `known_hosts` (the
+    job's own file) under the new address first. A node that moved without publishing keys, or
+    that the API cannot tell about, stays where it was: the next check names it."""
+    if not (cluster.project and cluster.zone):
+        return cluster
+    nodes = list(cluster.nodes)
+    for rank in ranks:
+        try:
+            moved = find_moved(client, cluster.project, cluster.zone, nodes[rank])
+        except Exception as e:  # the API or the network: the wait goes on, as for a restart
+            log.warning("instance %s: its address could not be read: %s: %s", nodes[rank].name, type(e).__name__, e)
+            continue
+        if moved is None or not moved.host_keys:
+            continue
+        with open(known_hosts, "a") as f:
+            f.write("".join(line + "\n" for line in moved.known_hosts_lines(port)))
+        nodes[rank] = moved.node
+    return replace(cluster, nodes=tuple(nodes))

@@ -253,6 +253,7 @@ class Recoverer:
                 rec.node = bad
                 self._note(node=bad)
             self._restart_stopped(launch, rec)
+            self._follow_moved(launch)
             waited = time.monotonic() - t0
             if waited > self.policy.timeout_s:
                 self._note(waited_s=None)
@@ -286,6 +287,29 @@ class Recoverer:
             done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
         rec.restarted.update(done)
         self._note(restarted=dict(rec.restarted))
+
+    def _follow_moved(self, launch: Any) -> None:
+        """Unreachable nodes whose instance is now at another address (a restart gave it a new
+        one) are reached there, with the host keys the Compute Engine API publishes for it
+        (launcher.host_keys); the request must know where they are, as for --restart-stopped."""
+        c = self.cluster
+        ranks = [r for r, s in launch.states.items() if s.value == "unreachable" and c.nodes[r].name]
+        if not (ranks and self.policy.restart_stopped and c.project and c.zone):
+            return
+        from launcher.host_keys import follow_moved
+        from launcher.restart_vms import instances_client
+
+        ports = [int(o.split("=", 1)[1]) for o in self.config.ssh.options if o.startswith("Port=")]
+        try:
+            client = instances_client(self.policy.api_endpoint)
+        except Exception as e:  # no google-cloud-compute where the controller runs: say so, keep waiting
+            log.warning("cannot ask the Compute Engine API where unreachable nodes are: %s: %s", type(e).__name__, e)
+            return
+        moved = follow_moved(client, c, ranks, self.config.ssh.known_hosts, ports[0] if ports else 22)
+        if moved != c:
+            self.cluster = moved
+            self.c.record.nodes = [n.host for n in moved.nodes]
+            self.c.save()
 
     def _on_event(self, out: Any, t0: float) -> Any:
         started = []

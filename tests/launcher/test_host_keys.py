@@ -50,3 +50,25 @@ def test_a_moved_node_without_published_keys_gets_none_never_the_offered_one():
         assert published_host_keys(client, P, Z, "dev-1") == []
         moved = find_moved(client, P, Z, Node(rank=1, host="10.0.0.3", address="10.0.0.3", name="dev-1"))
     assert moved is not None and moved.host_keys == () and moved.known_hosts_lines() == []
+
+
+def test_follow_moved_reaches_a_moved_node_at_its_new_address_with_its_published_key_only(tmp_path):
+    from launcher.host_keys import follow_moved
+    from launcher.model import Cluster
+
+    nodes = tuple(Node(rank=i, host=f"10.0.0.{i + 2}", address=f"10.0.0.{i + 2}", name=f"dev-{i}") for i in range(3))
+    cluster = Cluster("dev", nodes, zone=Z, project=P)
+    api_nodes = [
+        FakeInstance("dev-0", "10.0.0.2"),
+        FakeInstance("dev-1", "10.0.0.7", host_keys={"ssh-ed25519": ED}),  # moved, published its key
+        FakeInstance("dev-2", "10.0.0.8"),  # moved, published nothing: not trusted
+    ]
+    known = tmp_path / "known_hosts"
+    known.write_text("10.0.0.2 ssh-ed25519 AAAAold\n")
+    with FakeCompute({(P, Z): api_nodes}) as api:
+        after = follow_moved(instances_client(api.endpoint), cluster, [1, 2], known)
+    assert [n.host for n in after.nodes] == ["10.0.0.2", "10.0.0.7", "10.0.0.4"]
+    assert after.nodes[1].rank == 1 and after.nodes[1].name == "dev-1"
+    assert known.read_text() == f"10.0.0.2 ssh-ed25519 AAAAold\n10.0.0.7 ssh-ed25519 {ED}\n"
+    # Node 0 was not asked about: only the unreachable ones are.
+    assert {q["instance"] for q in api.requests} == {"dev-1", "dev-2"}

@@ -54,6 +54,11 @@ def start_detached(
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(o, workload.argv, detach=True)
     cluster = find_cluster(o)
+    if policy and policy.min_nodes is not None and policy.min_nodes > len(cluster.nodes):
+        raise UserError(
+            f"--min-nodes {policy.min_nodes} is more than the job's {len(cluster.nodes)} nodes; give at most "
+            f"{len(cluster.nodes)}"
+        )
     config = build_config(o, workload, cluster)
     if check is not None:
         check(cluster, config)

@@ -109,6 +109,12 @@ RECOVER_OPTIONS = [
         help="With --recover: start a node's VM again when Compute Engine stopped it (TERMINATED); "
         "needs the cluster from --stack, --outputs or --label [default: on with --recover].",
     ),
+    click.option(
+        "--min-nodes",
+        type=int,
+        help="With --recover: when a lost node is not back within --recover-timeout, go on without it "
+        "if N nodes or more are left (new WORLD_SIZE, GPUFLEET_RESTART_REASON=shrunk) [default: fail].",
+    ),
 ]
 
 TORCHRUN_OPTIONS = [

@@ -122,3 +122,58 @@ def test_without_a_controller_detach_warns_once_that_losing_node_0_loses_the_job
     warned = [l for l in r.stderr.splitlines() if "losing node 0 loses the job" in l]
     assert len(warned) == 1 and "--controller" in warned[0], r.stderr
     assert wait_state(c, tmp_path, job_id, FINAL)["state"] == "SUCCEEDED"
+
+
+SAY_WORLD = """
+    import os
+    if "LOCAL_RANK" in os.environ and os.environ.get("RANK") == "0":
+        print(f"world {os.environ['WORLD_SIZE']} reason {os.environ.get('GPUFLEET_RESTART_REASON', '-')}", flush=True)
+"""
+
+
+def test_min_nodes_goes_on_without_a_node_that_is_not_back_resharding_the_checkpoint(sim_cluster, tmp_path):
+    import textwrap
+
+    c = with_controller(sim_cluster, tmp_path, 3)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SAY_WORLD))
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--env",
+        f"PYTHONPATH={site}",
+        "--recover",
+        "--recover-timeout",
+        "5s",
+        "--min-nodes",
+        "2",
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "6",
+        "--steps",
+        "150",
+        "--log-every",
+        "10",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "10",
+    )
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    c.power_off(2)  # never back
+    done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
+    assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
+    (rec,) = done["recoveries"]
+    assert rec["node"] == 2 and rec["shrunk_to"] == 2 and rec["waited_s"] >= 5, rec
+    assert done["nodes"] == c.addresses[:2], done
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
+    assert "world 3 reason -" in out and "world 2 reason shrunk" in out, out[-3000:]
+    assert "saved by 3 ranks, read by 2" in out and "] step 150/150 |" in out, out[-3000:]
+    attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id)
+    assert "went on with 2 nodes (--min-nodes)" in attached.stderr, attached.stderr
+    c.assert_nothing_left()

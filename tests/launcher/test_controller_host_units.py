@@ -86,3 +86,24 @@ def test_the_cluster_key_is_authorized_from_the_controller_host_too():
         "ssh-ed25519 AAAAC3Nz c", Cluster("c", NODES, controller=ControllerHost("gw", "10.0.0.9"))
     )
     assert 'from="10.0.0.2,10.0.0.3,10.0.0.9",' in auth
+
+
+def test_min_nodes_needs_recover_and_at_least_one_node():
+    from launcher.recover import recover_policy
+
+    argv = ("--checkpoint-dir", "d")
+    with pytest.raises(UserError, match="^--min-nodes needs --recover"):
+        recover_policy({"min_nodes": 2}, argv, detach=True)
+    with pytest.raises(UserError, match="^--min-nodes 0 must be at least 1"):
+        recover_policy({"recover": True, "min_nodes": 0}, argv, detach=True)
+    assert recover_policy({"recover": True, "min_nodes": 2}, argv, detach=True).min_nodes == 2
+    assert recover_policy({"recover": True}, argv, detach=True).min_nodes is None
+
+
+def test_a_shrinking_recovery_says_how_many_nodes_it_went_on_with():
+    from launcher.recover import Recovery, recovery_lines
+
+    (line,) = recovery_lines([Recovery(0.0, 2, "unreachable (connection lost)", 20, 5.2, shrunk_to=2).to_json()])
+    assert line.endswith(
+        "node 2 at step 20: unreachable (connection lost); relaunched after 5.2 s; went on with 2 nodes (--min-nodes)"
+    )

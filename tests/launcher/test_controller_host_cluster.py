@@ -177,3 +177,16 @@ def test_min_nodes_goes_on_without_a_node_that_is_not_back_resharding_the_checkp
     attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id)
     assert "went on with 2 nodes (--min-nodes)" in attached.stderr, attached.stderr
     c.assert_nothing_left()
+
+
+def test_stop_reaches_the_job_through_the_controller_host_and_leaves_nothing(sim_cluster, tmp_path):
+    c = with_controller(sim_cluster, tmp_path, 2)
+    job_id = detach(c, tmp_path, "exec", "--", "sleep", "600")
+    wait_state(c, tmp_path, job_id, {"RUNNING"}, timeout=30)
+    r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
+    assert "STOPPED" in r.stderr, r.stderr
+    assert job(c, tmp_path, job_id)["state"] == "STOPPED"
+    # The controller's output and record are on the controller host only.
+    assert (tmp_path / "home2" / ".gpufleet" / "jobs" / job_id / "controller.log").exists()
+    assert not (tmp_path / "home0" / ".gpufleet").exists()
+    c.assert_nothing_left()

@@ -4,7 +4,8 @@ through launcher.render, which shows its events: a status line and the final tab
 node output on stdout, one red line per error.
 
 Exit status: the first failed node's status; 2 for a user error (nothing ran); 130/143 when
-stopped by SIGINT/SIGTERM; 255 when a node became unreachable.
+stopped by SIGINT/SIGTERM; 255 when a node became unreachable; 124 when --hang-timeout stopped
+a job that made no progress.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from launcher.model import Cluster, LaunchConfig, LaunchResult, UserError, Workl
 from launcher.options import (
     DETACH_OPTION,
     ENV_OPTION,
+    HANG_OPTIONS_RUN,
+    HANG_OPTIONS_TRAIN,
     PASS_THROUGH,
     PROGRAM_AFTER,
     RECOVER_OPTIONS,
@@ -163,7 +166,7 @@ def main() -> None:
 @main.command(
     cls=WorkloadCommand, workload_title=TrainArgs.TITLE, workload_rows=TrainArgs.rows, context_settings=PASS_THROUGH
 )
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION] + RECOVER_OPTIONS)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + HANG_OPTIONS_TRAIN + [DETACH_OPTION] + RECOVER_OPTIONS)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:
@@ -174,7 +177,7 @@ def train(args: tuple[str, ...], **o: Any) -> None:
 
 
 @main.command(context_settings=PROGRAM_AFTER)
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + [DETACH_OPTION])
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + HANG_OPTIONS_RUN + [DETACH_OPTION])
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def run(args: tuple[str, ...], **o: Any) -> None:

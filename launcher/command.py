@@ -49,6 +49,7 @@ __all__ = [
     "probe_script",
     "rdzv_lock_path",
     "node_commands",
+    "run_token",
 ]
 
 EXIT_MARKER = "__GPUFLEET_EXIT__"
@@ -60,6 +61,12 @@ def rdzv_lock_path(address: str, port: int) -> str:
     # Keyed by address too: nodes that share a /tmp (the simulated cluster, --local) but not a
     # network namespace can each hold the same port.
     return f"/tmp/gpufleet-rdzv-{address}-{port}.lock"
+
+
+def run_token(job_id: str, node_rank: int) -> str:
+    """`GPUFLEET_RUN=<job>-<node>`: in the environment of every process the run half starts on
+    node `node_rank` (how the watchdog, and launcher.stacks, find them)."""
+    return f"GPUFLEET_RUN={job_id}-{node_rank}"
 
 
 def join_timeout_s(nnodes: int) -> int:
@@ -165,7 +172,7 @@ def remote_script(
     torch version with `check_torch`) that a torchrun launch compares across nodes; `lock_port`
     takes the rendezvous-port lock (node 0 of a torchrun launch)."""
     job = config.job_id
-    token = shlex.quote(f"GPUFLEET_RUN={job}-{node.rank}")
+    token = shlex.quote(run_token(job, node.rank))
     grace_ticks = max(1, int(config.stop_grace_s * 5))
     # The environment first: the check must see what the run will (issue 11: `--env PATH=...`
     # decides which `python3` has torch), so it is exported before the check's lines.

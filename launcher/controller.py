@@ -147,6 +147,9 @@ class Controller:
             return self.end(
                 JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): every node was stopped"
             )
+        if result.hang is not None:
+            h = result.hang
+            return self.end(JobState.FAILED, result.exit_code, why=h.verdict + note, node=h.node, reason=h.reason)
         if result.exit_code == 0:
             return self.end(JobState.SUCCEEDED, 0)
         return self._failed(result, note)
@@ -160,12 +163,19 @@ class Controller:
         return self.end(JobState.FAILED, result.exit_code, why=f"{failure_line(result)}{note}", node=rank, tail=tail)
 
     def end(
-        self, state: JobState, code: int, why: str = "", node: int | None = None, tail: list[str] | None = None
+        self,
+        state: JobState,
+        code: int,
+        why: str = "",
+        node: int | None = None,
+        tail: list[str] | None = None,
+        reason: str = "",
     ) -> int:
         if self.metrics is not None:  # sampling ends first: a final record's samples are whole
             self.metrics.stop()
         r = self.record
         r.state, r.exit, r.why, r.failed_node, r.tail, r.ended = state, code, why, node, tail or [], time.time()
+        r.reason = reason
         self.save()
         log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
         return code

@@ -9,9 +9,10 @@ import re
 
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
+from launcher.hang import flight_recorder_env
 from launcher.model import Cluster, LaunchConfig, UserError
 
-__all__ = ["node_env", "parse_env_pairs", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
+__all__ = ["node_env", "parse_env_pairs", "flight_recorder_on", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
 
 log = logging.getLogger("launcher.env")
 
@@ -43,6 +44,19 @@ TORCHRUN_DEFAULTS = {
 }
 
 
+def flight_recorder_on(cluster: Cluster) -> bool:
+    """Whether the job's workers may use NCCL, and so get its flight recorder: not on --local
+    (CPU, gloo), nor on a machine type the catalog says has no GPU; a hostfile without
+    --machine-type may be GPU nodes (workloads pick NCCL when CUDA is there)."""
+    if cluster.local:
+        return False
+    try:
+        gpus = cluster.gpus_per_node
+    except UnknownMachineType:
+        return True
+    return gpus is None or gpus > 0
+
+
 def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
     """Every variable to export on each node, in order. A value equal to HOST_IFACE_ON_NODE is
     resolved on the node at run time (the interface that holds the node's address)."""
@@ -60,6 +74,8 @@ def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
     if cluster.local:
         # --local: every "node" is this machine; the loopback interface carries the rendezvous.
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"
+    if flight_recorder_on(cluster):
+        env.update(flight_recorder_env(config.job_id))
     if config.nccl_debug:
         # NCCL's own INFO logging (NCCL docs: NCCL_DEBUG=INFO), incl. which NET plugin loaded.
         env["NCCL_DEBUG"] = "INFO"

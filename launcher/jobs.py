@@ -90,6 +90,7 @@ class JobRecord:
     exit: int | None = None
     failed_node: int | None = None  # rank of the node that failed first
     why: str = ""  # for FAILED/STOPPED: what happened, in one line
+    reason: str = ""  # for FAILED: the cause as one word, where there is one (hang)
     tail: list[str] = field(default_factory=list)  # the failed node's last lines
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # launcher.recover.Recovery, in order
 
@@ -189,6 +190,8 @@ def request_json(
             "job_id": config.job_id,
             "check_versions": config.check_versions,
             "stop_grace_s": config.stop_grace_s,
+            "hang_timeout_s": config.hang_timeout_s,
+            "progress": config.progress,
             "env_keys": [k for k, _ in config.env],
         },
         "ssh": {

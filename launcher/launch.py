@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from launcher.command import node_commands, probe_script
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
+from launcher.hang import HangWatch
+from launcher.model import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
 from launcher.output import root_cause, traceback_key, worker_failure
 from launcher.preflight import Probe, check_probes, check_timeout, handshake_limit
 from launcher.session import NodeSession, Report
@@ -130,6 +131,7 @@ class Launch:
         self._tracebacks: set[str] = set()  # user tracebacks shown (traceback_key)
         self._arrival: list[int] = []  # ranks in the order their workloads ended
         self._failing = False  # a node failed on its own: the others are being stopped
+        self._hang = HangWatch(config.hang_timeout_s, config.progress) if config.hang_timeout_s else None
 
     # ---- the one place a node's state changes ----
 
@@ -173,11 +175,14 @@ class Launch:
         """Run each node's own check program (by rank; `key=value` lines, then CHECKED_MARKER,
         then wait for input, as launcher.command.probe_script does), with a launch's bounded
         handshakes and timeout, and send every node home: what each answered."""
-        try:
-            self._check(scripts)
-            return {r: s.probe() for r, s in self._sessions.items()}
-        finally:
-            self._send_home()
+        with self._signals_stop(True):
+            try:
+                self._check(scripts)
+                if self.stop_event.is_set():  # Ctrl-C while asking: Interrupted, as a launch's check
+                    raise Interrupted(self.signals[0] if self.signals else signal.SIGINT)
+                return {r: s.probe() for r, s in self._sessions.items()}
+            finally:
+                self._send_home()
 
     def request_stop(self, signum: int | None = None) -> None:
         """Stop every node (safe from a signal handler or another thread)."""
@@ -275,11 +280,14 @@ class Launch:
         for rank, session in self._sessions.items():
             session.go(self.config.run_dir / f"node-{rank}.log")
             self._set_state(rank, NodeState.RUNNING)
+        if self._hang is not None:
+            self._hang.start()
 
     def _stream(self) -> LaunchResult:
         """Until every node has ended: show output, stop all on a failure or signal."""
         while self.in_state(NodeState.RUNNING):
             self._notice_stop()
+            self._notice_hang()
             try:
                 report = self._reports.get(timeout=0.2)
             except queue.Empty:
@@ -291,7 +299,7 @@ class Launch:
                 self._on_traceback(report.rank, report.text)
             elif report.kind == "exit" and self.states[report.rank] is NodeState.RUNNING:
                 self._on_exit(report.rank, int(report.text))
-        if self._failing:
+        if self._failing and self.result.hang is None:
             self.result.first_failure = root_cause(self.result.outcomes, self._arrival)
         write_summary(self.result, self.cluster)
         return self.result
@@ -306,6 +314,27 @@ class Launch:
         for rank in self.in_state(NodeState.RUNNING):
             self._sessions[rank].request_stop()
 
+    def _notice_hang(self) -> None:
+        """No progress for --hang-timeout: collect every worker's stack, keep the verdict, and
+        stop every node (launcher.hang, launcher.stacks)."""
+        if self._hang is None or self._failing or self.stop_event.is_set() or not self._hang.overdue():
+            return
+        from launcher.env import flight_recorder_on
+        from launcher.stacks import collect
+
+        silent = self._hang.silent_for()
+        running = self.in_state(NodeState.RUNNING)
+        log.warning("no progress for %.0f s (--hang-timeout): collecting the workers' stacks", silent)
+        try:
+            hang = collect(self.cluster, self.config, self.transport, silent, running, flight_recorder_on(self.cluster))
+        except Exception as e:  # the job must stop all the same
+            log.exception("collecting the stacks failed")
+            hang = Hang(f"hang: no progress for {silent:.0f} s; collecting the stacks failed: {type(e).__name__}: {e}")
+        log.error("%s", hang.verdict)  # at once: stopping the nodes takes a few seconds more
+        self.result.hang = hang
+        self._failing = True
+        self._stop_running()
+
     def _force_overdue(self) -> None:
         """Kill the session of a node that has not ended well after it was told to stop."""
         force_after = self.config.stop_grace_s + 4.0
@@ -319,6 +348,8 @@ class Launch:
         session = self._sessions[rank]
         if live:
             self._emit(NodeEvent(session.node, line=text))
+            if self._hang is not None:  # the job's own output; torchrun's report ("log") is not progress
+                self._hang.saw(text)
         failure = worker_failure(text) if self.config.workload.kind == "torchrun" else None
         if failure is None:
             return

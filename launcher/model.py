@@ -33,7 +33,9 @@ __all__ = [
     "WorkerFailure",
     "NodeOutcome",
     "LaunchResult",
+    "Hang",
     "EXIT_CONNECTION_LOST",
+    "EXIT_HANG",
     "EXIT_USER_ERROR",
     "new_job_id",
 ]
@@ -42,6 +44,8 @@ __all__ = [
 # when the connection itself failed, used when a node became unreachable mid-run.
 EXIT_USER_ERROR = 2
 EXIT_CONNECTION_LOST = 255
+# The launch stopped a job that made no progress for --hang-timeout (timeout(1)'s status).
+EXIT_HANG = 124
 
 
 class UserError(Exception):
@@ -222,6 +226,8 @@ class LaunchConfig:
     # "topology" | "given"; None: topology when every node reports a physical host, else given
     # (launcher.topology.launch_order). Decided once, before the nodes' commands are built.
     rank_order: str | None = None
+    hang_timeout_s: float | None = None  # --hang-timeout: stop after this long without progress
+    progress: str | None = None  # --progress: the regex a progress line matches (None: any line)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -302,6 +308,16 @@ class NodeOutcome:
         return f"exit {self.exit_code}"
 
 
+@dataclass(frozen=True)
+class Hang:
+    """The launch stopped the job for want of progress (--hang-timeout, launcher.hang)."""
+
+    verdict: str  # one line naming the culprit (launcher.stacks.verdict)
+    node: int | None = None  # rank of the node of the first rank it names, when it names one
+    stacks_dir: Path | None = None  # where the stacks were written
+    reason: str = "hang"  # the word a job record and a restart give for it
+
+
 @dataclass
 class LaunchResult:
     """What happened on every node, and which failed first."""
@@ -314,6 +330,7 @@ class LaunchResult:
     # The exit status of the first worker torchrun reported failed for good (no restarts left),
     # before the launcher stopped anything: the status when the first failure's own is unknown.
     first_worker_status: int | None = None
+    hang: Hang | None = None  # set when the launch stopped a hung job
 
     @property
     def failures(self) -> dict[Node, NodeOutcome]:
@@ -325,6 +342,8 @@ class LaunchResult:
         worker failure), not the SIGTERM of nodes the launcher stopped after it."""
         if self.signal is not None:
             return 128 + self.signal
+        if self.hang is not None:
+            return EXIT_HANG
         if self.first_failure is None:
             return 0
         first = self.outcomes[self.first_failure]

@@ -14,7 +14,9 @@ import click
 
 from launcher import discovery
 from launcher.env import parse_env_pairs
+from launcher.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
 from launcher.model import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
+from launcher.recover import parse_duration
 from launcher.topology import RANK_ORDERS
 
 __all__ = [
@@ -23,6 +25,9 @@ __all__ = [
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
     "RECOVER_OPTIONS",
+    "hang_options",
+    "HANG_OPTIONS_TRAIN",
+    "HANG_OPTIONS_RUN",
     "PASS_THROUGH",
     "PROGRAM_AFTER",
     "apply_options",
@@ -116,6 +121,29 @@ RECOVER_OPTIONS = [
         "if N nodes or more are left (new WORLD_SIZE, GPUFLEET_RESTART_REASON=shrunk) [default: fail].",
     ),
 ]
+
+
+def hang_options(default: str | None) -> list:
+    """--hang-timeout (on by default for train, off for run) and --progress (launcher.hang)."""
+    on = f"[default: {default}]" if default else "[default: off]"
+    return [
+        click.option(
+            "--hang-timeout",
+            default=default,
+            metavar="DURATION",
+            help="After this long without progress (e.g. 30s, 10m), collect every worker's stack with py-spy, "
+            f"name the rank that holds the job up, and stop it; off turns it off {on}.",
+        ),
+        click.option(
+            "--progress",
+            metavar="REGEX",
+            help="Count only output lines matching REGEX (e.g. 'step \\d+') as progress [default: any line].",
+        ),
+    ]
+
+
+HANG_OPTIONS_TRAIN = hang_options(TRAIN_HANG_TIMEOUT)
+HANG_OPTIONS_RUN = hang_options(None)
 
 TORCHRUN_OPTIONS = [
     click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),
@@ -236,6 +264,8 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         iap=o.get("iap", False),
         zone=o.get("zone") or cluster.zone,
     )
+    hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
+    hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     return LaunchConfig(
         workload=workload,
         nproc_per_node=o.get("nproc_per_node"),
@@ -254,6 +284,8 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         dry_run=o.get("dry_run", False),
         ssh=ssh,
         rank_order=o.get("rank_order"),
+        hang_timeout_s=hang_timeout_s,
+        progress=parse_progress(o.get("progress"), hang_timeout_s),
     )
 
 

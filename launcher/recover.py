@@ -80,13 +80,11 @@ class Recovery:
         return asdict(self)
 
 
-def parse_duration(text: str) -> float:
-    """`90`, `90s`, `30m`, `2h` in seconds."""
+def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
+    """`90`, `90s`, `30m`, `2h` in seconds; a bad value is a UserError naming `flag`."""
     m = _DURATION_RE.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise UserError(
-            f"--recover-timeout {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)"
-        )
+        raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
@@ -151,6 +149,8 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
         if not preempted:
             return None
         return Recovery(now, None, "preempted: the workers got SIGTERM and saved a checkpoint", step)
+    if result.hang is not None:  # the same hang at the same step twice is not retried
+        return Recovery(now, result.hang.node, result.hang.verdict, step, signature=result.hang.reason)
     rank = result.first_failure
     o = result.outcomes.get(rank) if rank is not None else None
     if o is None:

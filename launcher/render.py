@@ -128,6 +128,9 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         err.print(f"[red]{escape(line)}[/red]")
     if result.signal is not None:
         err.print(f"[red]stopped every node on signal {result.signal}[/red]")
+    if result.hang is not None:  # the `hang:` line itself came when the stacks were in
+        where = f"; stacks: {result.hang.stacks_dir}/" if result.hang.stacks_dir else ""
+        err.print(f"[red]stopped every node: no progress (the hang: line above names the culprit){escape(where)}[/red]")
     if line is None:
         err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 

@@ -214,6 +214,8 @@ def launch_order(
                 f"--rank-order topology: {_named(missing, 8)} {verb} no physical_host (from {source}; "
                 "only VMs in a placement policy have one); pass --rank-order given"
             )
+        if len(missing) == len(cluster.nodes) > 1:
+            return RankOrder(cluster, False, "rank order: given (no node reports a physical_host)")
         what = missing[0] if len(missing) == 1 else f"{len(missing)} of {len(cluster.nodes)} nodes: {_named(missing)}"
         return RankOrder(cluster, False, f"rank order: given ({what} {verb} no physical_host)")
     ordered = rank_order(cluster, hosts, "topology", source).cluster

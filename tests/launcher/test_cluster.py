@@ -220,10 +220,7 @@ def test_rank_0_runs_on_the_hostfiles_first_node_when_that_is_not_address_order(
     assert r.exit_code == 0, r.output
     assert _where(r.output) == {i: (str(i), a) for i, a in enumerate(order)}, r.output
     # The nodes have no metadata server: the order is the hostfile's, and the start line says why.
-    assert (
-        f"started on 3 nodes; rank order: given (3 of 3 nodes: node 0 ({order[0]}), node 1 ({order[1]}), "
-        f"node 2 ({order[2]}) report no physical_host)" in r.stderr
-    ), r.output
+    assert "started on 3 nodes; rank order: given (no node reports a physical_host)" in r.stderr, r.output
     given = CliRunner().invoke(main, [*args[:1], "--rank-order", "given", *args[1:]])
     assert given.exit_code == 0 and "rank order: given (--rank-order given)" in given.stderr, given.output
     assert _where(given.output) == {i: (str(i), a) for i, a in enumerate(order)}, given.output

@@ -80,11 +80,7 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
         raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: drop --detach")
     key = ensure_key(cluster)
     transport = make_transport(cluster, config)
-    python = config.python
-    if cluster.controller is None:
-        log.warning(NODE0_WARNING)
-    else:
-        python = _controller_python(cluster.controller, config, transport)
+    python = config.python if cluster.controller is None else _controller_python(cluster.controller, config, transport)
     target = ssh_target(transport, cluster.nodes[0])
     _check(cluster, config, transport, key.with_name("id_ed25519.pub").read_text())
     # After the check: a first contact has just recorded its key (StrictHostKeyChecking=accept-new).
@@ -107,6 +103,8 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
     code, code_hash = _code_files()
     files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
     _hand_off(cluster, config, transport, _archive(files), code_hash, slug, python)
+    if cluster.controller is None:  # once the job is handed off: a refusal stays one line
+        log.warning(NODE0_WARNING)
     return config.job_id
 
 

@@ -7,10 +7,10 @@ For each cluster size: a simulated cluster of real sshd nodes in network namespa
 about 100x below the others; then the installed `launch nccl-tests --find-bad-nodes` with the
 sweep's own defaults (all_reduce, 32 MiB, -n 20, -w 1, -c 1), as a user types it. At 40 Mbit/s one
 32 MiB all_reduce between the slow node and another takes about 7 s, so timing every pair fully
-(-w + 2 x (1 + -n + -c) = 45 calls per pair) took more than 8 minutes at 4 nodes (issue 11).
+(-w + 2 x (1 + -n + -c) = 45 calls per pair) took more than 8 minutes at 4 nodes.
 
 A run passes when the finder exits 1 with `--exclude <the throttled node>` and nothing else,
-within the target: 120 s at 4 nodes, 240 s at 16 (issue 11, item 3). Printed per size: the
+within the target: 120 s at 4 nodes, 240 s at 16. Printed per size: the
 time, the target, their ratio (<= 1 passes) and the timed calls of the pairs the budget cut
 (the slow node's pairs: 1 of 20). Exit 1 on a miss.
 This machine is shared: a loaded machine slows the launch (torch imports on every node) most.
@@ -30,7 +30,7 @@ from pathlib import Path
 from tests.simcluster import SimCluster, netns_available
 from tests.support import LAUNCH, REPO, torch_args
 
-TARGET_S = {4: 120.0, 16: 240.0}  # issue 11, item 3
+TARGET_S = {4: 120.0, 16: 240.0}  # a person waits minutes for a name, not an hour
 
 
 def bench(n: int, rate: str, budget: float | None, extra: list[str]) -> tuple[float, bool, str]:

@@ -1,4 +1,4 @@
-"""Checkpoint save time (issue 19), CPU ranks over gloo, measured against its anchor in the same run.
+"""Checkpoint save time, CPU ranks over gloo, measured against its anchor in the same run.
 
 Anchor: the previous release's full-state save (workloads/train.py at e9d9d60, Trainer.save):
 `get_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))` gathers every

@@ -7,7 +7,7 @@ fake nvidia-smi/dmesg/docker on their PATH, their own metadata server and four v
 doctor runs every check it runs on a real cluster (the fakes stand in for the GPU tools only).
 Both commands pay the same handshakes: each run gets a fresh ControlPath directory (cold), and is
 then repeated over the connections the first one left open (warm), where what remains is the
-node-side work. Interleaved, median of `--repeats`. Target (issue 16): doctor <= 1.3 x exec, cold,
+node-side work. Interleaved, median of `--repeats`. Target: doctor <= 1.3 x exec, cold,
 at every size. All "nodes" share this machine's two cores, so every node's checks compete for
 them; on a real cluster each node runs its own checks on its own CPUs at once.
 """

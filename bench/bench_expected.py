@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gpufleet.catalog import lookup
 from gpufleet.expected import CALIBRATIONS, expectation, fit_calibration
-from launcher.nccl_report import parse_output
+from launcher.nccl.report import parse_output
 
 PLATEAU_TOLERANCE = 0.05
 LATENCY_TOLERANCE = (5e-6, 0.05)  # absolute, relative: whichever is looser

@@ -1,4 +1,4 @@
-"""Hang detection (launcher.hang, launcher.stacks): how long from a job's last progress to the
+"""Hang detection (launcher.core.hang, launcher.core.stacks): how long from a job's last progress to the
 verdict, against the timeout; and how long collecting every worker's stack takes on many nodes.
 
     .venv/bin/python -m bench.bench_hang [--timeouts 5,20] [--nodes 3] [--scale-nodes 16] [--repeats 3]
@@ -14,7 +14,7 @@ verdict, against the timeout; and how long collecting every worker's stack takes
    shaped like torchrun's: an agent without RANK and 2 children with RANK and LOCAL_RANK, each
    sleeping in a Python function. stdlib Python, not torch: 16 x 3 torch processes do not fit
    this shared machine's memory. Every rank is outside any collective, so every rank is also
-   dumped with --native: the worst case. `launcher.stacks.collect` is timed as the launch calls
+   dumped with --native: the worst case. `launcher.core.stacks.collect` is timed as the launch calls
    it (`--repeats` times). Target: <= 10 s.
 """
 
@@ -86,11 +86,11 @@ def verdict_run(nodes: int, timeout_s: float, work: Path) -> dict[str, float]:
 
 def scale_run(nodes: int, repeats: int, work: Path) -> list[float]:
     """Seconds `collect` takes for every rank of `nodes` nodes x 2, `repeats` times."""
-    from launcher.env import flight_recorder_on
-    from launcher.launch import Launch
-    from launcher.model import Workload
-    from launcher.options import build_config, find_cluster
-    from launcher.stacks import collect
+    from launcher.cli.options import build_config, find_cluster
+    from launcher.core.env import flight_recorder_on
+    from launcher.core.launch import Launch
+    from launcher.core.stacks import collect
+    from launcher.core.types import Workload
     from tests.support import workers
 
     with SimCluster(nodes, mode="netns", workdir=work / "sim-scale") as c:

@@ -1,4 +1,4 @@
-"""Detached jobs (issue 13): what `--detach`, `launch jobs` and `launch logs` cost, each against its
+"""Detached jobs: what `--detach`, `launch jobs` and `launch logs` cost, each against its
 anchor in the same run, on 16 simulated nodes (netns; each node with a HOME of its own, the client
 with another).
 

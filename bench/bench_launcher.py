@@ -12,11 +12,11 @@ options (PDSH_SSH_ARGS_APPEND). Four numbers per size, each the median of `--rep
 - floor: `ssh HOST true` to every node at once over those same open connections, the least any
   launcher that opens one session per node per call can cost (sshd's session plus the node's
   login shell); its ratio to pdsh bounds the repeat ratio from below on this machine.
-Targets (issue 4): cold <= pdsh at 16 and 64 nodes; repeat <= 0.5 x pdsh at 64 nodes.
+Targets: cold <= pdsh at 16 and 64 nodes; repeat <= 0.5 x pdsh at 64 nodes.
 
 `--baseline REV` also times the launcher of an earlier commit (exported with `git archive` into a
 temporary directory and run from there with the same interpreter), cold and repeat, in the same
-rounds, alternating which goes first: "No launch may get slower" (issue 12) is then
+rounds, alternating which goes first: "No launch may get slower" is then
 `cold/base` and `repeat/base` <= 1 within the noise.
 """
 

@@ -1,4 +1,4 @@
-"""Recovery without a person (issue 14): how long a --recover job takes from the lost node
+"""Recovery without a person: how long a --recover job takes from the lost node
 answering SSH again to its first training step after the resume, against an attached
 `launch train --resume` from its start to its first step, same checkpoint, same run, on 3
 simulated nodes (netns; each node with a HOME of its own, the client with another).

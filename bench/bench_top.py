@@ -14,7 +14,7 @@ output into a file as a script would take it: one table per refresh) against N r
   CPU_WINDOW seconds, as a share of one CPU; and, over the same window on the same node, the
   cheapest loop a shell can run at 1 Hz (`while :; do sleep 1; done`, a fork per turn) as the
   anchor. The sshd session process that carries the stream is measured and printed too.
-Targets (issue 15): mean refresh <= 1.05 s and p95 <= 1.25 s; every node delivers >= 90% of its
+Targets: mean refresh <= 1.05 s and p95 <= 1.25 s; every node delivers >= 90% of its
 samples; sampler CPU < 1% of one CPU. Exit 1 on a miss.
 """
 

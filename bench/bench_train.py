@@ -1,4 +1,4 @@
-"""Training benchmarks (issue 5), CPU, measured against their anchors in the same run.
+"""Training benchmarks, CPU, measured against their anchors in the same run.
 
 1. Overhead: tokens/s of `workloads.train` (its Trainer, one process) against a bare PyTorch loop
    with the same model, batch, optimizer and clipping. Target ratio >= 0.95.

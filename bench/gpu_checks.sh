@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path of gpufleet, run on a GPU machine (issue 17); bench/RESULTS.md records what it printed.
+# The GPU path of gpufleet, run on a GPU machine; bench/RESULTS.md records what it printed.
 #   bash bench/gpu_checks.sh [STAGE...]    stages: env train compile paths sweep smi doctor top (default: all)
 # Needs python3 with a CUDA torch, click and rich; writes metrics and logs under $OUT (default
 # /tmp/gpufleet-gpu). Nothing here runs in the test suite or CI: they have no GPU.

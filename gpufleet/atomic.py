@@ -6,7 +6,8 @@ crash or a full disk leaves either the old file or the new one whole; on an erro
 file is removed and the target is untouched.
 
 ``replacing(path)`` yields the temporary path for writers that write a file themselves
-(``csv``, matplotlib's ``savefig``); ``write_text(path, text)`` is the common case.
+(``csv``, matplotlib's ``savefig``); ``write_text(path, text)`` is the common case;
+``temp_path(path)`` names the temporary file, for a caller that checks early that it can be made.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["replacing", "write_text"]
+__all__ = ["replacing", "temp_path", "write_text"]
+
+
+def temp_path(path: str | Path) -> Path:
+    """The temporary file `replacing(path)` writes: beside `path`, hidden, this process's own."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
 
 
 @contextlib.contextmanager
@@ -24,7 +31,7 @@ def replacing(path: str | Path) -> Iterator[Path]:
     """A temporary path in `path`'s directory (same suffix, so writers that choose a format by
     it still do); when the block ends without error it is synced and renamed onto `path`."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    tmp = temp_path(path)
     try:
         yield tmp
         fd = os.open(tmp, os.O_RDONLY)

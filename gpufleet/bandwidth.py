@@ -1,7 +1,7 @@
-"""Bandwidth arithmetic of NVIDIA nccl-tests, and the α-β curve the expected-bandwidth model uses.
+"""Bandwidth arithmetic of NVIDIA nccl-tests.
 
 Pure: no torch, no I/O. The sweep (`workloads/sweep.py`, on the nodes) and the report
-(`launcher/nccl_report.py`, on the laptop) both compute with these functions, so a number printed
+(`launcher/nccl/`, on the laptop) both compute with these functions, so a number printed
 on a node and a number recomputed from a parsed table can never disagree.
 
 Definitions follow github.com/NVIDIA/nccl-tests (@a0b82b2, 2.19.6: `src/common.cu` setupArgs, the
@@ -14,20 +14,16 @@ per-collective `*GetCollByteCount` and `*GetBw` in `src/<coll>.cu`, `src/util.cu
 - ``busbw = algbw × factor`` with factor 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
   reduce_scatter, alltoall), 1 (broadcast, reduce, sendrecv).
 
-`model_busbw` is the α-β (Hockney) curve busbw(S) = B / (1 + A·B/(f·S)) (ring cost
-t = A + S/(f·B); Thakur, Rabenseifner & Gropp, IJHPCA 19(1), 2005);
-what B and A are for a machine type, and where the curve is trusted, is `gpufleet.expected`.
+The expected-bandwidth model (the α-β curve, what B and A are for a machine type, and where the
+curve is trusted) is `gpufleet.expected`, which computes with this module.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
-# The sweep's JSON line and its row type are a contract between packages: moved to
-# gpufleet.contracts. Re-exported here for modules that still import them from this one.
-from gpufleet.contracts import JSON_MARKER, SweepRow  # noqa: F401
+from gpufleet.contracts import SweepRow
 
 __all__ = [
     "COLLECTIVES",
@@ -43,9 +39,6 @@ __all__ = [
     "parse_size",
     "format_size",
     "size_ladder",
-    "model_busbw",
-    "fit_latency",
-    "SMALL_MAX_BYTES",
 ]
 
 # The seven collectives of the nccl-tests suite we mirror, by the name of their binary minus
@@ -217,59 +210,3 @@ def size_ladder(minbytes: int, maxbytes: int, stepfactor: int = 2, stepbytes: in
         sizes.append(size)
         size = size * stepfactor if stepfactor > 1 else size + stepbytes
     return sizes
-
-
-# ---- cost model ---------------------------------------------------------------------------
-
-
-def model_busbw(size: float, plateau: float, latency_s: float, factor: float) -> float:
-    """busbw(S) = B / (1 + A·B / (f·S)), B in GB/s, A in seconds, S in bytes (α-β / Hockney form)."""
-    if size <= 0:
-        return 0.0
-    b = plateau * 1e9  # B/s
-    return plateau / (1.0 + latency_s * b / (factor * size))
-
-
-# Where fit_latency looks for latency-bound points: Google's published GCP sweeps are below 10% of
-# their plateau at 1 MiB (A3 Mega all_gather 7.3 of 189 GB/s: github.com/GoogleCloudPlatform/
-# cluster-toolkit examples/gke-a3-megagpu/README.md), so sizes up to 1 MiB are
-# dominated by A, and A is what they measure.
-SMALL_MAX_BYTES = 1 << 20
-
-
-def fit_latency(
-    points: list[tuple[int, float]], plateau: float, factor: float, max_size: int = SMALL_MAX_BYTES
-) -> float | None:
-    """Fit A (seconds) of the cost model on the small sizes (<= max_size) of a sweep.
-
-    `points` are (size bytes, measured busbw GB/s). The model's time is t(S) = A + f·S/B and the
-    measured bus time is f·S/busbw, so each point gives A_i = f·S·(1/busbw − 1/B). We take the
-    median of the A_i: it ignores one hiccup, where a least-squares mean would not. Never
-    negative. None when the sweep has no point at or below max_size. (The expected-bandwidth
-    check no longer fits on the run it judges: see gpufleet.expected.)
-    """
-    if plateau <= 0 or factor <= 0:
-        raise ValueError(f"plateau ({plateau}) and factor ({factor}) must be > 0")
-    pts = sorted((s, bw) for s, bw in points if 0 < s <= max_size and bw > 0)
-    if not pts:
-        return None
-    b = plateau * 1e9
-    est = sorted(factor * s * (1.0 / (bw * 1e9) - 1.0 / b) for s, bw in pts)
-    mid = len(est) // 2
-    a = est[mid] if len(est) % 2 else (est[mid - 1] + est[mid]) / 2.0
-    return max(0.0, a) if math.isfinite(a) else 0.0
-
-
-# The calibrated model (η per stack, the latency constants, the plateau per machine type and
-# collective) lives in gpufleet.expected, which imports this module. These names were public here
-# before it existed: they still import from here, looked up there on first use (not in __all__,
-# which lists what this module defines).
-_IN_EXPECTED = frozenset({"EFFICIENCY", "DEFAULT_LATENCY_S", "plateau_busbw", "uses_single_nic"})
-
-
-def __getattr__(name: str) -> object:
-    if name in _IN_EXPECTED:
-        from gpufleet import expected
-
-        return getattr(expected, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

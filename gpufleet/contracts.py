@@ -101,7 +101,7 @@ CONTROLLER_READY_MARKER = "/var/lib/gpufleet/controller-ready.json"
 
 # ---- the stack outputs ---------------------------------------------------------------------------
 
-# The stack outputs, exactly (issue 3 "Outputs"), in the order infra exports them.
+# The stack outputs, exactly, in the order infra exports them.
 OUTPUT_KEYS = (
     "cluster",
     "project",
@@ -360,7 +360,7 @@ def sweep_json_line(doc: Mapping[str, Any]) -> str:
 # launcher names the node that printed one before it was stopped as the cause of a failure.
 ERROR_PREFIX = "error: "  # workloads.train
 SWEEP_ERROR_PREFIX = "sweep: "  # workloads.sweep
-LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.command)
+LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.core.command)
 ERROR_LINE_PREFIXES = (ERROR_PREFIX, SWEEP_ERROR_PREFIX, LAUNCHER_ERROR_PREFIX)
 
 

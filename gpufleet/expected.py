@@ -1,6 +1,6 @@
 """What bus bandwidth a healthy cluster gives, per collective, machine type and node count.
 
-Pure: no torch, no I/O. `launcher/nccl_report.py` judges a sweep with it; `bench/bench_expected.py`
+Pure: no torch, no I/O. `launcher/nccl/report.py` judges a sweep with it; `bench/bench_expected.py`
 checks it against Google's published sweeps.
 
 **The model.** For sizes S in its trusted range, the α-β (Hockney) form (Thakur, Rabenseifner &
@@ -53,7 +53,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpufleet.bandwidth import bus_factor, model_busbw
+from gpufleet.bandwidth import bus_factor
 from gpufleet.catalog import MachineType, NetStack, lookup
 from gpufleet.contracts import SweepRow
 from gpufleet.nccl_env import PROFILES
@@ -76,7 +76,51 @@ __all__ = [
     "judge",
     "plateau_busbw",
     "uses_single_nic",
+    "model_busbw",
+    "fit_latency",
+    "SMALL_MAX_BYTES",
 ]
+
+
+# ---- the α-β cost model ---------------------------------------------------------------------------
+
+
+def model_busbw(size: float, plateau: float, latency_s: float, factor: float) -> float:
+    """busbw(S) = B / (1 + A·B / (f·S)), B in GB/s, A in seconds, S in bytes (α-β / Hockney form)."""
+    if size <= 0:
+        return 0.0
+    b = plateau * 1e9  # B/s
+    return plateau / (1.0 + latency_s * b / (factor * size))
+
+
+# Where fit_latency looks for latency-bound points: Google's published GCP sweeps are below 10% of
+# their plateau at 1 MiB (A3 Mega all_gather 7.3 of 189 GB/s: github.com/GoogleCloudPlatform/
+# cluster-toolkit examples/gke-a3-megagpu/README.md), so sizes up to 1 MiB are dominated by A, and
+# A is what they measure.
+SMALL_MAX_BYTES = 1 << 20
+
+
+def fit_latency(
+    points: list[tuple[int, float]], plateau: float, factor: float, max_size: int = SMALL_MAX_BYTES
+) -> float | None:
+    """Fit A (seconds) of the cost model on the small sizes (<= max_size) of a sweep.
+
+    `points` are (size bytes, measured busbw GB/s). The model's time is t(S) = A + f·S/B and the
+    measured bus time is f·S/busbw, so each point gives A_i = f·S·(1/busbw − 1/B). We take the
+    median of the A_i: it ignores one hiccup, where a least-squares mean would not. Never
+    negative. None when the sweep has no point at or below max_size. (The expected-bandwidth
+    check no longer fits on the run it judges: see gpufleet.expected.)
+    """
+    if plateau <= 0 or factor <= 0:
+        raise ValueError(f"plateau ({plateau}) and factor ({factor}) must be > 0")
+    pts = sorted((s, bw) for s, bw in points if 0 < s <= max_size and bw > 0)
+    if not pts:
+        return None
+    b = plateau * 1e9
+    est = sorted(factor * s * (1.0 / (bw * 1e9) - 1.0 / b) for s, bw in pts)
+    mid = len(est) // 2
+    a = est[mid] if len(est) % 2 else (est[mid - 1] + est[mid]) / 2.0
+    return max(0.0, a) if math.isfinite(a) else 0.0
 
 
 class Algorithm(str, enum.Enum):

@@ -24,12 +24,11 @@ import json
 import os
 import runpy
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import click
 import pulumi
@@ -37,6 +36,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gpufleet import atomic
 from gpufleet.catalog import on_demand_price
 from gpufleet.contracts import LABEL_CONTROLLER, LABEL_NODE
 from infra.config import ConfigError, parse_spec, read_stack_config
@@ -538,21 +538,15 @@ def _render(summary: dict[str, Any], console: Console) -> None:
     console.print("[dim]Preview under Pulumi's mocks: no credentials used, nothing created.[/dim]")
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _open_outputs(path: Path) -> IO[str]:
-    """A temporary file beside `path`, opened now so an unwritable place fails before the preview;
-    renamed over `path` only once it is complete (an existing file is never left half-written)."""
+def _check_outputs_place(path: Path) -> None:
+    """Fail before the preview when `path` cannot be written (its directory missing or read-only,
+    or `path` a directory): the atomic writer's own temporary file is created and removed."""
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "Is a directory")
-        return tempfile.NamedTemporaryFile(
-            "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-        )
+        tmp = atomic.temp_path(path)
+        tmp.touch(exist_ok=False)
+        tmp.unlink()
     except OSError as e:
         raise click.ClickException(f"outputs file {str(path)!r} cannot be written: {e.strerror}") from None
 
@@ -580,24 +574,16 @@ def _command(stack_file: str | None, stack_name: str | None, outputs_file: Path 
         raw, stack = check_stack_file(path)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    sink = _open_outputs(outputs_file) if outputs_file is not None else None
-    try:
-        with err.status("running the program under Pulumi's mocks…"):
-            try:
-                preview = preview_program(raw, stack=stack)
-            except pulumi.RunError as e:
-                raise click.ClickException(str(e)) from None
-        if sink is not None:
-            json.dump(outputs_document(preview), sink, indent=2)
-            sink.write("\n")
-            sink.close()
-            os.chmod(sink.name, 0o666 & ~_umask())  # as open() would have made it, not 0600
-            os.replace(sink.name, outputs_file)
-            sink = None
-    finally:
-        if sink is not None:
-            sink.close()
-            os.unlink(sink.name)
+    if outputs_file is not None:
+        _check_outputs_place(outputs_file)
+    with err.status("running the program under Pulumi's mocks…"):
+        try:
+            preview = preview_program(raw, stack=stack)
+        except pulumi.RunError as e:
+            raise click.ClickException(str(e)) from None
+    if outputs_file is not None:
+        # Whole or not at all: an existing file is never left half-written.
+        atomic.write_text(outputs_file, json.dumps(outputs_document(preview), indent=2) + "\n")
     summary = summarize(preview, stack=stack)
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")

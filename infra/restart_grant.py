@@ -1,8 +1,8 @@
-"""The nodes may start their own cluster's stopped VMs, and nothing more (issue 14).
+"""The nodes may start their own cluster's stopped VMs, and nothing more (least privilege).
 
 `launch train --detach --recover` restarts a Spot node that Compute Engine stopped on preemption:
 the controller on node 0 calls `instances.get` and `instances.start` as the nodes' service account
-(launcher.restart_vms). This grants exactly those two permissions, on exactly this cluster's
+(launcher.cluster.restart_vms). This grants exactly those two permissions, on exactly this cluster's
 instances: a custom role holding `compute.instances.get` and `compute.instances.start`
 (https://cloud.google.com/iam/docs/creating-custom-roles; both are listed for compute instances in
 https://cloud.google.com/compute/docs/reference/rest/v1/instances/start, "IAM permissions"),

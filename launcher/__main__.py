@@ -1,5 +1,5 @@
 """`python -m launcher` is the `launch` console script."""
 
-from launcher.cli import main
+from launcher.cli.main import main
 
 main()

@@ -1,7 +1,7 @@
 """`launch doctor`: what every node should have, the read-only program that asks it, and the
 verdict. Pure functions: building the node's program and judging its answers touch no network.
 
-The one most common cause of a hung or slow multi-node job is one node that differs (issue 16): a
+The one most common cause of a hung or slow multi-node job is one node that differs: a
 GPU missing or with ECC errors, a GPU NIC down or with the wrong MTU, the receive-datapath manager
 not running, another driver than its neighbours (Cluster Toolkit issue #3032: a newer driver broke
 TCPX with "Connection refused"). So each node is judged twice: against the catalog's entry for
@@ -11,7 +11,7 @@ with both values).
 The node's program (`node_script`) only reads: it runs `nvidia-smi` queries, reads the kernel log,
 /sys/class/net, `docker ps`, `df`, the ready marker and the metadata server, prints `key=value`
 lines and the launcher's CHECKED_MARKER, then waits for end of input, like the check half of a
-launch (launcher.command), so it rides the same SSH sessions. Nothing it runs writes a file.
+launch (launcher.core.command), so it rides the same SSH sessions. Nothing it runs writes a file.
 
 Test hooks, read on the node, each defaulting to the real thing: GCE_METADATA_HOST (the metadata
 server's host:port, as google-auth honours it), GPUFLEET_READY_MARKER (the ready marker's path,
@@ -27,51 +27,45 @@ import json
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from gpufleet.contracts import READY_MARKER
 from gpufleet.health import (
-    GpuRow,
-    PhysicalHost,
-    majority,
-    parse_gpu_query,
     parse_physical_host,
     parse_xids,
 )
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from launcher.command import CHECKED_MARKER
-from launcher.model import Cluster, LaunchConfig, Node, UserError
-from launcher.prestart import Expectation, expectation, gpu_statement, nic_statements
-from launcher.topology import metadata_statement, spread_warning
+from launcher.cluster.topology import metadata_statement, spread_warning
+from launcher.core.command import CHECKED_MARKER
+from launcher.core.prestart import (
+    CHECKS,
+    FAIL,
+    WARN,
+    Check,
+    Expectation,
+    NodeReport,
+    gpu_statement,
+    judge_drift,
+    judge_gpus,
+    kib,
+    nic_problems,
+    nic_statements,
+)
+from launcher.core.types import Node
 
 __all__ = [
-    "CHECKS",
     "RXDM_CONTAINER",
     "CLOCK_WARN_S",
-    "Expectation",
-    "expectation",
     "node_script",
-    "Check",
-    "NodeReport",
     "Report",
     "judge",
-    "prestart_verdict",
 ]
-
-# The columns of the table, in order: one per check.
-CHECKS = ("gpus", "driver", "cuda", "persistence", "ecc", "xid", "nics", "net", "versions", "disk", "clock", "topology")
 
 # The container infra/templates/tcpx.sh and tcpxo.sh start (Google's GPUDirect VM sequence).
 RXDM_CONTAINER = "receive-datapath-manager"
 
 # Beyond a couple of seconds, log timestamps and timeouts stop lining up across nodes (the same
-# bound the launch's pre-start check warns at, launcher.preflight.check_probes).
+# bound the launch's pre-start check warns at, launcher.core.preflight.check_probes).
 CLOCK_WARN_S = 2.0
-
-# A GPU reporting less memory than this share of the catalog's figure is not the catalog's GPU:
-# nvidia-smi reports usable MiB, a little under the marketing GB (an H100 80GB prints 81559 MiB =
-# 79.6 GiB, tests/fixtures/nvidia-smi; an H200 141GB about 140 GiB).
-_MEMORY_SHARE = 0.95
 
 _READY_ENV = "GPUFLEET_READY_MARKER"
 _LSSD_ENV = "GPUFLEET_LOCAL_SSD_MOUNT"
@@ -96,9 +90,9 @@ def node_script(
     env: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The read-only bash program that reports on `node` as `key=value` lines, then prints
-    CHECKED_MARKER and waits for end of input (one line: launcher.command's `_join` form).
+    CHECKED_MARKER and waits for end of input (one line: launcher.core.command's `_join` form).
     `env` is the user's --env, exported first as a launch does, so `--env PATH=...` picks the
-    same python3 here as in the run (PATH-like values are prepended, as launcher.command does)."""
+    same python3 here as in the run (PATH-like values are prepended, as launcher.core.command does)."""
     q = shlex.quote
     s = [f"export {k}={q(v)}${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else f"export {k}={q(v)}" for k, v in env]
     s += [
@@ -108,7 +102,7 @@ def node_script(
         # the background; the rest reads files meanwhile, and `wait` joins them before the marker.
         # Each line is one write of a few hundred bytes, so lines from different probes never mix
         # (POSIX: writes of at most PIPE_BUF bytes to a pipe are atomic).
-        # GPUs, and the driver's CUDA version (launcher.prestart).
+        # GPUs, and the driver's CUDA version (launcher.core.prestart).
         gpu_statement(cuda=True),
         # python and torch: torch's version from its dist-info directory on the interpreter's own
         # path, the first one found in sys.path order as importlib.metadata would find it, without
@@ -117,7 +111,7 @@ def node_script(
         "d = [g for p in sys.path for g in sorted(glob.glob((p or \".\") + \"/torch-*.dist-info\"))]; "
         "print(\"torch=\" + (d[0].rsplit(\"/\", 1)[1][6:-10] if d else \"missing\"))' "
         "2>/dev/null || echo python=missing &",
-        # Where the VM sits (launcher.topology.metadata_statement).
+        # Where the VM sits (launcher.cluster.topology.metadata_statement).
         f"{{ {metadata_statement()}; }} &",
         # XIDs since boot: the kernel log (dmesg needs root where kernel.dmesg_restrict=1; the
         # journal's kernel messages of this boot are the fallback).
@@ -176,57 +170,6 @@ def node_script(
 
 # ---- the verdict ---------------------------------------------------------------------------
 
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
-_RANK = {SKIP: 0, OK: 1, WARN: 2, FAIL: 3}
-
-
-@dataclass
-class Check:
-    """One cell: a short value to show, its status, and one line per problem found."""
-
-    value: str = "-"
-    status: str = SKIP
-    problems: list[str] = field(default_factory=list)
-
-    def add(self, status: str, problem: str) -> None:
-        self.problems.append(problem)
-        if _RANK[status] > _RANK[self.status]:
-            self.status = status
-
-    def settle(self, value: str) -> None:
-        self.value = value
-        if self.status == SKIP:
-            self.status = OK
-
-
-@dataclass
-class NodeReport:
-    rank: int
-    host: str
-    name: str
-    reachable: bool
-    error: str = ""
-    checks: dict[str, Check] = field(default_factory=dict)
-    physical_host: PhysicalHost | None = None
-    gpus: list[GpuRow] = field(default_factory=list)
-    versions: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def status(self) -> str:
-        if not self.reachable:
-            return FAIL
-        return max((c.status for c in self.checks.values()), key=_RANK.__getitem__, default=OK)
-
-    @property
-    def label(self) -> str:
-        return f"node {self.rank} ({self.host})"
-
-    @property
-    def problems(self) -> list[str]:
-        if not self.reachable:
-            return [f"{self.label}: unreachable: {self.error}"]
-        return [f"{self.label}: {p}" for c in self.checks.values() for p in c.problems]
-
 
 @dataclass
 class Report:
@@ -272,73 +215,6 @@ class Report:
         return json.dumps(self.to_json(), indent=2)
 
 
-def _kib(value: str) -> float | None:
-    try:
-        return int(value.split()[0]) / 2**20  # GiB
-    except (ValueError, IndexError):
-        return None
-
-
-def _gpus(r: NodeReport, facts: Mapping[str, str], expect: Expectation) -> None:
-    gpus, cuda, pers, ecc = (r.checks[k] for k in ("gpus", "cuda", "persistence", "ecc"))
-    rc = facts.get("smi_rc", "")
-    raw = "\n".join(
-        facts[k] for k in sorted((k for k in facts if k.startswith("gpu.")), key=lambda k: int(k.split(".")[1]))
-    )
-    if rc == "127":
-        if expect.gpu_count:
-            gpus.add(FAIL, f"nvidia-smi is not installed; {expect.machine_type} has {expect.gpu_count} GPUs")
-        gpus.settle("no nvidia-smi")
-        return
-    if rc != "0":
-        why = raw.splitlines()[0] if raw else f"exit {rc}"
-        gpus.add(FAIL, f"nvidia-smi failed: {why}")
-        gpus.settle("nvidia-smi failed")
-        return
-    try:
-        rows = parse_gpu_query(raw)
-    except ValueError as e:
-        gpus.add(FAIL, str(e))
-        gpus.settle("unreadable")
-        return
-    r.gpus = rows
-    n = len(rows)
-    if expect.gpu_count is not None and n != expect.gpu_count:
-        gpus.add(FAIL, f"{n} GPU{'s' * (n != 1)} found, {expect.machine_type} has {expect.gpu_count}")
-    for g in rows:
-        if expect.device_names and not any(d in g.name for d in expect.device_names):
-            gpus.add(FAIL, f"GPU {g.index} is {g.name!r}, {expect.machine_type} has {expect.gpu_model}")
-        if (
-            expect.gpu_memory_gb
-            and g.memory_mib is not None
-            and g.memory_mib / 1024 < _MEMORY_SHARE * expect.gpu_memory_gb
-        ):
-            gpus.add(FAIL, f"GPU {g.index} has {g.memory_mib} MiB, {expect.gpu_model} has {expect.gpu_memory_gb} GB")
-        if g.ecc_uncorrected:
-            ecc.add(
-                FAIL,
-                f"GPU {g.index} has {g.ecc_uncorrected} uncorrected ECC errors since the driver "
-                "loaded (reset the GPU or replace the node)",
-            )
-        if g.remapped_pending:
-            ecc.add(FAIL, f"GPU {g.index} has remapped rows pending (they take effect at the next GPU reset)")
-        if g.retired_pending:
-            ecc.add(FAIL, f"GPU {g.index} has retired pages pending (they take effect at the next driver reload)")
-        if g.persistence is False:
-            pers.add(WARN, f"GPU {g.index} has persistence mode off (the startup script turns it on: nvidia-smi -pm 1)")
-    models = sorted({g.name.removeprefix("NVIDIA ") for g in rows})
-    gpus.settle(f"{n} x {'/'.join(models)}" if rows else "0")
-    ecc.settle(str(sum(g.ecc_uncorrected or 0 for g in rows)) if rows else "-")
-    pers.settle(("on" if all(g.persistence for g in rows) else "off") if rows else "-")
-    drivers = sorted({g.driver for g in rows if g.driver})
-    if drivers:
-        r.versions["driver"] = "/".join(drivers)
-    if facts.get("cuda"):
-        r.versions["cuda"] = facts["cuda"]
-        cuda.settle(facts["cuda"])
-    r.versions["gpus"] = gpus.value
-
-
 def _xids(r: NodeReport, facts: Mapping[str, str]) -> None:
     c = r.checks["xid"]
     if facts.get("klog") == "unreadable":
@@ -355,34 +231,9 @@ def _xids(r: NodeReport, facts: Mapping[str, str]) -> None:
     c.settle(",".join(str(x.code) for x in xids) if xids else "none")
 
 
-def _nic_problems(facts: Mapping[str, str], expect: Expectation) -> tuple[int, list[tuple[str, str]]]:
-    """(NICs that are fine, [(kind, problem)]) for the catalog's NICs; kind is "missing",
-    "down" or "mtu"."""
-    good, out = 0, []
-    for name, role, mtu in expect.nics:
-        raw = facts.get(f"nic.{name}", "missing")
-        if raw == "missing":
-            out.append(("missing", f"{role} NIC {name} is missing"))
-            continue
-        try:
-            state, got_mtu, flags = raw.split()[:3]
-            up = state == "up" or (state == "unknown" and int(flags, 16) & 0x1)  # IFF_UP, <linux/if.h>
-            got = int(got_mtu)
-        except ValueError:
-            out.append(("missing", f"{role} NIC {name}: unreadable state {raw!r}"))
-            continue
-        if not up:
-            out.append(("down", f"{role} NIC {name} is {state}, not up"))
-        elif mtu is not None and got != mtu:
-            out.append(("mtu", f"{role} NIC {name} has MTU {got}, {expect.machine_type} needs {mtu}"))
-        else:
-            good += 1
-    return good, out
-
-
 def _nics(r: NodeReport, facts: Mapping[str, str], expect: Expectation, node: Node) -> None:
     c = r.checks["nics"]
-    good, problems = _nic_problems(facts, expect)
+    good, problems = nic_problems(facts, expect)
     for _, problem in problems:
         c.add(FAIL, problem)
     if expect.rdma_devices:
@@ -467,7 +318,7 @@ def _disk(r: NodeReport, facts: Mapping[str, str], expect: Expectation, min_free
     for key, what in (("disk.work", "the working directory"), ("disk.lssd", "the local SSDs")):
         if not facts.get(key):
             continue
-        gib = _kib(facts[key])
+        gib = kib(facts[key])
         mount = facts[key].split()[1] if len(facts[key].split()) > 1 else "?"
         if gib is None:
             continue
@@ -507,43 +358,6 @@ def _topology(r: NodeReport, facts: Mapping[str, str], node: Node) -> None:
         c.settle("no metadata")
 
 
-# Versions that must agree across nodes (issue 16), by the column their drift shows in.
-_DRIFT = {
-    "driver": "driver",
-    "cuda": "cuda",
-    "gpus": "gpus",
-    "nccl": "versions",
-    "plugin_file": "versions",
-    "torch": "versions",
-    "python": "versions",
-    "ready.driver": "versions",
-    "ready.cuda": "versions",
-    "ready.nccl": "versions",
-    "ready.plugin": "versions",
-    "ready.nccl_tests": "versions",
-}
-
-
-def _drift(reports: list[NodeReport], expect: Expectation) -> None:
-    live = [r for r in reports if r.reachable]
-    for key, column in _DRIFT.items():
-        if key == "gpus" and expect.gpu_count is not None:
-            continue  # judged against the catalog already, which says which side is wrong
-        values = {r.rank: r.versions[key] for r in live if key in r.versions}
-        if len(set(values.values())) <= 1:
-            continue
-        top, count = majority(values)
-        by_rank = {r.rank: r for r in live}
-        if top is None:
-            listed = "; ".join(f"{by_rank[k].label}: {v}" for k, v in sorted(values.items()))
-            for k in values:
-                by_rank[k].checks[column].add(FAIL, f"{key} differs across nodes with no majority ({listed})")
-            continue
-        for k, v in values.items():
-            if v != top:
-                by_rank[k].checks[column].add(FAIL, f"{key} {v}, while {count} of {len(values)} nodes have {top}")
-
-
 def judge(
     nodes: Sequence[Node],
     facts: Mapping[int, Mapping[str, str] | None],
@@ -563,7 +377,7 @@ def judge(
         )
         if f is not None:
             r.checks = {k: Check() for k in CHECKS}
-            _gpus(r, f, expect)
+            judge_gpus(r, f, expect)
             _xids(r, f)
             _nics(r, f, expect, node)
             _net(r, f, expect)
@@ -576,45 +390,9 @@ def judge(
             v = r.checks["versions"]
             v.settle(" ".join(f"{k} {r.versions[k]}" for k in ("torch", "nccl") if k in r.versions) or "-")
         reports.append(r)
-    _drift(reports, expect)
+    judge_drift(reports, expect)
     warnings = []
     spread = spread_warning({r.host: r.physical_host for r in reports if r.reachable})
     if spread:
         warnings.append(spread)
     return Report(expect.machine_type, reports, warnings)
-
-
-def prestart_verdict(cluster: Cluster, probes: Mapping[int, Any], config: LaunchConfig) -> list[str]:
-    """The launch's pre-start judgement of what launcher.prestart's statements reported (probes
-    by rank, each with `.ok`, `.node` and `.facts`): raise one UserError naming every node with a
-    GPU or NIC missing (nothing was started); return warnings for the rest (drift of the driver,
-    ECC errors, a wrong MTU). Nothing to say when the check did not run them (no machine type)."""
-    facts = {r: p.facts for r, p in probes.items() if p.ok and "smi_rc" in p.facts}
-    if not facts or cluster.machine_type is None:
-        return []
-    expect = expectation(cluster.machine_type, config.image_os)
-    errors: list[str] = []
-    warnings: list[str] = []
-    reports = []
-    for node in cluster.nodes:
-        f = facts.get(node.rank)
-        if f is None:
-            continue
-        r = NodeReport(node.rank, node.host, node.name, reachable=True)
-        r.checks = {k: Check() for k in CHECKS}
-        _gpus(r, f, expect)
-        reports.append(r)
-        errors += [f"{node.label}: {p}" for p in r.checks["gpus"].problems]
-        for kind, p in _nic_problems(f, expect)[1]:
-            (warnings if kind == "mtu" else errors).append(f"{node.label}: {p}")
-    _drift(reports, expect)
-    for r in reports:
-        warnings += [
-            f"{r.label}: {p}" for col in ("driver", "cuda", "ecc", "persistence") for p in r.checks[col].problems
-        ]
-    if errors:
-        raise UserError(
-            f"{'; '.join(errors)}; nothing was started. `launch doctor` checks every node in full; "
-            "fix the node or --exclude it"
-        )
-    return warnings

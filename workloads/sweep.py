@@ -880,16 +880,12 @@ def _emit(text: str) -> None:
     sys.stdout.flush()
 
 
-def _json_tmp(path: str) -> str:
-    return f"{path}.tmp{os.getpid()}"
-
-
 def _json_path_problem(path: str) -> str | None:
     """Why --json PATH cannot be written (its directory missing or read-only, or PATH a
     directory), or None: the same temp file _write_json writes is created and removed."""
     if os.path.isdir(path):
         return f"--json {path} is a directory; pass a file path"
-    tmp = _json_tmp(path)
+    tmp = atomic.temp_path(path)
     try:
         with open(tmp, "w"):
             pass

@@ -1,4 +1,4 @@
-"""Hostile or broken input for the launcher and the stack config (issue 7): each case gets one
+"""Hostile or broken input for the launcher and the stack config: each case gets one
 clear line and exit 2, never a traceback, and nothing runs on any node.
 
 The launcher cases point at real simulated nodes, and the command they would run creates a
@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from infra.config import KEYS
 from infra.config import main as check_stack
-from launcher.cli import main
+from launcher.cli.main import main
 from tests.infra.test_config import WRONG_TYPES
 from tests.simcluster import SimCluster
 from tests.support import LAUNCH, REPO

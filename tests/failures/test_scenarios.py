@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.model import SshConfig
+from launcher.core.types import SshConfig
 from tests.faults import HALF_WRITTEN_SAVE
 from tests.support import (
     PY,

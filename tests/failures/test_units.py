@@ -8,9 +8,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.env import TORCHRUN_DEFAULTS, node_env
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, Workload
-from launcher.output import (
+from launcher.core.env import TORCHRUN_DEFAULTS, node_env
+from launcher.core.output import (
     StreamSorter,
     failure_line,
     is_agent_line,
@@ -19,6 +18,7 @@ from launcher.output import (
     worker_failure,
     worker_failure_note,
 )
+from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, Workload
 from tests.support import REPO
 
 NODES = [Node(rank=i, host=f"10.0.0.{i + 2}", address=f"10.0.0.{i + 2}") for i in range(3)]

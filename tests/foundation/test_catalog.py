@@ -85,7 +85,7 @@ def test_interface_names_reject_an_unknown_os():
         lookup("a3-highgpu-8g").interface_names("windows")
 
 
-# ---- facts infra reads from the catalog instead of testing family names (issue 12) -------------
+# ---- facts infra reads from the catalog instead of testing family names -------------------
 
 
 @pytest.mark.parametrize("name", LISTED)

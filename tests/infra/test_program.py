@@ -14,8 +14,8 @@ from gpufleet.catalog import lookup
 from gpufleet.contracts import LABEL_CLUSTER, LABEL_NODE, NODE_KEYS, OUTPUT_KEYS, parse_stack_outputs
 from infra.mocks import RecordingMocks
 from infra.preview import preview_program
-from launcher.cli import main as launch
-from launcher.discovery import cluster_from_outputs
+from launcher.cli.main import main as launch
+from launcher.cluster.discovery import cluster_from_outputs
 from tests.infra.conftest import BASE
 
 # One machine type per family (plus the small A3 High, which is Spot/Flex only, and A2 Ultra,

@@ -1,4 +1,4 @@
-"""--recover may start the cluster's stopped Spot VMs (issue 14): the nodes' service account gets
+"""--recover may start the cluster's stopped Spot VMs: the nodes' service account gets
 compute.instances.get and compute.instances.start on the cluster's own instances, through a custom
 role bound on each instance, and nothing broader (Pulumi's mocks, preview=True)."""
 

@@ -8,7 +8,7 @@ parentheses, ANDed when listed side by side or joined by AND
 (https://cloud.google.com/compute/docs/reference/rest/v1/instances/list, `filter`). FIELD is
 `name`, `status`, `machineType` or `labels.KEY`. Paging: `maxResults` and `pageToken`.
 
-Also, for --recover's restart of stopped Spot VMs (issue 14), as documented:
+Also, for --recover's restart of stopped Spot VMs, as documented:
 - `instances.get`: GET .../instances/{instance}, the instance resource, 404 for an unknown one
   (https://cloud.google.com/compute/docs/reference/rest/v1/instances/get);
 - `instances.start`: POST .../instances/{instance}/start, an Operation (`compute#operation`,

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.contracts import LABEL_NODE
-from launcher.cli import main
+from launcher.cli.main import main
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.support import LAUNCH, REPO, source_args, torch_args, wait_for
 
@@ -58,7 +58,7 @@ def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path)
     # gloo was told each node's own interface, resolved on the node from its address.
     assert all("gloo_if=eth0" in l for l in lines)
     assert {l.split("]")[0] for l in lines} == {"[node 0", "[node 1", "[node 2"}
-    # torchrun warns about no flag it ignores (issue 11: --node-rank under c10d did).
+    # torchrun warns about no flag it ignores (a --node-rank is read by the static rendezvous).
     (run_dir,) = (tmp_path / "runs").iterdir()
     logs = "".join(p.read_text() for p in run_dir.glob("node-*.log"))
     assert "node_rank is only used" not in r.output + logs
@@ -67,7 +67,7 @@ def test_run_gloo_all_reduce_across_3_nodes_x_2_processes(sim_cluster, tmp_path)
 
 def test_env_path_decides_which_python3_the_check_and_the_run_use(sim_cluster, tmp_path):
     """`--env PATH=VENV/bin:...` without --python: the nodes' own python3 has no torch, this
-    venv's does; the check must ask the same python3 the run starts (issue 11)."""
+    venv's does; the check must ask the same python3 the run starts."""
     c = sim_cluster(2)
     venv_bin = str(REPO / ".venv" / "bin")
     r = CliRunner().invoke(
@@ -347,7 +347,7 @@ def test_nccl_tests_writes_rows_and_plot_and_min_busbw_fails_the_run(sim_cluster
     assert doc["nranks"] == 4 and doc["nnodes"] == 2 and doc["rows"][0]["collective"] == "all_reduce"
     assert doc["rows"][0]["oop_wrong"] == 0 and doc["avg_busbw"] > 0
     assert (run_dir / "rows.csv").exists() and (run_dir / "busbw.png").stat().st_size > 0
-    # The sweep's several-kB JSON line is read from the log, not shown (issue 11).
+    # The sweep's several-kB JSON line is read from the log, not shown.
     assert "#gpufleet-json" not in r.output
     assert any("#gpufleet-json" in p.read_text() for p in run_dir.glob("node-*.log"))
 

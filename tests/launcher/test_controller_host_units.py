@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.contracts import controller_output, node_output, stack_outputs
-from launcher.cluster_key import authorize_statements
-from launcher.discovery import cluster_from_outputs, parse_hostfile
-from launcher.handoff import job_host
-from launcher.model import Cluster, ControllerHost, Node, UserError
-from launcher.options import find_cluster
+from launcher.cli.options import find_cluster
+from launcher.cluster.discovery import cluster_from_outputs, parse_hostfile
+from launcher.cluster.key import authorize_statements
+from launcher.core.types import Cluster, ControllerHost, Node, UserError
+from launcher.jobs.node0 import job_host
 
 NODES = (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3"))
 
@@ -89,7 +89,7 @@ def test_the_cluster_key_is_authorized_from_the_controller_host_too():
 
 
 def test_min_nodes_needs_recover_and_at_least_one_node():
-    from launcher.recover import recover_policy
+    from launcher.jobs.recovery import recover_policy
 
     argv = ("--checkpoint-dir", "d")
     with pytest.raises(UserError, match="^--min-nodes needs --recover"):
@@ -101,7 +101,7 @@ def test_min_nodes_needs_recover_and_at_least_one_node():
 
 
 def test_a_shrinking_recovery_says_how_many_nodes_it_went_on_with():
-    from launcher.recover import Recovery, recovery_lines
+    from launcher.jobs.recovery import Recovery, recovery_lines
 
     (line,) = recovery_lines([Recovery(0.0, 2, "unreachable (connection lost)", 20, 5.2, shrunk_to=2).to_json()])
     assert line.endswith(

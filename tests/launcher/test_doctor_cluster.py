@@ -45,7 +45,7 @@ def cluster(gc):
 
 
 def doctor(c: GpuSimCluster, tmp_path: Path, *extra: str):
-    from launcher.doctor_cli import doctor as cmd
+    from launcher.cli.cmd_doctor import doctor as cmd
 
     r = CliRunner().invoke(cmd, [*c.args(tmp_path), *extra])
     return r
@@ -248,7 +248,7 @@ def _run(c: GpuSimCluster, tmp_path: Path):
 
 
 def test_every_launch_checks_gpus_and_nics_first_a_missing_gpu_refuses_and_drift_warns(cluster, tmp_path):
-    """The cheap part of doctor runs in every launch's check (issue 16): a node short of a GPU is
+    """The cheap part of doctor runs in every launch's check: a node short of a GPU is
     refused by name before anything starts; another driver on one node is a warning, and it runs."""
     ok = _run(cluster, tmp_path)
     assert ok.returncode == 0, ok.stderr

@@ -20,10 +20,11 @@ from gpufleet.health import (
     parse_physical_host,
     parse_xids,
 )
-from launcher.command import CHECKED_MARKER
-from launcher.doctor import CHECKS, Expectation, expectation, judge, node_script
-from launcher.model import Cluster, Node, UserError
-from launcher.topology import launch_order, order, rank_order, spread_warning
+from launcher.cluster.topology import launch_order, order, rank_order, spread_warning
+from launcher.core.command import CHECKED_MARKER
+from launcher.core.prestart import CHECKS, Expectation, expectation
+from launcher.core.types import Cluster, Node, UserError
+from launcher.doctor import judge, node_script
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
@@ -418,7 +419,7 @@ def test_fake_gpus_are_the_fixtures_values():
 def test_a_nodes_physical_host_comes_from_its_metadata_server_else_from_the_api():
     from dataclasses import dataclass
 
-    from launcher.topology import metadata_statement, node_physical_hosts
+    from launcher.cluster.topology import metadata_statement, node_physical_hosts
 
     @dataclass(frozen=True)
     class ApiNode(Node):  # a Node as --label discovery returns it, with the API's physicalHost
@@ -451,7 +452,7 @@ def test_a_nodes_physical_host_comes_from_its_metadata_server_else_from_the_api(
 
 
 def test_a_launch_checks_gpus_and_nics_only_when_the_machine_type_is_known():
-    from launcher.prestart import prestart_statements
+    from launcher.core.prestart import prestart_statements
 
     assert prestart_statements(_cluster(2), None) == []
     local = Cluster("l", (Node(0, "localhost", "127.0.0.1"),), machine_type="a3-highgpu-8g", local=True)
@@ -470,8 +471,8 @@ class _Probe:
 
 
 def test_the_pre_start_check_refuses_a_node_missing_a_gpu_or_nic_and_warns_about_drift(healthy):
-    from launcher.doctor import prestart_verdict
-    from launcher.model import LaunchConfig, Workload
+    from launcher.core.prestart import prestart_verdict
+    from launcher.core.types import LaunchConfig, Workload
 
     cluster = Cluster("t", tuple(_nodes(3)), machine_type="a3-highgpu-8g")
     config = LaunchConfig(Workload("torchrun", ("x.py",)))

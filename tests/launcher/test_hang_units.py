@@ -14,11 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.env import flight_recorder_on, node_env
-from launcher.hang import STARTUP_S, HangWatch, flight_recorder_env, flight_recorder_prefix
-from launcher.model import Cluster, Hang, LaunchConfig, LaunchResult, Node, SshConfig, Workload, new_job_id
-from launcher.recover import failure_of
-from launcher.stacks import (
+from launcher.core.env import flight_recorder_on, node_env
+from launcher.core.hang import STARTUP_S, HangWatch, flight_recorder_env, flight_recorder_prefix
+from launcher.core.stacks import (
     STACK_MARKER,
     NodeStacks,
     RankStack,
@@ -28,7 +26,9 @@ from launcher.stacks import (
     parse_node_output,
     verdict,
 )
-from launcher.transport import Transport
+from launcher.core.transport import Transport
+from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, SshConfig, Workload, new_job_id
+from launcher.jobs.recovery import failure_of
 from tests.support import PY, wait_for
 
 DUMPS = Path(__file__).resolve().parents[1] / "fixtures" / "py-spy"
@@ -347,7 +347,7 @@ def test_bad_hang_input_is_one_line_exit_2_and_nothing_starts(tmp_path, command,
 
 
 def test_hang_timeout_off_turns_trains_default_off():
-    from launcher.options import build_config
+    from launcher.cli.options import build_config
 
     cluster = Cluster("c", tuple(nodes(1)))
     on = build_config({"hang_timeout": "10m"}, Workload("torchrun", ("x",)), cluster)
@@ -360,7 +360,7 @@ def test_hang_timeout_off_turns_trains_default_off():
 
 
 def test_the_hang_settings_travel_to_the_detached_controller():
-    from launcher.jobs import request_from_json, request_json
+    from launcher.jobs.record import request_from_json, request_json
 
     config = LaunchConfig(
         Workload("torchrun", ("x.py",)), job_id="j", hang_timeout_s=30.0, progress=r"step \d+", ssh=SshConfig()

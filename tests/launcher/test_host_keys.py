@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from launcher.host_keys import find_moved, published_host_keys
-from launcher.model import Node
-from launcher.restart_vms import instances_client
+from launcher.cluster.host_keys import find_moved, published_host_keys
+from launcher.cluster.restart_vms import instances_client
+from launcher.core.types import Node
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 
 P, Z = "proj-1", "us-central1-a"
@@ -53,8 +53,8 @@ def test_a_moved_node_without_published_keys_gets_none_never_the_offered_one():
 
 
 def test_follow_moved_reaches_a_moved_node_at_its_new_address_with_its_published_key_only(tmp_path):
-    from launcher.host_keys import follow_moved
-    from launcher.model import Cluster
+    from launcher.cluster.host_keys import follow_moved
+    from launcher.core.types import Cluster
 
     nodes = tuple(Node(rank=i, host=f"10.0.0.{i + 2}", address=f"10.0.0.{i + 2}", name=f"dev-{i}") for i in range(3))
     cluster = Cluster("dev", nodes, zone=Z, project=P)

@@ -1,4 +1,4 @@
-"""Detached jobs (issue 13) against the simulated cluster: real sshd nodes, real torchrun over gloo.
+"""Detached jobs against the simulated cluster: real sshd nodes, real torchrun over gloo.
 
 The client and every node have homes of their own (the client's HOME is a directory of the
 test's, each node's is set by its sshd), so nothing here passes by the client reading files the

@@ -1,4 +1,4 @@
-"""`launch nccl-tests --detach` (issue 13): the sweep runs under node 0's controller without the
+"""`launch nccl-tests --detach`: the sweep runs under node 0's controller without the
 client, and its report is read back from the node log with `--from`, as from any log that exists."""
 
 from __future__ import annotations
@@ -46,3 +46,24 @@ def test_detach_refuses_the_bad_node_finder_in_one_line_and_starts_nothing(sim_c
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: --detach hands one sweep to node 0; --find-bad-nodes runs several launches")
     assert launch(tmp_path, "jobs", *source_args(c, tmp_path), "--json", check=True).stdout == ""
+
+
+def test_an_attached_sweep_on_nodes_a_detached_job_holds_is_refused_in_one_line_and_starts_nothing(
+    sim_cluster, tmp_path
+):
+    """Attached `nccl-tests` goes through the same attached path as `launch run`, busy check included."""
+    c = cluster(sim_cluster, tmp_path, 2)
+    go = tmp_path / "go"
+    held = detach(c, tmp_path, "exec", "--", "sh", "-c", f"while [ ! -f {go} ]; do sleep 0.1; done; echo held")
+    wait_state(c, tmp_path, held, {"RUNNING"}, timeout=30)
+    r = launch(
+        tmp_path, "nccl-tests", *source_args(c, tmp_path), *torch_args(), "-b", "1K", "-e", "1K", "--ops", "all_reduce"
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [l for l in r.stderr.splitlines() if l.strip()]
+    assert line.startswith("error: ") and f"busy with detached job {held} (RUNNING" in line, r.stderr
+    assert "busbw" not in r.stdout  # no sweep ran: no rows
+    go.touch()
+    done = wait_state(c, tmp_path, held, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
+    assert done["state"] == "SUCCEEDED", done
+    c.assert_nothing_left()

@@ -1,4 +1,4 @@
-"""Detached jobs' pure parts (issue 13): records, the request, the node-side reader programs and the
+"""Detached jobs' pure parts: records, the request, the node-side reader programs and the
 cluster key's authorized_keys entry, without a network."""
 
 from __future__ import annotations
@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
-from launcher.cluster_key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
-from launcher.jobs import (
+from gpufleet import atomic
+from launcher.cluster.key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
+from launcher.jobs.record import (
     LIST_MARKER,
     JobRecord,
     JobState,
@@ -22,9 +25,7 @@ from launcher.jobs import (
     request_from_json,
     request_json,
     stop_script,
-    write_json_atomic,
 )
-from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload
 
 CLUSTER = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3", slots=2)))
 
@@ -64,7 +65,7 @@ def test_list_script_tells_a_live_controller_from_a_dead_one(tmp_path):
     jobs = tmp_path / ".gpufleet" / "jobs"
     for job_id, pid in (("20260101-000000-aaaaaa", os.getpid()), ("20260101-000001-bbbbbb", 999999)):
         (jobs / job_id).mkdir(parents=True)
-        write_json_atomic(jobs / job_id / "state.json", record(id=job_id, pid=pid).to_json())
+        atomic.write_text(jobs / job_id / "state.json", json.dumps(record(id=job_id, pid=pid).to_json()))
         (jobs / job_id / "controller.pid").write_text(f"{pid} {process_start(os.getpid())}\n")
     out = subprocess.run(
         ["bash", "-c", list_script()], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)}
@@ -100,8 +101,8 @@ def test_the_controller_and_its_recoveries_run_the_clients_rank_order(tmp_path):
     and every recovery's relaunch, rebuild the cluster from the request: the same order, so each
     node gets the same --node-rank again."""
     from gpufleet.health import PhysicalHost
-    from launcher.command import node_commands
-    from launcher.topology import launch_order
+    from launcher.cluster.topology import launch_order
+    from launcher.core.command import node_commands
 
     nodes = tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(3))
     hosts = {n.host: PhysicalHost("c", f"b{[1, 2, 1][n.rank]}", None, f"h{n.rank}") for n in nodes}
@@ -148,8 +149,8 @@ def test_node_0_gets_the_host_keys_the_client_verified_even_from_a_hashed_known_
 
 def test_records_are_replaced_whole(tmp_path):
     p = tmp_path / "state.json"
-    write_json_atomic(p, {"a": 1})
-    write_json_atomic(p, {"a": 2})
+    atomic.write_text(p, json.dumps({"a": 1}))
+    atomic.write_text(p, json.dumps({"a": 2}))
     assert json.loads(p.read_text()) == {"a": 2} and [f.name for f in tmp_path.iterdir()] == ["state.json"]
 
 
@@ -172,7 +173,7 @@ def test_stop_and_logs_scripts_quote_the_job_dir():
 def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_path, args, message):
     from click.testing import CliRunner
 
-    from launcher.cli import main
+    from launcher.cli.main import main
 
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.2\n")
@@ -180,3 +181,42 @@ def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_pa
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
+
+
+def test_a_failed_record_write_keeps_the_old_record_and_leaves_no_temporary_file(tmp_path):
+    p = tmp_path / "state.json"
+    atomic.write_text(p, '{"a": 1}')
+    with pytest.raises(OSError), atomic.replacing(p) as tmp:
+        tmp.write_text('{"a": ')
+        raise OSError(28, "No space left on device")
+    assert p.read_text() == '{"a": 1}' and [f.name for f in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_the_code_shipped_to_node_0_runs_the_controller_under_python_S_from_the_copy(tmp_path):
+    """handoff ships launcher/ and gpufleet/ with their subpackages; node 0 runs the controller from
+    that copy with `python -S` (no site-packages: the standard library only)."""
+    from launcher.jobs.handoff import _code_files
+
+    files, _ = _code_files()
+    for name in (
+        "launcher/jobs/controller.py",
+        "launcher/core/launch.py",
+        "launcher/observe/top.py",
+        "gpufleet/atomic.py",
+    ):
+        assert name in files, sorted(files)
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)}
+    code = (
+        "import launcher.jobs.controller as c, launcher.jobs.recovery, launcher.observe.job_metrics, sys; "
+        "print(c.__file__); print(sorted({'click', 'rich', 'torch'} & set(sys.modules)))"
+    )
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [str(tmp_path / "launcher/jobs/controller.py"), "[]"]
+    r = subprocess.run(
+        [sys.executable, "-S", "-m", "launcher.jobs.controller"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert (r.returncode, r.stderr) == (2, "usage: python -m launcher.jobs.controller JOBDIR\n")

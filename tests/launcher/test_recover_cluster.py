@@ -1,4 +1,4 @@
-"""--recover (issue 14) against the simulated cluster: real sshd nodes, real torchrun over gloo, the
+"""--recover against the simulated cluster: real sshd nodes, real torchrun over gloo, the
 controller on node 0. A node is "preempted" as Compute Engine stops a Spot VM (its workers get
 SIGTERM and save, then its sshd and everything started through it die) and brought back later
 with its disk and host key (SimCluster.preempt / restart_sshd)."""

@@ -1,4 +1,4 @@
-"""--recover's pure parts (issue 14): the options, the failure a result calls for, the step a line
+"""--recover's pure parts: the options, the failure a result calls for, the step a line
 says the run is at, without a network."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.model import LaunchResult, Node, NodeOutcome, UserError
-from launcher.recover import RecoverPolicy, failure_of, parse_duration, recover_policy, resume_argv, step_of
+from launcher.core.types import LaunchResult, Node, NodeOutcome, UserError
+from launcher.jobs.recovery import RecoverPolicy, failure_of, parse_duration, recover_policy, resume_argv, step_of
 
 TRAIN_ARGV = ("-m", "workloads.train", "--steps", "10", "--checkpoint-dir", "/ckpt")
 
@@ -84,7 +84,7 @@ def test_which_results_call_for_a_recovery():
 
 
 def test_each_recovery_is_one_line_saying_when_which_node_why_and_how_long():
-    from launcher.recover import Recovery, recovery_lines
+    from launcher.jobs.recovery import Recovery, recovery_lines
 
     done = Recovery(
         1e9,

@@ -1,4 +1,4 @@
-"""The launcher's shape (issue 12): one job per module, no reaching into another module's private
+"""The launcher's shape: one job per module, no reaching into another module's private
 names, no import cycle, and functions short enough to read."""
 
 from __future__ import annotations
@@ -10,34 +10,47 @@ import pytest
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 
-# Modules moved onto the Launch object in issue 12, and the command modules that share the CLI's
-# options (launcher.options) and display (launcher.render) by their public names.
+# The modules around the Launch object, and the command modules that share the CLI's
+# options (launcher.cli.options) and display (launcher.cli.render) by their public names.
 SPLIT = [
-    "cli",
-    "command",
-    "discovery",
-    "env",
-    "launch",
-    "model",
-    "options",
-    "output",
-    "preflight",
-    "render",
-    "session",
-    "transport",
+    "cli.main",
+    "core.command",
+    "cluster.discovery",
+    "core.env",
+    "core.launch",
+    "core.types",
+    "cli.options",
+    "core.output",
+    "core.preflight",
+    "cli.render",
+    "core.session",
+    "core.transport",
 ]
-COMMANDS = ["doctor_cli", "top_cli", "nccl_cmd", "nccl_from"]
-# The collective sweep's report, split by job in issue 12: parse, judge, render and store, find a
-# bad node, the mpirun command; nccl_report gathers their public names.
-REPORT = ["nccl_parse", "nccl_judge", "nccl_render", "badnodes", "nccl_mpirun", "nccl_report"]
+COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "nccl.from_files"]
+# The collective sweep's report, split by job: parse, judge, render and store, find a
+# bad node, the mpirun command; nccl.report gathers their public names.
+REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
-BUILDERS = {("command", "remote_script"), ("doctor", "node_script")}
-# Every module of the package, for the rules that hold everywhere.
-ALL = sorted(p.stem for p in LAUNCHER.glob("*.py") if p.stem != "__init__")
+BUILDERS = {("core.command", "remote_script"), ("doctor", "node_script")}
+
+
+def _name(path: Path) -> str:
+    """launcher/core/launch.py -> "core.launch"; a package's __init__.py -> the package's name."""
+    parts = path.relative_to(LAUNCHER).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# Every module of the package and its subpackages, for the rules that hold everywhere.
+ALL = sorted(_name(p) for p in LAUNCHER.rglob("*.py") if p.relative_to(LAUNCHER).as_posix() != "__init__.py")
+
+
+def _path(name: str) -> Path:
+    base = LAUNCHER.joinpath(*name.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
 
 def _tree(name: str) -> ast.Module:
-    return ast.parse((LAUNCHER / f"{name}.py").read_text())
+    return ast.parse(_path(name).read_text())
 
 
 def _launcher_imports(tree: ast.Module) -> list[ast.ImportFrom]:
@@ -66,11 +79,23 @@ def test_every_function_is_under_60_lines(name):
     assert not long, f"launcher.{name}: {long}"
 
 
+def _deps(name: str) -> set[str]:
+    """The launcher modules `name` imports: `from launcher.a.b import x` -> "a.b", and
+    `from launcher.a import b` -> "a.b" when b is a module, else "a"."""
+    deps = set()
+    for n in _launcher_imports(_tree(name)):
+        module = n.module.split(".", 1)[1] if "." in n.module else ""
+        for a in n.names:
+            sub = f"{module}.{a.name}" if module else a.name
+            if sub in ALL:
+                deps.add(sub)
+            elif module:
+                deps.add(module)
+    return deps - {name}
+
+
 def test_the_launcher_modules_import_no_cycle():
-    graph = {
-        p.stem: {n.module.split(".")[1] for n in _launcher_imports(ast.parse(p.read_text())) if "." in n.module}
-        for p in LAUNCHER.glob("*.py")
-    }
+    graph = {name: _deps(name) for name in ALL}
 
     def visit(name: str, path: tuple[str, ...]) -> None:
         for dep in graph.get(name, ()):
@@ -83,7 +108,7 @@ def test_the_launcher_modules_import_no_cycle():
 
 def test_library_modules_never_print():
     """rich and print() belong to the CLI, which renders the launch's events and result."""
-    for name in (set(SPLIT) | set(REPORT)) - {"cli", "render", "nccl_render", "nccl_report"}:
+    for name in (set(SPLIT) | set(REPORT)) - {"cli.main", "cli.render", "nccl.render", "nccl.report"}:
         tree = _tree(name)
         calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
         assert "print" not in calls, f"launcher.{name} prints"
@@ -94,7 +119,7 @@ def test_library_modules_never_print():
 
 def test_node_state_changes_in_one_place():
     """`Launch._set_state` is the only code that assigns a node's state."""
-    tree = _tree("launch")
+    tree = _tree("core.launch")
     writers = set()
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef):
@@ -131,21 +156,21 @@ def _calls_of(tree: ast.Module, module: str, attr: str) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize("name", ["nccl_cmd", "badnodes"])
+@pytest.mark.parametrize("name", ["cli.cmd_nccl_tests", "nccl.badnodes"])
 def test_nccl_tests_and_the_bad_node_search_leave_signals_to_launch(name):
-    """Signal handling is Launch's (launcher.launch): the nccl-tests command and the bad-node
+    """Signal handling is Launch's (launcher.core.launch): the nccl-tests command and the bad-node
     search install no handler of their own, and drive `Launch` rather than copying it."""
     tree = _tree(name)
     assert not _calls_of(tree, "signal", "signal"), f"launcher.{name} installs a signal handler"
     assert not _calls_of(tree, "signal", "set_wakeup_fd"), f"launcher.{name} touches signal delivery"
-    if name == "badnodes":
-        assert _calls_of(tree, "launcher.launch", "Launch"), "the bad-node search does not drive Launch"
+    if name == "nccl.badnodes":
+        assert _calls_of(tree, "launcher.core.launch", "Launch"), "the bad-node search does not drive Launch"
 
 
 def test_the_compatibility_module_run_is_gone_and_nothing_imports_it():
     assert not (LAUNCHER / "run.py").exists()
     repo = LAUNCHER.parent
-    for path in [*LAUNCHER.glob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "bench").glob("*.py")]:
+    for path in [*LAUNCHER.rglob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "bench").glob("*.py")]:
         tree = ast.parse(path.read_text())
         bad = [
             n.lineno
@@ -155,3 +180,41 @@ def test_the_compatibility_module_run_is_gone_and_nothing_imports_it():
             or (isinstance(n, ast.ImportFrom) and n.module == "launcher" and any(a.name == "run" for a in n.names))
         ]
         assert not bad, f"{path.relative_to(repo)}:{bad[0]} imports launcher.run"
+
+
+def _imported(name: str) -> tuple[set[str], set[str]]:
+    """What module `name` imports anywhere in it (a function's lazy import too): the launcher
+    modules, each with the packages above it (importing one runs their __init__), and the
+    top-level names of everything else."""
+    inner, outer = set(), set()
+    for n in ast.walk(_tree(name)):
+        if isinstance(n, ast.Import):
+            dotted = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            dotted = [n.module, *(f"{n.module}.{a.name}" for a in n.names)]
+        else:
+            continue
+        for d in dotted:
+            parts = d.split(".")
+            if parts[0] != "launcher":
+                outer.add(parts[0])
+                continue
+            inner.update(m for m in (".".join(parts[1:i]) for i in range(2, len(parts) + 1)) if m in ALL)
+    return inner, outer
+
+
+@pytest.mark.parametrize("package", ["core", "jobs"])
+def test_core_and_jobs_import_neither_click_nor_rich(package):
+    """Node 0 runs core/ and jobs/ with `python -S` (no site-packages), and library code leaves
+    the display to the CLI: neither package reaches click or rich, through any launcher module."""
+    start = [m for m in ALL if m == package or m.startswith(package + ".")]
+    via = {m: (m,) for m in start}
+    todo = list(start)
+    while todo:
+        name = todo.pop()
+        inner, outer = _imported(name)
+        bad = outer & {"click", "rich"}
+        assert not bad, f"launcher.{package} reaches {sorted(bad)}: " + " -> ".join(via[name])
+        for dep in inner - via.keys():
+            via[dep] = (*via[name], dep)
+            todo.append(dep)

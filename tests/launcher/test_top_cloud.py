@@ -1,4 +1,4 @@
-"""`launch top --cloud-monitoring` (issue 15) against a local stand-in for Cloud Monitoring's
+"""`launch top --cloud-monitoring` against a local stand-in for Cloud Monitoring's
 `MetricService.CreateTimeSeries`, served over gRPC (the transport google-cloud-monitoring's
 `MetricServiceClient` uses), that checks each request as the real API does.
 
@@ -22,16 +22,16 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
-from launcher.discovery import local_cluster
-from launcher.model import Cluster, Node
-from launcher.top import NodeRow, NodeStatus
-from launcher.top_cli import top
+from launcher.cli.cmd_top import top
+from launcher.cluster.discovery import local_cluster
+from launcher.core.types import Cluster, Node
+from launcher.observe.top import NodeRow, NodeStatus
 
 monitoring_v3 = pytest.importorskip("google.cloud.monitoring_v3")
 from google.api.metric_pb2 import MetricDescriptor  # noqa: E402
 from google.protobuf import empty_pb2  # noqa: E402
 
-from launcher.top_cloud import GAUGES, METRIC_PREFIX, CloudExporter, time_series  # noqa: E402
+from launcher.observe.cloud import GAUGES, METRIC_PREFIX, CloudExporter, time_series  # noqa: E402
 
 _GENERIC_NODE = {"project_id", "location", "namespace", "node_id"}
 _MIN_GAP_S = 5.0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher.top_cli import top
+from launcher.cli.cmd_top import top
 from tests.support import LAUNCH, REPO, Launch, source_args, torch_args, wait_for
 
 PAIRS = str(Path(__file__).with_name("top_pairs_script.py"))

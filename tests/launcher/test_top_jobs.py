@@ -1,5 +1,5 @@
-"""`launch top` and detached jobs (issue 15): `launch top JOB_ID` views that job's nodes only,
-the job's controller samples its nodes into the job record while it runs (launcher.job_metrics),
+"""`launch top` and detached jobs: `launch top JOB_ID` views that job's nodes only,
+the job's controller samples its nodes into the job record while it runs (launcher.observe.job_metrics),
 and `launch top --plot JOB_ID` draws those samples.
 
 The cluster tests use real sshd nodes in network namespaces, each with a home of its own (node 0
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher import job_metrics
-from launcher.discovery import local_cluster
-from launcher.model import LaunchConfig, Workload
-from launcher.top import SCHEMA
-from launcher.top_cli import top
+from launcher.cli.cmd_top import top
+from launcher.cluster.discovery import local_cluster
+from launcher.core.types import LaunchConfig, Workload
+from launcher.observe import job_metrics
+from launcher.observe.top import SCHEMA
 from tests.launcher.test_jobs_cluster import cluster, job, launch
 from tests.simcluster import SimCluster
 from tests.support import source_args, wait_for

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher.model import Node
-from launcher.sampler import Counters, GpuReading, NodeStream, delta, node_program, parse_gpu_line
-from launcher.top import (
+from launcher.cli.cmd_top import render_table, top
+from launcher.core.types import Node
+from launcher.observe.plot import plot_record, read_record
+from launcher.observe.sampler import Counters, GpuReading, NodeStream, delta, node_program, parse_gpu_line
+from launcher.observe.top import (
     GPU,
     HOST,
     OTHER,
@@ -33,8 +35,6 @@ from launcher.top import (
     slowest,
     sparkline,
 )
-from launcher.top_cli import render_table, top
-from launcher.top_plot import plot_record, read_record
 
 NODE = Node(0, "10.0.0.2", "10.0.0.2")
 

@@ -21,7 +21,9 @@ from gpufleet.catalog import lookup
 from gpufleet.health import PhysicalHost
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.cli import main
-from launcher.command import (
+from launcher.cluster.discovery import cluster_from_outputs, local_cluster, parse_hostfile
+from launcher.cluster.topology import launch_order
+from launcher.core.command import (
     CHECKED_MARKER,
     EXIT_MARKER,
     join_timeout_s,
@@ -30,10 +32,8 @@ from launcher.command import (
     remote_script,
     torchrun_argv,
 )
-from launcher.discovery import cluster_from_outputs, local_cluster, parse_hostfile
-from launcher.env import node_env, parse_env_pairs
-from launcher.model import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
-from launcher.topology import launch_order
+from launcher.core.env import node_env, parse_env_pairs
+from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
 from tests.support import LAUNCH, REPO
 
 HOSTILE = '"; rm -rf ~'
@@ -182,7 +182,7 @@ def test_each_machine_family_gets_its_stack_profile():
 
 def test_env_override_replaces_profile_value_and_is_logged(caplog):
     cfg = _cfg(env=parse_env_pairs(["NCCL_BUFFSIZE=1048576", "MY_FLAG=a=b"]))
-    with caplog.at_level(logging.WARNING, logger="launcher.env"):
+    with caplog.at_level(logging.WARNING, logger="launcher.core.env"):
         env = node_env(_cluster(2, "a3-megagpu-8g"), cfg)
     assert env["NCCL_BUFFSIZE"] == "1048576" and env["MY_FLAG"] == "a=b"
     assert "NCCL_BUFFSIZE=1048576 overrides the profile value NCCL_BUFFSIZE=8388608" in caplog.text
@@ -526,7 +526,7 @@ def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_pa
 
 
 def test_rank_count_follows_each_nodes_slots():
-    from launcher.nccl_cmd import _nranks
+    from launcher.cli.cmd_nccl_tests import _nranks
 
     c = Cluster("c", (Node(0, "a", "a", slots=2), Node(1, "b", "b", slots=1), Node(2, "c", "c")), "a3-megagpu-8g")
     assert _nranks(c, _cfg()) == 2 + 1 + 8  # slots where given, else the machine type's GPUs
@@ -534,8 +534,8 @@ def test_rank_count_follows_each_nodes_slots():
 
 
 def test_the_status_line_names_the_last_nodes_still_to_answer():
-    from launcher.launch import NodeEvent, NodeState
-    from launcher.render import live_printer
+    from launcher.cli.render import live_printer
+    from launcher.core.launch import NodeEvent, NodeState
 
     c = _cluster(5)
     on_event, status = live_printer(c)
@@ -664,7 +664,7 @@ def test_local_cluster_has_loopback_nodes():
 
 
 def _probes(facts: list[dict], skews=None):
-    from launcher.preflight import Probe
+    from launcher.core.preflight import Probe
 
     c = _cluster(len(facts))
     return c, {
@@ -673,7 +673,7 @@ def _probes(facts: list[dict], skews=None):
 
 
 def test_preflight_refuses_different_torch_versions_naming_each_node():
-    from launcher.preflight import check_probes
+    from launcher.core.preflight import check_probes
 
     c, probes = _probes([{"host": "a", "torch": "2.13.0"}, {"host": "b", "torch": "2.12.1"}])
     with pytest.raises(UserError, match=r"torch versions differ .*node 1 \(10.0.0.3\): 2.12.1"):
@@ -681,7 +681,7 @@ def test_preflight_refuses_different_torch_versions_naming_each_node():
 
 
 def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
-    from launcher.preflight import Probe, check_probes
+    from launcher.core.preflight import Probe, check_probes
 
     c, probes = _probes([{"host": "a", "port": "busy:job0"}, {"host": "b"}, {"host": "c"}])
     with pytest.raises(UserError, match="in use by another launch \\(job job0\\)"):
@@ -695,10 +695,10 @@ def test_preflight_names_unreachable_nodes_together_and_busy_rendezvous_port():
 
 
 def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
-    from launcher.preflight import check_probes
+    from launcher.core.preflight import check_probes
 
     c = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2", name="gpu-0"), Node(1, "10.0.0.3", "10.0.0.3", name="gpu-1")))
-    from launcher.preflight import Probe
+    from launcher.core.preflight import Probe
 
     probes = {
         0: Probe(c.nodes[0], True, facts={"host": "gpu-0"}, skew_s=0.1),
@@ -711,10 +711,10 @@ def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
 
 
 def test_connections_through_a_proxy_are_bounded_below_maxstartups():
-    from launcher.command import ssh_base_argv
-    from launcher.model import SshConfig
-    from launcher.preflight import through_gateway
-    from launcher.transport import Transport
+    from launcher.core.command import ssh_base_argv
+    from launcher.core.preflight import through_gateway
+    from launcher.core.transport import Transport
+    from launcher.core.types import SshConfig
 
     node = Node(0, "10.0.0.2", "10.0.0.2")
     for opts, iap, expect in [
@@ -729,8 +729,8 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
 
 
 def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():
-    from launcher.command import ssh_argv, ssh_base_argv
-    from launcher.model import SshConfig
+    from launcher.core.command import ssh_argv, ssh_base_argv
+    from launcher.core.types import SshConfig
 
     base = ssh_base_argv(
         SshConfig(user="ml", options=("StrictHostKeyChecking=yes",), iap=True, zone="us-east5-a"),
@@ -779,7 +779,7 @@ def test_misspelt_launcher_option_is_an_error_not_a_command(tmp_path):
     assert (r.exit_code, r.output) == (2, "error: no such option --nodez (did you mean --nodes?)\n")
 
 
-# ---- issue 11: what the terminal shows, one environment, small things ---------------------------
+# ---- what the terminal shows, one environment, small things ---------------------------
 
 
 def test_the_check_sees_the_launch_environment(tmp_path):
@@ -853,11 +853,11 @@ def test_the_sweep_json_line_and_c10d_dns_warnings_stay_in_the_log_not_the_live_
     assert log.read_text().splitlines() == ['#gpufleet-json {"rows": []}', dns, "visible"]
 
 
-# ---- the Launch object (issue 12) ----------------------------------------------------------------
+# ---- the Launch object ---------------------------------------------------------------------
 
 
 def test_launch_moves_each_node_through_its_states_and_reports_them(tmp_path):
-    from launcher.launch import Launch, NodeState
+    from launcher.core.launch import Launch, NodeState
 
     cmd = 'if [ "$GPUFLEET_NODE_RANK" = 1 ]; then echo bye; exit 3; fi; sleep 30'
     cfg = LaunchConfig(workload=Workload("exec", ("sh", "-c", cmd)), job_id=new_job_id(), runs_dir=tmp_path)
@@ -873,7 +873,7 @@ def test_launch_moves_each_node_through_its_states_and_reports_them(tmp_path):
 
 
 def test_a_node_that_never_answers_its_check_is_unreachable_and_the_rest_go_home(tmp_path):
-    from launcher.launch import Launch, NodeState
+    from launcher.core.launch import Launch, NodeState
 
     c = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"), Node(1, "127.0.0.2", "127.0.0.2")))
     cfg = LaunchConfig(workload=Workload("exec", ("true",)), job_id=new_job_id(), runs_dir=tmp_path)
@@ -890,8 +890,8 @@ class _BashHereSshToNode1:
     local = False
 
     def __init__(self, tmp_path):
-        from launcher.command import ssh_base_argv
-        from launcher.model import SshConfig
+        from launcher.core.command import ssh_base_argv
+        from launcher.core.types import SshConfig
 
         ssh = SshConfig(options=("Port=1",), connect_timeout=3)
         # A short ControlPath directory: a socket path has at most 108 bytes, and pytest's
@@ -900,7 +900,7 @@ class _BashHereSshToNode1:
         self.ssh_base = ssh_base_argv(ssh, control, str(tmp_path / "known_hosts"))
 
     def argv(self, node, script):
-        from launcher.command import remote_command, ssh_argv
+        from launcher.core.command import remote_command, ssh_argv
 
         if node.rank == 0:
             return ["bash", "--norc", "--noprofile", "-c", script]

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.model import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
-from launcher.workload_args import TrainArgs, no_such_option, option_names, world_size
+from launcher.cli.workload_args import TrainArgs, no_such_option, option_names, world_size
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from tests.support import LAUNCH, REPO
 
 

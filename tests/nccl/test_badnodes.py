@@ -1,4 +1,4 @@
-"""The bad-node finder in bounded time (issue 11, item 3): the round plan it hands the sweep, the
+"""The bad-node finder in bounded time: the round plan it hands the sweep, the
 rule that skips the confirming pass, and the finder on a simulated cluster with a throttled link."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from gpufleet.contracts import JSON_MARKER
 from gpufleet.groups import format_rounds, group_documents, parse_rounds
-from launcher import badnodes
-from launcher.cli import main
+from launcher.cli.main import main
+from launcher.nccl import badnodes
 from tests.support import Launch, source_args, torch_args, wait_for, workers
 
 # ---- the plan: launcher -> sweep -------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 from gpufleet import bandwidth as bw
 from gpufleet.catalog import NetStack, lookup
 from gpufleet.contracts import SweepRow
+from gpufleet.expected import fit_latency, model_busbw
 
 # (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (NVIDIA/nccl-tests src/<coll>.cu).
 HAND_FACTORS = {
@@ -132,27 +133,27 @@ def test_size_ladder_errors_name_the_fix():
 def test_model_is_half_the_plateau_at_s_half():
     b, a, f = 100.0, 50e-6, 1.5
     s_half = a * b * 1e9 / f  # busbw(S_half) = B/2: A·B/(f·S) = 1
-    assert bw.model_busbw(s_half, b, a, f) == pytest.approx(50.0)
-    assert bw.model_busbw(1 << 40, b, a, f) == pytest.approx(100.0, rel=1e-3)
-    assert bw.model_busbw(0, b, a, f) == 0.0
+    assert model_busbw(s_half, b, a, f) == pytest.approx(50.0)
+    assert model_busbw(1 << 40, b, a, f) == pytest.approx(100.0, rel=1e-3)
+    assert model_busbw(0, b, a, f) == 0.0
 
 
 def test_fit_recovers_latency_from_small_sizes_only():
     b, a, f = 188.0, 115e-6, 15 / 16
-    pts = [(s, bw.model_busbw(s, b, a, f)) for s in (8 << i for i in range(31))]
+    pts = [(s, model_busbw(s, b, a, f)) for s in (8 << i for i in range(31))]
     # Spoil the large sizes: the fit must not look at them.
     pts = [(s, v * (0.3 if s > (1 << 20) else 1.0)) for s, v in pts]
-    assert bw.fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
+    assert fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
 
 
 def test_fit_is_robust_to_one_outlier_and_never_negative():
     b, a, f = 50.0, 20e-6, 1.0
-    pts = [(s, bw.model_busbw(s, b, a, f)) for s in (1024, 4096, 16384, 65536, 262144)]
+    pts = [(s, model_busbw(s, b, a, f)) for s in (1024, 4096, 16384, 65536, 262144)]
     pts[2] = (pts[2][0], pts[2][1] / 10)  # one slow hiccup
-    assert bw.fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
+    assert fit_latency(pts, b, f) == pytest.approx(a, rel=1e-9)
     # Faster than the plateau (impossible for the model): A clamps to 0.
-    assert bw.fit_latency([(1024, 1e6)], b, f) == 0.0
-    assert bw.fit_latency([(1 << 30, 10.0)], b, f) is None
+    assert fit_latency([(1024, 1e6)], b, f) == 0.0
+    assert fit_latency([(1 << 30, 10.0)], b, f) is None
 
 
 def test_plateau_uses_catalog_rate_times_stack_efficiency():

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from gpufleet import atomic
 from gpufleet.bandwidth import COLLECTIVES
 from gpufleet.collectives import SWEEP_FLAGS, SweepSpec, collective_list
-from launcher.cli import main
+from launcher.cli.main import main
 
 # ---- the sweep's flags ---------------------------------------------------------------------------
 

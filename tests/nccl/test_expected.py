@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet import bandwidth, expected
+from gpufleet import expected
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.expected import Algorithm
-from launcher import nccl_report as rep
+from launcher.nccl import report as rep
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-outputs"
 CASES = {
@@ -226,24 +226,14 @@ def test_the_calibration_constants_are_what_the_published_sweeps_fit():
     )
 
 
-def test_bandwidth_keeps_its_old_names():
-    mega = lookup("a3-megagpu-8g")
-    assert bandwidth.plateau_busbw(mega, "all_gather", 2) == pytest.approx(188.0)
-    assert bandwidth.EFFICIENCY is expected.EFFICIENCY
-    assert bandwidth.uses_single_nic("alltoall") and not bandwidth.uses_single_nic("all_reduce")
-    assert set(bandwidth.DEFAULT_LATENCY_S) == set(expected.EFFICIENCY)
-    with pytest.raises(AttributeError):
-        bandwidth.no_such_name  # noqa: B018
-
-
 def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_path, capsys):
-    """What `launch nccl-tests` prints after a run (launcher.nccl_cmd.report_rows), on 09 slowed to 60%."""
+    """What `launch nccl-tests` prints after a run (launcher.cli.cmd_nccl_tests.report_rows), on 09 slowed to 60%."""
     import io
 
     from rich.console import Console
 
-    from launcher import nccl_cmd
-    from launcher.model import Cluster, LaunchConfig, Node, Workload
+    from launcher.cli import cmd_nccl_tests as nccl_cmd
+    from launcher.core.types import Cluster, LaunchConfig, Node, Workload
 
     rows = _slowed(_rows("09-a3mega-slurm-allreduce-2node.txt"), 0.6)
     cluster = Cluster("c", (Node(0, "a", "10.0.0.1"), Node(1, "b", "10.0.0.2")), machine_type="a3-megagpu-8g")

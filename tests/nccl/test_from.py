@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher import nccl_parse
-from launcher import nccl_report as rep
-from launcher.cli import main
+from launcher.cli.main import main
+from launcher.nccl import parse as nccl_parse
+from launcher.nccl import report as rep
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-outputs"
 EXPECTED = json.loads((CORPUS / "EXPECTED.json").read_text())["files"]

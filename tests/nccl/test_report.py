@@ -1,4 +1,4 @@
-"""The sweep report through launcher.nccl_report, the one import of its library API: parsing,
+"""The sweep report through launcher.nccl.report, the one import of its library API: parsing,
 judging, storing, bad-node ranking, the mpirun argv (each owned by its own module)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import json
 import pytest
 from rich.console import Console
 
-from gpufleet.bandwidth import bus_factor, model_busbw, plateau_busbw
+from gpufleet.bandwidth import bus_factor
 from gpufleet.catalog import lookup
-from launcher import nccl_report as rep
+from gpufleet.expected import model_busbw, plateau_busbw
+from launcher.nccl import report as rep
 from tests.nccl import samples
 
 
@@ -239,17 +240,23 @@ def test_the_report_api_is_the_owning_modules_names():
     import importlib
 
     owners = {
-        "launcher.nccl_parse": ["parse_output"],
-        "launcher.nccl_judge": [
+        "launcher.nccl.parse": ["parse_output"],
+        "launcher.nccl.judge": [
             "failures",
             "ExpectedReport",
             "expected_curve",
             "expected_judgement",
             "expected_report",
         ],
-        "launcher.nccl_render": ["rich_table", "write_results"],
-        "launcher.badnodes": ["BadNodeReport", "pair_schedule", "rank_nodes", "confirm_halves", "confirm_suspects"],
-        "launcher.nccl_mpirun": ["nccl_tests_command"],
+        "launcher.nccl.render": ["rich_table", "write_results"],
+        "launcher.nccl.badnodes": [
+            "BadNodeReport",
+            "pair_schedule",
+            "rank_nodes",
+            "confirm_halves",
+            "confirm_suspects",
+        ],
+        "launcher.nccl.mpirun": ["nccl_tests_command"],
         "gpufleet.contracts": ["JSON_MARKER", "SweepRow"],
         "gpufleet.bandwidth": ["avg_busbw"],
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.bandwidth import COLLECTIVES, bus_factor, coll_sizes, size_ladder
-from launcher import nccl_report as rep
+from launcher.nccl import report as rep
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -270,7 +270,7 @@ def test_the_json_file_is_the_printed_document(monkeypatch, capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
 
 
-# ---- --time-budget and --rounds (the bad-node finder's sweep, issue 11) ------------------------
+# ---- --time-budget and --rounds (the bad-node finder's sweep) -----------------------------
 
 
 def test_a_size_over_the_time_budget_is_answered_by_its_first_call(monkeypatch, capsys):

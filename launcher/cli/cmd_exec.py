@@ -1,0 +1,25 @@
+"""`launch exec`: a plain command (CMD [ARGS]) on every node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from launcher.cli.launching import start
+from launcher.cli.options import DETACH_OPTION, ENV_OPTION, PROGRAM_AFTER, SOURCE_OPTIONS, apply_options
+from launcher.cli.render import user_errors
+from launcher.core.types import UserError, Workload
+
+__all__ = ["exec_"]
+
+
+@click.command(name="exec", context_settings=PROGRAM_AFTER)
+@apply_options(SOURCE_OPTIONS + [ENV_OPTION, DETACH_OPTION])
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@user_errors
+def exec_(args: tuple[str, ...], **o: Any) -> None:
+    """Run a plain command (CMD [ARGS]) on every node."""
+    if not args:
+        raise UserError("nothing to run: `launch exec ... -- CMD [ARGS]`")
+    start(o, Workload("exec", tuple(args)))

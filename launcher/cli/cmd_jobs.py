@@ -1,0 +1,65 @@
+"""`launch jobs`: the cluster's detached jobs, newest first, as a table or JSON lines."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from launcher.cli.detached import STATE_STYLE, node0
+from launcher.cli.options import SOURCE_OPTIONS, apply_options
+from launcher.cli.render import user_errors
+from launcher.jobs.record import JobRecord
+
+__all__ = ["jobs"]
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _row(r: JobRecord) -> list[str]:
+    dur = r.duration_s
+    what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
+    return [
+        r.id,
+        escape(what),
+        f"[{STATE_STYLE[r.state.value]}]{r.state.value}[/]",
+        str(len(r.nodes)),
+        _when(r.started),
+        "-" if dur is None else f"{dur:.0f} s",
+        "-" if r.exit is None else str(r.exit),
+        escape(r.why + _recoveries(r)) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else "",
+    ]
+
+
+def _recoveries(r: JobRecord) -> str:
+    n = len(r.recoveries)
+    if not n or r.state.value == "RECOVERING":
+        return ""
+    return f" ({n} recover{'y' if n == 1 else 'ies'}; --json lists them)"
+
+
+@click.command(name="jobs")
+@apply_options(SOURCE_OPTIONS)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per job per line.")
+@user_errors
+def jobs(as_json: bool, **o: Any) -> None:
+    """List the cluster's detached jobs, newest first."""
+    records = node0(o)[1].records()
+    if as_json:
+        for r in records:
+            click.echo(json.dumps(r.to_json()))
+        return
+    table = Table()
+    for col in ("id", "what", "state", "nodes", "started", "duration", "exit", "why"):
+        table.add_column(col)
+    for r in records:
+        table.add_row(*_row(r))
+    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)

@@ -1,0 +1,34 @@
+"""`launch run`: SCRIPT [ARGS] (or -m MODULE [ARGS]) under torchrun on every node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from launcher.cli.launching import start
+from launcher.cli.options import (
+    DETACH_OPTION,
+    HANG_OPTIONS_RUN,
+    PROGRAM_AFTER,
+    SOURCE_OPTIONS,
+    TORCHRUN_OPTIONS,
+    apply_options,
+)
+from launcher.cli.render import user_errors
+from launcher.core.types import UserError, Workload
+
+__all__ = ["run"]
+
+
+@click.command(name="run", context_settings=PROGRAM_AFTER)
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + HANG_OPTIONS_RUN + [DETACH_OPTION])
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@user_errors
+def run(args: tuple[str, ...], **o: Any) -> None:
+    """Run SCRIPT [ARGS] (or -m MODULE [ARGS]) under torchrun on every node."""
+    if not args:
+        raise UserError("nothing to run: `launch run ... -- SCRIPT [ARGS]` or `-- -m MODULE [ARGS]`")
+    if args[0] == "-m" and len(args) < 2:
+        raise UserError("`-m` needs a module name: `launch run ... -- -m package.module`")
+    start(o, Workload("torchrun", tuple(args)))

@@ -1,0 +1,128 @@
+"""What the detached-job commands share: `--detach` itself (`start_detached`, for train, run,
+exec and nccl-tests), node 0 of the cluster the node-source flags name, and following a job's
+stream. Every command reads node 0 over the client's own SSH (the same known_hosts and options
+as any launch): the records live there, under the home of the account on node 0
+(launcher.jobs.record), never on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from launcher.cli.options import build_config, find_cluster
+from launcher.cli.render import err, setup_logging
+from launcher.cluster.ordering import order_for_launch
+from launcher.core.transport import make_transport
+from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
+from launcher.jobs.handoff import detach
+from launcher.jobs.node0 import Node0, job_host
+from launcher.jobs.record import JobRecord, logs_script
+from launcher.jobs.recovery import recover_policy
+
+__all__ = ["STATE_STYLE", "start_detached", "node0", "copy_path", "reader_gone", "follow"]
+
+STATE_STYLE = {
+    "PENDING": "cyan",
+    "RUNNING": "blue",
+    "RECOVERING": "magenta",
+    "SUCCEEDED": "green",
+    "FAILED": "red",
+    "STOPPED": "yellow",
+}
+
+
+def start_detached(
+    o: dict[str, Any], workload: Workload, check: Callable[[Cluster, LaunchConfig], None] | None = None
+) -> None:
+    """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line).
+    `check` refuses workload arguments that do not fit the ranks the job will start."""
+    setup_logging()
+    if o.get("dry_run"):
+        raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
+    policy = recover_policy(o, workload.argv, detach=True)
+    cluster = find_cluster(o)
+    if policy and policy.min_nodes is not None and policy.min_nodes > len(cluster.nodes):
+        raise UserError(
+            f"--min-nodes {policy.min_nodes} is more than the job's {len(cluster.nodes)} nodes; give at most "
+            f"{len(cluster.nodes)}"
+        )
+    config = build_config(o, workload, cluster)
+    if check is not None:
+        check(cluster, config)
+    n = len(cluster.nodes)
+    # The controller keeps this order: the request carries the nodes in it, and a recovery
+    # relaunches from the request.
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    if order.message:
+        err.print(f"[dim]{escape(order.message)}[/dim]")
+    with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
+        job_id = detach(cluster, config, policy.to_json() if policy else None)
+    click.echo(f"job {job_id}")
+    err.print(
+        f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop {job_id}[/dim]"
+    )
+
+
+def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
+    """The cluster the flags name, and the client's SSH to its node 0."""
+    setup_logging()
+    cluster = find_cluster(o)
+    if cluster.local:
+        raise UserError(
+            "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
+            "cluster's node flags (--hostfile, --stack, ...)"
+        )
+    config = build_config(o, Workload("exec", ("true",)), cluster)
+    return cluster, Node0(make_transport(cluster, config), job_host(cluster))
+
+
+def copy_path(o: dict[str, Any], job_id: str, node: int | None) -> Path:
+    d = Path(o.get("runs_dir") or "runs") / job_id
+    d.mkdir(parents=True, exist_ok=True)
+    return d / ("output.log" if node is None else f"node-{node}.log")
+
+
+def reader_gone() -> None:
+    """stdout's reader went away (`launch logs ID | head`): stop quietly, as cat does; the job
+    is untouched. stdout goes to /dev/null so the interpreter's final flush cannot fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(0)
+
+
+def follow(n0: Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
+    """Print the job's stream as it grows until the job ends; Ctrl-C stops following only."""
+    proc = subprocess.Popen(
+        n0.argv(logs_script(job_id, node, follow=True)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        with open(copy, "wb") as f:
+            for raw in iter(proc.stdout.readline, b""):
+                sys.stdout.buffer.write(raw)
+                sys.stdout.flush()
+                f.write(raw)
+                f.flush()
+        proc.wait()
+    except BrokenPipeError:
+        proc.kill()
+        reader_gone()
+    except KeyboardInterrupt:
+        proc.kill()
+        proc.wait()
+        err.print(f"[yellow]stopped following; job {job_id} goes on (launch stop {job_id} stops it)[/yellow]")
+        raise SystemExit(130) from None
+    if proc.returncode != 0:
+        why = proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or [f"exit {proc.returncode}"]
+        raise UserError(f"{n0.head.label}: {why[-1]}")
+    return n0.record(job_id)

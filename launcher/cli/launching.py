@@ -1,0 +1,46 @@
+"""What train, run and exec share: run attached through the one attached path
+(launcher.cli.render.execute_on), or with --detach hand the job to node 0's controller."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from launcher.cli.options import build_config, find_cluster
+from launcher.cli.render import execute_on, finish, setup_logging
+from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
+
+__all__ = ["start", "WorkloadCheck"]
+
+# Checks a workload's arguments against the nodes and ranks a launch will start (UserError if not).
+WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
+
+
+def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None) -> None:
+    """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
+    given = [
+        k
+        for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes")
+        if o.get(k) is not None
+    ]
+    if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
+        from launcher.jobs.recovery import recover_policy
+
+        recover_policy(o, workload.argv, detach=False)  # refuses: --recover lives on node 0's controller
+    if o.pop("detach", False):
+        from launcher.cli.detached import start_detached  # loaded only when asked for
+
+        start_detached(o, workload, check)
+    else:
+        finish(_attached(o, workload, check))
+
+
+def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None) -> LaunchResult | None:
+    """The nodes and the config from the flags, the workload's arguments checked against them,
+    then the one attached path (render.execute_on)."""
+    setup_logging()
+    cluster = find_cluster(o)
+    config = build_config(o, workload, cluster)
+    if check is not None:
+        check(cluster, config)
+    return execute_on(cluster, config)

@@ -1,0 +1,295 @@
+"""The launcher's command-line edge shared by every command: the node-source and torchrun
+options, and their mapping into the typed request (`find_cluster` -> `Cluster`, `build_config`
+-> `LaunchConfig`). No I/O beyond reading the node source."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from launcher.cluster import discovery
+from launcher.cluster.topology import RANK_ORDERS
+from launcher.core.env import parse_env_pairs
+from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
+from launcher.core.types import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
+from launcher.jobs.recovery import parse_duration
+
+__all__ = [
+    "SOURCE_OPTIONS",
+    "ENV_OPTION",
+    "TORCHRUN_OPTIONS",
+    "DETACH_OPTION",
+    "RECOVER_OPTIONS",
+    "hang_options",
+    "HANG_OPTIONS_TRAIN",
+    "HANG_OPTIONS_RUN",
+    "PASS_THROUGH",
+    "PROGRAM_AFTER",
+    "apply_options",
+    "find_cluster",
+    "build_config",
+]
+
+
+SOURCE_OPTIONS = [
+    click.option("--stack", help="Infra stack name: read `pulumi stack output --json --stack NAME`."),
+    click.option("--outputs", type=click.Path(path_type=Path), help="A saved stack-outputs JSON file."),
+    click.option("--hostfile", type=click.Path(path_type=Path), help="One host per line, optional slots=N."),
+    click.option(
+        "--label",
+        "labels",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Find instances by label through the Compute Engine API (repeatable).",
+    ),
+    click.option("--project", help="Project for --label."),
+    click.option("--zone", help="Zone for --label and --iap."),
+    click.option("--api-endpoint", hidden=True, help="Compute Engine API endpoint (tests)."),
+    click.option("--local", is_flag=True, help="Run N nodes as process groups on this machine."),
+    click.option("--nodes", type=int, help="Use the first N nodes in rank order."),
+    click.option(
+        "--controller",
+        metavar="HOST",
+        help="The host that runs detached jobs' controllers and keeps their records, not a node "
+        "[default: the stack's controller VM, a hostfile's `controller HOST` line, else node 0].",
+    ),
+    click.option("--exclude", default="", metavar="HOST,...", help="Leave these hosts out."),
+    click.option("--machine-type", help="Machine type for a hostfile (from the outputs otherwise)."),
+    click.option("--external-ip", is_flag=True, help="SSH to external IPs (from outside the VPC)."),
+    click.option("--ssh-user"),
+    click.option("--ssh-key", type=click.Path(path_type=Path)),
+    click.option(
+        "--ssh-option",
+        "ssh_options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="An OpenSSH -o option (repeatable); wins over the defaults.",
+    ),
+    click.option(
+        "--known-hosts",
+        type=click.Path(path_type=Path),
+        help="known_hosts file (default: one per cluster under ~/.cache/gpufleet).",
+    ),
+    click.option("--iap", is_flag=True, help="Reach nodes through an IAP tunnel (no external IP needed)."),
+    click.option("--python", help="The python on the nodes [default: python3; --local: this python]."),
+    click.option("--workdir", help="Directory the command runs in on each node."),
+    click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True),
+    click.option("--dry-run", is_flag=True, help="Print each node's host and command; connect to nothing."),
+]
+
+ENV_OPTION = click.option(
+    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable on every node (repeatable)."
+)
+
+# Issue 13: the job goes to a controller on node 0 (launcher.jobs.handoff) and outlives this client.
+DETACH_OPTION = click.option(
+    "--detach",
+    is_flag=True,
+    help="Check every node, hand the job to a controller on node 0, print `job ID` "
+    "and return; see `launch jobs/logs/stop/attach`.",
+)
+
+# Issue 14: a detached training job that loses a node comes back on its own (launcher.jobs.recovery).
+RECOVER_OPTIONS = [
+    click.option(
+        "--recover",
+        is_flag=True,
+        help="With --detach: when a node is lost, preempted or a worker crashes, wait for every node to "
+        "pass its check again and relaunch with --resume (needs --checkpoint-dir).",
+    ),
+    click.option("--max-recoveries", type=int, help="Give up after N recoveries [default: 3]."),
+    click.option(
+        "--recover-timeout",
+        metavar="DURATION",
+        help="How long a lost node may take to come back, e.g. 90s, 30m [default: 30m].",
+    ),
+    click.option(
+        "--restart-stopped/--no-restart-stopped",
+        default=None,
+        help="With --recover: start a node's VM again when Compute Engine stopped it (TERMINATED); "
+        "needs the cluster from --stack, --outputs or --label [default: on with --recover].",
+    ),
+    click.option(
+        "--min-nodes",
+        type=int,
+        help="With --recover: when a lost node is not back within --recover-timeout, go on without it "
+        "if N nodes or more are left (new WORLD_SIZE, GPUFLEET_RESTART_REASON=shrunk) [default: fail].",
+    ),
+]
+
+
+def hang_options(default: str | None) -> list:
+    """--hang-timeout (on by default for train, off for run) and --progress (launcher.core.hang)."""
+    on = f"[default: {default}]" if default else "[default: off]"
+    return [
+        click.option(
+            "--hang-timeout",
+            default=default,
+            metavar="DURATION",
+            help="After this long without progress (e.g. 30s, 10m), collect every worker's stack with py-spy, "
+            f"name the rank that holds the job up, and stop it; off turns it off {on}.",
+        ),
+        click.option(
+            "--progress",
+            metavar="REGEX",
+            help="Count only output lines matching REGEX (e.g. 'step \\d+') as progress [default: any line].",
+        ),
+    ]
+
+
+HANG_OPTIONS_TRAIN = hang_options(TRAIN_HANG_TIMEOUT)
+HANG_OPTIONS_RUN = hang_options(None)
+
+TORCHRUN_OPTIONS = [
+    click.option("--nproc-per-node", type=int, help="Processes per node (default: GPUs, or 1 on CPU)."),
+    click.option("--max-restarts", type=int, default=0, show_default=True),
+    click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
+    ENV_OPTION,
+    click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
+    click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
+    click.option(
+        "--rank-order",
+        type=click.Choice(RANK_ORDERS),
+        help="Node i of this order holds torchrun's group rank i (RANK 0 on node 0): topology (by each "
+        "node's physical_host, as `launch doctor` orders them) or given (the node source's order) "
+        "[default: topology when every node reports a physical_host, else given].",
+    ),
+]
+
+
+def apply_options(options):
+    def deco(fn):
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+
+    return deco
+
+
+# train passes options it does not know to workloads.train; run and exec take their program
+# after the first argument or `--`, so a misspelt launcher option is an error, not a command.
+PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "allow_interspersed_args": False}
+PROGRAM_AFTER = {"allow_interspersed_args": False}
+
+
+def find_cluster(o: dict[str, Any]) -> Cluster:
+    """Exactly one node source, then --exclude and --nodes."""
+    flags = {
+        "stack": "--stack",
+        "outputs": "--outputs",
+        "hostfile": "--hostfile",
+        "labels": "--label",
+        "local": "--local",
+    }
+    given = [k for k in flags if o.get(k)]
+    if len(given) != 1:
+        what = ", ".join(flags[g] for g in given) if given else "none"
+        raise UserError(f"give exactly one node source (--stack, --outputs, --hostfile, --label, --local); got {what}")
+    ext = o.get("external_ip", False)
+    src = given[0]
+    if src == "local":
+        if o.get("nodes") is None:
+            raise UserError("--local needs --nodes N (how many nodes to simulate here)")
+        for key, flag in (("exclude", "--exclude"), ("machine_type", "--machine-type")):
+            if o.get(key):
+                raise UserError(
+                    f"{flag} does not apply to --local (its nodes are processes on this machine, on CPU); drop it"
+                )
+        if o.get("controller"):
+            raise UserError("--controller does not apply to --local (no detached jobs there); drop it")
+        return discovery.local_cluster(o["nodes"])
+    if src == "hostfile":
+        cluster = discovery.read_hostfile(o["hostfile"], machine_type=o.get("machine_type"))
+    elif src == "outputs":
+        cluster = discovery.read_outputs_file(o["outputs"], prefer_external=ext)
+    elif src == "stack":
+        cluster = discovery.read_stack(o["stack"], prefer_external=ext)
+    else:
+        labels = {}
+        for pair in o["labels"]:
+            k, sep, v = pair.partition("=")
+            if not sep:
+                raise UserError(f"--label {pair!r} is not KEY=VALUE")
+            labels[k] = v
+        if not o.get("project") or not o.get("zone"):
+            raise UserError("--label needs --project and --zone")
+        client = None
+        if o.get("api_endpoint"):
+            from google.auth.credentials import AnonymousCredentials
+            from google.cloud import compute_v1
+
+            client = compute_v1.InstancesClient(
+                credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": o["api_endpoint"]}
+            )
+        cluster = discovery.discover_by_label(
+            labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
+        )
+    if o.get("controller"):
+        host = o["controller"]
+        cluster = replace(cluster, controller=ControllerHost(host=host, address=discovery.address_of(host)))
+    if o.get("machine_type") and src != "hostfile":
+        cluster = replace(cluster, machine_type=o["machine_type"])
+    exclude = tuple(h.strip() for h in (o.get("exclude") or "").split(",") if h.strip())
+    return cluster.select(o.get("nodes"), exclude)
+
+
+def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
+    out = []
+    for v in values:
+        v = v.strip()
+        if v.startswith("-o"):
+            v = v[2:].strip()
+        key, sep, val = v.partition("=")
+        if not sep and " " in v:
+            key, _, val = v.partition(" ")
+            sep = "="
+        if not sep or not key.isalnum():
+            raise UserError(f"--ssh-option {v!r} is not an OpenSSH Key=Value option")
+        out.append(f"{key}={val}")
+    return tuple(out)
+
+
+def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
+    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
+    ssh = SshConfig(
+        user=o.get("ssh_user"),
+        key=o.get("ssh_key"),
+        options=_ssh_options(o.get("ssh_options", ())),
+        known_hosts=o.get("known_hosts"),
+        iap=o.get("iap", False),
+        zone=o.get("zone") or cluster.zone,
+    )
+    hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
+    hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
+    return LaunchConfig(
+        workload=workload,
+        nproc_per_node=o.get("nproc_per_node"),
+        max_restarts=o.get("max_restarts", 0),
+        # --local without --rdzv-port takes a free port, so two local runs (or anything else
+        # on 29500 here) never collide; on a cluster, torchrun's documented default.
+        rdzv_port=o.get("rdzv_port") or (_free_port() if cluster.local else 29500),
+        workdir=o.get("workdir"),
+        env=parse_env_pairs(o.get("env", ())),
+        nccl_debug=o.get("nccl_debug", False),
+        image_os=o.get("image_os"),
+        # --local runs on this machine: the launcher's own interpreter has torch if workloads do.
+        python=o.get("python") or (sys.executable if cluster.local else "python3"),
+        job_id=new_job_id(),
+        runs_dir=o.get("runs_dir") or Path("runs"),
+        dry_run=o.get("dry_run", False),
+        ssh=ssh,
+        rank_order=o.get("rank_order"),
+        hang_timeout_s=hang_timeout_s,
+        progress=parse_progress(o.get("progress"), hang_timeout_s),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,170 @@
+"""What the user sees of a launch: one console on stderr (status line, summary table, one red
+line per error), node output on stdout as `[node N] line`, library log records as one coloured
+line each. `execute_on` drives one `launcher.core.launch.Launch` with this display.
+
+rich lives here and in the command modules; library modules (launch, session, ...) log and emit
+`NodeEvent`s instead of printing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from launcher.cluster.ordering import order_for_launch
+from launcher.core.command import node_commands
+from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
+from launcher.core.output import failure_line
+from launcher.core.transport import make_transport
+from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
+from launcher.jobs.busy import BusyCheck
+
+__all__ = [
+    "err",
+    "setup_logging",
+    "fail",
+    "user_errors",
+    "live_printer",
+    "render_result",
+    "execute_on",
+    "finish",
+]
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _RichHandler(logging.Handler):
+    """Library warnings in yellow, errors in red, one line each, on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        style = "red" if record.levelno >= logging.ERROR else "yellow" if record.levelno >= logging.WARNING else "dim"
+        err.print(f"[{style}]{escape(record.getMessage())}[/{style}]")
+
+
+def setup_logging() -> None:
+    root = logging.getLogger("launcher")
+    if not any(isinstance(h, _RichHandler) for h in root.handlers):
+        root.addHandler(_RichHandler())
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
+    err.print(f"[red]error: {escape(message)}[/red]")
+    raise SystemExit(code)
+
+
+def user_errors(fn):
+    """A UserError becomes one red line and exit 2: no traceback, nothing ran."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            fail(str(e))
+        except Interrupted as e:
+            err.print(f"[red]interrupted ({e}) while connecting; nothing was started[/red]")
+            raise SystemExit(128 + e.signum) from None
+
+    return wrapper
+
+
+# At most this many nodes still to answer are named in the status line.
+_NAME_WAITING = 3
+
+
+def live_printer(cluster: Cluster, order: str = ""):
+    """The live display of a launch: a status line (on stderr) while the nodes connect and
+    check, then each node's output on stdout as `[node N] line`; the start line ends with
+    `order` (the rank order used and why). Returns (on_event, status)."""
+    n = len(cluster.nodes)
+    waiting = {node.rank: node.label for node in cluster.nodes}
+    status = err.status(f"connecting to {n} node{'s' * (n != 1)}…")
+    status.start()
+
+    def on_event(event: NodeEvent) -> None:
+        rank = event.node.rank
+        if event.line is not None:
+            sys.stdout.write(f"[node {rank}] {event.line}\n")
+            sys.stdout.flush()
+        elif event.state is NodeState.RUNNING:
+            if rank == n - 1:
+                status.stop()
+                err.print(f"[dim]started on {n} node{'s' * (n != 1)}{escape('; ' + order if order else '')}[/dim]")
+        elif event.state is not NodeState.CONNECTING and rank in waiting:
+            # The node answered its check (passed it, or ended): one fewer to wait for.
+            waiting.pop(rank)
+            line = f"checked {n - len(waiting)}/{n} nodes"
+            if 0 < len(waiting) <= _NAME_WAITING:
+                # The last few are the ones holding everyone up: say which.
+                line += "; waiting for " + ", ".join(waiting.values())
+            status.update(escape(line))
+
+    return on_event, status
+
+
+def render_result(result: LaunchResult, cluster: Cluster) -> None:
+    table = Table(title=f"job {result.job_id}", title_justify="left")
+    for col in ("node", "host", "exit", "duration"):
+        table.add_column(col)
+    for rank in sorted(result.outcomes):
+        o = result.outcomes[rank]
+        style = "green" if o.ok else "yellow" if o.stopped else "red"
+        table.add_row(str(rank), o.node.host, f"[{style}]{escape(o.status)}[/{style}]", f"{o.duration_s:.1f} s")
+    err.print(table)
+    # One line for the cause (its own lines were in the live stream above; everything it printed,
+    # torchrun's report included, is in its log).
+    line = failure_line(result)
+    if line is not None:
+        err.print(f"[red]{escape(line)}[/red]")
+    if result.signal is not None:
+        err.print(f"[red]stopped every node on signal {result.signal}[/red]")
+    if result.hang is not None:  # the `hang:` line itself came when the stacks were in
+        where = f"; stacks: {result.hang.stacks_dir}/" if result.hang.stacks_dir else ""
+        err.print(f"[red]stopped every node: no progress (the hang: line above names the culprit){escape(where)}[/red]")
+    if line is None:
+        err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
+
+
+def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
+    """Every attached launch's one path: run `config` on `cluster` with the live display and the
+    summary table, or, for --dry-run, print each node's command and connect to nothing (returns
+    None). On SSH nodes a detached job holding them refuses the launch: one line, nothing started.
+    The nodes run in the rank order launcher.cluster.ordering decides."""
+    order = order_for_launch(cluster, config)
+    cluster = order.cluster
+    if config.dry_run:
+        if order.message:
+            err.print(f"[dim]{escape(order.message)}[/dim]")
+        transport = make_transport(cluster, config)
+        for rank, script in node_commands(cluster, config).items():
+            click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
+        return None
+    stop = threading.Event()
+    busy = None if cluster.local else BusyCheck(cluster, config, stop)
+    on_event, status = live_printer(cluster, order.message)
+    try:
+        result = Launch(cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop).run()
+    except Interrupted:
+        if busy is not None and busy.busy is not None:
+            raise busy.refusal() from None
+        raise
+    finally:
+        status.stop()
+        if busy is not None:
+            busy.close()
+    render_result(result, cluster)
+    return result
+
+
+def finish(result: LaunchResult | None) -> None:
+    if result is not None and result.exit_code != 0:
+        raise SystemExit(result.exit_code)

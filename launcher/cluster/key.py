@@ -1,0 +1,198 @@
+"""The cluster key: how node 0's controller reaches every node, itself included.
+
+- The key is made once per cluster on the client (ed25519, `ssh-keygen`), kept under the
+  client's state directory (`~/.cache/gpufleet/<cluster>/id_ed25519`, mode 600).
+- The check session of a detached launch authorizes its public key on every node, restricted
+  with `from=` to the cluster's addresses (sshd(8), AUTHORIZED_KEYS FILE FORMAT).
+- Node 0's known_hosts holds, for every node, the host key the client's own ssh verified that
+  very check session with (read back from the client's known_hosts files, hashed or not, the
+  files `ssh -G` names): the controller checks host keys for real (StrictHostKeyChecking=yes),
+  with no first-use trust inside the cluster, and trusts exactly what the client trusted. (Asking
+  each node for its keys, `ssh-keyscan` over the session, gave the same keys but cost a handshake
+  per node.)
+- The private key goes to node 0 only (launcher.jobs.handoff), mode 600.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.core.transport import Transport, state_dir
+from launcher.core.types import Cluster, Node, SshConfig, UserError
+
+__all__ = [
+    "cluster_slug",
+    "ensure_key",
+    "SshTarget",
+    "ssh_target",
+    "verified_host_keys",
+    "authorize_statements",
+    "known_hosts_text",
+    "controller_ssh",
+    "NODE_KEY_DIR",
+]
+
+# Where node 0 keeps the cluster's private key and known_hosts, relative to its home.
+NODE_KEY_DIR = ".gpufleet/clusters"
+
+
+def cluster_slug(cluster: Cluster) -> str:
+    """The cluster's name plus a short hash of (name, project, zone), as the client's known_hosts
+    file is named (launcher.core.transport)."""
+    key = hashlib.sha256(f"{cluster.name}|{cluster.project}|{cluster.zone}".encode()).hexdigest()[:10]
+    return f"{cluster.name}-{key}"
+
+
+def ensure_key(cluster: Cluster) -> Path:
+    """The cluster's private key on the client, made on first use (its directory mode 700, the
+    key mode 600, as ssh-keygen writes it)."""
+    d = state_dir() / cluster_slug(cluster)
+    key = d / "id_ed25519"
+    if key.exists() and key.with_name("id_ed25519.pub").exists():
+        return key
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    d.chmod(0o700)
+    r = subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpufleet-{cluster_slug(cluster)}", "-f", str(key)],
+        capture_output=True,
+        text=True,
+        input="n\n",
+    )
+    if r.returncode != 0 or not key.exists():
+        raise UserError(
+            f"cannot make the cluster key {key}: {r.stderr.strip() or 'ssh-keygen failed'}; nothing "
+            "was started. Check that ssh-keygen is installed and the directory is writable"
+        )
+    key.chmod(0o600)
+    return key
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """What the client's ssh uses for a node (`ssh -G`): node 0 uses the same user and port."""
+
+    user: str | None
+    port: int
+    known_hosts: tuple[str, ...]  # the user's then the global known_hosts files
+    alias: str | None = None  # HostKeyAlias: the name host keys are recorded under
+
+
+def ssh_target(transport: Transport, node: Node) -> SshTarget:
+    try:
+        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    conf = dict(line.partition(" ")[::2] for line in out.splitlines())
+    files = [
+        os.path.expanduser(f)
+        for key in ("userknownhostsfile", "globalknownhostsfile")
+        for f in conf.get(key, "").split()
+        if f != "/dev/null"
+    ]
+    alias = conf.get("hostkeyalias")
+    return SshTarget(
+        conf.get("user") or None,
+        int(conf.get("port", "22") or 22),
+        tuple(files),
+        None if alias in (None, "", "none") else alias,
+    )
+
+
+def _known_name(host: str, port: int) -> str:
+    return host if port == 22 else f"[{host}]:{port}"
+
+
+def _host_matches(field: str, name: str) -> bool:
+    """Whether a known_hosts host field names `name`: a hashed entry (`|1|salt|HMAC-SHA1`, as
+    HashKnownHosts writes it, sshd(8) SSH_KNOWN_HOSTS FILE FORMAT) or a list of plain names.
+    Wildcard patterns are not followed: ssh records the hosts it verified by their names."""
+    if field.startswith("|1|"):
+        try:
+            salt, digest = field[3:].split("|")
+            return hmac.compare_digest(
+                hmac.new(base64.b64decode(salt), name.encode(), hashlib.sha1).digest(), base64.b64decode(digest)
+            )
+        except (ValueError, binascii.Error):
+            return False
+    return name in field.split(",")
+
+
+def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[str]]:
+    """Each node's host keys (`TYPE BASE64`) as the client's known_hosts files record them, i.e.
+    the keys its ssh has verified the node's sessions with (revoked and CA lines left out)."""
+    entries = []
+    for f in target.known_hosts:
+        try:
+            text = Path(f).read_text(errors="replace")
+        except OSError:
+            continue
+        entries += [
+            line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("#", "@"))
+        ]
+    keys: dict[int, list[str]] = {}
+    for node in cluster.nodes:
+        name = _known_name(target.alias or node.host, target.port)
+        found = [f"{e[1]} {e[2]}" for e in entries if len(e) >= 3 and _host_matches(e[0], name)]
+        keys[node.rank] = list(dict.fromkeys(found))
+    return keys
+
+
+def authorize_statements(public_key: str, cluster: Cluster) -> list[str]:
+    """Node-side statements for the check session: authorize the cluster key, once, from the
+    cluster's addresses only (its nodes', and its controller host's)."""
+    kind, b64 = public_key.split()[:2]
+    controller = {cluster.controller.address} if cluster.controller else set()
+    addresses = ",".join(sorted({n.address for n in cluster.nodes} | controller))
+    entry = (
+        f'from="{addresses}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding,no-pty '
+        f"{kind} {b64} gpufleet-{cluster_slug(cluster)}"
+    )
+    e = shlex.quote(entry)
+    return [
+        '( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
+        f'{{ grep -qxF {e} "$K" || printf "%s\\n" {e} >> "$K"; }} )'
+    ]
+
+
+def known_hosts_text(cluster: Cluster, keys: dict[int, list[str]], port: int) -> str:
+    """Node 0's known_hosts: every node's verified host keys, under the name node 0 connects to."""
+    lines, missing = [], []
+    for node in cluster.nodes:
+        if not keys.get(node.rank):
+            missing.append(node.label)
+        lines += [f"{_known_name(node.host, port)} {k}" for k in keys.get(node.rank, [])]
+    if missing:
+        raise UserError(
+            f"the host key of {', '.join(missing)} is not in this machine's known_hosts files, so node "
+            "0 could not check it; nothing was started. Connect once without --detach (or pass "
+            "--known-hosts) so it is recorded, then detach"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def controller_ssh(user: str | None, port: int, slug: str, known_hosts: str) -> SshConfig:
+    """How node 0 reaches the nodes: the cluster key and the job's own known_hosts (paths relative
+    to node 0's home; a job keeps the keys of its own nodes, whatever later jobs on a subset of
+    the cluster bring), host keys checked strictly, no connection sharing (each session is its
+    own, so a killed controller's sessions all end with it)."""
+    options = [
+        "StrictHostKeyChecking=yes",
+        "IdentitiesOnly=yes",
+        "GlobalKnownHostsFile=/dev/null",
+        "UpdateHostKeys=no",
+        "ControlMaster=no",
+        "ControlPath=none",
+    ]
+    if port != 22:
+        options.append(f"Port={port}")
+    return SshConfig(
+        user=user, key=Path(NODE_KEY_DIR, slug, "id_ed25519"), options=tuple(options), known_hosts=Path(known_hosts)
+    )

@@ -1,0 +1,35 @@
+"""The rank order a launch runs its nodes in, decided once before any node's command is built:
+each command carries the node's rank (GPUFLEET_NODE_RANK, torchrun's --node-rank), so node i of
+the order holds group rank i. The nodes are asked where they sit (the metadata server's
+`physical_host`, as `launch doctor` and `launch hosts` ask) unless the answer cannot change the
+order: --rank-order given, --local, --dry-run, or a workload that is not torchrun's."""
+
+from __future__ import annotations
+
+from launcher.cluster.topology import RankOrder, launch_order, metadata_statement, node_physical_hosts
+from launcher.core.command import node_commands
+from launcher.core.preflight import refuse_unreachable
+from launcher.core.types import Cluster, LaunchConfig
+
+__all__ = ["order_for_launch"]
+
+
+def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
+    """`cluster` in the order the launch uses (renumbered), with the line that says which and
+    why (empty for a plain command, whose nodes have no torchrun ranks). Raises UserError for
+    --rank-order topology when a node has no physical host, or when a node cannot be reached."""
+    if config.workload.kind != "torchrun":
+        return RankOrder(cluster, False, "")
+    if config.rank_order == "given" or cluster.local or config.dry_run:
+        return launch_order(cluster, config.rank_order, None)
+    from launcher.core.launch import Launch  # the sessions and threads, only when nodes are asked
+
+    # Bad input (an unknown machine type, a bad --env) is refused before any node is contacted,
+    # as a launch without this question refuses it: building the commands raises it.
+    node_commands(cluster, config)
+    # The launch's own check sessions, sent home once answered (ControlMaster keeps each
+    # connection for the launch that follows).
+    probes = Launch(cluster, config).probe(check_torch=False, extra=[metadata_statement()])
+    refuse_unreachable(cluster, probes)
+    hosts = node_physical_hosts(cluster, {r: p.facts for r, p in probes.items()})
+    return launch_order(cluster, config.rank_order, hosts)

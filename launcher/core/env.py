@@ -1,0 +1,87 @@
+"""The environment of one node: the machine type's NCCL profile, the host NIC for NCCL and gloo,
+then the user's `--env` overrides (each override of a profile value is logged, never silent —
+torchtitan's `_warn_overwrite_env` does the same)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from gpufleet.catalog import UnknownMachineType, lookup
+from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
+from launcher.core.hang import flight_recorder_env
+from launcher.core.types import Cluster, LaunchConfig, UserError
+
+__all__ = ["node_env", "parse_env_pairs", "flight_recorder_on", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
+
+log = logging.getLogger("launcher.core.env")
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_env_pairs(pairs: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    """`KEY=VAL` strings from `--env`, validated (the value may hold anything, even `=`)."""
+    out = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not _KEY_RE.match(key):
+            raise UserError(f"--env {pair!r} is not KEY=VALUE with KEY a shell variable name")
+        out.append((key, value))
+    return tuple(out)
+
+
+# What every torchrun node gets before the user's --env (which may override it, logged).
+TORCHRUN_DEFAULTS = {
+    # A fresh worker store for every attempt. By default the workers of every attempt share the
+    # agents' TCPStore (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
+    # `use_agent_store`), so a restarted attempt meets the previous attempt's keys; and each
+    # agent numbers attempts itself (TORCHELASTIC_RESTART_COUNT counts its own failures, not the
+    # membership restarts another node's failure causes), so nodes cannot agree on a per-attempt
+    # prefix either. On a multi-node `--max-restarts` restart that stranded the workers for the
+    # 10-minute store timeout. With this opt-out each rendezvous round picks a free port
+    # on global rank 0's node and the workers build a new store there (RendezvousStoreInfo.build).
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
+
+
+def flight_recorder_on(cluster: Cluster) -> bool:
+    """Whether the job's workers may use NCCL, and so get its flight recorder: not on --local
+    (CPU, gloo), nor on a machine type the catalog says has no GPU; a hostfile without
+    --machine-type may be GPU nodes (workloads pick NCCL when CUDA is there)."""
+    if cluster.local:
+        return False
+    try:
+        gpus = cluster.gpus_per_node
+    except UnknownMachineType:
+        return True
+    return gpus is None or gpus > 0
+
+
+def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
+    """Every variable to export on each node, in order. A value equal to HOST_IFACE_ON_NODE is
+    resolved on the node at run time (the interface that holds the node's address)."""
+    machine = None
+    if cluster.machine_type is not None and not cluster.local:
+        try:
+            machine = lookup(cluster.machine_type)
+        except UnknownMachineType as e:
+            raise UserError(str(e)) from None
+    try:
+        env = render(machine, config.image_os)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    env.update(TORCHRUN_DEFAULTS)
+    if cluster.local:
+        # --local: every "node" is this machine; the loopback interface carries the rendezvous.
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"
+    if flight_recorder_on(cluster):
+        env.update(flight_recorder_env(config.job_id))
+    if config.nccl_debug:
+        # NCCL's own INFO logging (NCCL docs: NCCL_DEBUG=INFO), incl. which NET plugin loaded.
+        env["NCCL_DEBUG"] = "INFO"
+        env.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET,ENV")
+    for key, value in config.env:
+        if key in env and env[key] != value:
+            log.warning("--env %s=%s overrides the profile value %s=%s", key, value, key, env[key])
+        env[key] = value
+    return env

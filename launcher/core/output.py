@@ -1,0 +1,209 @@
+"""Reading what the nodes print: which lines stay out of the live stream (torchrun's agent log
+lines and its `ChildFailedError` report go to the node's log only), which lines make up a
+traceback of the user's own code (shown once, from the first rank that raised it), what a
+torchrun worker-failure line means, which node to name as the cause when several fail, and the
+one line that says so. Pure functions over lines and outcomes."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from gpufleet.contracts import JSON_MARKER
+from launcher.core.types import LaunchResult, NodeOutcome, WorkerFailure
+
+__all__ = [
+    "worker_failure",
+    "worker_failure_note",
+    "shown_live",
+    "is_agent_line",
+    "Sorted",
+    "StreamSorter",
+    "traceback_key",
+    "root_cause",
+    "failure_line",
+]
+
+# torchrun's agent logs a failed worker at ERROR level, also when it is about to restart the
+# group (torch/distributed/elastic/multiprocessing/api.py): "failed (exitcode: -9) local_rank: 0
+# (pid: 123) of binary: ...". Its "will restart worker group" line is INFO, hidden by default.
+_WORKER_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+# Lines that stay in the node's log but out of the live stream (and the failure tail): the
+# sweep's machine-readable row document (several kB on one line, read back from the log), and
+# c10d's warning when reverse DNS of a peer's address fails (torch/csrc/distributed/c10d/socket.cpp;
+# harmless, and printed on every connection where the nodes' addresses have no PTR record).
+_HIDDEN_LINE_RE = re.compile(
+    "^" + re.escape(JSON_MARKER) + r"|\[c10d\] The hostname of the client socket cannot be retrieved"
+)
+
+
+def worker_failure(line: str) -> WorkerFailure | None:
+    """The worker failure a torchrun agent line reports, if it is one."""
+    m = _WORKER_FAILED_RE.search(line)
+    return WorkerFailure(int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def worker_failure_note(line: str) -> str | None:
+    """What a torchrun worker-failure line means, in words ("exit 1", "killed by SIGKILL")."""
+    failure = worker_failure(line)
+    return failure.note if failure else None
+
+
+def shown_live(line: str) -> bool:
+    """Whether a node's output line belongs in the live stream (every line goes to its log)."""
+    return not _HIDDEN_LINE_RE.search(line)
+
+
+# torchrun's agent logs through torch's logging handler (torch/_logging), in glog's layout: level
+# letter, MMDD, time, thread id, the source path and line, "]". Only the agent's own modules
+# (torch/distributed/elastic/..., torch/distributed/run.py, torch/distributed/launcher/...) are
+# hidden, not whatever the workers log the same way. For instance:
+#   E1125 13:08:32.500000 8121 .../torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) ...
+_AGENT_LINE_RE = re.compile(
+    r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/(?:elastic/|run\.py|launcher/)\S*:\d+\] "
+)
+
+# Once a worker has called init_process_group, torch.distributed's excepthook prefixes each line
+# of its uncaught traceback with its global rank, "[rank1]: " (torch/distributed/distributed_c10d.py,
+# `_distributed_excepthook`).
+_RANK_PREFIX_RE = re.compile(r"^(\[rank\d+\]: )")
+_TRACEBACK_START = "Traceback (most recent call last):"
+# A traceback frame; torchrun's own frames are its modules' and runpy's, which starts it.
+_FRAME_RE = re.compile(r'^\s+File "([^"]*)", line \d+')
+_TORCHRUN_FRAME_RE = re.compile(r"/torch/distributed/|^<frozen runpy>$")
+# What Python prints between the tracebacks of a chain (traceback.py).
+_CHAIN_LINES = frozenset(
+    {
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "During handling of the above exception, another exception occurred:",
+    }
+)
+# c10d's TCPStore, as seen by torchrun's agent (or a worker) when a peer's store went away: a
+# C++ warning and the C++ stack under it, down to a blank line. For instance:
+#   [W1125 13:13:19.142413972 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3, ...
+#   Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 ...
+#   frame #0: c10::Error::Error(c10::SourceLocation, ...
+#   <omitting python frames>
+_STORE_LINE_RE = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ TCPStore\.cpp:\d+\] \[c10d\] ")
+_CPP_STACK_RE = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>)")
+# The exception torchrun's agent raises when a worker failed (torch/distributed/launcher/api.py),
+# followed by its report between two rules of "=" (errors/__init__.py, ChildFailedError.format_msg).
+_CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+_RULE = "=" * 20
+
+
+def is_agent_line(line: str) -> bool:
+    """Whether `line` is one of torchrun's agent log lines (node log only, never live)."""
+    return bool(_AGENT_LINE_RE.match(line))
+
+
+class Sorted(NamedTuple):
+    """Where a line (or a traceback's lines) goes: `live` (the live stream and the node's log),
+    `log` (the node's log only) or `traceback` (a user traceback, `text` its lines joined by
+    newlines: live once across the launch, see `traceback_key`)."""
+
+    kind: str
+    text: str
+
+
+class StreamSorter:
+    """Sorts one output stream of one node, line by line, into `Sorted` pieces.
+
+    A traceback is held back until its exception line arrives: torchrun's own (every frame in
+    torch.distributed or runpy; `ChildFailedError` with the report after it, or a rendezvous
+    error once a peer is gone) goes to the log only, with the lines that chain it to the next;
+    anything else is the user's and comes out whole, as one `traceback` piece. Tracebacks of
+    different ranks on one node (each line prefixed "[rankN]: ") are told apart by that prefix.
+    The agent's log lines and c10d's TCPStore warnings (with their C++ stack) go to the log."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list[str]] = {}  # by rank prefix ("" for none): a traceback so far
+        self._rules: int | None = None  # inside torchrun's report: how many "=" rules seen
+        self._after_own = False  # just after torchrun's own traceback or a TCPStore warning
+
+    def feed(self, line: str) -> list[Sorted]:
+        if self._rules is not None:
+            if line.startswith(_RULE):
+                self._rules += 1
+                if self._rules == 2:
+                    self._rules = None
+            return [Sorted("log", line)]
+        if is_agent_line(line):
+            return [Sorted("log", line)]
+        if _STORE_LINE_RE.match(line):
+            self._after_own = True
+            return [Sorted("log", line)]
+        if self._after_own and (line in _CHAIN_LINES or _CPP_STACK_RE.match(line)):
+            return [Sorted("log", line)]
+        self._after_own = False
+        m = _RANK_PREFIX_RE.match(line)
+        prefix = m.group(1) if m else ""
+        body = line[len(prefix) :]
+        block = self._open.get(prefix)
+        if block is None:
+            if body == _TRACEBACK_START:
+                self._open[prefix] = [line]
+                return []
+            return [Sorted("live", line)]
+        block.append(line)
+        if body.startswith((" ", "\t")):
+            return []  # a frame, or the source line under it
+        del self._open[prefix]  # the exception line ends it
+        if _torchruns_own(block):
+            self._rules = 0 if body.startswith(_CHILD_FAILED) else None
+            self._after_own = True
+            return [Sorted("log", x) for x in block]
+        return [Sorted("traceback", "\n".join(block))]
+
+    def flush(self) -> list[Sorted]:
+        """At the end of the stream: a traceback cut short comes out line by line."""
+        out = [Sorted("live", x) for block in self._open.values() for x in block]
+        self._open.clear()
+        return out
+
+
+def _torchruns_own(block: list[str]) -> bool:
+    frames = [m.group(1) for m in map(_FRAME_RE.match, (_RANK_PREFIX_RE.sub("", x) for x in block)) if m]
+    return bool(frames) and all(_TORCHRUN_FRAME_RE.search(f) for f in frames)
+
+
+def traceback_key(text: str) -> str:
+    """What makes two ranks' tracebacks "the same one": their frames and the exception's type,
+    without the rank prefixes and the message (which often names the rank)."""
+    lines = [_RANK_PREFIX_RE.sub("", x) for x in text.split("\n")]
+    return "\n".join([*lines[:-1], lines[-1].partition(":")[0]])
+
+
+def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | None:
+    """Which node to name as having failed first.
+
+    Arrival order alone misleads: when one rank fails, its peers' collectives fail too (gloo
+    "Connection reset by peer", an abort), and a peer's torchrun may report before the failing
+    node's does. So: a node that became unreachable first; then a node whose program said what
+    went wrong (an error line) before the launcher stopped it; then the first to exit."""
+
+    def rank_of(r: int) -> tuple[int, int]:
+        o = outcomes[r]
+        kind = 0 if o.connection_lost else 1 if o.reported_error_before_stop else 2
+        return kind, arrival.index(r)
+
+    candidates = [
+        r for r in arrival if not outcomes[r].ok and (not outcomes[r].stopped or outcomes[r].reported_error_before_stop)
+    ]
+    return min(candidates, key=rank_of) if candidates else None
+
+
+def failure_line(result: LaunchResult) -> str | None:
+    """The one line that names the node that failed first, its host, how, and its log."""
+    if result.first_failure is None:
+        return None
+    o = result.outcomes[result.first_failure]
+    if o.connection_lost:
+        what = f"unreachable ({o.error})"
+    elif o.worker is not None:
+        what = o.worker.note + (f" (exit {o.worker.status})" if o.worker.exitcode < 0 else "")
+    else:
+        what = o.status
+    return f"{o.node.label} failed first: {what}; its log: {result.run_dir / f'node-{o.node.rank}.log'}"

@@ -1,0 +1,164 @@
+"""The pre-start check's policy: how many handshakes at once, how long a node may take to
+answer, and what the answers (`Probe`s) allow: one `UserError` naming every node that cannot
+run, or warnings for the ones that can (clock skew, a stale host list)."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+
+from launcher.core.prestart import prestart_verdict
+from launcher.core.transport import Transport
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
+
+__all__ = [
+    "Probe",
+    "DIRECT_CONCURRENCY",
+    "through_gateway",
+    "handshake_limit",
+    "check_timeout",
+    "clock_skew",
+    "check_probes",
+    "refuse_unreachable",
+]
+
+
+@dataclass
+class Probe:
+    """What the pre-flight learned about one node."""
+
+    node: Node
+    ok: bool
+    error: str = ""
+    facts: dict[str, str] = field(default_factory=dict)
+    skew_s: float | None = None  # how far the node's clock is outside the probe's time window
+
+
+# Handshakes in flight when every connection goes to a different sshd (no bastion or proxy).
+DIRECT_CONCURRENCY = 32
+
+
+def through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> bool:
+    """Whether connections share one sshd on the way (IAP, ProxyJump, ProxyCommand from the
+    options or ~/.ssh/config): then sshd's MaxStartups (default 10:30:100, sshd_config(5))
+    applies to all of them together and `ssh.concurrency` (8) bounds them."""
+    if config.ssh.iap:
+        return True
+    try:
+        out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("proxyjump", "proxycommand") and value.strip() not in ("", "none"):
+            return True
+    return False
+
+
+def handshake_limit(cluster: Cluster, config: LaunchConfig, transport: Transport) -> int:
+    """How many nodes may be mid-handshake at once. sshd's MaxStartups limits unauthenticated
+    connections per sshd: through one gateway they all count against it (`ssh.concurrency`);
+    going straight to the nodes, each node's sshd sees one connection from us, so more."""
+    workers = config.ssh.concurrency
+    if not transport.local and not through_gateway(transport, cluster.nodes[0], config):
+        workers = max(workers, min(len(cluster.nodes), DIRECT_CONCURRENCY))
+    return max(1, workers)
+
+
+def check_timeout(config: LaunchConfig) -> float:
+    """How long a node may take to pass its check: the handshake, plus the check itself
+    (reading torch's version on a busy node)."""
+    return config.ssh.connect_timeout + 20.0
+
+
+def clock_skew(facts: dict[str, str], t0: float, t1: float) -> float | None:
+    """How far the node's clock (its `time=` line) lies outside [t0, t1], when it was asked and
+    when it answered: with agreeing clocks it falls inside, whatever the latency, so the distance
+    outside is a lower bound on the skew."""
+    try:
+        remote = float(facts.get("time", ""))
+    except ValueError:
+        return None
+    return remote - min(max(remote, t0), t1)
+
+
+def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfig) -> list[str]:
+    """Raise one UserError naming every node that cannot run; return warnings for the rest."""
+    refuse_unreachable(cluster, probes)
+    _refuse_busy_port(probes, config)
+    _refuse_missing_workdir(probes, config)
+    _refuse_torch(probes, config)
+    # What launcher.core.prestart's statements reported: a missing GPU or NIC refuses, drift warns.
+    drift = prestart_verdict(cluster, probes, config)
+    return _clock_warnings(probes) + _hostname_warnings(cluster, probes) + drift
+
+
+def refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:
+    bad = [p for p in probes.values() if not p.ok]
+    if bad:
+        listed = "; ".join(f"{p.node.label}: {p.error}" for p in bad)
+        raise UserError(
+            f"{len(bad)} of {len(cluster.nodes)} nodes cannot be reached, nothing was "
+            f"started: {listed}. Check the address, --ssh-user/--ssh-key, or --exclude them"
+        )
+
+
+def _refuse_busy_port(probes: dict[int, Probe], config: LaunchConfig) -> None:
+    head = probes.get(0)
+    if head and head.facts.get("port", "free").startswith("busy"):
+        other = head.facts["port"].partition(":")[2] or "unknown"
+        raise UserError(
+            f"rendezvous port {config.rdzv_port} on {head.node.label} is in use by "
+            f"another launch (job {other}); nothing was started. Wait for it, or pass "
+            "--rdzv-port with a free port"
+        )
+
+
+def _refuse_missing_workdir(probes: dict[int, Probe], config: LaunchConfig) -> None:
+    missing = [p.node.label for p in probes.values() if p.facts.get("workdir") == "missing"]
+    if missing:
+        raise UserError(
+            f"--workdir {config.workdir!r} does not exist on {', '.join(missing)}; nothing "
+            "was started. Create it there or pass another --workdir"
+        )
+
+
+def _refuse_torch(probes: dict[int, Probe], config: LaunchConfig) -> None:
+    torch = {r: p.facts["torch"] for r, p in probes.items() if "torch" in p.facts}
+    no_torch = [probes[r].node.label for r, v in torch.items() if v == "missing"]
+    if no_torch:
+        raise UserError(
+            f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; nothing "
+            "was started. Install it there or pass --python with the right interpreter"
+        )
+    if len(set(torch.values())) > 1:
+        by = "; ".join(f"{probes[r].node.label}: {v}" for r, v in sorted(torch.items()))
+        raise UserError(
+            f"torch versions differ across nodes ({by}); nothing was started. Every node must run the same version"
+        )
+
+
+def _clock_warnings(probes: dict[int, Probe]) -> list[str]:
+    # Beyond a couple of seconds, log timestamps and timeouts stop lining up across nodes.
+    return [
+        f"{probes[r].node.label}: clock differs from this machine by {p.skew_s:+.1f} s (check chrony/NTP on the node)"
+        for r, p in sorted(probes.items())
+        if p.skew_s is not None and abs(p.skew_s) > 2.0
+    ]
+
+
+def _hostname_warnings(cluster: Cluster, probes: dict[int, Probe]) -> list[str]:
+    warnings = []
+    for _, p in sorted(probes.items()):
+        host = p.facts.get("host", "")
+        expect = p.node.name or ("" if _is_ip(p.node.address) or cluster.local else p.node.host)
+        if expect and host and host.split(".")[0] != expect.split(".")[0].split("@")[-1]:
+            warnings.append(f"{p.node.label}: hostname is {host!r}, expected {expect!r} (is the host list stale?)")
+    hosts = [p.facts.get("host") for p in probes.values()]
+    if not cluster.local and len(hosts) > 1 and len(set(hosts)) == 1 and cluster.machine_type:
+        warnings.append(f"every node reports the same hostname {hosts[0]!r}: are they one machine?")
+    return warnings
+
+
+def _is_ip(a: str) -> bool:
+    return a.replace(".", "").isdigit() or ":" in a

@@ -1,0 +1,207 @@
+"""The controller of one detached job, on node 0: `python -m launcher.jobs.controller JOBDIR`.
+
+Started by launcher.jobs.handoff in a session of its own, it runs the same `launcher.core.launch.Launch`
+an attached launch runs (node 0 reaching every node, itself included, over SSH with the cluster
+key) and keeps the job's record (launcher.jobs.record) up to date:
+
+    PENDING ──> RUNNING ──> SUCCEEDED | FAILED | STOPPED
+       │           ↑  └──> RECOVERING ──> FAILED | STOPPED   (--recover: launcher.jobs.recovery)
+       │           └────────────┘  (every node back and checked: relaunched with --resume)
+       └──────────────────> STOPPED   (`launch stop` while it waited)
+
+PENDING: an earlier job (first in, first out) on any of the same nodes is still pending or
+running. SIGTERM (`launch stop`) stops every node, as Ctrl-C does an attached launch. When the
+job ends the controller exits: nothing of the job is left running on any node.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gpufleet import atomic
+from launcher.core.output import failure_line
+from launcher.core.types import LaunchResult, UserError
+from launcher.jobs.record import (
+    JobRecord,
+    JobState,
+    controller_alive,
+    process_start,
+    request_from_json,
+)
+
+__all__ = ["main", "Controller"]
+
+log = logging.getLogger("launcher")
+
+
+class Controller:
+    """One job's controller: its record, its place in the queue, and its `Launch`."""
+
+    def __init__(self, jobdir: Path):
+        self.jobdir = jobdir
+        self.request = json.loads((jobdir / "request.json").read_text())
+        env_file = jobdir / "env.json"
+        self.env = json.loads(env_file.read_text()) if env_file.exists() else []
+        env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
+        self.stop = threading.Event()
+        self.metrics = None  # the job's sampling (launcher.observe.job_metrics), while it runs
+        self.preempted, self.last_step = False, None  # this attempt's, for launcher.jobs.recovery
+        wl = self.request["workload"]
+        pid = os.getpid()
+        self.record = JobRecord(
+            id=self.request["config"]["job_id"],
+            state=JobState.PENDING,
+            what=shlex.join([wl["kind"], *wl["argv"]]),
+            nodes=[n["host"] for n in self.request["cluster"]["nodes"]],
+            submitted=time.time(),
+            pid=pid,
+            pid_start=process_start(pid) or "",
+        )
+
+    def save(self) -> None:
+        atomic.write_text(self.jobdir / "state.json", json.dumps(self.record.to_json(), indent=1) + "\n")
+
+    def run(self) -> int:
+        (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.stop.set())
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if not self.wait_turn():
+            return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
+        # Imported once the record is written: the hand-off waits for the record, not for these.
+        from launcher.core.launch import Interrupted, Launch
+
+        home = Path(os.path.expanduser("~"))
+        cluster, config = request_from_json(self.request, self.env, home, self.jobdir.parent)
+        from launcher.observe import job_metrics
+
+        self.metrics = job_metrics.start(cluster, config, self.jobdir / job_metrics.RECORD)
+        with open(self.jobdir / "output.log", "a", buffering=1) as out:
+            launch = Launch(cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop)
+            try:
+                result = launch.run(handle_signals=True)
+            except UserError as e:
+                return self.end(JobState.FAILED, 2, why=str(e), node=launch.first_bad())
+            except Interrupted as e:
+                return self.end(JobState.STOPPED, 128 + e.signum, why="stopped while connecting; nothing ran")
+        if self.request.get("recover") is None:
+            return self.finish(result)
+        from launcher.jobs.recovery import Recoverer, RecoverPolicy
+
+        return Recoverer(self, cluster, config, RecoverPolicy(**self.request["recover"])).run(result)
+
+    def on_event(self, out, event) -> None:  # a launcher.core.launch.NodeEvent
+        if event.line is not None:
+            out.write(f"[node {event.node.rank}] {event.line}\n")
+            if self.request.get("recover") is not None:
+                from launcher.jobs.recovery import PREEMPTED_TEXT, step_of
+
+                self.last_step = step_of(event.line) or self.last_step
+                self.preempted = self.preempted or PREEMPTED_TEXT in event.line
+
+    def reset_attempt(self) -> None:
+        """A relaunch starts: what the last attempt's output said is forgotten."""
+        self.preempted, self.last_step = False, None
+
+    def wait_turn(self) -> bool:
+        """Wait (PENDING) until no earlier job, and no running one, uses any of this job's nodes;
+        then record RUNNING. The check and the change happen under one lock, so two controllers
+        never both start. False: stopped while waiting."""
+        lock_path = self.jobdir.parent / ".queue.lock"
+        first = True
+        while not self.stop.is_set():
+            with open(lock_path, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if first:  # the queue's order is the order of arrival under the lock
+                    self.record.submitted = time.time()
+                    first = False
+                if not self.ahead():
+                    self.record.state, self.record.started = JobState.RUNNING, time.time()
+                    self.save()
+                    return True
+                self.save()
+            self.stop.wait(0.5)
+        return False
+
+    def ahead(self) -> list[JobRecord]:
+        mine = set(self.record.nodes)
+        out = []
+        for f in self.jobdir.parent.glob("*/state.json"):
+            try:
+                other = JobRecord.from_json(json.loads(f.read_text()))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if other.id == self.record.id or other.state.final or not set(other.nodes) & mine:
+                continue
+            earlier = (other.submitted, other.id) < (self.record.submitted, self.record.id)
+            holds = other.state in (JobState.RUNNING, JobState.RECOVERING)
+            if (earlier or holds) and controller_alive(other):
+                out.append(other)
+        return out
+
+    def finish(self, result: LaunchResult, note: str = "") -> int:
+        """End the record as `result` says; `note` (why recovery gave up) follows a failure's why."""
+        if result.signal is not None:
+            return self.end(
+                JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): every node was stopped"
+            )
+        if result.hang is not None:
+            h = result.hang
+            return self.end(JobState.FAILED, result.exit_code, why=h.verdict + note, node=h.node, reason=h.reason)
+        if result.exit_code == 0:
+            return self.end(JobState.SUCCEEDED, 0)
+        return self._failed(result, note)
+
+    def _failed(self, result: LaunchResult, note: str) -> int:
+        rank = result.first_failure
+        o = result.outcomes.get(rank) if rank is not None else None
+        if o is None:
+            return self.end(JobState.FAILED, result.exit_code, why="failed" + note)
+        tail = [*[line for line in o.error_lines if line not in o.tail], *o.tail[-20:]]
+        return self.end(JobState.FAILED, result.exit_code, why=f"{failure_line(result)}{note}", node=rank, tail=tail)
+
+    def end(
+        self,
+        state: JobState,
+        code: int,
+        why: str = "",
+        node: int | None = None,
+        tail: list[str] | None = None,
+        reason: str = "",
+    ) -> int:
+        if self.metrics is not None:  # sampling ends first: a final record's samples are whole
+            self.metrics.stop()
+        r = self.record
+        r.state, r.exit, r.why, r.failed_node, r.tail, r.ended = state, code, why, node, tail or [], time.time()
+        r.reason = reason
+        self.save()
+        log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
+        return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m launcher.jobs.controller JOBDIR\n")
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # stderr: controller.log
+    logging.getLogger("launcher").setLevel(logging.INFO)
+    controller = Controller(Path(args[0]).resolve())
+    try:
+        return controller.run()
+    except Exception as e:  # a record must never say RUNNING for a controller that has gone
+        log.exception("the controller failed")
+        return controller.end(JobState.FAILED, 1, why=f"the controller on node 0 failed: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Recovery without a person: what `--recover` asks for, and how the controller on
+node 0 (launcher.jobs.controller) tells a failure it should recover from, and one it should not.
+
+A detached training job started with `--recover` that fails because a node became unreachable,
+was preempted (its workers got SIGTERM, saved a checkpoint and exited: workloads.train then
+logs `PREEMPTED_TEXT` and exits 0 on every rank) or because a worker crashed, is relaunched by
+its controller with `--resume` once every node passes the launch's own check again. It gives up
+after `max_recoveries`, when a node is not back within `timeout_s`, or when a crash repeats at
+the same step with the same error (a bug does not heal by restarting).
+
+The policy and the reading of a failure are pure functions; `Recoverer` is the one stateful part:
+it does the waiting and the relaunching for the controller, through the same `Launch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.jobs.record import JobState
+
+__all__ = [
+    "RecoverPolicy",
+    "Recovery",
+    "PREEMPTED_TEXT",
+    "RESTART_REASON_VAR",
+    "parse_duration",
+    "recover_policy",
+    "resume_argv",
+    "step_of",
+    "failure_of",
+    "recovery_lines",
+    "Recoverer",
+]
+
+log = logging.getLogger("launcher")
+
+# What workloads.train logs (rank 0) when a SIGTERM made it save and exit: the run is not done.
+PREEMPTED_TEXT = "rerun with --resume to continue"
+# What a relaunch on fewer nodes (--min-nodes) tells the workload, beside torchrun's new WORLD_SIZE.
+RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
+# A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
+_STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
+
+
+@dataclass(frozen=True)
+class RecoverPolicy:
+    """`--recover`'s settings, as they travel to node 0 in the job's request."""
+
+    max_recoveries: int = 3
+    timeout_s: float = 1800.0  # how long a node may take to come back, per recovery
+    restart_stopped: bool = True  # start a TERMINATED instance again (launcher.cluster.restart_vms)
+    api_endpoint: str | None = None  # the Compute Engine API's, when not the default (tests)
+    min_nodes: int | None = None  # go on with this many nodes or more when a lost one is not back in time
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Recovery:
+    """One recovery, as the job's record lists it."""
+
+    at: float  # when the failure was seen (node 0's clock)
+    node: int | None  # rank of the node that failed (or was not back), when known
+    cause: str  # why, in one line
+    step: int | None = None  # the last step the job logged before it failed
+    waited_s: float | None = None  # from the failure to the relaunch (None: it never relaunched)
+    signature: str = ""  # the failure's status and error lines: a repeat at the same step is a bug
+    restarted: dict[str, str] = dataclasses.field(default_factory=dict)  # instance -> what start did
+    shrunk_to: int | None = None  # --min-nodes: the nodes it went on with, when some were not back
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
+    """`90`, `90s`, `30m`, `2h` in seconds; a bad value is a UserError naming `flag`."""
+    m = _DURATION_RE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool) -> RecoverPolicy | None:
+    """`--recover` and its settings from the CLI options, refused (one line, nothing started)
+    where there is nothing to resume from or no controller to do it."""
+    given = [
+        f
+        for f, k in (
+            ("--max-recoveries", "max_recoveries"),
+            ("--recover-timeout", "recover_timeout"),
+            ("--restart-stopped/--no-restart-stopped", "restart_stopped"),
+            ("--min-nodes", "min_nodes"),
+        )
+        if o.get(k) is not None
+    ]
+    if not o.get("recover"):
+        if given:
+            raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
+        return None
+    if not detach:
+        raise UserError("--recover needs --detach: the controller on node 0 recovers the job; add --detach")
+    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
+        raise UserError(
+            "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
+            "otherwise); nothing was started. Add -- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K"
+        )
+    n = o.get("max_recoveries")
+    if n is not None and n < 1:
+        raise UserError(f"--max-recoveries {n} must be at least 1")
+    m = o.get("min_nodes")
+    if m is not None and m < 1:
+        raise UserError(f"--min-nodes {m} must be at least 1")
+    timeout = parse_duration(o["recover_timeout"]) if o.get("recover_timeout") is not None else 1800.0
+    restart = o.get("restart_stopped") is not False  # on by default with --recover
+    return RecoverPolicy(
+        max_recoveries=3 if n is None else n,
+        timeout_s=timeout,
+        restart_stopped=restart,
+        api_endpoint=o.get("api_endpoint") if restart else None,
+        min_nodes=m,
+    )
+
+
+def resume_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The training arguments with `--resume` (workloads.train's flag) added once."""
+    return argv if "--resume" in argv else (*argv, "--resume")
+
+
+def step_of(line: str) -> int | None:
+    """The step a workloads.train line says the run is at (a step line, or a resume), else None."""
+    m = _STEP_RE.search(line)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recovery | None:
+    """The recovery a failed attempt calls for (None: it succeeded, or was stopped by a person)."""
+    if result.signal is not None:
+        return None
+    now = time.time()
+    if result.exit_code == 0:
+        if not preempted:
+            return None
+        return Recovery(now, None, "preempted: the workers got SIGTERM and saved a checkpoint", step)
+    if result.hang is not None:  # the same hang at the same step twice is not retried
+        return Recovery(now, result.hang.node, result.hang.verdict, step, signature=result.hang.reason)
+    rank = result.first_failure
+    o = result.outcomes.get(rank) if rank is not None else None
+    if o is None:
+        return Recovery(now, None, f"failed (exit {result.exit_code})", step, signature=f"exit {result.exit_code}")
+    if o.connection_lost:
+        return Recovery(now, rank, f"unreachable ({o.error or 'connection lost'})", step)
+    last = (o.error_lines or o.tail[-1:] or [""])[-1]
+    cause = f"worker crash: {o.status}" + (f": {last}" if last else "")
+    return Recovery(now, rank, cause, step, signature=" / ".join([o.status, *o.error_lines]))
+
+
+def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
+    """A job record's recoveries, one line each: when, which node, why, how long until the relaunch."""
+    out = []
+    for k, d in enumerate(recoveries, 1):
+        r = Recovery(**d)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at))
+        node = f"node {r.node}" if r.node is not None else "a node"
+        step = f" at step {r.step}" if r.step is not None else ""
+        back = f"relaunched after {r.waited_s:.1f} s" if r.waited_s is not None else "not relaunched"
+        started = "".join(f"; instance {name} {what}" for name, what in r.restarted.items())
+        shrunk = f"; went on with {r.shrunk_to} nodes (--min-nodes)" if r.shrunk_to is not None else ""
+        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}{shrunk}")
+    return out
+
+
+# ---- the controller's side: wait for the nodes, relaunch with --resume ----
+
+
+class Recoverer:
+    """Drives a detached job's recoveries for its controller (launcher.jobs.controller.Controller):
+    record each failure (RECOVERING), wait until every node passes the launch's own check, then
+    relaunch the same job with --resume, until it ends or the policy says stop. The Launch is
+    the same one every launch runs; each relaunch attempt is one `Launch.run` whose check
+    refuses (nothing started) while a node is not back."""
+
+    def __init__(self, controller: Any, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy):
+        self.c = controller
+        self.cluster = cluster
+        self.policy = policy
+        argv = resume_argv(config.workload.argv)
+        self.config = dataclasses.replace(config, workload=Workload(config.workload.kind, argv))
+
+    def run(self, result: LaunchResult) -> int:
+        """From a finished attempt's result to the job's exit status (the record says the rest)."""
+        while True:
+            rec = failure_of(result, self.c.preempted, self.c.last_step)
+            if rec is None:
+                return self.c.finish(result)
+            refusal = self._refusal(rec)
+            if refusal:
+                return self._give_up(result, rec, refusal)
+            self._begin(rec)
+            attempt = self._relaunch(rec)
+            if isinstance(attempt, int):
+                return attempt
+            result = attempt
+
+    def _refusal(self, rec: Recovery) -> str:
+        done = [Recovery(**r) for r in self.c.record.recoveries]
+        if rec.signature and any(d.signature == rec.signature and d.step == rec.step for d in done):
+            return (
+                f"the same error at step {rec.step} as the last recovery's: not retried (a bug does not heal by "
+                "restarting)"
+            )
+        if len(done) >= self.policy.max_recoveries:
+            return f"gave up after {len(done)} recoveries (--max-recoveries {self.policy.max_recoveries})"
+        return ""
+
+    def _give_up(self, result: LaunchResult, rec: Recovery, refusal: str) -> int:
+        self.c.record.recoveries.append(rec.to_json())
+        node = f"node {rec.node}: " if rec.node is not None else ""
+        why = f"{node}{rec.cause}; {refusal}"
+        if result.exit_code == 0:  # preempted: every rank saved and exited 0, but the run is not done
+            return self.c.end(JobState.FAILED, 1, why=why, node=rec.node)
+        said = rec.signature.partition(" / ")[2]  # the node's own error lines, if it printed any
+        return self.c.finish(result, note=(f": {said}" if said else "") + f"; {refusal}")
+
+    def _begin(self, rec: Recovery) -> None:
+        r = self.c.record
+        r.recoveries.append(rec.to_json())
+        r.state = JobState.RECOVERING
+        node = f"node {rec.node}: " if rec.node is not None else ""
+        r.why = f"recovery {len(r.recoveries)} of {self.policy.max_recoveries}: {node}{rec.cause}"
+        self.c.save()
+        log.warning("job %s: %s; waiting for every node to pass its check, then --resume", r.id, r.why)
+
+    def _note(self, **changes: Any) -> None:
+        """Change the latest recovery in the record, and save it."""
+        self.c.record.recoveries[-1].update(changes)
+        self.c.save()
+
+    def _relaunch(self, rec: Recovery) -> LaunchResult | int:
+        """Poll with the launch's own check until every node passes, then run: the attempt's
+        result, or the job's exit status when it ended here (stopped, or a node not back)."""
+        from launcher.core.launch import Interrupted, Launch
+
+        t0 = time.monotonic()
+        while True:
+            self.c.reset_attempt()
+            with open(self.c.jobdir / "output.log", "a", buffering=1) as out:
+                launch = Launch(self.cluster, self.config, on_event=self._on_event(out, t0), stop=self.c.stop)
+                try:
+                    return launch.run(handle_signals=True)
+                except UserError as e:
+                    bad = launch.first_bad()
+                    why = str(e)
+                except Interrupted as e:
+                    return self.c.end(JobState.STOPPED, 128 + e.signum, why="stopped while recovering")
+            if rec.node is None and bad is not None:
+                rec.node = bad
+                self._note(node=bad)
+            self._restart_stopped(launch, rec)
+            self._follow_moved(launch)
+            waited = time.monotonic() - t0
+            if waited > self.policy.timeout_s and self._shrink(launch, rec):
+                continue
+            if waited > self.policy.timeout_s:
+                self._note(waited_s=None)
+                label = f"node {bad}" if bad is not None else "a node"
+                return self.c.end(
+                    JobState.FAILED,
+                    255,
+                    node=bad,
+                    why=f"{label} was not back within --recover-timeout {self.policy.timeout_s:.0f} s "
+                    f"(recovery {len(self.c.record.recoveries)}, {rec.cause}): {why}",
+                )
+            if self.c.stop.wait(0.5):  # a node still down refuses at once (or after ConnectTimeout)
+                return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
+
+    def _restart_stopped(self, launch: Any, rec: Recovery) -> None:
+        """Start the unreachable nodes' instances that Compute Engine stopped (once each per
+        recovery), when the request knows where they are and --restart-stopped is on."""
+        c = self.cluster
+        if not (self.policy.restart_stopped and c.project and c.zone):
+            return
+        by_rank = {n.rank: n for n in c.nodes}
+        names = [by_rank[r].name for r, s in launch.states.items() if s.value == "unreachable" and by_rank[r].name]
+        names = [n for n in names if n not in rec.restarted]
+        if not names:
+            return
+        from launcher.cluster.restart_vms import instances_client, start_terminated
+
+        try:
+            done = start_terminated(instances_client(self.policy.api_endpoint), c.project, c.zone, names)
+        except Exception as e:  # no google-cloud-compute on node 0, no credentials: say so, keep waiting
+            done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
+        rec.restarted.update(done)
+        self._note(restarted=dict(rec.restarted))
+
+    def _shrink(self, launch: Any, rec: Recovery) -> bool:
+        """--min-nodes: leave out the nodes that are not back in time and go on with the others
+        (renumbered in their order, node 0 of it the rendezvous master), when that leaves at least
+        --min-nodes. The workload gets torchrun's new WORLD_SIZE and GPUFLEET_RESTART_REASON=shrunk;
+        the built-in one reshards its DCP checkpoint on load. False: it may not shrink."""
+        missing = {r for r, s in launch.states.items() if s.value in ("unreachable", "failed")}
+        kept = [n for n in self.cluster.nodes if n.rank not in missing]
+        if self.policy.min_nodes is None or not missing or not kept or len(kept) < self.policy.min_nodes:
+            return False
+        gone = ", ".join(n.label for n in self.cluster.nodes if n.rank in missing)
+        self.cluster = dataclasses.replace(
+            self.cluster, nodes=tuple(dataclasses.replace(n, rank=i) for i, n in enumerate(kept))
+        )
+        env = [(k, v) for k, v in self.config.env if k != RESTART_REASON_VAR]
+        self.config = dataclasses.replace(self.config, env=(*env, (RESTART_REASON_VAR, "shrunk")))
+        self.c.record.nodes = [n.host for n in kept]
+        rec.shrunk_to = len(kept)
+        self._note(shrunk_to=len(kept))
+        log.warning(
+            "job %s: %s not back within --recover-timeout %.0f s; going on with %d nodes (--min-nodes %d)",
+            self.c.record.id,
+            gone,
+            self.policy.timeout_s,
+            len(kept),
+            self.policy.min_nodes,
+        )
+        return True
+
+    def _follow_moved(self, launch: Any) -> None:
+        """Unreachable nodes whose instance is now at another address (a restart gave it a new
+        one) are reached there, with the host keys the Compute Engine API publishes for it
+        (launcher.cluster.host_keys); the request must know where they are, as for --restart-stopped."""
+        c = self.cluster
+        ranks = [r for r, s in launch.states.items() if s.value == "unreachable" and c.nodes[r].name]
+        if not (ranks and self.policy.restart_stopped and c.project and c.zone):
+            return
+        from launcher.cluster.host_keys import follow_moved
+        from launcher.cluster.restart_vms import instances_client
+
+        ports = [int(o.split("=", 1)[1]) for o in self.config.ssh.options if o.startswith("Port=")]
+        try:
+            client = instances_client(self.policy.api_endpoint)
+        except Exception as e:  # no google-cloud-compute where the controller runs: say so, keep waiting
+            log.warning("cannot ask the Compute Engine API where unreachable nodes are: %s: %s", type(e).__name__, e)
+            return
+        moved = follow_moved(client, c, ranks, self.config.ssh.known_hosts, ports[0] if ports else 22)
+        if moved != c:
+            self.cluster = moved
+            self.c.record.nodes = [n.host for n in moved.nodes]
+            self.c.save()
+
+    def _on_event(self, out: Any, t0: float) -> Any:
+        started = []
+
+        def on_event(event: Any) -> None:  # a launcher.core.launch.NodeEvent
+            self.c.on_event(out, event)
+            if event.state is not None and event.state.value == "running" and not started:
+                started.append(True)
+                self.c.record.state = JobState.RUNNING
+                self._note(waited_s=round(time.monotonic() - t0, 3))
+                log.warning("job %s: relaunched with --resume after %.1f s", self.c.record.id, time.monotonic() - t0)
+
+        return on_event

@@ -1,0 +1,164 @@
+"""Show and store a sweep's rows: the rich table, and rows.json, rows.csv and busbw.png.
+
+``rich_table(rows) -> rich.table.Table``
+    For the CLI to print; wrong results in red.
+``write_results(rows, run_dir, *, machine_type=None, nranks, nnodes) -> {"json","csv","png": Path}``
+    rows.json, rows.csv and busbw.png (busbw against size on a log2 axis, one line per
+    collective, the expected curve dashed when the machine type is known). An existing file is
+    never overwritten: the next free name ``rows.1.json`` is used instead (like nccl-tests -J).
+    Each file is written whole or not at all (gpufleet.atomic). matplotlib is imported only
+    inside the plot.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from gpufleet import atomic
+from gpufleet.bandwidth import avg_busbw
+from gpufleet.contracts import SweepRow
+from launcher.nccl.judge import by_collective, expected_curve, failures, human_size
+
+__all__ = ["rich_table", "write_results"]
+
+_FIELDS = [f.name for f in dataclasses.fields(SweepRow)]
+
+
+def _fmt(v: float | None, spec: str = ".2f") -> str:
+    return "N/A" if v is None else format(v, spec)
+
+
+def rich_table(rows: list[SweepRow]) -> Table:
+    """The rows as a rich table: one line per row, wrong results in red."""
+    t = Table(title="collective sweep", caption=f"Avg bus bandwidth: {avg_busbw(rows):.3f} GB/s")
+    for name in ("collective", "size", "count", "type", "redop", "root"):
+        t.add_column(name, justify="right" if name in ("size", "count", "root") else "left")
+    for block in ("oop", "ip"):
+        t.add_column(f"{block} time (us)", justify="right")
+        t.add_column(f"{block} algbw (GB/s)", justify="right")
+        t.add_column(f"{block} busbw (GB/s)", justify="right")
+        t.add_column(f"{block} #wrong", justify="right")
+    bad = {id(r) for r in failures(rows)}
+    for r in rows:
+        t.add_row(
+            r.collective,
+            human_size(r.size),
+            str(r.count),
+            r.type,
+            r.redop,
+            str(r.root),
+            _fmt(r.oop_time_us),
+            _fmt(r.oop_algbw),
+            _fmt(r.oop_busbw),
+            _fmt(r.oop_wrong, "g"),
+            _fmt(r.ip_time_us),
+            _fmt(r.ip_algbw),
+            _fmt(r.ip_busbw),
+            _fmt(r.ip_wrong, "g"),
+            style="red" if id(r) in bad else None,
+        )
+    return t
+
+
+# ---- the files -------------------------------------------------------------------------------
+
+
+def _free_path(run_dir: Path, stem: str, suffix: str) -> Path:
+    """run_dir/stem.suffix, or stem.N.suffix for the first N not taken: never overwrite."""
+    p = run_dir / f"{stem}{suffix}"
+    n = 1
+    while p.exists():
+        p = run_dir / f"{stem}.{n}{suffix}"
+        n += 1
+    return p
+
+
+def _draw(ax, rows: list[SweepRow], machine_type: str | None, nranks: int, nnodes: int) -> None:
+    """One line per collective (type, op); its expected curve dashed over the trusted range."""
+    for (coll, typ, op), grp in by_collective(rows).items():
+        grp = sorted((r for r in grp if r.size > 0), key=lambda r: r.size)
+        if not grp:
+            continue
+        label = coll if len({(r.type, r.redop) for r in rows}) == 1 else f"{coll} {typ} {op}"
+        line = ax.plot([r.size for r in grp], [r.best_busbw for r in grp], marker="o", label=label)[0]
+        if machine_type is None:
+            continue
+        try:
+            model = expected_curve(grp, machine_type, nranks, nnodes)
+        except ValueError:  # a collective or rank count the model cannot take: no curve
+            model = None
+        sizes = [r.size for r in grp if model is not None and model.trusted(r.size)]
+        if model is not None and sizes:
+            ax.plot(
+                sizes,
+                [model.busbw(s) for s in sizes],
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{label} expected",
+            )
+
+
+def _plot(rows: list[SweepRow], path: Path, machine_type: str | None, nranks: int, nnodes: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a laptop's SSH session or in CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    _draw(ax, rows, machine_type, nranks, nnodes)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    # 0 is unknown: `launch nccl-tests --from` output that names no hosts or ranks.
+    title = f"{nnodes or '?'} nodes, {nranks or '?'} ranks" + (f", {machine_type}" if machine_type else "")
+    ax.set_title(f"bus bandwidth — {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    try:
+        with atomic.replacing(path) as tmp:
+            fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def _write_csv(rows: list[SweepRow], path: Path) -> None:
+    with atomic.replacing(path) as tmp, tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dataclasses.asdict(r))
+
+
+def write_results(
+    rows: list[SweepRow],
+    run_dir: str | Path,
+    *,
+    machine_type: str | None = None,
+    nranks: int,
+    nnodes: int,
+) -> dict[str, Path]:
+    """Write rows.json, rows.csv and busbw.png into run_dir; returns their paths by kind."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": _free_path(run_dir, "rows", ".json"),
+        "csv": _free_path(run_dir, "rows", ".csv"),
+        "png": _free_path(run_dir, "busbw", ".png"),
+    }
+    doc = {
+        "machine_type": machine_type,
+        "nranks": nranks,
+        "nnodes": nnodes,
+        "avg_busbw": avg_busbw(rows),
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+    atomic.write_text(paths["json"], json.dumps(doc, indent=1) + "\n")
+    _write_csv(rows, paths["csv"])
+    _plot(rows, paths["png"], machine_type, nranks, nnodes)
+    return paths

@@ -106,7 +106,7 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
         return None
     if not detach:
-        raise UserError("--recover needs --detach: the controller on node 0 recovers the job; add --detach")
+        raise UserError("--recover needs --detach: the job's controller recovers it; add --detach")
     if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
         raise UserError(
             "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "

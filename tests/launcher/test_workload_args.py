@@ -12,13 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
+from launcher.cli.cmd_train import train
 from launcher.cli.workload_args import TrainArgs, no_such_option, option_names, world_size
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from tests.support import LAUNCH, REPO
 
 
 def _launch_names() -> list[str]:
-    return option_names(main.commands["train"])
+    return option_names(train)
 
 
 def test_train_help_lists_the_workload_options_after_the_launchers():

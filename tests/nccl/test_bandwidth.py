@@ -7,7 +7,7 @@ import pytest
 from gpufleet import bandwidth as bw
 from gpufleet.catalog import NetStack, lookup
 from gpufleet.contracts import SweepRow
-from gpufleet.expected import fit_latency, model_busbw
+from gpufleet.expected import DEFAULT_LATENCY_S, EFFICIENCY, fit_latency, model_busbw, plateau_busbw, uses_single_nic
 
 # (collective, nranks) → busbw/algbw, computed by hand from nccl-tests' *GetBw (NVIDIA/nccl-tests src/<coll>.cu).
 HAND_FACTORS = {
@@ -158,14 +158,14 @@ def test_fit_is_robust_to_one_outlier_and_never_negative():
 
 def test_plateau_uses_catalog_rate_times_stack_efficiency():
     mega = lookup("a3-megagpu-8g")  # 1600 Gbps GPU network = 200 GB/s, TCPXO η 0.94
-    assert bw.plateau_busbw(mega, "all_gather", 2) == pytest.approx(188.0)
+    assert plateau_busbw(mega, "all_gather", 2) == pytest.approx(188.0)
     # all_reduce runs as an NVLS tree under TCPXO's profile: 2(16-1)/16 / (2(2-1)/2) = 1.875x.
-    assert bw.plateau_busbw(mega, "all_reduce", 2) == pytest.approx(188.0 * 1.875)
-    assert bw.plateau_busbw(mega, "alltoall", 2) == pytest.approx(188.0 / 8)  # one NIC of 8
-    assert bw.plateau_busbw(mega, "all_reduce", 1) is None
+    assert plateau_busbw(mega, "all_reduce", 2) == pytest.approx(188.0 * 1.875)
+    assert plateau_busbw(mega, "alltoall", 2) == pytest.approx(188.0 / 8)  # one NIC of 8
+    assert plateau_busbw(mega, "all_reduce", 1) is None
     a2 = lookup("a2-highgpu-8g")  # 100 Gbps, Fast Socket, one NIC
-    assert bw.plateau_busbw(a2, "sendrecv", 4) == pytest.approx(12.5 * 0.71)
-    assert set(bw.EFFICIENCY) == set(NetStack) == set(bw.DEFAULT_LATENCY_S)
+    assert plateau_busbw(a2, "sendrecv", 4) == pytest.approx(12.5 * 0.71)
+    assert set(EFFICIENCY) == set(NetStack) == set(DEFAULT_LATENCY_S)
 
 
 def test_avg_busbw_is_the_mean_of_every_printed_block_and_skips_missing_ones():
@@ -179,6 +179,6 @@ def test_avg_busbw_is_the_mean_of_every_printed_block_and_skips_missing_ones():
 
 def test_the_single_nic_collectives_get_one_nics_share_of_the_plateau():
     machine = lookup("a3-megagpu-8g")
-    assert [c for c in bw.COLLECTIVES if bw.uses_single_nic(c)] == ["alltoall", "sendrecv"]
+    assert [c for c in bw.COLLECTIVES if uses_single_nic(c)] == ["alltoall", "sendrecv"]
     nics = max(1, len(machine.gpu_nics))
-    assert bw.plateau_busbw(machine, "alltoall", 2) == pytest.approx(bw.plateau_busbw(machine, "all_gather", 2) / nics)
+    assert plateau_busbw(machine, "alltoall", 2) == pytest.approx(plateau_busbw(machine, "all_gather", 2) / nics)

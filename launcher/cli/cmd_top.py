@@ -35,7 +35,7 @@ from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from launcher.jobs.goodput import goodput_of, summary
-from launcher.jobs.node0 import Node0
+from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, check_job_id
 from launcher.observe.job_metrics import INTERVAL_S as JOB_INTERVAL_S
 from launcher.observe.job_metrics import RECORD, record_script
@@ -277,8 +277,7 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
 
 def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
     """`cluster` narrowed to the nodes of detached job `job_id`, ranked as in the job."""
-    head = cluster.nodes[0]
-    job = Node0(transport, head).record(job_id)
+    job = Node0(transport, job_host(cluster)).record(job_id)
     if job.state.final:
         raise UserError(
             f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
@@ -299,10 +298,10 @@ def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, Launch
     flags' node 0 (where the job's record is)."""
     if job_id:
         cluster, config, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return _job_nodes(cluster, transport, job_id), config, transport, cluster.nodes[0]
+        return _job_nodes(cluster, transport, job_id), config, transport, job_host(cluster)
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config), cluster.nodes[0]
+    return cluster, config, make_transport(cluster, config), job_host(cluster)
 
 
 class _JobWatch:
@@ -362,7 +361,7 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = Node0(transport, cluster.nodes[0]).run(record_script(job_id))
+    text = Node0(transport, job_host(cluster)).run(record_script(job_id))
     if not text.strip():
         raise UserError(
             f"job {job_id} has no samples yet (its controller samples every "

@@ -18,7 +18,11 @@ WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
 
 def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None) -> None:
     """Run attached (the live stream, then the summary), or with --detach hand off to node 0."""
-    given = [k for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped") if o.get(k) is not None]
+    given = [
+        k
+        for k in ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes")
+        if o.get(k) is not None
+    ]
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
         from launcher.jobs.recovery import recover_policy
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from launcher.jobs.busy import BusyCheck
 from launcher.jobs.handoff import detach
-from launcher.jobs.node0 import Node0
+from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, JobState, check_job_id
 from launcher.jobs.recovery import Recoverer, RecoverPolicy, recover_policy
 
@@ -31,5 +31,6 @@ __all__ = [
     "Recoverer",
     "check_job_id",
     "detach",
+    "job_host",
     "recover_policy",
 ]

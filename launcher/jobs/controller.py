@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return controller.run()
     except Exception as e:  # a record must never say RUNNING for a controller that has gone
         log.exception("the controller failed")
-        return controller.end(JobState.FAILED, 1, why=f"the controller on node 0 failed: {type(e).__name__}: {e}")
+        return controller.end(JobState.FAILED, 1, why=f"the job's controller failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

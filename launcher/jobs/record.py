@@ -122,7 +122,7 @@ class JobRecord:
         d.update(
             state=JobState.FAILED.value,
             exit=self.exit if self.exit is not None else 1,
-            why=f"the controller (pid {self.pid}) on node 0 died while the job was "
+            why=f"the controller (pid {self.pid}) died while the job was "
             f"{self.state.value}; its nodes were stopped by their watchdogs",
         )
         return JobRecord.from_json(d)

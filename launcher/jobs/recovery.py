@@ -28,6 +28,7 @@ __all__ = [
     "RecoverPolicy",
     "Recovery",
     "PREEMPTED_TEXT",
+    "RESTART_REASON_VAR",
     "parse_duration",
     "recover_policy",
     "resume_argv",
@@ -41,6 +42,8 @@ log = logging.getLogger("launcher")
 
 # What workloads.train logs (rank 0) when a SIGTERM made it save and exit: the run is not done.
 PREEMPTED_TEXT = "rerun with --resume to continue"
+# What a relaunch on fewer nodes (--min-nodes) tells the workload, beside torchrun's new WORLD_SIZE.
+RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
 # A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
 _STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
@@ -54,6 +57,7 @@ class RecoverPolicy:
     timeout_s: float = 1800.0  # how long a node may take to come back, per recovery
     restart_stopped: bool = True  # start a TERMINATED instance again (launcher.cluster.restart_vms)
     api_endpoint: str | None = None  # the Compute Engine API's, when not the default (tests)
+    min_nodes: int | None = None  # go on with this many nodes or more when a lost one is not back in time
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +74,7 @@ class Recovery:
     waited_s: float | None = None  # from the failure to the relaunch (None: it never relaunched)
     signature: str = ""  # the failure's status and error lines: a repeat at the same step is a bug
     restarted: dict[str, str] = dataclasses.field(default_factory=dict)  # instance -> what start did
+    shrunk_to: int | None = None  # --min-nodes: the nodes it went on with, when some were not back
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +97,7 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
             ("--max-recoveries", "max_recoveries"),
             ("--recover-timeout", "recover_timeout"),
             ("--restart-stopped/--no-restart-stopped", "restart_stopped"),
+            ("--min-nodes", "min_nodes"),
         )
         if o.get(k) is not None
     ]
@@ -100,7 +106,7 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
         return None
     if not detach:
-        raise UserError("--recover needs --detach: the controller on node 0 recovers the job; add --detach")
+        raise UserError("--recover needs --detach: the job's controller recovers it; add --detach")
     if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
         raise UserError(
             "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
@@ -109,6 +115,9 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
     n = o.get("max_recoveries")
     if n is not None and n < 1:
         raise UserError(f"--max-recoveries {n} must be at least 1")
+    m = o.get("min_nodes")
+    if m is not None and m < 1:
+        raise UserError(f"--min-nodes {m} must be at least 1")
     timeout = parse_duration(o["recover_timeout"]) if o.get("recover_timeout") is not None else 1800.0
     restart = o.get("restart_stopped") is not False  # on by default with --recover
     return RecoverPolicy(
@@ -116,6 +125,7 @@ def recover_policy(o: dict[str, Any], train_argv: tuple[str, ...], detach: bool)
         timeout_s=timeout,
         restart_stopped=restart,
         api_endpoint=o.get("api_endpoint") if restart else None,
+        min_nodes=m,
     )
 
 
@@ -162,7 +172,8 @@ def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
         step = f" at step {r.step}" if r.step is not None else ""
         back = f"relaunched after {r.waited_s:.1f} s" if r.waited_s is not None else "not relaunched"
         started = "".join(f"; instance {name} {what}" for name, what in r.restarted.items())
-        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}")
+        shrunk = f"; went on with {r.shrunk_to} nodes (--min-nodes)" if r.shrunk_to is not None else ""
+        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}{shrunk}")
     return out
 
 
@@ -253,7 +264,10 @@ class Recoverer:
                 rec.node = bad
                 self._note(node=bad)
             self._restart_stopped(launch, rec)
+            self._follow_moved(launch)
             waited = time.monotonic() - t0
+            if waited > self.policy.timeout_s and self._shrink(launch, rec):
+                continue
             if waited > self.policy.timeout_s:
                 self._note(waited_s=None)
                 label = f"node {bad}" if bad is not None else "a node"
@@ -286,6 +300,57 @@ class Recoverer:
             done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
         rec.restarted.update(done)
         self._note(restarted=dict(rec.restarted))
+
+    def _shrink(self, launch: Any, rec: Recovery) -> bool:
+        """--min-nodes: leave out the nodes that are not back in time and go on with the others
+        (renumbered in their order, node 0 of it the rendezvous master), when that leaves at least
+        --min-nodes. The workload gets torchrun's new WORLD_SIZE and GPUFLEET_RESTART_REASON=shrunk;
+        the built-in one reshards its DCP checkpoint on load. False: it may not shrink."""
+        missing = {r for r, s in launch.states.items() if s.value in ("unreachable", "failed")}
+        kept = [n for n in self.cluster.nodes if n.rank not in missing]
+        if self.policy.min_nodes is None or not missing or not kept or len(kept) < self.policy.min_nodes:
+            return False
+        gone = ", ".join(n.label for n in self.cluster.nodes if n.rank in missing)
+        self.cluster = dataclasses.replace(
+            self.cluster, nodes=tuple(dataclasses.replace(n, rank=i) for i, n in enumerate(kept))
+        )
+        env = [(k, v) for k, v in self.config.env if k != RESTART_REASON_VAR]
+        self.config = dataclasses.replace(self.config, env=(*env, (RESTART_REASON_VAR, "shrunk")))
+        self.c.record.nodes = [n.host for n in kept]
+        rec.shrunk_to = len(kept)
+        self._note(shrunk_to=len(kept))
+        log.warning(
+            "job %s: %s not back within --recover-timeout %.0f s; going on with %d nodes (--min-nodes %d)",
+            self.c.record.id,
+            gone,
+            self.policy.timeout_s,
+            len(kept),
+            self.policy.min_nodes,
+        )
+        return True
+
+    def _follow_moved(self, launch: Any) -> None:
+        """Unreachable nodes whose instance is now at another address (a restart gave it a new
+        one) are reached there, with the host keys the Compute Engine API publishes for it
+        (launcher.cluster.host_keys); the request must know where they are, as for --restart-stopped."""
+        c = self.cluster
+        ranks = [r for r, s in launch.states.items() if s.value == "unreachable" and c.nodes[r].name]
+        if not (ranks and self.policy.restart_stopped and c.project and c.zone):
+            return
+        from launcher.cluster.host_keys import follow_moved
+        from launcher.cluster.restart_vms import instances_client
+
+        ports = [int(o.split("=", 1)[1]) for o in self.config.ssh.options if o.startswith("Port=")]
+        try:
+            client = instances_client(self.policy.api_endpoint)
+        except Exception as e:  # no google-cloud-compute where the controller runs: say so, keep waiting
+            log.warning("cannot ask the Compute Engine API where unreachable nodes are: %s: %s", type(e).__name__, e)
+            return
+        moved = follow_moved(client, c, ranks, self.config.ssh.known_hosts, ports[0] if ports else 22)
+        if moved != c:
+            self.cluster = moved
+            self.c.record.nodes = [n.host for n in moved.nodes]
+            self.c.save()
 
     def _on_event(self, out: Any, t0: float) -> Any:
         started = []

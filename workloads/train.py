@@ -33,6 +33,7 @@ from typing import IO, Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from gpufleet.catalog import peak_flops_for_device
 from gpufleet.contracts import ERROR_PREFIX
@@ -41,7 +42,9 @@ from workloads.collective import Ranks, StoppedElsewhere, every_rank, is_every_r
 from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
 from workloads.metrics import RankInfo, format_log_line, straggler_warning
-from workloads.model import GPT, flops_per_token, mfu
+from workloads.model import GPT, cross_entropy, flops_per_token, mfu
+from workloads.parallel.grads import clip_grad_norm
+from workloads.parallel.parallelize import build_mesh, local
 
 __all__ = ["Trainer", "main"]
 
@@ -85,6 +88,17 @@ class Trainer:
         self.comms.on_rank0(self._open_outputs)
         if cfg.profile_range is not None:
             self.comms.on_every_rank(self._check_profile_dir)  # every rank writes its own trace
+        self.dims = cfg.dims
+        self.coords = self.dims.coordinates(self.rank)
+        # One loss per data-parallel replica: the last pipeline stage's, from its first TP rank.
+        self.reports_loss = self.coords["pp"] == self.dims.pp - 1 and self.coords["tp"] == 0
+        self.mesh = None if self.dims.is_ddp else build_mesh(self.dims, self.device.type)
+        self._warn_tp_across_nodes()
+        self.schedule: Any = None
+        self.pp_first = self.pp_last = True
+        self.tied_group: Any = None
+        self.tied: list[torch.Tensor] = []
+        self.clip_skip: set[int] = set()
         self.model, self.raw_model = self._build_model()
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -92,13 +106,13 @@ class Trainer:
         seq_len = cfg.tokens_per_sample
         self.batches = self.comms.on_every_rank(self._open_data)  # --data may be missing on one node only
         size = cfg.size
-        self.n_params = self.raw_model.num_params()
         self.flops_token = flops_per_token(
             self.n_params, size.n_layer, size.n_head, size.n_embd // size.n_head, seq_len
         )
         self.peak_flops = peak_flops_for_device(torch.cuda.get_device_name(self.device)) if self.cuda else None
         self.step = 0
-        self.checkpoint.track(self.model, self.optimizer, self, run_meta(cfg, self.world))
+        meta = {**run_meta(cfg, self.world), "layout": self.dims.describe()}
+        self.checkpoint.track(self.raw_model, self.optimizer, self, meta)
 
     # ---- build ---------------------------------------------------------------------------
 
@@ -140,29 +154,24 @@ class Trainer:
             if cfg.data
             else SyntheticTokens(cfg.synthetic_samples, seq_len, vocab, cfg.seed)
         )
-        return BatchStream(dataset, self.rank, self.world, cfg.micro_batch, cfg.grad_accum, cfg.seed)
+        # By data-parallel rank: the TP and PP ranks of one replica train on the same samples, and
+        # the samples of a step are the same whatever the layout.
+        dp_rank = self.dims.dp_rank(self.rank)
+        return BatchStream(dataset, dp_rank, self.dims.dp, cfg.micro_batch, cfg.grad_accum, cfg.seed)
 
     def _build_model(self) -> tuple[torch.nn.Module, GPT]:
-        cfg = self.cfg
+        """The model as this rank runs it, and the plain GPT (or, under a pipeline, the module
+        over this rank's stages) that the optimizer steps and the checkpoint saves."""
+        cfg, dims = self.cfg, self.dims
         torch.manual_seed(cfg.seed)  # same initial weights on every rank, before any wrapping
         raw = GPT(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
-        if cfg.parallelism == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
-            mp = (
-                MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
-                if self.precision in ("bf16", "fp16")
-                else MixedPrecisionPolicy()
-            )
-            for block in raw.blocks:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(raw, mp_policy=mp)
-            model: torch.nn.Module = raw
-        elif self.world == 1:
+        self.n_params = raw.num_params()
+        if not dims.is_ddp:
+            return self._parallelize(raw)
+        if self.world == 1:
             # Nothing to reduce with one rank: skip DDP's bucket copies (torchtitan also applies
             # data parallelism only when its degree is above 1).
-            model = raw
+            model: torch.nn.Module = raw
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -177,6 +186,54 @@ class Trainer:
         if cfg.compile:
             model = torch.compile(model)
         return model, raw
+
+    def _parallelize(self, raw: GPT) -> tuple[torch.nn.Module, Any]:
+        """TP, then pipeline stages, then FSDP2/HSDP over the data-parallel mesh dimensions."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from workloads.parallel.parallelize import ModelParts, apply_fsdp, apply_tp, merge_stages, split_stages
+        from workloads.parallel.pipeline import build_schedule
+
+        cfg, dims, mesh = self.cfg, self.dims, self.mesh
+        parts = ModelParts(*raw.PP_PARTS)
+        # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
+            if self.precision in ("bf16", "fp16")
+            else MixedPrecisionPolicy()
+        )
+        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        stages = split_stages(raw, parts, dims, self.coords["pp"]) if dims.pp > 1 else [(0, raw)]
+        for _, module in stages:
+            if dims.tp > 1:
+                apply_tp(module, parts, mesh["tp"])
+            if dims.dp > 1:
+                apply_fsdp(module, parts, dp_mesh, mp)
+        whole = merge_stages([m for _, m in stages], parts)
+        if dims.pp == 1:
+            model: torch.nn.Module = torch.compile(whole) if cfg.compile else whole
+            return model, whole
+        held = [s for s, _ in stages]
+        self.pp_first, self.pp_last = 0 in held, dims.num_stages - 1 in held
+        self.schedule = build_schedule(stages, dims, mesh["pp"], self.device, cfg.n_microbatches, cross_entropy)
+        # The embedding matrix the first and the last stage both hold (the head's tied weight):
+        # summed over the two after backward, counted once in the gradient norm.
+        from workloads.parallel.parallelize import tied_group
+
+        self.tied_group = tied_group(dims)
+        self.tied = [getattr(whole, n).weight for n in parts.tied if getattr(whole, n, None) is not None]
+        if self.pp_last and not self.pp_first:
+            self.clip_skip = {id(p) for p in self.tied}
+        return whole, whole
+
+    def _warn_tp_across_nodes(self) -> None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if self.dims.tp > local_world:
+            self.log(
+                f"warning: --tp {self.dims.tp} is more than the {local_world} ranks of a node: tensor "
+                "parallelism's per-layer all-reduces cross the network; keep --tp <= --nproc-per-node",
+                stream=sys.stderr,
+            )
 
     def _register_comm_hook(self, ddp: torch.nn.Module) -> None:
         """Gradient compression through PyTorch's own DDP comm hooks."""
@@ -205,7 +262,11 @@ class Trainer:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        lr = cfg.lr * (self.world if cfg.scale_lr else 1)
+        lr = cfg.lr * (self.dims.dp if cfg.scale_lr else 1)
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            # Per-parameter steps: the foreach/fused kernels take one list of tensors, and TP's
+            # 2-D DTensors, FSDP's 1-D ones and plain tensors cannot share one.
+            return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=False)
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=self.cuda)
 
     def _lr_factor(self, step: int) -> float:
@@ -284,9 +345,9 @@ class Trainer:
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce on all but the last micro-step (issue 5)."""
-        if last or self.world == 1:
+        if last or self.dims.dp == 1:
             return contextlib.nullcontext()
-        if self.cfg.parallelism == "fsdp":
+        if not self.dims.is_ddp:
             return _fsdp_no_sync(self.raw_model)
         return self.model.no_sync()  # type: ignore[operator]
 
@@ -312,9 +373,12 @@ class Trainer:
         return taken
 
     def train_step(self) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches; returns this rank's mean loss."""
+        """One optimizer step over grad_accum micro-batches; returns this rank's mean loss, or 0
+        on a rank that does not report one (see `reports_loss`)."""
         cfg = self.cfg
         total = torch.zeros((), device=self.device)
+        if self.schedule is not None:
+            return self._pipeline_step()
         for micro in range(cfg.grad_accum):
             x, y = self.batches.micro_batch_at(self.step, micro)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -330,16 +394,51 @@ class Trainer:
                 with self._range("backward"):
                     self.scaler.scale(loss).backward()
             total += loss.detach()
+        self._optimizer_step()
+        return total if self.reports_loss else torch.zeros_like(total)
+
+    def _pipeline_step(self) -> torch.Tensor:
+        """One optimizer step through the pipeline: this rank's whole batch (its grad_accum
+        micro-batches, the same samples as without a pipeline) in --pp-microbatches pieces."""
+        cfg = self.cfg
+        pieces = [self.batches.micro_batch_at(self.step, m) for m in range(cfg.grad_accum)]
+        x = torch.cat([p[0] for p in pieces]).to(self.device)
+        y = torch.cat([p[1] for p in pieces]).to(self.device)
+        losses: list[torch.Tensor] = []
+        with self._range("pipeline"), self._autocast():
+            if self.pp_first:
+                self.schedule.step(x, target=y, losses=losses)
+            else:
+                self.schedule.step(target=y, losses=losses)
+        if self.tied_group is not None:
+            for p in self.tied:  # the head's share of the tied embedding, and the embedding's
+                if p.grad is None:
+                    continue
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # DTensor's embedding backward leaves the gradient of a row-wise sharded
+                    # embedding replicated; take the parameter's own shard, as the head has.
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                dist.all_reduce(local(p.grad), group=self.tied_group)
+        self._optimizer_step()
+        if self.pp_last and self.reports_loss:
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.zeros((), device=self.device)
+
+    def _optimizer_step(self) -> None:
+        cfg = self.cfg
         with self._range("optimizer"):
             if cfg.grad_clip:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                if self.dims.is_ddp:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                else:
+                    pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+                    clip_grad_norm(list(self.raw_model.parameters()), cfg.grad_clip, pp_group, self.clip_skip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.step += 1
-        return total
 
     def fit(self) -> None:
         cfg = self.cfg
@@ -357,7 +456,7 @@ class Trainer:
                     profiler.step()
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                    loss_value = loss.item() / self.world  # .item() waits for the GPU: times are real
+                    loss_value = loss.item() / self.dims.dp  # .item() waits for the GPU: times are real
                     now = time.perf_counter()
                     step_s = (now - last_log) / (self.step - last_log_step)
                     last_log, last_log_step = now, self.step
@@ -438,13 +537,20 @@ class Trainer:
     # ---- reporting -----------------------------------------------------------------------------
 
     def _banner(self) -> str:
-        cfg = self.cfg
+        cfg, dims = self.cfg, self.dims
         peak = f"{self.peak_flops:.3g} FLOP/s (gpufleet.catalog)" if self.peak_flops else "n/a"
+        # "ddp x 4 ranks", "fsdp x 4 ranks", or the mesh: "dp_shard 2 x tp 2 = 4 ranks".
+        if self.world == 1 or dims.is_ddp or dims.dp_shard == self.world:
+            kind = cfg.parallelism if self.world == 1 else "ddp" if dims.is_ddp else "fsdp"
+            layout = f"{kind} x {self.world} ranks"
+        else:
+            layout = f"{dims.describe()} = {self.world} ranks"
+        dp_ranks = "ranks" if dims.dp == self.world else "data-parallel ranks"
         return (
-            f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {cfg.parallelism} x "
-            f"{self.world} ranks on {self.device.type} ({dist.get_backend()}) | {self.precision} | "
-            f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x {self.world} ranks x "
-            f"{cfg.grad_accum} accum | seq {cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
+            f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {layout} on {self.device.type} "
+            f"({dist.get_backend()}) | {self.precision} | global batch {cfg.global_batch} = micro "
+            f"{cfg.micro_batch} x {dims.dp} {dp_ranks} x {cfg.grad_accum} accum | seq "
+            f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
             f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak}"
         )
 

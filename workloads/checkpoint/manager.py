@@ -340,6 +340,9 @@ class CheckpointManager:
             torch.cuda.set_rng_state(mine["cuda"], ranks.device)
         saved_by = trainer["meta"].get("world_size", ranks.world)
         resharded = f"; saved by {saved_by} ranks, read by {ranks.world}" if saved_by != ranks.world else ""
+        layout, mine = trainer["meta"].get("layout"), self.meta.get("layout")
+        if layout and mine and layout != mine:
+            resharded += f"; saved as {layout}, read as {mine}"
         ranks.log(
             f"resumed from {self.url} at step {self.train_state.step} "
             f"(epoch {trainer['data']['epoch']}, {trainer['data']['samples_seen']} samples seen{resharded})"

@@ -44,7 +44,17 @@ from workloads.data import BatchStream, SyntheticTokens, TokenFile
 from workloads.metrics import RankInfo, format_log_line, straggler_warning
 from workloads.model import GPT, cross_entropy, flops_per_token, mfu
 from workloads.parallel.grads import clip_grad_norm
-from workloads.parallel.parallelize import build_mesh, local
+from workloads.parallel.parallelize import (
+    ModelParts,
+    apply_fsdp,
+    apply_tp,
+    build_mesh,
+    local,
+    merge_stages,
+    split_stages,
+    tied_group,
+)
+from workloads.parallel.pipeline import build_schedule
 
 __all__ = ["Trainer", "main"]
 
@@ -191,9 +201,6 @@ class Trainer:
         """TP, then pipeline stages, then FSDP2/HSDP over the data-parallel mesh dimensions."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from workloads.parallel.parallelize import ModelParts, apply_fsdp, apply_tp, merge_stages, split_stages
-        from workloads.parallel.pipeline import build_schedule
-
         cfg, dims, mesh = self.cfg, self.dims, self.mesh
         parts = ModelParts(*raw.PP_PARTS)
         # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
@@ -218,8 +225,6 @@ class Trainer:
         self.schedule = build_schedule(stages, dims, mesh["pp"], self.device, cfg.n_microbatches, cross_entropy)
         # The embedding matrix the first and the last stage both hold (the head's tied weight):
         # summed over the two after backward, counted once in the gradient norm.
-        from workloads.parallel.parallelize import tied_group
-
         self.tied_group = tied_group(dims)
         self.tied = [getattr(whole, n).weight for n in parts.tied if getattr(whole, n, None) is not None]
         if self.pp_last and not self.pp_first:

@@ -340,8 +340,10 @@ class CheckpointManager:
             torch.cuda.set_rng_state(mine["cuda"], ranks.device)
         saved_by = trainer["meta"].get("world_size", ranks.world)
         resharded = f"; saved by {saved_by} ranks, read by {ranks.world}" if saved_by != ranks.world else ""
+        # Plain data parallelism on another world size says enough with the rank counts.
         layout, mine = trainer["meta"].get("layout"), self.meta.get("layout")
-        if layout and mine and layout != mine:
+        plain = all(str(x).startswith(("ddp x", "fsdp x")) for x in (layout, mine))
+        if layout and mine and layout != mine and not plain:
             resharded += f"; saved as {layout}, read as {mine}"
         ranks.log(
             f"resumed from {self.url} at step {self.train_state.step} "

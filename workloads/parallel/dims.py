@@ -76,11 +76,11 @@ class ParallelDims:
         --parallelism says which takes the rest of the world (ddp: replicate, fsdp: shard);
         with one set, the other is 1."""
         if dp_replicate == 0 and dp_shard == 0:
-            rest = max(1, world_size // max(1, tp * pp)) if tp * pp and world_size % (tp * pp) == 0 else -1
-            if parallelism == "fsdp" or rest == -1:
+            divides = tp * pp > 0 and world_size % (tp * pp) == 0
+            if parallelism == "ddp" and divides:
+                dp_replicate, dp_shard = world_size // (tp * pp), 1
+            else:  # fsdp, or a world tp x pp does not divide: dp_shard -1 names the mismatch
                 dp_replicate, dp_shard = 1, -1
-            else:
-                dp_replicate, dp_shard = rest, 1
         dp_replicate = dp_replicate or 1
         dp_shard = dp_shard or 1
         return cls(dp_replicate, dp_shard, tp, pp, world_size, pp_schedule)

@@ -107,7 +107,8 @@ def test_a_checkpoint_resumes_under_another_layout_to_the_same_loss(runs, resume
 
 def test_the_launcher_run_names_its_mesh_and_saves_in_the_background(runs):
     text = runs["tp2xdp2-banner"]
-    assert "dp_shard 2 x tp 2 = 4 ranks" in text and "micro-batch 8 x 2 data-parallel ranks x 4 accumulation steps" in text
+    assert "dp_shard 2 x tp 2 = 4 ranks" in text
+    assert "micro-batch 8 x 2 data-parallel ranks x 4 accumulation steps" in text
     assert "training blocked" in text  # the async save's line
 
 

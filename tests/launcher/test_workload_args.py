@@ -68,7 +68,7 @@ def test_nothing_reaches_a_node_when_the_workload_arguments_are_wrong(tmp_path):
             "--global-batch 7 is not divisible by --micro-batch 4 x 2 data-parallel ranks = 8; "
             "use a multiple of 8, or leave --global-batch out for 8",
         ),
-        (["--detach", "--", "--model", "7B"], "--model '7B' is unknown; one of: tiny, small-test, 124M, 350M, 1.3B"),
+        (["--detach", "--", "--model", "7B"], "--model '7B' is unknown; one of: tiny, tiny-4l, small-test, 124M, 350M, 1.3B"),
     ):
         r = CliRunner().invoke(main, ["train", *source, *args])
         assert (r.exit_code, r.output) == (2, f"error: {line}\n"), args

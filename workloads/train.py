@@ -349,7 +349,7 @@ class Trainer:
                     torch.cuda.nvtx.range_pop()
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Skip the gradient all-reduce on all but the last micro-step (issue 5)."""
+        """Skip the gradient all-reduce on all but the last micro-step: one all-reduce per optimizer step."""
         if last or self.dims.dp == 1:
             return contextlib.nullcontext()
         if not self.dims.is_ddp:
@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     # Trainer.fit turns SIGTERM into a stop flag while it trains. Outside the loop (the final
     # save, --save-params, the exit barrier, interpreter exit) a SIGTERM must not kill the
     # process either: Spot VMs are often reclaimed a moment apart, and a second notice arriving
-    # while rank 0 saves or leaves would turn a clean preemption into a failure (issue 7). So it
+    # while rank 0 saves or leaves would turn a clean preemption into a failure. So it
     # is ignored until the process exits (main is the program's entry point; nothing runs after
     # it). SIG_IGN, not a Python no-op: CPython resets Python-level handlers to SIG_DFL while the
     # interpreter finalizes, and a notice landing then still killed the worker. Bounded: torchrun

@@ -5,7 +5,7 @@ Anchor: the previous release's full-state save (workloads/train.py at e9d9d60, T
 parameter and AdamW moment on rank 0, which writes one torch.save file (local: temp file, fsync,
 rename; GCS: staged in a temp file, then one upload). The training step is blocked for all of it.
 
-Measured, through workloads.train's own Trainer.save (every rank writes its own shards, DCP):
+Measured, through workloads.train's own CheckpointManager.save (every rank writes its own shards, DCP):
 - DCP sync: the whole save (what the SIGTERM save costs);
 - DCP async: the time the step is blocked (state dict + copy to host memory, the slowest rank),
   and the time until the checkpoint is published as latest in the background.
@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from workloads.checkpoint import rng_state
 from workloads.config import MODEL_SIZES, TrainConfig
 
 __all__ = ["main"]
@@ -63,7 +64,7 @@ def _full_state_save(trainer: Any, url: str, name: str) -> None:
         trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     rngs: list[Any] = [None] * trainer.world
-    dist.all_gather_object(rngs, trainer._rng_state())
+    dist.all_gather_object(rngs, rng_state(trainer.device))
     if trainer.rank == 0:
         state = {
             "model": model_sd,
@@ -72,10 +73,10 @@ def _full_state_save(trainer: Any, url: str, name: str) -> None:
             "scaler": trainer.scaler.state_dict(),
             "step": trainer.step,
             "rng": rngs,
-            "meta": trainer._meta(),
+            "meta": trainer.checkpoint.meta,
         }
         if url.startswith("gs://"):
-            store = trainer.store
+            store = trainer.checkpoint.store
             with tempfile.NamedTemporaryFile(suffix=".pt") as f:
                 torch.save(state, f)
                 f.flush()
@@ -138,13 +139,13 @@ def _worker(rank: int, world: int, port: int, model: str, url: str, repeats: int
                 if kind == "full-state":
                     _full_state_save(trainer, url, f"full_{trainer.step:08d}.pt")
                 elif kind == "dcp":
-                    trainer.save()
+                    trainer.checkpoint.save()
                     dist.barrier()
                 else:
-                    trainer.save(asynchronous=True)
+                    trainer.checkpoint.save(asynchronous=True)
                     # The step waits for the slowest rank at its next collective.
                     results[kind].append(_max_over_ranks(time.perf_counter() - t0))
-                    trainer._wait_pending()
+                    trainer.checkpoint.wait()
                     dist.barrier()
                     kind = "dcp-async-total"
             results[kind].append(time.perf_counter() - t0)

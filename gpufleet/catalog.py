@@ -49,6 +49,9 @@ __all__ = [
     "OnDemandPrice",
     "ON_DEMAND_PRICES",
     "on_demand_price",
+    "MachinePrice",
+    "MACHINE_PRICES",
+    "machine_price",
 ]
 
 
@@ -467,3 +470,68 @@ ON_DEMAND_PRICES: dict[str, OnDemandPrice] = {
 def on_demand_price(machine_type: str) -> OnDemandPrice | None:
     """The on-demand list price the catalog knows for a (non-GPU) machine type, or None."""
     return ON_DEMAND_PRICES.get(machine_type)
+
+
+# ---- On-demand and Spot prices of the GPU machine types ---------------------------------------------
+
+# One node-hour of each type, GPUs included (Compute Engine bills A2/A3 GPUs with the machine type:
+# https://cloud.google.com/compute/gpus-pricing, "Accelerator-optimized machine types"). The figures
+# are the Cloud Billing Catalog's, which Google's pricing pages render, as mirrored in
+# Cyclenerd/google-cloud-pricing-cost-calculator pricing.yml generated 2025-03-06 (the same file
+# e2-standard-2's price above cites): compute.instance.<type>.cost.<region>.hour and .hour_spot.
+# Spot prices are dynamic (https://cloud.google.com/spot-vms/pricing) and the file's later
+# snapshots differ, so a Spot cost is an estimate at this snapshot's price. That file
+# lists no a3-edgegpu-8g, a3-ultragpu-8g or a4-highgpu-8g: their price is unknown here (shown n/a),
+# never guessed.
+_PRICING_SOURCE = (
+    "https://cloud.google.com/compute/gpus-pricing (Cloud Billing Catalog via "
+    "Cyclenerd/google-cloud-pricing-cost-calculator pricing.yml)"
+)
+_PRICING_DATE = "2025-03-06"
+
+
+@dataclass(frozen=True)
+class MachinePrice:
+    """A machine type's list prices per node-hour in one region: on-demand and Spot."""
+
+    machine_type: str
+    region: str
+    on_demand_usd_per_hour: float
+    spot_usd_per_hour: float
+    source: str = _PRICING_SOURCE
+    retrieved: str = _PRICING_DATE  # the date the source's figures were generated
+
+
+def _prices(region: str, rows: dict[str, tuple[float, float]]) -> dict[str, MachinePrice]:
+    return {name: MachinePrice(name, region, od, spot) for name, (od, spot) in rows.items()}
+
+
+MACHINE_PRICES: dict[str, MachinePrice] = {
+    # us-central1, the region of every type below in that file except A3 Mega. (hour, hour_spot).
+    **_prices(
+        "us-central1",
+        {
+            "a2-highgpu-1g": (3.673385, 1.293355),
+            "a2-highgpu-2g": (7.34677, 2.58671),
+            "a2-highgpu-4g": (14.69354, 5.17342),
+            "a2-highgpu-8g": (29.38708, 10.34684),
+            "a2-megagpu-16g": (55.739504, 19.48024),
+            "a2-ultragpu-1g": (5.06879789041096, 2.02746835616438),
+            "a2-ultragpu-2g": (10.1375957808219, 4.05493671232877),
+            "a2-ultragpu-4g": (20.2751915616438, 8.10987342465753),
+            "a2-ultragpu-8g": (40.5503831232877, 16.2197468493151),
+            "a3-highgpu-1g": (11.0612499878219, 4.42446871232877),
+            "a3-highgpu-2g": (22.1224999756438, 8.84893742465754),
+            "a3-highgpu-4g": (44.2449999512877, 17.6978748493151),
+            "a3-highgpu-8g": (88.4899999025753, 35.3957496986301),
+        },
+    ),
+    # a3-megagpu-8g is priced there in asia-northeast1, asia-southeast1, australia-southeast1,
+    # europe-west1/3/4, us-east4, us-east5 and us-west4 only; us-east4 is the US region it lists first.
+    **_prices("us-east4", {"a3-megagpu-8g": (92.9375881512329, 37.391837369863)}),
+}
+
+
+def machine_price(machine_type: str | None) -> MachinePrice | None:
+    """The on-demand and Spot prices the catalog knows for a GPU machine type, or None (unknown)."""
+    return MACHINE_PRICES.get(machine_type) if machine_type else None

@@ -10,7 +10,8 @@ click, so `infra/` (Pulumi), `launcher/` (the laptop) and `workloads/` (the node
   `--label` discovery ranks instances by `LABEL_NODE`. The controller VM carries `LABEL_CONTROLLER`
   instead, so discovery by the cluster label never takes it for a node.
 - The controller VM (`controller` in the stack outputs, `controller_output(...)`): its startup
-  script installs the launcher into `CONTROLLER_VENV` and writes `CONTROLLER_READY_MARKER`.
+  script makes `CONTROLLER_VENV` (the Compute Engine client, or the launcher from the stack's
+  controllerSource) and writes `CONTROLLER_READY_MARKER`.
 - Paths on a node that the startup script makes and the launcher reads: `READY_MARKER`,
   `NCCL_TESTS_DIR`, `LOCAL_SSD_MOUNT`.
 - The sweep's machine-readable line: `workloads.sweep` prints `sweep_json_line(doc)`, the
@@ -86,12 +87,15 @@ LOCAL_SSD_MOUNT = {"ubuntu": "/mnt/localssd", "cos": "/mnt/disks/localssd"}
 # gpufleet-cluster=NAME` lists the nodes alone, and a node count never includes the controller.
 LABEL_CONTROLLER = "gpufleet-controller"
 
-# On the controller VM: the virtual environment its startup script installs the launcher (and
-# google-cloud-compute, for restarting stopped nodes) into; `launch` is CONTROLLER_VENV/bin/launch.
+# On the controller VM: the virtual environment its startup script installs google-cloud-compute
+# (for restarting stopped nodes) into, or with gpufleet:controllerSource the launcher itself, whose
+# `launch` is then CONTROLLER_VENV/bin/launch. Without a source the launcher runs its shipped code
+# with this venv's python.
 CONTROLLER_VENV = "/opt/gpufleet/venv"
 # Written last by the controller's startup script, atomically, at every boot once the launcher is
 # installed. JSON: {"cluster", "controller", "source", "gpufleet", "google_cloud_compute",
-# "booted_at"} (a version the script could not read is "unknown").
+# "booted_at"} (a version the script could not read is "unknown"; "source" and "gpufleet" are null
+# without gpufleet:controllerSource).
 CONTROLLER_READY_MARKER = "/var/lib/gpufleet/controller-ready.json"
 
 

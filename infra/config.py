@@ -28,7 +28,6 @@ __all__ = [
     "IAP_RANGE",
     "COMPACT_PLACEMENT_MAX_VMS",
     "SUBNET_MAX_NODES",
-    "DEFAULT_CONTROLLER_SOURCE",
     "parse_spec",
     "read_spec",
     "read_stack_file",
@@ -52,13 +51,6 @@ COMPACT_PLACEMENT_MAX_VMS = 1500
 # Every subnet is a /20 (infra/networks.py): 4096 addresses less the 4 GCE reserves.
 SUBNET_MAX_NODES = 4092
 
-# Where the controller VM's startup script installs the launcher from (`pip install "gpufleet @
-# SOURCE"`, which brings google-cloud-compute, a core dependency). The nodes install nothing of
-# gpufleet at boot (README: `pip install -e ".[workloads]"` on the nodes, by hand), so there is
-# no source to share with them; point gpufleet:controllerSource at your fork, or pin a tag
-# (`...gpufleet.git@v0.1.0`) so every boot installs the same launcher.
-DEFAULT_CONTROLLER_SOURCE = "git+https://github.com/gpufleet/gpufleet.git"
-
 DEFAULTS: dict[str, Any] = {
     "machineType": "a3-highgpu-8g",
     "nodes": 2,
@@ -72,7 +64,10 @@ DEFAULTS: dict[str, Any] = {
     "maxRunHours": 24,
     # A small on-demand VM runs detached jobs' controllers, so no GPU node is special.
     "controller": True,
-    "controllerSource": DEFAULT_CONTROLLER_SOURCE,
+    # No default source: the project has no public home to install from. Without one the
+    # controller's venv holds google-cloud-compute alone and the launcher ships its own code there
+    # at first use, as it ships it to node 0, so the controller runs the client's launcher.
+    "controllerSource": None,
 }
 
 # Every key this program reads, in the namespace `gpufleet`. Anything else there is a typo.
@@ -155,8 +150,9 @@ class FleetSpec:
     """User labels (sorted pairs; frozen), added to every labelled resource."""
     controller: bool = True
     """Declare the controller VM (infra/controller.py)."""
-    controller_source: str = DEFAULT_CONTROLLER_SOURCE
-    """What the controller's startup script pip-installs gpufleet from."""
+    controller_source: str | None = None
+    """What the controller's startup script pip-installs gpufleet from; None: the launcher ships
+    its own code to the controller at first use (infra/startup.py render_controller_script)."""
 
     @property
     def region(self) -> str:

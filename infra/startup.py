@@ -2,9 +2,9 @@
 
 `base.sh` holds the steps every node runs (NIC wait, driver, persistence, ulimits, local SSD RAID0,
 nccl-tests, ready marker); one file per network stack defines `net_stack_setup`. `controller.sh` is
-the controller VM's (the launcher into a venv, its ready marker). Both take the helpers in
-`common.sh`. Placeholders are `@@NAME@@` (bash's own `$NAME` stays untouched); every value is
-shell-quoted.
+the controller VM's (a venv with the Compute Engine client, or the launcher itself; its ready
+marker). Both take the helpers in `common.sh`. Placeholders are `@@NAME@@` (bash's own `$NAME`
+stays untouched); every value is shell-quoted.
 """
 
 from __future__ import annotations
@@ -23,10 +23,21 @@ from gpufleet.contracts import (
     READY_MARKER,
 )
 
-__all__ = ["STACK_TEMPLATES", "LAUNCH_LINK", "render_startup_script", "render_controller_script"]
+__all__ = [
+    "STACK_TEMPLATES",
+    "LAUNCH_LINK",
+    "COMPUTE_REQUIREMENT",
+    "render_startup_script",
+    "render_controller_script",
+]
 
 # Where the controller's script links `launch` (CONTROLLER_VENV/bin/launch), so a login shell has it.
 LAUNCH_LINK = "/usr/local/bin/launch"
+
+# The Compute Engine client the controller restarts stopped nodes with, as gpufleet's own core
+# dependency pins it (pyproject.toml [project] dependencies; tests/infra/test_startup.py holds the
+# two equal): what the controller's venv gets when no source installs gpufleet itself.
+COMPUTE_REQUIREMENT = "google-cloud-compute>=1.14"
 
 # The template that defines net_stack_setup for each stack.
 STACK_TEMPLATES: dict[NetStack, str] = {
@@ -87,14 +98,21 @@ def _common() -> str:
     return _template("common.sh").rstrip("\n")
 
 
-def render_controller_script(*, cluster: str, source: str) -> str:
-    """The controller VM's startup script: `pip install "gpufleet @ SOURCE"` into CONTROLLER_VENV
-    (once per source: a reboot with the same source installs nothing), `launch` on the PATH, then
-    CONTROLLER_READY_MARKER. `source` is any pip direct-reference URL; infra/config.py checks the
-    one a stack gives (no credentials: the script is instance metadata)."""
+def render_controller_script(*, cluster: str, source: str | None) -> str:
+    """The controller VM's startup script: a venv at CONTROLLER_VENV with python and
+    COMPUTE_REQUIREMENT, then CONTROLLER_READY_MARKER. With a `source`, it pip-installs
+    `gpufleet @ SOURCE` there instead (which brings google-cloud-compute) and links `launch` on the
+    PATH; without one the launcher ships its own code to the controller at first use. It installs
+    once per requirement: a reboot with the same one installs nothing. `source` is any pip
+    direct-reference URL; infra/config.py checks the one a stack gives (no credentials: the
+    script is instance metadata)."""
+    requirement = f"gpufleet @ {source}" if source else COMPUTE_REQUIREMENT
+    imports = "launcher.cli, google.cloud.compute_v1" if source else "google.cloud.compute_v1"
     values = {
         "CLUSTER": shlex.quote(cluster),
-        "SOURCE": shlex.quote(source),
+        "SOURCE": shlex.quote(source or ""),
+        "REQUIREMENT": shlex.quote(requirement),
+        "IMPORTS": shlex.quote(imports),
         "VENV": shlex.quote(CONTROLLER_VENV),
         "LAUNCH_LINK": shlex.quote(LAUNCH_LINK),
         "READY_MARKER": shlex.quote(CONTROLLER_READY_MARKER),

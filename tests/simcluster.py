@@ -113,6 +113,7 @@ class SimCluster:
         workdir: Path | None = None,
         node_env: dict[int, dict[str, str]] | None = None,
         hostnames: dict[int, str] | None = None,
+        controller: bool = False,
     ):
         """`node_env` adds environment variables to every session of the given nodes (sshd
         SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock;
@@ -121,10 +122,15 @@ class SimCluster:
 
         `hostnames` gives the listed nodes a hostname of their own: their sshd starts in a new
         UTS namespace (`unshare --uts`), so `hostname` in every session there reports it. Nodes
-        not listed share this machine's hostname, as before."""
+        not listed share this machine's hostname, as before.
+
+        `controller`: one more host, not a node, after the `n` nodes (`nodes[n]`, also
+        `controller`): its own sshd, namespace and host key like a node's, and the hostfile names
+        it on a `controller HOST` line, so detached jobs' controllers run there."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
         self.n = n
+        self.with_controller = controller
         self.mode = mode or ("netns" if netns_available() else "loopback")
         self.id = f"{random.randrange(16**4):04x}"
         self._own_dir = workdir is None
@@ -189,7 +195,15 @@ class SimCluster:
 
     @property
     def addresses(self) -> list[str]:
-        return [n.address for n in self.nodes]
+        """The nodes' addresses (not the controller host's)."""
+        return [n.address for n in self.nodes[: self.n]]
+
+    @property
+    def controller(self) -> SimNode:
+        """The controller host (SimCluster(..., controller=True))."""
+        if not self.with_controller:
+            raise RuntimeError("this cluster has no controller host: SimCluster(n, controller=True)")
+        return self.nodes[self.n]
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -219,8 +233,8 @@ class SimCluster:
             _run("ip", "link", "set", self.bridge, "up")
             port = 22
         else:
-            port = self._free_port([f"127.0.0.{i + 2}" for i in range(self.n)])
-        for i in range(self.n):
+            port = self._free_port([f"127.0.0.{i + 2}" for i in range(self._hosts)])
+        for i in range(self._hosts):
             self.nodes.append(self._make_node(i, port))
         if self.mode == "netns":
             self._write_name_service()
@@ -231,9 +245,16 @@ class SimCluster:
             host = node.address if node.port == 22 else f"[{node.address}]:{node.port}"
             lines.append(f"{host} {key_type} {key_b64}")
         self.known_hosts.write_text("\n".join(lines) + "\n")
-        self.hostfile.write_text("".join(f"{n.address}\n" for n in self.nodes))
+        hostfile = "".join(f"{n.address}\n" for n in self.nodes[: self.n])
+        if self.with_controller:
+            hostfile += f"controller {self.controller.address}\n"
+        self.hostfile.write_text(hostfile)
         for node in self.nodes:
             self._wait_listening(node)
+
+    @property
+    def _hosts(self) -> int:
+        return self.n + (1 if self.with_controller else 0)
 
     def _make_node(self, i: int, port: int) -> SimNode:
         if self.mode == "netns":

@@ -12,6 +12,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from workloads.parallel.dims import PP_SCHEDULES, LayoutError, ParallelDims
+
 __all__ = [
     "ConfigError",
     "ModelSize",
@@ -43,11 +45,12 @@ class ModelSize:
 # GPT-2 small/medium shapes (Radford et al. 2019, Table 2; nanoGPT model.py `from_pretrained`):
 # 124M = 12/12/768, 350M = 24/16/1024. ~1.3B follows GPT-3 XL (Brown et al. 2020, Table 2.1:
 # 24 layers, d_model 2048, d_head 128 -> 16 heads). The vocabulary is GPT-2's 50257 padded to
-# 50304, a multiple of 64, as nanoGPT does for faster matmuls. "tiny" and "small-test" exist for
-# CPU tests: "tiny" trains in milliseconds, "small-test" (4.21M params) makes a save last long
-# enough to interrupt it.
+# 50304, a multiple of 64, as nanoGPT does for faster matmuls. "tiny", "tiny-4l" and "small-test"
+# exist for CPU tests: "tiny" trains in milliseconds, "tiny-4l" is its 4-layer twin (enough layers
+# for 4 pipeline stages), "small-test" (4.21M params) makes a save last long enough to interrupt it.
 MODEL_SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=64),
+    "tiny-4l": ModelSize(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=64),
     "small-test": ModelSize(n_layer=4, n_head=4, n_embd=256, vocab_size=4096, block_size=128),
     "124M": ModelSize(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
     "350M": ModelSize(n_layer=24, n_head=16, n_embd=1024, vocab_size=50304, block_size=1024),
@@ -56,6 +59,7 @@ MODEL_SIZES: dict[str, ModelSize] = {
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 PARALLELISMS = ("ddp", "fsdp")
+PP_SCHEDULE_NAMES = tuple(PP_SCHEDULES)
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 
 
@@ -104,7 +108,20 @@ class TrainConfig:
     synthetic_samples: int = 1 << 16
     """Samples in one epoch of the synthetic task."""
     parallelism: str = "ddp"
-    """"ddp" (replicated) or "fsdp" (fully_shard, for models that do not fit one GPU)."""
+    """Shorthand for the data-parallel layout when neither --dp-replicate nor --dp-shard is
+    given: "ddp" replicates over the rest of the world, "fsdp" shards over it (fully_shard)."""
+    dp_replicate: int = 0
+    """Data-parallel replicas (all-reduce between them; HSDP with --dp-shard); 0 = from --parallelism."""
+    dp_shard: int = 0
+    """Data-parallel shards (FSDP2 fully_shard); -1 = the rest of the world; 0 = from --parallelism."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matmuls split over this many ranks of one node."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into this many stages (torch.distributed.pipelining)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved-1f1b (two stages per rank)."""
+    pp_microbatches: int = 0
+    """Microbatches a pipeline step splits each data-parallel rank's batch into; 0 = batch / --micro-batch."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size (the DDP default)."""
     gradient_as_bucket_view: bool = False
@@ -153,6 +170,7 @@ class TrainConfig:
     straggler_threshold: float = 1.2
     """A rank whose forward time is above this x the median of all ranks' is named in a warning."""
     _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    _dims: ParallelDims | None = field(default=None, init=False, repr=False)
     _budget_s: float = field(default=30.0, init=False, repr=False)
     _batch_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -167,6 +185,8 @@ class TrainConfig:
             "synthetic_samples",
             "keep_checkpoints",
             "powersgd_rank",
+            "tp",
+            "pp",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -177,6 +197,8 @@ class TrainConfig:
             "lr_decay_steps",
             "checkpoint_every",
             "straggler_every",
+            "dp_replicate",
+            "pp_microbatches",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
@@ -194,27 +216,65 @@ class TrainConfig:
             ("precision", self.precision, PRECISIONS),
             ("parallelism", self.parallelism, PARALLELISMS),
             ("compression", self.compression, COMPRESSIONS),
+            ("pp-schedule", self.pp_schedule, PP_SCHEDULE_NAMES),
         ):
             if value not in allowed:
                 raise ConfigError(f"--{name} {value!r} is unknown; one of: {', '.join(allowed)}")
         if self.profile_steps is not None:
             self._profile_range = _parse_range(self.profile_steps)
         self._budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
+        self._resolve_layout()
         if self.global_batch == 0:
             self.global_batch = self.micro_batch * self.dp_size
             self._batch_is_default = True
         self._check_cross_field()
 
+    def _resolve_layout(self) -> None:
+        """The mesh (--dp-replicate/--dp-shard/--tp/--pp, or the --parallelism shorthand) against
+        the world size and the model: everything else, the default global batch included, uses it."""
+        size = MODEL_SIZES[self.model]
+        try:
+            dims = ParallelDims.resolve(
+                self.world_size, self.parallelism, self.dp_replicate, self.dp_shard, self.tp, self.pp, self.pp_schedule
+            )
+            dims.check_model(self.model, size.n_layer, size.n_head)
+        except LayoutError as e:
+            raise ConfigError(str(e)) from None
+        self._dims = dims
+
     def _check_cross_field(self) -> None:
         """Rules that tie several fields together, each with its arithmetic in the message."""
-        per_step = self.micro_batch * self.dp_size
+        dims, size = self.dims, MODEL_SIZES[self.model]
+        per_step = self.micro_batch * dims.dp
         if self.global_batch % per_step:
+            of = (
+                _ranks(dims.dp)
+                if dims.dp == self.world_size
+                else f"{_ranks(dims.dp)} (world {self.world_size} / (tp {dims.tp} x pp {dims.pp}))"
+            )
             raise ConfigError(
                 f"--global-batch {self.global_batch} is not divisible by --micro-batch "
-                f"{self.micro_batch} x {_ranks(self.dp_size)} = {per_step}; "
+                f"{self.micro_batch} x {of} = {per_step}; "
                 f"use a multiple of {per_step}, or leave --global-batch out for {per_step}"
             )
-        size = MODEL_SIZES[self.model]
+        if dims.pp > 1:
+            try:
+                dims.check_microbatches(self.global_batch // dims.dp, self.n_microbatches)
+            except LayoutError as e:
+                raise ConfigError(str(e)) from None
+            for flag, on in (("--save-params", self.save_params), ("--compile", self.compile)):
+                if on:
+                    raise ConfigError(
+                        f"{flag} is not supported with --pp {dims.pp} (each rank holds only its stages); "
+                        f"drop {flag} (a checkpoint holds the whole model: workloads.checkpoint.load_checkpoint)"
+                    )
+        if not dims.is_ddp and self.precision == "fp16" and (dims.tp > 1 or dims.pp > 1):
+            raise ConfigError("--precision fp16 (GradScaler) is not supported with --tp/--pp; use bf16 or fp32")
+        if not dims.is_ddp and self.parallelism != "fsdp" and self.compression != "none":
+            raise ConfigError(
+                f"--compression {self.compression} is a DDP comm hook; layout {dims.describe()} does not "
+                "use DDP: drop --compression or use plain data parallelism (--parallelism ddp alone)"
+            )
         if self.seq_len > size.block_size:
             raise ConfigError(
                 f"--seq-len {self.seq_len} is longer than model {self.model}'s block size "
@@ -250,15 +310,25 @@ class TrainConfig:
             )
 
     @property
+    def dims(self) -> ParallelDims:
+        """The resolved layout (dp_shard -1 and the --parallelism shorthand filled in)."""
+        assert self._dims is not None
+        return self._dims
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the ranks that each take their own share of a batch. Every rank
-        is one under DDP and FSDP; a tensor or pipeline dimension would divide the world by its size."""
-        return self.world_size
+        """Data-parallel size: world / (tp x pp) = dp_replicate x dp_shard."""
+        return self.dims.dp
 
     @property
     def grad_accum(self) -> int:
-        """Micro-steps per optimizer step: global_batch / (micro_batch x dp_size)."""
+        """Micro-steps per optimizer step: global_batch / (micro_batch x data-parallel size)."""
         return self.global_batch // (self.micro_batch * self.dp_size)
+
+    @property
+    def n_microbatches(self) -> int:
+        """Pipeline microbatches per step: --pp-microbatches, else one per --micro-batch samples."""
+        return self.pp_microbatches or self.grad_accum
 
     def batch_summary(self) -> str:
         """How the global batch splits, and whether it was chosen for the user: the banner's words."""

@@ -18,7 +18,7 @@ class RankInfo:
 
 
 def find_stragglers(times: list[float], threshold: float = 1.2) -> list[int]:
-    """Ranks whose time is above `threshold` x the median of all ranks' times (issue 5)."""
+    """Ranks whose time is above `threshold` x the median of all ranks' times."""
     if len(times) < 2:
         return []
     median = statistics.median(times)

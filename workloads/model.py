@@ -11,23 +11,27 @@ from torch.utils.checkpoint import checkpoint
 
 from workloads.config import ModelSize
 
-__all__ = ["GPT", "Block", "flops_per_token", "mfu"]
+__all__ = ["GPT", "Block", "cross_entropy", "flops_per_token", "mfu"]
 
 
 class _Attention(nn.Module):
     def __init__(self, size: ModelSize) -> None:
         super().__init__()
-        self.n_head = size.n_head
-        self.qkv = nn.Linear(size.n_embd, 3 * size.n_embd)
+        self.head_dim = size.n_embd // size.n_head
+        # Separate q, k, v (not one fused qkv): tensor parallelism shards each column-wise, so a
+        # rank holds whole heads of all three.
+        self.q = nn.Linear(size.n_embd, size.n_embd)
+        self.k = nn.Linear(size.n_embd, size.n_embd)
+        self.v = nn.Linear(size.n_embd, size.n_embd)
         self.proj = nn.Linear(size.n_embd, size.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # -1 heads: all of them, or this rank's share under tensor parallelism.
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         # Flash attention where the backend has it; causal mask without materialising it.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
 class Block(nn.Module):
@@ -48,21 +52,30 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The layers are an nn.ModuleDict keyed by number, so a pipeline stage that holds some of
+    them keeps their names (torchtitan's convention); a stage has the parts of other stages set
+    to None (PP_PARTS), and its forward takes and returns hidden states where they are missing."""
+
     def __init__(self, size: ModelSize, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.size = size
         self.activation_checkpointing = activation_checkpointing
         self.wte = nn.Embedding(size.vocab_size, size.n_embd)
         self.wpe = nn.Embedding(size.block_size, size.n_embd)
-        self.blocks = nn.ModuleList(Block(size) for _ in range(size.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(size) for i in range(size.n_layer)})
         self.ln_f = nn.LayerNorm(size.n_embd)
         self.lm_head = nn.Linear(size.n_embd, size.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf 2017), as GPT-2
+        self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) (nanoGPT model.py).
         for name, p in self.named_parameters():
             if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * size.n_layer))
+
+    def tie_weights(self) -> None:
+        """The head reuses the embedding matrix (Press & Wolf 2017), as GPT-2."""
+        if self.lm_head is not None and self.wte is not None:
+            self.lm_head.weight = self.wte.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -77,18 +90,33 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of `targets` given `idx` (both [batch, time])."""
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
+    # What a pipeline splits (workloads.parallel.ModelParts): the first stage embeds, the last
+    # normalises and projects, with the embedding matrix it shares with the head.
+    PP_PARTS = ("wte", "wpe"), "blocks", ("ln_f", "lm_head"), ("wte",)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy of `targets` given `idx` (both [batch, time]); without
+        targets, the logits. A pipeline stage without the embedding takes hidden states, one
+        without the head returns them."""
+        if self.wpe is not None:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+        else:
+            x = idx
+        for block in self.blocks.values():
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits if targets is None else cross_entropy(logits, targets)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, in fp32 whatever the compute precision."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> float:

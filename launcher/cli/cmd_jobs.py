@@ -1,4 +1,5 @@
-"""`launch jobs`: the cluster's detached jobs, newest first, as a table or JSON lines."""
+"""`launch jobs`: the cluster's detached jobs, newest first, as a table or JSON lines, each with its
+goodput, node-hours and cost so far (launcher.jobs.goodput)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rich.table import Table
 from launcher.cli.detached import STATE_STYLE, node0
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import user_errors
+from launcher.jobs.goodput import format_cost, goodput_of
 from launcher.jobs.record import JobRecord
 
 __all__ = ["jobs"]
@@ -27,6 +29,7 @@ def _when(t: float | None) -> str:
 def _row(r: JobRecord) -> list[str]:
     dur = r.duration_s
     what = r.what if len(r.what) <= 48 else r.what[:47] + "…"
+    g = goodput_of(r)
     return [
         r.id,
         escape(what),
@@ -34,6 +37,9 @@ def _row(r: JobRecord) -> list[str]:
         str(len(r.nodes)),
         _when(r.started),
         "-" if dur is None else f"{dur:.0f} s",
+        "-" if g.goodput_pct is None else f"{g.goodput_pct:.1f}%",
+        f"{g.node_hours:.2f}",
+        escape(format_cost(g)),
         "-" if r.exit is None else str(r.exit),
         escape(r.why + _recoveries(r)) if r.state.value in ("FAILED", "STOPPED", "RECOVERING") else "",
     ]
@@ -51,14 +57,15 @@ def _recoveries(r: JobRecord) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job per line.")
 @user_errors
 def jobs(as_json: bool, **o: Any) -> None:
-    """List the cluster's detached jobs, newest first."""
+    """List the cluster's detached jobs, newest first, with each one's goodput (productive share
+    of its time on the nodes), node-hours and cost so far at on-demand / Spot list prices."""
     records = node0(o)[1].records()
     if as_json:
         for r in records:
-            click.echo(json.dumps(r.to_json()))
+            click.echo(json.dumps({**r.to_json(), "goodput": goodput_of(r).to_json()}))
         return
     table = Table()
-    for col in ("id", "what", "state", "nodes", "started", "duration", "exit", "why"):
+    for col in ("id", "what", "state", "nodes", "started", "duration", "goodput", "node-h", "cost", "exit", "why"):
         table.add_column(col)
     for r in records:
         table.add_row(*_row(r))

@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ from launcher.cli.options import SOURCE_OPTIONS, apply_options, build_config, fi
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
-from launcher.jobs.node0 import Node0
+from launcher.jobs.goodput import goodput_of, summary
+from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, check_job_id
 from launcher.observe.job_metrics import INTERVAL_S as JOB_INTERVAL_S
 from launcher.observe.job_metrics import RECORD, record_script
@@ -188,8 +190,10 @@ class _ViewStats:
         return [b - a for a, b in zip(self.frames, self.frames[1:])]
 
 
-def _view(sampler: TopSampler, duration: float | None, title: str, until: threading.Event | None = None) -> _ViewStats:
-    """Redraw every interval until `duration`, a signal or `until` is set."""
+def _view(
+    sampler: TopSampler, duration: float | None, title: Callable[[], str], until: threading.Event | None = None
+) -> _ViewStats:
+    """Redraw every interval until `duration`, a signal or `until` is set; `title()` heads each frame."""
     out = Console(highlight=False, soft_wrap=False)
     batch = not out.is_terminal
     if batch:
@@ -218,7 +222,7 @@ def _view(sampler: TopSampler, duration: float | None, title: str, until: thread
             stats.frames.append(t0)
             rows = sampler.rows()
             hist = {r.node.rank: sampler.history(r.node.rank)[0] for r in rows}
-            table = render_table(rows, hist, f"{title}  {time.strftime('%H:%M:%S')}")
+            table = render_table(rows, hist, f"{title()}  {time.strftime('%H:%M:%S')}")
             if live:
                 live.update(table, refresh=True)
             else:
@@ -273,8 +277,7 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
 
 def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
     """`cluster` narrowed to the nodes of detached job `job_id`, ranked as in the job."""
-    head = cluster.nodes[0]
-    job = Node0(transport, head).record(job_id)
+    job = Node0(transport, job_host(cluster)).record(job_id)
     if job.state.final:
         raise UserError(
             f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
@@ -295,20 +298,22 @@ def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, Launch
     flags' node 0 (where the job's record is)."""
     if job_id:
         cluster, config, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return _job_nodes(cluster, transport, job_id), config, transport, cluster.nodes[0]
+        return _job_nodes(cluster, transport, job_id), config, transport, job_host(cluster)
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config), cluster.nodes[0]
+    return cluster, config, make_transport(cluster, config), job_host(cluster)
 
 
 class _JobWatch:
-    """Asks node 0 for a detached job's state every `every_s` seconds; `ended` is set, and
-    `record` holds the job's record, once it has ended (the view of its nodes ends with it)."""
+    """Asks node 0 for a detached job's state every `every_s` seconds; `latest` is its latest
+    record; `ended` is set, and `record` holds the job's record, once it has ended (the view of
+    its nodes ends with it)."""
 
     def __init__(self, transport: Transport, head: Node, job_id: str, every_s: float = 5.0):
         self.node0, self.job_id, self.every_s = Node0(transport, head), job_id, every_s
         self.ended = threading.Event()
         self.record: JobRecord | None = None
+        self.latest: JobRecord | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="top-job-watch")
 
@@ -319,15 +324,23 @@ class _JobWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def goodput(self) -> str:
+        """The job's goodput line for the view's title (empty until node 0 has answered)."""
+        return f"  {summary(goodput_of(self.latest))}" if self.latest else ""
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
             try:
                 found = self.node0.records(self.job_id)
             except UserError:
-                continue  # node 0 did not answer this time: the view goes on, as for any node
+                found = []  # node 0 did not answer this time: the view goes on, as for any node
+            if found:
+                self.latest = found[0]
             if found and found[0].state.final:
                 self.record = found[0]
                 self.ended.set()
+                return
+            if self._stop.wait(self.every_s):
                 return
 
 
@@ -348,7 +361,7 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = Node0(transport, cluster.nodes[0]).run(record_script(job_id))
+    text = Node0(transport, job_host(cluster)).run(record_script(job_id))
     if not text.strip():
         raise UserError(
             f"job {job_id} has no samples yet (its controller samples every "
@@ -473,7 +486,9 @@ def top(
     if exporter:
         exporter.start()
     try:
-        stats = _view(sampler, duration, _title(cluster, job_id), watch.ended if watch else None)
+        title = _title(cluster, job_id)
+        heading = (lambda: title + watch.goodput()) if watch else (lambda: title)
+        stats = _view(sampler, duration, heading, watch.ended if watch else None)
     finally:
         if watch:
             watch.stop()

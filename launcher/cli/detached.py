@@ -24,7 +24,7 @@ from launcher.cluster.ordering import order_for_launch
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
-from launcher.jobs.node0 import Node0
+from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, logs_script
 from launcher.jobs.recovery import recover_policy
 
@@ -54,6 +54,11 @@ def start_detached(
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(o, workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
+    if policy and policy.min_nodes is not None and policy.min_nodes > len(cluster.nodes):
+        raise UserError(
+            f"--min-nodes {policy.min_nodes} is more than the job's {len(cluster.nodes)} nodes; give at most "
+            f"{len(cluster.nodes)}"
+        )
     config = build_config(o, workload, cluster)
     if policy is not None and policy.max_restarts is not None:
         # The controller relaunches a failed program (with GPUFLEET_ATTEMPT), not torchrun in place.
@@ -85,7 +90,7 @@ def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
             "cluster's node flags (--hostfile, --stack, ...)"
         )
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, Node0(make_transport(cluster, config), cluster.nodes[0])
+    return cluster, Node0(make_transport(cluster, config), job_host(cluster))
 
 
 def copy_path(o: dict[str, Any], job_id: str, node: int | None) -> Path:

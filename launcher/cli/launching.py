@@ -19,7 +19,7 @@ WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
 def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None, builtin: bool = False) -> None:
     """Run attached (the live stream, then the summary), or with --detach hand off to node 0.
     `builtin`: the built-in workload (launch train), recovered with --resume."""
-    keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "no_restart_exit_codes")
+    keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes", "no_restart_exit_codes")
     given = [k for k in keys if o.get(k) is not None]
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
         from launcher.jobs.recovery import recover_policy

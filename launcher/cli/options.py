@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from launcher.cluster import discovery
 from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
-from launcher.core.types import Cluster, LaunchConfig, SshConfig, UserError, Workload, new_job_id
+from launcher.core.types import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
 from launcher.jobs.recovery import parse_duration
 
 __all__ = [
@@ -53,6 +54,12 @@ SOURCE_OPTIONS = [
     click.option("--api-endpoint", hidden=True, help="Compute Engine API endpoint (tests)."),
     click.option("--local", is_flag=True, help="Run N nodes as process groups on this machine."),
     click.option("--nodes", type=int, help="Use the first N nodes in rank order."),
+    click.option(
+        "--controller",
+        metavar="HOST",
+        help="The host that runs detached jobs' controllers and keeps their records, not a node "
+        "[default: the stack's controller VM, a hostfile's `controller HOST` line, else node 0].",
+    ),
     click.option("--exclude", default="", metavar="HOST,...", help="Leave these hosts out."),
     click.option("--machine-type", help="Machine type for a hostfile (from the outputs otherwise)."),
     click.option("--external-ip", is_flag=True, help="SSH to external IPs (from outside the VPC)."),
@@ -119,6 +126,12 @@ RECOVER_OPTIONS = [
         default=None,
         help="With --recover: start a node's VM again when Compute Engine stopped it (TERMINATED); "
         "needs the cluster from --stack, --outputs or --label [default: on with --recover].",
+    ),
+    click.option(
+        "--min-nodes",
+        type=int,
+        help="With --recover: when a lost node is not back within --recover-timeout, go on without it "
+        "if N nodes or more are left (new WORLD_SIZE, GPUFLEET_RESTART_REASON=shrunk) [default: fail].",
     ),
 ]
 
@@ -222,6 +235,8 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
                 raise UserError(
                     f"{flag} does not apply to --local (its nodes are processes on this machine, on CPU); drop it"
                 )
+        if o.get("controller"):
+            raise UserError("--controller does not apply to --local (no detached jobs there); drop it")
         return discovery.local_cluster(o["nodes"])
     if src == "hostfile":
         cluster = discovery.read_hostfile(o["hostfile"], machine_type=o.get("machine_type"))
@@ -249,8 +264,11 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
         cluster = discovery.discover_by_label(
             labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
         )
+    if o.get("controller"):
+        host = o["controller"]
+        cluster = replace(cluster, controller=ControllerHost(host=host, address=discovery.address_of(host)))
     if o.get("machine_type") and src != "hostfile":
-        cluster = Cluster(cluster.name, cluster.nodes, o["machine_type"], cluster.zone, cluster.project)
+        cluster = replace(cluster, machine_type=o["machine_type"])
     exclude = tuple(h.strip() for h in (o.get("exclude") or "").split(",") if h.strip())
     return cluster.select(o.get("nodes"), exclude)
 

@@ -1,5 +1,6 @@
 """The nodes: finding them (a hostfile, stack outputs, a label), ordering their ranks by where they
-physically sit, the cluster key node 0's controller reaches them with, and starting stopped VMs."""
+physically sit, the cluster key the controller reaches them with, starting stopped VMs, and
+following a VM that came back at another address (its host keys from the Compute Engine API)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from launcher.cluster.discovery import (
     read_outputs_file,
     read_stack,
 )
+from launcher.cluster.host_keys import follow_moved
 from launcher.cluster.key import ensure_key, ssh_target
 from launcher.cluster.restart_vms import start_terminated
 from launcher.cluster.topology import rank_order, spread_warning
@@ -20,6 +22,7 @@ __all__ = [
     "cluster_from_outputs",
     "discover_by_label",
     "ensure_key",
+    "follow_moved",
     "local_cluster",
     "parse_hostfile",
     "rank_order",

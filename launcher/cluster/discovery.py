@@ -15,7 +15,7 @@ from typing import Any
 
 from gpufleet.catalog import MACHINE_TYPES
 from gpufleet.contracts import LABEL_NODE, OutputsError, parse_stack_outputs
-from launcher.core.types import Cluster, Node, UserError
+from launcher.core.types import Cluster, ControllerHost, Node, UserError
 
 __all__ = [
     "parse_hostfile",
@@ -25,22 +25,36 @@ __all__ = [
     "read_stack",
     "discover_by_label",
     "local_cluster",
+    "address_of",
 ]
 
 _SLOTS_RE = re.compile(r"^slots=(\d+)$")
 
 
 def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None = None) -> Cluster:
-    """One host per line, optional `slots=N`, `#` comments and blank lines ignored.
+    """One host per line, optional `slots=N`, `#` comments and blank lines ignored; one line
+    `controller HOST` names the host of detached jobs' controllers (not a node).
 
     Line order is rank order (the first host is node 0, the rendezvous host).
     """
     nodes: list[Node] = []
+    controller: ControllerHost | None = None
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         host, *rest = line.split()
+        if host == "controller" and rest and not _SLOTS_RE.match(rest[0]):
+            if len(rest) > 1 or controller is not None:
+                raise UserError(
+                    f"{source} line {lineno}: write one `controller HOST` line with one host (the host of "
+                    "detached jobs' controllers)"
+                )
+            try:
+                controller = ControllerHost(host=rest[0], address=address_of(rest[0]))
+            except UserError as e:
+                raise UserError(f"{source} line {lineno}: {e}") from None
+            continue
         slots = None
         for word in rest:
             m = _SLOTS_RE.match(word)
@@ -50,12 +64,12 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
                 )
             slots = int(m.group(1))
         try:
-            nodes.append(Node(rank=len(nodes), host=host, address=_address_of(host), slots=slots))
+            nodes.append(Node(rank=len(nodes), host=host, address=address_of(host), slots=slots))
         except UserError as e:
             raise UserError(f"{source} line {lineno}: {e}") from None
     if not nodes:
         raise UserError(f"{source} lists no hosts; write one host per line (`#` starts a comment)")
-    return Cluster(name=_cluster_name(source), nodes=tuple(nodes), machine_type=machine_type)
+    return Cluster(name=_cluster_name(source), nodes=tuple(nodes), machine_type=machine_type, controller=controller)
 
 
 def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
@@ -70,7 +84,8 @@ def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
     return parse_hostfile(text, source=str(path), machine_type=machine_type)
 
 
-def _address_of(host: str) -> str:
+def address_of(host: str) -> str:
+    """The address in a `[user@]host` SSH target."""
     return host.rsplit("@", 1)[-1].strip("[]")
 
 
@@ -98,6 +113,16 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
             )
             for n in parsed.nodes
         )
+        c = parsed.controller
+        controller = (
+            ControllerHost(
+                host=(c.external_ip if prefer_external and c.external_ip else c.internal_ip),
+                address=c.internal_ip,
+                name=c.name,
+            )
+            if c is not None
+            else None
+        )
     except (OutputsError, UserError) as e:
         raise UserError(f"{source}: {e}") from None
     return Cluster(
@@ -106,6 +131,7 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         machine_type=parsed.machine_type,
         zone=parsed.zone,
         project=parsed.project,
+        controller=controller,
     )
 
 

@@ -147,9 +147,10 @@ def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[st
 
 def authorize_statements(public_key: str, cluster: Cluster) -> list[str]:
     """Node-side statements for the check session: authorize the cluster key, once, from the
-    cluster's addresses only."""
+    cluster's addresses only (its nodes', and its controller host's)."""
     kind, b64 = public_key.split()[:2]
-    addresses = ",".join(sorted({n.address for n in cluster.nodes}))
+    controller = {cluster.controller.address} if cluster.controller else set()
+    addresses = ",".join(sorted({n.address for n in cluster.nodes} | controller))
     entry = (
         f'from="{addresses}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding,no-pty '
         f"{kind} {b64} gpufleet-{cluster_slug(cluster)}"

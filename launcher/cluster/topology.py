@@ -136,7 +136,7 @@ def rank_order(cluster: Cluster, hosts: Mapping[str, PhysicalHost | None], mode:
     ordered = order(list(cluster.nodes), {node: hosts[node.host].path for node in cluster.nodes})
     renumbered = tuple(replace(node, rank=i) for i, node in enumerate(ordered))
     moved = sum(a.host != b.host for a, b in zip(cluster.nodes, renumbered))
-    new = Cluster(cluster.name, renumbered, cluster.machine_type, cluster.zone, cluster.project, cluster.local)
+    new = replace(cluster, nodes=renumbered)
     what = f"{moved} of {n} nodes moved" if moved else "the given order already was"
     return RankOrder(
         new,

@@ -11,6 +11,7 @@ from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import (
     Cluster,
+    ControllerHost,
     LaunchConfig,
     LaunchResult,
     Node,
@@ -23,6 +24,7 @@ from launcher.core.types import (
 
 __all__ = [
     "Cluster",
+    "ControllerHost",
     "Interrupted",
     "Launch",
     "LaunchConfig",

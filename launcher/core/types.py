@@ -16,7 +16,7 @@ import re
 import secrets
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +25,7 @@ from gpufleet.catalog import lookup
 __all__ = [
     "UserError",
     "Node",
+    "ControllerHost",
     "Cluster",
     "Workload",
     "SshConfig",
@@ -81,6 +82,28 @@ class Node:
 
 
 @dataclass(frozen=True)
+class ControllerHost:
+    """The host that runs the cluster's detached jobs' controllers and keeps their records: the
+    stack's controller VM, `--controller HOST` or a hostfile's `controller HOST` line. It is not a
+    node: no workload runs there, and losing any node loses no job."""
+
+    host: str  # what ssh connects to
+    address: str  # the address it reaches the nodes from (authorized in their `from=`)
+    name: str = ""  # the instance name when known (stack outputs)
+
+    def __post_init__(self) -> None:
+        if not _HOST_RE.match(self.host) or self.host.startswith("-"):
+            raise UserError(
+                f"controller host {self.host!r} is not a valid host name or address; "
+                "use letters, digits, '.', '-', '_' (or an IP address)"
+            )
+
+    @property
+    def label(self) -> str:
+        return f"the controller ({self.host})"
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The nodes found, in rank order, and what is known about their machine type."""
 
@@ -90,6 +113,7 @@ class Cluster:
     zone: str | None = None
     project: str | None = None
     local: bool = False  # nodes are process groups on this machine, not SSH hosts
+    controller: ControllerHost | None = None  # None: node 0 runs detached jobs' controllers
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -98,6 +122,15 @@ class Cluster:
         dupes = sorted({h for h in hosts if hosts.count(h) > 1})
         if dupes and not self.local:
             raise UserError(f"host {dupes[0]!r} is listed more than once; each node must appear once")
+        c = self.controller
+        if c is not None:
+            worker = next((n for n in self.nodes if {n.host, n.address} & {c.host, c.address}), None)
+            if worker is not None:
+                raise UserError(
+                    f"controller {c.host} is also {worker.label}: a controller on a worker is lost with it; "
+                    "name a host that runs no workload (--controller HOST), or leave it out to keep node 0 "
+                    "in the role"
+                )
 
     def select(self, node_count: int | None, exclude: tuple[str, ...] = ()) -> "Cluster":
         """Drop `exclude`d hosts, then keep the first `node_count` (`--nodes N`), renumbering
@@ -125,7 +158,7 @@ class Cluster:
         renumbered = tuple(
             Node(rank=i, host=n.host, address=n.address, slots=n.slots, name=n.name) for i, n in enumerate(kept)
         )
-        return Cluster(self.name, renumbered, self.machine_type, self.zone, self.project, self.local)
+        return replace(self, nodes=renumbered)
 
     @property
     def gpus_per_node(self) -> int | None:

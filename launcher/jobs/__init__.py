@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from launcher.jobs.busy import BusyCheck
 from launcher.jobs.handoff import detach
-from launcher.jobs.node0 import Node0
+from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, JobState, check_job_id
 from launcher.jobs.recovery import Recoverer, RecoverPolicy, recover_policy
 
@@ -32,5 +32,6 @@ __all__ = [
     "Recoverer",
     "check_job_id",
     "detach",
+    "job_host",
     "recover_policy",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from launcher.core.launch import NodeEvent, NodeState
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError
-from launcher.jobs.node0 import Node0
+from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, list_script, parse_listing
 
 __all__ = ["BusyCheck"]
@@ -33,7 +33,7 @@ class BusyCheck:
         self.stop = stop
         self.busy: JobRecord | None = None
         self._answered: set[int] = set()  # ranks whose check has ended, one way or another
-        self._node0 = Node0(make_transport(cluster, config), cluster.nodes[0])
+        self._node0 = Node0(make_transport(cluster, config), job_host(cluster))
         self._timeout = config.ssh.connect_timeout + 10.0
         self._proc: subprocess.Popen | None = None
 

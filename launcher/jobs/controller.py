@@ -30,6 +30,7 @@ from pathlib import Path
 from gpufleet import atomic
 from launcher.core.output import failure_line
 from launcher.core.types import LaunchResult, UserError
+from launcher.jobs.goodput import MarkKeeper, is_node_failure, note_state
 from launcher.jobs.record import (
     STOP_GRACE_FILE,
     JobRecord,
@@ -42,6 +43,8 @@ from launcher.jobs.record import (
 __all__ = ["main", "Controller"]
 
 log = logging.getLogger("launcher")
+
+MARKS_SAVE_S = 2.0  # a new progress mark alone rewrites the record at most this often
 
 
 class Controller:
@@ -67,10 +70,15 @@ class Controller:
             submitted=time.time(),
             pid=pid,
             pid_start=process_start(pid) or "",
+            machine_type=self.request["cluster"].get("machine_type"),
         )
+        self.marks = MarkKeeper(self.record, self.request["config"].get("progress"))  # for goodput
+        self._saved_at = 0.0
 
     def save(self) -> None:
+        note_state(self.record, time.time())
         atomic.write_text(self.jobdir / "state.json", json.dumps(self.record.to_json(), indent=1) + "\n")
+        self._saved_at = time.monotonic()
 
     def run(self) -> int:
         (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
@@ -114,6 +122,7 @@ class Controller:
         self.stop.set()
 
     def on_event(self, out, event) -> None:  # a launcher.core.launch.NodeEvent
+        self._mark(event)
         if event.line is not None:
             out.write(f"[node {event.node.rank}] {event.line}\n")
             if self.request.get("recover") is not None:
@@ -127,6 +136,20 @@ class Controller:
     def reset_attempt(self) -> None:
         """A relaunch starts: what the last attempt's output said is forgotten."""
         self.preempted, self.last_step = False, None
+        self.marks.new_attempt()
+
+    def _mark(self, event) -> None:
+        """Note progress, checkpoints and the first node failure for the goodput timeline; a
+        changed mark is saved with the next state change, or within MARKS_SAVE_S."""
+        now = time.time()
+        if event.line is not None:
+            changed = self.marks.line(event.line, now)
+        elif event.state is not None and self.record.state is JobState.RUNNING and is_node_failure(event.state.value):
+            changed = self.marks.node_failed(now)
+        else:
+            return
+        if changed and time.monotonic() - self._saved_at >= MARKS_SAVE_S:
+            self.save()
 
     def wait_turn(self) -> bool:
         """Wait (PENDING) until no earlier job, and no running one, uses any of this job's nodes;
@@ -216,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return controller.run()
     except Exception as e:  # a record must never say RUNNING for a controller that has gone
         log.exception("the controller failed")
-        return controller.end(JobState.FAILED, 1, why=f"the controller on node 0 failed: {type(e).__name__}: {e}")
+        return controller.end(JobState.FAILED, 1, why=f"the job's controller failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
-"""`--detach` on the client: check every node as an attached launch does, then hand
-the job to a controller on node 0 and return its id.
+"""`--detach` on the client: check every node as an attached launch does, then hand the job to
+a controller on the cluster's job host and return its id. The job host is the cluster's
+controller host (`Cluster.controller`: the stack's controller VM, `--controller HOST`, a
+hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
+
+0. A controller host is checked first (reachable, and with what the shipped launcher needs: a
+   python 3.10+, ssh, tar, setsid): one UserError naming it, nothing started. Its python is
+   CONTROLLER_VENV's (the stack's startup script makes it) where there is one, else python3.
 
 1. The check: each node runs the same node-side program an attached launch runs
    (launcher.core.command.node_commands) up to its gate, and is sent home instead of told to go; the
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import launcher
+from gpufleet.contracts import CONTROLLER_VENV
 from launcher.cluster.key import (
     NODE_KEY_DIR,
     authorize_statements,
@@ -41,25 +48,35 @@ from launcher.core.command import node_commands
 from launcher.core.launch import Launch
 from launcher.core.preflight import Probe, check_probes
 from launcher.core.transport import Transport, make_transport
-from launcher.core.types import Cluster, LaunchConfig, UserError
+from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
+from launcher.jobs.node0 import job_host
 from launcher.jobs.record import JOBS_DIR, request_json
 
-__all__ = ["detach", "STARTED_MARKER"]
+__all__ = ["detach", "STARTED_MARKER", "NODE0_WARNING"]
 
 log = logging.getLogger("launcher")
 
 STARTED_MARKER = "__GPUFLEET_STARTED__"
+NODE0_WARNING = (
+    "no controller host: this job's controller runs on node 0, and losing node 0 loses the job; name one "
+    "with --controller HOST (or a hostfile line `controller HOST`; stacks have one by default)"
+)
+# What a controller host must have: the python that runs the shipped launcher (the stack's venv,
+# else python3), and the tools the controller and the hand-off use.
+_PY_FACT = "__GPUFLEET_PYTHON__"
 # What node 0 needs to run the controller: the launcher and what it imports (pure Python).
 _SHIPPED = (("launcher", "**/*.py"), ("gpufleet", "**/*.py"))
 
 
 def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | None = None) -> str:
-    """Check every node, hand the job to node 0's controller, return the job id. `recover`:
-    --recover's settings (launcher.jobs.recovery.RecoverPolicy.to_json), carried in the request."""
+    """Check every node, hand the job to the job host's controller, return the job id.
+    `recover`: --recover's settings (launcher.jobs.recovery.RecoverPolicy.to_json), carried in
+    the request."""
     if cluster.local:
         raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: drop --detach")
     key = ensure_key(cluster)
     transport = make_transport(cluster, config)
+    python = config.python if cluster.controller is None else _controller_python(cluster.controller, config, transport)
     target = ssh_target(transport, cluster.nodes[0])
     _check(cluster, config, transport, key.with_name("id_ed25519.pub").read_text())
     # After the check: a first contact has just recorded its key (StrictHostKeyChecking=accept-new).
@@ -81,12 +98,47 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
     }
     code, code_hash = _code_files()
     files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
-    _hand_off(cluster, config, transport, _archive(files), code_hash, slug)
+    _hand_off(cluster, config, transport, _archive(files), code_hash, slug, python)
+    if cluster.controller is None:  # once the job is handed off: a refusal stays one line
+        log.warning(NODE0_WARNING)
     return config.job_id
 
 
+def _controller_python_script() -> str:
+    venv = shlex.quote(f"{CONTROLLER_VENV}/bin/python")
+    return (
+        f"for p in {venv} python3; do P=$(command -v \"$p\") || continue; "
+        "\"$P\" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || continue; "
+        'for t in ssh tar setsid; do command -v "$t" >/dev/null || { echo "no $t" >&2; exit 3; }; done; '
+        f'echo {_PY_FACT} "$P"; exit 0; done; echo "no python 3.10 or newer" >&2; exit 3'
+    )
+
+
+def _controller_python(host: ControllerHost, config: LaunchConfig, transport: Transport) -> str:
+    """The python the controller host runs the shipped launcher with; a host that cannot be
+    reached, or lacks what the launcher needs, is one UserError (nothing has started)."""
+    argv = transport.argv(host, _controller_python_script())
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30 + config.ssh.connect_timeout)
+    except subprocess.TimeoutExpired:
+        r = subprocess.CompletedProcess(argv, 255, "", "no answer within 30 s")
+    found = [line.split(" ", 1)[1] for line in r.stdout.splitlines() if line.startswith(_PY_FACT + " ")]
+    if r.returncode == 0 and found:
+        return found[0]
+    why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+    if r.returncode == 3:
+        raise UserError(
+            f"controller {host.host} cannot run the launcher ({why}); nothing was started. Install python3 "
+            "(3.10+), openssh-client, tar and util-linux there, or name another host with --controller"
+        )
+    raise UserError(
+        f"controller {host.host} is unreachable ({why}); nothing was started. Check the host given by "
+        "--controller, the hostfile's `controller` line or the stack, or leave it out to keep node 0 in the role"
+    )
+
+
 def _check(cluster: Cluster, config: LaunchConfig, transport: Transport, public_key: str) -> dict[int, Probe]:
-    authorize = authorize_statements(public_key, cluster)
+    authorize = authorize_statements(public_key, cluster)  # from the nodes' and the controller's addresses
     scripts = {rank: "; ".join([*authorize, script]) for rank, script in node_commands(cluster, config).items()}
     probes = Launch(cluster, config, transport=transport).ask(scripts)
     for p in probes.values():
@@ -118,7 +170,7 @@ def _archive(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def _handoff_script(config: LaunchConfig, code_hash: str, slug: str) -> str:
+def _handoff_script(config: LaunchConfig, code_hash: str, slug: str, python: str) -> str:
     job = shlex.quote(config.job_id)
     key_dir = shlex.quote(f"{NODE_KEY_DIR}/{slug}")
     return "\n".join(
@@ -131,7 +183,7 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str) -> str:
             f'K="$HOME"/{key_dir}',
             f'N="$S"/{key_dir}',
             'mkdir -p "$S" "$G/jobs" "$G/code" "$K"',
-            'tar -x -z -f - -C "$S" || { echo "cannot unpack the job on node 0" >&2; rm -rf "$S"; exit 1; }',
+            'tar -x -z -f - -C "$S" || { echo "cannot unpack the job" >&2; rm -rf "$S"; exit 1; }',
             'cmp -s "$N/id_ed25519" "$K/id_ed25519" || mv -f "$N/id_ed25519" "$K/id_ed25519"',
             f'[ -d "$G/code/{code_hash}" ] || mv -T "$S/.gpufleet/code/{code_hash}" "$G/code/{code_hash}" 2>/dev/null',
             f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
@@ -141,7 +193,7 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str) -> str:
             # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
             # connection, which ends right after.
             # -S: no site-packages; the controller needs the standard library and the code shipped here.
-            f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(config.python)} -S -m launcher.jobs.controller "$J" '
+            f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(python)} -S -m launcher.jobs.controller "$J" '
             '</dev/null >>"$J/controller.log" 2>&1 &',
             'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
             "i=$((i+1)); done",
@@ -152,10 +204,10 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str) -> str:
 
 
 def _hand_off(
-    cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str, slug: str
+    cluster: Cluster, config: LaunchConfig, transport: Transport, archive: bytes, code_hash: str, slug: str, python: str
 ) -> None:
-    head = cluster.nodes[0]
-    argv = transport.argv(head, _handoff_script(config, code_hash, slug))
+    head = job_host(cluster)
+    argv = transport.argv(head, _handoff_script(config, code_hash, slug, python))
     try:
         r = subprocess.run(argv, input=archive, capture_output=True, timeout=60 + config.ssh.connect_timeout)
     except subprocess.TimeoutExpired:

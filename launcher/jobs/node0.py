@@ -1,22 +1,30 @@
-"""The client's one way to node 0, where detached jobs keep their records (launcher.jobs.record):
-run a reader program (list, logs, stop, a job's samples) and get what it printed, or one
-`UserError` naming node 0. `launch jobs|logs|stop|attach` and `launch top JOB_ID` all use it."""
+"""The client's one way to the job host, where detached jobs keep their records
+(launcher.jobs.record): run a reader program (list, logs, stop, a job's samples) and get what it
+printed, or one `UserError` naming that host. `launch jobs|logs|stop|attach`, `launch top JOB_ID`
+and the busy check all use it. The job host is the cluster's controller host when it has one
+(`Cluster.controller`: the stack's controller VM, `--controller HOST`, a hostfile's `controller
+HOST` line), else node 0; the class keeps node 0's name, the role it has without one."""
 
 from __future__ import annotations
 
 import subprocess
 
 from launcher.core.transport import Transport
-from launcher.core.types import Node, UserError
+from launcher.core.types import Cluster, ControllerHost, Node, UserError
 from launcher.jobs.record import JobRecord, list_script, parse_listing
 
-__all__ = ["Node0"]
+__all__ = ["Node0", "job_host"]
+
+
+def job_host(cluster: Cluster) -> ControllerHost | Node:
+    """Where the cluster's detached jobs run their controllers and keep their records."""
+    return cluster.controller or cluster.nodes[0]
 
 
 class Node0:
-    """SSH to node 0 (`head`) over the cluster's `transport`."""
+    """SSH to the job host (`head`: job_host(cluster)) over the cluster's `transport`."""
 
-    def __init__(self, transport: Transport, head: Node, timeout_s: float = 60.0):
+    def __init__(self, transport: Transport, head: ControllerHost | Node, timeout_s: float = 60.0):
         self.transport, self.head, self.timeout_s = transport, head, timeout_s
 
     def argv(self, script: str) -> list[str]:

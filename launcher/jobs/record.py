@@ -96,6 +96,9 @@ class JobRecord:
     reason: str = ""  # for FAILED: the cause as one word, where there is one (hang)
     tail: list[str] = field(default_factory=list)  # the failed node's last lines
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # launcher.jobs.recovery.Recovery, in order
+    machine_type: str | None = None  # the nodes' (None: unknown), for the cost (launcher.jobs.goodput)
+    states: list[dict[str, Any]] = field(default_factory=list)  # {at, state}: each change (launcher.jobs.goodput)
+    marks: list[dict[str, Any]] = field(default_factory=list)  # progress and checkpoint marks (launcher.jobs.goodput)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -123,7 +126,7 @@ class JobRecord:
         d.update(
             state=JobState.FAILED.value,
             exit=self.exit if self.exit is not None else 1,
-            why=f"the controller (pid {self.pid}) on node 0 died while the job was "
+            why=f"the controller (pid {self.pid}) died while the job was "
             f"{self.state.value}; its nodes were stopped by their watchdogs",
         )
         return JobRecord.from_json(d)

@@ -35,6 +35,7 @@ __all__ = [
     "RecoverPolicy",
     "Recovery",
     "PREEMPTED_TEXT",
+    "RESTART_REASON_VAR",
     "parse_duration",
     "recover_policy",
     "resume_argv",
@@ -48,6 +49,8 @@ log = logging.getLogger("launcher")
 
 # What workloads.train logs (rank 0) when a SIGTERM made it save and exit: the run is not done.
 PREEMPTED_TEXT = "rerun with --resume to continue"
+# What a relaunch on fewer nodes (--min-nodes) tells the workload, beside torchrun's new WORLD_SIZE.
+RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
 # A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
 _STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
@@ -66,6 +69,7 @@ class RecoverPolicy:
     max_restarts: int | None = None
     no_restart_exit_codes: tuple[int, ...] = (2,)  # a worker exit status never restarted
     resume: bool = True  # relaunch with workloads.train's --resume (the built-in workload)
+    min_nodes: int | None = None  # go on with this many nodes or more when a lost one is not back in time
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +87,7 @@ class Recovery:
     signature: str = ""  # the failure's status and error lines: a repeat at the same step is a bug
     restarted: dict[str, str] = dataclasses.field(default_factory=dict)  # instance -> what start did
     reason: str = ""  # GPUFLEET_RESTART_REASON of the relaunch (launcher.jobs.restarts.REASONS)
+    shrunk_to: int | None = None  # --min-nodes: the nodes it went on with, when some were not back
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +115,7 @@ def recover_policy(
             ("--recover-timeout", "recover_timeout"),
             ("--restart-stopped/--no-restart-stopped", "restart_stopped"),
             ("--no-restart-exit-codes", "no_restart_exit_codes"),
+            ("--min-nodes", "min_nodes"),
         )
         if o.get(k) is not None
     ]
@@ -118,10 +124,7 @@ def recover_policy(
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
         return None
     if not detach:
-        raise UserError(
-            "--recover needs --detach: the controller on node 0 recovers the job (it outlives this "
-            "terminal, and a lost node may take minutes to come back); add --detach"
-        )
+        raise UserError("--recover needs --detach: the job's controller recovers it; add --detach")
     codes = o.get("no_restart_exit_codes")
     no_restart = DEFAULT_NO_RESTART_EXIT_CODES if codes is None else parse_exit_codes(codes)
     if builtin and codes is not None:
@@ -137,6 +140,9 @@ def recover_policy(
     n = o.get("max_recoveries")
     if n is not None and n < 1:
         raise UserError(f"--max-recoveries {n} must be at least 1")
+    m = o.get("min_nodes")
+    if m is not None and m < 1:
+        raise UserError(f"--min-nodes {m} must be at least 1")
     timeout = parse_duration(o["recover_timeout"]) if o.get("recover_timeout") is not None else 1800.0
     restart = o.get("restart_stopped") is not False  # on by default with --recover
     return RecoverPolicy(
@@ -147,6 +153,7 @@ def recover_policy(
         max_restarts=None if builtin else int(o.get("max_restarts") or 0),
         no_restart_exit_codes=no_restart,
         resume=builtin,
+        min_nodes=m,
     )
 
 
@@ -212,7 +219,8 @@ def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
         step = f" at step {r.step}" if r.step is not None else ""
         back = f"relaunched after {r.waited_s:.1f} s" if r.waited_s is not None else "not relaunched"
         started = "".join(f"; instance {name} {what}" for name, what in r.restarted.items())
-        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}")
+        shrunk = f"; went on with {r.shrunk_to} nodes (--min-nodes)" if r.shrunk_to is not None else ""
+        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}{shrunk}")
     return out
 
 
@@ -296,9 +304,11 @@ class Recoverer:
         from launcher.core.launch import Interrupted, Launch
 
         t0 = time.monotonic()
-        config = dataclasses.replace(self.config, attempt=len(self.c.record.recoveries), restart_reason=rec.reason)
         while True:
             self.c.reset_attempt()
+            # Built each try: --min-nodes may have shrunk the cluster and the config meanwhile
+            # (its GPUFLEET_RESTART_REASON=shrunk, an --env value, wins over the reason here).
+            config = dataclasses.replace(self.config, attempt=len(self.c.record.recoveries), restart_reason=rec.reason)
             with open(self.c.jobdir / "output.log", "a", buffering=1) as out:
                 launch = Launch(self.cluster, config, on_event=self._on_event(out, t0), stop=self.c.stop)
                 self.c.launch = launch
@@ -313,7 +323,10 @@ class Recoverer:
                 rec.node = bad
                 self._note(node=bad)
             self._restart_stopped(launch, rec)
+            self._follow_moved(launch)
             waited = time.monotonic() - t0
+            if waited > self.policy.timeout_s and self._shrink(launch, rec):
+                continue
             if waited > self.policy.timeout_s:
                 self._note(waited_s=None)
                 label = f"node {bad}" if bad is not None else "a node"
@@ -346,6 +359,57 @@ class Recoverer:
             done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
         rec.restarted.update(done)
         self._note(restarted=dict(rec.restarted))
+
+    def _shrink(self, launch: Any, rec: Recovery) -> bool:
+        """--min-nodes: leave out the nodes that are not back in time and go on with the others
+        (renumbered in their order, node 0 of it the rendezvous master), when that leaves at least
+        --min-nodes. The workload gets torchrun's new WORLD_SIZE and GPUFLEET_RESTART_REASON=shrunk;
+        the built-in one reshards its DCP checkpoint on load. False: it may not shrink."""
+        missing = {r for r, s in launch.states.items() if s.value in ("unreachable", "failed")}
+        kept = [n for n in self.cluster.nodes if n.rank not in missing]
+        if self.policy.min_nodes is None or not missing or not kept or len(kept) < self.policy.min_nodes:
+            return False
+        gone = ", ".join(n.label for n in self.cluster.nodes if n.rank in missing)
+        self.cluster = dataclasses.replace(
+            self.cluster, nodes=tuple(dataclasses.replace(n, rank=i) for i, n in enumerate(kept))
+        )
+        env = [(k, v) for k, v in self.config.env if k != RESTART_REASON_VAR]
+        self.config = dataclasses.replace(self.config, env=(*env, (RESTART_REASON_VAR, "shrunk")))
+        self.c.record.nodes = [n.host for n in kept]
+        rec.shrunk_to = len(kept)
+        self._note(shrunk_to=len(kept))
+        log.warning(
+            "job %s: %s not back within --recover-timeout %.0f s; going on with %d nodes (--min-nodes %d)",
+            self.c.record.id,
+            gone,
+            self.policy.timeout_s,
+            len(kept),
+            self.policy.min_nodes,
+        )
+        return True
+
+    def _follow_moved(self, launch: Any) -> None:
+        """Unreachable nodes whose instance is now at another address (a restart gave it a new
+        one) are reached there, with the host keys the Compute Engine API publishes for it
+        (launcher.cluster.host_keys); the request must know where they are, as for --restart-stopped."""
+        c = self.cluster
+        ranks = [r for r, s in launch.states.items() if s.value == "unreachable" and c.nodes[r].name]
+        if not (ranks and self.policy.restart_stopped and c.project and c.zone):
+            return
+        from launcher.cluster.host_keys import follow_moved
+        from launcher.cluster.restart_vms import instances_client
+
+        ports = [int(o.split("=", 1)[1]) for o in self.config.ssh.options if o.startswith("Port=")]
+        try:
+            client = instances_client(self.policy.api_endpoint)
+        except Exception as e:  # no google-cloud-compute where the controller runs: say so, keep waiting
+            log.warning("cannot ask the Compute Engine API where unreachable nodes are: %s: %s", type(e).__name__, e)
+            return
+        moved = follow_moved(client, c, ranks, self.config.ssh.known_hosts, ports[0] if ports else 22)
+        if moved != c:
+            self.cluster = moved
+            self.c.record.nodes = [n.host for n in moved.nodes]
+            self.c.save()
 
     def _on_event(self, out: Any, t0: float) -> Any:
         started = []

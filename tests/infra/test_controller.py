@@ -21,7 +21,7 @@ from gpufleet.contracts import (
 from infra.controller import CONTROLLER_MACHINE_TYPE, controller_account_id
 from infra.identity import BUCKET_ROLE, NODE_ROLES, service_account_id
 from infra.restart_grant import restart_role_id
-from infra.startup import render_controller_script
+from infra.startup import COMPUTE_REQUIREMENT, render_controller_script
 from tests.infra.conftest import BASE
 
 PROJECT = BASE["gcp:project"]
@@ -172,6 +172,13 @@ def test_its_startup_script_is_the_rendered_controller_script_without_secrets(fl
     # The nodes keep their own script; the controller's installs the launcher, no GPU stack.
     assert "nvidia-smi" not in script and "pip install" in script
     assert not re.search(r"(token|password|secret|BEGIN [A-Z ]*PRIVATE KEY)", script, re.I)
+
+
+def test_without_a_source_its_script_installs_the_compute_client_alone(fleet):
+    p = fleet(machineType="a2-highgpu-8g", nodes=1)
+    script = p.controller_instance().inputs["metadata"]["startup-script"]
+    assert script == render_controller_script(cluster="dev", source=None)
+    assert "readonly SOURCE=''" in script and f"readonly REQUIREMENT='{COMPUTE_REQUIREMENT}'" in script
 
 
 def test_controller_account_ids_stay_unique_and_within_iam_limits():

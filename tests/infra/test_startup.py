@@ -13,7 +13,13 @@ import pytest
 
 from gpufleet.catalog import MACHINE_TYPES, NetStack, lookup
 from gpufleet.contracts import CONTROLLER_READY_MARKER, CONTROLLER_VENV, READY_MARKER
-from infra.startup import LAUNCH_LINK, STACK_TEMPLATES, render_controller_script, render_startup_script
+from infra.startup import (
+    COMPUTE_REQUIREMENT,
+    LAUNCH_LINK,
+    STACK_TEMPLATES,
+    render_controller_script,
+    render_startup_script,
+)
 
 SCRIPTS = [(t, os_) for t in sorted(MACHINE_TYPES) for os_ in ("ubuntu", "cos")]
 
@@ -190,10 +196,11 @@ def test_a_failed_boot_leaves_no_ready_marker_and_says_where_it_failed(node):
 CONTROLLER_SOURCE = "git+https://github.com/me/gpufleet.git@v0.1.0"
 
 
-def test_the_controller_script_passes_bash_n_and_shellcheck(tmp_path):
+@pytest.mark.parametrize("source", [CONTROLLER_SOURCE, None])
+def test_the_controller_script_passes_bash_n_and_shellcheck(tmp_path, source):
     assert shutil.which("shellcheck"), "shellcheck is not installed (.ci/run installs it)"
     path = tmp_path / "controller.sh"
-    path.write_text(render_controller_script(cluster="demo", source=CONTROLLER_SOURCE))
+    path.write_text(render_controller_script(cluster="demo", source=source))
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
@@ -212,6 +219,17 @@ def test_the_controller_script_carries_its_facts_and_quotes_them():
     # Whatever the source holds, it stays one word: the render quotes it.
     hostile = "https://example.com/x.whl; touch /tmp/owned"
     assert f"readonly SOURCE='{hostile}'" in render_controller_script(cluster="demo", source=hostile)
+    # Without a source: the Compute Engine client alone, and nothing of gpufleet to import.
+    bare = render_controller_script(cluster="demo", source=None)
+    assert "readonly SOURCE=''" in bare and f"readonly REQUIREMENT='{COMPUTE_REQUIREMENT}'" in bare
+    assert "readonly IMPORTS=google.cloud.compute_v1" in bare
+
+
+def test_the_compute_requirement_is_the_one_gpufleet_itself_depends_on():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert COMPUTE_REQUIREMENT in pyproject["project"]["dependencies"]
 
 
 # Run it: python3, its venv and pip stubbed, in a private mount namespace (tmpfs over /var/lib, /opt
@@ -230,7 +248,11 @@ CONTROLLER_STUB = textwrap.dedent(
         case "$*" in
           "-m pip install"*)
             [[ -z "${STUB_PIP_FAIL:-}" ]] || exit 1
-            touch "$venv/installed"; printf '#!/bin/sh\n' >"$venv/bin/launch"; chmod +x "$venv/bin/launch" ;;
+            touch "$venv/installed"
+            if [[ "${@: -1}" == gpufleet* ]]; then
+              printf '#!/bin/sh\n' >"$venv/bin/launch"; chmod +x "$venv/bin/launch"
+            fi ;;
+          "-m pip uninstall"*) rm -f "$venv/bin/launch" ;;
           *importlib.metadata*)
             [[ "${@: -1}" == gpufleet ]] && echo 0.1.0 || echo 1.40.0 ;;
           *) [[ -e "$venv/installed" ]] ;;  # -c 'import launcher.cli, google.cloud.compute_v1'
@@ -251,7 +273,7 @@ def controller(tmp_path):
     state = tmp_path / "state"
     dirs = ("/var/lib", "/opt", "/usr/local/bin")
 
-    def boot(source: str = CONTROLLER_SOURCE, pip_fails: bool = False):
+    def boot(source: str | None = CONTROLLER_SOURCE, pip_fails: bool = False):
         """One boot; returns (process, ready marker, error file, the `launch` link's target, calls)."""
         script = tmp_path / "controller.sh"
         script.write_text(render_controller_script(cluster="demo", source=source))
@@ -282,7 +304,7 @@ def controller(tmp_path):
 
 
 def _installs(calls: list[str]) -> list[str]:
-    return [c for c in calls if c.startswith("python3 -m venv") or " -m pip install" in c]
+    return [c for c in calls if c.startswith("python3 -m venv") or " -m pip " in c]
 
 
 def test_the_controller_script_installs_the_launcher_once_per_source(controller):
@@ -314,6 +336,38 @@ def test_the_controller_script_installs_the_launcher_once_per_source(controller)
         _installs(calls) == [f"python -m pip install --quiet --disable-pip-version-check gpufleet @ {newer}"]
         and marker["source"] == newer
     )
+
+
+def test_without_a_source_the_controller_gets_the_compute_client_alone(controller):
+    proc, marker, error, link, calls = controller(source=None)
+    assert proc.returncode == 0, proc.stderr
+    assert error is None and link == ""  # no `launch` on the PATH: the client ships the launcher
+    assert {k: v for k, v in marker.items() if k not in ("controller", "booted_at")} == {
+        "cluster": "demo",
+        "source": None,
+        "gpufleet": None,
+        "google_cloud_compute": "1.40.0",
+    }
+    assert _installs(calls) == [
+        f"python3 -m venv {CONTROLLER_VENV}",
+        f"python -m pip install --quiet --disable-pip-version-check {COMPUTE_REQUIREMENT}",
+    ]
+    assert not any(c.startswith("apt-get install") and " git" in c for c in calls)
+    # Once installed, a reboot installs nothing.
+    proc, _, _, _, calls = controller(source=None)
+    assert proc.returncode == 0 and _installs(calls) == []
+
+
+def test_dropping_the_source_uninstalls_the_launcher_and_its_link(controller):
+    assert controller()[3] == f"{CONTROLLER_VENV}/bin/launch"
+    proc, marker, _, link, calls = controller(source=None)
+    assert proc.returncode == 0, proc.stderr
+    # A launcher left in the venv would shadow the one the client ships.
+    assert _installs(calls) == [
+        "python -m pip uninstall --quiet --disable-pip-version-check --yes gpufleet",
+        f"python -m pip install --quiet --disable-pip-version-check {COMPUTE_REQUIREMENT}",
+    ]
+    assert link == "" and marker["source"] is None
 
 
 def test_a_failed_install_leaves_no_ready_marker_and_says_where(controller):

@@ -17,6 +17,15 @@ Also, for --recover's restart of stopped Spot VMs, as documented:
   starting a RUNNING instance is a no-op operation
   (https://cloud.google.com/compute/docs/reference/rest/v1/instances/start,
   https://cloud.google.com/compute/docs/instances/instance-life-cycle).
+- `instances.getGuestAttributes`: GET .../instances/{instance}/getGuestAttributes?queryPath=PATH,
+  a `compute#guestAttributes` whose `queryValue.items` are the entries under PATH (`namespace`,
+  `key`, `value`); an instance with nothing there answers 404, as the real API does for a path
+  no value was written under. The guest environment publishes a VM's SSH host keys there, one
+  entry per key type in namespace `hostkeys` (key: the type, value: the base64 key)
+  (https://cloud.google.com/compute/docs/reference/rest/v1/instances/getGuestAttributes,
+  https://cloud.google.com/compute/docs/metadata/manage-guest-attributes,
+  github.com/GoogleCloudPlatform/guest-agent google_guest_agent/instance_setup.go writes
+  `hostkeys/<type>`).
 Every request is in `requests` (`method`, `project`, `zone`, `instance` where there is one).
 """
 
@@ -34,7 +43,7 @@ __all__ = ["FakeInstance", "FakeCompute", "FilterError", "parse_filter", "matche
 
 _EXPR = re.compile(r'\(?\s*([A-Za-z][A-Za-z0-9_.\-]*)\s*(=|!=)\s*"([^"]*)"\s*\)?')
 _PATH = re.compile(r"^/compute/v1/projects/([^/]+)/zones/([^/]+)/instances$")
-_ONE = re.compile(r"^/compute/v1/projects/([^/]+)/zones/([^/]+)/instances/([^/]+)(/start)?$")
+_ONE = re.compile(r"^/compute/v1/projects/([^/]+)/zones/([^/]+)/instances/([^/]+)(/start|/getGuestAttributes)?$")
 
 
 class FilterError(ValueError):
@@ -50,6 +59,26 @@ class FakeInstance:
     machine_type: str = "n2-standard-2"
     external_ip: str | None = None
     physical_host: str | None = None  # resourceStatus.physicalHost: only VMs with a placement policy
+    host_keys: dict[str, str] = field(default_factory=dict)  # guest attributes hostkeys/: type -> base64
+
+    def guest_attributes(self, project: str, zone: str, path: str) -> dict | None:
+        """instances.getGuestAttributes for `path` ("hostkeys/" or "hostkeys/ssh-ed25519"), or None
+        when nothing was written under it."""
+        namespace, _, key = path.partition("/")
+        items = [
+            {"namespace": "hostkeys", "key": k, "value": v}
+            for k, v in self.host_keys.items()
+            if namespace == "hostkeys" and key in ("", k)
+        ]
+        if not items:
+            return None
+        base = f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}/instances/{self.name}"
+        return {
+            "kind": "compute#guestAttributes",
+            "selfLink": f"{base}/guestAttributes/{path}",
+            "queryPath": path,
+            "queryValue": {"items": items},
+        }
 
     def resource(self, project: str, zone: str) -> dict:
         nic: dict = {"networkIP": self.internal_ip, "name": "nic0"}
@@ -131,29 +160,29 @@ class FakeCompute:
                 self.wfile.write(data)
 
             def _one(self, method: str) -> bool:
-                """instances.get / instances.start; False when the path is not one of theirs."""
-                m = _ONE.match(urlparse(self.path).path)
-                if not m or (method == "GET") == bool(m.group(4)):
+                """instances.get / .start / .getGuestAttributes; False when the path is not theirs."""
+                url = urlparse(self.path)
+                m = _ONE.match(url.path)
+                verb = {None: "get", "/start": "start", "/getGuestAttributes": "getGuestAttributes"}[
+                    m.group(4) if m else None
+                ]
+                if not m or (method == "POST") != (verb == "start"):
                     return False
                 project, zone, name = m.group(1), m.group(2), m.group(3)
-                fake.requests.append(
-                    {"method": "start" if m.group(4) else "get", "project": project, "zone": zone, "instance": name}
-                )
+                fake.requests.append({"method": verb, "project": project, "zone": zone, "instance": name})
                 found = [i for i in fake.instances.get((project, zone), []) if i.name == name]
-                if not found:
-                    self._send(
-                        404,
-                        {
-                            "error": {
-                                "code": 404,
-                                "message": (
-                                    f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found"
-                                ),
-                            }
-                        },
-                    )
+                missing = f"projects/{project}/zones/{zone}/instances/{name}"
+                if found and verb == "getGuestAttributes":
+                    path = parse_qs(url.query).get("queryPath", [""])[0]
+                    body = found[0].guest_attributes(project, zone, path)
+                    if body is not None:
+                        self._send(200, body)
+                        return True
+                    missing += f"/guestAttributes/{path}"
+                if not found or verb == "getGuestAttributes":
+                    self._send(404, {"error": {"code": 404, "message": f"The resource '{missing}' was not found"}})
                     return True
-                if m.group(4):
+                if verb == "start":
                     self._send(200, fake.start(found[0], project, zone))
                 else:
                     self._send(200, found[0].resource(project, zone))

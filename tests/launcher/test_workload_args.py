@@ -16,6 +16,7 @@ from launcher.cli.cmd_train import train
 from launcher.cli.workload_args import TrainArgs, no_such_option, option_names, world_size
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from tests.support import LAUNCH, REPO
+from workloads.config import MODEL_SIZES
 
 
 def _launch_names() -> list[str]:
@@ -68,7 +69,7 @@ def test_nothing_reaches_a_node_when_the_workload_arguments_are_wrong(tmp_path):
             "--global-batch 7 is not divisible by --micro-batch 4 x 2 data-parallel ranks = 8; "
             "use a multiple of 8, or leave --global-batch out for 8",
         ),
-        (["--detach", "--", "--model", "7B"], "--model '7B' is unknown; one of: tiny, small-test, 124M, 350M, 1.3B"),
+        (["--detach", "--", "--model", "7B"], f"--model '7B' is unknown; one of: {', '.join(MODEL_SIZES)}"),
     ):
         r = CliRunner().invoke(main, ["train", *source, *args])
         assert (r.exit_code, r.output) == (2, f"error: {line}\n"), args

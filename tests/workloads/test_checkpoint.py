@@ -1,4 +1,4 @@
-"""Sharded checkpoints (issue 19) under real torchrun over gloo: resharding N ranks -> M ranks,
+"""Sharded checkpoints under real torchrun over gloo: resharding N ranks -> M ranks,
 async saves that overlap training, a kill in the middle of one, the SIGTERM save against its
 budget, and the full-state checkpoints of the previous release."""
 
@@ -264,7 +264,7 @@ def test_sigterm_during_an_async_save_finishes_it_then_saves_and_names_what_to_c
 
 
 def test_a_full_state_checkpoint_of_the_previous_release_is_read_with_a_notice(tmp_path, reference):
-    # What the previous release wrote (workloads/train.py before issue 19, Trainer.save): one
+    # What the previous release wrote (workloads/train.py before sharded checkpoints, Trainer.save): one
     # torch.save'd dict of full state dicts (StateDictOptions(full_state_dict=True)) and the
     # trainer's state, named step_00000010.pt. Made here from a step-10 checkpoint.
     first = tmp_path / "first"

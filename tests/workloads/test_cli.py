@@ -1,4 +1,4 @@
-"""Bad arguments: one line on rank 0, exit 2, no traceback, no hang (issue 5, issue 7)."""
+"""Bad arguments: one line on rank 0, exit 2, no traceback, no hang."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What training does when things break (issue 7, training side): kill -9 during a save, a full
+"""What training does when things break (the training side): kill -9 during a save, a full
 disk, SIGTERM, a worker killed under torchrun --max-restarts, a slow rank."""
 
 from __future__ import annotations

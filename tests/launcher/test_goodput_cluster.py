@@ -1,0 +1,123 @@
+"""A detached job's goodput against the simulated cluster: real sshd nodes, real torchrun over gloo,
+the controller on node 0 writing the timeline's states and marks into the job's record."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from launcher.jobs.goodput import CATEGORIES, goodput_of
+from launcher.jobs.record import JobRecord
+from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
+from tests.support import TRAIN, checkpoint_step, source_args, torch_args, wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+def test_launch_jobs_json_carries_goodput_fields_that_agree_with_the_record(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--",
+        *TRAIN,
+        "--global-batch",
+        "2",
+        "--steps",
+        "30",
+        "--log-every",
+        "5",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "10",
+    )
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
+    assert done["state"] == "SUCCEEDED", done
+    g = done["goodput"]
+    # The record on node 0, read directly: the controller wrote what the timeline needs.
+    record = JobRecord.from_json(json.loads((jobdir(tmp_path, job_id) / "state.json").read_text()))
+    assert [s["state"] for s in record.states] == ["PENDING", "RUNNING", "SUCCEEDED"]
+    assert [s["at"] for s in record.states] == [record.submitted, record.started, record.ended]
+    kinds = {m["kind"]: m for m in record.marks}
+    assert kinds["first"]["step"] == 5 and kinds["progress"]["step"] == 30, record.marks
+    assert kinds["checkpoint"]["step"] == 30 and "failure" not in kinds, record.marks
+    assert record.started < kinds["first"]["at"] <= kinds["checkpoint"]["at"] <= record.ended
+    # `launch jobs --json` says what the record says.
+    assert g == goodput_of(record).to_json()
+    assert g["wall_s"] == pytest.approx(record.ended - record.submitted, abs=1e-3)
+    assert g["run_s"] == pytest.approx(record.ended - record.started, abs=1e-3)
+    assert g["node_hours"] == pytest.approx(2 * g["run_s"] / 3600, abs=1e-5)
+    assert sum(g["seconds"][k] for k in CATEGORIES) == pytest.approx(g["wall_s"], abs=1e-2)
+    assert g["seconds"]["starting"] == pytest.approx(kinds["first"]["at"] - record.started, abs=1e-3)
+    assert g["seconds"]["productive"] == pytest.approx(record.ended - kinds["first"]["at"], abs=1e-3)
+    assert g["seconds"]["lost"] == 0 and g["seconds"]["recovering"] == 0
+    assert g["goodput_pct"] == pytest.approx(100 * g["seconds"]["productive"] / g["run_s"], abs=1e-2)
+    segs = g["segments"]
+    assert segs[0][0] == record.submitted and segs[-1][1] == record.ended
+    assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))
+    # A hostfile without --machine-type: no price is known, so no cost is invented.
+    assert record.machine_type is None and g["cost_usd"] == {"on_demand": None, "spot": None} and g["price"] is None
+    table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
+    (row,) = [line for line in table.splitlines() if job_id in line]
+    assert f"{g['goodput_pct']:.1f}%" in row and f"{g['node_hours']:.2f}" in row and "n/a" in row, table
+    c.assert_nothing_left()
+
+
+def test_launch_top_job_id_shows_the_jobs_goodput_while_it_runs(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    # Not workloads.train: any output line is progress, so the job is productive from "ready" on.
+    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", "echo ready; sleep 12")
+    r = launch(tmp_path, "top", job_id, *source_args(c, tmp_path), "--duration", "3", check=True)
+    titles = [line for line in r.stdout.splitlines() if line.startswith(f"launch top: job {job_id}, 2 nodes")]
+    # Once node 0 has answered (the first frame may come before), each frame's title has the goodput.
+    assert any(re.search(r"  goodput \d+\.\d%.*, 0\.\d\d node-h, cost n/a  ", t) for t in titles), r.stdout
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
+    assert done["state"] == "SUCCEEDED", done
+    g = done["goodput"]
+    assert g["seconds"]["productive"] >= 11 and g["seconds"]["lost"] == 0 and g["seconds"]["recovering"] == 0, g
+    c.assert_nothing_left()
+
+
+def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_add_up(sim_cluster, tmp_path):
+    c = cluster(sim_cluster, tmp_path, 2)
+    ckpt = tmp_path / "ckpt"
+    job_id = detach(
+        c,
+        tmp_path,
+        "train",
+        *torch_args(),
+        "--recover",
+        "--",
+        *TRAIN,
+        *("--global-batch", "2", "--steps", "300", "--log-every", "1"),
+        *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"),
+    )
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    c.power_off(1)
+    wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=60)
+    time.sleep(2)
+    c.restart_sshd(1)
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=300)
+    assert done["state"] == "SUCCEEDED" and len(done["recoveries"]) == 1, done
+    g, record = done["goodput"], JobRecord.from_json(json.loads((jobdir(tmp_path, job_id) / "state.json").read_text()))
+    assert [s["state"] for s in record.states] == ["PENDING", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"]
+    cats = [s[2] for s in g["segments"]]
+    assert cats[-6:] == ["starting", "productive", "lost", "recovering", "starting", "productive"], g["segments"]
+    assert cats[:-6] in ([], ["queued"]), g["segments"]  # nothing was ahead: a queue of microseconds
+    # Lost work runs from the last checkpoint's step line to node 1's failure, then recovering to
+    # the relaunch: the node was off for 2 s at least.
+    (failure,) = [m for m in record.marks if m["kind"] == "failure"]
+    saved = max(m["at"] for m in record.marks if m["kind"] == "checkpoint" and m["at"] <= failure["at"])
+    lost = next(s for s in g["segments"] if s[2] == "lost")
+    assert lost[:2] == [saved, failure["at"]]
+    assert g["seconds"]["recovering"] >= 2 and g["seconds"]["productive"] > 0
+    assert sum(g["seconds"].values()) == pytest.approx(record.ended - record.submitted, abs=1e-2)
+    assert g == goodput_of(record).to_json()
+    c.assert_nothing_left()

@@ -1,0 +1,7 @@
+"""N-D parallelism on one DeviceMesh: the layout (`dims`, torch-free) and its application to a
+model (`parallelize`: tensor parallel plans, pipeline stages, FSDP2/HSDP; `pipeline`: the
+schedule; `grads`: the gradient norm over every shard and stage)."""
+
+from workloads.parallel.dims import PP_SCHEDULES, LayoutError, ParallelDims
+
+__all__ = ["PP_SCHEDULES", "LayoutError", "ParallelDims"]

@@ -97,7 +97,9 @@ class NodePool(pulumi.ComponentResource):
             email=args.service_account_email,
             scopes=["https://www.googleapis.com/auth/cloud-platform"],  # IAM roles, not scopes, limit it
         )
-        metadata = {"enable-oslogin": "TRUE", "startup-script": args.startup_script}
+        # Guest attributes: the guest agent publishes the VM's SSH host keys there (hostkeys/), which the
+        # controller reads through the API after a restart moved the VM (launcher.cluster.host_keys).
+        metadata = {"enable-oslogin": "TRUE", "enable-guest-attributes": "TRUE", "startup-script": args.startup_script}
 
         # One list of NIC args shared by every node, like boot_disk: the inputs are the same.
         interfaces = [

@@ -1,11 +1,12 @@
 """The nodes may start their own cluster's stopped VMs, and nothing more (least privilege).
 
 `launch train --detach --recover` restarts a Spot node that Compute Engine stopped on preemption:
-the controller on node 0 calls `instances.get` and `instances.start` as the nodes' service account
-(launcher.cluster.restart_vms). This grants exactly those two permissions, on exactly this cluster's
-instances: a custom role holding `compute.instances.get` and `compute.instances.start`
-(https://cloud.google.com/iam/docs/creating-custom-roles; both are listed for compute instances in
-https://cloud.google.com/compute/docs/reference/rest/v1/instances/start, "IAM permissions"),
+the controller calls `instances.get` and `instances.start` as the nodes' service account
+(launcher.cluster.restart_vms), and reads a restarted VM's published host keys with
+`instances.getGuestAttributes` (launcher.cluster.host_keys). This grants exactly those three
+permissions, on exactly this cluster's instances: a custom role
+(https://cloud.google.com/iam/docs/creating-custom-roles; each is listed for its method under
+"IAM permissions" in https://cloud.google.com/compute/docs/reference/rest/v1/instances),
 bound on each instance (instance-level IAM policy,
 https://cloud.google.com/compute/docs/access/granting-access-to-resources), never on the project.
 """
@@ -22,7 +23,10 @@ import pulumi_gcp as gcp
 
 __all__ = ["RESTART_PERMISSIONS", "restart_role_id", "RestartGrantArgs", "RestartGrant"]
 
-RESTART_PERMISSIONS = ("compute.instances.get", "compute.instances.start")
+# getGuestAttributes: a restarted VM's new SSH host keys, which its guest agent publishes under
+# `hostkeys/` (https://cloud.google.com/compute/docs/metadata/manage-guest-attributes), so the
+# controller verifies the node it reconnects to instead of trusting it on first use.
+RESTART_PERMISSIONS = ("compute.instances.get", "compute.instances.start", "compute.instances.getGuestAttributes")
 
 
 def restart_role_id(cluster: str) -> str:

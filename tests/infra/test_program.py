@@ -121,6 +121,7 @@ def test_labels_name_the_cluster_and_node_index(fleet, machine, nodes):
     for k, inst in enumerate(p.node_instances()):
         assert inst.inputs["labels"] == {"team": "research", LABEL_CLUSTER: "dev", LABEL_NODE: str(k)}
         assert inst.inputs["metadata"]["enable-oslogin"] == "TRUE"
+        assert inst.inputs["metadata"]["enable-guest-attributes"] == "TRUE"  # host keys after a restart
         assert inst.inputs["tags"] == ["dev"]
 
 

@@ -20,7 +20,11 @@ def _bindings(p):
 def test_the_nodes_may_get_and_start_their_own_instances_and_nothing_more(fleet):
     p = fleet(machineType="a3-highgpu-4g", provisioning="spot", nodes=3)
     (role,) = p.of_type("IAMCustomRole")
-    assert sorted(role.inputs["permissions"]) == ["compute.instances.get", "compute.instances.start"]
+    assert sorted(role.inputs["permissions"]) == [
+        "compute.instances.get",
+        "compute.instances.getGuestAttributes",
+        "compute.instances.start",
+    ]
     assert role.inputs["roleId"] == restart_role_id("dev") and role.inputs["project"] == PROJECT
     (account,) = [a for a in p.of_type("Account") if a.name == "dev-nodes"]
     member = f"serviceAccount:{account.inputs['accountId']}@{PROJECT}.iam.gserviceaccount.com"
@@ -51,7 +55,11 @@ def test_a_given_service_account_gets_the_same_instance_level_grant(fleet):
 def test_role_ids_are_valid_and_one_per_cluster():
     import re
 
-    assert RESTART_PERMISSIONS == ("compute.instances.get", "compute.instances.start")
+    assert RESTART_PERMISSIONS == (
+        "compute.instances.get",
+        "compute.instances.start",
+        "compute.instances.getGuestAttributes",
+    )
     assert restart_role_id("dev") == "gpufleet_dev_restart"
     long_a, long_b = "research-cluster-" + "a" * 60, "research-cluster-" + "a" * 59 + "b"
     for rid in (restart_role_id("a-b.c"), restart_role_id(long_a), restart_role_id(long_b)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 from collections.abc import Callable, Sequence
 
 import click
@@ -128,8 +129,21 @@ class TrainArgs:
         """The rules that depend on how many ranks the launch starts (the batch split)."""
         self._config(world_size(cluster, config))
 
-    def _config(self, ranks: int | None) -> None:
-        """Parse and validate; ranks None = every rule but the batch split (not known yet)."""
+    def plan_lines(self, machine_type: str, nodes: int, gpus_per_node: int) -> list[str]:
+        """The memory plan (workloads.plan) of these arguments on `nodes` x `machine_type` with
+        `gpus_per_node` ranks each; UserError for a layout that cannot run there."""
+        from workloads.config import ConfigError
+        from workloads.plan import format_plan, plan_for
+
+        cfg = self._config(nodes * gpus_per_node)
+        try:
+            return format_plan(plan_for(cfg, machine_type=machine_type, nodes=nodes, gpus_per_node=gpus_per_node))
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+
+    def _config(self, ranks: int | None):
+        """Parse and validate (returns the TrainConfig); ranks None = every rule but the batch
+        split (not known yet)."""
         from workloads.config import ConfigError, TrainConfig, build_parser
 
         parser = build_parser(prog=self.PROG)
@@ -137,8 +151,13 @@ class TrainArgs:
             ns, extra = parser.parse_known_args(self.argv)
             if extra:
                 raise UserError(self._unknown(extra[0], _parser_names(parser)))
-            values = vars(ns) if ranks is not None else {**vars(ns), "global_batch": 0}
-            TrainConfig(**values, world_size=ranks or 1)
+            if ranks is None:
+                # Before the launch's world is known: check everything else at the world the
+                # layout flags name themselves (dp-shard -1, "the rest", as 1).
+                degrees = (ns.dp_replicate, ns.dp_shard, ns.tp, ns.pp)
+                ranks = math.prod(max(1, d) for d in degrees)
+                return TrainConfig(**{**vars(ns), "global_batch": 0}, world_size=ranks)
+            return TrainConfig(**vars(ns), world_size=ranks)
         except ConfigError as e:
             raise UserError(str(e)) from None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 from collections.abc import Callable, Sequence
 
 import click
@@ -153,10 +152,12 @@ class TrainArgs:
                 raise UserError(self._unknown(extra[0], _parser_names(parser)))
             if ranks is None:
                 # Before the launch's world is known: check everything else at the world the
-                # layout flags name themselves (dp-shard -1, "the rest", as 1).
-                degrees = (ns.dp_replicate, ns.dp_shard, ns.tp, ns.pp)
-                ranks = math.prod(max(1, d) for d in degrees)
-                return TrainConfig(**{**vars(ns), "global_batch": 0}, world_size=ranks)
+                # layout flags name themselves (dp-shard -1, "the rest", as 1), with a global
+                # batch that splits there (a pipeline's microbatches included).
+                dp = max(1, ns.dp_replicate) * max(1, ns.dp_shard)
+                ranks = dp * max(1, ns.tp) * max(1, ns.pp)
+                batch = ns.micro_batch * dp * (ns.pp_microbatches or max(1, ns.pp))
+                return TrainConfig(**{**vars(ns), "global_batch": batch}, world_size=ranks)
             return TrainConfig(**vars(ns), world_size=ranks)
         except ConfigError as e:
             raise UserError(str(e)) from None

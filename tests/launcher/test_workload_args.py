@@ -213,7 +213,10 @@ def test_a_dry_run_on_known_nodes_prints_their_commands_and_the_plan(tmp_path):
 
 
 def test_a_layout_is_checked_before_the_world_is_known_at_its_own_size():
-    # tp 2 is no error before the launch's world size is known; tp 3 does not divide 4 heads.
+    # tp 2 and pp 2 are no error before the launch's world size is known (nor is the batch the
+    # pipeline splits); tp 3 does not divide 4 heads at any world size.
     TrainArgs(["--model", "llama3-debug", "--tp", "2"], [])
+    TrainArgs(["--model", "tiny-4l", "--pp", "2", "--global-batch", "64", "--micro-batch", "8"], [])
+    TrainArgs(["--model", "tiny-4l", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], [])
     with pytest.raises(UserError, match="--tp 3 does not divide model llama3-debug's 4 attention heads"):
         TrainArgs(["--model", "llama3-debug", "--tp", "3"], [])

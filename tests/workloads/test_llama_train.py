@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.workloads.conftest import REPO, child_env, train
+from tests.support import LAUNCH
+from tests.workloads.conftest import REPO, child_env
 from workloads.config import ConfigError, TrainConfig
 from workloads.llama_sizes import LLAMA_SIZES
 from workloads.train import main
@@ -19,17 +20,28 @@ PLAN_70B = ["--plan", "--plan-nodes", "16", "--plan-machine-type", "a3-megagpu-8
 PLAN_70B += ["--tp", "8", "--dp-shard", "16", "--micro-batch", "1", "--seq-len", "8192"]
 
 
-def test_llama3_debug_trains_under_tp2_with_finite_losses_and_its_own_flop_count():
-    run = train(["--model", "llama3-debug", "--steps", "5", "--tp", "2", "--seq-len", "64", "--straggler-every", "0"])
-    assert run.returncode == 0, run.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"^step \d+/5 \| loss ([0-9.naif]+)", run.stdout, re.M)]
-    assert len(losses) == 5 and all(math.isfinite(x) for x in losses), run.stdout
+def test_llama3_debug_trains_under_tp2_through_the_launcher_with_its_own_flop_count(tmp_path):
+    # 2 local nodes of one rank each: the launcher's checks, then torchrun and tensor parallelism.
+    launch = subprocess.run(
+        [LAUNCH, "train", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"), "--workdir", str(REPO)]
+        + ["--env", "OMP_NUM_THREADS=1", "--", "--model", "llama3-debug", "--steps", "5", "--tp", "2"]
+        + ["--seq-len", "64", "--straggler-every", "0"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    node0 = next((tmp_path / "runs").glob("*/node-0.log")).read_text()
+    losses = [float(m) for m in re.findall(r"^step \d+/5 \| loss ([0-9.naif]+)", node0, re.M)]
+    assert len(losses) == 5 and all(math.isfinite(x) for x in losses), node0
     # 6N + 12LHQT of the Llama size (GPT's formula over the same N would count no GQA, no SwiGLU).
     size = LLAMA_SIZES["llama3-debug"]
     flops = size.flops_per_token(64)
     # The banner's N is the non-embedding count (an untied table's lookup is no matmul).
-    assert f"model llama3-debug ({(size.n_params - size.embedding_params) / 1e6:.2f}M params)" in run.stdout
-    assert "| tp 2 = 2 ranks on cpu" in run.stdout and f"{flops:.3g} FLOP/token" in run.stdout
+    assert f"model llama3-debug ({(size.n_params - size.embedding_params) / 1e6:.2f}M params)" in node0
+    assert "| tp 2 = 2 ranks on cpu" in node0 and f"{flops:.3g} FLOP/token" in node0
 
 
 def test_tp_must_divide_the_kv_heads_too():

@@ -414,7 +414,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "python -m workloads.train") -> argparse.ArgumentParser:
     """One flag per TrainConfig field (except world_size), help text from the field docs. `prog`
     names the command in usage errors: the launcher parses the same flags as `launch train`."""
-    parser = _Parser(prog=prog, description="GPT training under torchrun (DDP or FSDP, NCCL or gloo).")
+    parser = _Parser(
+        prog=prog, description="GPT and Llama-3 training under torchrun (DP, FSDP, TP, PP on one mesh; NCCL or gloo)."
+    )
     docs = _field_docs()
     for f in fields(TrainConfig):
         if f.name in ("world_size",) or f.name.startswith("_"):

@@ -1,4 +1,4 @@
-"""GPT training under torchrun: `python -m torch.distributed.run ... -m workloads.train [flags]`.
+"""GPT and Llama-3 training under torchrun: `python -m torch.distributed.run ... -m workloads.train [flags]`.
 
 Ranks come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK); NCCL on GPUs,
 gloo on CPU. Only rank 0 logs; every rank writes its own shards of a checkpoint through

@@ -12,12 +12,15 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from gpufleet.catalog import UnknownMachineType, lookup
+from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
 from workloads.parallel.dims import PP_SCHEDULES, LayoutError, ParallelDims
 
 __all__ = [
     "ConfigError",
     "ModelSize",
     "MODEL_SIZES",
+    "MODELS",
     "TrainConfig",
     "build_parser",
     "config_from_args",
@@ -57,6 +60,9 @@ MODEL_SIZES: dict[str, ModelSize] = {
     "1.3B": ModelSize(n_layer=24, n_head=16, n_embd=2048, vocab_size=50304, block_size=2048),
 }
 
+# Every --model: the GPT sizes above and the Llama-3 sizes (workloads.llama_sizes).
+MODELS: dict[str, ModelSize | LlamaSize] = {**MODEL_SIZES, **LLAMA_SIZES}
+
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 PARALLELISMS = ("ddp", "fsdp")
 PP_SCHEDULE_NAMES = tuple(PP_SCHEDULES)
@@ -73,7 +79,8 @@ class TrainConfig:
     """One training run. Batches are counted in sequences (samples), not tokens."""
 
     model: str = "tiny"
-    """Named model size, one of MODEL_SIZES."""
+    """Named model size: a GPT size (MODEL_SIZES) or a Llama-3 size (llama3-debug, llama3-1b,
+    llama3-8b, llama3-70b)."""
     seq_len: int = 0
     """Tokens per sample; 0 = the model's block size."""
     steps: int = 100
@@ -169,14 +176,22 @@ class TrainConfig:
     waits on no other rank under DDP; 0 disables the check."""
     straggler_threshold: float = 1.2
     """A rank whose forward time is above this x the median of all ranks' is named in a warning."""
+    plan: bool = False
+    """Print the memory plan of this model and layout on --plan-nodes x --plan-machine-type (per-GPU
+    parameters, gradients, optimizer state, activations; fits or not, and the smallest change
+    that fits) and exit, starting no process group. The layout flags count that world's ranks."""
+    plan_machine_type: str = "a3-megagpu-8g"
+    """--plan: the machine type whose GPUs (gpufleet.catalog) the plan is for."""
+    plan_nodes: int = 1
+    """--plan: how many nodes the plan is for."""
     _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
     _dims: ParallelDims | None = field(default=None, init=False, repr=False)
     _budget_s: float = field(default=30.0, init=False, repr=False)
     _batch_is_default: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.model not in MODEL_SIZES:
-            raise ConfigError(f"--model {self.model!r} is unknown; one of: {', '.join(MODEL_SIZES)}")
+        if self.model not in MODELS:
+            raise ConfigError(f"--model {self.model!r} is unknown; one of: {', '.join(MODELS)}")
         for name in (
             "steps",
             "micro_batch",
@@ -187,6 +202,7 @@ class TrainConfig:
             "powersgd_rank",
             "tp",
             "pp",
+            "plan_nodes",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -232,19 +248,20 @@ class TrainConfig:
     def _resolve_layout(self) -> None:
         """The mesh (--dp-replicate/--dp-shard/--tp/--pp, or the --parallelism shorthand) against
         the world size and the model: everything else, the default global batch included, uses it."""
-        size = MODEL_SIZES[self.model]
+        size = self.size
         try:
             dims = ParallelDims.resolve(
                 self.world_size, self.parallelism, self.dp_replicate, self.dp_shard, self.tp, self.pp, self.pp_schedule
             )
-            dims.check_model(self.model, size.n_layer, size.n_head)
+            kv_heads = size.n_kv_heads if isinstance(size, LlamaSize) else None
+            dims.check_model(self.model, size.n_layer, size.n_head, kv_heads)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
         self._dims = dims
 
     def _check_cross_field(self) -> None:
         """Rules that tie several fields together, each with its arithmetic in the message."""
-        dims, size = self.dims, MODEL_SIZES[self.model]
+        dims, size = self.dims, self.size
         per_step = self.micro_batch * dims.dp
         if self.global_batch % per_step:
             of = (
@@ -338,8 +355,12 @@ class TrainConfig:
         return f"{split} x {self.grad_accum} accumulation step{'s' * (self.grad_accum != 1)}"
 
     @property
-    def size(self) -> ModelSize:
-        return MODEL_SIZES[self.model]
+    def size(self) -> ModelSize | LlamaSize:
+        return MODELS[self.model]
+
+    @property
+    def is_llama(self) -> bool:
+        return isinstance(self.size, LlamaSize)
 
     @property
     def tokens_per_sample(self) -> int:
@@ -393,7 +414,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "python -m workloads.train") -> argparse.ArgumentParser:
     """One flag per TrainConfig field (except world_size), help text from the field docs. `prog`
     names the command in usage errors: the launcher parses the same flags as `launch train`."""
-    parser = _Parser(prog=prog, description="GPT training under torchrun (DDP or FSDP, NCCL or gloo).")
+    parser = _Parser(
+        prog=prog, description="GPT and Llama-3 training under torchrun (DP, FSDP, TP, PP on one mesh; NCCL or gloo)."
+    )
     docs = _field_docs()
     for f in fields(TrainConfig):
         if f.name in ("world_size",) or f.name.startswith("_"):
@@ -417,7 +440,17 @@ def build_parser(prog: str = "python -m workloads.train") -> argparse.ArgumentPa
 def config_from_args(argv: list[str] | None = None, world_size: int | None = None) -> TrainConfig:
     """Parse the command line into a validated TrainConfig (raises ConfigError)."""
     ns = build_parser().parse_args(argv)
+    if ns.plan:  # the plan's world, not this process's
+        world_size = ns.plan_nodes * plan_gpus_per_node(ns.plan_machine_type)
     return TrainConfig(**vars(ns), world_size=world_size or world_size_from_env())
+
+
+def plan_gpus_per_node(machine_type: str) -> int:
+    """The catalog's GPU count of a machine type (ConfigError naming --plan-machine-type if unknown)."""
+    try:
+        return lookup(machine_type).gpu_count
+    except UnknownMachineType as e:
+        raise ConfigError(f"--plan-machine-type: {e}") from None
 
 
 def _field_docs() -> dict[str, str]:

@@ -55,7 +55,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from gpufleet.catalog import UnknownMachineType, lookup
-from workloads.config import MODEL_SIZES, ConfigError, ModelSize
+from workloads.config import MODEL_SIZES, ConfigError, ModelSize, TrainConfig
 from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "mesh_lines",
     "model_names",
     "plan",
+    "plan_for",
 ]
 
 GiB = 1024**3
@@ -299,6 +300,30 @@ def plan(
     if result.fits:
         return result
     return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing))
+
+
+def plan_for(cfg: TrainConfig, *, machine_type: str, nodes: int, gpus_per_node: int | None = None) -> MemoryPlan:
+    """The plan of a validated training config (its model, resolved layout, batch split and
+    checkpointing) on `nodes` x `machine_type`, `gpus_per_node` ranks a node (default: its GPUs).
+    Under a pipeline the micro-batch is one pipeline micro-batch: each data-parallel rank's batch
+    split into the step's micro-batches."""
+    dims = cfg.dims
+    micro = cfg.micro_batch
+    if dims.pp > 1:
+        micro = max(1, cfg.global_batch // dims.dp // cfg.n_microbatches)
+    return plan(
+        cfg.model,
+        Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp),
+        machine_type=machine_type,
+        nodes=nodes,
+        micro_batch=micro,
+        seq_len=cfg.tokens_per_sample,
+        precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing,
+        pp_schedule=cfg.pp_schedule,
+        pp_microbatches=cfg.n_microbatches if dims.pp > 1 else 0,
+        gpus_per_node=gpus_per_node,
+    )
 
 
 def _resolve(layout: Layout, world: int, nodes: int, gpus: int) -> Layout:

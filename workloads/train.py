@@ -1,4 +1,4 @@
-"""GPT training under torchrun: `python -m torch.distributed.run ... -m workloads.train [flags]`.
+"""GPT and Llama-3 training under torchrun: `python -m torch.distributed.run ... -m workloads.train [flags]`.
 
 Ranks come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK); NCCL on GPUs,
 gloo on CPU. Only rank 0 logs; every rank writes its own shards of a checkpoint through
@@ -41,6 +41,8 @@ from workloads.checkpoint import CheckpointError, CheckpointManager, run_meta
 from workloads.collective import Ranks, StoppedElsewhere, every_rank, is_every_rank
 from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
+from workloads.llama import Llama
+from workloads.llama import flops_per_token as llama_flops_per_token
 from workloads.metrics import RankInfo, format_log_line, straggler_warning
 from workloads.model import GPT, cross_entropy, flops_per_token, mfu
 from workloads.parallel.grads import clip_grad_norm
@@ -116,8 +118,10 @@ class Trainer:
         seq_len = cfg.tokens_per_sample
         self.batches = self.comms.on_every_rank(self._open_data)  # --data may be missing on one node only
         size = cfg.size
-        self.flops_token = flops_per_token(
-            self.n_params, size.n_layer, size.n_head, size.n_embd // size.n_head, seq_len
+        self.flops_token = (
+            llama_flops_per_token(cfg.model, seq_len)
+            if cfg.is_llama
+            else flops_per_token(self.n_params, size.n_layer, size.n_head, size.n_embd // size.n_head, seq_len)
         )
         self.peak_flops = peak_flops_for_device(torch.cuda.get_device_name(self.device)) if self.cuda else None
         self.step = 0
@@ -169,12 +173,14 @@ class Trainer:
         dp_rank = self.dims.dp_rank(self.rank)
         return BatchStream(dataset, dp_rank, self.dims.dp, cfg.micro_batch, cfg.grad_accum, cfg.seed)
 
-    def _build_model(self) -> tuple[torch.nn.Module, GPT]:
-        """The model as this rank runs it, and the plain GPT (or, under a pipeline, the module
-        over this rank's stages) that the optimizer steps and the checkpoint saves."""
+    def _build_model(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The model as this rank runs it, and the plain model, GPT or Llama (or, under a
+        pipeline, the module over this rank's stages) that the optimizer steps and the checkpoint
+        saves."""
         cfg, dims = self.cfg, self.dims
         torch.manual_seed(cfg.seed)  # same initial weights on every rank, before any wrapping
-        raw = GPT(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
+        kind = Llama if cfg.is_llama else GPT
+        raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
         self.n_params = raw.num_params()
         if not dims.is_ddp:
             return self._parallelize(raw)
@@ -197,7 +203,7 @@ class Trainer:
             model = torch.compile(model)
         return model, raw
 
-    def _parallelize(self, raw: GPT) -> tuple[torch.nn.Module, Any]:
+    def _parallelize(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
         """TP, then pipeline stages, then FSDP2/HSDP over the data-parallel mesh dimensions."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -635,6 +641,19 @@ def _init_distributed() -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device)
 
 
+def _print_plan(cfg: TrainConfig) -> int:
+    """--plan: the memory plan on stdout, no process group; exit 2 for a layout that cannot run."""
+    from workloads.plan import format_plan, plan_for
+
+    try:
+        lines = format_plan(plan_for(cfg, machine_type=cfg.plan_machine_type, nodes=cfg.plan_nodes))
+    except ConfigError as e:
+        print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_ARGS
+    print("\n".join(lines), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, train, and always leave the process group; returns the exit code."""
     with contextlib.suppress(AttributeError, ValueError):
@@ -657,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error(every_rank(e))  # every rank parses the same flags
         return EXIT_BAD_ARGS
+    if cfg.plan:
+        return _print_plan(cfg) if rank == 0 else 0
     _init_distributed()
     # Trainer.fit turns SIGTERM into a stop flag while it trains. Outside the loop (the final
     # save, --save-params, the exit barrier, interpreter exit) a SIGTERM must not kill the

@@ -1,10 +1,13 @@
-"""`launch train`: the built-in training workload (workloads.train) on every node."""
+"""`launch train`: the built-in training workload (workloads.train) on every node. With --dry-run
+it also prints the memory plan (workloads.plan) on stderr; without a node source, --dry-run
+--nodes N --machine-type T prints the plan alone, before any node exists."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from launcher.cli.launching import start
 from launcher.cli.options import (
@@ -17,11 +20,14 @@ from launcher.cli.options import (
     TORCHRUN_OPTIONS,
     apply_options,
 )
-from launcher.cli.render import user_errors
+from launcher.cli.render import err, user_errors
 from launcher.cli.workload_args import TrainArgs, WorkloadCommand, option_names
-from launcher.core.types import Workload
+from launcher.core.command import nproc_for
+from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 
 __all__ = ["train"]
+
+_SOURCES = ("stack", "outputs", "hostfile", "labels", "local")
 
 
 @click.command(
@@ -38,6 +44,42 @@ __all__ = ["train"]
 @user_errors
 def train(args: tuple[str, ...], **o: Any) -> None:
     """Run the built-in training workload (workloads.train); extra ARGS go to it, checked here
-    first (the workload's options are listed below the launcher's)."""
+    first (the workload's options are listed below the launcher's). --dry-run also prints the
+    memory plan; --dry-run --nodes N --machine-type T without a node source prints only the plan."""
     checked = TrainArgs(args, option_names(click.get_current_context().command))
-    start(o, Workload("torchrun", ("-m", "workloads.train", *args)), checked.check, builtin=True)
+    if o.get("dry_run") and not any(o.get(k) for k in _SOURCES):
+        _plan_only(checked, o)
+        return
+
+    def check(cluster: Cluster, config: LaunchConfig) -> None:
+        checked.check(cluster, config)
+        if not config.dry_run or cluster.local:  # --local: CPU processes, no GPU memory to plan
+            return
+        if cluster.machine_type is None:
+            err.print("[dim]plan: no machine type known for these nodes; --machine-type T for a memory plan[/dim]")
+            return
+        gpus = nproc_for(cluster.nodes[0], cluster.gpus_per_node, config)
+        _print_plan(checked.plan_lines(cluster.machine_type, len(cluster.nodes), gpus))
+
+    start(o, Workload("torchrun", ("-m", "workloads.train", *args)), check, builtin=True)
+
+
+def _plan_only(checked: TrainArgs, o: dict[str, Any]) -> None:
+    from gpufleet.catalog import UnknownMachineType, lookup
+
+    if not o.get("nodes") or not o.get("machine_type"):
+        raise UserError(
+            "--dry-run without a node source prints the memory plan only, and needs --nodes N and "
+            "--machine-type T; or give a node source (--stack, --outputs, --hostfile, --label, --local)"
+        )
+    try:
+        machine = lookup(o["machine_type"])
+    except UnknownMachineType as e:
+        raise UserError(f"--machine-type: {e}") from None
+    gpus = o.get("nproc_per_node") or machine.gpu_count
+    _print_plan(checked.plan_lines(o["machine_type"], o["nodes"], gpus))
+
+
+def _print_plan(lines: list[str]) -> None:
+    for line in lines:
+        err.print(escape(line))

@@ -128,8 +128,21 @@ class TrainArgs:
         """The rules that depend on how many ranks the launch starts (the batch split)."""
         self._config(world_size(cluster, config))
 
-    def _config(self, ranks: int | None) -> None:
-        """Parse and validate; ranks None = every rule but the batch split (not known yet)."""
+    def plan_lines(self, machine_type: str, nodes: int, gpus_per_node: int) -> list[str]:
+        """The memory plan (workloads.plan) of these arguments on `nodes` x `machine_type` with
+        `gpus_per_node` ranks each; UserError for a layout that cannot run there."""
+        from workloads.config import ConfigError
+        from workloads.plan import format_plan, plan_for
+
+        cfg = self._config(nodes * gpus_per_node)
+        try:
+            return format_plan(plan_for(cfg, machine_type=machine_type, nodes=nodes, gpus_per_node=gpus_per_node))
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+
+    def _config(self, ranks: int | None):
+        """Parse and validate (returns the TrainConfig); ranks None = every rule but the batch
+        split (not known yet)."""
         from workloads.config import ConfigError, TrainConfig, build_parser
 
         parser = build_parser(prog=self.PROG)
@@ -137,8 +150,15 @@ class TrainArgs:
             ns, extra = parser.parse_known_args(self.argv)
             if extra:
                 raise UserError(self._unknown(extra[0], _parser_names(parser)))
-            values = vars(ns) if ranks is not None else {**vars(ns), "global_batch": 0}
-            TrainConfig(**values, world_size=ranks or 1)
+            if ranks is None:
+                # Before the launch's world is known: check everything else at the world the
+                # layout flags name themselves (dp-shard -1, "the rest", as 1), with a global
+                # batch that splits there (a pipeline's microbatches included).
+                dp = max(1, ns.dp_replicate) * max(1, ns.dp_shard)
+                ranks = dp * max(1, ns.tp) * max(1, ns.pp)
+                batch = ns.micro_batch * dp * (ns.pp_microbatches or max(1, ns.pp))
+                return TrainConfig(**{**vars(ns), "global_batch": batch}, world_size=ranks)
+            return TrainConfig(**vars(ns), world_size=ranks)
         except ConfigError as e:
             raise UserError(str(e)) from None
 

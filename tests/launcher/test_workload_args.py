@@ -16,7 +16,6 @@ from launcher.cli.cmd_train import train
 from launcher.cli.workload_args import TrainArgs, no_such_option, option_names, world_size
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from tests.support import LAUNCH, REPO
-from workloads.config import MODEL_SIZES
 
 
 def _launch_names() -> list[str]:
@@ -69,7 +68,11 @@ def test_nothing_reaches_a_node_when_the_workload_arguments_are_wrong(tmp_path):
             "--global-batch 7 is not divisible by --micro-batch 4 x 2 data-parallel ranks = 8; "
             "use a multiple of 8, or leave --global-batch out for 8",
         ),
-        (["--detach", "--", "--model", "7B"], f"--model '7B' is unknown; one of: {', '.join(MODEL_SIZES)}"),
+        (
+            ["--detach", "--", "--model", "7B"],
+            "--model '7B' is unknown; one of: tiny, tiny-4l, small-test, 124M, 350M, 1.3B, "
+            "llama3-debug, llama3-1b, llama3-8b, llama3-70b",
+        ),
     ):
         r = CliRunner().invoke(main, ["train", *source, *args])
         assert (r.exit_code, r.output) == (2, f"error: {line}\n"), args
@@ -156,7 +159,9 @@ def test_the_launcher_reads_the_workloads_command_lines_without_torch():
         "from click.testing import CliRunner\n"
         "from launcher.cli import main\n"
         "dry = ['train', '--local', '--nodes', '2', '--dry-run']\n"
-        "for argv in (['train', '--help'], ['nccl-tests', '--help'], dry):\n"
+        "plan = ['train', '--nodes', '2', '--machine-type', 'a3-megagpu-8g', '--dry-run']\n"
+        "plan += ['--', '--model', 'llama3-8b']\n"
+        "for argv in (['train', '--help'], ['nccl-tests', '--help'], dry, plan):\n"
         "    assert CliRunner().invoke(main, argv).exit_code == 0, argv\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
@@ -170,3 +175,48 @@ def test_the_sweep_maps_every_type_name_its_command_line_takes():
 
     assert tuple(sweep.TORCH_DTYPES) == DATATYPES
     assert sweep.parse_args(["-d", "all", "-b", "1K"]).datatypes == DATATYPES
+
+
+PLAN_70B = ["--", "--model", "llama3-70b", "--tp", "8", "--dp-shard", "16", "--micro-batch", "1", "--seq-len", "8192"]
+
+
+def test_a_dry_run_without_nodes_prints_the_plan_for_the_nodes_and_machine_type_given():
+    nodes = ["train", "--nodes", "16", "--machine-type", "a3-megagpu-8g", "--dry-run"]
+    r = CliRunner().invoke(main, [*nodes, *PLAN_70B])
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert r.stdout == "" and "  tp 8: ranks 0-7 form one group, within node 0" in lines
+    assert "verdict: does not fit by 1.6 GiB" in lines
+    assert lines[-1].startswith("  smallest change that fits: --activation-checkpointing ->")
+    r = CliRunner().invoke(main, [*nodes, *PLAN_70B, "--activation-checkpointing"])
+    assert r.exit_code == 0 and "verdict: fits (32.0 of 80 GiB)" in r.stderr.splitlines(), r.output
+    # Without --machine-type there is no GPU to plan for: one line, exit 2.
+    r = CliRunner().invoke(main, ["train", "--nodes", "16", "--dry-run", *PLAN_70B])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("error: --dry-run without a node source prints the memory plan only")
+
+
+def test_a_dry_run_on_known_nodes_prints_their_commands_and_the_plan(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("192.0.2.10\n192.0.2.11\n")  # TEST-NET-1: a dry run contacts neither
+    source = ["--hostfile", str(hosts), "--machine-type", "a3-megagpu-8g", "--known-hosts", str(tmp_path / "kh")]
+    args = ["--", "--model", "llama3-8b", "--tp", "8", "--dp-shard", "2", "--micro-batch", "1", "--seq-len", "8192"]
+    r = CliRunner().invoke(main, ["train", *source, "--runs-dir", str(tmp_path / "runs"), "--dry-run", *args])
+    assert r.exit_code == 0, r.output
+    assert [line.split("\t")[0] for line in r.stdout.splitlines()] == ["192.0.2.10", "192.0.2.11"]
+    assert "dp_shard 2: ranks 0,8 form one group, across 2 nodes" in r.stderr
+    assert "verdict: fits (32.0 of 80 GiB)" in r.stderr.splitlines()
+    # The layout is checked against the world the nodes give: 16 ranks, not 128.
+    bad = ["--", "--model", "llama3-70b", "--tp", "8", "--dp-shard", "16"]
+    r = CliRunner().invoke(main, ["train", *source, "--dry-run", *bad])
+    assert r.exit_code == 2 and "= 128 != world size 16" in r.output, r.output
+
+
+def test_a_layout_is_checked_before_the_world_is_known_at_its_own_size():
+    # tp 2 and pp 2 are no error before the launch's world size is known (nor is the batch the
+    # pipeline splits); tp 3 does not divide 4 heads at any world size.
+    TrainArgs(["--model", "llama3-debug", "--tp", "2"], [])
+    TrainArgs(["--model", "tiny-4l", "--pp", "2", "--global-batch", "64", "--micro-batch", "8"], [])
+    TrainArgs(["--model", "tiny-4l", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], [])
+    with pytest.raises(UserError, match="--tp 3 does not divide model llama3-debug's 4 attention heads"):
+        TrainArgs(["--model", "llama3-debug", "--tp", "3"], [])

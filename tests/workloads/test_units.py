@@ -50,7 +50,11 @@ def test_a_negative_global_batch_is_refused():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"model": "7B"}, "--model '7B' is unknown; one of: tiny, tiny-4l, small-test, 124M, 350M, 1.3B"),
+        (
+            {"model": "7B"},
+            "--model '7B' is unknown; one of: tiny, tiny-4l, small-test, 124M, 350M, 1.3B, "
+            "llama3-debug, llama3-1b, llama3-8b, llama3-70b",
+        ),
         ({"steps": 0}, "--steps must be at least 1, got 0"),
         ({"precision": "fp8"}, "--precision 'fp8' is unknown"),
         ({"seq_len": 65}, "--seq-len 65 is longer than model tiny's block size 64"),

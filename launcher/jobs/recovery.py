@@ -285,13 +285,17 @@ class Recoverer:
         r = self.c.record
         r.recoveries.append(rec.to_json())
         r.state = JobState.RECOVERING
-        node = f"node {rec.node}: " if rec.node is not None else ""
-        if self.policy.max_restarts is None:
-            r.why = f"recovery {len(r.recoveries)} of {self.policy.max_recoveries}: {node}{rec.cause}"
-        else:
-            r.why = f"attempt {len(r.recoveries)} after {rec.reason}: {node}{rec.cause}"
+        r.why = self._why(rec)
         self.c.save()
         log.warning("job %s: %s; waiting for every node to pass its check, then relaunching", r.id, r.why)
+
+    def _why(self, rec: Recovery) -> str:
+        """The record's one line while recovering: which recovery, the node when known, the cause."""
+        n = len(self.c.record.recoveries)
+        node = f"node {rec.node}: " if rec.node is not None else ""
+        if self.policy.max_restarts is None:
+            return f"recovery {n} of {self.policy.max_recoveries}: {node}{rec.cause}"
+        return f"attempt {n} after {rec.reason}: {node}{rec.cause}"
 
     def _note(self, **changes: Any) -> None:
         """Change the latest recovery in the record, and save it."""
@@ -319,8 +323,9 @@ class Recoverer:
                     why = str(e)
                 except Interrupted as e:
                     return self.c.end(JobState.STOPPED, 128 + e.signum, why="stopped while recovering")
-            if rec.node is None and bad is not None:
+            if rec.node is None and bad is not None:  # a preemption names no node until its check fails
                 rec.node = bad
+                self.c.record.why = self._why(rec)
                 self._note(node=bad)
             self._restart_stopped(launch, rec)
             self._follow_moved(launch)

@@ -20,6 +20,13 @@ def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
     --rank-order topology when a node has no physical host, or when a node cannot be reached."""
     if config.workload.kind != "torchrun":
         return RankOrder(cluster, False, "")
+    if config.max_restarts > 0:  # launcher.core.command.torchrun_argv: in-place restarts need c10d
+        return RankOrder(
+            cluster,
+            False,
+            f"rank order: torchrun's c10d rendezvous picks it (--max-restarts {config.max_restarts} restarts "
+            "workers in place, which a fixed order's static rendezvous cannot)",
+        )
     if config.rank_order == "given" or cluster.local or config.dry_run:
         return launch_order(cluster, config.rank_order, None)
     from launcher.core.launch import Launch  # the sessions and threads, only when nodes are asked

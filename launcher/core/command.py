@@ -101,6 +101,27 @@ def torchrun_argv(
     n = len(cluster.nodes)
     # IPv6 in brackets, as torchrun's --master-addr help asks (torch/distributed/run.py).
     master = f"[{head.address}]" if ":" in head.address else head.address
+    if config.max_restarts > 0:
+        # torchrun's in-place restarts need the c10d rendezvous: under a static one each agent
+        # restarts on its own count (static_tcp_rendezvous.py has no rounds, num_nodes_waiting is
+        # always 0), so two nodes that restart a different number of times wait on different
+        # stores for ever. c10d assigns the group ranks itself (the order line says so).
+        endpoint = f"{master}:{config.rdzv_port}"
+        return [
+            config.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={n}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={config.job_id}",
+            # is_host: node 0 hosts the store (torch's guess from hostnames fails in namespaces).
+            f"--rdzv-conf=join_timeout={join_timeout_s(n)},is_host={1 if node.rank == 0 else 0}",
+            f"--local-addr={node.address}",
+            f"--max-restarts={config.max_restarts}",
+            *workload_argv,
+        ]
     return [
         config.python,
         "-m",

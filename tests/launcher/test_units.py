@@ -201,7 +201,7 @@ def test_bad_env_pair_and_unknown_machine_type_are_user_errors():
 
 def test_torchrun_argv_is_a_static_rendezvous_on_node_zero_with_the_nodes_rank():
     c = _cluster(3)
-    argv = torchrun_argv(c, c.nodes[2], _cfg(max_restarts=2, rdzv_port=29511), 8, ["-m", "workloads.train"])
+    argv = torchrun_argv(c, c.nodes[2], _cfg(rdzv_port=29511), 8, ["-m", "workloads.train"])
     assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
     for flag in (
         "--nnodes=3",
@@ -213,7 +213,7 @@ def test_torchrun_argv_is_a_static_rendezvous_on_node_zero_with_the_nodes_rank()
         "--node-rank=2",
         "--rdzv-id=job1",
         f"--rdzv-conf=timeout={join_timeout_s(3)}",
-        "--max-restarts=2",
+        "--max-restarts=0",
         "--local-addr=10.0.0.4",
     ):
         assert flag in argv
@@ -221,6 +221,17 @@ def test_torchrun_argv_is_a_static_rendezvous_on_node_zero_with_the_nodes_rank()
     assert argv[-2:] == ["-m", "workloads.train"]
     head = torchrun_argv(c, c.nodes[0], _cfg(), 1, ["x.py"])
     assert "--node-rank=0" in head and "--master-addr=10.0.0.2" in head and "--master-port=29500" in head
+
+
+def test_torchrun_in_place_restarts_use_the_c10d_rendezvous_that_synchronises_them():
+    c = _cluster(3)
+    argv = torchrun_argv(c, c.nodes[2], _cfg(max_restarts=2, rdzv_port=29511), 8, ["x.py"])
+    for flag in ("--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.2:29511", "--max-restarts=2", "--local-addr=10.0.0.4"):
+        assert flag in argv
+    assert f"--rdzv-conf=join_timeout={join_timeout_s(3)},is_host=0" in argv
+    assert not any(a.startswith("--node-rank") for a in argv)
+    head = torchrun_argv(c, c.nodes[0], _cfg(max_restarts=2), 1, ["x.py"])
+    assert any(a.endswith("is_host=1") for a in head)
 
 
 def test_torchrun_argv_brackets_an_ipv6_master_address():

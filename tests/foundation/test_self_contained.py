@@ -13,8 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache", "node_modules"}
 TEXT = {".py", ".md", ".sh", ".toml", ".yaml", ".yml", ".json", ".txt", ".cfg", ".ini", ""}
-# The notes' names and the paths that reach them; this file names them and is the one exception.
-OUTSIDE = re.compile(r"\.\./shared|shared/reference|perf-anchors|gcp-facts")
+# What a reference to the team's notes looks like: the path beside the checkout and the two notes'
+# file names. Built from parts so that this file, which must name them to find them, does not
+# itself read as such a reference.
+_NOTES = ("../" + "shared", "shared/" + "reference", "perf" + "-anchors", "gcp" + "-facts")
+OUTSIDE = re.compile("|".join(re.escape(s) for s in _NOTES))
 
 
 def _project_files() -> list[Path]:
@@ -23,7 +26,7 @@ def _project_files() -> list[Path]:
         rel = path.relative_to(ROOT)
         if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts):
             continue
-        if path.is_file() and path.suffix in TEXT and path != Path(__file__).resolve():
+        if path.is_file() and path.suffix in TEXT:
             out.append(path)
     return out
 

@@ -47,6 +47,9 @@ def train(args: tuple[str, ...], **o: Any) -> None:
     first (the workload's options are listed below the launcher's). --dry-run also prints the
     memory plan; --dry-run --nodes N --machine-type T without a node source prints only the plan."""
     checked = TrainArgs(args, option_names(click.get_current_context().command))
+    if "--plan" in args and not o.get("dry_run"):
+        # On the nodes --plan would only make every rank print a plan and exit 0.
+        raise UserError("--plan prints a memory plan and trains nothing; run it as `launch train --dry-run ...`")
     if o.get("dry_run") and not any(o.get(k) for k in _SOURCES):
         _plan_only(checked, o)
         return

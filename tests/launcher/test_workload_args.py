@@ -220,3 +220,12 @@ def test_a_layout_is_checked_before_the_world_is_known_at_its_own_size():
     TrainArgs(["--model", "tiny-4l", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], [])
     with pytest.raises(UserError, match="--tp 3 does not divide model llama3-debug's 4 attention heads"):
         TrainArgs(["--model", "llama3-debug", "--tp", "3"], [])
+
+
+def test_plan_without_dry_run_is_refused_before_any_node_is_touched(tmp_path):
+    r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--runs-dir", str(tmp_path), "--", "--plan"])
+    assert (r.exit_code, r.output) == (
+        2,
+        "error: --plan prints a memory plan and trains nothing; run it as `launch train --dry-run ...`\n",
+    )
+    assert not list(tmp_path.iterdir())

@@ -21,6 +21,18 @@ FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 NODES = 2
 
 
+def fake_instances(c) -> list[FakeInstance]:
+    """The cluster's nodes as Compute Engine instances gpu-0.. labelled cluster=t."""
+    return [FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)]
+
+
+def by_labels(c, api: FakeCompute, tmp_path) -> list[str]:
+    """The nodes found by their labels through the fake Compute Engine API, as a stack-less user
+    names them."""
+    where = ["--project", "proj", "--zone", "us-central1-a", "--api-endpoint", api.endpoint]
+    return ["--label", "cluster=t", *where, *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
+
+
 def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_uninterrupted_one(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, NODES)
     ckpt = tmp_path / "ckpt"
@@ -208,9 +220,7 @@ def test_recover_without_a_checkpoint_dir_is_refused_before_anything_starts(sim_
 
 def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_through_the_api(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    instances = [
-        FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)
-    ]
+    instances = fake_instances(c)
 
     def boot(inst: FakeInstance) -> None:  # what instances.start does: the VM boots, its sshd answers
         time.sleep(2)
@@ -218,24 +228,11 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
 
     # On the bridge's address: the controller asks from inside node 0's network namespace.
     with FakeCompute({("proj", "us-central1-a"): instances}, on_start=boot, host=c.gateway) as api:
-        labels = [
-            "--label",
-            "cluster=t",
-            "--project",
-            "proj",
-            "--zone",
-            "us-central1-a",
-            "--api-endpoint",
-            api.endpoint,
-            *c.launch_flags,
-            "--runs-dir",
-            str(tmp_path / "runs"),
-        ]
         ckpt = tmp_path / "ckpt"
         r = launch(
             tmp_path,
             "train",
-            *labels,
+            *by_labels(c, api, tmp_path),
             *torch_args(),
             "--detach",
             "--recover",
@@ -276,28 +273,13 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
 
 def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_the_timeout(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    instances = [
-        FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)
-    ]
+    instances = fake_instances(c)
     with FakeCompute({("proj", "us-central1-a"): instances}, host=c.gateway) as api:
-        labels = [
-            "--label",
-            "cluster=t",
-            "--project",
-            "proj",
-            "--zone",
-            "us-central1-a",
-            "--api-endpoint",
-            api.endpoint,
-            *c.launch_flags,
-            "--runs-dir",
-            str(tmp_path / "runs"),
-        ]
         ckpt = tmp_path / "ckpt"
         r = launch(
             tmp_path,
             "train",
-            *labels,
+            *by_labels(c, api, tmp_path),
             *torch_args(),
             "--detach",
             "--recover",

@@ -123,7 +123,7 @@ def params(path: Path) -> dict[str, torch.Tensor]:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step of the checkpoint `latest` names, loaded in full (so a torn file would fail)."""
-    from workloads.checkpoint import CheckpointError, load_checkpoint
+    from workloads.checkpoint.store import CheckpointError, load_checkpoint
 
     # While training runs, the checkpoint `latest` named a moment ago may be pruned by the next
     # save before it is read: read `latest` again then (a torn checkpoint still fails).

@@ -283,7 +283,7 @@ class TrainConfig:
                 if on:
                     raise ConfigError(
                         f"{flag} is not supported with --pp {dims.pp} (each rank holds only its stages); "
-                        f"drop {flag} (a checkpoint holds the whole model: workloads.checkpoint.load_checkpoint)"
+                        f"drop {flag} (a checkpoint holds the whole model: workloads.checkpoint.store.load_checkpoint)"
                     )
         if not dims.is_ddp and self.precision == "fp16" and (dims.tp > 1 or dims.pp > 1):
             raise ConfigError("--precision fp16 (GradScaler) is not supported with --tp/--pp; use bf16 or fp32")

@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from gpufleet.catalog import peak_flops_for_device
 from gpufleet.contracts import ERROR_PREFIX
-from workloads.checkpoint import CheckpointError, CheckpointManager, run_meta
+from workloads.checkpoint.manager import CheckpointManager, run_meta
+from workloads.checkpoint.store import CheckpointError
 from workloads.collective import Ranks, StoppedElsewhere, every_rank, is_every_rank
 from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,11 +168,20 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], a
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """Final parameters of an uninterrupted 2-rank DDP run of REF_STEPS steps."""
-    out = tmp_path_factory.mktemp("ref") / "params.pt"
-    run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--save-params", str(out)])
-    assert run.returncode == 0, run.stderr
+def reference(tmp_path_factory, worker_id) -> dict[str, torch.Tensor]:
+    """Final parameters of an uninterrupted 2-rank DDP run of REF_STEPS steps, run once for the
+    whole session however many xdist workers use it: the first writes it under a lock in the
+    base directory the workers share, the others read it (pytest-xdist's documented recipe,
+    "Making session-scoped fixtures execute only once")."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    out = shared / "reference-params.pt"
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            part = shared / "reference-params.part.pt"
+            run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--save-params", str(part)])
+            assert run.returncode == 0, run.stderr
+            part.rename(out)
     return params(out)
 
 

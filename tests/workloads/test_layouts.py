@@ -20,7 +20,7 @@ from workloads.parallel import LayoutError, ParallelDims
 
 # The shared runs (7 torchrun starts) take minutes on a loaded 2-core machine; pytest-timeout
 # charges them to the first test that uses the fixture. A bound that catches a hang, no more.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("layouts")]
 
 HALF = REF_STEPS // 2
 RTOL = 1e-3

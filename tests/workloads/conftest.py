@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -155,6 +156,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
+
+
+def one_line_exit_2(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """`python -m workloads.train ARGV` met in this process (no torch import per case): a
+    usage error must be exit 2 with one line on stderr and nothing on stdout. Returns the line."""
+    from workloads.train import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in (env or {}).items():
+            mp.setenv(k, v)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            rc = main(argv)
+    assert rc == 2, err.getvalue()
+    assert err.getvalue().count("\n") == 1 and out.getvalue() == "", err.getvalue()
+    return err.getvalue().strip()
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:

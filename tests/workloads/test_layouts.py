@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import LAUNCH
-from tests.workloads.conftest import REF_ARGS, REF_STEPS, REPO, child_env, train
+from tests.workloads.conftest import REF_ARGS, REF_STEPS, REPO, child_env, one_line_exit_2, train
 from workloads.parallel import LayoutError, ParallelDims
 
 # The shared runs (7 torchrun starts) take minutes on a loaded 2-core machine; pytest-timeout
@@ -123,12 +123,9 @@ def test_interleaved_1f1b_trains_the_same_run_as_one_process():
 
 
 def _one_line_exit_2(args: list[str], world: int) -> str:
-    """Parse errors are met alike by every rank before the process group exists; a plain
-    process with torchrun's WORLD_SIZE meets them the same way, without starting 4 ranks."""
-    run = train(REF_ARGS + args, nproc=0, env={"WORLD_SIZE": str(world)}, timeout=60)
-    assert run.returncode == 2, run.stderr
-    assert run.stderr.count("\n") == 1 and run.stdout == "", run.stderr
-    return run.stderr.strip()
+    """Parse errors are met alike by every rank before the process group exists: the workload's
+    main in this process, with torchrun's WORLD_SIZE, meets them as each rank would."""
+    return one_line_exit_2(REF_ARGS + args, {"WORLD_SIZE": str(world)})
 
 
 def test_a_layout_that_does_not_fit_is_one_line_with_its_arithmetic():

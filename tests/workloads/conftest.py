@@ -164,11 +164,16 @@ def one_line_exit_2(argv: list[str], env: dict[str, str] | None = None) -> str:
     from workloads.train import main
 
     err, out = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in (env or {}).items():
-            mp.setenv(k, v)
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            rc = main(argv)
+    term = signal.getsignal(signal.SIGTERM)  # main ignores SIGTERM once past parsing
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in (env or {}).items():
+                mp.setenv(k, v)
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                rc = main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert not torch.distributed.is_initialized()  # main left the process group it made
     assert rc == 2, err.getvalue()
     assert err.getvalue().count("\n") == 1 and out.getvalue() == "", err.getvalue()
     return err.getvalue().strip()

@@ -134,23 +134,6 @@ LLAMA_SIZES: dict[str, LlamaSize] = {
     "llama3-debug": LlamaSize(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=256
     ),
-    # Its tied twin (as llama3-1b ties): a pipeline's first and last stage both hold the table.
-    "llama3-debug-tied": LlamaSize(
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=256,
-        multiple_of=32,
-        max_seq_len=256,
-        tie_embeddings=True,
-    ),
-    # For the CPU test that no rank of a meta build ever holds the whole model: 1.30 GiB (1.40 GB)
-    # of fp32 weights in 24 layers, no one tensor more than 3% of it, so a whole copy on any rank
-    # would stand out in its memory from its shards and the one tensor being initialised.
-    "llama3-meta-test": LlamaSize(
-        dim=1024, n_layers=24, n_heads=8, n_kv_heads=4, vocab_size=32768, multiple_of=256, max_seq_len=256
-    ),
     "llama3-1b": LlamaSize(
         dim=2048,
         n_layers=16,

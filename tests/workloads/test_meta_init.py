@@ -9,12 +9,13 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from tests.workloads.conftest import REPO, child_env, free_port, train
+from tests.workloads.conftest import REPO, Run, child_env, free_port, train
 from workloads.config import ConfigError, TrainConfig, build_parser, pick_init_device
-from workloads.llama_sizes import LLAMA_SIZES
+from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
 from workloads.parallel.dims import ParallelDims
 from workloads.parallel.materialize import init_seed
 
@@ -57,36 +58,51 @@ def test_a_meta_build_trains_from_chance_level(model, layout):
     assert_trains_from(run.stdout, math.log(vocab))
 
 
-def _tied_worker(argv: list[str]) -> None:
-    """Under torchrun: build the Trainer (meta path), print each rank's share of the tied table
-    as rank 0 gathers them, then train."""
+# Sizes for these tests only, which the worker below adds to --model's choices.
+SIZES = {
+    # llama3-debug with a tied table (as llama3-1b ties): a pipeline's first and last stage hold it.
+    "llama3-debug-tied": replace(LLAMA_SIZES["llama3-debug"], tie_embeddings=True),
+    # 1.30 GiB (1.40 GB) of fp32 weights in 24 layers, no one tensor more than 3% of it, so a whole
+    # copy on any rank would stand out from its shards and the one tensor being initialised.
+    "llama3-meta-test": LlamaSize(
+        dim=1024, n_layers=24, n_heads=8, n_kv_heads=4, vocab_size=32768, multiple_of=256, max_seq_len=256
+    ),
+}
+
+
+def _worker(argv: list[str]) -> None:
+    """workloads.train's main with SIZES among the models; under a pipeline with a tied table,
+    rank 0 first prints what each rank's share of it holds after the build (a TIED line)."""
     import gc
 
     import torch
     import torch.distributed as dist
 
-    from workloads.config import config_from_args
+    from workloads import config, llama_sizes
     from workloads.parallel.parallelize import local
     from workloads.train import Trainer, _init_distributed
 
-    cfg = config_from_args(argv)
+    config.MODELS.update(SIZES)
+    llama_sizes.LLAMA_SIZES.update(SIZES)
+    cfg = config.config_from_args(argv)
     _init_distributed()
     trainer = None
     try:
         trainer = Trainer(cfg)
-        mine = [local(p).detach().clone() for p in trainer.tied]
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (trainer.coords, mine))
-        if dist.get_rank() == 0:
-            by_place = {(c["pp"], c["dp_shard"], c["tp"]): t for c, t in everyone}
-            first, last = by_place[(0, 0, 0)][0], by_place[(1, 0, 0)][0]
-            other_shard = by_place[(0, 1, 0)][0]
-            std = cfg.size.dim**-0.5
-            print(
-                f"TIED equal={torch.equal(first, last)} shape={'x'.join(map(str, first.shape))} "
-                f"std_ratio={first.std().item() / std:.3f} shards_differ={not torch.equal(first, other_shard)}",
-                flush=True,
-            )
+        if cfg.dims.pp > 1:
+            mine = [local(p).detach().clone() for p in trainer.tied]
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (trainer.coords, mine))
+            if dist.get_rank() == 0:
+                by_place = {(c["pp"], c["dp_shard"], c["tp"]): t for c, t in everyone}
+                first, last = by_place[(0, 0, 0)][0], by_place[(1, 0, 0)][0]
+                other_shard = by_place[(0, 1, 0)][0]
+                std = cfg.size.dim**-0.5
+                print(
+                    f"TIED equal={torch.equal(first, last)} shape={'x'.join(map(str, first.shape))} "
+                    f"std_ratio={first.std().item() / std:.3f} shards_differ={not torch.equal(first, other_shard)}",
+                    flush=True,
+                )
         trainer.fit()
         dist.barrier()
     finally:
@@ -95,11 +111,19 @@ def _tied_worker(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
+def run_worker(args: list[str], nproc: int, timeout: float = 300) -> Run:
+    """_worker under torchrun on `nproc` CPU ranks (0: one plain process)."""
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
+        cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    cmd += ["-m", "tests.workloads.test_meta_init", *args]
+    p = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    return Run(p.returncode, p.stdout, p.stderr)
+
+
 def test_a_tied_llama_under_pp2xdp2_starts_with_one_table_on_both_stages_and_trains():
-    args = ["--model", "llama3-debug-tied", *SHORT, "--pp", "2", "--dp-shard", "2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--rdzv-backend", "c10d"]
-    cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "tests.workloads.test_meta_init", *args]
-    run = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    run = run_worker(["--model", "llama3-debug-tied", *SHORT, "--pp", "2", "--dp-shard", "2"], nproc=4)
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("TIED"))
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
@@ -111,20 +135,17 @@ def test_a_tied_llama_under_pp2xdp2_starts_with_one_table_on_both_stages_and_tra
     assert fields["shards_differ"] == "True", line  # the two dp shards are not one stream twice
     # A tied table predicts the input token at first (its own logit is |e|^2 / rms(e) = dim^0.5),
     # so the first loss is well above ln(vocab): it is where one process's whole build starts.
-    whole = train(
-        ["--model", "llama3-debug-tied", *SHORT, "--init-device", "full", "--steps", "1"], nproc=0, timeout=120
-    )
+    whole = run_worker(["--model", "llama3-debug-tied", *SHORT, "--init-device", "full", "--steps", "1"], nproc=0)
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert_trains_from(run.stdout, losses(whole.stdout)[0])
 
 
 def test_no_rank_of_a_meta_build_ever_holds_the_whole_model():
     # 1.40 GB of fp32 weights under tp 2 x dp_shard 2: each rank's shards are a quarter of it.
-    size = LLAMA_SIZES["llama3-meta-test"]
-    whole = 4 * size.n_params
+    whole = 4 * SIZES["llama3-meta-test"].n_params
     args = ["--model", "llama3-meta-test", "--tp", "2", "--dp-shard", "2", "--init-device", "meta", "--steps", "1"]
     args += ["--seq-len", "16", "--global-batch", "2", "--micro-batch", "1", "--straggler-every", "0"]
-    run = train(args, nproc=4, timeout=400)
+    run = run_worker(args, nproc=4, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     m = re.search(
         r"\(([0-9.]+) GiB of fp32 weights whole\).*peak host memory while building: \+([0-9.]+) GiB", run.stdout
@@ -175,4 +196,4 @@ def test_the_init_seed_differs_by_shard_and_stage_but_not_by_replica():
 
 
 if __name__ == "__main__":
-    _tied_worker(sys.argv[1:])
+    _worker(sys.argv[1:])

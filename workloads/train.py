@@ -3,7 +3,8 @@
 Ranks come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK); NCCL on GPUs,
 gloo on CPU. Only rank 0 logs; every rank writes its own shards of a checkpoint through
 torch.distributed.checkpoint (workloads.checkpoint). The run is deterministic given --seed:
-weights from the seed, data order from (seed, step), optimizer/scheduler/RNG states from the
+weights from the seed (built whole, or on the meta device and materialized shard by shard:
+--init-device), data order from (seed, step), optimizer/scheduler/RNG states from the
 checkpoint, so a resumed or torchrun-restarted run ends with the parameters of an uninterrupted one.
 
 Exit codes: 0 done (also after a SIGTERM, once its checkpoint is saved: a preempted run is

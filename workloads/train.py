@@ -611,13 +611,15 @@ class Trainer:
 
     def _build_line(self) -> str:
         """How the model was built, and the most host memory that took on any rank."""
-        how = (
-            "built on the meta device, sharded, then materialized shard by shard on each rank"
-            if self.init_device == "meta"
-            else "built whole on every rank, then sharded"
-            if not self.dims.is_ddp
-            else "built whole on every rank"
-        )
+        sharded = not self.dims.is_ddp
+        if self.init_device == "meta":
+            how = "built on the meta device, " + (
+                "sharded, then materialized shard by shard on each rank"
+                if sharded
+                else "then materialized whole on each rank's device"
+            )
+        else:
+            how = "built whole on every rank" + (", then sharded" if sharded else "")
         line = (
             f"init {self.init_device} ({self.init_why}): the model ({self.whole_bytes / 2**30:.2f} GiB of fp32 "
             f"weights whole) {how}"

@@ -49,6 +49,17 @@ def test_a_llama_meta_build_under_tp2xdp2_trains_from_chance_level():
     assert_trains_from(run.stdout, math.log(LLAMA_SIZES["llama3-debug"].vocab_size))
 
 
+def test_one_process_asked_for_a_meta_build_materializes_the_whole_model_on_its_device():
+    run = train(["--model", "llama3-debug", *SHORT, "--steps", "2"], nproc=0, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (
+        "init meta (--init-device): the model (0.00 GiB of fp32 weights whole) built on the meta device, "
+        "then materialized whole on each rank's device" in run.stdout
+    )
+    got = losses(run.stdout)
+    assert len(got) == 2 and abs(got[0] - math.log(LLAMA_SIZES["llama3-debug"].vocab_size)) < 1.0, got
+
+
 def tied_fields(text: str) -> dict[str, str]:
     line = next(ln for ln in text.splitlines() if ln.startswith("TIED"))
     return dict(kv.split("=", 1) for kv in line.split()[1:])

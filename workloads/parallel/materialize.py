@@ -33,8 +33,8 @@ __all__ = ["init_seed", "materialize_stages", "sync_tp_replicated", "sync_tied"]
 
 
 def init_seed(seed: int, dims: ParallelDims, coords: dict[str, int]) -> int:
-    """The seed a rank initialises its shards with: `seed` plus its index over (pp, dp_shard, tp).
-    A one-rank or pure data-parallel run uses `seed` itself, as a whole build does."""
+    """The seed a rank initialises its shards with: `seed` plus its index over (pp, dp_shard, tp);
+    `seed` itself on one rank or under pure data parallelism (every rank alike)."""
     return seed + (coords["pp"] * dims.dp_shard + coords["dp_shard"]) * dims.tp + coords["tp"]
 
 

@@ -112,6 +112,8 @@ def test_the_launcher_run_names_its_mesh_and_saves_in_the_background(runs):
     assert "dp_shard 2 x tp 2 = 4 ranks" in text
     assert "micro-batch 8 x 2 data-parallel ranks x 4 accumulation steps" in text
     assert "training blocked" in text  # the async save's line
+    # On CPU, with a tiny model, --init-device auto builds it whole: every layout starts alike.
+    assert "| init full" in text and "init full (auto: the whole model on each of the node's ranks fits" in text
 
 
 def test_interleaved_1f1b_trains_the_same_run_as_one_process():

@@ -43,51 +43,60 @@ def point_latest_at(ckpt: Path, step: int) -> None:
     (ckpt / "latest").write_text(f"step_{step:08d}\n")
 
 
-def run4(args: list[str], nproc: int = 4) -> dict[int, float]:
-    run = train(ARGS + args, nproc=nproc, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return losses(run.stdout)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Every run of this module, once: DDP (the reference) and the layouts, each saving at
-    step 15 and finishing at step 30, then resumes from step 15 under other layouts."""
-    tmp = tmp_path_factory.mktemp("layouts")
-    out: dict = {"tmp": tmp}
-    out["ddp4"] = run4(["--steps", str(STEPS)])
-    save = ["--steps", str(STEPS), "--checkpoint-every", str(HALF)]
-    # tp2 x dp2 through the launcher, as a user runs it: 2 local "nodes" x 2 ranks, TP inside a
-    # node; its periodic save is asynchronous.
-    ckpt = tmp / "tp2xdp2"
-    launch = subprocess.run(
-        [LAUNCH, "train", "--local", "--nodes", "2", "--nproc-per-node", "2", "--runs-dir", str(tmp / "runs")]
-        + ["--workdir", str(REPO), "--env", "OMP_NUM_THREADS=1", "--"]
-        + ARGS
-        + save
-        + ["--tp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt), "--async-checkpoint"],
+def launch_local(args: list[str], runs_dir: Path, nodes: int = 1, nproc: int = 4) -> str:
+    """`launch train --local` as a user runs it: `nodes` local "nodes" x `nproc` ranks; node
+    0's log (rank 0's lines)."""
+    run = subprocess.run(
+        [LAUNCH, "train", "--local", "--nodes", str(nodes), "--nproc-per-node", str(nproc)]
+        + ["--runs-dir", str(runs_dir), "--workdir", str(REPO), "--env", "OMP_NUM_THREADS=1", "--", *ARGS, *args],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
-    node0 = next((tmp / "runs").glob("*/node-0.log")).read_text()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (log,) = runs_dir.glob("*/node-0.log")
+    return log.read_text()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every run of this module, once, each through the launcher: DDP (the reference) and the
+    layouts, each saving at step 15 and finishing at step 30, then resumes from step 15 under
+    other layouts."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    out: dict = {"tmp": tmp}
+
+    def run4(name: str, args: list[str], nproc: int = 4) -> dict[int, float]:
+        return losses(launch_local(args, tmp / "runs" / name, nproc=nproc))
+
+    out["ddp4"] = run4("ddp4", ["--steps", str(STEPS)])
+    save = ["--steps", str(STEPS), "--checkpoint-every", str(HALF)]
+    # tp2 x dp2 on 2 local "nodes" x 2 ranks, TP inside a node; its periodic save is asynchronous.
+    ckpt = tmp / "tp2xdp2"
+    node0 = launch_local(
+        [*save, "--tp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt), "--async-checkpoint"],
+        tmp / "runs" / "tp2xdp2",
+        nodes=2,
+        nproc=2,
+    )
     out["tp2xdp2"], out["tp2xdp2-banner"] = losses(node0), node0
     point_latest_at(ckpt, HALF)
-    out["tp2xdp2->ddp4"] = run4(["--steps", str(STEPS), "--resume", "--checkpoint-dir", str(ckpt)])
+    out["tp2xdp2->ddp4"] = run4("tp2xdp2-ddp4", ["--steps", str(STEPS), "--resume", "--checkpoint-dir", str(ckpt)])
     ckpt = tmp / "pp2xdp2"
-    out["pp2xdp2"] = run4(save + ["--pp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)])
+    out["pp2xdp2"] = run4("pp2xdp2", save + ["--pp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)])
     point_latest_at(ckpt, HALF)
     out["pp2xdp2->tp2 on 2 ranks"] = run4(
-        ["--steps", str(STEPS), "--tp", "2", "--resume", "--checkpoint-dir", str(ckpt)], nproc=2
+        "pp2xdp2-tp2", ["--steps", str(STEPS), "--tp", "2", "--resume", "--checkpoint-dir", str(ckpt)], nproc=2
     )
     ckpt = tmp / "tp2xpp2"
-    out["tp2xpp2"] = run4(save + ["--pp", "2", "--tp", "2", "--pp-schedule", "gpipe", "--checkpoint-dir", str(ckpt)])
+    out["tp2xpp2"] = run4(
+        "tp2xpp2", save + ["--pp", "2", "--tp", "2", "--pp-schedule", "gpipe", "--checkpoint-dir", str(ckpt)]
+    )
     point_latest_at(ckpt, HALF)
     out["tp2xpp2->fsdp4"] = run4(
-        ["--steps", str(STEPS), "--parallelism", "fsdp", "--resume", "--checkpoint-dir", str(ckpt)]
+        "tp2xpp2-fsdp4", ["--steps", str(STEPS), "--parallelism", "fsdp", "--resume", "--checkpoint-dir", str(ckpt)]
     )
     out["ckpt"] = ckpt
     return out

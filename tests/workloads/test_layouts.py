@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import LAUNCH
-from tests.workloads.conftest import REF_ARGS, REPO, child_env, one_line_exit_2, train
+from tests.workloads.conftest import REF_ARGS, REPO, child_env, free_port, one_line_exit_2, train
 from workloads.parallel import LayoutError, ParallelDims
 
 # The shared runs (7 torchrun starts) take minutes on a loaded 2-core machine; pytest-timeout
@@ -48,7 +48,9 @@ def launch_local(args: list[str], runs_dir: Path, nodes: int = 1, nproc: int = 4
     0's log (rank 0's lines)."""
     run = subprocess.run(
         [LAUNCH, "train", "--local", "--nodes", str(nodes), "--nproc-per-node", str(nproc)]
-        + ["--runs-dir", str(runs_dir), "--workdir", str(REPO), "--env", "OMP_NUM_THREADS=1", "--", *ARGS, *args],
+        # Its own port: --local's free-port pick can meet another worker's concurrent launch.
+        + ["--rdzv-port", str(free_port()), "--runs-dir", str(runs_dir), "--workdir", str(REPO)]
+        + ["--env", "OMP_NUM_THREADS=1", "--", *ARGS, *args],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
@@ -100,6 +102,15 @@ def runs(tmp_path_factory) -> dict:
     )
     out["ckpt"] = ckpt
     return out
+
+
+def test_the_module_runs_on_one_xdist_worker(request):
+    """Under `make test` (--dist loadgroup) every test here is on one worker, so the runs above
+    run once. pytest-xdist groups by a suffix it adds to each test's id; on pytest 9.2 the suffix
+    no longer takes effect and the grouping silently stops (pytest-dev/pytest-xdist#1386)."""
+    if not getattr(request.config.option, "loadgroup", False):  # set on an xdist worker under loadgroup
+        pytest.skip("not an xdist worker under --dist loadgroup")
+    assert request.node.nodeid.endswith("@layouts"), f"{request.node.nodeid}: loadgroup did not group this module"
 
 
 @pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xdp2", "tp2xpp2"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import subprocess
 import sys
@@ -368,6 +369,13 @@ def _tp_fsdp_worker() -> None:
         finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in meta.parameters())
         if dist.get_rank() == 0:
             print(f"RESULT {loss.item():.10f} {tuple(local.shape)} {finite}", flush=True)
+        # As workloads.train.main leaves: every rank past its last collective, the sharded models
+        # (their state holds the group) freed, then the group; a rank that tears its gloo pairs
+        # down while its peer is still in a collective aborts in C++ ("terminate called without
+        # an active exception", torch 2.13 on CPU).
+        dist.barrier()
+        del model, meta, local
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -50,9 +50,9 @@ from launcher.core.preflight import Probe, check_probes
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
 from launcher.jobs.node0 import job_host
-from launcher.jobs.record import JOBS_DIR, request_json
+from launcher.jobs.record import CONTROLLER_SH, JOBS_DIR, request_json
 
-__all__ = ["detach", "STARTED_MARKER", "NODE0_WARNING"]
+__all__ = ["detach", "controller_sh", "STARTED_MARKER", "NODE0_WARNING"]
 
 log = logging.getLogger("launcher")
 
@@ -98,6 +98,7 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
     }
     code, code_hash = _code_files()
     files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
+    files[f"{JOBS_DIR}/{config.job_id}/{CONTROLLER_SH}"] = controller_sh(config.job_id, code_hash, python).encode()
     _hand_off(cluster, config, transport, _archive(files), code_hash, slug, python)
     if cluster.controller is None:  # once the job is handed off: a refusal stays one line
         log.warning(NODE0_WARNING)
@@ -189,16 +190,30 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str, python: str
             f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
             'rm -rf "$S"',
             f'J="$G/jobs/"{job}',
-            'cd "$J"',
-            # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
-            # connection, which ends right after.
-            # -S: no site-packages; the controller needs the standard library and the code shipped here.
-            f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(python)} -S -m launcher.jobs.controller "$J" '
-            '</dev/null >>"$J/controller.log" 2>&1 &',
-            'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
+            f'C=$(bash "$J/{CONTROLLER_SH}")',
+            'i=0; while [ ! -f "$J/state.json" ] && kill -0 "$C" 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
             "i=$((i+1)); done",
             f'if [ -f "$J/state.json" ]; then echo {STARTED_MARKER} {job}; else echo "the controller did not start:" '
             '>&2; tail -n 5 "$J/controller.log" >&2; exit 1; fi',
+        ]
+    )
+
+
+def controller_sh(job_id: str, code_hash: str, python: str) -> str:
+    """The job's controller start line (its directory's CONTROLLER_SH): the hand-off runs it, and
+    so does whatever restarts a dead controller (`launch jobs`, `launch attach`, the controller
+    VM's boot), which then re-adopts the job. It prints the controller's pid."""
+    return "\n".join(
+        [
+            f'J="$HOME"/{JOBS_DIR}/{shlex.quote(job_id)}',
+            'cd "$J" || exit 1',
+            # Its own session, stdin from /dev/null, output to a file: nothing ties it to the SSH
+            # connection that started it, which ends right after.
+            # -S: no site-packages; the controller needs the standard library and the code shipped here.
+            f'PYTHONPATH="$HOME/.gpufleet/code/{code_hash}" setsid {shlex.quote(python)} -S '
+            '-m launcher.jobs.controller "$J" </dev/null >>"$J/controller.log" 2>&1 &',
+            "echo $!",
+            "",
         ]
     )
 

@@ -66,7 +66,7 @@ def supervisor_script(
         # The watcher, once a second: a stop request (the file `stop`, with its grace; SIGUSR1
         # wakes it at once), the preemption notice (SIGUSR2), or no session holding `attached`
         # for --controller-grace. Bash runs a trap when `wait` returns, hence the sleep it waits on.
-        "( trap : USR1; trap 'N=1' USR2; o=; while :; do sleep 1 & wait $!; "
+        "( trap : USR1; trap 'N=1' USR2; o=; while :; do sleep 1 & s=$!; wait $s; kill $s 2>/dev/null; "
         f'if [ -n "$N" ]; then echo "{notice}: SIGTERM to every rank, SIGKILL after $S s"; break; fi; '
         'if [ -f "$D/stop" ]; then read -r G S < "$D/stop"; break; fi; '
         'if flock -n -x "$D/attached" true; then o=${o:-$SECONDS}; '
@@ -93,8 +93,8 @@ def start_statements(run_dir: str, supervisor: str) -> list[str]:
     (fd 9), which the session itself then lets go, and never the session's stdin (fd 3)."""
     return [
         f"D={run_dir}",
-        '( umask 077; mkdir -p "$D" ) && rm -f "$D/rc" "$D/stop" && : > "$D/out" || '
-        '{ echo "cannot create the run directory $D" >&2; exit 70; }',
+        'if ! { ( umask 077; mkdir -p "$D" ) && rm -f "$D/rc" "$D/stop" && : > "$D/out"; }; then '
+        'echo "cannot create the run directory $D" >&2; exit 70; fi',
         f'( exec setsid bash --norc --noprofile -c {shlex.quote(supervisor)} sup "$D" ) </dev/null 3<&- >>"$D/out" '
         "2>&1 &",
         "SUP=$!",

@@ -63,10 +63,12 @@ class Controller:
     def __init__(self, jobdir: Path):
         self.jobdir = jobdir
         self.request = json.loads((jobdir / "request.json").read_text())
-        # The --env values (mode 600), kept until the job ends: a controller started again after
-        # this one died needs them to relaunch a recovering job.
         env_file = jobdir / "env.json"
         self.env = json.loads(env_file.read_text()) if env_file.exists() else []
+        if self.request.get("recover") is None:
+            env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
+        # With --recover they stay (mode 600) until the job ends: a controller started again after
+        # this one died needs them to relaunch the job.
         self.stop = threading.Event()
         self.metrics = None  # the job's sampling (launcher.observe.job_metrics), while it runs
         self.preempted, self.last_step = False, None  # this attempt's, for launcher.jobs.recovery

@@ -65,8 +65,10 @@ def supervisor_script(
         *stop,
         # The watcher, once a second: a stop request (the file `stop`, with its grace; SIGUSR1
         # wakes it at once), the preemption notice (SIGUSR2), or no session holding `attached`
-        # for --controller-grace. Bash runs a trap when `wait` returns, hence the sleep it waits on.
-        "( trap : USR1; trap 'N=1' USR2; o=; while :; do sleep 1 & s=$!; wait $s; kill $s 2>/dev/null; "
+        # for --controller-grace. Bash runs a trap when `wait` returns, hence the sleep it waits on
+        # (and ends, when the supervisor ends the watcher).
+        "( trap : USR1; trap 'N=1' USR2; trap 'kill $s 2>/dev/null; exit 0' TERM; o=; while :; do sleep 1 & s=$!; "
+        "wait $s; kill $s 2>/dev/null; "
         f'if [ -n "$N" ]; then echo "{notice}: SIGTERM to every rank, SIGKILL after $S s"; break; fi; '
         'if [ -f "$D/stop" ]; then read -r G S < "$D/stop"; break; fi; '
         'if flock -n -x "$D/attached" true; then o=${o:-$SECONDS}; '
@@ -111,15 +113,16 @@ def stream_statements(exit_marker: str) -> list[str]:
         'if [ -f "$D/rc" ]; then tail -c +$((OFF + 1)) "$D/out" 8<&- & '
         'else tail -c +$((OFF + 1)) -s 0.2 -F --pid="$SUP" "$D/out" 2>/dev/null 8<&- & fi',
         "T=$!",
-        # A `term` line is a deliberate stop: the grace goes to the file, the watcher is woken.
-        '( while IFS= read -r L; do case $L in "term "*) set -- $L; printf "%s %s\\n" "$2" "$3" > "$D/stop.new" && '
-        'mv -f "$D/stop.new" "$D/stop"; read -r _ w < "$D/pid" && kill -USR1 "$w";; esac; done; '
-        'kill "$T" ) <&3 8<&- >/dev/null 2>&1 &',
+        # A `term` line is a deliberate stop: the grace goes to the file, the watcher is woken, and
+        # the stream goes on to the exit status. End of input without one: detach.
+        '( t=; while IFS= read -r L; do case $L in "term "*) set -- $L; printf "%s %s\\n" "$2" "$3" > "$D/stop.new" '
+        '&& mv -f "$D/stop.new" "$D/stop"; t=1; read -r _ w < "$D/pid" && kill -USR1 "$w";; esac; done; '
+        '[ -n "$t" ] || kill "$T" ) <&3 8<&- >/dev/null 2>&1 &',
         "R=$!",
         "exec 3<&-",
         'wait "$T"',
-        # No exit status: either end of input (the reader is gone: nobody reads this any more) or
-        # the supervisor was killed.
+        # No exit status: either end of input (the reader killed tail: nobody reads this any more)
+        # or the supervisor was killed.
         'if [ ! -f "$D/rc" ]; then kill -0 "$R" 2>/dev/null || exit 0; kill "$R"; '
         'echo "the supervisor of this run ended without an exit status" >&2; exit 70; fi',
         'kill "$R" 2>/dev/null',

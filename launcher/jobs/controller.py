@@ -123,11 +123,12 @@ class Controller:
         # The previous controller's last sign of life, read before this one's first.
         heartbeat = self.jobdir / HEARTBEAT_FILE
         silent_s = time.time() - heartbeat.stat().st_mtime if heartbeat.exists() else None
-        (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
-        self._start_heartbeat()
+        # Handlers first: a `launch stop` may signal this controller as soon as its pid is there.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self._on_stop_signal())
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
+        self._start_heartbeat()
         if self.previous is not None and self.previous.state is not JobState.PENDING:
             from launcher.jobs.adopt import adopt
 

@@ -76,6 +76,19 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (the supervisor's session leads its own group)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def test_end_of_input_detaches_and_an_attach_resumes_at_the_byte_it_had_read_then_a_stop_ends_it(tmp_path):
     config = _config(tmp_path)
     first = Session(remote_script(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]), tmp_path)
@@ -91,12 +104,16 @@ def test_end_of_input_detaches_and_an_attach_resumes_at_the_byte_it_had_read_the
     # Re-adopted from the bytes the first session read: the next line, none twice, none lost.
     second = Session(attach_commands(C, config, {0: sum(map(len, got))})[0], tmp_path)
     assert second.lines(3) == [f"line {i}\n".encode() for i in range(5, 8)]
-    # A stop is a line of its own; the supervisor stops the workload with the grace it names.
+    # A stop is a line of its own, and the end of input right after it (as the controller sends
+    # it) does not cut the stream: the supervisor stops the workload with the grace it names.
     second.tell("term 10 2")
+    second.p.stdin.close()
     rest = second.p.stdout.read().decode()
     assert second.p.wait(timeout=30) == 0
     assert rest.endswith(f"got SIGTERM\n{EXIT_MARKER} 0\n"), rest[-300:]
-    assert not d.exists() and _gone(sup)
+    # Once the stream has its exit status, nothing of the supervisor's is left (its watcher's
+    # sleep included): the run's directory is gone too.
+    assert not d.exists() and _gone(sup) and _group(sup) == []
 
 
 def test_with_no_session_attached_for_the_grace_the_supervisor_stops_the_workload_itself(tmp_path):
@@ -122,6 +139,18 @@ def test_with_no_session_attached_for_the_grace_the_supervisor_stops_the_workloa
     late = Session(attach_commands(C, config, {0: 0})[0], tmp_path)
     text = late.p.stdout.read().decode()
     assert text.startswith("line 0\n") and text.endswith(f"got SIGTERM\n{EXIT_MARKER} 0\n") and not d.exists()
+
+
+def test_a_workload_that_ends_by_itself_leaves_nothing_once_its_exit_status_is_streamed(tmp_path):
+    config = _config(tmp_path)
+    s = Session(remote_script(C, C.nodes[0], config, {}, ["sh", "-c", "sleep 1.5; echo done; exit 3"]), tmp_path)
+    pid = _run_dir(tmp_path, config) / "pid"
+    deadline = time.monotonic() + 30
+    while not pid.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sup = int(pid.read_text().split()[0])
+    assert s.p.stdout.read().decode() == f"done\n{EXIT_MARKER} 3\n" and s.p.wait(timeout=30) == 3
+    assert _group(sup) == [] and not _run_dir(tmp_path, config).exists()
 
 
 def test_a_session_that_stays_attached_keeps_the_workload_past_the_grace(tmp_path):

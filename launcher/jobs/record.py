@@ -6,14 +6,20 @@ A job's directory on node 0 is `~/.gpufleet/jobs/<id>/`:
 
     request.json   what was asked: the cluster and the launch config, --env values left out
     env.json       the --env values (mode 600); the controller reads and deletes it at start
+                   (with --recover: when the job ends, for a controller started again to relaunch)
     state.json     the record: state, times, exit, the node that failed first and why
     output.log     every node's output as the attached launcher shows it: `[node N] line`
     node-N.log     node N's own log; launch.json: the summary (launcher.core.launch.write_summary)
     controller.log the controller's own messages
+    node-N.offset  how many bytes of node N's output the controller has read (launcher.core.launch)
+    controller.sh  the controller's start line; controller.lock: held by the live controller
+    heartbeat      touched by the live controller every HEARTBEAT_S
 
 The controller's pid and its start time (field 22 of /proc/PID/stat) are in the record, so a
 reader can tell a controller that is still there from one killed with SIGKILL (or a rebooted
-node 0): a record that says PENDING or RUNNING whose controller is gone is shown as FAILED.
+node 0). A record that says PENDING, RUNNING or RECOVERING whose controller is gone is shown as
+such, `orphaned`, while the heartbeat is younger than the job's --controller-grace (its nodes keep
+training and a controller started again re-adopts the job: launcher.jobs.adopt), else as FAILED.
 
 The node-side programs readers run (list, logs, stop) are built here as pure functions; each
 value that crosses a shell goes through `shlex.quote`.

@@ -264,7 +264,7 @@ class Controller:
                 continue
             earlier = (other.submitted, other.id) < (self.record.submitted, self.record.id)
             holds = other.state in (JobState.RUNNING, JobState.RECOVERING)
-            if (earlier or holds) and controller_alive(other):
+            if (earlier or holds) and (controller_alive(other) or _waits_for_controller(other, f.parent)):
                 out.append(other)
         return out
 
@@ -310,6 +310,16 @@ class Controller:
         (self.jobdir / "env.json").unlink(missing_ok=True)  # the --env values: no relaunch can come now
         log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
         return code
+
+
+def _waits_for_controller(record: JobRecord, jobdir: Path) -> bool:
+    """Whether a job whose controller died still holds its nodes: they keep its run going for
+    --controller-grace after its controller's last heartbeat (launcher.core.supervise)."""
+    try:
+        silent_s = time.time() - (jobdir / HEARTBEAT_FILE).stat().st_mtime
+    except OSError:
+        return False
+    return not record.seen_with(False, silent_s).state.final
 
 
 def main(argv: list[str] | None = None) -> int:

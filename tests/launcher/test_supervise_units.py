@@ -262,3 +262,25 @@ def test_the_record_stays_readable_when_its_writer_is_killed_mid_write(tmp_path)
         p.wait()
         record = json.loads((jobdir / "state.json").read_text())
         assert record["id"] == jobdir.name and len(record["marks"]) == 4000
+
+
+def test_a_job_whose_controller_died_keeps_its_nodes_from_the_queue_while_they_wait_for_one(tmp_path):
+    """Its nodes still run it for --controller-grace: a later job on them waits (PENDING) meanwhile,
+    and goes once the grace has run out."""
+    from launcher.cluster.key import controller_ssh
+    from launcher.jobs.controller import Controller
+    from launcher.jobs.record import JobRecord, JobState, request_json
+
+    jobs = tmp_path / "jobs"
+    orphan = jobs / "20260101-000000-eeeeee"
+    orphan.mkdir(parents=True)
+    dead = JobRecord(orphan.name, JobState.RUNNING, "exec true", ["127.0.0.1"], 1.0, pid=999999, controller_grace_s=60)
+    (orphan / "state.json").write_text(json.dumps(dead.to_json()))
+    (orphan / "heartbeat").touch()
+    mine = jobs / "20260101-000001-ffffff"
+    mine.mkdir()
+    config = LaunchConfig(Workload("exec", ("true",)), job_id=mine.name)
+    (mine / "request.json").write_text(json.dumps(request_json(C, config, controller_ssh("root", 22, "c", "kh"))))
+    assert [r.id for r in Controller(mine).ahead()] == [orphan.name]
+    os.utime(orphan / "heartbeat", (0, time.time() - 61))
+    assert Controller(mine).ahead() == []

@@ -253,3 +253,19 @@ def test_the_code_shipped_to_node_0_runs_the_controller_under_python_S_from_the_
         2,
         "usage: python -m launcher.jobs.controller JOBDIR | --adopt-all [JOBS_DIR]\n",
     )
+
+
+def test_controller_grace_needs_detach_and_a_duration_and_is_refused_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from launcher.cli.main import main
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("192.0.2.10\n")  # TEST-NET-1: nothing answers there, and nothing is asked
+    base = ["exec", "--hostfile", str(hosts), "--runs-dir", str(tmp_path / "runs")]
+    r = CliRunner().invoke(main, [*base, "--controller-grace", "5m", "--", "true"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "error: --controller-grace is for a detached job's controller; add --detach or drop it"
+    ], r.output
+    r = CliRunner().invoke(main, [*base, "--detach", "--controller-grace", "soon", "--", "true"])
+    assert r.exit_code == 2 and "--controller-grace 'soon' is not a duration" in r.output, r.output

@@ -29,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.bench_recover import TRAIN, Bench
+from bench.bench_recover import Bench
 from tests.simcluster import SimCluster
+from tests.support import TRAIN
 
 _STEP = re.compile(r"\bstep (\d+)/\d+ \|")
 
@@ -47,7 +48,9 @@ def _read(path: Path) -> str:
 
 
 def one_death(b: Bench, controller_home: Path, dead_s: float) -> dict[str, float]:
-    out = b.launch("train", *b.flags, *b.torch, "--detach", "--", *TRAIN, *b.batch, "--steps", "100000")
+    out = b.launch(
+        "train", *b.flags, *b.torch, "--detach", "--", *TRAIN, *b.batch, "--steps", "100000", "--log-every", "1"
+    )
     job = out.split()[1]
     jobdir = controller_home / ".gpufleet" / "jobs" / job
     node_out = b.work / "home0" / ".gpufleet" / "node-runs" / job / "0.0" / "out"
@@ -94,7 +97,7 @@ def main() -> int:
     runs = []
     with SimCluster(a.nodes, mode="netns", node_env=homes, controller=True) as c:
         b = Bench(c, work)
-        b.batch = ["--global-batch", str(a.nodes), "--log-every", "1"]
+        b.batch = ["--global-batch", str(a.nodes)]
         for k in range(a.repeats):
             runs.append(one_death(b, work / f"home{a.nodes}", a.dead_s))
             r = runs[-1]

@@ -119,22 +119,19 @@ def adopt(c: Any, previous: JobRecord, silent_s: float | None) -> int:
         silent_s,
         previous.state.value,
     )
-    r.adoptions.append({"at": time.time(), "pid": previous.pid, "attached_s": None})
-    c.save()
+    r.adoptions.append({"at": time.time(), "pid": previous.pid, "attached_s": None})  # saved with the run
     home = Path(os.path.expanduser("~"))
     cluster, config = request_from_json(c.request, c.env, home, c.jobdir.parent)
     policy = RecoverPolicy(**c.request["recover"]) if c.request.get("recover") is not None else None
-    from launcher.observe import job_metrics
-
-    c.metrics = job_metrics.start(cluster, config, c.jobdir / job_metrics.RECORD)
     if previous.state is JobState.RECOVERING:
         if policy is None:
             return c.end(JobState.FAILED, 1, why=previous.orphan_why())
+        _sample(c, cluster, config)
         return _recoverer(c, cluster, config, policy, current_run(cluster, config, previous)[0]).resume()
     run_cluster, run_config = current_run(cluster, config, previous)
     offsets = read_offsets(c.jobdir, run_config.attempt, [n.rank for n in run_cluster.nodes])
     with open(c.jobdir / "output.log", "a", buffering=1) as out:
-        launch = Launch(run_cluster, run_config, on_event=_on_event(c, out), stop=c.stop)
+        launch = Launch(run_cluster, run_config, on_event=_on_event(c, out, cluster, config), stop=c.stop)
         c.launch = launch
         c.note_run(launch)
         try:
@@ -146,6 +143,7 @@ def adopt(c: Any, previous: JobRecord, silent_s: float | None) -> int:
         except Interrupted as e:
             _stop_runs(launch)
             return c.end(JobState.STOPPED, 128 + e.signum, why="stopped while re-adopting")
+    _sample(c, cluster, config)  # when the re-adoption failed: for the recovery's attempts
     if policy is None:
         return c.finish(result)
     return _recoverer(c, cluster, config, policy, run_cluster).run(result)
@@ -164,7 +162,15 @@ def _recoverer(c: Any, cluster: Cluster, config: LaunchConfig, policy: Any, run_
     return rec
 
 
-def _on_event(c: Any, out: Any) -> Any:
+def _sample(c: Any, cluster: Cluster, config: LaunchConfig) -> None:
+    """The job's sampling (launcher.observe.job_metrics), as the first controller ran it."""
+    from launcher.observe import job_metrics
+
+    if c.metrics is None:
+        c.metrics = job_metrics.start(cluster, config, c.jobdir / job_metrics.RECORD)
+
+
+def _on_event(c: Any, out: Any, cluster: Cluster, config: LaunchConfig) -> Any:
     t0 = c.started_at
 
     def on_event(event: Any) -> None:
@@ -174,6 +180,8 @@ def _on_event(c: Any, out: Any) -> Any:
             last["attached_s"] = round(time.monotonic() - t0, 3)
             c.save()
             log.warning("job %s: re-adopted %.2f s after this controller started", c.record.id, last["attached_s"])
+            # Once every node streams again: its SSH sessions do not compete with the re-adoption's.
+            _sample(c, cluster, config)
 
     return on_event
 

@@ -298,9 +298,12 @@ def list_script(job_id: str | None = None) -> str:
     return (
         f"for d in {glob}; do [ -f \"$d/state.json\" ] || continue; "
         + _alive_sh("$d")
-        + f'h=-; if [ "$a" = 0 ] && [ -f "$d/{HEARTBEAT_FILE}" ]; then '
-        f'h=$(( $(date +%s) - $(stat -c %Y "$d/{HEARTBEAT_FILE}") )); fi; '
-        + f'printf "%s %s %s %s\\n" {LIST_MARKER} "$a" "$h" "$(tr -d "\\n" < "$d/state.json")"; done'
+        + 'j=$(tr -d "\\n" < "$d/state.json"); h=-; '
+        # Only a live job's dead controller has an age worth a fork (an ended job's is never read).
+        + f'if [ "$a" = 0 ] && [ -f "$d/{HEARTBEAT_FILE}" ]; then case $j in *\'"state": "PENDING"\'*|'
+        + '*\'"state": "RUNNING"\'*|*\'"state": "RECOVERING"\'*) '
+        + f'h=$(( ${{EPOCHSECONDS:-$(date +%s)}} - $(stat -c %Y "$d/{HEARTBEAT_FILE}") ));; esac; fi; '
+        + f'printf "%s %s %s %s\\n" {LIST_MARKER} "$a" "$h" "$j"; done'
     )
 
 

@@ -284,3 +284,33 @@ def test_a_job_whose_controller_died_keeps_its_nodes_from_the_queue_while_they_w
     assert [r.id for r in Controller(mine).ahead()] == [orphan.name]
     os.utime(orphan / "heartbeat", (0, time.time() - 61))
     assert Controller(mine).ahead() == []
+
+
+def test_adopt_all_starts_the_controllers_of_live_jobs_whose_controller_is_gone_only(tmp_path):
+    """`python -m launcher.jobs.controller --adopt-all` (a controller host's boot): each live job
+    with a dead controller has its start line run; an ended job, or one whose controller lives, not."""
+    from launcher.jobs.record import JobRecord, JobState, process_start
+
+    jobs = tmp_path / "jobs"
+    me = os.getpid()
+    cases = {
+        "20260101-000000-aaaaaa": (JobState.RUNNING, 999999, ""),  # dead: started again
+        "20260101-000001-bbbbbb": (JobState.SUCCEEDED, 999999, ""),  # ended
+        "20260101-000002-cccccc": (JobState.RUNNING, me, process_start(me)),  # alive (this process)
+    }
+    for job, (state, pid, start) in cases.items():
+        (jobs / job).mkdir(parents=True)
+        record = JobRecord(job, state, "exec true", ["h"], 1.0, pid=pid, pid_start=start)
+        (jobs / job / "state.json").write_text(json.dumps(record.to_json()))
+        (jobs / job / "controller.sh").write_text(f"touch {tmp_path}/started-{job}; echo 1\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "launcher.jobs.controller", "--adopt-all", str(jobs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "job 20260101-000000-aaaaaa: its controller had died; started it again to re-adopt the job"
+    ]
+    assert sorted(p.name for p in tmp_path.glob("started-*")) == ["started-20260101-000000-aaaaaa"]

@@ -4,7 +4,7 @@ controller host (`Cluster.controller`: the stack's controller VM, `--controller 
 hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
 
 0. A controller host is checked first (reachable, and with what the shipped launcher needs: a
-   python 3.10+, ssh, tar, setsid): one UserError naming it, nothing started. Its python is
+   python 3.10+, ssh, tar, setsid, flock): one UserError naming it, nothing started. Its python is
    CONTROLLER_VENV's (the stack's startup script makes it) where there is one, else python3.
 
 1. The check: each node runs the same node-side program an attached launch runs
@@ -15,9 +15,11 @@ hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
    queue on node 0 decides when the job may take it.
 2. The hand-off: one more session to node 0 receives a tar archive on stdin (the launcher's own
    code, so node 0 runs this version; the cluster key, mode 600; the job's known_hosts; the request;
-   the --env values in a file of their own, mode 600), and starts `python -m launcher.jobs.controller
-   JOBDIR` in a session of its own (setsid, stdin from /dev/null, output to a file), so it
-   outlives this SSH connection. It returns once the controller has written its record.
+   the --env values in a file of their own, mode 600; the controller's start line, CONTROLLER_SH),
+   and runs that line: `python -m launcher.jobs.controller JOBDIR` in a session of its own (setsid,
+   stdin from /dev/null, output to a file), so it outlives this SSH connection. It returns once the
+   controller has written its record. The same line starts a dead controller again
+   (launcher.jobs.adopt).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def _controller_python_script() -> str:
     return (
         f"for p in {venv} python3; do P=$(command -v \"$p\") || continue; "
         "\"$P\" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || continue; "
-        'for t in ssh tar setsid; do command -v "$t" >/dev/null || { echo "no $t" >&2; exit 3; }; done; '
+        'for t in ssh tar setsid flock; do command -v "$t" >/dev/null || { echo "no $t" >&2; exit 3; }; done; '
         f'echo {_PY_FACT} "$P"; exit 0; done; echo "no python 3.10 or newer" >&2; exit 3'
     )
 

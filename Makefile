@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # pytest-xdist workers: the cluster tests mostly wait (sshd, torchrun rendezvous, sleeps), so 3
 # workers on 2 cores take the suite from ~15.5 to ~10 min. PYTEST_JOBS=0 runs it in one process.
+# loadgroup: a module whose tests share an expensive module fixture (a training run, a cluster)
+# is marked xdist_group and runs on one worker, so the fixture runs once, not once per worker.
 PYTEST_JOBS ?= 3
 
 .PHONY: sysdeps venv lint test test-failures demo bench clean
@@ -31,7 +33,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 test: sysdeps venv lint
-	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist load $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 test-failures: sysdeps venv
 	$(PY) -m pytest -q tests/failures $(PYTEST_ARGS)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from workloads.checkpoint import rng_state
+from workloads.checkpoint.manager import rng_state
 from workloads.config import MODEL_SIZES, TrainConfig
 
 __all__ = ["main"]

@@ -15,36 +15,13 @@ node's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.bench_recover import TRAIN, Bench, _first_step_after_resume, _step_saved
+from bench.bench_recover import Bench
 from tests.simcluster import SimCluster
-
-
-def lost_for_10_s(b: Bench, ckpt: Path, rank: int, controller_home: Path) -> float:
-    out = b.launch(
-        "train", *b.flags, *b.torch, "--detach", "--recover", "--", *TRAIN, *b.batch, "--checkpoint-dir", str(ckpt)
-    )
-    job = out.split()[1]
-    jobdir = controller_home / ".gpufleet" / "jobs" / job
-    b.wait(lambda: _step_saved(ckpt, 5), 120, "step 5 saved", interval=0.05)
-    b.c.preempt(rank)
-    state = jobdir / "state.json"
-    b.wait(lambda: json.loads(state.read_text())["state"] == "RECOVERING", 60, "RECOVERING", interval=0.05)
-    time.sleep(10)
-    b.c.restart_sshd(rank)  # returns once its sshd accepts connections
-    t0 = time.perf_counter()
-    log = jobdir / "output.log"
-    b.wait(lambda: _first_step_after_resume(log.read_text()), 180, "the first step after the resume")
-    dt = time.perf_counter() - t0
-    b.launch("stop", *b.flags, job)
-    b.c.assert_nothing_left(within=60)
-    return dt
 
 
 def main() -> int:
@@ -60,8 +37,8 @@ def main() -> int:
         b.batch = ["--global-batch", str(a.nodes)]
         home = work / f"home{a.nodes}"
         for k in range(a.repeats):
-            node0.append(lost_for_10_s(b, work / f"ckpt{k}-0", 0, home))
-            last.append(lost_for_10_s(b, work / f"ckpt{k}-last", a.nodes - 1, home))
+            node0.append(b.recovery(work / f"ckpt{k}-0", 0, 10, home))
+            last.append(b.recovery(work / f"ckpt{k}-last", a.nodes - 1, 10, home))
             print(f"repeat {k + 1}: node 0 {node0[-1]:.2f} s, node {a.nodes - 1} {last[-1]:.2f} s", file=sys.stderr)
     r, s = statistics.median(node0), statistics.median(last)
     print(f"simulated cluster: {a.nodes} sshd nodes and a controller host (netns); medians of {a.repeats} runs")

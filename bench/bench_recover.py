@@ -101,30 +101,23 @@ class Bench:
                 raise RuntimeError(f"timed out waiting for {what}")
             time.sleep(interval)
 
-    def recovery(self, ckpt: Path) -> float:
-        out = self.launch(
-            "train",
-            *self.flags,
-            *self.torch,
-            "--detach",
-            "--recover",
-            "--",
-            *TRAIN,
-            *self.batch,
-            "--checkpoint-dir",
-            str(ckpt),
-        )
-        job = out.split()[1]
-        jobdir = self.work / "home0" / ".gpufleet" / "jobs" / job
+    def recovery(self, ckpt: Path, rank: int = 1, away_s: float = 2.0, job_host: Path | None = None) -> float:
+        """A detached `train --recover`; once step 5 is saved, node `rank` is preempted and its
+        sshd back `away_s` after the job turned RECOVERING. The time from its return to the first
+        step after the resume, read from the job host's record (`job_host`: its HOME; node 0's
+        by default)."""
+        argv = ["train", *self.flags, *self.torch, "--detach", "--recover", "--", *TRAIN, *self.batch]
+        job = self.launch(*argv, "--checkpoint-dir", str(ckpt)).split()[1]
+        jobdir = (job_host or self.work / "home0") / ".gpufleet" / "jobs" / job
         self.wait(lambda: _step_saved(ckpt, 5), 120, "step 5 saved", interval=0.05)
-        self.c.preempt(1)
+        self.c.preempt(rank)
         state = jobdir / "state.json"
         self.wait(lambda: json.loads(state.read_text())["state"] == "RECOVERING", 60, "RECOVERING", interval=0.05)
-        time.sleep(2)
-        self.c.restart_sshd(1)  # returns once node 1's sshd accepts connections
+        time.sleep(away_s)
+        self.c.restart_sshd(rank)  # returns once its sshd accepts connections
         t0 = time.perf_counter()
         log = jobdir / "output.log"
-        self.wait(lambda: _first_step_after_resume(log.read_text()), 120, "the first step after the resume")
+        self.wait(lambda: _first_step_after_resume(log.read_text()), 180, "the first step after the resume")
         dt = time.perf_counter() - t0
         self.launch("stop", *self.flags, job)
         self.c.assert_nothing_left(within=60)
@@ -180,42 +173,8 @@ class Bench:
         return dt
 
     def attached_resume(self, ckpt: Path) -> float:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(
-            [
-                *LAUNCH,
-                "train",
-                *self.flags,
-                *self.torch,
-                "--",
-                *TRAIN,
-                *self.batch,
-                "--checkpoint-dir",
-                str(ckpt),
-                "--resume",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            cwd=REPO,
-        )
-        seen = ""
-        try:
-            for line in p.stdout:
-                seen += line
-                if _first_step_after_resume(seen):
-                    dt = time.perf_counter() - t0
-                    break
-            else:
-                raise RuntimeError(f"the attached launch ended (rc {p.wait()}) before training:\n{seen[-2000:]}")
-            p.send_signal(signal.SIGINT)
-            p.communicate(timeout=120)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        self.c.assert_nothing_left(within=60)
-        return dt
+        argv = [*LAUNCH, "train", *self.flags, *self.torch, "--", *TRAIN, *self.batch]
+        return self._until_line([*argv, "--checkpoint-dir", str(ckpt), "--resume"], _first_step_after_resume)
 
 
 def main() -> int:
@@ -227,47 +186,38 @@ def main() -> int:
     )
     a = p.parse_args()
     if a.case == "own":
-        return own_main(a)
-    work = Path(tempfile.mkdtemp(prefix="gpufleet-bench-recover-"))
+        return compare(
+            a,
+            "own",
+            lambda b, work, k: (b.own_recovery(work / f"wd{k}"), b.attached_own(work / f"attached{k}")),
+            "own-script recovery (node 1's sshd back -> the script's first line of attempt 1)",
+            "attached `launch run` (start -> its first line)",
+        )
+    return compare(
+        a,
+        "train",
+        lambda b, work, k: (b.recovery(work / f"ckpt{k}"), b.attached_resume(work / f"ckpt{k}")),
+        "recovery (node 1's sshd back -> first step after the resume)",
+        "attached `launch train --resume` (start -> first step)",
+    )
+
+
+def compare(a: argparse.Namespace, case: str, one_repeat, measured: str, anchor: str) -> int:
+    """`one_repeat(bench, workdir, k)` -> (recovery s, anchor s), a.repeats times on one cluster;
+    the medians' ratio against the 1.2x target."""
+    work = Path(tempfile.mkdtemp(prefix=f"gpufleet-bench-recover-{case}-"))
     homes = {i: {"HOME": str(work / f"home{i}")} for i in range(a.nodes)}
     recover, attached = [], []
     with SimCluster(a.nodes, mode="netns", node_env=homes) as c:
         b = Bench(c, work)
         for k in range(a.repeats):
-            ckpt = work / f"ckpt{k}"
-            recover.append(b.recovery(ckpt))
-            attached.append(b.attached_resume(ckpt))
-            print(
-                f"repeat {k + 1}: recovery {recover[-1]:.2f} s, attached --resume {attached[-1]:.2f} s", file=sys.stderr
-            )
+            r, s = one_repeat(b, work, k)  # in this order: the recovery's checkpoint is the resume's
+            recover.append(r)
+            attached.append(s)
+            print(f"repeat {k + 1}: recovery {r:.2f} s, attached {s:.2f} s", file=sys.stderr)
     r, s = statistics.median(recover), statistics.median(attached)
     print(f"simulated cluster: {a.nodes} sshd nodes (netns); medians of {a.repeats} runs")
-    print(
-        f"recovery (node 1's sshd back -> first step after the resume) {r:.2f} s vs attached `launch train "
-        f"--resume` (start -> first step) {s:.2f} s: {r / s:.2f}x (target <= 1.2x)"
-    )
-    if r > 1.2 * s:
-        print("bench_recover: target missed", file=sys.stderr)
-        return 1
-    return 0
-
-
-def own_main(a: argparse.Namespace) -> int:
-    work = Path(tempfile.mkdtemp(prefix="gpufleet-bench-recover-own-"))
-    homes = {i: {"HOME": str(work / f"home{i}")} for i in range(a.nodes)}
-    recover, attached = [], []
-    with SimCluster(a.nodes, mode="netns", node_env=homes) as c:
-        b = Bench(c, work)
-        for k in range(a.repeats):
-            recover.append(b.own_recovery(work / f"wd{k}"))
-            attached.append(b.attached_own(work / f"attached{k}"))
-            print(f"repeat {k + 1}: recovery {recover[-1]:.2f} s, attached start {attached[-1]:.2f} s", file=sys.stderr)
-    r, s = statistics.median(recover), statistics.median(attached)
-    print(f"simulated cluster: {a.nodes} sshd nodes (netns); medians of {a.repeats} runs")
-    print(
-        f"own-script recovery (node 1's sshd back -> the script's first line of attempt 1) {r:.2f} s vs attached "
-        f"`launch run` (start -> its first line) {s:.2f} s: {r / s:.2f}x (target <= 1.2x)"
-    )
+    print(f"{measured} {r:.2f} s vs {anchor} {s:.2f} s: {r / s:.2f}x (target <= 1.2x)")
     if r > 1.2 * s:
         print("bench_recover: target missed", file=sys.stderr)
         return 1

@@ -25,6 +25,8 @@ __all__ = [
     "wait_for",
     "params",
     "checkpoint_step",
+    "wait_saved",
+    "train_job",
     "sigkill",
 ]
 
@@ -121,7 +123,7 @@ def params(path: Path) -> dict[str, torch.Tensor]:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step of the checkpoint `latest` names, loaded in full (so a torn file would fail)."""
-    from workloads.checkpoint import CheckpointError, load_checkpoint
+    from workloads.checkpoint.store import CheckpointError, load_checkpoint
 
     # While training runs, the checkpoint `latest` named a moment ago may be pruned by the next
     # save before it is read: read `latest` again then (a torn checkpoint still fails).
@@ -133,6 +135,19 @@ def checkpoint_step(ckpt: Path) -> int:
             if (ckpt / "latest").read_text().strip() == name:
                 raise
     return load_checkpoint(ckpt / (ckpt / "latest").read_text().strip())["step"]
+
+
+def wait_saved(ckpt: Path, step: int, launch: Launch | None = None) -> None:
+    """Until the checkpoint `latest` names is at `step` or later (a hang fails after 120 s)."""
+    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= step, 120, f"step {step} saved", launch)
+
+
+def train_job(batch: int, steps: int, ckpt: Path, every: int, log_every: int | None = None) -> list[str]:
+    """The workload's arguments for a recovery test: the tiny model, `batch` samples a step,
+    a checkpoint every `every` steps in `ckpt` (and a log line every `log_every` steps)."""
+    logs = ["--log-every", str(log_every)] if log_every is not None else []
+    saves = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
+    return [*TRAIN, "--global-batch", str(batch), "--steps", str(steps), *logs, *saves]
 
 
 def sigkill(pid: int) -> None:

@@ -45,7 +45,7 @@ class Ranks:
 
     def on_rank0(self, fn: Callable[[], T]) -> T:
         """Run fn on rank 0 and hand its result, or its error, to every rank."""
-        from workloads.checkpoint import CheckpointError
+        from workloads.checkpoint.store import CheckpointError
 
         box: list[Any] = [None]
         if self.rank == 0:

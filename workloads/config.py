@@ -18,12 +18,14 @@ from workloads.parallel.dims import PP_SCHEDULES, LayoutError, ParallelDims
 
 __all__ = [
     "ConfigError",
+    "INIT_DEVICES",
     "ModelSize",
     "MODEL_SIZES",
     "MODELS",
     "TrainConfig",
     "build_parser",
     "config_from_args",
+    "pick_init_device",
     "world_size_from_env",
 ]
 
@@ -67,6 +69,7 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 PARALLELISMS = ("ddp", "fsdp")
 PP_SCHEDULE_NAMES = tuple(PP_SCHEDULES)
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+INIT_DEVICES = ("auto", "meta", "full")
 
 
 def world_size_from_env() -> int:
@@ -145,6 +148,15 @@ class TrainConfig:
     """Recompute each block's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    init_device: str = "auto"
+    """How the model is built. meta: on the meta device (shapes only), sharded there (pipeline
+    stages, TP, FSDP2), then each rank allocates and initialises only its own shards on its
+    device, so no process ever holds the whole model. full: built whole on every rank's host
+    (from the seed: the same weights in every layout), then sharded. auto: meta when the layout
+    shards the model (--dp-shard, --tp or --pp above 1) and either the ranks run on CUDA or the
+    whole model's fp32 weights on each of a node's ranks would take more than half the host's
+    available memory; full otherwise. On CPU, meta-built shards come from each rank's own
+    generator (DTensor has no RNG tracker there), so the initial weights depend on the layout."""
     checkpoint_dir: str | None = None
     """Where checkpoints go: a local directory or gs://bucket/prefix; None = no checkpoints."""
     checkpoint_every: int = 0
@@ -233,6 +245,7 @@ class TrainConfig:
             ("parallelism", self.parallelism, PARALLELISMS),
             ("compression", self.compression, COMPRESSIONS),
             ("pp-schedule", self.pp_schedule, PP_SCHEDULE_NAMES),
+            ("init-device", self.init_device, INIT_DEVICES),
         ):
             if value not in allowed:
                 raise ConfigError(f"--{name} {value!r} is unknown; one of: {', '.join(allowed)}")
@@ -283,7 +296,7 @@ class TrainConfig:
                 if on:
                     raise ConfigError(
                         f"{flag} is not supported with --pp {dims.pp} (each rank holds only its stages); "
-                        f"drop {flag} (a checkpoint holds the whole model: workloads.checkpoint.load_checkpoint)"
+                        f"drop {flag} (a checkpoint holds the whole model: workloads.checkpoint.store.load_checkpoint)"
                     )
         if not dims.is_ddp and self.precision == "fp16" and (dims.tp > 1 or dims.pp > 1):
             raise ConfigError("--precision fp16 (GradScaler) is not supported with --tp/--pp; use bf16 or fp32")
@@ -374,6 +387,27 @@ class TrainConfig:
     def preemption_budget_s(self) -> float:
         """--preemption-budget in seconds."""
         return self._budget_s
+
+
+def pick_init_device(
+    requested: str, *, sharded: bool, cuda: bool, whole_bytes_per_node: float, host_available: float | None
+) -> tuple[str, str]:
+    """--init-device resolved to "meta" or "full", and why (the rule in TrainConfig.init_device's
+    doc). `whole_bytes_per_node`: the whole model's fp32 weights times the ranks of one node, what a
+    full build holds at once on a host; `host_available`: that host's available memory (None:
+    unknown, counted as enough)."""
+    if requested != "auto":
+        return requested, "--init-device"
+    if not sharded:
+        return "full", "auto: the layout does not shard the model"
+    if cuda:
+        return "meta", "auto: a sharded layout on CUDA"
+    if host_available is not None and whole_bytes_per_node > host_available / 2:
+        return "meta", (
+            f"auto: the whole model on each of the node's ranks ({whole_bytes_per_node / 2**30:.1f} GiB) "
+            f"is more than half the host's {host_available / 2**30:.1f} GiB available"
+        )
+    return "full", "auto: the whole model on each of the node's ranks fits the host (same weights in every layout)"
 
 
 def _ranks(n: int) -> str:

@@ -13,7 +13,7 @@ This one maps paths `gs://bucket/prefix/step_N/__0_0.distcp` to objects and stre
   BlobReader re-fetches its whole buffer on every backward seek).
 - DCP writes `.metadata` as `.metadata.tmp` and renames it: a server-side copy and a delete here,
   done by rank 0 after every rank reported its shards written, so `.metadata` is the last object of
-  a checkpoint (what workloads.checkpoint.GCSStore takes for "complete").
+  a checkpoint (what workloads.checkpoint.store.GCSStore takes for "complete").
 """
 
 from __future__ import annotations

@@ -211,9 +211,14 @@ class Llama(nn.Module):
             layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None:
+        # The output's init; a tied first pipeline stage holds the table without the head, and
+        # gives it the head's init (the pipeline then copies it to the last stage's).
+        head: nn.Module | None = self.output
+        if head is None and self.size.tie_embeddings:
+            head = self.tok_embeddings
+        if head is not None:
             std = self.size.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            nn.init.trunc_normal_(head.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if tokens.shape[1] > self.max_seq_len:

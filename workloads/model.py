@@ -66,16 +66,28 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(size.n_embd)
         self.lm_head = nn.Linear(size.n_embd, size.vocab_size, bias=False)
         self.tie_weights()
-        self.apply(self._init_weights)
-        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) (nanoGPT model.py).
-        for name, p in self.named_parameters():
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * size.n_layer))
+        if not self.lm_head.weight.is_meta:
+            self.init_weights()
 
     def tie_weights(self) -> None:
         """The head reuses the embedding matrix (Press & Wolf 2017), as GPT-2."""
         if self.lm_head is not None and self.wte is not None:
             self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Fill every parameter (Llama's signature; GPT has no buffers to rebuild). Works on a
+        pipeline stage and on sharded (DTensor) parameters, so a model built on the meta device
+        is initialised after `to_empty`, each rank filling only what it holds."""
+        self.tie_weights()  # to_empty or tensor parallelism may have replaced one side
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) (nanoGPT model.py).
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.size.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -55,7 +55,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from gpufleet.catalog import UnknownMachineType, lookup
-from workloads.config import MODEL_SIZES, ConfigError, ModelSize, TrainConfig
+from workloads.config import MODEL_SIZES, ConfigError, ModelSize, TrainConfig, pick_init_device
 from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
 
 __all__ = [
@@ -212,6 +212,8 @@ class MemoryPlan:
     suggestion: Suggestion | None = None
     """The smallest change that fits, when this layout does not (None when it fits, or nothing
     within the search does)."""
+    init_device: str = "meta"
+    """How the run builds the model (--init-device resolved for GPUs): "meta" or "full"."""
 
     @property
     def activations(self) -> float:
@@ -257,6 +259,7 @@ def plan(
     pp_schedule: str = "1f1b",
     pp_microbatches: int = 0,
     gpus_per_node: int | None = None,
+    init_device: str = "auto",
 ) -> MemoryPlan:
     """The memory plan of `model` at `layout` on `nodes` x `machine_type`, with the smallest change
     that fits when it does not. `layout.dp_shard` -1 takes the ranks the other dimensions leave.
@@ -297,6 +300,9 @@ def plan(
         pp_microbatches=pp_microbatches,
     )
     result = ask.estimate(layout, nodes, activation_checkpointing)
+    sharded = layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1
+    built, _ = pick_init_device(init_device, sharded=sharded, cuda=True, whole_bytes_per_node=0, host_available=None)
+    result = replace(result, init_device=built)
     if result.fits:
         return result
     return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing))
@@ -323,6 +329,7 @@ def plan_for(cfg: TrainConfig, *, machine_type: str, nodes: int, gpus_per_node: 
         pp_schedule=cfg.pp_schedule,
         pp_microbatches=cfg.n_microbatches if dims.pp > 1 else 0,
         gpus_per_node=gpus_per_node,
+        init_device=cfg.init_device,
     )
 
 
@@ -534,6 +541,18 @@ def mesh_lines(layout: Layout, nodes: int, gpus: int) -> list[str]:
     return lines
 
 
+def _build_line(p: MemoryPlan) -> str:
+    """How the run will build the model (workloads.train --init-device)."""
+    whole = f"{4 * p.n_params / GiB:.1f} GiB of fp32 weights"
+    if p.init_device == "meta":
+        return (
+            "build: on the meta device, sharded there, then materialized shard by shard: each rank "
+            f"allocates and initialises only its own shards on its GPU, no process holds the whole model ({whole})"
+        )
+    sharded = " and sharded there" if p.layout.dp_shard > 1 or p.layout.tp > 1 or p.layout.pp > 1 else ""
+    return f"build: whole on every rank's host ({whole}), then moved to its GPU{sharded}"
+
+
 def format_plan(p: MemoryPlan) -> list[str]:
     """The plan as lines of text for a person."""
 
@@ -550,6 +569,7 @@ def format_plan(p: MemoryPlan) -> list[str]:
         f"model {p.model}: {p.n_params / 1e9:.2f}B parameters; micro-batch {p.micro_batch} x seq {p.seq_len}; "
         f"{mp}{pipeline}",
         *mesh_lines(p.layout, p.nodes, p.gpus_per_node),
+        _build_line(p),
         f"per GPU ({p.nodes} x {p.machine_type}, {p.gpu}):",
         f"  parameters       {gib(p.params)}",
         f"  gradients        {gib(p.grads)}",

@@ -3,7 +3,8 @@
 Ranks come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK); NCCL on GPUs,
 gloo on CPU. Only rank 0 logs; every rank writes its own shards of a checkpoint through
 torch.distributed.checkpoint (workloads.checkpoint). The run is deterministic given --seed:
-weights from the seed, data order from (seed, step), optimizer/scheduler/RNG states from the
+weights from the seed (built whole, or on the meta device and materialized shard by shard:
+--init-device), data order from (seed, step), optimizer/scheduler/RNG states from the
 checkpoint, so a resumed or torchrun-restarted run ends with the parameters of an uninterrupted one.
 
 Exit codes: 0 done (also after a SIGTERM, once its checkpoint is saved: a preempted run is
@@ -37,15 +38,17 @@ from torch.distributed.tensor import DTensor
 
 from gpufleet.catalog import peak_flops_for_device
 from gpufleet.contracts import ERROR_PREFIX
-from workloads.checkpoint import CheckpointError, CheckpointManager, run_meta
+from workloads.checkpoint.manager import CheckpointManager, run_meta
+from workloads.checkpoint.store import CheckpointError
 from workloads.collective import Ranks, StoppedElsewhere, every_rank, is_every_rank
-from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
+from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args, pick_init_device
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
 from workloads.llama import Llama
 from workloads.llama import flops_per_token as llama_flops_per_token
 from workloads.metrics import RankInfo, format_log_line, straggler_warning
 from workloads.model import GPT, cross_entropy, flops_per_token, mfu
 from workloads.parallel.grads import clip_grad_norm
+from workloads.parallel.materialize import init_seed, materialize_stages, sync_tied, sync_tp_replicated
 from workloads.parallel.parallelize import (
     ModelParts,
     apply_fsdp,
@@ -112,6 +115,8 @@ class Trainer:
         self.tied: list[torch.Tensor] = []
         self.clip_skip: set[int] = set()
         self.model, self.raw_model = self._build_model()
+        self.build_growths: list[Any] = [None] * self.world
+        dist.all_gather_object(self.build_growths, self.build_growth)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -180,10 +185,47 @@ class Trainer:
         cfg, dims = self.cfg, self.dims
         torch.manual_seed(cfg.seed)  # same initial weights on every rank, before any wrapping
         kind = Llama if cfg.is_llama else GPT
-        raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
-        self.n_params = raw.num_params()
-        if not dims.is_ddp:
-            return self._parallelize(raw)
+        rss_before = _rss_bytes()
+        with torch.device("meta"):  # shapes only: no memory, and no draw from the generator
+            raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing)
+        self.n_params = raw.num_params()  # from the whole (meta) model, before any sharding
+        self.whole_bytes = 4 * raw.num_params(non_embedding=False)  # its fp32 weights
+        self.init_device = self._pick_init_device()
+        if self.init_device == "full":
+            raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
+        try:
+            if not dims.is_ddp:
+                return self._parallelize(raw)
+            if self.init_device == "meta":
+                self._materialize([raw])
+            return self._replicate(raw)
+        finally:
+            self.build_growth = _peak_rss_bytes() - rss_before if rss_before is not None else None
+
+    def _pick_init_device(self) -> str:
+        """--init-device resolved (config.pick_init_device): meta or full."""
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        device, self.init_why = pick_init_device(
+            self.cfg.init_device,
+            sharded=not self.dims.is_ddp,
+            cuda=self.cuda,
+            whole_bytes_per_node=self.whole_bytes * local_ranks,
+            host_available=_host_available_bytes(),
+        )
+        return device
+
+    def _materialize(self, stages: list[torch.nn.Module]) -> None:
+        """Memory and initial values for this rank's (meta, sharded) stage modules, then the
+        copies that make replicated and tied parameters one value (workloads.parallel.materialize)."""
+        dims = self.dims
+        materialize_stages(stages, self.device, init_seed(self.cfg.seed, dims, self.coords), self.mesh)
+        if dims.tp > 1:
+            sync_tp_replicated(stages, self.mesh["tp"])
+        torch.manual_seed(self.cfg.seed)  # every rank's generator as after a whole build's seeding
+
+    def _replicate(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """DDP over every rank (the model whole on each), or the model itself on one rank."""
+        cfg = self.cfg
         if self.world == 1:
             # Nothing to reduce with one rank: skip DDP's bucket copies (torchtitan also applies
             # data parallelism only when its degree is above 1).
@@ -222,6 +264,8 @@ class Trainer:
                 apply_tp(module, parts, mesh["tp"])
             if dims.dp > 1:
                 apply_fsdp(module, parts, dp_mesh, mp)
+        if self.init_device == "meta":
+            self._materialize([m for _, m in stages])
         whole = merge_stages([m for _, m in stages], parts)
         if dims.pp == 1:
             model: torch.nn.Module = torch.compile(whole) if cfg.compile else whole
@@ -233,6 +277,8 @@ class Trainer:
         # summed over the two after backward, counted once in the gradient norm.
         self.tied_group = tied_group(dims)
         self.tied = [getattr(whole, n).weight for n in parts.tied if getattr(whole, n, None) is not None]
+        if self.tied_group is not None and self.init_device == "meta":
+            sync_tied(self.tied, self.tied_group)  # each stage filled its own copy: take the first's
         if self.pp_last and not self.pp_first:
             self.clip_skip = {id(p) for p in self.tied}
         return whole, whole
@@ -456,6 +502,7 @@ class Trainer:
         if cfg.resume:
             self.checkpoint.load()
         self.log(self._banner())
+        self.log(self._build_line())
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         profiler = self._profiler()
         tokens_per_step = cfg.global_batch * cfg.tokens_per_sample
@@ -560,8 +607,29 @@ class Trainer:
             f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {layout} on {self.device.type} "
             f"({dist.get_backend()}) | {self.precision} | {cfg.batch_summary()} | seq "
             f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
-            f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak}"
+            f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak} | init {self.init_device}"
         )
+
+    def _build_line(self) -> str:
+        """How the model was built, and the most host memory that took on any rank."""
+        sharded = not self.dims.is_ddp
+        if self.init_device == "meta":
+            how = "built on the meta device, " + (
+                "sharded, then materialized shard by shard on each rank"
+                if sharded
+                else "then materialized whole on each rank's device"
+            )
+        else:
+            how = "built whole on every rank" + (", then sharded" if sharded else "")
+        line = (
+            f"init {self.init_device} ({self.init_why}): the model ({self.whole_bytes / 2**30:.2f} GiB of fp32 "
+            f"weights whole) {how}"
+        )
+        known = [(g, r) for r, g in enumerate(self.build_growths) if g is not None]
+        if known:
+            most, rank = max(known)
+            line += f"; peak host memory while building: +{most / 2**30:.2f} GiB on rank {rank}, the most of any rank"
+        return line
 
     def _log_step(self, loss: float, step_s: float, tokens_per_s: float) -> None:
         per_gpu_mfu = mfu(self.flops_token, tokens_per_s / self.world, self.peak_flops)
@@ -613,6 +681,32 @@ def _check_writable_file(flag: str, path: str) -> None:
             os.remove(path)
     except OSError as e:
         raise ConfigError(_unwritable(flag, path, e)) from None
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (getrusage's ru_maxrss: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _host_available_bytes() -> int | None:
+    """The host's MemAvailable (Linux /proc/meminfo; None elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _init_distributed() -> None:

@@ -48,6 +48,7 @@ from gpufleet.contracts import SweepRow
 from gpufleet.groups import format_rounds, group_documents
 from launcher.core.launch import Interrupted, Launch
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.jobs.busy import BusyCheck
 from launcher.nccl.judge import failures
 
 __all__ = [
@@ -308,14 +309,19 @@ class BadNodeSearch:
         config = dataclasses.replace(
             self.config, workload=work, job_id=f"{self.config.job_id}-{label}", runs_dir=self.parent
         )
-        launch = Launch(self.cluster, config, stop=self.stop)
+        # A detached job holding the nodes refuses each launch as it refuses any attached one.
+        busy = BusyCheck(self.cluster, config, self.stop)
+        launch = Launch(self.cluster, config, on_event=busy.gate(lambda event: None), stop=self.stop)
         try:
             result = launch.run()  # Launch handles SIGINT/SIGTERM while it runs
         except Interrupted as e:
+            if busy.busy is not None:
+                raise busy.refusal() from None
             raise SearchFailed("stopped before the sweep started", 128 + e.signum) from None
         except UserError as e:
             raise SearchFailed(f"the {label} sweep could not start: {e}", 1) from None
         finally:
+            busy.close()
             self.signals += launch.signals
         if result.signal is not None or self.signals:
             raise SearchFailed("stopped", result.exit_code or 1)

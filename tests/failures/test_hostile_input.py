@@ -23,7 +23,7 @@ from tests.infra.test_config import WRONG_TYPES
 from tests.simcluster import SimCluster
 from tests.support import LAUNCH, REPO
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("hostile_input")]
 
 
 @pytest.fixture(scope="module")

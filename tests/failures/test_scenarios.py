@@ -32,6 +32,7 @@ from tests.support import (
     source_args,
     torch_args,
     wait_for,
+    wait_saved,
     workers,
 )
 
@@ -260,7 +261,7 @@ def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint
         "5",
     )
     try:
-        wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved", run)
+        wait_saved(ckpt, 10, run)
         run.signal(signal.SIGINT)
         rc = run.wait(60)
     finally:

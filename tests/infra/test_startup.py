@@ -21,6 +21,9 @@ from infra.startup import (
     render_startup_script,
 )
 
+# Its module fixture runs once: every test of the module on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("startup")
+
 SCRIPTS = [(t, os_) for t in sorted(MACHINE_TYPES) for os_ in ("ubuntu", "cos")]
 
 

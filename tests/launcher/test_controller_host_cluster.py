@@ -12,7 +12,7 @@ import pytest
 
 from tests.launcher.test_jobs_cluster import detach, job, launch, wait_state
 from tests.simcluster import SimCluster
-from tests.support import TRAIN, checkpoint_step, source_args, torch_args, wait_for
+from tests.support import checkpoint_step, source_args, torch_args, train_job, wait_saved
 
 pytestmark = pytest.mark.cluster
 
@@ -40,23 +40,13 @@ def test_a_recovering_job_survives_node_0_lost_for_10_s_and_ends_at_its_last_ste
         "--recover-timeout",
         "2m",
         "--",
-        *TRAIN,
-        "--global-batch",
-        "3",
-        "--steps",
-        "200",
-        "--log-every",
-        "10",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "10",
+        *train_job(3, 200, ckpt, 10, 10),
     )
     # The job lives on the controller host: its record, key and known_hosts; nothing on node 0.
     ctl_jobs = tmp_path / "home3" / ".gpufleet" / "jobs"
     assert (ctl_jobs / job_id / "state.json").exists()
     assert not (tmp_path / "home0" / ".gpufleet" / "jobs").exists()
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    wait_saved(ckpt, 20)
     c.preempt(0)
     t_gone = time.monotonic()
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
@@ -152,19 +142,9 @@ def test_min_nodes_goes_on_without_a_node_that_is_not_back_resharding_the_checkp
         "--min-nodes",
         "2",
         "--",
-        *TRAIN,
-        "--global-batch",
-        "6",
-        "--steps",
-        "150",
-        "--log-every",
-        "10",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "10",
+        *train_job(6, 150, ckpt, 10, 10),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    wait_saved(ckpt, 20)
     c.power_off(2)  # never back
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from tests.launcher.fake_gpu_node import FakeGpuNode, GpuSimCluster, healthy_gpus
 from tests.support import LAUNCH, REPO
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("doctor_cluster")]
 
 N = 4
 # Nodes 0 and 2 share subblock s1, 1 and 3 share s2: topology order is 0, 2, 1, 3.

@@ -27,6 +27,9 @@ from launcher.core.types import Cluster, Node, UserError
 from launcher.doctor import judge, node_script
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 
+# Its module fixture runs once: every test of the module on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("doctor_units")
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
 
 

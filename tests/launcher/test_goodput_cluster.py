@@ -12,7 +12,7 @@ import pytest
 from launcher.jobs.goodput import CATEGORIES, goodput_of
 from launcher.jobs.record import JobRecord
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
-from tests.support import TRAIN, checkpoint_step, source_args, torch_args, wait_for
+from tests.support import TRAIN, source_args, torch_args, train_job, wait_saved
 
 pytestmark = pytest.mark.cluster
 
@@ -26,17 +26,7 @@ def test_launch_jobs_json_carries_goodput_fields_that_agree_with_the_record(sim_
         "train",
         *torch_args(),
         "--",
-        *TRAIN,
-        "--global-batch",
-        "2",
-        "--steps",
-        "30",
-        "--log-every",
-        "5",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "10",
+        *train_job(2, 30, ckpt, 10, 5),
     )
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
     assert done["state"] == "SUCCEEDED", done
@@ -99,7 +89,7 @@ def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_ad
         *("--global-batch", "2", "--steps", "300", "--log-every", "1"),
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    wait_saved(ckpt, 20)
     c.power_off(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=60)
     time.sleep(2)

@@ -21,7 +21,17 @@ import pytest
 import torch
 
 from tests.simcluster import SimCluster
-from tests.support import LAUNCH, TRAIN, checkpoint_step, params, source_args, torch_args, wait_for
+from tests.support import (
+    LAUNCH,
+    TRAIN,
+    checkpoint_step,
+    params,
+    source_args,
+    torch_args,
+    train_job,
+    wait_for,
+    wait_saved,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -155,19 +165,9 @@ def test_stop_during_detached_training_stops_every_node_keeps_the_checkpoint_and
         "train",
         *torch_args(),
         "--",
-        *TRAIN,
-        "--global-batch",
-        "2",
-        "--steps",
-        "100000",
-        "--log-every",
-        "5",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "5",
+        *train_job(2, 100000, ckpt, 5, 5),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
+    wait_saved(ckpt, 10)
     # The stop's own speed is bench/'s business; a hang is caught by launch()'s timeout.
     r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)
     c.assert_nothing_left(within=2)

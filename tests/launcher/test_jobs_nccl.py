@@ -52,7 +52,7 @@ def test_an_attached_sweep_on_nodes_a_detached_job_holds_is_refused_in_one_line_
     sim_cluster, tmp_path
 ):
     """Attached `nccl-tests` goes through the same attached path as `launch run`, busy check included."""
-    c = cluster(sim_cluster, tmp_path, 2)
+    c = cluster(sim_cluster, tmp_path, 3)  # --find-bad-nodes needs 3
     go = tmp_path / "go"
     held = detach(c, tmp_path, "exec", "--", "sh", "-c", f"while [ ! -f {go} ]; do sleep 0.1; done; echo held")
     wait_state(c, tmp_path, held, {"RUNNING"}, timeout=30)
@@ -63,6 +63,12 @@ def test_an_attached_sweep_on_nodes_a_detached_job_holds_is_refused_in_one_line_
     (line,) = [l for l in r.stderr.splitlines() if l.strip()]
     assert line.startswith("error: ") and f"busy with detached job {held} (RUNNING" in line, r.stderr
     assert "busbw" not in r.stdout  # no sweep ran: no rows
+    # The bad-node search's launches are refused alike.
+    r = launch(tmp_path, "nccl-tests", *source_args(c, tmp_path), *torch_args(), "--find-bad-nodes")
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error")]
+    assert len(errors) == 1 and f"busy with detached job {held} (RUNNING" in errors[0], r.stderr
+    assert not list((tmp_path / "runs").glob("*/pairs.tsv"))
     go.touch()
     done = wait_state(c, tmp_path, held, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=60)
     assert done["state"] == "SUCCEEDED", done

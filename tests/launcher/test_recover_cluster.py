@@ -13,12 +13,24 @@ import pytest
 from gpufleet.contracts import LABEL_NODE
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
-from tests.support import TRAIN, checkpoint_step, params, source_args, torch_args, wait_for
+from tests.support import TRAIN, checkpoint_step, params, source_args, torch_args, train_job, wait_for, wait_saved
 
 pytestmark = pytest.mark.cluster
 
 FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 NODES = 2
+
+
+def fake_instances(c) -> list[FakeInstance]:
+    """The cluster's nodes as Compute Engine instances gpu-0.. labelled cluster=t."""
+    return [FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)]
+
+
+def by_labels(c, api: FakeCompute, tmp_path) -> list[str]:
+    """The nodes found by their labels through the fake Compute Engine API, as a stack-less user
+    names them."""
+    where = ["--project", "proj", "--zone", "us-central1-a", "--api-endpoint", api.endpoint]
+    return ["--label", "cluster=t", *where, *c.launch_flags, "--runs-dir", str(tmp_path / "runs")]
 
 
 def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_uninterrupted_one(sim_cluster, tmp_path):
@@ -40,7 +52,7 @@ def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_un
         "--save-params",
         str(tmp_path / "recovered.pt"),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+    wait_saved(ckpt, 20)
     c.preempt(1)
     t_gone = time.monotonic()
     seen = wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
@@ -93,17 +105,9 @@ def test_a_node_that_never_comes_back_fails_the_job_after_the_timeout_naming_it_
         "--recover-timeout",
         "6s",
         "--",
-        *TRAIN,
-        "--global-batch",
-        "2",
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "5",
+        *train_job(2, 100000, ckpt, 5),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
+    wait_saved(ckpt, 5)
     c.power_off(1)
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=90)
     assert done["state"] == "FAILED" and done["failed_node"] == 1, done
@@ -143,17 +147,7 @@ def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails
         f"PYTHONPATH={site}",
         "--recover",
         "--",
-        *TRAIN,
-        "--global-batch",
-        "2",
-        "--steps",
-        "20",
-        "--log-every",
-        "1",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "2",
+        *train_job(2, 20, ckpt, 2, 1),
     )
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "FAILED" and done["exit"] != 0, done
@@ -208,9 +202,7 @@ def test_recover_without_a_checkpoint_dir_is_refused_before_anything_starts(sim_
 
 def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_through_the_api(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    instances = [
-        FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)
-    ]
+    instances = fake_instances(c)
 
     def boot(inst: FakeInstance) -> None:  # what instances.start does: the VM boots, its sshd answers
         time.sleep(2)
@@ -218,45 +210,22 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
 
     # On the bridge's address: the controller asks from inside node 0's network namespace.
     with FakeCompute({("proj", "us-central1-a"): instances}, on_start=boot, host=c.gateway) as api:
-        labels = [
-            "--label",
-            "cluster=t",
-            "--project",
-            "proj",
-            "--zone",
-            "us-central1-a",
-            "--api-endpoint",
-            api.endpoint,
-            *c.launch_flags,
-            "--runs-dir",
-            str(tmp_path / "runs"),
-        ]
         ckpt = tmp_path / "ckpt"
         r = launch(
             tmp_path,
             "train",
-            *labels,
+            *by_labels(c, api, tmp_path),
             *torch_args(),
             "--detach",
             "--recover",
             "--recover-timeout",
             "2m",
             "--",
-            *TRAIN,
-            "--global-batch",
-            "2",
-            "--steps",
-            "300",
-            "--log-every",
-            "10",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--checkpoint-every",
-            "10",
+            *train_job(2, 300, ckpt, 10, 10),
             check=True,
         )
         job_id = r.stdout.split()[1]
-        wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 20, 120, "step 20 saved")
+        wait_saved(ckpt, 20)
         c.preempt(1)
         instances[1].status = "TERMINATED"  # a Spot VM stops (instanceTerminationAction STOP)
         assert checkpoint_step(ckpt) < 300, "the preemption came after the end: make the run longer"
@@ -276,28 +245,13 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
 
 def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_the_timeout(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    instances = [
-        FakeInstance(f"gpu-{i}", n.address, {"cluster": "t", LABEL_NODE: str(i)}) for i, n in enumerate(c.nodes)
-    ]
+    instances = fake_instances(c)
     with FakeCompute({("proj", "us-central1-a"): instances}, host=c.gateway) as api:
-        labels = [
-            "--label",
-            "cluster=t",
-            "--project",
-            "proj",
-            "--zone",
-            "us-central1-a",
-            "--api-endpoint",
-            api.endpoint,
-            *c.launch_flags,
-            "--runs-dir",
-            str(tmp_path / "runs"),
-        ]
         ckpt = tmp_path / "ckpt"
         r = launch(
             tmp_path,
             "train",
-            *labels,
+            *by_labels(c, api, tmp_path),
             *torch_args(),
             "--detach",
             "--recover",
@@ -305,19 +259,11 @@ def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_th
             "--recover-timeout",
             "5s",
             "--",
-            *TRAIN,
-            "--global-batch",
-            "2",
-            "--steps",
-            "100000",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--checkpoint-every",
-            "5",
+            *train_job(2, 100000, ckpt, 5),
             check=True,
         )
         job_id = r.stdout.split()[1]
-        wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
+        wait_saved(ckpt, 5)
         c.power_off(1)
         instances[1].status = "TERMINATED"
         done = wait_state(c, tmp_path, job_id, FINAL, timeout=90)
@@ -339,19 +285,9 @@ def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_li
         "--max-recoveries",
         "1",
         "--",
-        *TRAIN,
-        "--global-batch",
-        "2",
-        "--steps",
-        "100000",
-        "--log-every",
-        "10",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "10",
+        *train_job(2, 100000, ckpt, 10, 10),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 10, 120, "step 10 saved")
+    wait_saved(ckpt, 10)
     c.preempt(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
     c.restart_sshd(1)
@@ -378,17 +314,9 @@ def test_stop_while_recovering_ends_the_job_stopped_and_relaunches_nothing(sim_c
         *torch_args(),
         "--recover",
         "--",
-        *TRAIN,
-        "--global-batch",
-        "2",
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "5",
+        *train_job(2, 100000, ckpt, 5),
     )
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= 5, 120, "step 5 saved")
+    wait_saved(ckpt, 5)
     c.power_off(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
     r = launch(tmp_path, "stop", *source_args(c, tmp_path), job_id, check=True)

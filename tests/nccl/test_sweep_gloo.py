@@ -15,6 +15,9 @@ import pytest
 from gpufleet.bandwidth import COLLECTIVES, bus_factor, coll_sizes, size_ladder
 from launcher.nccl import report as rep
 
+# Its module fixture runs once: every test of the module on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("sweep_gloo")
+
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 NNODES, NPROC = 3, 2

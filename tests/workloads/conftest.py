@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,6 +158,27 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
+def one_line_exit_2(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """`python -m workloads.train ARGV` met in this process (no torch import per case): a
+    usage error must be exit 2 with one line on stderr and nothing on stdout. Returns the line."""
+    from workloads.train import main
+
+    err, out = io.StringIO(), io.StringIO()
+    term = signal.getsignal(signal.SIGTERM)  # main ignores SIGTERM once past parsing
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in (env or {}).items():
+                mp.setenv(k, v)
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                rc = main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert not torch.distributed.is_initialized()  # main left the process group it made
+    assert rc == 2, err.getvalue()
+    assert err.getvalue().count("\n") == 1 and out.getvalue() == "", err.getvalue()
+    return err.getvalue().strip()
+
+
 def params(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
@@ -167,11 +190,20 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], a
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """Final parameters of an uninterrupted 2-rank DDP run of REF_STEPS steps."""
-    out = tmp_path_factory.mktemp("ref") / "params.pt"
-    run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--save-params", str(out)])
-    assert run.returncode == 0, run.stderr
+def reference(tmp_path_factory, worker_id) -> dict[str, torch.Tensor]:
+    """Final parameters of an uninterrupted 2-rank DDP run of REF_STEPS steps, run once for the
+    whole session however many xdist workers use it: the first writes it under a lock in the
+    base directory the workers share, the others read it (pytest-xdist's documented recipe,
+    "Making session-scoped fixtures execute only once")."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    out = shared / "reference-params.pt"
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            part = shared / "reference-params.part.pt"
+            run = train(REF_ARGS + ["--steps", str(REF_STEPS), "--save-params", str(part)])
+            assert run.returncode == 0, run.stderr
+            part.rename(out)
     return params(out)
 
 

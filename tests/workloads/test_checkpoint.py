@@ -31,7 +31,7 @@ from tests.workloads.conftest import (
     wait_for,
     workers,
 )
-from workloads.checkpoint import load_checkpoint
+from workloads.checkpoint.store import load_checkpoint
 
 # Global batch 24 divides by 4, 3 and 2 ranks (micro 2: 3, 4 and 6 accumulation steps).
 RESHARD_ARGS = [

@@ -24,7 +24,7 @@ from tests.workloads.conftest import (
     wait_for,
     workers,
 )
-from workloads.checkpoint import load_checkpoint
+from workloads.checkpoint.store import load_checkpoint
 
 
 def _latest(ckpt) -> str:

@@ -1,9 +1,10 @@
 """N-D layouts on 4 CPU ranks (gloo, tiny model, fp32): TP, PP, FSDP and their mixes train the
-same run as DDP, and a checkpoint saved under one layout resumes under another.
+same run as DDP to step 30, and a checkpoint saved under one layout resumes under another.
 
-The runs are shared between the tests (a module fixture runs each once): 20 steps, the
-reference's length (conftest.REF_STEPS; 30 would add a minute of CPU time on this 2-core
-machine for no more coverage), with a checkpoint at step 10 that the resumes start from.
+The runs are shared between the tests (a module fixture runs each once, on one xdist worker):
+30 steps of 32 samples of 32 tokens (a run's cost is mostly its start, about 12 s of CPU for 4
+ranks; shorter samples keep 30 steps near the cost of the reference's 20 longer ones), with a
+checkpoint at step 15 that the resumes start from.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from pathlib import Path
 import pytest
 
 from tests.support import LAUNCH
-from tests.workloads.conftest import REF_ARGS, REF_STEPS, REPO, child_env, train
+from tests.workloads.conftest import REF_ARGS, REPO, child_env, one_line_exit_2, train
 from workloads.parallel import LayoutError, ParallelDims
 
 # The shared runs (7 torchrun starts) take minutes on a loaded 2-core machine; pytest-timeout
 # charges them to the first test that uses the fixture. A bound that catches a hang, no more.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("layouts")]
 
-HALF = REF_STEPS // 2
+STEPS = 30
+HALF = STEPS // 2
+# The reference's model and schedule, with shorter samples and its decay over these 30 steps.
+ARGS = [*REF_ARGS, "--global-batch", "32", "--seq-len", "32", "--lr-decay-steps", str(STEPS)]
 RTOL = 1e-3
 
 
@@ -39,51 +43,60 @@ def point_latest_at(ckpt: Path, step: int) -> None:
     (ckpt / "latest").write_text(f"step_{step:08d}\n")
 
 
-def run4(args: list[str], nproc: int = 4) -> dict[int, float]:
-    run = train(REF_ARGS + args, nproc=nproc, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return losses(run.stdout)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Every run of this module, once: DDP (the reference) and the layouts, each saving at
-    step 10 and finishing at step 20, then resumes from step 10 under other layouts."""
-    tmp = tmp_path_factory.mktemp("layouts")
-    out: dict = {"tmp": tmp}
-    out["ddp4"] = run4(["--steps", str(REF_STEPS)])
-    save = ["--steps", str(REF_STEPS), "--checkpoint-every", str(HALF)]
-    # tp2 x dp2 through the launcher, as a user runs it: 2 local "nodes" x 2 ranks, TP inside a
-    # node; its periodic save is asynchronous.
-    ckpt = tmp / "tp2xdp2"
-    launch = subprocess.run(
-        [LAUNCH, "train", "--local", "--nodes", "2", "--nproc-per-node", "2", "--runs-dir", str(tmp / "runs")]
-        + ["--workdir", str(REPO), "--env", "OMP_NUM_THREADS=1", "--"]
-        + REF_ARGS
-        + save
-        + ["--tp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt), "--async-checkpoint"],
+def launch_local(args: list[str], runs_dir: Path, nodes: int = 1, nproc: int = 4) -> str:
+    """`launch train --local` as a user runs it: `nodes` local "nodes" x `nproc` ranks; node
+    0's log (rank 0's lines)."""
+    run = subprocess.run(
+        [LAUNCH, "train", "--local", "--nodes", str(nodes), "--nproc-per-node", str(nproc)]
+        + ["--runs-dir", str(runs_dir), "--workdir", str(REPO), "--env", "OMP_NUM_THREADS=1", "--", *ARGS, *args],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
-    node0 = next((tmp / "runs").glob("*/node-0.log")).read_text()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (log,) = runs_dir.glob("*/node-0.log")
+    return log.read_text()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every run of this module, once, each through the launcher: DDP (the reference) and the
+    layouts, each saving at step 15 and finishing at step 30, then resumes from step 15 under
+    other layouts."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    out: dict = {"tmp": tmp}
+
+    def run4(name: str, args: list[str], nproc: int = 4) -> dict[int, float]:
+        return losses(launch_local(args, tmp / "runs" / name, nproc=nproc))
+
+    out["ddp4"] = run4("ddp4", ["--steps", str(STEPS)])
+    save = ["--steps", str(STEPS), "--checkpoint-every", str(HALF)]
+    # tp2 x dp2 on 2 local "nodes" x 2 ranks, TP inside a node; its periodic save is asynchronous.
+    ckpt = tmp / "tp2xdp2"
+    node0 = launch_local(
+        [*save, "--tp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt), "--async-checkpoint"],
+        tmp / "runs" / "tp2xdp2",
+        nodes=2,
+        nproc=2,
+    )
     out["tp2xdp2"], out["tp2xdp2-banner"] = losses(node0), node0
     point_latest_at(ckpt, HALF)
-    out["tp2xdp2->ddp4"] = run4(["--steps", str(REF_STEPS), "--resume", "--checkpoint-dir", str(ckpt)])
+    out["tp2xdp2->ddp4"] = run4("tp2xdp2-ddp4", ["--steps", str(STEPS), "--resume", "--checkpoint-dir", str(ckpt)])
     ckpt = tmp / "pp2xdp2"
-    out["pp2xdp2"] = run4(save + ["--pp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)])
+    out["pp2xdp2"] = run4("pp2xdp2", save + ["--pp", "2", "--dp-shard", "2", "--checkpoint-dir", str(ckpt)])
     point_latest_at(ckpt, HALF)
     out["pp2xdp2->tp2 on 2 ranks"] = run4(
-        ["--steps", str(REF_STEPS), "--tp", "2", "--resume", "--checkpoint-dir", str(ckpt)], nproc=2
+        "pp2xdp2-tp2", ["--steps", str(STEPS), "--tp", "2", "--resume", "--checkpoint-dir", str(ckpt)], nproc=2
     )
     ckpt = tmp / "tp2xpp2"
-    out["tp2xpp2"] = run4(save + ["--pp", "2", "--tp", "2", "--pp-schedule", "gpipe", "--checkpoint-dir", str(ckpt)])
+    out["tp2xpp2"] = run4(
+        "tp2xpp2", save + ["--pp", "2", "--tp", "2", "--pp-schedule", "gpipe", "--checkpoint-dir", str(ckpt)]
+    )
     point_latest_at(ckpt, HALF)
     out["tp2xpp2->fsdp4"] = run4(
-        ["--steps", str(REF_STEPS), "--parallelism", "fsdp", "--resume", "--checkpoint-dir", str(ckpt)]
+        "tp2xpp2-fsdp4", ["--steps", str(STEPS), "--parallelism", "fsdp", "--resume", "--checkpoint-dir", str(ckpt)]
     )
     out["ckpt"] = ckpt
     return out
@@ -92,24 +105,26 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xdp2", "tp2xpp2"])
 def test_a_layout_trains_the_same_run_as_ddp(runs, layout):
     ref, got = runs["ddp4"], runs[layout]
-    assert sorted(got) == list(range(1, REF_STEPS + 1))
-    assert ref[REF_STEPS] < ref[1] - 0.3  # it learns: the comparison is not of two flat lines
-    for step in (1, HALF, REF_STEPS):
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert ref[STEPS] < ref[1] - 0.3  # it learns: the comparison is not of two flat lines
+    for step in (1, HALF, STEPS):
         assert close(got[step], ref[step]), (layout, step, got[step], ref[step])
 
 
 @pytest.mark.parametrize("resumed", ["tp2xdp2->ddp4", "tp2xpp2->fsdp4", "pp2xdp2->tp2 on 2 ranks"])
 def test_a_checkpoint_resumes_under_another_layout_to_the_same_loss(runs, resumed):
     got = runs[resumed]
-    assert sorted(got) == list(range(HALF + 1, REF_STEPS + 1)), got  # it started at the save
-    assert close(got[REF_STEPS], runs["ddp4"][REF_STEPS]), (got[REF_STEPS], runs["ddp4"][REF_STEPS])
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1)), got  # it started at the save
+    assert close(got[STEPS], runs["ddp4"][STEPS]), (got[STEPS], runs["ddp4"][STEPS])
 
 
 def test_the_launcher_run_names_its_mesh_and_saves_in_the_background(runs):
     text = runs["tp2xdp2-banner"]
     assert "dp_shard 2 x tp 2 = 4 ranks" in text
-    assert "micro-batch 8 x 2 data-parallel ranks x 4 accumulation steps" in text
+    assert "micro-batch 8 x 2 data-parallel ranks x 2 accumulation steps" in text
     assert "training blocked" in text  # the async save's line
+    # On CPU, with a tiny model, --init-device auto builds it whole: every layout starts alike.
+    assert "| init full" in text and "init full (auto: the whole model on each of the node's ranks fits" in text
 
 
 def test_interleaved_1f1b_trains_the_same_run_as_one_process():
@@ -123,12 +138,9 @@ def test_interleaved_1f1b_trains_the_same_run_as_one_process():
 
 
 def _one_line_exit_2(args: list[str], world: int) -> str:
-    """Parse errors are met alike by every rank before the process group exists; a plain
-    process with torchrun's WORLD_SIZE meets them the same way, without starting 4 ranks."""
-    run = train(REF_ARGS + args, nproc=0, env={"WORLD_SIZE": str(world)}, timeout=60)
-    assert run.returncode == 2, run.stderr
-    assert run.stderr.count("\n") == 1 and run.stdout == "", run.stderr
-    return run.stderr.strip()
+    """Parse errors are met alike by every rank before the process group exists: the workload's
+    main in this process, with torchrun's WORLD_SIZE, meets them as each rank would."""
+    return one_line_exit_2(REF_ARGS + args, {"WORLD_SIZE": str(world)})
 
 
 def test_a_layout_that_does_not_fit_is_one_line_with_its_arithmetic():
@@ -161,7 +173,7 @@ def test_dp_shard_minus_one_takes_the_rest_and_the_data_rank_is_the_mesh_coordin
 
 
 def test_a_checkpoint_of_another_model_is_one_line_before_any_step(runs):
-    run = train(REF_ARGS + ["--model", "tiny-4l", "--steps", "3", "--resume", "--checkpoint-dir", str(runs["ckpt"])])
+    run = train(ARGS + ["--model", "tiny-4l", "--steps", "3", "--resume", "--checkpoint-dir", str(runs["ckpt"])])
     assert run.returncode != 0 and "exitcode  : 2" in run.stderr
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "was written with model tiny, this run has tiny-4l" in errors[0], run.stderr

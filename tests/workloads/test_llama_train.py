@@ -64,6 +64,11 @@ def test_plan_without_torchrun_prints_the_verdict_and_the_fix_and_exits_0():
     lines = p.stdout.splitlines()
     assert lines[0].startswith("model llama3-70b: 70.55B parameters; micro-batch 1 x seq 8192")
     assert "  tp 8: ranks 0-7 form one group, within node 0" in lines
+    # Built on meta and materialized shard by shard: 70B never sits whole in a process.
+    assert (
+        "build: on the meta device, sharded there, then materialized shard by shard: each rank allocates and "
+        "initialises only its own shards on its GPU, no process holds the whole model (262.8 GiB of fp32 weights)"
+    ) in lines
     assert "verdict: does not fit by 1.6 GiB" in lines
     assert lines[-1].startswith("  smallest change that fits: --activation-checkpointing ->")
 
@@ -73,6 +78,17 @@ def test_plan_with_checkpointing_fits(capsys):
     out = capsys.readouterr().out
     assert "verdict: fits (32.0 of 80 GiB)" in out.splitlines()
     assert "smallest change" not in out
+
+
+def test_plan_says_a_ddp_run_or_init_device_full_builds_the_model_whole(capsys):
+    one_b = ["--plan", "--model", "llama3-1b", "--micro-batch", "1", "--seq-len", "2048"]
+    assert main([*one_b, "--dp-replicate", "8"]) == 0
+    assert (
+        "build: whole on every rank's host (4.6 GiB of fp32 weights), then moved to its GPU" in capsys.readouterr().out
+    )
+    assert main([*one_b, "--dp-shard", "8", "--init-device", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "build: whole on every rank's host (4.6 GiB of fp32 weights), then moved to its GPU and sharded there" in out
 
 
 def test_plan_refuses_a_layout_that_is_not_its_world_in_one_line(capsys):

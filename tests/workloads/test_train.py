@@ -13,7 +13,7 @@ from tests.workloads.conftest import (
     params,
     train,
 )
-from workloads.checkpoint import load_checkpoint
+from workloads.checkpoint.store import load_checkpoint
 
 
 def test_loss_falls_on_the_synthetic_task(tmp_path):

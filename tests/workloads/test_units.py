@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.checkpoint import CheckpointError, LocalStore, checkpoint_name, encode_state, load_checkpoint
+from workloads.checkpoint.store import CheckpointError, LocalStore, checkpoint_name, encode_state, load_checkpoint
 from workloads.config import MODEL_SIZES, ConfigError, TrainConfig, build_parser, config_from_args
 from workloads.data import BatchStream, SyntheticTokens
 from workloads.metrics import RankInfo, find_stragglers, format_log_line, straggler_warning
@@ -236,7 +236,7 @@ def test_a_latest_pointer_that_cannot_be_read_is_a_checkpoint_error(tmp_path):
 
 
 def test_a_bucket_without_google_credentials_is_one_line_naming_the_bucket_and_the_fix(monkeypatch, tmp_path):
-    from workloads.checkpoint import GCSStore
+    from workloads.checkpoint.store import GCSStore
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-such-key.json"))

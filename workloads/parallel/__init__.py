@@ -1,6 +1,7 @@
 """N-D parallelism on one DeviceMesh: the layout (`dims`, torch-free) and its application to a
 model (`parallelize`: tensor parallel plans, pipeline stages, FSDP2/HSDP; `pipeline`: the
-schedule; `grads`: the gradient norm over every shard and stage)."""
+schedule; `materialize`: memory and initial values for a model sharded on the meta device;
+`grads`: the gradient norm over every shard and stage)."""
 
 from workloads.parallel.dims import PP_SCHEDULES, LayoutError, ParallelDims
 

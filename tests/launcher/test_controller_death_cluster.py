@@ -44,7 +44,7 @@ def kill_controller(c, tmp_path: Path, job_id: str) -> int:
 
 def test_a_killed_controller_is_restarted_by_launch_jobs_and_the_job_ends_with_no_step_lost(sim_cluster, tmp_path):
     c = with_controller(sim_cluster, tmp_path, 2)
-    steps, every = 300, 10
+    steps, every = 1500, 10
     job_id = detach(
         c,
         tmp_path,
@@ -76,10 +76,19 @@ def test_a_killed_controller_is_restarted_by_launch_jobs_and_the_job_ends_with_n
     assert f"job {job_id}: its controller (pid {dead}) had died; started it again" in said, r.stderr
     (seen,) = [json.loads(line) for line in r.stdout.splitlines() if json.loads(line)["id"] == job_id]
     assert seen["state"] == "RUNNING" and not seen["orphaned"], seen
+    # Once it has re-adopted the nodes, it is killed too; this time `launch attach` starts it again
+    # and follows the job to its end.
+    wait_for(lambda: job(c, tmp_path, job_id)["adoptions"][-1]["attached_s"] is not None, 60, "the re-adoption")
+    again = kill_controller(c, tmp_path, job_id)
+    assert last_step(out0) < steps, "the job ended before its second controller was killed: make it longer"
+    attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id, timeout=180)
+    assert attached.returncode == 0, attached.stderr
+    assert f"job {job_id}: its controller (pid {again}) had died; started it again" in attached.stderr
+    assert f"] step {steps}/{steps} |" in attached.stdout and f"job {job_id}: SUCCEEDED" in attached.stderr
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0 and not done["recoveries"], done
-    (adoption,) = done["adoptions"]
-    assert adoption["pid"] == dead and adoption["attached_s"] is not None, adoption
+    assert [a["pid"] for a in done["adoptions"]] == [dead, again], done["adoptions"]
+    assert all(a["attached_s"] is not None for a in done["adoptions"]), done["adoptions"]
     # Every step rank 0 logged, once each, in the job's own log: none lost, none read twice.
     log = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     logged = [int(m.group(1)) for m in STEP.finditer(log)]

@@ -5,7 +5,7 @@
 # It makes a virtual environment with the Compute Engine client (which restarting stopped nodes
 # needs): with a source, the launcher itself from there (it brings the client); without one, the
 # client alone, and the launcher ships its own code to this VM at first use. It writes the ready
-# marker last: the controller is usable once it exists.
+# marker, then starts again the controllers of the detached jobs this VM's last boot left running.
 set -Eeuo pipefail  # -E: the ERR trap also fires inside functions
 
 readonly CLUSTER=@@CLUSTER@@
@@ -92,11 +92,31 @@ write_ready_marker() {
   log "ready: $READY_MARKER"
 }
 
+# Detached jobs whose controller died with this VM (a reboot, a stop and a start): start each one's
+# controller again, as the job's owner, from the start line its hand-off left (controller.sh in
+# the job's directory). It re-adopts the job's nodes, or ends the job FAILED when their
+# --controller-grace ran out; a job that has a live controller, or has ended, is left alone by it.
+adopt_jobs() {
+  local dir owner home
+  for dir in /root/.gpufleet/jobs/*/ /home/*/.gpufleet/jobs/*/; do
+    [[ -f "$dir/controller.sh" && -f "$dir/state.json" ]] || continue
+    grep -Eq '"state": "(PENDING|RUNNING|RECOVERING)"' "$dir/state.json" || continue
+    owner=$(stat -c %U "$dir")
+    home=${dir%/.gpufleet/jobs/*}
+    if runuser -u "$owner" -- env HOME="$home" bash "$dir/controller.sh" >/dev/null; then
+      log "started the controller of job $(basename "$dir") ($owner) again"
+    else
+      log "could not start the controller of job $(basename "$dir") ($owner)"
+    fi
+  done
+}
+
 main() {
   prepare
   install_venv
   link_launch
   write_ready_marker
+  adopt_jobs
 }
 
 main "$@"

@@ -10,7 +10,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli.detached import copy_path, follow, node0
+from launcher.cli.detached import copy_path, follow, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.jobs.node0 import Node0
@@ -54,6 +54,7 @@ def attach(job_id: str, **o: Any) -> None:
     """Follow a detached job's output until it ends, then show its summary table."""
     check_job_id(job_id)
     _, n0 = node0(o)
+    restart_orphans(n0, n0.records(job_id))
     record = follow(n0, job_id, None, copy_path(o, job_id, None))
     render_summary(record, _fetch_summary(n0, job_id))
     raise SystemExit(record.exit or 0)

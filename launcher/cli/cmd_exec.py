@@ -8,6 +8,7 @@ import click
 
 from launcher.cli.launching import start
 from launcher.cli.options import (
+    CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
     ENV_OPTION,
     EXEC_RESTARTS_OPTION,
@@ -24,7 +25,17 @@ __all__ = ["exec_"]
 
 
 @click.command(name="exec", context_settings=PROGRAM_AFTER)
-@apply_options([*SOURCE_OPTIONS, ENV_OPTION, TERM_GRACE_OPTION, DETACH_OPTION, *RECOVER_OPTIONS, EXEC_RESTARTS_OPTION])
+@apply_options(
+    [
+        *SOURCE_OPTIONS,
+        ENV_OPTION,
+        TERM_GRACE_OPTION,
+        DETACH_OPTION,
+        CONTROLLER_GRACE_OPTION,
+        *RECOVER_OPTIONS,
+        EXEC_RESTARTS_OPTION,
+    ]
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def exec_(args: tuple[str, ...], **o: Any) -> None:

@@ -1,5 +1,6 @@
 """`launch jobs`: the cluster's detached jobs, newest first, as a table or JSON lines, each with its
-goodput, node-hours and cost so far (launcher.jobs.goodput)."""
+goodput, node-hours and cost so far (launcher.jobs.goodput). A job whose controller died while its
+nodes still wait for one gets its controller started again (launcher.jobs.adopt)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli.detached import STATE_STYLE, node0
+from launcher.cli.detached import STATE_STYLE, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import user_errors
 from launcher.jobs.goodput import format_cost, goodput_of
@@ -59,7 +60,9 @@ def _recoveries(r: JobRecord) -> str:
 def jobs(as_json: bool, **o: Any) -> None:
     """List the cluster's detached jobs, newest first, with each one's goodput (productive share
     of its time on the nodes), node-hours and cost so far at on-demand / Spot list prices."""
-    records = node0(o)[1].records()
+    n0 = node0(o)[1]
+    records = n0.records()
+    restart_orphans(n0, records)
     if as_json:
         for r in records:
             click.echo(json.dumps({**r.to_json(), "goodput": goodput_of(r).to_json()}))

@@ -8,6 +8,7 @@ import click
 
 from launcher.cli.launching import start
 from launcher.cli.options import (
+    CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
     HANG_OPTIONS_RUN,
     PROGRAM_AFTER,
@@ -25,7 +26,15 @@ __all__ = ["run"]
 
 @click.command(name="run", context_settings=PROGRAM_AFTER)
 @apply_options(
-    [*SOURCE_OPTIONS, *TORCHRUN_OPTIONS, *HANG_OPTIONS_RUN, TERM_GRACE_OPTION, DETACH_OPTION, *RECOVER_OPTIONS]
+    [
+        *SOURCE_OPTIONS,
+        *TORCHRUN_OPTIONS,
+        *HANG_OPTIONS_RUN,
+        TERM_GRACE_OPTION,
+        DETACH_OPTION,
+        CONTROLLER_GRACE_OPTION,
+        *RECOVER_OPTIONS,
+    ]
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors

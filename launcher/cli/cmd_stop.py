@@ -9,7 +9,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.detached import STATE_STYLE, node0
+from launcher.cli.detached import STATE_STYLE, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.core.types import LaunchConfig, UserError
@@ -55,7 +55,8 @@ def stop(job_id: str, grace: str | None, **o: Any) -> None:
     check_job_id(job_id)
     grace_s = parse_duration(grace, "--grace") if grace is not None else None
     _, n0 = node0(o)
-    n0.record(job_id)  # names a job that is not there
+    # Names a job that is not there; a job whose controller died gets one again, which stops it.
+    restart_orphans(n0, [n0.record(job_id)])
     term_s, torchrun = _job_term_grace(n0, job_id)
     if grace_s is not None and torchrun and grace_s > term_s:
         raise UserError(

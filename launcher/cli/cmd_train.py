@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from launcher.cli.launching import start
 from launcher.cli.options import (
+    CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
     HANG_OPTIONS_TRAIN,
     PASS_THROUGH,
@@ -38,7 +39,15 @@ _SOURCES = ("stack", "outputs", "hostfile", "labels", "local")
     context_settings=PASS_THROUGH,
 )
 @apply_options(
-    [*SOURCE_OPTIONS, *TORCHRUN_OPTIONS, *HANG_OPTIONS_TRAIN, TERM_GRACE_OPTION, DETACH_OPTION, *RECOVER_OPTIONS]
+    [
+        *SOURCE_OPTIONS,
+        *TORCHRUN_OPTIONS,
+        *HANG_OPTIONS_TRAIN,
+        TERM_GRACE_OPTION,
+        DETACH_OPTION,
+        CONTROLLER_GRACE_OPTION,
+        *RECOVER_OPTIONS,
+    ]
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @user_errors

@@ -8,6 +8,7 @@ as any launch): the records live there, under the home of the account on node 0
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.options import build_config, find_cluster
+from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster
 from launcher.cli.render import err, setup_logging
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.transport import make_transport
@@ -26,9 +27,9 @@ from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
 from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, logs_script
-from launcher.jobs.recovery import recover_policy
+from launcher.jobs.recovery import parse_duration, recover_policy
 
-__all__ = ["STATE_STYLE", "start_detached", "node0", "copy_path", "reader_gone", "follow"]
+__all__ = ["STATE_STYLE", "start_detached", "node0", "copy_path", "reader_gone", "follow", "restart_orphans"]
 
 STATE_STYLE = {
     "PENDING": "cyan",
@@ -60,6 +61,8 @@ def start_detached(
             f"{len(cluster.nodes)}"
         )
     config = build_config(o, workload, cluster)
+    grace = parse_duration(o.get("controller_grace") or DEFAULT_CONTROLLER_GRACE, "--controller-grace")
+    config = dataclasses.replace(config, controller_grace_s=math.ceil(grace))
     if policy is not None and policy.max_restarts is not None:
         # The controller relaunches a failed program (with GPUFLEET_ATTEMPT), not torchrun in place.
         config = dataclasses.replace(config, max_restarts=0)
@@ -134,3 +137,18 @@ def follow(n0: Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
         why = proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or [f"exit {proc.returncode}"]
         raise UserError(f"{n0.head.label}: {why[-1]}")
     return n0.record(job_id)
+
+
+def restart_orphans(n0: Node0, records: list[JobRecord]) -> None:
+    """Start again the controller of every job here whose controller died while its nodes still
+    wait for one (within --controller-grace): it re-adopts the job. One line each on stderr."""
+    orphans = {r.id: r for r in records if r.orphaned}
+    if not orphans:
+        return
+    for job_id in n0.restart(list(orphans)):
+        r = orphans[job_id]
+        r.orphaned = False
+        err.print(
+            f"[yellow]job {job_id}: its controller (pid {r.pid}) had died; started it again on "
+            f"{escape(n0.head.label)}, which re-adopts the job[/yellow]"
+        )

@@ -25,6 +25,10 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
         from launcher.jobs.recovery import recover_policy
 
         recover_policy(o, workload.argv, detach=False, builtin=builtin)  # refuses: --recover lives on node 0
+    if o.get("controller_grace") is not None and not o.get("detach"):
+        from launcher.core.types import UserError
+
+        raise UserError("--controller-grace is for a detached job's controller; add --detach or drop it")
     if o.pop("detach", False):
         from launcher.cli.detached import start_detached  # loaded only when asked for
 

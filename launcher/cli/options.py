@@ -24,6 +24,8 @@ __all__ = [
     "ENV_OPTION",
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
+    "CONTROLLER_GRACE_OPTION",
+    "DEFAULT_CONTROLLER_GRACE",
     "RECOVER_OPTIONS",
     "TERM_GRACE_OPTION",
     "EXEC_RESTARTS_OPTION",
@@ -94,6 +96,16 @@ DETACH_OPTION = click.option(
     is_flag=True,
     help="Check every node, hand the job to a controller on node 0, print `job ID` "
     "and return; see `launch jobs/logs/stop/attach`.",
+)
+
+# A detached job's nodes keep training without their controller this long (launcher.core.supervise).
+DEFAULT_CONTROLLER_GRACE = "10m"
+CONTROLLER_GRACE_OPTION = click.option(
+    "--controller-grace",
+    metavar="DURATION",
+    help="With --detach: if the job's controller dies (killed, its VM rebooted), the nodes keep training "
+    "this long for a controller started again (`launch jobs`, `launch attach`, the controller VM's boot) to "
+    f"re-adopt them, then stop themselves, e.g. 90s, 30m [default: {DEFAULT_CONTROLLER_GRACE}].",
 )
 
 # A detached job that loses a node comes back on its own (launcher.jobs.recovery, launcher.jobs.restarts).

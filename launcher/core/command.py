@@ -25,6 +25,11 @@ check sees what the run will; then come two halves, and one SSH session per node
 
 Each fork on a node costs on every node of every launch, so the run half forks three times (the
 workload, its watchdog, and on a cluster the preemption watcher) and writes no files.
+
+A detached job's run half is another (`LaunchConfig.controller_grace_s` set): its workload must
+outlive the controller's session, so a supervisor on the node owns it and its output goes to a
+file the session streams (launcher.core.supervise). A stop is then a `term` line before the end of
+input, never the end of input alone.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections.abc import Mapping, Sequence
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
+from launcher.core import supervise
 from launcher.core.env import HOST_IFACE_ON_NODE, job_env, node_env
 from launcher.core.prestart import prestart_statements
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig
@@ -43,6 +49,7 @@ __all__ = [
     "STOP_REPORT",
     "PREEMPTION_NOTICE",
     "grace_line",
+    "stop_ticks",
     "CHECKED_MARKER",
     "join_timeout_s",
     "nproc_for",
@@ -54,6 +61,7 @@ __all__ = [
     "probe_script",
     "rdzv_lock_path",
     "node_commands",
+    "attach_commands",
     "run_token",
 ]
 
@@ -242,13 +250,15 @@ def remote_script(
         # Keep the launcher's end of stdin on fd 3 for the watchdog: a background list's stdin is
         # /dev/null in a non-interactive shell (POSIX, "Asynchronous Lists").
         "exec 3<&0",
+    ]
+    if config.controller_grace_s is not None:  # a detached job: the run outlives this session
+        return _join(s + _supervised(node, config, token, argv, watch_preemption))
+    s += [
         # The subshell is not a group leader (no job control here), so setsid runs in place and
         # $! is the new session's id; the token is exported only inside it.
         f"( export {token}; exec setsid -- {' '.join(shlex.quote(a) for a in argv)} ) </dev/null 3<&- 2>&1 &",
         "P=$!",
-        # Kill every process carrying the token: one grep over all environ files.
-        f"reap() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do "
-        "q=${f#/proc/}; kill -KILL ${q%/environ} 2>/dev/null; done; }",
+        _reap(token),
         *_stop_statements(token, config.stop_grace_s),
         # Once stopping, the watchdog ignores the SIGTERM below: the main shell then waits for it
         # to finish (its sleep would otherwise outlive it) instead of cutting it short. A line
@@ -278,13 +288,50 @@ def remote_script(
     return _join(s)
 
 
+def _reap(token: str) -> str:
+    # Kill every process carrying the token: one grep over all environ files.
+    return (
+        f"reap() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do "
+        "q=${f#/proc/}; kill -KILL ${q%/environ} 2>/dev/null; done; }"
+    )
+
+
+def _supervised(node: Node, config: LaunchConfig, token: str, argv: Sequence[str], watch_preemption: bool) -> list[str]:
+    """A detached job's run half (launcher.core.supervise): a supervisor in a session of its own
+    runs the workload and stops it (on a stop request, a preemption notice, or no controller for
+    --controller-grace); this session streams its output from the start."""
+    watch = _preemption_watch("USR2") if watch_preemption else []
+    sup = supervise.supervisor_script(
+        token,
+        list(argv),
+        int(config.controller_grace_s or 0),
+        [_reap(token), *_stop_statements(token, config.stop_grace_s)],
+        watch,
+        PREEMPTION_NOTICE + " (instance/preempted is TRUE)",
+    )
+    run_dir = supervise.node_run_dir(config.job_id, config.attempt, node.rank)
+    return [*supervise.start_statements(run_dir, sup), "OFF=0", *supervise.stream_statements(EXIT_MARKER)]
+
+
+def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int, int]) -> dict[int, str]:
+    """A re-adopting controller's program for every node, by rank: stream the detached run's
+    output from `offsets[rank]` bytes on (launcher.core.supervise.attach_script)."""
+    return {
+        n.rank: supervise.attach_script(
+            config.job_id, config.attempt, n.rank, offsets.get(n.rank, 0), CHECKED_MARKER, EXIT_MARKER
+        )
+        for n in cluster.nodes
+    }
+
+
 def grace_line(grace_s: float) -> bytes:
     """What the launcher writes to a node before closing its stdin, for a stop whose grace is
     `grace_s` rather than the launch's --term-grace (the watchdog reads it)."""
-    return f"term {_ticks(grace_s)} {grace_s:g}\n".encode()
+    return f"term {stop_ticks(grace_s)} {grace_s:g}\n".encode()
 
 
-def _ticks(grace_s: float) -> int:
+def stop_ticks(grace_s: float) -> int:
+    """The watchdog's ticks in a grace of `grace_s`."""
     return max(1, round(grace_s * 5))  # the watchdog looks every 0.2 s
 
 
@@ -296,7 +343,7 @@ def _stop_statements(token: str, grace_s: float) -> list[str]:
     is a process with the job's token whose environment has torchrun's RANK and whose parent has
     none (a data-loader child inherits it)."""
     return [
-        f"G={_ticks(grace_s)}; S={grace_s:g}",
+        f"G={stop_ticks(grace_s)}; S={grace_s:g}",
         f"ranks() {{ for f in $(grep -lzx {token} /proc/[0-9]*/environ 2>/dev/null); do q=${{f#/proc/}}; "
         "q=${q%/environ}; r=$(grep -az '^RANK=[0-9]*$' \"$f\" 2>/dev/null | tr -d '\\0'); [ -n \"$r\" ] && "
         "echo \"$q $(sed 's/.*) //' /proc/$q/stat 2>/dev/null | cut -d' ' -f2) ${r#RANK=}\"; done | "
@@ -312,13 +359,14 @@ def _stop_statements(token: str, grace_s: float) -> list[str]:
     ]
 
 
-def _preemption_watch() -> list[str]:
+def _preemption_watch(signal: str = "USR1") -> list[str]:
     """A Spot VM's preemption notice, from its metadata server: `instance/preempted` turns TRUE
     when Compute Engine sends the guest its ACPI soft-off, 30 s before the VM stops
     (https://cloud.google.com/compute/docs/instances/spot#detecting_if_a_vm_was_preempted; the
     hanging GET with `wait_for_change=true`:
     https://cloud.google.com/compute/docs/metadata/querying-metadata#waitforchange). It tells
-    the watchdog (SIGUSR1), which stops every rank with the grace. Each hanging GET gives up after
+    the watchdog (SIGUSR1; a detached job's supervisor, `signal`), which stops every rank with the
+    grace. Each hanging GET gives up after
     10 s (`timeout_sec`), so a change between two of them is seen at most that late.
     GCE_METADATA_HOST (the
     variable google-auth reads) names another server; without a metadata server the first GET
@@ -327,7 +375,7 @@ def _preemption_watch() -> list[str]:
         'u="http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/preempted"; '
         'h="Metadata-Flavor: Google"; v=$(curl -sf -m 5 -H "$h" "$u") || exit 0; '
         'while [ "$v" != TRUE ]; do v=$(curl -sf -m 20 -H "$h" "$u?wait_for_change=true&timeout_sec=10") || exit 0; '
-        'done; kill -USR1 "$1"'
+        f'done; kill -{signal} "$1"'
     )
     return [
         f"( exec setsid -- bash --norc --noprofile -c {shlex.quote(watch)} watch $W ) </dev/null >/dev/null 2>&1 &",
@@ -353,9 +401,7 @@ def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> lis
     return s
 
 
-def _join(statements: list[str]) -> str:
-    # `a &; b` is a syntax error: a statement ending in `&` is already terminated.
-    return " ".join(st if st.endswith("&") else st + ";" for st in statements).rstrip(";")
+_join = supervise.join
 
 
 def remote_command(script: str) -> str:

@@ -34,9 +34,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpufleet import atomic
-from launcher.core.command import grace_line, node_commands, probe_script
+from launcher.core.command import attach_commands, grace_line, node_commands, probe_script
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, check_probes, check_timeout, handshake_limit
@@ -44,7 +45,7 @@ from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
 
-__all__ = ["NodeState", "NodeEvent", "Interrupted", "Launch", "write_summary"]
+__all__ = ["NodeState", "NodeEvent", "Interrupted", "Launch", "write_summary", "offset_file_name", "read_offsets"]
 
 log = logging.getLogger("launcher")
 
@@ -136,6 +137,7 @@ class Launch:
         # caller sets another before stopping (`launch stop --grace`, through the controller).
         self.stop_grace_s = config.stop_grace_s
         self._hang = HangWatch(config.hang_timeout_s, config.progress) if config.hang_timeout_s else None
+        self._offsets: dict[int, int] = {}  # a re-adopted run's: where each node's stream resumes
 
     # ---- the one place a node's state changes ----
 
@@ -159,10 +161,17 @@ class Launch:
 
     # ---- what callers call ----
 
-    def run(self, handle_signals: bool = True) -> LaunchResult:
+    def run(self, handle_signals: bool = True, adopt: dict[int, int] | None = None) -> LaunchResult:
         """Check every node, start the workload on all of them, stream, stop on the first
-        failure, and report. Raises UserError or Interrupted (nothing was started)."""
-        scripts = node_commands(self.cluster, self.config)
+        failure, and report. Raises UserError or Interrupted (nothing was started).
+        `adopt`: a detached job's run that is already going (its controller died): instead of
+        starting it, re-attach to every node's supervisor and stream from these byte offsets, by
+        rank (launcher.core.supervise); a node without its run refuses, as a check does."""
+        if adopt is None:
+            scripts = node_commands(self.cluster, self.config)
+        else:
+            self._offsets = adopt
+            scripts = attach_commands(self.cluster, self.config, adopt)
         with self._signals_stop(handle_signals):
             try:
                 self._check(scripts)
@@ -286,8 +295,15 @@ class Launch:
     # ---- running ----
 
     def _go(self) -> None:
+        detached = self.config.controller_grace_s is not None
         for rank, session in self._sessions.items():
-            session.go(self.config.run_dir / f"node-{rank}.log")
+            if detached:
+                offsets = self.config.run_dir / offset_file_name(rank)
+                session.go(
+                    self.config.run_dir / f"node-{rank}.log", offsets, self.config.attempt, self._offsets.get(rank, 0)
+                )
+            else:
+                session.go(self.config.run_dir / f"node-{rank}.log")
             self._set_state(rank, NodeState.RUNNING)
         if self._hang is not None:
             self._hang.start()
@@ -320,7 +336,9 @@ class Launch:
             self._stop_running()
 
     def _stop_running(self) -> None:
-        line = grace_line(self.stop_grace_s) if self.stop_grace_s != self.config.stop_grace_s else b""
+        # A detached run takes end of input for its controller gone, never for a stop: it is told.
+        told = self.stop_grace_s != self.config.stop_grace_s or self.config.controller_grace_s is not None
+        line = grace_line(self.stop_grace_s) if told else b""
         for rank in self.in_state(NodeState.RUNNING):
             self._sessions[rank].request_stop(line)
 
@@ -407,6 +425,26 @@ class Launch:
             if self.in_state(NodeState.RUNNING):
                 log.warning("a node failed; stopping the other nodes")
             self._stop_running()
+
+
+def offset_file_name(rank: int) -> str:
+    """A detached run's offset file for node `rank`, in the run directory: `ATTEMPT OFFSET`, the
+    bytes of the node's output its controller has read (launcher.core.session)."""
+    return f"node-{rank}.offset"
+
+
+def read_offsets(run_dir: Path, attempt: int, ranks: Sequence[int]) -> dict[int, int]:
+    """Where each node's stream of `attempt` resumes: the offsets its files keep (0 for a node
+    without one, or whose file is an earlier attempt's)."""
+    out = {}
+    for rank in ranks:
+        try:
+            tag, offset = (run_dir / offset_file_name(rank)).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if int(tag) == attempt:
+            out[rank] = int(offset)
+    return out
 
 
 def write_summary(result: LaunchResult, cluster: Cluster) -> None:

@@ -9,6 +9,7 @@ state the node is in (launcher.core.launch).
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import threading
@@ -55,6 +56,11 @@ class NodeSession:
         self.start = time.monotonic()
         self.stop_sent_at: float | None = None
         self._log: IO[bytes] | None = None  # opened by go(): until then, output is the check's
+        # A detached run's stream (launcher.core.supervise): bytes of the node's output read so
+        # far, kept in a file after each line, from which a re-adopting controller resumes.
+        self.offset = 0
+        self._offset_fd: int | None = None
+        self._offset_tag = 0
         self._reports = reports
         self.proc = subprocess.Popen(
             argv,
@@ -79,7 +85,7 @@ class NodeSession:
             if self._log is None:
                 self._check_line(text, is_err)
             else:
-                self._output_line(text, is_err, sorter)
+                self._output_line(text, is_err, sorter, len(raw))
         self._report(sorter.flush(), is_err)
 
     def _check_line(self, text: str, is_err: bool) -> None:
@@ -95,7 +101,7 @@ class NodeSession:
             if eq:
                 self.facts[key] = value
 
-    def _output_line(self, text: str, is_err: bool, sorter: StreamSorter) -> None:
+    def _output_line(self, text: str, is_err: bool, sorter: StreamSorter, size: int = 0) -> None:
         if not is_err and EXIT_MARKER in text:
             before, _, after = text.partition(EXIT_MARKER)
             try:
@@ -107,6 +113,10 @@ class NodeSession:
             text = before
         self._log.write(text.encode() + b"\n")
         self._log.flush()
+        if self._offset_fd is not None and not is_err:
+            self.offset += size
+            # One pwrite of a fixed-width line: a controller killed at any moment leaves a whole one.
+            os.pwrite(self._offset_fd, f"{self._offset_tag:06d} {self.offset:020d}\n".encode(), 0)
         if shown_live(text):
             self._report(sorter.feed(text), is_err)
 
@@ -129,6 +139,8 @@ class NodeSession:
             t.join()
         if self._log is not None:
             self._log.close()
+        if self._offset_fd is not None:
+            os.close(self._offset_fd)
         self._reports.put(Report("exit", self.node.rank, str(rc)))
 
     # ---- what the launch asks of it ----
@@ -148,8 +160,14 @@ class NodeSession:
             self.node, True, facts=dict(self.facts), skew_s=clock_skew(self.facts, self.asked_at, self.checked_at)
         )
 
-    def go(self, logfile: Path) -> None:
-        """Start the workload: the node has passed its check and every other node has too."""
+    def go(self, logfile: Path, offset_file: Path | None = None, tag: int = 0, offset: int = 0) -> None:
+        """Start the workload: the node has passed its check and every other node has too.
+        `offset_file`: a detached run's, where the bytes read so far (from `offset` on) are kept
+        after each line, tagged with `tag` (the attempt) (launcher.core.supervise)."""
+        if offset_file is not None:
+            self.offset, self._offset_tag = offset, tag
+            self._offset_fd = os.open(offset_file, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.pwrite(self._offset_fd, f"{tag:06d} {offset:020d}\n".encode(), 0)
         self._log = open(logfile, "ab")
         self.start = time.monotonic()
         try:
@@ -175,7 +193,7 @@ class NodeSession:
                 try:
                     self.proc.stdin.write(grace_line)
                     self.proc.stdin.flush()
-                except OSError:
+                except (OSError, ValueError):
                     pass  # the connection is gone: its exit report says so
             self._close_stdin()
 

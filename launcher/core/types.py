@@ -232,6 +232,10 @@ class LaunchConfig:
     rank_order: str | None = None
     hang_timeout_s: float | None = None  # --hang-timeout: stop after this long without progress
     progress: str | None = None  # --progress: the regex a progress line matches (None: any line)
+    # --controller-grace, a detached job's: its nodes' workloads outlive the controller's SSH
+    # sessions (launcher.core.supervise) and stop themselves after this long with no controller.
+    # None: an attached launch, whose nodes stop at once when their session ends.
+    controller_grace_s: int | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -242,6 +246,10 @@ class LaunchConfig:
             raise UserError(f"--rdzv-port {self.rdzv_port} must be between 1024 and 65535")
         if self.stop_grace_s <= 0:
             raise UserError(f"--term-grace {self.stop_grace_s:g} s must be more than 0; give a duration like 25s")
+        if self.controller_grace_s is not None and self.controller_grace_s < 1:
+            raise UserError(
+                f"--controller-grace {self.controller_grace_s} s must be at least 1 s; give a duration like 10m"
+            )
         if self.image_os not in (None, "ubuntu", "cos"):
             raise UserError(f"--image-os {self.image_os!r} is unknown; one of: ubuntu, cos")
         if self.rank_order not in (None, "topology", "given"):

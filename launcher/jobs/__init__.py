@@ -1,8 +1,9 @@
 """Detached jobs: the record on node 0 (record), the client's hand-off (handoff), the client's
 SSH to node 0 (node0), the refusal of an attached launch on nodes a detached job holds (busy), the
 controller that runs the job on node 0 (`python -m launcher.jobs.controller JOBDIR`, not imported
-here), its recovery (recovery) and, for a user's own program, the restart reasons and budget
-(restarts). No click, no rich: node 0 runs this package with `python -S`.
+here), its re-adoption of a job whose controller died (adopt), its recovery (recovery) and, for a
+user's own program, the restart reasons and budget (restarts). No click, no rich: node 0 runs this
+package with `python -S`.
 
 A job's life, each state one `JobState` value the controller writes to `state.json`:
 
@@ -12,7 +13,8 @@ A job's life, each state one `JobState` value the controller writes to `state.js
        └──────────────────> STOPPED   (`launch stop` while it waited)
 
 PENDING: an earlier job (first in, first out) on any of the same nodes is still pending or
-running. RUNNING, PENDING or RECOVERING whose controller is gone reads as FAILED.
+running. RUNNING, PENDING or RECOVERING whose controller is gone is still so while its nodes wait
+for one (--controller-grace; a controller started again re-adopts it: adopt), then reads as FAILED.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The controller of one detached job, on node 0: `python -m launcher.jobs.controller JOBDIR`.
+"""The controller of one detached job, on the job host: `python -m launcher.jobs.controller JOBDIR`
+(`--adopt-all`: start again every job's controller that died, as the controller VM's boot does).
 
 Started by launcher.jobs.handoff in a session of its own, it runs the same `launcher.core.launch.Launch`
 an attached launch runs (node 0 reaching every node, itself included, over SSH with the cluster
@@ -12,6 +13,10 @@ key) and keeps the job's record (launcher.jobs.record) up to date:
 PENDING: an earlier job (first in, first out) on any of the same nodes is still pending or
 running. SIGTERM (`launch stop`) stops every node, as Ctrl-C does an attached launch. When the
 job ends the controller exits: nothing of the job is left running on any node.
+
+A controller may die (killed, its VM rebooted) while its job runs: the nodes keep training for
+--controller-grace (launcher.core.supervise), and a controller started again on the same job
+directory finds the record its predecessor left and re-adopts the job (launcher.jobs.adopt).
 """
 
 from __future__ import annotations
@@ -29,13 +34,18 @@ from pathlib import Path
 
 from gpufleet import atomic
 from launcher.core.output import failure_line
+from launcher.core.supervise import ORPHAN_STOP
 from launcher.core.types import LaunchResult, UserError
 from launcher.jobs.goodput import MarkKeeper, is_node_failure, note_state
 from launcher.jobs.record import (
+    CONTROLLER_LOCK,
+    HEARTBEAT_FILE,
+    HEARTBEAT_S,
     STOP_GRACE_FILE,
     JobRecord,
     JobState,
     controller_alive,
+    jobs_home,
     process_start,
     request_from_json,
 )
@@ -55,11 +65,17 @@ class Controller:
         self.request = json.loads((jobdir / "request.json").read_text())
         env_file = jobdir / "env.json"
         self.env = json.loads(env_file.read_text()) if env_file.exists() else []
-        env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
+        if self.request.get("recover") is None:
+            env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
+        # With --recover they stay (mode 600) until the job ends: a controller started again after
+        # this one died needs them to relaunch the job.
         self.stop = threading.Event()
         self.metrics = None  # the job's sampling (launcher.observe.job_metrics), while it runs
         self.preempted, self.last_step = False, None  # this attempt's, for launcher.jobs.recovery
         self.launch = None  # the attempt running now (a launcher.core.launch.Launch)
+        self.started_at = time.monotonic()
+        self.orphan_stopped = False  # a node said it stopped itself: no controller for --controller-grace
+        self._run_noted: object = None  # the launch whose nodes the record's `run` names
         wl = self.request["workload"]
         pid = os.getpid()
         self.record = JobRecord(
@@ -71,20 +87,52 @@ class Controller:
             pid=pid,
             pid_start=process_start(pid) or "",
             machine_type=self.request["cluster"].get("machine_type"),
+            controller_grace_s=self.request["config"].get("controller_grace_s"),
         )
+        # A record already there: an earlier controller of this job died; this one re-adopts it.
+        self.previous: JobRecord | None = None
+        state_file = jobdir / "state.json"
+        if state_file.exists():
+            self.previous = JobRecord.from_json(json.loads(state_file.read_text()))
+            self.record = JobRecord.from_json(self.previous.to_json())
+            self.record.pid, self.record.pid_start = pid, process_start(pid) or ""
         self.marks = MarkKeeper(self.record, self.request["config"].get("progress"))  # for goodput
         self._saved_at = 0.0
+        self._lock = None  # CONTROLLER_LOCK's file, held while this controller lives
 
     def save(self) -> None:
         note_state(self.record, time.time())
         atomic.write_text(self.jobdir / "state.json", json.dumps(self.record.to_json(), indent=1) + "\n")
         self._saved_at = time.monotonic()
 
+    def take_lock(self) -> bool:
+        """Hold CONTROLLER_LOCK for this controller's life; False: another controller holds it."""
+        self._lock = open(self.jobdir / CONTROLLER_LOCK, "a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        return True
+
     def run(self) -> int:
-        (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
+        if not self.take_lock():
+            log.info("job %s has a live controller already; this one exits", self.record.id)
+            return 0
+        if self.previous is not None and self.previous.state.final:
+            return self.previous.exit or 0
+        # The previous controller's last sign of life, read before this one's first.
+        heartbeat = self.jobdir / HEARTBEAT_FILE
+        silent_s = time.time() - heartbeat.stat().st_mtime if heartbeat.exists() else None
+        # Handlers first: a `launch stop` may signal this controller as soon as its pid is there.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self._on_stop_signal())
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        (self.jobdir / "controller.pid").write_text(f"{self.record.pid} {self.record.pid_start}\n")
+        self._start_heartbeat()
+        if self.previous is not None and self.previous.state is not JobState.PENDING:
+            from launcher.jobs.adopt import adopt
+
+            return adopt(self, self.previous, silent_s)
         if not self.wait_turn():
             return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
         # Imported once the record is written: the hand-off waits for the record, not for these.
@@ -110,6 +158,36 @@ class Controller:
 
         return Recoverer(self, cluster, config, RecoverPolicy(**self.request["recover"])).run(result)
 
+    def _start_heartbeat(self) -> None:
+        """Touch HEARTBEAT_FILE every HEARTBEAT_S while this controller lives: once it has died,
+        the file's age is how long its nodes have been without one (launcher.jobs.record)."""
+        path = self.jobdir / HEARTBEAT_FILE
+
+        def beat() -> None:
+            while True:
+                path.touch()
+                time.sleep(HEARTBEAT_S)
+
+        path.touch()
+        threading.Thread(target=beat, daemon=True).start()
+
+    def note_run(self, launch) -> None:
+        """Keep in the record which attempt runs on which nodes (`JobRecord.run`), once per launch,
+        when its nodes are told to go: what a controller started after this one re-adopts."""
+        if self._run_noted is launch:
+            return
+        self._run_noted = launch
+        cfg = launch.config
+        self.record.run = {
+            "attempt": cfg.attempt,
+            "restart_reason": cfg.restart_reason,
+            "nodes": [
+                {"rank": n.rank, "host": n.host, "address": n.address, "slots": n.slots, "name": n.name}
+                for n in launch.cluster.nodes
+            ],
+        }
+        self.save()
+
     def _on_stop_signal(self) -> None:
         """`launch stop` (SIGTERM): stop every node, with the grace `launch stop --grace` left in
         the job's directory, if it did."""
@@ -123,8 +201,11 @@ class Controller:
 
     def on_event(self, out, event) -> None:  # a launcher.core.launch.NodeEvent
         self._mark(event)
+        if event.state is not None and event.state.value == "running" and self.launch is not None:
+            self.note_run(self.launch)
         if event.line is not None:
             out.write(f"[node {event.node.rank}] {event.line}\n")
+            self.orphan_stopped = self.orphan_stopped or event.line.startswith(ORPHAN_STOP)
             if self.request.get("recover") is not None:
                 from launcher.core.command import PREEMPTION_NOTICE
                 from launcher.jobs.recovery import PREEMPTED_TEXT, step_of
@@ -183,12 +264,14 @@ class Controller:
                 continue
             earlier = (other.submitted, other.id) < (self.record.submitted, self.record.id)
             holds = other.state in (JobState.RUNNING, JobState.RECOVERING)
-            if (earlier or holds) and controller_alive(other):
+            if (earlier or holds) and (controller_alive(other) or _waits_for_controller(other, f.parent)):
                 out.append(other)
         return out
 
     def finish(self, result: LaunchResult, note: str = "") -> int:
         """End the record as `result` says; `note` (why recovery gave up) follows a failure's why."""
+        if self.orphan_stopped:  # the nodes stopped themselves before a controller came back
+            return self.end(JobState.FAILED, result.exit_code or 1, why=(self.previous or self.record).orphan_why())
         if result.signal is not None:
             return self.end(
                 JobState.STOPPED, result.exit_code, why=f"stopped (signal {result.signal}): every node was stopped"
@@ -222,15 +305,35 @@ class Controller:
         r = self.record
         r.state, r.exit, r.why, r.failed_node, r.tail, r.ended = state, code, why, node, tail or [], time.time()
         r.reason = reason
+        r.run = None
         self.save()
+        (self.jobdir / "env.json").unlink(missing_ok=True)  # the --env values: no relaunch can come now
         log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
         return code
 
 
+def _waits_for_controller(record: JobRecord, jobdir: Path) -> bool:
+    """Whether a job whose controller died still holds its nodes: they keep its run going for
+    --controller-grace after its controller's last heartbeat (launcher.core.supervise)."""
+    try:
+        silent_s = time.time() - (jobdir / HEARTBEAT_FILE).stat().st_mtime
+    except OSError:
+        return False
+    return not record.seen_with(False, silent_s).state.final
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--adopt-all"] and len(args) <= 2:
+        # The controller VM's boot: every job whose controller died with the VM gets one again.
+        from launcher.jobs.adopt import adopt_all
+
+        home = Path(args[1]) if len(args) == 2 else jobs_home()
+        for job_id in adopt_all(home):
+            print(f"job {job_id}: its controller had died; started it again to re-adopt the job")
+        return 0
     if len(args) != 1:
-        sys.stderr.write("usage: python -m launcher.jobs.controller JOBDIR\n")
+        sys.stderr.write("usage: python -m launcher.jobs.controller JOBDIR | --adopt-all [JOBS_DIR]\n")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # stderr: controller.log
     logging.getLogger("launcher").setLevel(logging.INFO)

@@ -4,7 +4,7 @@ controller host (`Cluster.controller`: the stack's controller VM, `--controller 
 hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
 
 0. A controller host is checked first (reachable, and with what the shipped launcher needs: a
-   python 3.10+, ssh, tar, setsid): one UserError naming it, nothing started. Its python is
+   python 3.10+, ssh, tar, setsid, flock): one UserError naming it, nothing started. Its python is
    CONTROLLER_VENV's (the stack's startup script makes it) where there is one, else python3.
 
 1. The check: each node runs the same node-side program an attached launch runs
@@ -15,9 +15,11 @@ hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
    queue on node 0 decides when the job may take it.
 2. The hand-off: one more session to node 0 receives a tar archive on stdin (the launcher's own
    code, so node 0 runs this version; the cluster key, mode 600; the job's known_hosts; the request;
-   the --env values in a file of their own, mode 600), and starts `python -m launcher.jobs.controller
-   JOBDIR` in a session of its own (setsid, stdin from /dev/null, output to a file), so it
-   outlives this SSH connection. It returns once the controller has written its record.
+   the --env values in a file of their own, mode 600; the controller's start line, CONTROLLER_SH),
+   and runs that line: `python -m launcher.jobs.controller JOBDIR` in a session of its own (setsid,
+   stdin from /dev/null, output to a file), so it outlives this SSH connection. It returns once the
+   controller has written its record. The same line starts a dead controller again
+   (launcher.jobs.adopt).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ from launcher.core.preflight import Probe, check_probes
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
 from launcher.jobs.node0 import job_host
-from launcher.jobs.record import JOBS_DIR, request_json
+from launcher.jobs.record import CONTROLLER_SH, JOBS_DIR, request_json
 
-__all__ = ["detach", "STARTED_MARKER", "NODE0_WARNING"]
+__all__ = ["detach", "controller_sh", "STARTED_MARKER", "NODE0_WARNING"]
 
 log = logging.getLogger("launcher")
 
@@ -98,6 +100,7 @@ def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | Non
     }
     code, code_hash = _code_files()
     files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
+    files[f"{JOBS_DIR}/{config.job_id}/{CONTROLLER_SH}"] = controller_sh(config.job_id, code_hash, python).encode()
     _hand_off(cluster, config, transport, _archive(files), code_hash, slug, python)
     if cluster.controller is None:  # once the job is handed off: a refusal stays one line
         log.warning(NODE0_WARNING)
@@ -109,7 +112,7 @@ def _controller_python_script() -> str:
     return (
         f"for p in {venv} python3; do P=$(command -v \"$p\") || continue; "
         "\"$P\" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || continue; "
-        'for t in ssh tar setsid; do command -v "$t" >/dev/null || { echo "no $t" >&2; exit 3; }; done; '
+        'for t in ssh tar setsid flock; do command -v "$t" >/dev/null || { echo "no $t" >&2; exit 3; }; done; '
         f'echo {_PY_FACT} "$P"; exit 0; done; echo "no python 3.10 or newer" >&2; exit 3'
     )
 
@@ -189,16 +192,30 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str, python: str
             f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
             'rm -rf "$S"',
             f'J="$G/jobs/"{job}',
-            'cd "$J"',
-            # Its own session, stdin from /dev/null, output to a file: nothing ties it to this SSH
-            # connection, which ends right after.
-            # -S: no site-packages; the controller needs the standard library and the code shipped here.
-            f'PYTHONPATH="$G/code/{code_hash}" setsid {shlex.quote(python)} -S -m launcher.jobs.controller "$J" '
-            '</dev/null >>"$J/controller.log" 2>&1 &',
-            'i=0; while [ ! -f "$J/state.json" ] && kill -0 $! 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
+            f'C=$(bash "$J/{CONTROLLER_SH}")',
+            'i=0; while [ ! -f "$J/state.json" ] && kill -0 "$C" 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
             "i=$((i+1)); done",
             f'if [ -f "$J/state.json" ]; then echo {STARTED_MARKER} {job}; else echo "the controller did not start:" '
             '>&2; tail -n 5 "$J/controller.log" >&2; exit 1; fi',
+        ]
+    )
+
+
+def controller_sh(job_id: str, code_hash: str, python: str) -> str:
+    """The job's controller start line (its directory's CONTROLLER_SH): the hand-off runs it, and
+    so does whatever restarts a dead controller (`launch jobs`, `launch attach`, the controller
+    VM's boot), which then re-adopts the job. It prints the controller's pid."""
+    return "\n".join(
+        [
+            f'J="$HOME"/{JOBS_DIR}/{shlex.quote(job_id)}',
+            'cd "$J" || exit 1',
+            # Its own session, stdin from /dev/null, output to a file: nothing ties it to the SSH
+            # connection that started it, which ends right after.
+            # -S: no site-packages; the controller needs the standard library and the code shipped here.
+            f'PYTHONPATH="$HOME/.gpufleet/code/{code_hash}" setsid {shlex.quote(python)} -S '
+            '-m launcher.jobs.controller "$J" </dev/null >>"$J/controller.log" 2>&1 &',
+            "echo $!",
+            "",
         ]
     )
 

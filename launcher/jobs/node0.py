@@ -11,7 +11,7 @@ import subprocess
 
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, ControllerHost, Node, UserError
-from launcher.jobs.record import JobRecord, list_script, parse_listing
+from launcher.jobs.record import RESTARTED_MARKER, JobRecord, list_script, parse_listing, restart_script
 
 __all__ = ["Node0", "job_host"]
 
@@ -50,3 +50,9 @@ class Node0:
         if not found:
             raise UserError(f"no job {job_id} on {self.head.label}; `launch jobs` lists the jobs there")
         return found[0]
+
+    def restart(self, job_ids: list[str]) -> list[str]:
+        """Start again the dead controllers of these jobs (launcher.jobs.record.restart_script);
+        the ids whose controller now runs."""
+        out = self.run(restart_script(job_ids))
+        return [line.split()[1] for line in out.splitlines() if line.startswith(RESTARTED_MARKER + " ")]

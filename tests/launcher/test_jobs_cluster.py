@@ -227,19 +227,23 @@ def test_attach_follows_to_the_end_and_shows_the_summary_ctrl_c_on_logs_leaves_t
     c.assert_nothing_left()
 
 
-def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not_outlive_it(sim_cluster, tmp_path):
+def test_a_controller_killed_with_sigkill_reads_as_failed_and_its_workers_do_not_outlive_its_grace(
+    sim_cluster, tmp_path
+):
     c = cluster(sim_cluster, tmp_path, 2)
-    job_id = detach(c, tmp_path, "exec", "--", "sh", "-c", 'echo "up $GPUFLEET_NODE_RANK"; sleep 300')
+    cmd = 'echo "up $GPUFLEET_NODE_RANK"; sleep 300'
+    job_id = detach(c, tmp_path, "exec", "--controller-grace", "2s", "--", "sh", "-c", cmd)
     wait_for(
         lambda: c.processes(1) and "up 1" in (jobdir(tmp_path, job_id) / "output.log").read_text(), 60, "node 1 up"
     )
     pid = int((jobdir(tmp_path, job_id) / "controller.pid").read_text().split()[0])
     os.kill(pid, signal.SIGKILL)
-    # The nodes' watchdogs read the end of their input and stop everything (grace 5 s, then
-    # SIGKILL), long before the workers' own 300 s sleep would end.
+    # No controller back within --controller-grace: the nodes' supervisors stop everything (term
+    # grace 5 s, then SIGKILL), long before the workers' own 300 s sleep would end.
     c.assert_nothing_left(within=60)
     done = job(c, tmp_path, job_id)
-    assert done["state"] == "FAILED" and f"controller (pid {pid})" in done["why"], done
+    assert done["state"] == "FAILED" and f"pid {pid} died" in done["why"], done
+    assert "--controller-grace 2 s" in done["why"], done
     # The record on node 0 was never half-written: it still reads, as RUNNING, with the dead pid.
     assert json.loads((jobdir(tmp_path, job_id) / "state.json").read_text())["pid"] == pid
 
@@ -299,7 +303,8 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
     # The private key: node 0 only, mode 600; the same key, by its public half.
     (node_key,) = (tmp_path / "home0" / ".gpufleet" / "clusters").glob("*/id_ed25519")
     assert stat.S_IMODE(node_key.stat().st_mode) == 0o600 and node_key.read_bytes() == client_key.read_bytes()
-    assert not (tmp_path / "home1" / ".gpufleet").exists() and not (tmp_path / "home2" / ".gpufleet").exists()
+    # (The other nodes hold only their runs' output, in .gpufleet/node-runs: no key, no record.)
+    assert not [p for i in (1, 2) for p in (tmp_path / f"home{i}" / ".gpufleet").glob("*") if p.name != "node-runs"]
     public = client_key.with_name("id_ed25519.pub").read_text().split()[1]
     frm = 'from="' + ",".join(sorted(c.addresses)) + '"'
     for i in range(3):

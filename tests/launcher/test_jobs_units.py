@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,15 +45,27 @@ def test_a_running_record_whose_controller_is_gone_reads_as_failed_with_why():
     assert done.seen_with(alive=False).state is JobState.SUCCEEDED
 
 
+def test_a_job_whose_controller_died_reads_as_orphaned_within_its_grace_and_failed_after_it():
+    r = record(pid=123, pid_start="456", controller_grace_s=600)
+    within = r.seen_with(alive=False, heartbeat_age_s=30)
+    assert within.state is JobState.RUNNING and within.orphaned and within.why == ""
+    past = r.seen_with(alive=False, heartbeat_age_s=601)
+    assert past.state is JobState.FAILED and not past.orphaned and past.exit == 1
+    assert "no controller for more than --controller-grace 600 s" in past.why and "pid 123" in past.why
+    # No heartbeat at all (a controller from before it existed): no grace to wait in.
+    assert r.seen_with(alive=False).state is JobState.FAILED
+    assert not r.seen_with(alive=True, heartbeat_age_s=900).orphaned
+
+
 def test_listing_is_newest_first_and_ignores_banners_and_torn_lines():
     older = record(id="20260101-000000-aaaaaa", submitted=1.0)
     newer = record(id="20260101-000001-bbbbbb", submitted=2.0)
     text = "\n".join(
         [
             "Welcome to node 0",
-            f"{LIST_MARKER} 1 {json.dumps(older.to_json())}",
-            f"{LIST_MARKER} 0 {json.dumps(newer.to_json())}",
-            f"{LIST_MARKER} 1 {{\"id\": ",
+            f"{LIST_MARKER} 1 - {json.dumps(older.to_json())}",
+            f"{LIST_MARKER} 0 - {json.dumps(newer.to_json())}",
+            f"{LIST_MARKER} 1 - {{\"id\": ",
         ]
     )
     got = parse_listing(text)
@@ -72,6 +85,23 @@ def test_list_script_tells_a_live_controller_from_a_dead_one(tmp_path):
     ).stdout
     states = {r.id: r.state for r in parse_listing(out)}
     assert states == {"20260101-000000-aaaaaa": JobState.RUNNING, "20260101-000001-bbbbbb": JobState.FAILED}
+    # A dead controller's heartbeat within the job's --controller-grace: still RUNNING, orphaned.
+    dead = jobs / "20260101-000001-bbbbbb"
+    atomic.write_text(
+        dead / "state.json", json.dumps(record(id=dead.name, pid=999999, controller_grace_s=60).to_json())
+    )
+    (dead / "heartbeat").touch()
+    out = subprocess.run(
+        ["bash", "-c", list_script()], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)}
+    ).stdout
+    (seen,) = [r for r in parse_listing(out) if r.id == dead.name]
+    assert seen.state is JobState.RUNNING and seen.orphaned
+    os.utime(dead / "heartbeat", (0, time.time() - 61))
+    out = subprocess.run(
+        ["bash", "-c", list_script()], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)}
+    ).stdout
+    (seen,) = [r for r in parse_listing(out) if r.id == dead.name]
+    assert seen.state is JobState.FAILED and "--controller-grace 60 s" in seen.why
 
 
 @pytest.mark.parametrize("bad", ["../x", "20260101-000000-aaaaaa; rm -rf ~", "", "*"])
@@ -219,4 +249,23 @@ def test_the_code_shipped_to_node_0_runs_the_controller_under_python_S_from_the_
     r = subprocess.run(
         [sys.executable, "-S", "-m", "launcher.jobs.controller"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
-    assert (r.returncode, r.stderr) == (2, "usage: python -m launcher.jobs.controller JOBDIR\n")
+    assert (r.returncode, r.stderr) == (
+        2,
+        "usage: python -m launcher.jobs.controller JOBDIR | --adopt-all [JOBS_DIR]\n",
+    )
+
+
+def test_controller_grace_needs_detach_and_a_duration_and_is_refused_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from launcher.cli.main import main
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("192.0.2.10\n")  # TEST-NET-1: nothing answers there, and nothing is asked
+    base = ["exec", "--hostfile", str(hosts), "--runs-dir", str(tmp_path / "runs")]
+    r = CliRunner().invoke(main, [*base, "--controller-grace", "5m", "--", "true"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "error: --controller-grace is for a detached job's controller; add --detach or drop it"
+    ], r.output
+    r = CliRunner().invoke(main, [*base, "--detach", "--controller-grace", "soon", "--", "true"])
+    assert r.exit_code == 2 and "--controller-grace 'soon' is not a duration" in r.output, r.output

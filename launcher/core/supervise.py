@@ -1,0 +1,159 @@
+"""The run half of a detached job's node, which outlives its SSH session. Pure functions: they
+build bash, they run nothing.
+
+An attached launch's node runs its workload under the SSH session itself (launcher.core.command):
+end of input stops it at once, and nothing is written on the node. A detached job's controller may
+die (its process killed, its VM rebooted) while the job trains, so on a detached job's node:
+
+- a *supervisor* (bash in a session of its own) owns the workload. The workload's output goes to
+  `out` in the run's directory on the node (`node_run_dir`, mode 700, under the home tree the jobs
+  use), its exit status to `rc` when it ends. The supervisor's watcher stops every rank (the same
+  SIGTERM, --term-grace, SIGKILL and STOP_REPORT lines as an attached stop) on a stop request, a
+  Spot preemption notice, or when no controller has been attached for --controller-grace;
+- the SSH session only *streams* `out` from a byte offset (`tail -F`), holding a shared lock on
+  `attached` while it is connected, and relays a stop: a `term TICKS SECONDS` line (what the
+  controller writes before it closes the session on purpose: `launch stop`, a failed node,
+  recovery) becomes the file `stop` and a SIGUSR1 to the watcher. End of input alone means the
+  controller went away: the session detaches and the workers keep training;
+- once the supervisor has ended, the stream prints what is left of `out`, then `EXIT_MARKER <rc>`,
+  and removes the run's directory: its output has reached the controller;
+- a controller started again (launcher.jobs.controller, adopting the job) runs `attach_script`:
+  the same stream, from the offset it had read up to, so no line is lost or read twice.
+
+The lock is flock(2)'s: a session killed with SIGKILL, or a connection cut, releases it with the
+process, so the supervisor's test (`flock -n -x`, once a second) needs no heartbeat.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+__all__ = [
+    "NODE_RUNS_DIR",
+    "ORPHAN_STOP",
+    "node_run_dir",
+    "supervisor_script",
+    "start_statements",
+    "stream_statements",
+    "attach_script",
+    "join",
+]
+
+# Relative to the home directory of the account on the node.
+NODE_RUNS_DIR = ".gpufleet/node-runs"
+# Starts the supervisor's line when no controller came back in time (a STOP_REPORT line).
+ORPHAN_STOP = "gpufleet-stop: no controller for"
+
+
+def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
+    """The run's directory on the node, as bash (`$HOME` expands there): one per job, attempt
+    and node rank, so a relaunch never reads an earlier attempt's output."""
+    return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
+
+
+def supervisor_script(
+    token: str, argv: list[str], controller_grace_s: int, stop: list[str], watch: list[str], notice: str
+) -> str:
+    """The supervisor, run as `bash -c SCRIPT sup DIR` in a session of its own with its output
+    appended to DIR/out. `token`: the run token (quoted) the workload's processes carry; `stop`:
+    launcher.core.command's G/S and `ranks`/`gone`/`stop`/`reap`; `watch`: the preemption
+    watcher's statements (empty: none), which send `$W` SIGUSR2; `notice`: the line it prints then."""
+    lines = [
+        "D=$1",
+        f"( export {token}; exec setsid -- {' '.join(shlex.quote(a) for a in argv)} ) </dev/null &",
+        "P=$!",
+        *stop,
+        # The watcher, once a second: a stop request (the file `stop`, with its grace; SIGUSR1
+        # wakes it at once), the preemption notice (SIGUSR2), or no session holding `attached`
+        # for --controller-grace. Bash runs a trap when `wait` returns, hence the sleep it waits on
+        # (and ends, when the supervisor ends the watcher).
+        "( trap : USR1; trap 'N=1' USR2; trap 'kill $s 2>/dev/null; exit 0' TERM; o=; while :; do sleep 1 & s=$!; "
+        "wait $s; kill $s 2>/dev/null; "
+        f'if [ -n "$N" ]; then echo "{notice}: SIGTERM to every rank, SIGKILL after $S s"; break; fi; '
+        'if [ -f "$D/stop" ]; then read -r G S < "$D/stop"; break; fi; '
+        'if flock -n -x "$D/attached" true; then o=${o:-$SECONDS}; '
+        f'if [ $((SECONDS - o)) -ge {int(controller_grace_s)} ]; then echo "{ORPHAN_STOP} {int(controller_grace_s)} s '
+        '(--controller-grace): SIGTERM to every rank, SIGKILL after $S s"; break; fi; else o=; fi; done; '
+        "trap '' TERM; stop ) </dev/null &",
+        "W=$!",
+        'echo "$$ $W" > "$D/pid"',
+        *watch,
+        "wait $P",
+        "rc=$?",
+        "kill $W 2>/dev/null",
+        *(['kill -- -"$M" 2>/dev/null'] if watch else []),
+        "wait $W",
+        '[ "$rc" = 0 ] || reap',
+        'echo $rc > "$D/rc"',
+    ]
+    return "\n".join(lines)
+
+
+def start_statements(run_dir: str, supervisor: str) -> list[str]:
+    """The session's statements that make the run's directory (private) and start the supervisor
+    in a session of its own, leaving `$SUP` its pid; the workload inherits the rendezvous lock
+    (fd 9), which the session itself then lets go, and never the session's stdin (fd 3)."""
+    return [
+        f"D={run_dir}",
+        'if ! { ( umask 077; mkdir -p "$D" ) && rm -f "$D/rc" "$D/stop" && : > "$D/out"; }; then '
+        'echo "cannot create the run directory $D" >&2; exit 70; fi',
+        f'( exec setsid bash --norc --noprofile -c {shlex.quote(supervisor)} sup "$D" ) </dev/null 3<&- >>"$D/out" '
+        "2>&1 &",
+        "SUP=$!",
+        "exec 9>&-",
+    ]
+
+
+def stream_statements(exit_marker: str) -> list[str]:
+    """Stream `$D/out` from byte `$OFF` while `$SUP` runs, relaying a stop line from fd 3; then
+    the rest, `exit_marker <rc>`, and the directory removed. End of input first: detach."""
+    return [
+        'exec 8>>"$D/attached"',
+        "flock -s 8",
+        'if [ -f "$D/rc" ]; then tail -c +$((OFF + 1)) "$D/out" 8<&- & '
+        'else tail -c +$((OFF + 1)) -s 0.2 -F --pid="$SUP" "$D/out" 2>/dev/null 8<&- & fi',
+        "T=$!",
+        # A `term` line is a deliberate stop: the grace goes to the file, the watcher is woken, and
+        # the stream goes on to the exit status. End of input without one: detach.
+        '( t=; while IFS= read -r L; do case $L in "term "*) set -- $L; printf "%s %s\\n" "$2" "$3" > "$D/stop.new" '
+        '&& mv -f "$D/stop.new" "$D/stop"; t=1; read -r _ w < "$D/pid" && kill -USR1 "$w";; esac; done; '
+        '[ -n "$t" ] || kill "$T" ) <&3 8<&- >/dev/null 2>&1 &',
+        "R=$!",
+        "exec 3<&-",
+        'wait "$T"',
+        # No exit status: either end of input (the reader killed tail: nobody reads this any more)
+        # or the supervisor was killed.
+        'if [ ! -f "$D/rc" ]; then kill -0 "$R" 2>/dev/null || exit 0; kill "$R"; '
+        'echo "the supervisor of this run ended without an exit status" >&2; exit 70; fi',
+        'kill "$R" 2>/dev/null',
+        'read -r rc < "$D/rc"',
+        f"printf '{exit_marker} %d\\n' \"$rc\"",
+        'rm -rf "$D"',
+        'rmdir "${D%/*}" 2>/dev/null',
+        'exit "$rc"',
+    ]
+
+
+def attach_script(job_id: str, attempt: int, rank: int, offset: int, checked_marker: str, exit_marker: str) -> str:
+    """A re-adopting controller's session to node `rank`: it answers its check at once when the
+    run's directory is there (else one error line and exit 3), waits for `go`, then streams from
+    byte `offset` as the first session did."""
+    d = node_run_dir(job_id, attempt, rank)
+    s = [
+        f"D={d}",
+        f'[ -f "$D/pid" ] || {{ echo "no run of job {shlex.quote(job_id)} (attempt {int(attempt)}) on $(hostname): it '
+        'ended and its output was read, or it never started" >&2; exit 3; }',
+        'read -r SUP _ < "$D/pid"',
+        f"OFF={int(offset)}",
+        f"echo {checked_marker}",
+        "IFS= read -r G || exit 0",
+        '[ "$G" = go ] || exit 0',
+        "exec 3<&0",
+        *stream_statements(exit_marker),
+    ]
+    return join(s)
+
+
+def join(statements: list[str]) -> str:
+    """Statements on one line; `a &; b` is a syntax error: one ending in `&` is already terminated."""
+    return " ".join(st if st.endswith("&") else st + ";" for st in statements).rstrip(";")

@@ -11,28 +11,6 @@ import pytest
 
 from tests.simcluster import SimCluster
 
-# The modules whose tests take longest (torchrun runs, recoveries on simulated clusters), longest
-# first by `--durations`: pytest-xdist hands tests out in collection order, so these start at once
-# and the quick ones fill the gaps after, instead of a long module starting last and running alone.
-LONGEST_FIRST = (
-    "tests/workloads/test_layouts.py",
-    "tests/launcher/test_recover_cluster.py",
-    "tests/launcher/test_recover_own_cluster.py",
-    "tests/launcher/test_controller_host_cluster.py",
-    "tests/failures/test_scenarios.py",
-    "tests/workloads/test_checkpoint.py",
-    "tests/launcher/test_controller_death_cluster.py",
-    "tests/launcher/test_goodput_cluster.py",
-    "tests/workloads/test_failures.py",
-    "tests/workloads/test_meta_init.py",
-    "tests/workloads/test_train.py",
-)
-
-
-def pytest_collection_modifyitems(items) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
 
 @pytest.fixture
 def sim_cluster(tmp_path):

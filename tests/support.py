@@ -28,6 +28,7 @@ __all__ = [
     "wait_saved",
     "train_job",
     "sigkill",
+    "site_dir",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,3 +153,14 @@ def train_job(batch: int, steps: int, ckpt: Path, every: int, log_every: int | N
 
 def sigkill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def site_dir(tmp_path: Path, code: str) -> Path:
+    """A directory whose sitecustomize.py runs `code` at interpreter start-up: on PYTHONPATH, it
+    reaches every rank (test-only fault injection from outside the product)."""
+    import textwrap
+
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(code))
+    return site

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import textwrap
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tests.support import (
     checkpoint_step,
     params,
     sigkill,
+    site_dir,
     source_args,
     torch_args,
     wait_for,
@@ -279,9 +279,7 @@ def test_ctrl_c_during_training_stops_every_node_and_keeps_the_latest_checkpoint
 
 def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest_and_loadable(sim_cluster, tmp_path):
     c = sim_cluster(2)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(HALF_WRITTEN_SAVE))
+    site = site_dir(tmp_path, HALF_WRITTEN_SAVE)
     ckpt = tmp_path / "ckpt"
     run = train(
         c,

@@ -12,7 +12,7 @@ import pytest
 
 from tests.launcher.test_jobs_cluster import detach, job, launch, wait_state
 from tests.simcluster import SimCluster
-from tests.support import checkpoint_step, source_args, torch_args, train_job, wait_saved
+from tests.support import checkpoint_step, site_dir, source_args, torch_args, train_job, wait_saved
 
 pytestmark = pytest.mark.cluster
 
@@ -122,12 +122,9 @@ SAY_WORLD = """
 
 
 def test_min_nodes_goes_on_without_a_node_that_is_not_back_resharding_the_checkpoint(sim_cluster, tmp_path):
-    import textwrap
 
     c = with_controller(sim_cluster, tmp_path, 3)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(SAY_WORLD))
+    site = site_dir(tmp_path, SAY_WORLD)
     ckpt = tmp_path / "ckpt"
     job_id = detach(
         c,

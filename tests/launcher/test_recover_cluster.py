@@ -5,7 +5,6 @@ with its disk and host key (SimCluster.preempt / restart_sshd)."""
 
 from __future__ import annotations
 
-import textwrap
 import time
 
 import pytest
@@ -13,7 +12,17 @@ import pytest
 from gpufleet.contracts import LABEL_NODE
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
-from tests.support import TRAIN, checkpoint_step, params, source_args, torch_args, train_job, wait_for, wait_saved
+from tests.support import (
+    TRAIN,
+    checkpoint_step,
+    params,
+    site_dir,
+    source_args,
+    torch_args,
+    train_job,
+    wait_for,
+    wait_saved,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -134,9 +143,7 @@ CRASH_AT_STEP_5 = """
 
 def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, 2)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(CRASH_AT_STEP_5))
+    site = site_dir(tmp_path, CRASH_AT_STEP_5)
     ckpt = tmp_path / "ckpt"
     job_id = detach(
         c,

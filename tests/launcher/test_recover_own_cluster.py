@@ -37,6 +37,16 @@ def logs(c, tmp_path: Path, job_id: str) -> str:
     return launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
 
 
+def example(epochs: int, *more: str) -> list[str]:
+    """The example script and its arguments: a snapshot every 2 epochs of 0.3 s."""
+    return [str(EXAMPLE), "--epochs", str(epochs), "--save-every", "2", "--epoch-seconds", "0.3", *more]
+
+
+def wait_epoch(read, epochs: int, where: str = "") -> None:
+    """Until the snapshot `read()` gives holds `epochs` epochs (a hang fails after 120 s)."""
+    wait_for(lambda: snapshot_epochs(read) >= epochs, 120, f"epoch {epochs} saved{where}")
+
+
 def snapshot_epochs(read) -> int:
     """`epochs_run` of the example's snapshot (`read()` gives its bytes, or None)."""
     import torch
@@ -62,16 +72,10 @@ def test_a_plain_ddp_script_survives_a_node_lost_for_10_s_and_resumes_from_its_o
         "run",
         *own_args(wd, "--recover", "--recover-timeout", "2m"),
         "--",
-        str(EXAMPLE),
-        "--epochs",
-        "60",
-        "--save-every",
-        "2",
-        "--epoch-seconds",
-        "0.3",
+        *example(60),
     )
     read = lambda: snap.read_bytes() if snap.exists() else None  # noqa: E731
-    wait_for(lambda: snapshot_epochs(read) >= 4, 120, "epoch 4 saved")
+    wait_epoch(read, 4)
     c.power_off(1)
     t_gone = time.monotonic()
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
@@ -110,18 +114,10 @@ def test_a_snapshot_in_gcs_is_resumed_after_a_worker_fails_under_max_restarts_1(
             "run",
             *own_args(wd, "--env", f"STORAGE_EMULATOR_HOST={host}", "--recover", "--max-restarts", "1"),
             "--",
-            str(EXAMPLE),
-            "--epochs",
-            "40",
-            "--save-every",
-            "2",
-            "--epoch-seconds",
-            "0.3",
-            "--snapshot",
-            "gs://ckpt/run/snapshot.pt",
+            *example(40, "--snapshot", "gs://ckpt/run/snapshot.pt"),
         )
         read = lambda: blob.download_as_bytes() if blob.exists() else None  # noqa: E731
-        wait_for(lambda: snapshot_epochs(read) >= 4, 120, "epoch 4 saved to the bucket")
+        wait_epoch(read, 4, " to the bucket")
         # A worker dies (the OOM killer, a segfault): SIGKILL to node 1's training process.
         (worker,) = [p for p in c.processes(1) if b"LOCAL_RANK=0" in _environ(p).split(b"\0")]
         os.kill(worker, signal.SIGKILL)
@@ -151,16 +147,10 @@ def test_a_spot_preemption_notice_stops_the_ranks_and_the_job_resumes_with_reaso
             "run",
             *own_args(wd, "--env", f"GCE_METADATA_HOST={metadata.host}", "--recover", "--term-grace", "5s"),
             "--",
-            str(EXAMPLE),
-            "--epochs",
-            "60",
-            "--save-every",
-            "2",
-            "--epoch-seconds",
-            "0.3",
+            *example(60),
         )
         read = lambda: snap.read_bytes() if snap.exists() else None  # noqa: E731
-        wait_for(lambda: snapshot_epochs(read) >= 4, 120, "epoch 4 saved")
+        wait_epoch(read, 4)
         metadata.preempt(c.nodes[1].address)
         # The VM stops once its ranks are told (Compute Engine: 30 s after the notice), and boots again.
         out_log = jobdir(tmp_path, job_id) / "output.log"

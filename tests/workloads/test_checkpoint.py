@@ -10,12 +10,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from tests.faults import HALF_WRITTEN_SAVE
+from tests.support import site_dir
 from tests.workloads.conftest import (
     REF_ARGS,
     REF_STEPS,
@@ -59,9 +59,7 @@ def _latest(ckpt) -> str:
 
 
 def _site(tmp_path, code: str) -> dict[str, str]:
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(textwrap.dedent(code))
+    site = site_dir(tmp_path, code)
     return {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 

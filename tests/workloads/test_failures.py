@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import textwrap
 
 import pytest
 import torch
 
 from tests.faults import HALF_WRITTEN_SAVE
+from tests.support import site_dir
 from tests.workloads.conftest import (
     REF_ARGS,
     REF_STEPS,
@@ -34,9 +34,7 @@ def _latest(ckpt) -> str:
 def _site(tmp_path, code: str) -> dict[str, str]:
     """Env that runs `code` at interpreter start-up in every rank (test-only fault injection from
     outside the product, through Python's sitecustomize hook)."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(textwrap.dedent(code))
+    site = site_dir(tmp_path, code)
     return {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 

@@ -114,21 +114,26 @@ def torchrun_argv(
         # restarts on its own count (static_tcp_rendezvous.py has no rounds, num_nodes_waiting is
         # always 0), so two nodes that restart a different number of times wait on different
         # stores for ever. c10d assigns the group ranks itself (the order line says so).
-        endpoint = f"{master}:{config.rdzv_port}"
-        return [
-            config.python,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={n}",
-            f"--nproc-per-node={nproc}",
+        rendezvous = [
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-endpoint={master}:{config.rdzv_port}",
             f"--rdzv-id={config.job_id}",
             # is_host: node 0 hosts the store (torch's guess from hostnames fails in namespaces).
             f"--rdzv-conf=join_timeout={join_timeout_s(n)},is_host={1 if node.rank == 0 else 0}",
-            f"--local-addr={node.address}",
-            f"--max-restarts={config.max_restarts}",
-            *workload_argv,
+        ]
+    else:
+        # A static rendezvous (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py):
+        # the group rank is --node-rank and node 0 hosts the TCPStore on --master-port. A c10d
+        # rendezvous would assign group ranks by sorting the nodes' addresses
+        # (dynamic_rendezvous.py, `_mark_rendezvous_complete`), throwing the order away.
+        rendezvous = [
+            "--rdzv-backend=static",
+            f"--master-addr={master}",
+            f"--master-port={config.rdzv_port}",
+            f"--node-rank={node.rank}",
+            f"--rdzv-id={config.job_id}",
+            # How long the store waits for every node (the static handler's `timeout`).
+            f"--rdzv-conf=timeout={join_timeout_s(n)}",
         ]
     return [
         config.python,
@@ -136,17 +141,7 @@ def torchrun_argv(
         "torch.distributed.run",
         f"--nnodes={n}",
         f"--nproc-per-node={nproc}",
-        # A static rendezvous (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py):
-        # the group rank is --node-rank and node 0 hosts the TCPStore on --master-port. A c10d
-        # rendezvous would assign group ranks by sorting the nodes' addresses
-        # (dynamic_rendezvous.py, `_mark_rendezvous_complete`), throwing the order away.
-        "--rdzv-backend=static",
-        f"--master-addr={master}",
-        f"--master-port={config.rdzv_port}",
-        f"--node-rank={node.rank}",
-        f"--rdzv-id={config.job_id}",
-        # How long the store waits for every node (the static handler's `timeout`).
-        f"--rdzv-conf=timeout={join_timeout_s(n)}",
+        *rendezvous,
         # The address the other nodes reach this one at. Left out, torch uses socket.getfqdn(),
         # which on a node whose /etc/hosts maps its hostname to 127.0.0.1 is "localhost".
         f"--local-addr={node.address}",

@@ -19,9 +19,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.cluster.ordering import order_for_launch
-from launcher.core.command import node_commands
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.core.output import failure_line
+from launcher.core.program import node_commands
 from launcher.core.transport import make_transport
 from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
 from launcher.jobs.busy import BusyCheck

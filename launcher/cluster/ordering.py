@@ -7,8 +7,8 @@ order: --rank-order given, --local, --dry-run, or a workload that is not torchru
 from __future__ import annotations
 
 from launcher.cluster.topology import RankOrder, launch_order, metadata_statement, node_physical_hosts
-from launcher.core.command import node_commands
 from launcher.core.preflight import refuse_unreachable
+from launcher.core.program import ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig
 
 __all__ = ["order_for_launch"]
@@ -32,8 +32,8 @@ def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
     from launcher.core.launch import Launch  # the sessions and threads, only when nodes are asked
 
     # Bad input (an unknown machine type, a bad --env) is refused before any node is contacted,
-    # as a launch without this question refuses it: building the commands raises it.
-    node_commands(cluster, config)
+    # as a launch without this question refuses it: the builder's environment raises it.
+    ProgramBuilder(cluster, config)
     # The launch's own check sessions, sent home once answered (ControlMaster keeps each
     # connection for the launch that follows).
     probes = Launch(cluster, config).probe(check_torch=False, extra=[metadata_statement()])

@@ -15,7 +15,7 @@ A node's state changes in one place, `Launch._set_state`, from the thread that r
 
 Every node is checked before any starts: one SSH session per node (a bounded number of
 handshakes at a time) runs the check and waits at a gate, and only when every node has passed
-does the launch tell them all to go (launcher.core.command). Stopping is cooperative first: the
+does the launch tell them all to go (launcher.core.program). Stopping is cooperative first: the
 launch closes each node's stdin, and the node-side wrapper stops its own process tree; a node
 that cannot be told (its connection is gone) sees the same end of input when it closes.
 """
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet import atomic
-from launcher.core.command import attach_commands, node_commands, probe_script
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, check_probes, check_timeout, handshake_limit
+from launcher.core.program import attach_commands, node_commands, probe_script
 from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
@@ -192,7 +192,7 @@ class Launch:
 
     def ask(self, scripts: dict[int, str]) -> dict[int, Probe]:
         """Run each node's own check program (by rank; `key=value` lines, then CHECKED_MARKER,
-        then wait for input, as launcher.core.command.probe_script does), with a launch's bounded
+        then wait for input, as launcher.core.program.probe_script does), with a launch's bounded
         handshakes and timeout, and send every node home: what each answered."""
         with self._signals_stop(True):
             try:

@@ -8,7 +8,7 @@ hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
    CONTROLLER_VENV's (the stack's startup script makes it) where there is one, else python3.
 
 1. The check: each node runs the same node-side program an attached launch runs
-   (launcher.core.command.node_commands) up to its gate, and is sent home instead of told to go; the
+   (launcher.core.program.ProgramBuilder) up to its gate, and is sent home instead of told to go; the
    check session also authorizes the cluster key, and node 0's known_hosts is made of the host
    keys this check was verified with (launcher.cluster.key). A node that cannot run is refused
    as today: one UserError, nothing started. A busy rendezvous port is not a refusal here: the
@@ -46,9 +46,9 @@ from launcher.cluster.key import (
     ssh_target,
     verified_host_keys,
 )
-from launcher.core.command import node_commands
 from launcher.core.launch import Launch
 from launcher.core.preflight import Probe, check_probes
+from launcher.core.program import ProgramBuilder
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
 from launcher.jobs.node0 import job_host
@@ -142,7 +142,7 @@ def _controller_python(host: ControllerHost, config: LaunchConfig, transport: Tr
 
 def _check(cluster: Cluster, config: LaunchConfig, transport: Transport, public_key: str) -> dict[int, Probe]:
     authorize = authorize_statements(public_key, cluster)  # from the nodes' and the controller's addresses
-    scripts = {rank: "; ".join([*authorize, script]) for rank, script in node_commands(cluster, config).items()}
+    scripts = ProgramBuilder(cluster, config).add_prologue("authorize the cluster key", authorize).build()
     probes = Launch(cluster, config, transport=transport).ask(scripts)
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port

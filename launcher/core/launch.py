@@ -32,7 +32,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +121,7 @@ class Launch:
     ):
         self.cluster = cluster
         self.config = config
-        self.transport = transport or make_transport(cluster, config)
+        self.transport = transport or make_transport(cluster, config.ssh, config.dry_run)
         self.stop_event = stop or threading.Event()
         self.signals: list[int] = []  # SIGINT/SIGTERM received, in order
         self.states: dict[int, NodeState] = {}  # by node rank; changed only by _set_state
@@ -162,13 +162,22 @@ class Launch:
 
     # ---- what callers call ----
 
-    def run(self, handle_signals: bool = True, adopt: dict[int, int] | None = None) -> LaunchResult:
+    def run(
+        self,
+        handle_signals: bool = True,
+        adopt: dict[int, int] | None = None,
+        programs: Mapping[int, str] | None = None,
+    ) -> LaunchResult:
         """Check every node, start the workload on all of them, stream, stop on the first
         failure, and report. Raises UserError or Interrupted (nothing was started).
         `adopt`: a detached job's run that is already going (its controller died): instead of
         starting it, re-attach to every node's supervisor and stream from these byte offsets, by
-        rank (launcher.core.supervise); a node without its run refuses, as a check does."""
-        if adopt is None:
+        rank (launcher.core.supervise); a node without its run refuses, as a check does.
+        `programs`: each node's program, by rank, rendered already (a launch plan's,
+        launcher.runner); else rendered here by the builder (launcher.core.program)."""
+        if programs is not None:
+            scripts = dict(programs)
+        elif adopt is None:
             scripts = node_commands(self.cluster, self.config)
         else:
             self._offsets = adopt

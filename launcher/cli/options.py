@@ -192,7 +192,7 @@ TORCHRUN_OPTIONS = [
 ]
 
 
-# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.command's watchdog).
+# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.stop).
 TERM_GRACE_OPTION = click.option(
     "--term-grace",
     metavar="DURATION",

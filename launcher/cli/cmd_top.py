@@ -36,9 +36,8 @@ from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
 from launcher.jobs.goodput import goodput_of, summary
 from launcher.jobs.node0 import Node0, job_host
-from launcher.jobs.record import JobRecord, check_job_id
+from launcher.jobs.record import SAMPLES_FILE, JobRecord, check_job_id, samples_script
 from launcher.observe.job_metrics import INTERVAL_S as JOB_INTERVAL_S
-from launcher.observe.job_metrics import RECORD, record_script
 from launcher.observe.top import (
     FLAG_FRACTION,
     NodeRow,
@@ -361,13 +360,13 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = Node0(transport, job_host(cluster)).run(record_script(job_id))
+    text = Node0(transport, job_host(cluster)).run(samples_script(job_id))
     if not text.strip():
         raise UserError(
             f"job {job_id} has no samples yet (its controller samples every "
             f"{JOB_INTERVAL_S:g} s while it runs); try again later"
         )
-    copy = Path(o.get("runs_dir") or "runs") / job_id / RECORD
+    copy = Path(o.get("runs_dir") or "runs") / job_id / SAMPLES_FILE
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(text)
     err.print(f"[dim]copied job {job_id}'s samples to {escape(str(copy))}[/dim]")

@@ -33,6 +33,7 @@ from launcher.core.supervise import node_run_dir
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
 from launcher.jobs.record import (
     CONTROLLER_SH,
+    SAMPLES_FILE,
     JobRecord,
     JobState,
     controller_alive,
@@ -167,7 +168,7 @@ def _sample(c: Any, cluster: Cluster, config: LaunchConfig) -> None:
     from launcher.observe import job_metrics
 
     if c.metrics is None:
-        c.metrics = job_metrics.start(cluster, config, c.jobdir / job_metrics.RECORD)
+        c.metrics = job_metrics.start(cluster, config, c.jobdir / SAMPLES_FILE)
 
 
 def _on_event(c: Any, out: Any, cluster: Cluster, config: LaunchConfig) -> Any:

@@ -18,10 +18,12 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.jobs.owner import JobOwner
 from launcher.jobs.record import JobState
 from launcher.jobs.restarts import (
     DEFAULT_NO_RESTART_EXIT_CODES,
@@ -30,6 +32,9 @@ from launcher.jobs.restarts import (
     restart_refusal,
     worker_exit_codes,
 )
+
+if TYPE_CHECKING:  # imported where it runs: the controller's start stays light
+    from launcher.core.launch import Launch, NodeEvent
 
 __all__ = [
     "RecoverPolicy",
@@ -234,7 +239,7 @@ class Recoverer:
     the same one every launch runs; each relaunch attempt is one `Launch.run` whose check
     refuses (nothing started) while a node is not back."""
 
-    def __init__(self, controller: Any, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy):
+    def __init__(self, controller: JobOwner, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy):
         self.c = controller
         self.cluster = cluster
         self.policy = policy
@@ -357,7 +362,7 @@ class Recoverer:
             if self.c.stop.wait(0.5):  # a node still down refuses at once (or after ConnectTimeout)
                 return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
 
-    def _restart_stopped(self, launch: Any, rec: Recovery) -> None:
+    def _restart_stopped(self, launch: Launch, rec: Recovery) -> None:
         """Start the unreachable nodes' instances that Compute Engine stopped (once each per
         recovery), when the request knows where they are and --restart-stopped is on."""
         c = self.cluster
@@ -377,7 +382,7 @@ class Recoverer:
         rec.restarted.update(done)
         self._note(restarted=dict(rec.restarted))
 
-    def _shrink(self, launch: Any, rec: Recovery) -> bool:
+    def _shrink(self, launch: Launch, rec: Recovery) -> bool:
         """--min-nodes: leave out the nodes that are not back in time and go on with the others
         (renumbered in their order, node 0 of it the rendezvous master), when that leaves at least
         --min-nodes. The workload gets torchrun's new WORLD_SIZE and GPUFLEET_RESTART_REASON=shrunk;
@@ -405,7 +410,7 @@ class Recoverer:
         )
         return True
 
-    def _follow_moved(self, launch: Any) -> None:
+    def _follow_moved(self, launch: Launch) -> None:
         """Unreachable nodes whose instance is now at another address (a restart gave it a new
         one) are reached there, with the host keys the Compute Engine API publishes for it
         (launcher.cluster.host_keys); the request must know where they are, as for --restart-stopped."""
@@ -428,10 +433,10 @@ class Recoverer:
             self.c.record.nodes = [n.host for n in moved.nodes]
             self.c.save()
 
-    def _on_event(self, out: Any, t0: float) -> Any:
+    def _on_event(self, out: TextIO, t0: float) -> Callable[[NodeEvent], None]:
         started = []
 
-        def on_event(event: Any) -> None:  # a launcher.core.launch.NodeEvent
+        def on_event(event: NodeEvent) -> None:
             self.c.on_event(out, event)
             if event.state is not None and event.state.value == "running" and not started:
                 started.append(True)

@@ -253,10 +253,7 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
     launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
     # The environment first: bad input is refused before the order asks any node.
-    # The user's --env values go as `-x NAME` (mpirun forwards node 0's value, which the node
-    # program read from stdin): never on mpirun's command line.
-    mine = [k for k, _ in config.env]
-    env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@") and k not in mine}
+    env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     order = order_for_launch(cluster, config)
     cluster = order.cluster
     err.print(f"[dim]{escape(order.message)}[/dim]")
@@ -277,7 +274,6 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
             [*request.sweep.flags(), "-g", "1"],
             env,
             allow_run_as_root=request.allow_run_as_root,
-            pass_through=list(dict.fromkeys(mine)),
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())
         result = execute(plan(head, op_config))

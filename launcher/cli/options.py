@@ -88,24 +88,9 @@ SOURCE_OPTIONS = [
     click.option("--dry-run", is_flag=True, help="Print each node's host and command; connect to nothing."),
 ]
 
-
-def ENV_OPTION(f):  # noqa: N802 (used as the other option constants are)
-    """--env and --env-file. The values travel to the nodes on stdin, never on a command line."""
-    f = click.option(
-        "--env-file",
-        "env_file",
-        multiple=True,
-        metavar="FILE",
-        help="Variables from FILE: KEY=VALUE lines (KEY alone: this machine's value; # comments).",
-    )(f)
-    return click.option(
-        "--env",
-        "env",
-        multiple=True,
-        metavar="KEY[=VALUE]",
-        help="Set or override a variable on every node (repeatable); KEY alone takes this machine's value.",
-    )(f)
-
+ENV_OPTION = click.option(
+    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable on every node (repeatable)."
+)
 
 # Issue 13: the job goes to a controller on node 0 (launcher.jobs.handoff) and outlives this client.
 DETACH_OPTION = click.option(
@@ -357,7 +342,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         # on 29500 here) never collide; on a cluster, torchrun's documented default.
         rdzv_port=o.get("rdzv_port") or (_free_port() if cluster.local else 29500),
         workdir=o.get("workdir"),
-        env=parse_env_pairs(o.get("env", ()), o.get("env_file", ())),
+        env=parse_env_pairs(o.get("env", ())),
         nccl_debug=o.get("nccl_debug", False),
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
-from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
@@ -29,43 +26,18 @@ __all__ = [
 
 log = logging.getLogger("launcher.core.env")
 
-_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def parse_env_pairs(
-    pairs: Sequence[str], files: Sequence[str] = (), environ: Mapping[str, str] | None = None
-) -> tuple[tuple[str, str], ...]:
-    """The user's variables: each `--env-file`'s lines, then each `--env`. `KEY=VALUE` sets KEY
-    (the value may hold anything, even `=`); `KEY` alone takes this machine's value (docker's
-    `-e KEY`), so a secret need not be typed on a command line. The values reach the nodes on
-    stdin, never on a command line (launcher.core.wire.env_block)."""
-    environ = os.environ if environ is None else environ
+def parse_env_pairs(pairs: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    """`KEY=VAL` strings from `--env`, validated (the value may hold anything, even `=`)."""
     out = []
-    for path in files:
-        out += [_pair(line, f"--env-file {path}", environ) for line in _env_file_lines(path)]
-    out += [_pair(pair, "--env", environ) for pair in pairs]
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not _KEY_RE.match(key):
+            raise UserError(f"--env {pair!r} is not KEY=VALUE with KEY a shell variable name")
+        out.append((key, value))
     return tuple(out)
-
-
-def _pair(text: str, where: str, environ: Mapping[str, str]) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not _KEY_RE.fullmatch(key):
-        raise UserError(f"{where} {text!r} is not KEY=VALUE (or KEY) with KEY a shell variable name")
-    if sep:
-        return key, value
-    if key not in environ:
-        raise UserError(f"{where} {text!r}: {key} is not set on this machine; set it here, or give {key}=VALUE")
-    return key, environ[key]
-
-
-def _env_file_lines(path: str) -> list[str]:
-    """`KEY=VALUE` or `KEY` lines; blank lines and lines starting with # are skipped (docker's
-    --env-file format: https://docs.docker.com/reference/cli/docker/container/run/#env)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise UserError(f"--env-file {path}: cannot read it ({e.strerror or e})") from None
-    return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 # What every torchrun node gets before the user's --env (which may override it, logged).

@@ -44,7 +44,7 @@ from launcher.core.program import attach_commands, node_commands, probe_script
 from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
-from launcher.core.wire import env_block, grace_line
+from launcher.core.wire import grace_line
 
 __all__ = ["NodeState", "NodeEvent", "Interrupted", "Launch", "write_summary", "offset_file_name", "read_offsets"]
 
@@ -184,7 +184,7 @@ class Launch:
             scripts = attach_commands(self.cluster, self.config, adopt)
         with self._signals_stop(handle_signals):
             try:
-                self._check(scripts, send_env=adopt is None)
+                self._check(scripts)
                 self._refuse_or_warn()
                 self._make_run_dir()
             except BaseException:
@@ -199,14 +199,13 @@ class Launch:
         script = probe_script(self.config.python, self.config.workdir, check_torch, extra)
         return self.ask(dict.fromkeys((n.rank for n in self.cluster.nodes), script))
 
-    def ask(self, scripts: dict[int, str], send_env: bool = False) -> dict[int, Probe]:
+    def ask(self, scripts: dict[int, str]) -> dict[int, Probe]:
         """Run each node's own check program (by rank; `key=value` lines, then CHECKED_MARKER,
         then wait for input, as launcher.core.program.probe_script does), with a launch's bounded
-        handshakes and timeout, and send every node home: what each answered. `send_env`: the
-        programs are the builder's (they read the user's --env values from stdin first)."""
+        handshakes and timeout, and send every node home: what each answered."""
         with self._signals_stop(True):
             try:
-                self._check(scripts, send_env)
+                self._check(scripts)
                 if self.stop_event.is_set():  # Ctrl-C while asking: Interrupted, as a launch's check
                     raise Interrupted(self.signals[0] if self.signals else signal.SIGINT)
                 return {r: s.probe() for r, s in self._sessions.items()}
@@ -236,11 +235,9 @@ class Launch:
 
     # ---- connecting and checking ----
 
-    def _check(self, scripts: dict[int, str], send_env: bool = False) -> None:
+    def _check(self, scripts: dict[int, str]) -> None:
         """Open every node's session, a bounded number of handshakes at a time, until each node
-        has passed its check half (and waits for `go`), ended, or run out of time. `send_env`:
-        the programs are the builder's, which read the user's --env values from stdin first."""
-        stdin_first = env_block(self.config.env) if send_env and self.config.env else b""
+        has passed its check half (and waits for `go`), ended, or run out of time."""
         limit = handshake_limit(self.cluster, self.config.ssh, self.transport)
         timeout = check_timeout(self.config.ssh)
         pending = deque(self.cluster.nodes)
@@ -249,7 +246,7 @@ class Launch:
             while pending and len(deadlines) < limit:
                 node = pending.popleft()
                 self._sessions[node.rank] = NodeSession(
-                    node, self.transport.argv(node, scripts[node.rank]), self._reports, stdin_first
+                    node, self.transport.argv(node, scripts[node.rank]), self._reports
                 )
                 self._set_state(node.rank, NodeState.CONNECTING)
                 deadlines[node.rank] = time.monotonic() + timeout

@@ -81,7 +81,6 @@ from launcher.core.torchrun import torchrun_argvs
 from launcher.core.types import Cluster, LaunchConfig, Node
 from launcher.core.wire import (
     CHECKED_MARKER,
-    ENV_END,
     EXIT_MARKER,
     GO,
     JOB_ID_VAR,
@@ -143,7 +142,6 @@ class NodeProgram:
     watch_preemption: bool = False
     prologue: Sequence[str] = ()
     prepare: Sequence[str] = ()
-    stdin_env: Sequence[str] = ()  # keys whose values come on stdin (wire.env_block), not in the program
 
     @property
     def token(self) -> str:
@@ -156,7 +154,7 @@ class NodeProgram:
             ("prologue", list(self.prologue)),
             # The environment first: the check must see what the run will (`--env PATH=...`
             # decides which `python3` has torch), so it is exported before the check's lines.
-            ("environment", self._environment()),
+            ("environment", _env_statements(self.cluster, self.node, self.env)),
             ("checks", self._checks()),
             ("gate", _gate()),
             ("prepare", [*self._workdir_step(), *self.prepare]),
@@ -165,13 +163,6 @@ class NodeProgram:
 
     def render(self) -> str:
         return join([st for _, statements in self.sections() for st in statements])
-
-    def _environment(self) -> list[str]:
-        """The exports: every value in the program except the user's --env ones (`stdin_env`),
-        which are read from stdin after them, so they override as on the command line."""
-        secret = set(self.stdin_env)
-        env = {k: v for k, v in self.env.items() if k not in secret}
-        return _env_statements(self.cluster, self.node, env) + (_stdin_env_statements() if secret else [])
 
     def _checks(self) -> list[str]:
         config = self.config
@@ -321,7 +312,6 @@ class ProgramBuilder:
             check_torch=self.torchrun and config.check_versions,
             watch_preemption=not self.cluster.local,
             prologue=[st for _, statements in self._prologue for st in statements],
-            stdin_env=[k for k, _ in config.env],
             prepare=[st for _, step in self._prepare for st in step(ctx)],
         )
 
@@ -415,16 +405,3 @@ def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> lis
         s.append(_resolve_iface(node.address, cluster.nodes[0].address))
         s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")
     return s
-
-
-def _stdin_env_statements() -> list[str]:
-    """Read the user's --env values from stdin (launcher.core.wire.env_block) and export them:
-    `read`, `printf` and `export` are builtins, so no process's command line holds a value, only
-    base64's stdin does. A value keeps its trailing newlines (the `x` guard); PATH-like variables
-    are prepended to the node's value, as the exports above do."""
-    prepend = "|".join(sorted(PREPEND_PATH_VARS))
-    return [
-        f'while IFS=" " read -r K V; do [ "$K" = {ENV_END} ] && break; '
-        '[[ $K =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || exit 2; v=$(printf %s "$V" | base64 -d; echo x); v=${v%x}; '
-        f'case $K in {prepend}) v="$v${{!K:+:${{!K}}}}";; esac; export "$K=$v"; done'
-    ]

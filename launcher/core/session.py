@@ -42,7 +42,7 @@ class Report(NamedTuple):
 class NodeSession:
     """One node's session: the process, its output, and what its check found."""
 
-    def __init__(self, node: Node, argv: list[str], reports: queue.Queue, stdin_first: bytes = b""):
+    def __init__(self, node: Node, argv: list[str], reports: queue.Queue):
         self.node = node
         self.facts: dict[str, str] = {}
         self.asked_at = time.time()  # with checked_at, the window for the clock-skew bound
@@ -69,12 +69,6 @@ class NodeSession:
             stderr=subprocess.PIPE,
             start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher, which stops in order
         )
-        if stdin_first:  # the user's --env values (launcher.core.wire.env_block): never on a command line
-            try:
-                self.proc.stdin.write(stdin_first)
-                self.proc.stdin.flush()
-            except OSError:
-                pass  # the session ended at once: its exit report says why
         self._readers = [
             threading.Thread(target=self._read, args=(self.proc.stdout, False, StreamSorter()), daemon=True),
             threading.Thread(target=self._read, args=(self.proc.stderr, True, StreamSorter()), daemon=True),

@@ -11,9 +11,6 @@ Pure values and string functions: no processes, no network.
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Sequence
-
 __all__ = [
     "EXIT_MARKER",
     "STOP_REPORT",
@@ -31,8 +28,6 @@ __all__ = [
     "rdzv_lock_path",
     "run_token",
     "join",
-    "ENV_END",
-    "env_block",
 ]
 
 # The node's last line: `EXIT_MARKER <status>`; a lost connection prints none, which tells a
@@ -45,8 +40,6 @@ PREEMPTION_NOTICE = f"{STOP_REPORT} preemption notice"
 CHECKED_MARKER = "__GPUFLEET_CHECKED__"
 # The one line the launcher sends once every node has passed its check.
 GO = "go"
-# Ends the block of the user's --env values the launcher writes first on a node's stdin.
-ENV_END = "__GPUFLEET_ENV_END__"
 
 # In the environment of every process a run starts on a node (`RUN_VAR=<job>-<node rank>`).
 RUN_VAR = "GPUFLEET_RUN"
@@ -86,11 +79,3 @@ def stop_ticks(grace_s: float) -> int:
 def join(statements: list[str]) -> str:
     """Statements on one line; `a &; b` is a syntax error: one ending in `&` is already terminated."""
     return " ".join(st if st.endswith("&") else st + ";" for st in statements).rstrip(";")
-
-
-def env_block(pairs: Sequence[tuple[str, str]]) -> bytes:
-    """The user's --env values as the launcher writes them first on a node's stdin, never on a
-    command line (`ps` on either end would show them): one `KEY BASE64(VALUE)` line each, then
-    ENV_END. The node program reads them before its checks (launcher.core.program)."""
-    lines = [f"{k} {base64.b64encode(v.encode()).decode()}\n" for k, v in pairs]
-    return ("".join(lines) + ENV_END + "\n").encode()

@@ -141,7 +141,7 @@ def _controller_python(host: ControllerHost, config: LaunchConfig, transport: Tr
 def _check(plan: LaunchPlan) -> dict[int, Probe]:
     """The plan's programs up to their gate (their prologue authorizes the cluster key), then
     every node sent home."""
-    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs), send_env=True)
+    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs))
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port
     for warning in check_probes(plan.cluster, probes, plan.config):

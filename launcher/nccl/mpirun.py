@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
 __all__ = ["nccl_tests_command"]
 
@@ -24,7 +23,6 @@ def nccl_tests_command(
     env: dict[str, str],
     *,
     allow_run_as_root: bool = False,
-    pass_through: Sequence[str] = (),
 ) -> list[str]:
     """The Open MPI argv that runs an nccl-tests binary on `hosts`, nproc_per_node ranks each.
 
@@ -32,9 +30,6 @@ def nccl_tests_command(
     --bind-to none -x VAR=value ... ./all_reduce_perf -b 8 -e 8G -f 2 -g 1``. ``-x NAME=VALUE``
     sets each variable on every rank (Open MPI's -x takes an optional value), so the argv does
     not depend on mpirun's own environment. One GPU per process (``-g 1``) is the caller's arg.
-    ``pass_through``: names set as ``-x NAME`` alone, which forwards mpirun's own value: the
-    user's --env values, which must never be on a command line (the node program exports them
-    from stdin before mpirun starts).
     """
     if not hosts:
         raise ValueError("nccl-tests needs at least one host")
@@ -58,8 +53,4 @@ def nccl_tests_command(
         if not _ENV_RE.match(k):
             raise ValueError(f"environment variable name {k!r} is not valid")
         cmd += ["-x", f"{k}={v}"]
-    for k in pass_through:
-        if not _ENV_RE.match(k):
-            raise ValueError(f"environment variable name {k!r} is not valid")
-        cmd += ["-x", k]
     return cmd + [binary, *args]

@@ -97,7 +97,7 @@ CASES = [
     (["--hostfile", "@good.hosts"], ["--nodes", "3"], "--nodes 3 asks for more nodes than exist: 2 found"),
     (["--hostfile", "@good.hosts"], ["--nodes", "two"], "Invalid value for '--nodes'"),
     (["--hostfile", "@good.hosts"], ["--exclude", "10.255.255.1"], "--exclude names 10.255.255.1"),
-    (["--hostfile", "@good.hosts"], ["--env", "NOEQUALS"], "--env 'NOEQUALS': NOEQUALS is not set on this machine"),
+    (["--hostfile", "@good.hosts"], ["--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
     (["--hostfile", "@good.hosts"], ["--env", "A;B=1"], "is not KEY=VALUE"),
     (["--hostfile", "@good.hosts"], ["--ssh-option", "ProxyCommand"], "--ssh-option 'ProxyCommand'"),
     (["--hostfile", "@good.hosts", "--local"], [], "give exactly one node source"),

@@ -13,7 +13,7 @@ import pytest
 
 from launcher.core.program import NodeContext, ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
-from launcher.core.wire import CHECKED_MARKER, ENV_END, EXIT_MARKER, env_block
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
 
 LOCAL = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),), local=True)
 
@@ -24,7 +24,7 @@ def _config(tmp_path, **kw) -> LaunchConfig:
     return LaunchConfig(**kw)
 
 
-def _run(script: str, go: bool = True, env: dict | None = None, first: bytes = b"") -> subprocess.CompletedProcess:
+def _run(script: str, go: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """As the launcher does: `go` (or end of input), then stdin held open until the node's output
     ends (end of input is a stop)."""
     p = subprocess.Popen(
@@ -35,8 +35,6 @@ def _run(script: str, go: bool = True, env: dict | None = None, first: bytes = b
         text=True,
         env=env,
     )
-    if first:
-        p.stdin.write(first.decode())
     if go:
         p.stdin.write("go\n")
         p.stdin.flush()
@@ -115,9 +113,7 @@ def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_
     sections = builder.program(LOCAL.nodes[0]).sections()
     assert [name for name, _ in sections] == ["prologue", "environment", "checks", "gate", "prepare", "run"]
     named = dict(sections)
-    # --env's values are read from stdin, after the exports in the program.
-    assert named["prologue"] == ["echo first"] and ENV_END in named["environment"][-1]
-    assert not any("A=1" in st for st in named["environment"])
+    assert named["prologue"] == ["echo first"] and "export A=1" in named["environment"]
     # --workdir's cd is the first prepare step; the added step follows it.
     assert named["prepare"][0].startswith("cd ") and named["prepare"][1] == "echo mine"
 
@@ -129,25 +125,7 @@ def test_bad_input_is_refused_when_the_builder_is_made(tmp_path):
 
 
 def test_an_environment_given_is_the_one_exported(tmp_path):
-    config = _config(tmp_path)
+    config = _config(tmp_path, env=(("A", "from-config"),))
     program = ProgramBuilder(LOCAL, config, env={"B": "given"}).program(LOCAL.nodes[0])
     environment = dict(program.sections())["environment"]
     assert environment == ["export B=given"]
-
-
-def test_env_values_come_on_stdin_and_never_in_the_program(tmp_path, monkeypatch):
-    """--env values (with spaces, quotes, `=`, a trailing newline; PATH prepended to the node's)
-    reach the workload from the launcher's stdin block, and none is in the rendered program."""
-    secret = "s3cr3t value='x' $HOME;=\n"
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    prog = "import os, sys; sys.stdout.write(repr((os.environ['TOKEN'], os.environ['PATH'].split(':')[:2])))"
-    config = _config(
-        tmp_path,
-        workload=Workload("exec", (sys.executable, "-c", prog)),
-        env=(("TOKEN", secret), ("PATH", "/opt/mine")),
-    )
-    script = ProgramBuilder(LOCAL, config).build()[0]
-    assert "s3cr3t" not in script and "/opt/mine" not in script
-    out = _run(script, env={"PATH": "/usr/bin:/bin"}, first=env_block(config.env))
-    assert out.returncode == 0, out.stderr
-    assert repr((secret, ["/opt/mine", "/usr/bin"])) in out.stdout

@@ -27,7 +27,7 @@ from launcher.core.types import (
     WorkerFailure,
     Workload,
 )
-from launcher.core.wire import ENV_END, EXIT_MARKER, PREEMPTION_NOTICE, grace_line
+from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, grace_line
 from launcher.jobs.record import STOP_GRACE_FILE, process_start, stop_script
 from launcher.jobs.recovery import RecoverPolicy, RecoverRequest, failure_of, recover_policy
 from launcher.jobs.restarts import (
@@ -141,9 +141,7 @@ def test_every_rank_gets_the_job_id_the_attempt_and_from_attempt_1_the_reason():
     plain = _cfg(workload=Workload("exec", ("true",)), attempt=1, restart_reason="hang", env=(("X", "1"),))
     script = node_commands(_cluster(), plain)[0]
     assert "export GPUFLEET_ATTEMPT=1;" in script and "export GPUFLEET_RESTART_REASON=hang;" in script
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script
-    # --env's value reaches the node on stdin, never in the program (a command line).
-    assert "X=1" not in script and ENV_END in script
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script and "export X=1" in script
 
 
 # ---- why an attempt ended, and whether another is allowed ------------------------------------

@@ -29,6 +29,7 @@ SPLIT = [
     "core.ssh",
     "core.torchrun",
     "core.stop",
+    "runner.plan",
 ]
 COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "cli.nccl_from", "nccl.from_files"]
 # The collective sweep's report, split by job: parse, judge, render and store, find a

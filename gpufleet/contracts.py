@@ -112,6 +112,9 @@ OUTPUT_KEYS = (
     "placementPolicy",
     "networks",
     "checkpointBucket",
+    "packageIndex",
+    "image",
+    "imageRepository",
 )
 # One entry of `nodes`. externalIp is null unless the stack asks for external IPs.
 NODE_KEYS = ("name", "index", "internalIp", "externalIp", "zone")
@@ -184,10 +187,29 @@ def stack_outputs(
     networks: Any,
     checkpoint_bucket: Any,
     controller: dict[str, Any] | None = None,
+    package_index: Any = None,
+    image: Any = None,
+    image_repository: Any = None,
 ) -> dict[str, Any]:
     """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports.
-    `controller` (a controller_output) is left out when None: a stack without one has no key."""
-    values = (cluster, project, zone, machine_type, nodes, controller, placement_policy, networks, checkpoint_bucket)
+    `controller` (a controller_output) is left out when None: a stack without one has no key.
+    `packageIndex`: pip's index URL of the cluster's PyPI repository (null when the stack has none);
+    `image`: the stack's default container image (gpufleet:containerImage; null when unset);
+    `imageRepository`: the docker repository the nodes can pull from (HOST/PROJECT/REPOSITORY)."""
+    values = (
+        cluster,
+        project,
+        zone,
+        machine_type,
+        nodes,
+        controller,
+        placement_policy,
+        networks,
+        checkpoint_bucket,
+        package_index,
+        image,
+        image_repository,
+    )
     return {k: v for k, v in zip(OUTPUT_KEYS, values) if k != "controller" or controller is not None}
 
 

@@ -194,10 +194,11 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     assert "$0.10 per GB-month stored after the first 0.5 GB, nothing while empty" in out
     assert row("llm-dev-ssh", "llm-dev-net", "INGRESS", "tcp:22", "35.235.240.0/20", "llm-dev").search(out)
     assert "gpufleet-cluster=llm-dev, gpufleet-node=1, team=research" in out
-    # The example's resources: 47 before the Artifact Registry repositories (the API, 2 repositories,
-    # 2 reader grants: +5), less the controller's bucket grant and the nodes' project-level
-    # artifactregistry.reader (-2). README.md still says 47 until the docs move.
-    assert "50 Google Cloud resources, 7 gpufleet components" in out
+    # The getting-started page's count of the example's resources is the preview's.
+    (count,) = re.findall(
+        r"The first prints the (\d+) Google Cloud resources", (ROOT / "docs" / "getting-started.md").read_text()
+    )
+    assert f"{count} Google Cloud resources, 7 gpufleet components" in out and count == "50"
     # The controller VM and what it costs: e2-standard-2, on-demand, $0.06701142/h x 730 h.
     assert row(
         "llm-dev-controller",
@@ -356,7 +357,7 @@ def test_no_pulumi_runtime_internals_outside_the_sdk():
 
 @pytest.mark.slow
 def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
-    """The README's third "Start here" step, as a user runs it: two installed commands."""
+    """docs/getting-started.md's offline step (the README's too), as a user runs it: two installed commands."""
     env = {**os.environ, "NO_COLOR": "1"}
     preview = subprocess.run(
         [sys.executable, "-m", "infra.preview", str(EXAMPLE), "--outputs", "o.json", "--json"],

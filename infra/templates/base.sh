@@ -369,8 +369,8 @@ main() {
   set_ulimits
   setup_local_ssd
   prepare_python_build
+  configure_registry_auth  # before the network stack pulls Google's GPUDirect images
   net_stack_setup
-  configure_registry_auth
   build_nccl_tests
   if [[ "$NCCL_VERSION" == unknown ]]; then
     NCCL_VERSION=$(nccl_version "")

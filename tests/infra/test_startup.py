@@ -4,6 +4,7 @@ rendered script run twice on a (stubbed) node converges: same ready marker, no w
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -631,3 +632,48 @@ def test_a_cuda_keyring_that_is_not_the_pinned_one_is_not_installed(tmp_path):
     (tmp_path / "os-release").write_text('VERSION_ID="25.10"\n')
     r = _run(script, "ensure_cuda_toolkit", tmp_path, stubs)
     assert r.returncode != 0 and "no pinned cuda-keyring checksum for Ubuntu 2510" in r.stderr
+
+
+@pytest.mark.parametrize("image_os", ["ubuntu", "cos"])
+def test_docker_gets_the_vms_credentials_for_the_registries_as_google_documents(tmp_path, image_os):
+    log = tmp_path / "calls.log"
+    stub = f'echo "$(basename "$0") $*" >>{log}\n'
+    script = render_startup_script(
+        lookup("a3-megagpu-8g"), cluster="demo", image_os=image_os, docker_registries=("us-central1-docker.pkg.dev",)
+    )
+    r = _run(script, "configure_registry_auth", tmp_path, {"gcloud": stub, "docker-credential-gcr": stub})
+    assert r.returncode == 0, r.stderr
+    hosts = "us-docker.pkg.dev,us-central1-docker.pkg.dev"  # Google's GPUDirect images, then the stack's
+    expected = (
+        f"gcloud auth configure-docker --quiet {hosts}"
+        if image_os == "ubuntu"
+        else f"docker-credential-gcr configure-docker --registries={hosts}"
+    )
+    assert log.read_text().splitlines() == [expected]
+    # Before the network stack pulls anything.
+    main = script.split("\nmain() {", 1)[1]
+    assert main.index("configure_registry_auth") < main.index("net_stack_setup")
+
+
+def test_uvs_cache_goes_on_the_local_ssd_when_there_is_one(tmp_path):
+    ssd, config = tmp_path / "localssd", tmp_path / "etc-uv" / "uv.toml"
+    ssd.mkdir()
+    script = render_startup_script(lookup("a3-megagpu-8g"), cluster="demo", image_os="ubuntu")
+    script = script.replace("readonly LOCAL_SSD_MOUNT=/mnt/localssd", f"readonly LOCAL_SSD_MOUNT={ssd}")
+    script = script.replace("readonly UV_CONFIG=/etc/uv/uv.toml", f"readonly UV_CONFIG={config}")
+    script = script.replace("readonly UV_HOME=/var/lib/gpufleet/uv", f"readonly UV_HOME={tmp_path / 'uv'}")
+    script = script.replace("readonly UV_LINK=/usr/local/bin/uv", f"readonly UV_LINK={tmp_path / 'bin-uv'}")
+    (tmp_path / "uv" / "bin").mkdir(parents=True)
+    (tmp_path / "uv" / "bin" / "uv").write_text(f"#!/bin/sh\necho 'uv {UV['version']}'\n")
+    (tmp_path / "uv" / "bin" / "uv").chmod(0o755)
+    stubs = {"dpkg-query": 'echo "install ok installed"\n', "mountpoint": f'[[ "$2" == {ssd} ]]\n'}
+    r = _run(script, "prepare_python_build", tmp_path, stubs)
+    assert r.returncode == 0, r.stderr
+    assert config.read_text() == f'cache-dir = "{ssd}/uv-cache"\n'
+    assert (ssd / "uv-cache").stat().st_mode & 0o7777 == 0o1777
+    assert os.readlink(tmp_path / "bin-uv") == str(tmp_path / "uv" / "bin" / "uv")
+    # A boot without the SSD mounted: our config goes, uv keeps its own default cache.
+    stubs["mountpoint"] = "exit 1\n"
+    r = _run(script, "prepare_python_build", tmp_path, stubs)
+    assert r.returncode == 0, r.stderr
+    assert not config.exists()

@@ -39,6 +39,8 @@ __all__ = [
     "LABEL_CONTROLLER",
     "CONTROLLER_VENV",
     "CONTROLLER_READY_MARKER",
+    "RXDM_CONTAINER",
+    "RXDM_SOCKET_DIR",
     "OUTPUT_KEYS",
     "NODE_KEYS",
     "CONTROLLER_KEYS",
@@ -97,6 +99,13 @@ CONTROLLER_VENV = "/opt/gpufleet/venv"
 # "booted_at"} (a version the script could not read is "unknown"; "source" and "gpufleet" are null
 # without gpufleet:controllerSource).
 CONTROLLER_READY_MARKER = "/var/lib/gpufleet/controller-ready.json"
+
+# On A3 High and A3 Mega nodes the startup script runs GPUDirect's receive-datapath manager (RxDM)
+# as the docker container of this name (`docker ps --filter name=^receive-datapath-manager$`
+# lists it while it runs); on A3 High its Unix sockets are in RXDM_SOCKET_DIR (TCPX's --uds_path,
+# which a job's container mounts at the same path). TCPXO's RxDM has no socket directory.
+RXDM_CONTAINER = "receive-datapath-manager"
+RXDM_SOCKET_DIR = "/run/tcpx"
 
 
 # ---- the stack outputs ---------------------------------------------------------------------------

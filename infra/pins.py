@@ -29,8 +29,6 @@ __all__ = [
     "TCPXO_RXDM",
     "CUDA_DEVEL_IMAGE",
     "UV",
-    "RXDM_CONTAINER",
-    "RXDM_SOCKET_DIR",
 ]
 
 
@@ -122,11 +120,6 @@ ARTIFACT_REGISTRY_APT_KEY = AptKey(
 ARTIFACT_REGISTRY_TRANSPORT_REPO = "https://packages.cloud.google.com/apt apt-transport-artifact-registry-stable main"
 
 # ---- containers run as root ------------------------------------------------------------------------
-
-# The RxDM container's name and its socket directory (A3 High: --uds_path): what the launcher's
-# pre-start check looks for (`docker ps --filter name=^receive-datapath-manager$`).
-RXDM_CONTAINER = "receive-datapath-manager"
-RXDM_SOCKET_DIR = "/run/tcpx"
 
 # A3 High (GPUDirect-TCPX): the pair github.com/GoogleCloudPlatform/cluster-toolkit pins together
 # ("rxdm_version = v2.0.12 # matching nccl-tcpx-installer version v3.1.9"), the same pair

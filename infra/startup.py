@@ -21,6 +21,8 @@ from gpufleet.contracts import (
     LOCAL_SSD_MOUNT,
     NCCL_TESTS_DIR,
     READY_MARKER,
+    RXDM_CONTAINER,
+    RXDM_SOCKET_DIR,
 )
 from infra import pins
 
@@ -101,8 +103,8 @@ def _pin_values() -> dict[str, str]:
         "TCPXO_RXDM_IMAGE": q(pins.TCPXO_RXDM.ref),
         "TCPXO_PLUGIN_TAG": pins.TCPXO_PLUGIN.tag,
         "TCPXO_RXDM_TAG": pins.TCPXO_RXDM.tag,
-        "RXDM_CONTAINER": q(pins.RXDM_CONTAINER),
-        "RXDM_SOCKET_DIR": q(pins.RXDM_SOCKET_DIR),
+        "RXDM_CONTAINER": q(RXDM_CONTAINER),
+        "RXDM_SOCKET_DIR": q(RXDM_SOCKET_DIR),
         "UV_VERSION": q(pins.UV["version"]),
         "UV_HASH": q(pins.UV["sha256"]),
     }

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.catalog import MACHINE_TYPES, NetStack, lookup
-from gpufleet.contracts import CONTROLLER_READY_MARKER, CONTROLLER_VENV, READY_MARKER
+from gpufleet.contracts import CONTROLLER_READY_MARKER, CONTROLLER_VENV, READY_MARKER, RXDM_CONTAINER, RXDM_SOCKET_DIR
 from infra import pins
 from infra.pins import NCCL_TESTS, UV
 from infra.startup import (
@@ -549,10 +549,10 @@ def test_the_firewall_opens_on_the_gpu_nics_alone(tmp_path, name):
 @pytest.mark.parametrize("name", ["a3-highgpu-8g", "a3-megagpu-8g"])
 def test_rxdm_starts_by_its_pin_under_its_known_name(tmp_path, name):
     s = render_startup_script(lookup(name), cluster="demo", image_os="ubuntu")
-    assert f"readonly RXDM_CONTAINER={pins.RXDM_CONTAINER}" in s
+    assert f"readonly RXDM_CONTAINER={RXDM_CONTAINER}" in s
     assert 'docker run --detach --name "$RXDM_CONTAINER"' in s
     if lookup(name).net_stack is NetStack.TCPX:
-        assert f"readonly RXDM_SOCKET_DIR={pins.RXDM_SOCKET_DIR}" in s and '--uds_path "$RXDM_SOCKET_DIR"' in s
+        assert f"readonly RXDM_SOCKET_DIR={RXDM_SOCKET_DIR}" in s and '--uds_path "$RXDM_SOCKET_DIR"' in s
 
 
 def _gpg(home: Path, *args: str) -> str:

@@ -35,9 +35,10 @@ READER_ROLE = "roles/artifactregistry.reader"
 # The service the repositories need; enabled by the program, left enabled by `pulumi destroy`.
 API = "artifactregistry.googleapis.com"
 
-# https://cloud.google.com/artifact-registry/pricing: storage $0.10 per GB per month after the
-# first 0.5 GB a month free; pulls within the repository's region cost no network egress (the nodes
-# are in it). A remote repository bills the packages it has cached like any stored artifact.
+# https://cloud.google.com/artifact-registry/pricing ("Storage": up to 0.5 GB free, over 0.5 GB
+# $0.10 per GB per month, the same for standard and remote repositories; the free tier is per
+# billing account, not per project; "Data moves within the same location": free, and the nodes are
+# in the repositories' region). A remote repository bills the packages it has cached.
 STORAGE_USD_PER_GB_MONTH = 0.10
 FREE_GB = 0.5
 PRICING_SOURCE = "https://cloud.google.com/artifact-registry/pricing"

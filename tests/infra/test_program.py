@@ -452,3 +452,15 @@ def test_a_domain_scoped_project_is_a_path_in_the_registry_urls():
     assert package_index_url("c", "example.com:proj", "us-east4") == (
         "https://us-east4-python.pkg.dev/example.com/proj/c-pypi/simple/"
     )
+
+
+def test_pulumi_up_warns_when_ssh_is_open_to_the_internet(caplog):
+    """The program says it through pulumi.log.warn (without an engine, Python's logging)."""
+    from infra.preview import preview_program
+
+    config = {**BASE, "gpufleet:machineType": "a2-highgpu-1g", "gpufleet:nodes": 1, "gpufleet:externalIp": True}
+    preview_program({**config, "gpufleet:sshSourceRanges": ["0.0.0.0/0"]})
+    assert "gpufleet:sshSourceRanges 0.0.0.0/0 with gpufleet:externalIp true opens SSH" in caplog.text
+    caplog.clear()
+    preview_program({**config, "gpufleet:sshSourceRanges": ["203.0.113.0/24"]})
+    assert "opens SSH" not in caplog.text

@@ -88,9 +88,10 @@ CUDA_KEYRING_SHA256 = {
 
 # The NVIDIA Container Toolkit's repository (https://docs.nvidia.com/datacenter/cloud-native/
 # container-toolkit/latest/install-guide.html#with-apt-ubuntu-debian): its key at `url`, whose
-# fingerprint is C95B 321B 61E8 8C18 09C4 F759 DDCA E044 F796 ECB0 (keyserver.ubuntu.com lists it
-# for "NVIDIA CORPORATION (Open Source Projects)"; GoogleCloudPlatform/dataproc-initialization-actions
-# gpu/install_gpu_driver.sh receives the same fingerprint for this repository).
+# fingerprint is C95B 321B 61E8 8C18 09C4 F759 DDCA E044 F796 ECB0. NVIDIA's guide prints no
+# fingerprint; this is the one public setup scripts pin for this key URL (found by searching public
+# code: the same value in many unrelated repositories, e.g. Puppet manifests that import
+# https://nvidia.github.io/nvidia-docker/gpgkey by this ID).
 NVIDIA_CONTAINER_TOOLKIT_KEY = AptKey(
     url="https://nvidia.github.io/libnvidia-container/gpgkey",
     fingerprints=("C95B321B61E88C1809C4F759DDCAE044F796ECB0",),

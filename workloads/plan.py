@@ -1,48 +1,106 @@
 """The memory plan: does a model fit the GPUs at a layout, and if not, what is the smallest change
-that makes it fit. `python -m workloads.train --plan` and `launch train --dry-run` print it.
+that makes it fit. `python -m workloads.train --plan` and `launch train --dry-run` print it, with
+the mode it assumes: eager, compiled (--compile), checkpointed (--activation-checkpointing) or both.
 
 Importing this module does not import torch: the launcher runs it on a laptop.
 
-What one GPU holds, for a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
+The figure is the peak of one GPU, which comes at the start of backward: every activation is kept,
+the loss's backward makes its largest temporaries, and no gradient exists yet (workloads.train
+zeroes them with set_to_none, so a step's first backward makes them as it frees activations). With
+gradient accumulation or a pipeline, earlier micro-batches made them: then they count too. The end
+of backward (every gradient, the activations gone) is the other candidate; the larger counts.
 
-- weights, gradients and AdamW states, sharded over tp x pp x dp_shard (dp_replicate copies):
-  4 + 4 + 8 bytes per parameter in both precisions. Under bf16, FSDP2's mixed precision (torchtitan
-  `mixed_precision_param = bfloat16`, `mixed_precision_reduce = float32`) keeps fp32 sharded
-  weights, reduces gradients in fp32 into fp32 shards, and AdamW keeps exp_avg and exp_avg_sq in
-  the weights' dtype. A pipeline stage holds its share of the layers plus the embedding (first
-  stage) or the final norm and output projection (last stage); the larger stage counts.
+For a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
+
+- weights and AdamW states, sharded over tp x pp x dp_shard (dp_replicate copies): 4 + 8 bytes per
+  parameter in both precisions, and fp32 gradients (4 B). Under bf16, FSDP2's mixed precision
+  (torchtitan `mixed_precision_param = bfloat16`, `mixed_precision_reduce = float32`) keeps fp32
+  sharded weights, reduces gradients in fp32 into fp32 shards, and AdamW keeps exp_avg and
+  exp_avg_sq in the weights' dtype. A pipeline stage holds its share of the layers plus the
+  embedding (first stage) or the final norm and output projection (last stage); the larger counts.
 - working buffers: with dp_shard > 1, the gathered weights of two FSDP units (the one computing and
   the one prefetched) and the unsharded gradient of one, a unit being the largest of a layer, the
-  embedding and the output (each already split by tp); with dp_shard = 1 (DDP), the all-reduce
-  buckets, a second fp32 copy of the gradients (DDP without gradient_as_bucket_view), and under
-  bf16 the bf16 copies of the weights that autocast makes and backward keeps.
+  embedding and the output (each already split by tp); with dp_shard = 1, DDP's fp32 all-reduce
+  buckets (dp_replicate > 1), and under bf16 without FSDP autocast's bf16 copies of the matmul
+  weights (norm weights are not cast): autocast caches the cast of a leaf tensor for the whole
+  forward (aten/src/ATen/autocast_mode.cpp, cached_cast) and each matmul's backward keeps it. A
+  compiled run keeps them too (the partitioner's rule (b) below: backward's matmuls read them).
+  Under checkpointing a layer keeps none: the cache dies with forward's autocast region and the
+  layer's backward recomputes them; the output projection's copy and one recomputed layer's remain.
 - activations of one micro-batch (b sequences of s tokens; hidden h, FFN width f, a query heads,
-  KV width h·kv/a): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models" (arXiv:2205.05198) section 4.1 count sbh(34 + 5as/h) bytes per 16-bit GPT layer: 11sbh +
-  5as²b for attention, 19sbh for the MLP, 4sbh for the two LayerNorms. Adapted to these models:
-  no dropout (minus the two sbh masks), flash attention / SDPA keeps no s x s matrix (minus 5as²b)
-  but its output and an fp32 log-sum-exp per head and token (4asb bytes), grouped-query K and V
-  are kv/a of the queries' width, and SwiGLU keeps four f-wide tensors (w1 out, silu out, w3 out,
-  w2 in) where GELU keeps two. In elements per layer:
-      norm inputs 2sbh + linear inputs 2sbh + q sbh + k, v 2sbh·kv/a + attention out sbh
-      + FFN 4sbf (SwiGLU) or 2sbf (GELU)
-  times 2 bytes (bf16) or 4 (fp32), plus 4asb, plus each norm's fp32 statistics (RMSNorm 4sb,
-  LayerNorm 8sb). A GPT-2 layer (kv = a, f = 4h, GELU) comes to 32sbh bytes and the small terms:
-  Korthikanti's 34sbh less the two dropout masks. Tensor parallelism without
-  sequence parallel splits all but the norm and linear inputs by tp (their "10sbh + 24sbh/t");
-  with sequence parallel the norm inputs are split too (PyTorch's SequenceParallel keeps the
-  gathered linear inputs for backward). After the last layer: the final norm's and the output's
-  inputs (2sbh) and the logits: bf16 logits, their fp32 copy and fp32 log-softmax at the loss
-  (10sbV bytes; 8sbV in fp32, which needs no copy; split by tp only under loss parallel).
-  Under a pipeline the first rank holds the most micro-batches in flight (each a micro-batch
-  through its layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per
-  rank pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
+  KV width h·kv/a, vocabulary V; e = 2 bytes in bf16, 4 in fp32), op by op (`layer_tensors`,
+  `head_tensors`). Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (arXiv:2205.05198) section 4.1 count sbh(34 + 5as/h) bytes per 16-bit GPT layer with
+  dropout and an s x s attention matrix; these models have no dropout, and SDPA's flash kernel
+  keeps no s x s matrix but its output and an fp32 log-sum-exp per head and token (4asb).
+  The residual stream's dtype r matters: under autocast with fp32 weights (one rank, DDP, tp or pp
+  without data parallelism) the embedding's output is fp32 and every residual add promotes to
+  fp32, so r = 4; FSDP2's bf16 weights make it bf16 (r = 2). Eager, per layer:
+      norm inputs 2·r·sbh (RMSNorm keeps its input and an fp32 rstd per token, LayerNorm its input,
+        mean and rstd: autocast runs layer_norm in fp32)
+      + the matmuls' inputs: under autocast with fp32 weights each linear casts the normed input
+        itself and keeps its own bf16 copy (autocast caches only leaf tensors): q, k, v and w1, w3
+        (SwiGLU) or fc1 (GELU), 5 or 4 x e·sbh; otherwise one normed tensor per norm, 2·e·sbh
+      + q e·sbh, k and v 2·e·sbh·kv/a, the attention's output e·sbh (SDPA's and wo's input), 4asb
+      + SwiGLU 4·e·sbf (w1 out for silu, silu out and w3 out for the product, the product for w2);
+        GELU 2·e·sbf (its input and output)
+  A one-rank bf16 llama3-1b layer is 55sbh bytes; a GPT-2 one 40sbh (Korthikanti's 34sbh with the
+  casts and fp32 norm inputs, less the dropout masks). Tensor parallelism splits all but the norm
+  and linear inputs by tp (their "10sbh + 24sbh/t"); with sequence parallel the norm inputs are
+  split too (PyTorch's SequenceParallel keeps the gathered linear inputs for backward).
+  After the last layer: the final norm's input r·sbh and the output's input e·sbh; the loss
+  (F.cross_entropy of the logits' fp32 copy) keeps its fp32 log-softmax, and its backward holds that,
+  the log-softmax's gradient and the fp32 logits' gradient at once: 12sbV bytes (split by tp only
+  under loss parallel). Forward's peak there is smaller (bf16 logits, fp32 copy, log-softmax: 10sbV).
+- compiled (torch.compile, inductor): AOTAutograd traces forward and backward as one graph and
+  inductor's partitioner (torch/_functorch/partitioners.py, min_cut_rematerialization_partition;
+  Horace He, "Min-cut optimal(*) recomputation (i.e. activation checkpointing) with AOTAutograd",
+  https://dev-discuss.pytorch.org/t/min-cut-optimal-recomputation-i-e-activation-checkpointing-with-aotautograd/467)
+  chooses what forward saves by a minimum cut weighted by
+  bytes, under the rules torch/_functorch/config.py turns on: (a) ops outside an allowlist of
+  pointwise, view and reduction ops (matmuls, SDPA, embedding) are never recomputed
+  (ban_recompute_not_in_allowlist), as torchtitan's selective checkpointing saves mm and SDPA
+  outputs (torchtitan/distributed/activation_checkpoint.py, _op_sac_save_list); (b) a tensor that
+  backward reads through an op it cannot fuse into (a matmul's input) is saved, not recomputed
+  (ban_recompute_materialized_backward); (c) reductions 4x smaller than their input (rstd, the
+  loss's max and log-sum-exp) are saved (ban_recompute_reductions); (d) a pointwise op reading a
+  tensor that an unfusible op read earlier is not recomputed (ban_recompute_used_far_apart): the
+  residual adds, so the fp32 residual stays saved at each norm; (e) the rest, the cheap pointwise
+  ops (casts, silu, RoPE, normalisation, the loss's fp32 upcast and softmax), are recomputed inside
+  backward's fused kernels. Per layer that leaves:
+      norm inputs 2·r·sbh (LayerNorm: its normalised input, the mean folded in) and one fp32
+        statistic per token each
+      + one bf16 cast per norm (the casts are one node in the graph), 2·e·sbh
+      + q, k, v, attention output, log-sum-exp as eager (SDPA's inputs and outputs)
+      + SwiGLU 3·e·sbf: w1 and w3 outputs (matmul outputs, rule a) and their product (w2's input,
+        rule b); silu's output is recomputed. GELU 2·e·sbf: fc1's output and fc2's input (rule b).
+  A one-rank bf16 llama3-1b layer is 41sbh bytes. The first Llama layer keeps wo's bf16 output
+  instead of the fp32 sum after attention (the embedding is no fusible op, so rule d does not
+  hold there); the plan counts the fp32 sum (2 bytes x sbh more, once). The loss keeps the bf16
+  logits (a matmul output) and the per-token max and log-sum-exp; backward writes the logits'
+  gradient into the logits' buffer (inductor's inplace_buffers, torch/_inductor/config.py) and
+  then makes the output weight's bf16 gradient (e·Vh/tp) while it lives: e·sbV + e·Vh/tp.
+  tests/workloads/test_plan.py checks these lists against what AOTAutograd's partitioner saves
+  for llama3-debug and GPT tiny on CPU, tensor by tensor in bytes. A pipeline runs uncompiled
+  (workloads.train compiles only at pp 1), so the plan ignores --compile there.
+- activation checkpointing keeps each layer's input (r·sbh) and recomputes one layer at a time in
+  backward (Korthikanti's "full recomputation", 2sbhL in 16 bits). The recomputation comes after
+  the loss's backward has freed its temporaries, so the peak is the inputs plus the larger of the
+  head (eager or compiled, as above) and one recomputed layer.
+- a pipeline's first rank holds the most micro-batches in flight (each a micro-batch through its
+  layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per rank
+  pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
   (p - 1)/(pm)) layers' worth with m = 2 stages a rank). The last rank holds one micro-batch and
   the head under 1F1B, all n under GPipe.
-  Activation checkpointing keeps each layer's input (2sbh bytes) and recomputes one layer at a
-  time in backward (Korthikanti's "full recomputation": 2sbhL, plus that one layer).
 - a reserve of RESERVED_GIB for what torch's allocator does not count: the CUDA context, NCCL's
   buffers, fragmentation.
+
+The check: llama3-1b, micro-batch 4, seq 2048, bf16, one rank on one H200 (torch 2.11.0+cu130,
+torch.cuda.max_memory_allocated; bench/RESULTS.md) peaked at 41.78 GiB eager, 27.20 GiB
+checkpointed and 28.96 GiB compiled; the plan, less its reserve, says 41.72, 27.25 and 28.92.
+"Smallest change that fits" tries --compile first (fewer activations and a faster step: 132 vs
+172 ms there), then checkpointing (206 ms), then more sharding, tensor and pipeline parallelism,
+then more nodes, and says what each costs in step time where that was measured (STEP_MS).
 
 A GPU's memory is the catalog's figure (gpufleet.catalog GPU.memory_gb), read as GiB: the marketed
 "80 GB" of an H100 is what nvidia-smi reports as about 79.6 GiB, and the reserve covers the gap.
@@ -207,7 +265,8 @@ def step_cost(was: str, now: str) -> str:
         return "same step time"
     if was not in STEP_MS or now not in STEP_MS:
         return "step time not measured"
-    return f"{STEP_MS[now] / STEP_MS[was]:.2f}x the step time ({STEP_MS[now]:.0f} vs {STEP_MS[was]:.0f} ms, measured)"
+    ratio = STEP_MS[now] / STEP_MS[was]
+    return f"{ratio:.2f}x the step time (measured: {STEP_MS[now]:.0f} vs {STEP_MS[was]:.0f} ms, llama3-1b on one H200)"
 
 
 @dataclass(frozen=True)

@@ -513,7 +513,8 @@ def layer_tensors(
 ) -> list[tuple[str, float]]:
     """What one layer keeps for backward on one rank, op by op: (what, bytes). The module's
     docstring derives each entry."""
-    return _layer_tensors(_shape(model), micro_batch, seq_len, precision, compiled, layout, sequence_parallel)
+    bytes16 = "fp32" if precision == "fp32" else "bf16"  # fp16 and auto (on a GPU) are 2 bytes too
+    return _layer_tensors(_shape(model), micro_batch, seq_len, bytes16, compiled, layout, sequence_parallel)
 
 
 def head_tensors(
@@ -528,7 +529,8 @@ def head_tensors(
 ) -> list[tuple[str, float]]:
     """What the final norm, the output projection and the loss keep, with the loss's peak in
     backward: (what, bytes)."""
-    return _head_tensors(_shape(model), micro_batch, seq_len, precision, compiled, layout, loss_parallel)
+    bytes16 = "fp32" if precision == "fp32" else "bf16"
+    return _head_tensors(_shape(model), micro_batch, seq_len, bytes16, compiled, layout, loss_parallel)
 
 
 def _layer_tensors(

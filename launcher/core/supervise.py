@@ -93,10 +93,11 @@ def supervisor_script(
         '(--controller-grace): SIGTERM to every rank, SIGKILL after $S s"; break; fi; else o=; fi; done; '
         "trap '' TERM; stop ) </dev/null &",
         "W=$!",
-        'echo "$$ $W" > "$D/pid"',
+        # Written whole or not at all (rename): a reader never sees the file empty.
+        'echo "$$ $W" > "$D/pid.new" && mv -f "$D/pid.new" "$D/pid"',
         *(preemption_watch("USR2") if watch_preemption else []),
         *workload_tail(watch_preemption),
-        'echo $rc > "$D/rc"',
+        'echo $rc > "$D/rc.new" && mv -f "$D/rc.new" "$D/rc"',
     ]
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ from launcher.cli.options import (
     DETACH_OPTION,
     ENV_OPTION,
     EXEC_RESTARTS_OPTION,
+    IMAGE_OPTION,
     PROGRAM_AFTER,
     RECOVER_OPTIONS,
     SOURCE_OPTIONS,
@@ -29,6 +30,7 @@ __all__ = ["exec_"]
     [
         *SOURCE_OPTIONS,
         ENV_OPTION,
+        IMAGE_OPTION,
         TERM_GRACE_OPTION,
         DETACH_OPTION,
         CONTROLLER_GRACE_OPTION,

@@ -22,6 +22,7 @@ from launcher.cluster.ordering import order_for_launch
 from launcher.core.command import node_commands
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.core.output import failure_line
+from launcher.core.pull import PullFailed, pull_image, refusal
 from launcher.core.transport import make_transport
 from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
 from launcher.jobs.busy import BusyCheck
@@ -68,6 +69,10 @@ def user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except PullFailed as e:
+            for line in e.lines:
+                err.print(f"[red]error: {escape(line)}[/red]")
+            fail(str(e))
         except UserError as e:
             fail(str(e))
         except Interrupted as e:
@@ -145,9 +150,12 @@ def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
         if order.message:
             err.print(f"[dim]{escape(order.message)}[/dim]")
         transport = make_transport(cluster, config)
+        if config.image:
+            err.print(f"[dim]{escape(container_summary(cluster, config))}[/dim]")
         for rank, script in node_commands(cluster, config).items():
             click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
         return None
+    pull_everywhere(cluster, config)
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)
     on_event, status = live_printer(cluster, order.message)
@@ -163,6 +171,45 @@ def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
             busy.close()
     render_result(result, cluster)
     return result
+
+
+def container_summary(cluster: Cluster, config: LaunchConfig) -> str:
+    """--dry-run's line about --image: the image and the machine type's wiring."""
+    from gpufleet.catalog import lookup
+    from gpufleet.containers import wiring
+
+    machine = lookup(cluster.machine_type) if cluster.machine_type and not cluster.local else None
+    w = wiring(machine, config.image_os)
+    what = "; ".join(w.notes) or "no GPUs (no machine type)"
+    return f"container {config.image} on every node (pulled first), --network/--ipc/--pid host: {what}"
+
+
+def pull_everywhere(cluster: Cluster, config: LaunchConfig) -> None:
+    """--image: pull it on every node at once, with each node's progress on the status line;
+    a node that cannot pull it stops the launch (PullFailed: one line per node, exit 2)."""
+    if not config.image or config.dry_run:
+        return
+    n = len(cluster.nodes)
+    done: dict[str, str] = {}
+    lock = threading.Lock()
+    with err.status(f"pulling {config.image} on {n} node{'s' * (n != 1)}…") as status:
+
+        def progress(node, line: str) -> None:
+            with lock:
+                done[node.label] = line
+                status.update(f"pulling {config.image}: {escape(node.label)}: {escape(line[:100])}")
+
+        pulled = pull_image(cluster, config.image, make_transport(cluster, config), progress)
+    failed = refusal(config.image, pulled)
+    if failed is not None:
+        raise failed
+    fetched = [p.node.label for p in pulled.values() if p.status == "pulled"]
+    err.print(
+        f"[dim]{escape(config.image)}: pulled on {', '.join(fetched)}; already current on "
+        f"{n - len(fetched)} of {n} node{'s' * (n != 1)}[/dim]"
+        if fetched
+        else f"[dim]{escape(config.image)}: already current on every node[/dim]"
+    )
 
 
 def finish(result: LaunchResult | None) -> None:

@@ -37,9 +37,12 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
+from gpufleet.catalog import lookup
+from gpufleet.containers import wiring
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.core import supervise
+from launcher.core.container import container_argv, container_name
 from launcher.core.env import HOST_IFACE_ON_NODE, job_env, node_env
 from launcher.core.prestart import prestart_statements
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig
@@ -486,6 +489,8 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
             lock = config.rdzv_port if node.rank == 0 else None
         else:
             argv, lock = list(wl.argv), None
+        if config.image:
+            argv = _in_container(cluster, node, config, env, argv)
         out[node.rank] = remote_script(
             cluster,
             node,
@@ -494,7 +499,20 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
             argv,
             lock_port=lock,
             check=torchrun,
-            check_torch=torchrun and config.check_versions,
+            # With --image, torch is the image's: the node itself may have none (COS).
+            check_torch=torchrun and config.check_versions and not config.image,
             watch_preemption=not cluster.local,
         )
     return out
+
+
+def _in_container(
+    cluster: Cluster, node: Node, config: LaunchConfig, env: Mapping[str, str], argv: list[str]
+) -> list[str]:
+    """`argv` wrapped to run inside --image on `node`, wired for its machine type
+    (gpufleet.containers, rendered by launcher.core.container)."""
+    machine = lookup(cluster.machine_type) if cluster.machine_type and not cluster.local else None
+    token = run_token(config.job_id, node.rank).partition("=")[2]
+    return container_argv(
+        wiring(machine, config.image_os), config.image, container_name(config.job_id, node.rank), token, env, argv
+    )

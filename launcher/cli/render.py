@@ -199,10 +199,14 @@ def pull_everywhere(cluster: Cluster, config: LaunchConfig) -> None:
                 done[node.label] = line
                 status.update(f"pulling {config.image}: {escape(node.label)}: {escape(line[:100])}")
 
-        pulled = pull_image(cluster, config.image, make_transport(cluster, config), progress)
+        pulled = pull_image(cluster, config.image, make_transport(cluster, config), progress, env=config.env)
     failed = refusal(config.image, pulled)
     if failed is not None:
         raise failed
+    for p in pulled.values():
+        if p.status == "local":
+            what = f"{p.node.label}: using its own copy of {config.image}, unchecked: {p.note}"
+            err.print(f"[yellow]{escape(what)}[/yellow]")
     fetched = [p.node.label for p in pulled.values() if p.status == "pulled"]
     err.print(
         f"[dim]{escape(config.image)}: pulled on {', '.join(fetched)}; already current on "

@@ -171,20 +171,27 @@ def container_argv(
     ]
 
 
-def pull_script(image: str) -> str:
+def pull_script(image: str, env: Sequence[tuple[str, str]] = ()) -> str:
     """One node's pull (a bash program): the runtime's pull, its progress on stdout as it comes,
     then one `IMAGE_LINE` line: `ok ID present` (the registry had nothing newer: same digest, no
     layer fetched; or a digest-pinned image already here, without asking the registry),
-    `ok ID pulled`, or `error REASON` with the registry's own last line, and exit 2."""
+    `ok ID pulled`, `ok ID local REASON` (the pull failed but the image is here: it is used,
+    unchecked), or `error REASON` with the registry's own last line, and exit 2. `env`: the
+    launch's --env pairs, exported first as the run does (they may name the runtime or its
+    configuration: GPUFLEET_CONTAINER_RUNTIME, DOCKER_HOST, CONTAINERS_CONF)."""
     q = shlex.quote(image)
     return "; ".join(
         [
+            *(f"export {k}={shlex.quote(v)}" for k, v in env),
             runtime_statement().replace("exit 127", f"echo '{IMAGE_LINE} error no container runtime'; exit 2"),
             f"B=$($R image inspect --format '{{{{.Id}}}}' {q} 2>/dev/null)",
             # A digest names its content: present is current, the registry need not be asked.
             f'case {q} in *@sha256:*) if [ -n "$B" ]; then echo "{IMAGE_LINE} ok $B present"; exit 0; fi;; esac',
             f"O=$(mktemp); $R pull {q} 2>&1 | tee \"$O\"; rc=${{PIPESTATUS[0]}}",
+            # A pull that fails leaves an image already here in use (built or loaded on the node,
+            # or a registry out of reach): `local`, with the registry's reason.
             'if [ "$rc" != 0 ]; then m=$(grep -v "^ *$" "$O" | tail -n 1); rm -f "$O"; '
+            f'if [ -n "$B" ]; then echo "{IMAGE_LINE} ok $B local ${{m:-exit $rc}}"; exit 0; fi; '
             f'echo "{IMAGE_LINE} error ${{m:-exit $rc}}"; exit 2; fi',
             'rm -f "$O"',
             f"A=$($R image inspect --format '{{{{.Id}}}}' {q} 2>/dev/null)",
@@ -193,13 +200,15 @@ def pull_script(image: str) -> str:
     )
 
 
-def parse_pull_line(line: str) -> tuple[str, str] | None:
-    """`IMAGE_LINE` line -> ("present"|"pulled", image id) or ("error", reason); None otherwise."""
+def parse_pull_line(line: str) -> tuple[str, str, str] | None:
+    """`IMAGE_LINE` line -> (status, image id, note): ("present"|"pulled", id, ""), ("local", id,
+    the registry's reason) or ("error", "", reason); None for any other line."""
     if not line.startswith(IMAGE_LINE):
         return None
     rest = line[len(IMAGE_LINE) :].strip()
     status, _, detail = rest.partition(" ")
     if status == "ok":
         image_id, _, how = detail.partition(" ")
-        return (how or "pulled", image_id)
-    return ("error", detail or "pull failed")
+        how, _, note = how.partition(" ")
+        return (how or "pulled", image_id, note)
+    return ("error", "", detail or "pull failed")

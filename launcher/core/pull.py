@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from launcher.core.container import parse_pull_line, pull_script
@@ -24,12 +24,14 @@ __all__ = ["PullFailed", "Pulled", "pull_image", "refusal"]
 
 @dataclass(frozen=True)
 class Pulled:
-    """One node's pull: `status` "pulled" (layers fetched), "present" (current already) or
-    "error"; `detail` the image id, or the reason."""
+    """One node's pull: `status` "pulled" (layers fetched), "present" (current already),
+    "local" (the pull failed, the copy already there is used: `note` says why) or "error"
+    (`note` the reason); `image_id` the image the node will run."""
 
     node: Node
     status: str
-    detail: str
+    image_id: str
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -54,10 +56,11 @@ def pull_image(
     transport: Transport,
     on_progress: OnProgress | None = None,
     stop: threading.Event | None = None,
+    env: Sequence[tuple[str, str]] = (),
 ) -> dict[int, Pulled]:
     """Pull `image` on every node of `cluster` at once; by rank, what each did. `stop` set, or
     an exception here (Ctrl-C), ends every pull still going."""
-    script = pull_script(image)
+    script = pull_script(image, env)
     results: dict[int, Pulled] = {}
     procs: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()
@@ -113,7 +116,7 @@ def _read_pull(
     rc = proc.wait()
     if verdict is None:  # the session itself failed (ssh's own message), or we stopped it
         why = "interrupted" if stop is not None and stop.is_set() else (last or f"exit {rc}")
-        verdict = ("error", why)
+        verdict = ("error", "", why)
     return Pulled(node, *verdict)
 
 
@@ -125,5 +128,5 @@ def refusal(image: str, pulled: dict[int, Pulled]) -> PullFailed | None:
     return PullFailed(
         f"{len(bad)} of {len(pulled)} nodes cannot pull {image}; nothing was started. Check the image name "
         "and that the nodes may read its registry (docs/containers.md)",
-        [f"{p.node.label}: cannot pull {image}: {p.detail}" for p in bad],
+        [f"{p.node.label}: cannot pull {image}: {p.note}" for p in bad],
     )

@@ -135,9 +135,10 @@ def test_a_bad_image_reference_is_refused(bad):
 
 
 def test_pull_lines_parse():
-    assert parse_pull_line("gpufleet-image: ok sha256:ab present") == ("present", "sha256:ab")
-    assert parse_pull_line("gpufleet-image: ok sha256:ab pulled") == ("pulled", "sha256:ab")
-    assert parse_pull_line("gpufleet-image: error manifest unknown") == ("error", "manifest unknown")
+    assert parse_pull_line("gpufleet-image: ok sha256:ab present") == ("present", "sha256:ab", "")
+    assert parse_pull_line("gpufleet-image: ok sha256:ab pulled") == ("pulled", "sha256:ab", "")
+    assert parse_pull_line("gpufleet-image: ok sha256:ab local Error: x: y") == ("local", "sha256:ab", "Error: x: y")
+    assert parse_pull_line("gpufleet-image: error manifest unknown") == ("error", "", "manifest unknown")
     assert parse_pull_line("Copying blob 123") is None
 
 

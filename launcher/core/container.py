@@ -18,11 +18,12 @@ The argv is `env -u GPUFLEET_RUN bash -c WRAPPER ...`. The wrapper (the process 
 starts in its own session) picks the runtime on the node: GPUFLEET_CONTAINER_RUNTIME if set,
 else docker when its daemon answers on its socket (through `sudo -n -E` when the socket is not
 writable: on COS and on Ubuntu with the docker.io package it is root's), else podman; then runs
-the container in the background and waits for it, ignoring SIGTERM/SIGINT/SIGHUP (the stop
-signals the ranks themselves), and `rm -f`s the container on every way out: a clean exit, a
-failure, a stop, a lost SSH session, a Ctrl-C. It carries no run token, so the watchdog's final
-SIGKILL of every token process leaves it to do that removal. The runtime's own `--rm` removes a
-container whose wrapper was killed anyway, once its processes are gone.
+the container in the background (`--rm`: the runtime removes it when it ends) and waits for
+it, ignoring SIGTERM/SIGINT/SIGHUP (the stop signals the ranks themselves), then `rm -f`s the
+container when a signal ended the runtime client or a stop reached the run: every way out (a
+clean exit, a failure, a stop, a lost SSH session, a Ctrl-C) leaves no container. The wrapper
+carries no run token, so the watchdog's final SIGKILL of every token process leaves it to do that
+removal; `--rm` removes a container whose wrapper was killed anyway, once its processes are gone.
 
 Variables reach the container by name (`-e KEY`, the value taken from the node program's
 environment, so no value is on a command line); a PATH-like variable (LD_LIBRARY_PATH, PATH) is
@@ -107,7 +108,9 @@ _WRAPPER = "; ".join(
         "</dev/null & C=$!",
         # `wait` returns early for a trapped signal; wait again until the runtime client is gone.
         "while wait $C; rc=$?; kill -0 $C 2>/dev/null; do :; done",
-        '$R rm -f "$N" >/dev/null 2>&1',
+        # A client that ended by itself has removed its container already (--rm); one that a
+        # signal ended, or a run a stop signal reached, may not have: remove it here.
+        'if [ $rc -gt 128 ] || [ -n "$T" ]; then $R rm -f "$N" >/dev/null 2>&1; fi',
         "exit $rc",
     ]
 )
@@ -182,7 +185,7 @@ def pull_script(image: str, env: Sequence[tuple[str, str]] = ()) -> str:
     q = shlex.quote(image)
     return "; ".join(
         [
-            *(f"export {k}={shlex.quote(v)}" for k, v in env),
+            *(f"export {k}={shlex.quote(v)}" + (f"${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else "") for k, v in env),
             runtime_statement().replace("exit 127", f"echo '{IMAGE_LINE} error no container runtime'; exit 2"),
             f"B=$($R image inspect --format '{{{{.Id}}}}' {q} 2>/dev/null)",
             # A digest names its content: present is current, the registry need not be asked.

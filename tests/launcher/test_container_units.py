@@ -114,7 +114,10 @@ def test_the_wrapper_outlives_sigterm_and_removes_its_container_after_the_run_en
     assert proc.wait(timeout=20) == 0
     calls = log.read_text().splitlines()
     assert calls[0].startswith("run --rm --name gpufleet-j-0 --user ") and f"src={tmp_path},dst={tmp_path}" in calls[0]
-    assert calls[-1] == "rm -f gpufleet-j-0" and done.read_text() == "ok\n"
+    assert calls[-1] == "rm -f gpufleet-j-0" and done.read_text() == "ok\n"  # a stop reached it
+    log.unlink()
+    clean = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "GPUFLEET_CONTAINER_RUNTIME": str(rt)})
+    assert clean.returncode == 0 and len(log.read_text().splitlines()) == 1  # --rm removed it: no rm -f
     # The wrapper carries no run token (the watchdog's SIGKILL of token processes spares it).
     assert "GPUFLEET_RUN" not in argv[argv.index("-c") + 1].split("--name")[0]
 

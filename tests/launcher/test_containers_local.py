@@ -139,3 +139,42 @@ def test_a_pull_fetches_once_then_not_again_and_a_missing_image_is_one_line_per_
     assert "2 of 2 nodes cannot pull" in errors[-1] and "nothing was started" in errors[-1]
     assert "[node" not in bad.stdout
     subprocess.run(["podman", "rmi", "-f", ref], env={**os.environ, **env}, capture_output=True)
+
+
+def test_a_hang_inside_the_container_is_named_from_py_spy_stacks_of_the_ranks_inside(box, tmp_path):
+    """py-spy on the node reaches the ranks inside (--pid host): the sleeping rank is named."""
+    script = tmp_path / "hang.py"
+    script.write_text((REPO / "tests" / "launcher" / "hang_script.py").read_text())
+    venv_bin = str(REPO / ".venv" / "bin")  # where this machine's py-spy is (the nodes' PATH)
+    args = [
+        "run",
+        "--local",
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--image",
+        box["image"],
+        *_env_flags(box["env"]),
+        "--env",
+        f"PATH={venv_bin}",
+        "--env",
+        "OMP_NUM_THREADS=1",
+        "--workdir",
+        str(tmp_path),
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--hang-timeout",
+        "5s",
+        "--",
+        str(script),
+    ]
+    before = set(containers_named(box["env"], "gpufleet-"))
+    r = subprocess.run([LAUNCH, *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 124, out
+    (line,) = [x for x in out.splitlines() if x.startswith("hang: no progress for ")]
+    assert "rank 2" in line and "3 ranks wait in all_reduce" in line, line
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "load_batch" in (run_dir / "stacks" / "node-1-rank-2.txt").read_text()
+    assert set(containers_named(box["env"], "gpufleet-")) == before

@@ -360,7 +360,7 @@ def sweep_json_line(doc: Mapping[str, Any]) -> str:
 # launcher names the node that printed one before it was stopped as the cause of a failure.
 ERROR_PREFIX = "error: "  # workloads.train
 SWEEP_ERROR_PREFIX = "sweep: "  # workloads.sweep
-LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.core.command)
+LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.core.program)
 ERROR_LINE_PREFIXES = (ERROR_PREFIX, SWEEP_ERROR_PREFIX, LAUNCHER_ERROR_PREFIX)
 
 

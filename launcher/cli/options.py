@@ -38,6 +38,7 @@ __all__ = [
     "apply_options",
     "find_cluster",
     "build_config",
+    "ssh_config",
 ]
 
 
@@ -104,8 +105,8 @@ IMAGE_OPTION = click.option(
 DETACH_OPTION = click.option(
     "--detach",
     is_flag=True,
-    help="Check every node, hand the job to a controller on node 0, print `job ID` "
-    "and return; see `launch jobs/logs/stop/attach`.",
+    help="Check every node, hand the job to a controller on the controller host (see --controller; "
+    "node 0 only when the cluster has none), print `job ID` and return; see `launch jobs/logs/stop/attach`.",
 )
 
 # A detached job's nodes keep training without their controller this long (launcher.core.supervise).
@@ -203,7 +204,7 @@ TORCHRUN_OPTIONS = [
 ]
 
 
-# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.command's watchdog).
+# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.stop).
 TERM_GRACE_OPTION = click.option(
     "--term-grace",
     metavar="DURATION",
@@ -312,9 +313,9 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
-    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
-    ssh = SshConfig(
+def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
+    """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
+    return SshConfig(
         user=o.get("ssh_user"),
         key=o.get("ssh_key"),
         options=_ssh_options(o.get("ssh_options", ())),
@@ -322,6 +323,11 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         iap=o.get("iap", False),
         zone=o.get("zone") or cluster.zone,
     )
+
+
+def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
+    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
+    ssh = ssh_config(o, cluster)
     image = o.get("image") or cluster.image
     if image and o.get("python"):
         raise UserError(

@@ -7,7 +7,7 @@ container is named after the run token. Outside, the container would hold only t
 each rank a `docker run` of its own, and torchrun's restarts, its SIGTERM to its workers and
 its exit codes would all cross a runtime client instead of reaching processes. Inside, with
 `--pid host`, every rank is a plain process of the node, with the run token (GPUFLEET_RUN) in
-its environment, so the node program works unchanged (launcher.core.command): the watchdog's
+its environment, so the node program works unchanged (launcher.core.program): the watchdog's
 /proc scan finds the ranks and signals them (SIGTERM, the grace, SIGKILL), the STOP_REPORT
 lines name them, py-spy reaches them for a hang's stacks (launcher.core.stacks reads
 /proc/PID/root for the container's files), and a detached job's supervisor stops them as it
@@ -38,11 +38,14 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
-from gpufleet.containers import GPUS_ALL, Wiring
+from gpufleet.catalog import lookup
+from gpufleet.containers import GPUS_ALL, Wiring, wiring
 from gpufleet.nccl_env import PREPEND_PATH_VARS
+from launcher.core.wire import JOB_ID_VAR, NNODES_VAR, NODE_RANK_VAR, RUN_VAR
 
 __all__ = [
     "IMAGE_LINE",
+    "in_image",
     "RUNTIME_ENV",
     "check_image_ref",
     "container_name",
@@ -78,7 +81,7 @@ def check_image_ref(image: str) -> str:
 
 def container_name(job_id: str, node_rank: int) -> str:
     """The container of node `node_rank`'s run: `gpufleet-<job>-<rank>`, the run token's value
-    (launcher.core.command.run_token), so a stop, a look at `docker ps` and the token agree."""
+    (launcher.core.wire.run_token), so a stop, a look at `docker ps` and the token agree."""
     return f"gpufleet-{job_id}-{node_rank}"
 
 
@@ -127,7 +130,7 @@ def container_argv(
     token_value: str,
     env: Mapping[str, str],
     argv: Sequence[str],
-    extra_env: Sequence[str] = ("GPUFLEET_JOB_ID", "GPUFLEET_NODE_RANK", "GPUFLEET_NNODES"),
+    extra_env: Sequence[str] = (JOB_ID_VAR, NODE_RANK_VAR, NNODES_VAR),
 ) -> list[str]:
     """The argv that runs `argv` (the rank command: torchrun's, or a plain command) inside
     `image` with `wiring`, as container `name`, its processes carrying GPUFLEET_RUN=`token_value`.
@@ -140,9 +143,9 @@ def container_argv(
         opts += ["--device", d]
     for m in wiring.mounts:
         opts += ["--mount", _mount(m.host, m.container, m.read_only)]
-    opts += ["-e", f"GPUFLEET_RUN={token_value}"]
+    opts += ["-e", f"{RUN_VAR}={token_value}"]
     for key in dict.fromkeys([*env, *extra_env]):
-        if key not in PREPEND_PATH_VARS and key != "GPUFLEET_RUN":
+        if key not in PREPEND_PATH_VARS and key != RUN_VAR:
             opts += ["-e", key]
     command = list(argv)
     prepend: dict[str, list[str]] = {}
@@ -215,3 +218,22 @@ def parse_pull_line(line: str) -> tuple[str, str, str] | None:
         how, _, note = how.partition(" ")
         return (how or "pulled", image_id, note)
     return ("error", "", detail or "pull failed")
+
+
+def in_image(
+    machine_type: str | None,
+    local: bool,
+    image_os: str | None,
+    image: str,
+    job_id: str,
+    node_rank: int,
+    token: str,
+    env: Mapping[str, str],
+    argv: Sequence[str],
+) -> list[str]:
+    """`argv` (node `node_rank`'s rank command) wrapped to run inside `image`, wired for
+    `machine_type` on `image_os` (none on `local` nodes, which are this machine's CPUs); `token`:
+    the run token, `GPUFLEET_RUN=<job>-<rank>`."""
+    machine = lookup(machine_type) if machine_type and not local else None
+    name = container_name(job_id, node_rank)
+    return container_argv(wiring(machine, image_os), image, name, token.partition("=")[2], env, argv)

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpufleet.catalog import MachineType, NetStack
+from gpufleet.contracts import RXDM_SOCKET_DIR
 
 __all__ = [
     "COS_DRIVER_BIN",
@@ -123,7 +124,10 @@ def wiring(machine: MachineType | None, image_os: str | None = None) -> Wiring:
     if machine.net_stack is NetStack.TCPX:
         # The TCPX plugin the startup script installs (`install --install-nccl` into /var/lib/tcpx,
         # DSTACK-TCPX) and RxDM's socket directory (DSTACK-PROV: /run/tcpx at /run/tcpx).
-        mounts += [Mount("/var/lib/tcpx/lib64", "/var/lib/tcpx/lib64", read_only=True), Mount("/run/tcpx", "/run/tcpx")]
+        mounts += [
+            Mount("/var/lib/tcpx/lib64", "/var/lib/tcpx/lib64", read_only=True),
+            Mount(RXDM_SOCKET_DIR, RXDM_SOCKET_DIR),
+        ]
         library_path.insert(0, "/var/lib/tcpx/lib64")
         notes.append("GPUDirect-TCPX: plugin /var/lib/tcpx/lib64, RxDM sockets /run/tcpx")
     elif machine.net_stack is NetStack.TCPXO:

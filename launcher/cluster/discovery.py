@@ -126,18 +126,14 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         )
     except (OutputsError, UserError) as e:
         raise UserError(f"{source}: {e}") from None
-    # The stack's default container image: `containerImage`, else `image` unless that names a
-    # Compute Engine boot image (projects/.../global/images/...), which is not a container's.
-    image = outputs.get("containerImage", outputs.get("image"))
-    if isinstance(image, str) and "containerImage" not in outputs and _is_boot_image(image):
-        image = None
+    image = parsed.image  # the stack's default container image (gpufleet:containerImage)
     if image is not None:
         try:
-            check_image_ref(image if isinstance(image, str) else repr(image))
+            check_image_ref(image)
         except ValueError:
             raise UserError(
-                f"{source}: output `image` is {image!r}, not an image reference; fix gpufleet:image in the "
-                "stack config (REGISTRY/PATH/NAME[:TAG])"
+                f"{source}: output `image` is {image!r}, not an image reference; fix gpufleet:containerImage "
+                "in the stack config (REGISTRY/PATH/NAME[:TAG])"
             ) from None
     return Cluster(
         name=parsed.cluster or "cluster",
@@ -148,10 +144,6 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         controller=controller,
         image=image or None,
     )
-
-
-def _is_boot_image(image: str) -> bool:
-    return image.startswith(("projects/", "https://")) or "/global/images/" in image
 
 
 def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:

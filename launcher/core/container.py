@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from gpufleet.catalog import lookup
 from gpufleet.containers import GPUS_ALL, Wiring, wiring
+from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.core.wire import JOB_ID_VAR, NNODES_VAR, NODE_RANK_VAR, RUN_VAR
 
@@ -93,8 +94,8 @@ def runtime_statement() -> str:
         "elif command -v docker >/dev/null 2>&1 && { [ -n \"$DOCKER_HOST\" ] || [ -S /var/run/docker.sock ]; }; then "
         'R=docker; [ -n "$DOCKER_HOST" ] || [ -w /var/run/docker.sock ] || R="sudo -n -E docker"; '
         "elif command -v podman >/dev/null 2>&1; then R=podman; "
-        'else echo "error: no container runtime on $(hostname): neither docker with its daemon running nor '
-        'podman; install one (the startup script installs docker) or drop --image" >&2; exit 127; fi'
+        f'else echo "{LAUNCHER_ERROR_PREFIX}no container runtime on $(hostname): neither docker with its daemon '
+        'running nor podman; install one (the startup script installs docker) or drop --image" >&2; exit 127; fi'
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
-from gpufleet.contracts import LOCAL_SSD_MOUNT
+from gpufleet.contracts import LOCAL_SSD_MOUNT, RXDM_CONTAINER
 from gpufleet.health import GPU_QUERY_FIELDS, GpuRow, PhysicalHost, majority, parse_gpu_query
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
@@ -45,10 +45,6 @@ __all__ = [
     "rxdm_problem",
     "rxdm_statement",
 ]
-
-# The receive-datapath manager's container, as the startup script names it (infra/templates/tcpx.sh
-# and tcpxo.sh, after Google's: SLURMGCP tools/prologs-epilogs/receive-data-path-manager).
-RXDM_CONTAINER = "receive-datapath-manager"
 
 
 @dataclass(frozen=True)
@@ -138,10 +134,11 @@ def rxdm_statement() -> str:
     """`rxdm_rc=` (docker's status: 127 no docker) and `rxdm=` (the running RxDM container's id,
     empty when it does not run), asking docker as the user, else through `sudo -n` (the socket is
     root's on COS and with Ubuntu's docker.io)."""
-    name = shlex.quote(f"name=^{RXDM_CONTAINER}$")
+    # `docker ps` without -a lists running containers only.
+    f = f"-f {shlex.quote(f'name=^{RXDM_CONTAINER}$')}"
     return (
-        f"R=$(docker ps -q -f {name} 2>&1); rc=$?; if [ $rc != 0 ]; then "
-        f"R2=$(sudo -n docker ps -q -f {name} 2>/dev/null) && {{ R=$R2; rc=0; }}; fi; "
+        f"R=$(docker ps -q {f} 2>&1); rc=$?; if [ $rc != 0 ]; then "
+        f"R2=$(sudo -n docker ps -q {f} 2>/dev/null) && {{ R=$R2; rc=0; }}; fi; "
         "echo rxdm_rc=$rc; echo \"rxdm=$(printf '%s' \"$R\" | head -n 1)\""
     )
 

@@ -251,22 +251,11 @@ def test_bad_image_input_is_one_line_and_exit_2(tmp_path, args, culprit):
     assert line.startswith("error: ") and culprit in line
 
 
-def test_a_boot_image_output_is_not_taken_for_a_container_and_container_image_wins(tmp_path):
-    boot = "projects/cos-cloud/global/images/family/cos-105-lts"
-    _, lines = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, "a3-highgpu-8g", image=boot)))
-    assert all("gpufleet-container" not in ln for ln in lines)
-    doc = json.loads(_outputs(tmp_path, "a3-highgpu-8g", image=boot).read_text())
-    f = tmp_path / "both.json"
-    f.write_text(json.dumps({**doc, "containerImage": IMAGE}))
-    _, lines = _dry(tmp_path, "--outputs", str(f))
-    assert all(f" {IMAGE} " in shlex.split(ln.split("\t")[1])[-1] for ln in lines)
-
-
 def test_a_bad_image_output_names_the_stack_config(tmp_path):
     r = CliRunner().invoke(
         main, ["run", "--outputs", str(_outputs(tmp_path, "a2-highgpu-8g", image="x y")), "--dry-run", "--", "t.py"]
     )
-    assert r.exit_code == 2 and "output `image` is 'x y'" in r.output and "gpufleet:image" in r.output
+    assert r.exit_code == 2 and "output `image` is 'x y'" in r.output and "gpufleet:containerImage" in r.output
 
 
 def test_exec_takes_image_too(tmp_path):

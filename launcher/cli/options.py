@@ -22,6 +22,7 @@ from launcher.jobs.recovery import parse_duration
 __all__ = [
     "SOURCE_OPTIONS",
     "ENV_OPTION",
+    "ENV_FILE_OPTION",
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
     "CONTROLLER_GRACE_OPTION",
@@ -88,7 +89,19 @@ SOURCE_OPTIONS = [
 ]
 
 ENV_OPTION = click.option(
-    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable on every node (repeatable)."
+    "--env",
+    "env",
+    multiple=True,
+    metavar="KEY[=VALUE]",
+    help="Set or override a variable on every node (repeatable); KEY alone passes this machine's value. "
+    "Values reach the nodes on stdin, never on a command line.",
+)
+ENV_FILE_OPTION = click.option(
+    "--env-file",
+    "env_file",
+    multiple=True,
+    metavar="FILE",
+    help="KEY=VALUE lines (# comments) to set on every node, as --env does (repeatable; --env wins).",
 )
 
 # Issue 13: the job goes to a controller on node 0 (launcher.jobs.handoff) and outlives this client.
@@ -181,6 +194,7 @@ TORCHRUN_OPTIONS = [
     click.option("--max-restarts", type=int, default=0, show_default=True, help=_MAX_RESTARTS_HELP),
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
     ENV_OPTION,
+    ENV_FILE_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
     click.option(
@@ -327,7 +341,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         # on 29500 here) never collide; on a cluster, torchrun's documented default.
         rdzv_port=o.get("rdzv_port") or (_free_port() if cluster.local else 29500),
         workdir=o.get("workdir"),
-        env=parse_env_pairs(o.get("env", ())),
+        env=parse_env_pairs(o.get("env", ()), o.get("env_file", ())),
         nccl_debug=o.get("nccl_debug", False),
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.

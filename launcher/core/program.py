@@ -13,7 +13,9 @@ A node's program is one bash line (so `--dry-run` prints it on one line), in sec
 1. prologue: statements before anything else (the detach check's authorization of the cluster
    key, `ProgramBuilder.add_prologue`);
 2. environment: the launch's `export`s (resolving the host NIC on the node when the catalog
-   cannot name it), first, so the check sees what the run will;
+   cannot name it), first, so the check sees what the run will. The user's --env values are
+   not in the program: it reads them from stdin, where the launcher writes them first
+   (`env_stdin`; launcher.core.wire.env_block), so no command line on any machine holds them;
 3. checks: what the launcher compares across nodes as `key=value` lines (hostname, clock, ready
    marker, torch version, --workdir, the cheap part of `launch doctor`), and node 0's lock on the
    rendezvous port for a torchrun job (a second launch on the same port refuses instead of
@@ -79,16 +81,19 @@ from launcher.core.env import HOST_IFACE_ON_NODE, job_env, node_env
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
 from launcher.core.torchrun import nproc_for, torchrun_argv
-from launcher.core.types import Cluster, LaunchConfig, Node
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import (
     CHECKED_MARKER,
+    ENV_BLOCK_MAX,
     EXIT_MARKER,
     GO,
     JOB_ID_VAR,
     NNODES_VAR,
     NODE_RANK_VAR,
+    env_block,
     join,
     rdzv_lock_path,
+    read_env_statements,
     run_token,
 )
 
@@ -101,6 +106,8 @@ __all__ = [
     "node_commands",
     "attach_commands",
     "probe_script",
+    "stdin_env",
+    "env_stdin",
 ]
 
 
@@ -155,7 +162,7 @@ class NodeProgram:
             ("prologue", list(self.prologue)),
             # The environment first: the check must see what the run will (`--env PATH=...`
             # decides which `python3` has torch), so it is exported before the check's lines.
-            ("environment", _env_statements(self.cluster, self.node, self.env)),
+            ("environment", _env_statements(self.cluster, self.node, self.env, [k for k, _ in stdin_env(self.config)])),
             ("checks", self._checks()),
             ("gate", _gate()),
             ("prepare", [*self._workdir_step(), *self.prepare]),
@@ -261,6 +268,12 @@ class ProgramBuilder:
         self.torchrun = config.workload.kind == "torchrun"
         # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
         self.env = node_env(cluster, config) if self.torchrun else {**job_env(config), **dict(config.env)}
+        size = len(env_stdin(config))
+        if size > ENV_BLOCK_MAX:
+            raise UserError(
+                f"the --env values come to {size} bytes; at most {ENV_BLOCK_MAX} travel to the nodes: "
+                "put large data in a file on the nodes and pass its path"
+            )
         self._prologue: list[tuple[str, tuple[str, ...]]] = []
         self._prepare: list[tuple[str, PrepareStep]] = []
         self._wrappers: list[tuple[str, RunWrapper]] = []
@@ -390,18 +403,34 @@ def _workdir(wd: str) -> str:
     return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
 
 
-def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> list[str]:
+def stdin_env(config: LaunchConfig) -> list[tuple[str, str]]:
+    """The user's --env values a node program reads from stdin, in the order it reads them (the
+    last value of a key given twice; a HOST_IFACE_ON_NODE value is resolved on the node instead)."""
+    return [(k, v) for k, v in dict(config.env).items() if v != HOST_IFACE_ON_NODE]
+
+
+def env_stdin(config: LaunchConfig) -> bytes:
+    """What the launcher writes to a node program's stdin first: its --env values
+    (launcher.core.wire.env_block). The check reads them; `go` comes after."""
+    return env_block(stdin_env(config))
+
+
+def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str], from_stdin: Sequence[str] = ()) -> list[str]:
     """`export` lines for `env`; PATH-like variables are prepended to the node's value, and a
-    HOST_IFACE_ON_NODE value is resolved on the node."""
+    HOST_IFACE_ON_NODE value is resolved on the node. The keys `from_stdin` (the user's --env,
+    `stdin_env`) are read from stdin, after the others, in that order: their values are not in
+    the program."""
     s = []
     unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
     for key, value in env.items():
-        if value == HOST_IFACE_ON_NODE:
+        if value == HOST_IFACE_ON_NODE or key in from_stdin:
             continue
         if key in PREPEND_PATH_VARS:
             s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
         else:
             s.append(f"export {key}={shlex.quote(value)}")
+    for key in from_stdin:
+        s += read_env_statements(key, prepend=key in PREPEND_PATH_VARS)
     if unresolved:
         s.append(_resolve_iface(node.address, cluster.nodes[0].address))
         s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")

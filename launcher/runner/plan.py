@@ -17,7 +17,7 @@ from pathlib import Path
 
 from launcher.cluster.key import authorize_statements, ensure_key
 from launcher.cluster.ordering import order_for_launch
-from launcher.core.program import ProgramBuilder
+from launcher.core.program import ProgramBuilder, stdin_env
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
@@ -42,6 +42,16 @@ class LaunchPlan:
     def dry_run(self) -> list[str]:
         """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""
         return [f"{n.host}\t{self.transport.display(n, self.programs[n.rank])}" for n in self.cluster.nodes]
+
+    def stdin_note(self) -> str:
+        """What --dry-run says (on stderr) each node reads on stdin before its check: the --env
+        values, by name only (launcher.core.program.env_stdin); empty without --env."""
+        keys = [k for k, _ in stdin_env(self.config)]
+        if not keys:
+            return ""
+        return "each node reads on stdin, not on its command line: " + " ".join(
+            f"{k}=<from --env, hidden>" for k in keys
+        )
 
 
 def plan(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:

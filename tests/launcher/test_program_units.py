@@ -13,7 +13,7 @@ import pytest
 
 from launcher.core.program import NodeContext, ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
-from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, read_env_statements
 
 LOCAL = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),), local=True)
 
@@ -113,7 +113,8 @@ def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_
     sections = builder.program(LOCAL.nodes[0]).sections()
     assert [name for name, _ in sections] == ["prologue", "environment", "checks", "gate", "prepare", "run"]
     named = dict(sections)
-    assert named["prologue"] == ["echo first"] and "export A=1" in named["environment"]
+    # The user's --env is read from stdin (its value is on no command line).
+    assert named["prologue"] == ["echo first"] and read_env_statements("A")[0] in named["environment"]
     # --workdir's cd is the first prepare step; the added step follows it.
     assert named["prepare"][0].startswith("cd ") and named["prepare"][1] == "echo mine"
 

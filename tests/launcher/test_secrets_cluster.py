@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.launcher.test_controller_host_cluster import with_controller
 from tests.launcher.test_jobs_cluster import client_env as jobs_client_env
-from tests.launcher.test_jobs_cluster import cluster, jobdir, wait_state
+from tests.launcher.test_jobs_cluster import cluster, wait_state
 from tests.simcluster import SimCluster
 from tests.support import LAUNCH, source_args, wait_for
 
@@ -90,15 +91,20 @@ def test_an_attached_launch_carries_env_key_on_no_command_line(sim_cluster, tmp_
     c.assert_nothing_left()
 
 
-@pytest.mark.parametrize("recover", [False, True], ids=["plain", "recover"])
+@pytest.mark.parametrize(
+    "host,recover",
+    [("node0", False), ("node0", True), ("controller", True)],
+    ids=["node0", "node0-recover", "controller-recover"],
+)
 def test_a_detached_job_carries_env_key_on_no_command_line_and_keeps_it_only_while_needed(
-    sim_cluster, tmp_path, recover
+    sim_cluster, tmp_path, host, recover
 ):
-    """The client hands the value to the controller (node 0) inside the archive on stdin, the
-    controller to each node on stdin. On node 0 it is kept in env.json, mode 600, only while a
-    controller started again could need it: until the nodes run, or with --recover (which may
-    relaunch) until the job ends."""
-    c = cluster(sim_cluster, tmp_path, 2)
+    """The client hands the value to the job host (node 0, or a controller host) inside the
+    archive on stdin, the controller to each node on stdin. On the job host it is kept in
+    env.json, mode 600, only while a controller started again could need it: until the nodes
+    run, or with --recover (which may relaunch) until the job ends."""
+    c = with_controller(sim_cluster, tmp_path, 2) if host == "controller" else cluster(sim_cluster, tmp_path, 2)
+    job_home = tmp_path / ("home2" if host == "controller" else "home0")
     value = _secret()
     seen, go = tmp_path / "seen", tmp_path / "go"
     seen.mkdir()
@@ -115,7 +121,7 @@ def test_a_detached_job_carries_env_key_on_no_command_line_and_keeps_it_only_whi
     job_id = r.stdout.split()[1]
     _seen_everywhere(seen, 2, value)
     _assert_no_command_line_holds(c, value)
-    env_file = jobdir(tmp_path, job_id) / "env.json"
+    env_file = job_home / ".gpufleet" / "jobs" / job_id / "env.json"
     if recover:  # a relaunch needs it: kept, private
         assert stat.S_IMODE(env_file.stat().st_mode) == 0o600 and value in env_file.read_text()
     else:  # the nodes have it: gone
@@ -132,6 +138,7 @@ def test_a_detached_job_carries_env_key_on_no_command_line_and_keeps_it_only_whi
         timeout=120,
     )
     assert logs.returncode == 0 and value not in logs.stdout + logs.stderr
-    # No record, log or run file on node 0 (the job host), the other node or the client holds it.
-    assert not _files_holding(value, tmp_path / "home0", tmp_path / "home1", tmp_path / "runs", tmp_path / "client")
+    # No record, log or run file on the job host, a node or the client holds it.
+    homes = [tmp_path / f"home{i}" for i in range(3) if (tmp_path / f"home{i}").exists()]
+    assert not _files_holding(value, *homes, tmp_path / "runs", tmp_path / "client")
     c.assert_nothing_left()

@@ -230,3 +230,33 @@ def test_an_override_of_the_profile_is_logged_without_its_value(caplog):
         node_env(cluster, config)
     assert "--env NCCL_BUFFSIZE overrides the profile value NCCL_BUFFSIZE=8388608" in caplog.text
     assert "1048576" not in caplog.text
+
+
+def test_a_hand_off_whose_controller_never_starts_leaves_no_env_values_behind(tmp_path):
+    """The job host unpacks the archive (env.json inside, mode 600); when the controller dies
+    before writing its record, the client reports it and env.json goes with it."""
+    from launcher.cluster.key import NODE_KEY_DIR
+    from launcher.jobs.handoff import _archive, _handoff_script
+    from launcher.jobs.record import CONTROLLER_SH, JOBS_DIR
+
+    config = _config(tmp_path, workload=Workload("exec", ("true",)), env=(("HF_TOKEN", SECRET),))
+    job = config.job_id
+    archive = _archive(
+        {
+            f"{NODE_KEY_DIR}/c-x/id_ed25519": b"key",
+            f"{JOBS_DIR}/{job}/env.json": f'[["HF_TOKEN", "{SECRET}"]]'.encode(),
+            # A controller that dies at once: the pid of a process already gone.
+            f"{JOBS_DIR}/{job}/{CONTROLLER_SH}": b"sh -c 'exit 3' & wait $!; echo $!\n",
+        }
+    )
+    r = subprocess.run(
+        ["bash", "-c", _handoff_script(config, "0" * 16, "c-x", "python3")],
+        input=archive,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    assert r.returncode == 1 and b"the controller did not start" in r.stderr
+    jobdir = tmp_path / JOBS_DIR / job
+    assert jobdir.is_dir() and not (jobdir / "env.json").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]

@@ -29,6 +29,7 @@ from rich.markup import escape
 from gpufleet.bandwidth import avg_busbw
 from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
+from launcher.cli.nccl_from import FROM_OPTIONS, from_request, show_report_from
 from launcher.cli.options import (
     DETACH_OPTION,
     SOURCE_OPTIONS,
@@ -45,7 +46,6 @@ from launcher.core.program import stdin_env
 from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload, new_job_id
 from launcher.nccl.badnodes import BadNodeSearch, GroupResult, SearchFailed, SearchOptions
-from launcher.nccl.from_files import FROM_OPTIONS, from_request, report_from
 from launcher.nccl.judge import expected_judgement, verdict
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
@@ -205,8 +205,10 @@ def report_rows(
 def nccl_tests(**o: Any) -> None:
     """Measure collective bandwidth across the nodes (an nccl-tests style sweep), or report on
     nccl-tests output that exists (--from FILE)."""
-    if o["from_files"]:  # results that exist: read and report, run nothing (launcher.nccl.from_files)
-        raise SystemExit(report_from(from_request(o), _out()))
+    if o[
+        "from_files"
+    ]:  # results that exist: read and report, run nothing (launcher.nccl.from_files, shown by launcher.cli.nccl_from)
+        raise SystemExit(show_report_from(from_request(o), _out()))
     if o["as_json"]:
         raise UserError(
             "--json prints the rows read with --from; a live run streams its nodes' "

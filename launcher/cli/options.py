@@ -17,7 +17,7 @@ from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
-from launcher.jobs.recovery import parse_duration
+from launcher.jobs.recovery import RecoverRequest, parse_duration
 
 __all__ = [
     "SOURCE_OPTIONS",
@@ -39,6 +39,7 @@ __all__ = [
     "find_cluster",
     "build_config",
     "ssh_config",
+    "recover_request",
 ]
 
 
@@ -314,6 +315,20 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
             raise UserError(f"--ssh-option {v!r} is not an OpenSSH Key=Value option")
         out.append(f"{key}={val}")
     return tuple(out)
+
+
+def recover_request(o: dict[str, Any]) -> RecoverRequest:
+    """--recover and its settings, as given (launcher.jobs.recovery.recover_policy checks them)."""
+    return RecoverRequest(
+        recover=bool(o.get("recover")),
+        max_recoveries=o.get("max_recoveries"),
+        recover_timeout=o.get("recover_timeout"),
+        restart_stopped=o.get("restart_stopped"),
+        no_restart_exit_codes=o.get("no_restart_exit_codes"),
+        min_nodes=o.get("min_nodes"),
+        api_endpoint=o.get("api_endpoint"),
+        max_restarts=o.get("max_restarts"),
+    )
 
 
 def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:

@@ -17,7 +17,15 @@ from launcher.core.hang import flight_recorder_env
 from launcher.core.types import Cluster, LaunchConfig, UserError
 from launcher.core.wire import ATTEMPT_VAR, JOB_ID_VAR, RESTART_REASON_VAR
 
-__all__ = ["node_env", "job_env", "parse_env_pairs", "flight_recorder_on", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
+__all__ = [
+    "launch_env",
+    "node_env",
+    "job_env",
+    "parse_env_pairs",
+    "flight_recorder_on",
+    "HOST_IFACE_ON_NODE",
+    "TORCHRUN_DEFAULTS",
+]
 
 log = logging.getLogger("launcher.core.env")
 
@@ -135,3 +143,12 @@ def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
             log.warning("--env %s overrides the profile value %s=%s", key, key, env[key])
         env[key] = value
     return env
+
+
+def launch_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
+    """What a launch's nodes export: a torchrun workload gets `node_env`; a plain command only the
+    job's variables and the user's --env (the NCCL profile is for torchrun workloads). Bad input
+    (an unknown machine type, an image the profile does not know) raises UserError."""
+    if config.workload.kind == "torchrun":
+        return node_env(cluster, config)
+    return {**job_env(config), **dict(config.env)}

@@ -199,7 +199,7 @@ class Launch:
     def probe(self, check_torch: bool, extra: Sequence[str] = ()) -> dict[int, Probe]:
         """The check alone on every node (what `launch hosts` shows; `extra` statements report
         more facts): the sessions a launch opens, sent home after the check instead of told to go."""
-        script = probe_script(self.config, check_torch, extra)
+        script = probe_script(self.config.python, self.config.workdir, check_torch, extra)
         return self.ask(dict.fromkeys((n.rank for n in self.cluster.nodes), script))
 
     def ask(self, scripts: dict[int, str], stdin: bytes = b"") -> dict[int, Probe]:
@@ -242,8 +242,8 @@ class Launch:
     def _check(self, scripts: dict[int, str], stdin: bytes = b"") -> None:
         """Open every node's session, a bounded number of handshakes at a time, until each node
         has passed its check half (and waits for `go`), ended, or run out of time."""
-        limit = handshake_limit(self.cluster, self.config, self.transport)
-        timeout = check_timeout(self.config)
+        limit = handshake_limit(self.cluster, self.config.ssh, self.transport)
+        timeout = check_timeout(self.config.ssh)
         pending = deque(self.cluster.nodes)
         deadlines: dict[int, float] = {}  # rank -> deadline, for sessions still checking
         while (pending or deadlines) and not self.stop_event.is_set():

@@ -41,6 +41,7 @@ from launcher.jobs.record import (
     CONTROLLER_LOCK,
     HEARTBEAT_FILE,
     HEARTBEAT_S,
+    SAMPLES_FILE,
     STOP_GRACE_FILE,
     JobRecord,
     JobState,
@@ -141,7 +142,7 @@ class Controller:
         cluster, config = request_from_json(self.request, self.env, home, self.jobdir.parent)
         from launcher.observe import job_metrics
 
-        self.metrics = job_metrics.start(cluster, config, self.jobdir / job_metrics.RECORD)
+        self.metrics = job_metrics.start(cluster, config, self.jobdir / SAMPLES_FILE)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
             launch = Launch(cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop)
             self.launch = launch

@@ -125,10 +125,8 @@ def test_bad_input_is_refused_when_the_builder_is_made(tmp_path):
         ProgramBuilder(cluster, _config(tmp_path, workload=Workload("torchrun", ("t.py",))))
 
 
-def test_for_cluster_keeps_the_steps_and_renumbers_the_nodes(tmp_path):
-    two = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3")))
-    swapped = Cluster("c", (Node(0, "10.0.0.3", "10.0.0.3"), Node(1, "10.0.0.2", "10.0.0.2")))
-    builder = ProgramBuilder(two, _config(tmp_path)).add_prepare("mark", lambda ctx: [f"echo at {ctx.node.address}"])
-    programs = builder.for_cluster(swapped).build()
-    assert "echo at 10.0.0.3" in programs[0] and "echo at 10.0.0.2" in programs[1]
-    assert builder.steps() == ["prepare:mark"]
+def test_an_environment_given_is_the_one_exported(tmp_path):
+    config = _config(tmp_path, env=(("A", "from-config"),))
+    program = ProgramBuilder(LOCAL, config, env={"B": "given"}).program(LOCAL.nodes[0])
+    environment = dict(program.sections())["environment"]
+    assert environment == ["export B=given"]

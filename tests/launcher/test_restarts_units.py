@@ -29,7 +29,7 @@ from launcher.core.types import (
 )
 from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, grace_line
 from launcher.jobs.record import STOP_GRACE_FILE, process_start, stop_script
-from launcher.jobs.recovery import RecoverPolicy, failure_of, recover_policy
+from launcher.jobs.recovery import RecoverPolicy, RecoverRequest, failure_of, recover_policy
 from launcher.jobs.restarts import (
     parse_exit_codes,
     program_error_line,
@@ -63,18 +63,18 @@ def test_exit_codes_read_a_comma_list_and_a_bad_one_names_itself_and_the_range()
 
 
 def test_recover_for_an_own_program_needs_no_checkpoint_dir_and_takes_max_restarts():
-    got = recover_policy({"recover": True, "max_restarts": 2}, OWN, detach=True, builtin=False)
+    got = recover_policy(RecoverRequest(recover=True, max_restarts=2), OWN, detach=True, builtin=False)
     assert got.max_restarts == 2 and got.no_restart_exit_codes == (2,) and not got.resume
     assert got.max_recoveries == 3
-    codes = recover_policy({"recover": True, "no_restart_exit_codes": "3,4"}, OWN, True, builtin=False)
+    codes = recover_policy(RecoverRequest(recover=True, no_restart_exit_codes="3,4"), OWN, True, builtin=False)
     assert codes.max_restarts == 0 and codes.no_restart_exit_codes == (3, 4)
     # The built-in workload keeps its policy: every recovery in --max-recoveries, with --resume.
-    train = recover_policy({"recover": True, "max_restarts": 2}, ("--checkpoint-dir", "/c"), True, builtin=True)
+    train = recover_policy(RecoverRequest(recover=True, max_restarts=2), ("--checkpoint-dir", "/c"), True, builtin=True)
     assert train.max_restarts is None and train.resume
     with pytest.raises(UserError, match="--no-restart-exit-codes is for your own program"):
-        recover_policy({"recover": True, "no_restart_exit_codes": "3"}, ("--checkpoint-dir", "/c"), True, True)
+        recover_policy(RecoverRequest(recover=True, no_restart_exit_codes="3"), ("--checkpoint-dir", "/c"), True, True)
     with pytest.raises(UserError, match="--no-restart-exit-codes needs --recover"):
-        recover_policy({"no_restart_exit_codes": "3"}, OWN, True, builtin=False)
+        recover_policy(RecoverRequest(no_restart_exit_codes="3"), OWN, True, builtin=False)
 
 
 @pytest.fixture

@@ -733,7 +733,7 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
     ]:
         ssh = SshConfig(options=opts, iap=iap, zone="z")
         t = Transport(False, ssh_base_argv(ssh, "/tmp/ctl", "/tmp/kh"))
-        assert through_gateway(t, node, _cfg(ssh=ssh)) is expect, opts
+        assert through_gateway(t, node, ssh) is expect, opts
 
 
 def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():

@@ -149,7 +149,7 @@ def execute(p: LaunchPlan) -> LaunchResult | None:
         launch = Launch(
             cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop, transport=p.transport
         )
-        result = launch.run(programs=p.programs)
+        result = launch.run(programs=p.programs, stdin=p.stdin)
     except Interrupted:
         if busy is not None and busy.busy is not None:
             raise busy.refusal() from None

@@ -167,6 +167,7 @@ class Launch:
         handle_signals: bool = True,
         adopt: dict[int, int] | None = None,
         programs: Mapping[int, str] | None = None,
+        stdin: bytes | None = None,
     ) -> LaunchResult:
         """Check every node, start the workload on all of them, stream, stop on the first
         failure, and report. Raises UserError or Interrupted (nothing was started).
@@ -174,8 +175,8 @@ class Launch:
         starting it, re-attach to every node's supervisor and stream from these byte offsets, by
         rank (launcher.core.supervise); a node without its run refuses, as a check does.
         `programs`: each node's program, by rank, rendered already (a launch plan's,
-        launcher.runner); else rendered here by the builder (launcher.core.program)."""
-        stdin = b""
+        launcher.runner); else rendered here by the builder (launcher.core.program). `stdin`: what
+        those programs read first (the plan's --env values); else computed here."""
         if programs is not None:
             scripts = dict(programs)
         elif adopt is None:
@@ -183,7 +184,9 @@ class Launch:
         else:
             self._offsets = adopt
             scripts = attach_commands(self.cluster, self.config, adopt)
-        if adopt is None:  # the builder's programs read the --env values from stdin first
+        if adopt is not None:
+            stdin = b""  # a re-attach reads no --env values
+        elif stdin is None:  # the builder's programs read the --env values from stdin first
             stdin = env_stdin(self.config)
         with self._signals_stop(handle_signals):
             try:

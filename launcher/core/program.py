@@ -268,7 +268,9 @@ class ProgramBuilder:
         self.torchrun = config.workload.kind == "torchrun"
         # `env`: launch_env's, computed already (launcher.runner computes it before the order).
         self.env = dict(env) if env is not None else launch_env(cluster, config)
-        size = len(env_stdin(config))
+        # What every node's program reads on stdin first (its --env values), computed once here.
+        self.stdin = env_stdin(config)
+        size = len(self.stdin)
         if size > ENV_BLOCK_MAX:
             raise UserError(
                 f"the --env values come to {size} bytes; at most {ENV_BLOCK_MAX} travel to the nodes: "

@@ -47,7 +47,6 @@ from launcher.cluster.key import (
 )
 from launcher.core.launch import Launch
 from launcher.core.preflight import Probe, check_probes
-from launcher.core.program import env_stdin
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
 from launcher.jobs.node0 import job_host
@@ -142,9 +141,7 @@ def _controller_python(host: ControllerHost, config: LaunchConfig, transport: Tr
 def _check(plan: LaunchPlan) -> dict[int, Probe]:
     """The plan's programs up to their gate (their prologue authorizes the cluster key), then
     every node sent home."""
-    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(
-        dict(plan.programs), env_stdin(plan.config)
-    )
+    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs), plan.stdin)
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port
     for warning in check_probes(plan.cluster, probes, plan.config):

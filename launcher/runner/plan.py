@@ -39,6 +39,8 @@ class LaunchPlan:
     transport: Transport
     steps: tuple[str, ...] = ()
     key: Path | None = field(default=None)
+    # What each program reads on stdin before its check: the --env values (never in `programs`).
+    stdin: bytes = b""
 
     def dry_run(self) -> list[str]:
         """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""
@@ -89,4 +91,5 @@ def _plan(cluster: Cluster, config: LaunchConfig, detached: bool = False) -> Lau
         transport=make_transport(order.cluster, config.ssh, config.dry_run),
         steps=tuple(builder.steps()),
         key=key,
+        stdin=builder.stdin,
     )

@@ -42,7 +42,7 @@ from gpufleet.catalog import lookup
 from gpufleet.containers import GPUS_ALL, Wiring, wiring
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
 from gpufleet.nccl_env import PREPEND_PATH_VARS
-from launcher.core.wire import JOB_ID_VAR, NNODES_VAR, NODE_RANK_VAR, RUN_VAR
+from launcher.core.wire import JOB_ID_VAR, NNODES_VAR, NODE_RANK_VAR, RUN_VAR, read_env_statements
 
 __all__ = [
     "IMAGE_LINE",
@@ -184,12 +184,13 @@ def pull_script(image: str, env: Sequence[tuple[str, str]] = ()) -> str:
     layer fetched; or a digest-pinned image already here, without asking the registry),
     `ok ID pulled`, `ok ID local REASON` (the pull failed but the image is here: it is used,
     unchecked), or `error REASON` with the registry's own last line, and exit 2. `env`: the
-    launch's --env pairs, exported first as the run does (they may name the runtime or its
-    configuration: GPUFLEET_CONTAINER_RUNTIME, DOCKER_HOST, CONTAINERS_CONF)."""
+    launch's --env pairs, whose values the program reads from stdin first, as the run does
+    (launcher.core.wire.env_block: never on a command line); they may name the runtime or its
+    configuration (GPUFLEET_CONTAINER_RUNTIME, DOCKER_HOST, CONTAINERS_CONF)."""
     q = shlex.quote(image)
     return "; ".join(
         [
-            *(f"export {k}={shlex.quote(v)}" + (f"${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else "") for k, v in env),
+            *(st for k, _ in env for st in read_env_statements(k, prepend=k in PREPEND_PATH_VARS)),
             runtime_statement().replace("exit 127", f"echo '{IMAGE_LINE} error no container runtime'; exit 2"),
             f"B=$($R image inspect --format '{{{{.Id}}}}' {q} 2>/dev/null)",
             # A digest names its content: present is current, the registry need not be asked.

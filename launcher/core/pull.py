@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from launcher.core.container import parse_pull_line, pull_script
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Node, UserError
+from launcher.core.wire import env_block
 
 __all__ = ["PullFailed", "Pulled", "pull_image", "refusal"]
 
@@ -61,6 +62,7 @@ def pull_image(
     """Pull `image` on every node of `cluster` at once; by rank, what each did. `stop` set, or
     an exception here (Ctrl-C), ends every pull still going."""
     script = pull_script(image, env)
+    block = env_block(list(env))
     results: dict[int, Pulled] = {}
     procs: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()
@@ -68,13 +70,19 @@ def pull_image(
     def one(node: Node) -> None:
         proc = subprocess.Popen(
             transport.argv(node, script),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         with lock:
             procs.append(proc)
+        assert proc.stdin is not None
+        try:  # the --env values, on stdin (never on a command line)
+            proc.stdin.write(block)
+            proc.stdin.close()
+        except OSError:
+            pass  # the session ended already: its output says why
         results[node.rank] = _read_pull(node, proc, on_progress, stop)
 
     def kill_all() -> None:

@@ -42,6 +42,7 @@ from launcher.cli.render import err, execute, setup_logging, user_errors
 from launcher.cli.workload_args import WorkloadCommand, parser_help
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import node_env
+from launcher.core.program import stdin_env
 from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload, new_job_id
 from launcher.nccl.badnodes import BadNodeSearch, GroupResult, SearchFailed, SearchOptions
@@ -273,6 +274,9 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
             nproc,
             [*request.sweep.flags(), "-g", "1"],
             env,
+            # The --env values: in mpirun's environment (node 0's program reads them from stdin),
+            # never in its argv.
+            inherit={k for k, _ in stdin_env(config)},
             allow_run_as_root=request.allow_run_as_root,
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())

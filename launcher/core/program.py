@@ -13,7 +13,9 @@ A node's program is one bash line (so `--dry-run` prints it on one line), in sec
 1. prologue: statements before anything else (the detach check's authorization of the cluster
    key, `ProgramBuilder.add_prologue`);
 2. environment: the launch's `export`s (resolving the host NIC on the node when the catalog
-   cannot name it), first, so the check sees what the run will;
+   cannot name it), first, so the check sees what the run will. The user's --env values are
+   not in the program: it reads them from stdin, where the launcher writes them first
+   (`env_stdin`; launcher.core.wire.env_block), so no command line on any machine holds them;
 3. checks: what the launcher compares across nodes as `key=value` lines (hostname, clock, ready
    marker, torch version, --workdir, the cheap part of `launch doctor`), and node 0's lock on the
    rendezvous port for a torchrun job (a second launch on the same port refuses instead of
@@ -74,20 +76,24 @@ from dataclasses import dataclass
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.core import supervise
+from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
 from launcher.core.torchrun import torchrun_argvs
-from launcher.core.types import Cluster, LaunchConfig, Node
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import (
     CHECKED_MARKER,
+    ENV_BLOCK_MAX,
     EXIT_MARKER,
     GO,
     JOB_ID_VAR,
     NNODES_VAR,
     NODE_RANK_VAR,
+    env_block,
     join,
     rdzv_lock_path,
+    read_env_statements,
     run_token,
 )
 
@@ -100,6 +106,8 @@ __all__ = [
     "node_commands",
     "attach_commands",
     "probe_script",
+    "stdin_env",
+    "env_stdin",
 ]
 
 
@@ -154,7 +162,7 @@ class NodeProgram:
             ("prologue", list(self.prologue)),
             # The environment first: the check must see what the run will (`--env PATH=...`
             # decides which `python3` has torch), so it is exported before the check's lines.
-            ("environment", _env_statements(self.cluster, self.node, self.env)),
+            ("environment", _env_statements(self.cluster, self.node, self.env, [k for k, _ in stdin_env(self.config)])),
             ("checks", self._checks()),
             ("gate", _gate()),
             ("prepare", [*self._workdir_step(), *self.prepare]),
@@ -261,10 +269,20 @@ class ProgramBuilder:
         self.torchrun = config.workload.kind == "torchrun"
         # `env`: launch_env's, computed already (launcher.runner computes it before the order).
         self.env = dict(env) if env is not None else launch_env(cluster, config)
+        # What every node's program reads on stdin first (its --env values), computed once here.
+        self.stdin = env_stdin(config)
+        size = len(self.stdin)
+        if size > ENV_BLOCK_MAX:
+            raise UserError(
+                f"the --env values come to {size} bytes; at most {ENV_BLOCK_MAX} travel to the nodes: "
+                "put large data in a file on the nodes and pass its path"
+            )
         self._prologue: list[tuple[str, tuple[str, ...]]] = []
         self._prepare: list[tuple[str, PrepareStep]] = []
         self._wrappers: list[tuple[str, RunWrapper]] = []
         # Steps that come with the request are added here, from `config` (see the module docstring).
+        if config.image:  # the ranks in a container (launcher.core.container)
+            self.wrap_run("container", _container)
 
     def add_prologue(self, name: str, statements: Sequence[str]) -> ProgramBuilder:
         self._prologue.append((name, tuple(statements)))
@@ -309,7 +327,8 @@ class ProgramBuilder:
             argv,
             lock_port=config.rdzv_port if self.torchrun and node.rank == 0 else None,
             check=self.torchrun,
-            check_torch=self.torchrun and config.check_versions,
+            # With --image, torch is the image's: the node itself may have none (COS).
+            check_torch=self.torchrun and config.check_versions and not config.image,
             watch_preemption=not self.cluster.local,
             prologue=[st for _, statements in self._prologue for st in statements],
             prepare=[st for _, step in self._prepare for st in step(ctx)],
@@ -319,6 +338,15 @@ class ProgramBuilder:
         """Every node's program, rendered, by rank (what --dry-run prints)."""
         argvs = self._rank_commands()
         return {node.rank: self._program(node, argvs[node.rank]).render() for node in self.cluster.nodes}
+
+
+def _container(ctx: NodeContext, argv: Sequence[str]) -> list[str]:
+    """The run wrapper of --image: the rank command inside the image, wired for the machine type."""
+    c, config = ctx.cluster, ctx.config
+    assert config.image is not None
+    return in_image(
+        c.machine_type, c.local, config.image_os, config.image, config.job_id, ctx.node.rank, ctx.token, ctx.env, argv
+    )
 
 
 def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
@@ -389,18 +417,34 @@ def _workdir(wd: str) -> str:
     return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
 
 
-def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> list[str]:
+def stdin_env(config: LaunchConfig) -> list[tuple[str, str]]:
+    """The user's --env values a node program reads from stdin, in the order it reads them (the
+    last value of a key given twice; a HOST_IFACE_ON_NODE value is resolved on the node instead)."""
+    return [(k, v) for k, v in dict(config.env).items() if v != HOST_IFACE_ON_NODE]
+
+
+def env_stdin(config: LaunchConfig) -> bytes:
+    """What the launcher writes to a node program's stdin first: its --env values
+    (launcher.core.wire.env_block). The check reads them; `go` comes after."""
+    return env_block(stdin_env(config))
+
+
+def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str], from_stdin: Sequence[str] = ()) -> list[str]:
     """`export` lines for `env`; PATH-like variables are prepended to the node's value, and a
-    HOST_IFACE_ON_NODE value is resolved on the node."""
+    HOST_IFACE_ON_NODE value is resolved on the node. The keys `from_stdin` (the user's --env,
+    `stdin_env`) are read from stdin, after the others, in that order: their values are not in
+    the program."""
     s = []
     unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
     for key, value in env.items():
-        if value == HOST_IFACE_ON_NODE:
+        if value == HOST_IFACE_ON_NODE or key in from_stdin:
             continue
         if key in PREPEND_PATH_VARS:
             s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
         else:
             s.append(f"export {key}={shlex.quote(value)}")
+    for key in from_stdin:
+        s += read_env_statements(key, prepend=key in PREPEND_PATH_VARS)
     if unresolved:
         s.append(_resolve_iface(node.address, cluster.nodes[0].address))
         s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")

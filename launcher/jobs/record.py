@@ -5,8 +5,8 @@ tells a live job from one whose controller died.
 A job's directory on node 0 is `~/.gpufleet/jobs/<id>/`:
 
     request.json   what was asked: the cluster and the launch config, --env values left out
-    env.json       the --env values (mode 600); the controller reads and deletes it at start
-                   (with --recover: when the job ends, for a controller started again to relaunch)
+    env.json       the --env values (mode 600), deleted once the nodes run (they reach them on
+                   stdin); with --recover when the job ends, for a controller started again to relaunch
     state.json     the record: state, times, exit, the node that failed first and why
     output.log     every node's output as the attached launcher shows it: `[node N] line`
     node-N.log     node N's own log; launch.json: the summary (launcher.core.launch.write_summary)
@@ -237,6 +237,7 @@ def request_json(
             "hang_timeout_s": config.hang_timeout_s,
             "progress": config.progress,
             "controller_grace_s": config.controller_grace_s,
+            "image": config.image,
             "env_keys": [k for k, _ in config.env],
         },
         "ssh": {

@@ -18,7 +18,7 @@ from pathlib import Path
 from launcher.cluster.key import authorize_statements, ensure_key
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import launch_env
-from launcher.core.program import ProgramBuilder
+from launcher.core.program import ProgramBuilder, stdin_env
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
@@ -39,10 +39,22 @@ class LaunchPlan:
     transport: Transport
     steps: tuple[str, ...] = ()
     key: Path | None = field(default=None)
+    # What each program reads on stdin before its check: the --env values (never in `programs`).
+    stdin: bytes = b""
 
     def dry_run(self) -> list[str]:
         """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""
         return [f"{n.host}\t{self.transport.display(n, self.programs[n.rank])}" for n in self.cluster.nodes]
+
+    def stdin_note(self) -> str:
+        """What --dry-run says (on stderr) each node reads on stdin before its check: the --env
+        values, by name only (launcher.core.program.env_stdin); empty without --env."""
+        keys = [k for k, _ in stdin_env(self.config)]
+        if not keys:
+            return ""
+        return "each node reads on stdin, not on its command line: " + " ".join(
+            f"{k}=<from --env, hidden>" for k in keys
+        )
 
 
 def plan(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:
@@ -79,4 +91,5 @@ def _plan(cluster: Cluster, config: LaunchConfig, detached: bool = False) -> Lau
         transport=make_transport(order.cluster, config.ssh, config.dry_run),
         steps=tuple(builder.steps()),
         key=key,
+        stdin=builder.stdin,
     )

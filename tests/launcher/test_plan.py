@@ -170,4 +170,4 @@ def test_a_detached_launchs_config_enters_each_module_at_most_twice(sim_cluster,
     assert result[0].exit_code == 0, result[0].output
     entered = {m: walk.count(m) for m in walk}
     assert {"launcher/runner/plan", "launcher/core/program", "launcher/jobs/handoff"} <= entered.keys(), walk
-    assert max(entered.values()) <= 2, walk
+    assert max(entered.values()) <= 2, " -> ".join(walk)

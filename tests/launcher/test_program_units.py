@@ -13,7 +13,7 @@ import pytest
 
 from launcher.core.program import NodeContext, ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
-from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, read_env_statements
 
 LOCAL = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),), local=True)
 
@@ -113,7 +113,8 @@ def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_
     sections = builder.program(LOCAL.nodes[0]).sections()
     assert [name for name, _ in sections] == ["prologue", "environment", "checks", "gate", "prepare", "run"]
     named = dict(sections)
-    assert named["prologue"] == ["echo first"] and "export A=1" in named["environment"]
+    # The user's --env is read from stdin (its value is on no command line).
+    assert named["prologue"] == ["echo first"] and read_env_statements("A")[0] in named["environment"]
     # --workdir's cd is the first prepare step; the added step follows it.
     assert named["prepare"][0].startswith("cd ") and named["prepare"][1] == "echo mine"
 
@@ -128,4 +129,6 @@ def test_an_environment_given_is_the_one_exported(tmp_path):
     config = _config(tmp_path, env=(("A", "from-config"),))
     program = ProgramBuilder(LOCAL, config, env={"B": "given"}).program(LOCAL.nodes[0])
     environment = dict(program.sections())["environment"]
-    assert environment == ["export B=given"]
+    # The given environment is exported as is; the config's own --env value (A) is read from
+    # stdin after it, so it is never in the program's text.
+    assert environment[0] == "export B=given" and "from-config" not in "\n".join(environment)

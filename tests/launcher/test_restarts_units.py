@@ -141,7 +141,9 @@ def test_every_rank_gets_the_job_id_the_attempt_and_from_attempt_1_the_reason():
     plain = _cfg(workload=Workload("exec", ("true",)), attempt=1, restart_reason="hang", env=(("X", "1"),))
     script = node_commands(_cluster(), plain)[0]
     assert "export GPUFLEET_ATTEMPT=1;" in script and "export GPUFLEET_RESTART_REASON=hang;" in script
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script and "export X=1" in script
+    # (--env's value comes on stdin: the program reads X, after the contract's variables.)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script and 'export X="$_GPUFLEET_ENV_VALUE"' in script
+    assert script.index("export X=") > script.index("export GPUFLEET_RESTART_REASON=")
 
 
 # ---- why an attempt ended, and whether another is allowed ------------------------------------

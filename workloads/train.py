@@ -87,14 +87,14 @@ class Trainer:
         self.comms = Ranks(self.rank, self.world, self.device)
         self.checkpoint = CheckpointManager(cfg, self.comms, self.ranks)
         # Output paths are proven writable now, not at the first log line or after the last step.
-        if cfg.save_params:
-            self.comms.on_rank0(lambda: check_writable_file("--save-params", cfg.save_params))
-        self.metrics = MetricsLogger(self.comms, cfg.metrics_file, self.device)
-        self.profiler = Profiler(cfg.profile_range, cfg.profile_dir, self.rank, self.cuda)
+        if cfg.checkpoint.save_params:
+            self.comms.on_rank0(lambda: check_writable_file("--save-params", cfg.checkpoint.save_params))
+        self.metrics = MetricsLogger(self.comms, cfg.metrics.metrics_file, self.device)
+        self.profiler = Profiler(cfg.profiling, self.rank, self.cuda)
         if cfg.profile_range is not None:
             self.comms.on_every_rank(self.profiler.check_dir)  # every rank writes its own trace
         self.preemption = Preemption(self.world, self.device)
-        self.stragglers = Stragglers(cfg.straggler_every, cfg.straggler_threshold, self.ranks, self.device)
+        self.stragglers = Stragglers(cfg.metrics, self.ranks, self.device)
         self.dims = cfg.dims
         self.coords = self.dims.coordinates(self.rank)
         # One loss per data-parallel replica: the last pipeline stage's, from its first TP rank.
@@ -126,9 +126,10 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
-        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.cuda else "fp32")
+        asked = cfg.model_spec.precision
+        self.precision = asked if asked != "auto" else ("bf16" if self.cuda else "fp32")
         self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
-        if cfg.compression == "bf16" and not self.cuda:
+        if cfg.ddp.compression == "bf16" and not self.cuda:
             raise every_rank(
                 ConfigError(
                     "--compression bf16 needs CUDA and NCCL 2.10+ (torch's "
@@ -144,7 +145,7 @@ class Trainer:
     def _flops_per_token(self) -> float:
         cfg, size = self.cfg, self.cfg.size
         if cfg.is_llama:
-            return llama_flops_per_token(cfg.model, cfg.tokens_per_sample)
+            return llama_flops_per_token(cfg.model_spec.model, cfg.tokens_per_sample)
         head_dim = size.n_embd // size.n_head
         return flops_per_token(self.n_params, size.n_layer, size.n_head, head_dim, cfg.tokens_per_sample)
 
@@ -158,30 +159,30 @@ class Trainer:
         cfg = self.cfg
         seq_len, vocab = cfg.tokens_per_sample, cfg.size.vocab_size
         dataset = (
-            TokenFile(cfg.data, seq_len, vocab)
-            if cfg.data
-            else SyntheticTokens(cfg.synthetic_samples, seq_len, vocab, cfg.seed)
+            TokenFile(cfg.training.data, seq_len, vocab)
+            if cfg.training.data
+            else SyntheticTokens(cfg.training.synthetic_samples, seq_len, vocab, cfg.training.seed)
         )
         # By data-parallel rank: the TP and PP ranks of one replica train on the same samples, and
         # the samples of a step are the same whatever the layout.
         dp_rank = self.dims.dp_rank(self.rank)
-        return BatchStream(dataset, dp_rank, self.dims.dp, cfg.micro_batch, cfg.grad_accum, cfg.seed)
+        return BatchStream(dataset, dp_rank, self.dims.dp, cfg.training.micro_batch, cfg.grad_accum, cfg.training.seed)
 
     def _build_model(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         """The model as this rank runs it, and the plain model, GPT or Llama (or, under a
         pipeline, the module over this rank's stages) that the optimizer steps and the checkpoint
         saves."""
         cfg, dims = self.cfg, self.dims
-        torch.manual_seed(cfg.seed)  # same initial weights on every rank, before any wrapping
+        torch.manual_seed(cfg.training.seed)  # same initial weights on every rank, before any wrapping
         kind = Llama if cfg.is_llama else GPT
         rss_before = _rss_bytes()
         with torch.device("meta"):  # shapes only: no memory, and no draw from the generator
-            raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing)
+            raw = kind(cfg.size, activation_checkpointing=cfg.model_spec.activation_checkpointing)
         self.n_params = raw.num_params()  # from the whole (meta) model, before any sharding
         self.whole_bytes = 4 * raw.num_params(non_embedding=False)  # its fp32 weights
         self.init_device = self._pick_init_device()
         if self.init_device == "full":
-            raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
+            raw = kind(cfg.size, activation_checkpointing=cfg.model_spec.activation_checkpointing).to(self.device)
         try:
             if not dims.is_ddp:
                 return self._parallelize(raw)
@@ -195,7 +196,7 @@ class Trainer:
         """--init-device resolved (config.pick_init_device): meta or full."""
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         device, self.init_why = pick_init_device(
-            self.cfg.init_device,
+            self.cfg.model_spec.init_device,
             sharded=not self.dims.is_ddp,
             cuda=self.cuda,
             whole_bytes_per_node=self.whole_bytes * local_ranks,
@@ -207,10 +208,10 @@ class Trainer:
         """Memory and initial values for this rank's (meta, sharded) stage modules, then the
         copies that make replicated and tied parameters one value (workloads.parallel.materialize)."""
         dims = self.dims
-        materialize_stages(stages, self.device, init_seed(self.cfg.seed, dims, self.coords), self.mesh)
+        materialize_stages(stages, self.device, init_seed(self.cfg.training.seed, dims, self.coords), self.mesh)
         if dims.tp > 1:
             sync_tp_replicated(stages, self.mesh["tp"])
-        torch.manual_seed(self.cfg.seed)  # every rank's generator as after a whole build's seeding
+        torch.manual_seed(self.cfg.training.seed)  # every rank's generator as after a whole build's seeding
 
     def _replicate(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
         """DDP over every rank (the model whole on each), or the model itself on one rank."""
@@ -225,12 +226,12 @@ class Trainer:
             model = DDP(
                 raw,
                 device_ids=[self.local_rank] if self.cuda else None,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                static_graph=cfg.static_graph,
+                bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+                static_graph=cfg.ddp.static_graph,
             )
             self._register_comm_hook(model)
-        if cfg.compile:
+        if cfg.model_spec.compile:
             model = torch.compile(model)
         return model, raw
 
@@ -257,7 +258,7 @@ class Trainer:
             self._materialize([m for _, m in stages])
         whole = merge_stages([m for _, m in stages], parts)
         if dims.pp == 1:
-            model: torch.nn.Module = torch.compile(whole) if cfg.compile else whole
+            model: torch.nn.Module = torch.compile(whole) if cfg.model_spec.compile else whole
             return model, whole
         held = [s for s, _ in stages]
         self.pp_first, self.pp_last = 0 in held, dims.num_stages - 1 in held
@@ -285,7 +286,7 @@ class Trainer:
         """Gradient compression through PyTorch's own DDP comm hooks."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        kind = self.cfg.compression
+        kind = self.cfg.ddp.compression
         if kind == "bf16":
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif kind == "fp16":
@@ -295,8 +296,8 @@ class Trainer:
             # the hook's docs advise (error feedback needs a warmed-up model).
             state = powerSGD_hook.PowerSGDState(
                 process_group=None,
-                matrix_approximation_rank=self.cfg.powersgd_rank,
-                start_powerSGD_iter=max(2, self.cfg.warmup_steps),
+                matrix_approximation_rank=self.cfg.ddp.powersgd_rank,
+                start_powerSGD_iter=max(2, self.cfg.lr_scheduler.warmup_steps),
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
@@ -304,12 +305,12 @@ class Trainer:
         cfg, dims = self.cfg, self.dims
         optimizer = build_optimizer(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.lr * (dims.dp if cfg.scale_lr else 1),
-            weight_decay=cfg.weight_decay,
+            cfg.optimizer,
+            dp=dims.dp,
             mixed_tensors=dims.tp > 1 or dims.pp > 1,
             cuda=self.cuda,
         )
-        scheduler = build_lr_scheduler(optimizer, cfg)
+        scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training)
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         return Optimizers(optimizer, scheduler, scaler)
 
@@ -320,7 +321,11 @@ class Trainer:
         return {
             **self.optimizers.state_dict(),
             "step": self.step,
-            "data": {"epoch": epoch, "step_in_epoch": in_epoch, "samples_seen": self.step * self.cfg.global_batch},
+            "data": {
+                "epoch": epoch,
+                "step_in_epoch": in_epoch,
+                "samples_seen": self.step * self.cfg.training.global_batch,
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -403,22 +408,22 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         with self._range("optimizer"):
-            self.optimizers.step(self._clip_grads if self.cfg.grad_clip else None)
+            self.optimizers.step(self._clip_grads if self.cfg.optimizer.grad_clip else None)
         self.step += 1
 
     def _clip_grads(self) -> None:
         """The global gradient norm clipped to --grad-clip (across pipeline stages under PP)."""
         if self.dims.is_ddp:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
             return
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        clip_grad_norm(list(self.raw_model.parameters()), self.cfg.grad_clip, pp_group, self.clip_skip)
+        clip_grad_norm(list(self.raw_model.parameters()), self.cfg.optimizer.grad_clip, pp_group, self.clip_skip)
 
     def fit(self) -> None:
         """Train to --steps (from the checkpoint with --resume), then the final save; a SIGTERM
         ends it early with a checkpoint of the last whole step."""
         cfg = self.cfg
-        if cfg.resume:
+        if cfg.checkpoint.resume:
             self.checkpoint.load()
         self.log(self._banner())
         self.log(self._build_line())
@@ -430,30 +435,30 @@ class Trainer:
             self.metrics.close()
         if self.checkpoint.enabled:
             self.checkpoint.save()
-        if cfg.save_params:
-            self.save_params(cfg.save_params)
+        if cfg.checkpoint.save_params:
+            self.save_params(cfg.checkpoint.save_params)
         self.log(f"done: {self.step} steps")
 
     def _train_loop(self) -> bool:
         """The steps left; True when a SIGTERM stopped them (its checkpoint saved)."""
         cfg = self.cfg
         clock = StepClock(self.step)
-        while self.step < cfg.steps:
+        while self.step < cfg.training.steps:
             loss = self.train_step()
             self.profiler.step()
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            if self.step % cfg.metrics.log_every == 0 or self.step == cfg.training.steps:
                 self._log_step(loss, clock)
             self.stragglers.check(self.step, lambda line: self.log(line, stream=sys.stderr))
             if self._preempted():
                 return True
             if self._checkpoint_due():
-                self.checkpoint.save(asynchronous=cfg.async_checkpoint)
+                self.checkpoint.save(asynchronous=cfg.checkpoint.async_checkpoint)
         return False
 
     def _checkpoint_due(self) -> bool:
         """A periodic save (--checkpoint-every) after this step; the last step's is fit's own."""
-        every = self.cfg.checkpoint_every
-        return self.checkpoint.enabled and bool(every) and self.step % every == 0 and self.step < self.cfg.steps
+        every, last = self.cfg.checkpoint.checkpoint_every, self.cfg.training.steps
+        return self.checkpoint.enabled and bool(every) and self.step % every == 0 and self.step < last
 
     def _preempted(self) -> bool:
         """Collective: whether any rank had a SIGTERM; if so, the checkpoint of this step saved."""
@@ -485,14 +490,14 @@ class Trainer:
         peak = f"{peak_flops:.3g} FLOP/s (gpufleet.catalog)" if peak_flops else "n/a"
         # "ddp x 4 ranks", "fsdp x 4 ranks", or the mesh: "dp_shard 2 x tp 2 = 4 ranks".
         if self.world == 1 or dims.is_ddp or dims.dp_shard == self.world:
-            kind = cfg.parallelism if self.world == 1 else "ddp" if dims.is_ddp else "fsdp"
+            kind = cfg.layout.parallelism if self.world == 1 else "ddp" if dims.is_ddp else "fsdp"
             layout = f"{kind} x {self.world} ranks"
         else:
             layout = f"{dims.describe()} = {self.world} ranks"
         return (
-            f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {layout} on {self.device.type} "
+            f"train: model {cfg.model_spec.model} ({self.n_params / 1e6:.2f}M params) | {layout} on {self.device.type} "
             f"({dist.get_backend()}) | {self.precision} | {cfg.batch_summary()} | seq "
-            f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
+            f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.training.steps} | "
             f"{self.metrics.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak} | init {self.init_device}"
         )
 
@@ -523,8 +528,8 @@ class Trainer:
         loss_value = loss.item() / self.dims.dp  # .item() waits for the GPU: times are real
         step_s = clock.lap(self.step)
         cfg = self.cfg
-        tokens_per_s = cfg.global_batch * cfg.tokens_per_sample / step_s
-        self.metrics.log_step(self.step, cfg.steps, loss_value, self.optimizers.last_lr, step_s, tokens_per_s)
+        tokens_per_s = cfg.training.global_batch * cfg.tokens_per_sample / step_s
+        self.metrics.log_step(self.step, cfg.training.steps, loss_value, self.optimizers.last_lr, step_s, tokens_per_s)
 
     def log(self, line: str, stream: Any = None) -> None:
         self.comms.log(line, stream)
@@ -626,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error(every_rank(e))  # every rank parses the same flags
         return EXIT_BAD_ARGS
-    if cfg.plan:
+    if cfg.planning.plan:
         return _print_plan(cfg) if rank == 0 else 0
     _init_distributed()
     # Trainer.fit turns SIGTERM into a stop flag while it trains. Outside the loop (the final

@@ -7,17 +7,21 @@ from typing import Any, Callable
 
 import torch
 
+from workloads.config import OptimizerConfig
+
 __all__ = ["Optimizers", "build_optimizer"]
 
 
 def build_optimizer(
-    params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, mixed_tensors: bool, cuda: bool
+    params: list[torch.nn.Parameter], cfg: OptimizerConfig, *, dp: int, mixed_tensors: bool, cuda: bool
 ) -> torch.optim.AdamW:
-    """AdamW with nanoGPT's betas and decay groups. `mixed_tensors`: the parameters mix plain
-    tensors with TP's and FSDP's DTensors (TP or PP), which one foreach/fused kernel cannot take."""
+    """AdamW with nanoGPT's betas and decay groups; --scale-lr multiplies the rate by `dp`, the
+    data-parallel size. `mixed_tensors`: the parameters mix plain tensors with TP's and FSDP's
+    DTensors (TP or PP), which one foreach/fused kernel cannot take."""
+    lr = cfg.lr * (dp if cfg.scale_lr else 1)
     # nanoGPT: decay the 2-D weights (matmuls, embeddings), not biases and LayerNorm gains.
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     if mixed_tensors:

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from workloads.config import ConfigError
+from workloads.config import ConfigError, ProfilingConfig
 
 __all__ = ["Profiler", "trace_range"]
 
@@ -31,8 +31,8 @@ def trace_range(name: str, cuda: bool) -> Iterator[None]:
 class Profiler:
     """Steps a..b-1 of the run traced into `directory` (one trace per rank, `rank{R}`)."""
 
-    def __init__(self, steps: tuple[int, int] | None, directory: str, rank: int, cuda: bool) -> None:
-        self.steps, self.directory, self.rank, self.cuda = steps, directory, rank, cuda
+    def __init__(self, cfg: ProfilingConfig, rank: int, cuda: bool) -> None:
+        self.steps, self.directory, self.rank, self.cuda = cfg.step_range, cfg.profile_dir, rank, cuda
         self._prof: torch.profiler.profile | None = None
 
     def check_dir(self) -> None:

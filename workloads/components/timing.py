@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from workloads.config import MetricsConfig
 from workloads.metrics import RankInfo, straggler_warning
 
 __all__ = ["StepClock", "Stragglers"]
@@ -29,11 +30,13 @@ class StepClock:
 
 
 class Stragglers:
-    """Every `every` steps the ranks share their forward-pass times (a rank's own speed under
-    DDP, which has no collective in forward); a rank above `threshold` x the median is named."""
+    """Every --straggler-every steps the ranks share their forward-pass times (a rank's own speed
+    under DDP, which has no collective in forward); a rank above --straggler-threshold x the
+    median is named."""
 
-    def __init__(self, every: int, threshold: float, ranks: list[RankInfo], device: torch.device) -> None:
-        self.every, self.threshold, self.ranks, self.device = every, threshold, ranks, device
+    def __init__(self, cfg: MetricsConfig, ranks: list[RankInfo], device: torch.device) -> None:
+        self.every, self.threshold = cfg.straggler_every, cfg.straggler_threshold
+        self.ranks, self.device = ranks, device
         self.cuda = device.type == "cuda"
         self.forward_s = 0.0  # this rank's own compute time since the last check
         self._events: list[tuple[Any, Any]] = []

@@ -176,6 +176,7 @@ class Bench:
         return fit
 
     def run_collective(self, coll: str) -> list[SweepRow]:
+        """Every row of one collective: each type, each op, each size."""
         cfg = self.cfg
         maxbuf = max(cfg.sizes) if cfg.sizes else 0
         rows: list[SweepRow] = []
@@ -189,38 +190,39 @@ class Bench:
             for op in ops:
                 if op == "avg" and not dtype.is_floating_point:
                     continue  # an integer mean rounds; nothing exact to check it against
-                red_op = op if op != "none" else "sum"
-                # Warm-up pass over every size (nccl-tests: all sizes, warmup_iters each).
-                plan: dict[int, int | Block] = {}
-                for nbytes in cfg.sizes:
-                    c, size, _ = self.case(coll, send, recv, nbytes, dname, red_op, False)
-                    plan[nbytes] = self.warm_up(coll, c, size, f"{coll} {size} B {dname} {op}")
-                self._sync()
-                for nbytes in cfg.sizes:
-                    blocks = []
-                    iters = plan[nbytes]
-                    for in_place in (False, True):
-                        c, size, count = self.case(coll, send, recv, nbytes, dname, red_op, in_place)
-                        if not isinstance(iters, int):  # answered by its first call
-                            blocks.append(iters if not in_place else (None, None, None, None))
-                            continue
-                        c.init()
-                        sec = self.time_per_op(c, iters) if size > 0 else 0.0
-                        wrong = self.wrong(c) if cfg.check > 0 else None
-                        blocks.append(self.block(coll, size, sec, wrong))
-                    root = cfg.root if coll in _ROOTED else -1
-                    rows.append(
-                        SweepRow(
-                            coll,
-                            size,
-                            count,
-                            dname,
-                            op,
-                            root,
-                            self.n,
-                            *blocks[0],
-                            *blocks[1],
-                            iters=iters if isinstance(iters, int) else 1,
-                        )
-                    )
+                rows += self._rows(coll, send, recv, dname, op)
         return rows
+
+    def _rows(self, coll: str, send: torch.Tensor, recv: torch.Tensor, dname: str, op: str) -> list[SweepRow]:
+        """One type and op: a warm-up pass over every size (nccl-tests: all sizes, warmup_iters
+        each), then each size's row."""
+        plan: dict[int, int | Block] = {}
+        for nbytes in self.cfg.sizes:
+            c, size, _ = self.case(coll, send, recv, nbytes, dname, _reduction(op), False)
+            plan[nbytes] = self.warm_up(coll, c, size, f"{coll} {size} B {dname} {op}")
+        self._sync()
+        return [self._row(coll, send, recv, nbytes, dname, op, plan[nbytes]) for nbytes in self.cfg.sizes]
+
+    def _row(
+        self, coll: str, send: torch.Tensor, recv: torch.Tensor, nbytes: int, dname: str, op: str, iters: int | Block
+    ) -> SweepRow:
+        """One size: its out-of-place and in-place blocks, `iters` timed calls each, or (over the
+        time budget) the out-of-place block its first call measured, in-place not run."""
+        blocks = []
+        for in_place in (False, True):
+            c, size, count = self.case(coll, send, recv, nbytes, dname, _reduction(op), in_place)
+            if not isinstance(iters, int):  # answered by its first call
+                blocks.append(iters if not in_place else (None, None, None, None))
+                continue
+            c.init()
+            sec = self.time_per_op(c, iters) if size > 0 else 0.0
+            wrong = self.wrong(c) if self.cfg.check > 0 else None
+            blocks.append(self.block(coll, size, sec, wrong))
+        root = self.cfg.root if coll in _ROOTED else -1
+        timed = iters if isinstance(iters, int) else 1
+        return SweepRow(coll, size, count, dname, op, root, self.n, *blocks[0], *blocks[1], iters=timed)
+
+
+def _reduction(op: str) -> str:
+    """The reduction a row's op runs: its own, or sum for a collective that reduces nothing ("none")."""
+    return op if op != "none" else "sum"

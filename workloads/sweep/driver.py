@@ -139,6 +139,8 @@ def _sweep_rounds(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, sweep and report under torchrun, always leaving the process group. Exit status: 0
+    every checked result right, 1 wrong elements, 2 bad arguments."""
     cfg = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print(
@@ -147,49 +149,62 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    device = _init_process_group()
     try:
-        rank, n = dist.get_rank(), dist.get_world_size()
-        # Rank 0 alone writes --json; it proves the path writable now, not after the whole sweep,
-        # and every rank learns the verdict so they all stop together.
-        problem: list[str | None] = [None]
-        if not 0 <= cfg.root < n:
-            problem[0] = f"root {cfg.root} is not a rank of this run (0..{n - 1}); pass -r 0"
-        elif rank == 0 and cfg.json_path:
-            problem[0] = _json_path_problem(cfg.json_path)
-        dist.broadcast_object_list(problem, src=0)
-        if problem[0]:
-            if rank == 0:
-                print(f"{SWEEP_ERROR_PREFIX}{problem[0]}", file=sys.stderr)
-            return 2
-        try:
-            rows, payload, text = _sweep(cfg, device, _emit if rank == 0 else None)
-        except PlanError as e:
-            if rank == 0:
-                print(f"{SWEEP_ERROR_PREFIX}{e}", file=sys.stderr)
-            return 2
-        if rank == 0:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            if cfg.json_path:
-                try:
-                    _write_json(cfg.json_path, payload)
-                except OSError as e:
-                    print(
-                        f"{SWEEP_ERROR_PREFIX}cannot write --json {cfg.json_path}: {e.strerror or e}", file=sys.stderr
-                    )
-                    return 2
-        failed = any((r.oop_wrong or 0) + (r.ip_wrong or 0) > 0 for r in rows)
-        return 1 if failed else 0
+        return _run(cfg, device)
     finally:
         dist.destroy_process_group()
+
+
+def _init_process_group() -> torch.device:
+    """NCCL on this rank's GPU, else gloo on the CPU; returns the device the buffers live on."""
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def _run(cfg: SweepConfig, device: torch.device) -> int:
+    rank = dist.get_rank()
+    problem = _agreed_problem(cfg, rank, dist.get_world_size())
+    if problem:
+        return _bad_arguments(rank, problem)
+    try:
+        rows, payload, text = _sweep(cfg, device, _emit if rank == 0 else None)
+    except PlanError as e:
+        return _bad_arguments(rank, str(e))
+    if rank == 0:
+        _emit(text)
+        if cfg.json_path:
+            try:
+                _write_json(cfg.json_path, payload)
+            except OSError as e:
+                return _bad_arguments(rank, f"cannot write --json {cfg.json_path}: {e.strerror or e}")
+    failed = any((r.oop_wrong or 0) + (r.ip_wrong or 0) > 0 for r in rows)
+    return 1 if failed else 0
+
+
+def _agreed_problem(cfg: SweepConfig, rank: int, n: int) -> str | None:
+    """Collective: what makes the arguments unusable here, the same on every rank. Rank 0 alone
+    writes --json; it proves the path writable now, not after the whole sweep, and every rank
+    learns the verdict so they all stop together."""
+    problem: list[str | None] = [None]
+    if not 0 <= cfg.root < n:
+        problem[0] = f"root {cfg.root} is not a rank of this run (0..{n - 1}); pass -r 0"
+    elif rank == 0 and cfg.json_path:
+        problem[0] = _json_path_problem(cfg.json_path)
+    dist.broadcast_object_list(problem, src=0)
+    return problem[0]
+
+
+def _bad_arguments(rank: int, why: str) -> int:
+    """Rank 0 says why in one line; every rank that gets here exits 2."""
+    if rank == 0:
+        print(f"{SWEEP_ERROR_PREFIX}{why}", file=sys.stderr)
+    return 2
 
 
 def _emit(text: str) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "apply_options",
     "find_cluster",
     "build_config",
+    "ssh_config",
 ]
 
 
@@ -94,8 +95,8 @@ ENV_OPTION = click.option(
 DETACH_OPTION = click.option(
     "--detach",
     is_flag=True,
-    help="Check every node, hand the job to a controller on node 0, print `job ID` "
-    "and return; see `launch jobs/logs/stop/attach`.",
+    help="Check every node, hand the job to a controller on the controller host (see --controller; "
+    "node 0 only when the cluster has none), print `job ID` and return; see `launch jobs/logs/stop/attach`.",
 )
 
 # A detached job's nodes keep training without their controller this long (launcher.core.supervise).
@@ -192,7 +193,7 @@ TORCHRUN_OPTIONS = [
 ]
 
 
-# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.command's watchdog).
+# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.stop).
 TERM_GRACE_OPTION = click.option(
     "--term-grace",
     metavar="DURATION",
@@ -301,9 +302,9 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
-    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
-    ssh = SshConfig(
+def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
+    """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
+    return SshConfig(
         user=o.get("ssh_user"),
         key=o.get("ssh_key"),
         options=_ssh_options(o.get("ssh_options", ())),
@@ -311,6 +312,11 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         iap=o.get("iap", False),
         zone=o.get("zone") or cluster.zone,
     )
+
+
+def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
+    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
+    ssh = ssh_config(o, cluster)
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     return LaunchConfig(

@@ -59,7 +59,7 @@ __all__ = [
     "TopSampler",
 ]
 
-# The record's schema name; bump the number when a field changes meaning (README, "launch top").
+# The record's schema name; bump the number when a field changes meaning (docs/top.md lists the fields).
 SCHEMA = "gpufleet.top/1"
 
 HOST, GPU, OTHER = "host", "gpu", "other"
@@ -116,7 +116,7 @@ def nic_roles(
         roles[name] = GPU if name in plan.gpu_names else HOST if name in plan.host_names else OTHER
     if HOST not in roles.values():
         # The catalog names none here: the interface holding the address other nodes reach this
-        # one at (what launcher.core.command resolves for the host NIC), else the default route's.
+        # one at (what launcher.core.program resolves for the host NIC), else the default route's.
         iface = addresses.get(address)
         if iface not in roles:
             iface = default_iface
@@ -264,7 +264,7 @@ def _r(v: float | None, nd: int = 4) -> float | None:
 
 
 def to_record(row: NodeRow, session: str) -> dict:
-    """One line of the `--record` JSONL file (schema SCHEMA; README "launch top" lists the fields)."""
+    """One line of the `--record` JSONL file (schema SCHEMA; docs/top.md lists the fields)."""
     rec: dict = {
         "schema": SCHEMA,
         "session": session,

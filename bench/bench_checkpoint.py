@@ -151,7 +151,7 @@ def _worker(rank: int, world: int, port: int, model: str, url: str, repeats: int
             results[kind].append(time.perf_counter() - t0)
     if rank == 0:
         out.update({k: min(v) for k, v in results.items()})
-        out["params"] = trainer.n_params
+        out["params"] = trainer.built.n_params
         out["rounds"] = {k: v for k, v in results.items()}
     with contextlib.suppress(Exception):
         del trainer

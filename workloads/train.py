@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -50,25 +49,17 @@ from workloads.components import (
     check_writable_file,
     trace_range,
 )
-from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args, pick_init_device
+from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
-from workloads.llama import Llama
 from workloads.llama import flops_per_token as llama_flops_per_token
 from workloads.metrics import RankInfo
-from workloads.model import GPT, cross_entropy, flops_per_token
+from workloads.model import flops_per_token
+from workloads.parallel.build import ModelBuilder, build_line
 from workloads.parallel.grads import clip_grad_norm
-from workloads.parallel.materialize import init_seed, materialize_stages, sync_tied, sync_tp_replicated
 from workloads.parallel.parallelize import (
-    ModelParts,
-    apply_fsdp,
-    apply_tp,
     build_mesh,
     local,
-    merge_stages,
-    split_stages,
-    tied_group,
 )
-from workloads.parallel.pipeline import build_schedule
 
 __all__ = ["Trainer", "main"]
 
@@ -101,14 +92,10 @@ class Trainer:
         self.reports_loss = self.coords["pp"] == self.dims.pp - 1 and self.coords["tp"] == 0
         self.mesh = None if self.dims.is_ddp else build_mesh(self.dims, self.device.type)
         self._warn_tp_across_nodes()
-        self.schedule: Any = None
-        self.pp_first = self.pp_last = True
-        self.tied_group: Any = None
-        self.tied: list[torch.Tensor] = []
-        self.clip_skip: set[int] = set()
-        self.model, self.raw_model = self._build_model()
+        self.built = ModelBuilder(cfg, self.dims, self.mesh, self.coords, self.device, self.world, self.ptdtype).build()
+        self.model, self.raw_model, self.tied = self.built.model, self.built.raw, self.built.tied
         self.build_growths: list[Any] = [None] * self.world
-        dist.all_gather_object(self.build_growths, self.build_growth)
+        dist.all_gather_object(self.build_growths, self.built.build_growth)
         self.optimizers = self._build_optimizers()
         self.batches = self.comms.on_every_rank(self._open_data)  # --data may be missing on one node only
         self.metrics.flops_token = self._flops_per_token()
@@ -147,7 +134,7 @@ class Trainer:
         if cfg.is_llama:
             return llama_flops_per_token(cfg.model_spec.model, cfg.tokens_per_sample)
         head_dim = size.n_embd // size.n_head
-        return flops_per_token(self.n_params, size.n_layer, size.n_head, head_dim, cfg.tokens_per_sample)
+        return flops_per_token(self.built.n_params, size.n_layer, size.n_head, head_dim, cfg.tokens_per_sample)
 
     def _where_ranks_run(self) -> list[RankInfo]:
         me = RankInfo(self.rank, int(os.environ.get("GROUP_RANK", "0")), socket.gethostname())
@@ -168,111 +155,6 @@ class Trainer:
         dp_rank = self.dims.dp_rank(self.rank)
         return BatchStream(dataset, dp_rank, self.dims.dp, cfg.training.micro_batch, cfg.grad_accum, cfg.training.seed)
 
-    def _build_model(self) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """The model as this rank runs it, and the plain model, GPT or Llama (or, under a
-        pipeline, the module over this rank's stages) that the optimizer steps and the checkpoint
-        saves."""
-        cfg, dims = self.cfg, self.dims
-        torch.manual_seed(cfg.training.seed)  # same initial weights on every rank, before any wrapping
-        kind = Llama if cfg.is_llama else GPT
-        rss_before = _rss_bytes()
-        with torch.device("meta"):  # shapes only: no memory, and no draw from the generator
-            raw = kind(cfg.size, activation_checkpointing=cfg.model_spec.activation_checkpointing)
-        self.n_params = raw.num_params()  # from the whole (meta) model, before any sharding
-        self.whole_bytes = 4 * raw.num_params(non_embedding=False)  # its fp32 weights
-        self.init_device = self._pick_init_device()
-        if self.init_device == "full":
-            raw = kind(cfg.size, activation_checkpointing=cfg.model_spec.activation_checkpointing).to(self.device)
-        try:
-            if not dims.is_ddp:
-                return self._parallelize(raw)
-            if self.init_device == "meta":
-                self._materialize([raw])
-            return self._replicate(raw)
-        finally:
-            self.build_growth = _peak_rss_bytes() - rss_before if rss_before is not None else None
-
-    def _pick_init_device(self) -> str:
-        """--init-device resolved (config.pick_init_device): meta or full."""
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        device, self.init_why = pick_init_device(
-            self.cfg.model_spec.init_device,
-            sharded=not self.dims.is_ddp,
-            cuda=self.cuda,
-            whole_bytes_per_node=self.whole_bytes * local_ranks,
-            host_available=_host_available_bytes(),
-        )
-        return device
-
-    def _materialize(self, stages: list[torch.nn.Module]) -> None:
-        """Memory and initial values for this rank's (meta, sharded) stage modules, then the
-        copies that make replicated and tied parameters one value (workloads.parallel.materialize)."""
-        dims = self.dims
-        materialize_stages(stages, self.device, init_seed(self.cfg.training.seed, dims, self.coords), self.mesh)
-        if dims.tp > 1:
-            sync_tp_replicated(stages, self.mesh["tp"])
-        torch.manual_seed(self.cfg.training.seed)  # every rank's generator as after a whole build's seeding
-
-    def _replicate(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """DDP over every rank (the model whole on each), or the model itself on one rank."""
-        cfg = self.cfg
-        if self.world == 1:
-            # Nothing to reduce with one rank: skip DDP's bucket copies (torchtitan also applies
-            # data parallelism only when its degree is above 1).
-            model: torch.nn.Module = raw
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            model = DDP(
-                raw,
-                device_ids=[self.local_rank] if self.cuda else None,
-                bucket_cap_mb=cfg.ddp.bucket_cap_mb,
-                gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
-                static_graph=cfg.ddp.static_graph,
-            )
-            self._register_comm_hook(model)
-        if cfg.model_spec.compile:
-            model = torch.compile(model)
-        return model, raw
-
-    def _parallelize(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
-        """TP, then pipeline stages, then FSDP2/HSDP over the data-parallel mesh dimensions."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        cfg, dims, mesh = self.cfg, self.dims, self.mesh
-        parts = ModelParts(*raw.PP_PARTS)
-        # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
-        mp = (
-            MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
-            if self.precision in ("bf16", "fp16")
-            else MixedPrecisionPolicy()
-        )
-        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
-        stages = split_stages(raw, parts, dims, self.coords["pp"]) if dims.pp > 1 else [(0, raw)]
-        for _, module in stages:
-            if dims.tp > 1:
-                apply_tp(module, parts, mesh["tp"])
-            if dims.dp > 1:
-                apply_fsdp(module, parts, dp_mesh, mp)
-        if self.init_device == "meta":
-            self._materialize([m for _, m in stages])
-        whole = merge_stages([m for _, m in stages], parts)
-        if dims.pp == 1:
-            model: torch.nn.Module = torch.compile(whole) if cfg.model_spec.compile else whole
-            return model, whole
-        held = [s for s, _ in stages]
-        self.pp_first, self.pp_last = 0 in held, dims.num_stages - 1 in held
-        self.schedule = build_schedule(stages, dims, mesh["pp"], self.device, cfg.n_microbatches, cross_entropy)
-        # The embedding matrix the first and the last stage both hold (the head's tied weight):
-        # summed over the two after backward, counted once in the gradient norm.
-        self.tied_group = tied_group(dims)
-        self.tied = [getattr(whole, n).weight for n in parts.tied if getattr(whole, n, None) is not None]
-        if self.tied_group is not None and self.init_device == "meta":
-            sync_tied(self.tied, self.tied_group)  # each stage filled its own copy: take the first's
-        if self.pp_last and not self.pp_first:
-            self.clip_skip = {id(p) for p in self.tied}
-        return whole, whole
-
     def _warn_tp_across_nodes(self) -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         if self.dims.tp > local_world:
@@ -281,25 +163,6 @@ class Trainer:
                 "parallelism's per-layer all-reduces cross the network; keep --tp <= --nproc-per-node",
                 stream=sys.stderr,
             )
-
-    def _register_comm_hook(self, ddp: torch.nn.Module) -> None:
-        """Gradient compression through PyTorch's own DDP comm hooks."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        kind = self.cfg.ddp.compression
-        if kind == "bf16":
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        elif kind == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif kind == "powersgd":
-            # start_powerSGD_iter: plain all-reduce for the first steps, as the PowerSGD paper and
-            # the hook's docs advise (error feedback needs a warmed-up model).
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.cfg.ddp.powersgd_rank,
-                start_powerSGD_iter=max(2, self.cfg.lr_scheduler.warmup_steps),
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
     def _build_optimizers(self) -> Optimizers:
         cfg, dims = self.cfg, self.dims
@@ -353,7 +216,7 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss, or 0
         on a rank that does not report one (see `reports_loss`)."""
-        if self.schedule is not None:
+        if self.built.schedule is not None:
             return self._pipeline_step()
         total = torch.zeros((), device=self.device)
         for micro in range(self.cfg.grad_accum):
@@ -384,14 +247,14 @@ class Trainer:
         y = torch.cat([p[1] for p in pieces]).to(self.device)
         losses: list[torch.Tensor] = []
         with self._range("pipeline"), self._autocast():
-            if self.pp_first:
-                self.schedule.step(x, target=y, losses=losses)
+            if self.built.pp_first:
+                self.built.schedule.step(x, target=y, losses=losses)
             else:
-                self.schedule.step(target=y, losses=losses)
-        if self.tied_group is not None:
+                self.built.schedule.step(target=y, losses=losses)
+        if self.built.tied_group is not None:
             self._reduce_tied_grads()
         self._optimizer_step()
-        if self.pp_last and self.reports_loss:
+        if self.built.pp_last and self.reports_loss:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.device)
 
@@ -404,7 +267,7 @@ class Trainer:
                 # DTensor's embedding backward leaves the gradient of a row-wise sharded
                 # embedding replicated; take the parameter's own shard, as the head has.
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            dist.all_reduce(local(p.grad), group=self.tied_group)
+            dist.all_reduce(local(p.grad), group=self.built.tied_group)
 
     def _optimizer_step(self) -> None:
         with self._range("optimizer"):
@@ -417,7 +280,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
             return
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        clip_grad_norm(list(self.raw_model.parameters()), self.cfg.optimizer.grad_clip, pp_group, self.clip_skip)
+        clip_grad_norm(list(self.raw_model.parameters()), self.cfg.optimizer.grad_clip, pp_group, self.built.clip_skip)
 
     def fit(self) -> None:
         """Train to --steps (from the checkpoint with --resume), then the final save; a SIGTERM
@@ -426,7 +289,7 @@ class Trainer:
         if cfg.checkpoint.resume:
             self.checkpoint.load()
         self.log(self._banner())
-        self.log(self._build_line())
+        self.log(build_line(self.built, not self.dims.is_ddp, self.build_growths))
         try:
             with self.preemption.watching(), self.profiler.running(self.step):
                 if self._train_loop():
@@ -494,33 +357,13 @@ class Trainer:
             layout = f"{kind} x {self.world} ranks"
         else:
             layout = f"{dims.describe()} = {self.world} ranks"
+        params = f"{self.built.n_params / 1e6:.2f}M params"
         return (
-            f"train: model {cfg.model_spec.model} ({self.n_params / 1e6:.2f}M params) | {layout} on {self.device.type} "
+            f"train: model {cfg.model_spec.model} ({params}) | {layout} on {self.device.type} "
             f"({dist.get_backend()}) | {self.precision} | {cfg.batch_summary()} | seq "
             f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.training.steps} | "
-            f"{self.metrics.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak} | init {self.init_device}"
+            f"{self.metrics.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak} | init {self.built.init_device}"
         )
-
-    def _build_line(self) -> str:
-        """How the model was built, and the most host memory that took on any rank."""
-        sharded = not self.dims.is_ddp
-        if self.init_device == "meta":
-            how = "built on the meta device, " + (
-                "sharded, then materialized shard by shard on each rank"
-                if sharded
-                else "then materialized whole on each rank's device"
-            )
-        else:
-            how = "built whole on every rank" + (", then sharded" if sharded else "")
-        line = (
-            f"init {self.init_device} ({self.init_why}): the model ({self.whole_bytes / 2**30:.2f} GiB of fp32 "
-            f"weights whole) {how}"
-        )
-        known = [(g, r) for r, g in enumerate(self.build_growths) if g is not None]
-        if known:
-            most, rank = max(known)
-            line += f"; peak host memory while building: +{most / 2**30:.2f} GiB on rank {rank}, the most of any rank"
-        return line
 
     def _log_step(self, loss: torch.Tensor, clock: StepClock) -> None:
         """Collective: the replicas' mean loss, then rank 0's step line."""
@@ -542,32 +385,6 @@ def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident memory now (Linux /proc; None elsewhere)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (getrusage's ru_maxrss: KiB on Linux)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _host_available_bytes() -> int | None:
-    """The host's MemAvailable (Linux /proc/meminfo; None elsewhere)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _init_distributed() -> None:

@@ -142,6 +142,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _one_of("model", self.model, MODELS)
+        size = MODELS[self.model]
+        if size.n_embd % size.n_head:
+            raise ConfigError(f"model {self.model}: n_embd {size.n_embd} % n_head {size.n_head} != 0")
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("init_device", self.init_device, INIT_DEVICES)
 
@@ -285,6 +288,15 @@ class CheckpointConfig:
         _at_least_1(self, "keep_checkpoints")
         _not_negative(self, "checkpoint_every")
         self.budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if self.async_checkpoint and not self.checkpoint_every:
+            raise ConfigError(
+                "--async-checkpoint overlaps the periodic saves with training; it needs "
+                "--checkpoint-every K (the final and SIGTERM saves are always synchronous)"
+            )
 
 
 @dataclass
@@ -433,7 +445,8 @@ class TrainConfig:
         return dims
 
     def _check_cross_field(self) -> None:
-        """Rules that tie several fields together, each with its arithmetic in the message."""
+        """The rules that tie fields of several sections together, each with its arithmetic in the
+        message (a section's own rules are in its __post_init__)."""
         dims, size = self.dims, self.size
         per_step = self.micro_batch * dims.dp
         if self.global_batch % per_step:
@@ -470,8 +483,6 @@ class TrainConfig:
                 f"--seq-len {self.seq_len} is longer than model {self.model}'s block size "
                 f"{size.block_size}; use --seq-len {size.block_size} or less"
             )
-        if size.n_embd % size.n_head:
-            raise ConfigError(f"model {self.model}: n_embd {size.n_embd} % n_head {size.n_head} != 0")
         if self.parallelism == "fsdp" and self.compression != "none":
             raise ConfigError(
                 f"--compression {self.compression} is a DDP comm hook; FSDP has none: "
@@ -480,15 +491,6 @@ class TrainConfig:
         if self.parallelism == "fsdp" and (self.static_graph or self.gradient_as_bucket_view):
             raise ConfigError(
                 "--static-graph and --gradient-as-bucket-view are DDP knobs; drop them or use --parallelism ddp"
-            )
-        if self.resume and not self.checkpoint_dir:
-            raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
-        if self.async_checkpoint and not self.checkpoint_every:
-            raise ConfigError(
-                "--async-checkpoint overlaps the periodic saves with training; it needs "
-                "--checkpoint-every K (the final and SIGTERM saves are always synchronous)"
             )
         if self.profile_range and self.profile_range[1] > self.steps:
             a, b = self.profile_range

@@ -10,8 +10,10 @@ from launcher.cli.launching import start
 from launcher.cli.options import (
     CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
+    ENV_FILE_OPTION,
     ENV_OPTION,
     EXEC_RESTARTS_OPTION,
+    IMAGE_OPTION,
     PROGRAM_AFTER,
     RECOVER_OPTIONS,
     SOURCE_OPTIONS,
@@ -29,6 +31,8 @@ __all__ = ["exec_"]
     [
         *SOURCE_OPTIONS,
         ENV_OPTION,
+        ENV_FILE_OPTION,
+        IMAGE_OPTION,
         TERM_GRACE_OPTION,
         DETACH_OPTION,
         CONTROLLER_GRACE_OPTION,

@@ -19,8 +19,8 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, ssh_config
-from launcher.cli.render import err, setup_logging
+from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, recover_request, ssh_config
+from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
@@ -53,7 +53,7 @@ def start_detached(
     setup_logging()
     if o.get("dry_run"):  # before the cluster is looked for: nothing of it is needed to refuse
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
-    policy = recover_policy(o, workload.argv, detach=True, builtin=builtin)
+    policy = recover_policy(recover_request(o), workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
     if policy and policy.min_nodes is not None and policy.min_nodes > len(cluster.nodes):
         raise UserError(
@@ -68,6 +68,7 @@ def start_detached(
         config = dataclasses.replace(config, max_restarts=0)
     if check is not None:
         check(cluster, config)
+    pull_everywhere(cluster, config)
     n = len(cluster.nodes)
     # The controller keeps the plan's order: the request carries the nodes in it, and a recovery
     # relaunches from the request.

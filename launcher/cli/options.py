@@ -17,11 +17,13 @@ from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
-from launcher.jobs.recovery import parse_duration
+from launcher.jobs.recovery import RecoverRequest, parse_duration
 
 __all__ = [
     "SOURCE_OPTIONS",
     "ENV_OPTION",
+    "ENV_FILE_OPTION",
+    "IMAGE_OPTION",
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
     "CONTROLLER_GRACE_OPTION",
@@ -38,6 +40,7 @@ __all__ = [
     "find_cluster",
     "build_config",
     "ssh_config",
+    "recover_request",
 ]
 
 
@@ -88,7 +91,28 @@ SOURCE_OPTIONS = [
 ]
 
 ENV_OPTION = click.option(
-    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable on every node (repeatable)."
+    "--env",
+    "env",
+    multiple=True,
+    metavar="KEY[=VALUE]",
+    help="Set or override a variable on every node (repeatable); KEY alone passes this machine's value. "
+    "Values reach the nodes on stdin, never on a command line.",
+)
+ENV_FILE_OPTION = click.option(
+    "--env-file",
+    "env_file",
+    multiple=True,
+    metavar="FILE",
+    help="KEY=VALUE lines (# comments) to set on every node, as --env does (repeatable; --env wins).",
+)
+
+# The ranks run in a container (launcher.core.container); the stack's `image` output is the default.
+IMAGE_OPTION = click.option(
+    "--image",
+    metavar="IMAGE",
+    help="Run the ranks inside this container image on every node (docker, else podman), pulled first, "
+    "wired for the machine type's GPUs and GPUDirect; torchrun is the image's python3 "
+    "[default: the stack's `image` output, else none]. See docs/containers.md.",
 )
 
 # Issue 13: the job goes to a controller on node 0 (launcher.jobs.handoff) and outlives this client.
@@ -181,6 +205,8 @@ TORCHRUN_OPTIONS = [
     click.option("--max-restarts", type=int, default=0, show_default=True, help=_MAX_RESTARTS_HELP),
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
     ENV_OPTION,
+    ENV_FILE_OPTION,
+    IMAGE_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
     click.option(
@@ -302,6 +328,20 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def recover_request(o: dict[str, Any]) -> RecoverRequest:
+    """--recover and its settings, as given (launcher.jobs.recovery.recover_policy checks them)."""
+    return RecoverRequest(
+        recover=bool(o.get("recover")),
+        max_recoveries=o.get("max_recoveries"),
+        recover_timeout=o.get("recover_timeout"),
+        restart_stopped=o.get("restart_stopped"),
+        no_restart_exit_codes=o.get("no_restart_exit_codes"),
+        min_nodes=o.get("min_nodes"),
+        api_endpoint=o.get("api_endpoint"),
+        max_restarts=o.get("max_restarts"),
+    )
+
+
 def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
     """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
     return SshConfig(
@@ -317,6 +357,12 @@ def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
 def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
     """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
     ssh = ssh_config(o, cluster)
+    image = o.get("image") or cluster.image
+    if image and o.get("python"):
+        raise UserError(
+            f"--image runs the image's own python3, so --python {o['python']!r} does not apply; "
+            "drop --python (or drop --image to run it on the nodes themselves)"
+        )
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     return LaunchConfig(
@@ -327,11 +373,11 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         # on 29500 here) never collide; on a cluster, torchrun's documented default.
         rdzv_port=o.get("rdzv_port") or (_free_port() if cluster.local else 29500),
         workdir=o.get("workdir"),
-        env=parse_env_pairs(o.get("env", ())),
+        env=parse_env_pairs(o.get("env", ()), o.get("env_file", ())),
         nccl_debug=o.get("nccl_debug", False),
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.
-        python=o.get("python") or (sys.executable if cluster.local else "python3"),
+        python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
         job_id=new_job_id(),
         runs_dir=o.get("runs_dir") or Path("runs"),
         dry_run=o.get("dry_run", False),
@@ -339,6 +385,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         rank_order=o.get("rank_order"),
         hang_timeout_s=hang_timeout_s,
         progress=parse_progress(o.get("progress"), hang_timeout_s),
+        image=image or None,
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
 

@@ -336,7 +336,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
 
 # ---- the sweep's JSON line -----------------------------------------------------------------------
 
-# The sweep's machine-readable line (workloads/sweep.py writes it, the launcher's nccl-tests
+# The sweep's machine-readable line (workloads/sweep/ writes it, the launcher's nccl-tests
 # reader reads it). It starts with '#' so that anything reading the output as an nccl-tests
 # table skips it. The document: {"version", "nranks", "backend", "avg_busbw", "rows": [SweepRow
 # fields]}, plus "round" and "nodes" for one group of a --rounds plan (gpufleet.groups).
@@ -370,7 +370,7 @@ class SweepRow:
     error_column: bool = False
     iters: int | None = None
     """Timed calls behind each block's time: -n, or fewer where the sweep's --time-budget cut a
-    slow size short (workloads/sweep.py); None where the output does not say (nccl-tests)."""
+    slow size short (workloads/sweep/); None where the output does not say (nccl-tests)."""
 
     @property
     def best_busbw(self) -> float:

@@ -114,6 +114,7 @@ class Cluster:
     project: str | None = None
     local: bool = False  # nodes are process groups on this machine, not SSH hosts
     controller: ControllerHost | None = None  # None: node 0 runs detached jobs' controllers
+    package_index: str | None = None  # the stack output packageIndex: where nodes get packages
 
     def __post_init__(self) -> None:
         if not self.nodes:

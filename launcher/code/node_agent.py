@@ -1,0 +1,355 @@
+"""The node side of a launch's preparation: one self-contained, standard-library-only program,
+sent as its source text (`python3 -S -c SOURCE COMMAND`), since a bare node has nothing of
+gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gpufleet:
+
+    objects/SHA256        every file's content, once per node (content-addressed)
+    snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
+    work/JOB/             a job's working directory: its --sync snapshot, copied (writes allowed)
+    envs/KEY/             a Python environment built with uv, KEY the hash of what defines it
+    uv/                   uv itself, where the node had none (pip-installed from the job's index)
+
+Commands (stdin carries the request; every line this program prints starts with PREFIX):
+- `prepare`: a JSON request. Reports the objects the node lacks; places every snapshot whose
+  objects are all there; builds the environment when it is missing (one build per KEY at a
+  time: a file lock), printing progress. Ends with `PREFIX result JSON`.
+- `receive`: a stream of frames (`OBJ SHA SIZE`, `FILE PATH MODE SIZE`, each followed by SIZE
+  bytes; `FWD SIZE` + a JSON plan; `END`): stores each object (its hash checked), writes each
+  file under the home, then sends each plan target the objects it lacks, all targets at once
+  (node 0 passes the content on over the cluster's own network).
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+PREFIX = "gpufleet-prepare:"
+G = os.path.join(os.path.expanduser("~"), ".gpufleet")
+OBJECTS = os.path.join(G, "objects")
+DONE = ".gpufleet-complete"  # written last into a placed snapshot or a built environment
+
+
+def say(kind, text):
+    sys.stdout.write(f"{PREFIX} {kind} {text}\n")
+    sys.stdout.flush()
+
+
+def has_object(sha):
+    return os.path.exists(os.path.join(OBJECTS, sha))
+
+
+def place(snap):
+    """Materialize a snapshot at ~/.gpufleet/DEST from the store: written aside, then renamed
+    (a half-written snapshot is never seen). `copy`: every file its own copy (a job's working
+    directory, which the job may write); else hard links to the store (read-only code)."""
+    dest = os.path.join(G, snap["dest"])
+    if os.path.exists(os.path.join(dest, DONE)):
+        return
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path, sha, mode in snap["files"]:
+        target = os.path.join(tmp, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        src = os.path.join(OBJECTS, sha)
+        if snap.get("copy"):
+            shutil.copyfile(src, target)
+            os.chmod(target, mode)
+        else:
+            os.link(src, target)
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, DONE), "w") as f:
+        f.write(snap["hash"] + "\n")
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another launch placed it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def reachable(url):
+    """None when `url` (an index or find-links URL) answers, else why not."""
+    if not url.startswith(("http://", "https://")):
+        return None if os.path.exists(url.removeprefix("file://")) else "no such directory on the node"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=15) as r:
+            r.read(1)
+        return None
+    except urllib.error.HTTPError as e:
+        return None if e.code < 500 and e.code != 404 else f"HTTP {e.code}"
+    except Exception as e:  # noqa: BLE001 - any failure to connect is the answer
+        reason = getattr(e, "reason", e)
+        return str(reason) or type(e).__name__
+
+
+def pip_index_args(env):
+    out = []
+    if env.get("index_url"):
+        out += ["--index-url", env["index_url"]]
+    for u in env.get("extra_index_urls", []):
+        out += ["--extra-index-url", u]
+    for u in env.get("find_links", []):
+        out += ["--find-links", u]
+    return out
+
+
+def find_uv(env):
+    """uv on PATH, else the one this program installed before, else pip-install it now from the
+    job's own package source (the node ran no startup script that brought one)."""
+    on_path = shutil.which("uv")
+    if on_path:
+        return on_path
+    home = os.path.join(G, "uv")
+    uv = os.path.join(home, "bin", "uv")
+    os.makedirs(G, exist_ok=True)
+    with open(os.path.join(G, "uv.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(home, DONE)):
+            return uv
+        say("progress", "installing uv (pip, from " + (env.get("index_url") or "PyPI") + ")")
+        shutil.rmtree(home, ignore_errors=True)
+        run([sys.executable, "-m", "venv", home])
+        trusted = []
+        for u in [env.get("index_url")] + env.get("extra_index_urls", []):
+            if u and u.startswith("http://"):  # pip takes plain HTTP only from a host named trusted
+                trusted += ["--trusted-host", u.split("/")[2].split(":")[0]]
+        pip = [os.path.join(home, "bin", "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        run(pip + pip_index_args(env) + trusted + ["uv"])
+        open(os.path.join(home, DONE), "w").close()
+    return uv
+
+
+class BuildError(Exception):
+    pass
+
+
+def run(argv, cwd=None, env=None, on_line=None):
+    """Run argv; each stderr/stdout line to on_line; BuildError with the output's tail on failure."""
+    p = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
+    lines = []
+    for line in p.stdout:
+        line = line.rstrip()
+        lines.append(line)
+        if on_line and line.strip():
+            on_line(line)
+    if p.wait() != 0:
+        raise BuildError(reason(lines) or f"{os.path.basename(argv[0])} exit {p.returncode}")
+    return lines
+
+
+def reason(lines):
+    """The resolver's reason in one line: uv's `╰─▶ Because ...` paragraph, pip's `ERROR:` line,
+    else the last line."""
+    text = [line.strip() for line in lines if line.strip()]
+    for i, line in enumerate(text):
+        if "╰─▶" in line:
+            why = [line.split("╰─▶", 1)[1].strip()] + [t for t in text[i + 1 :] if not t.startswith(("hint:", "help:"))]
+            return " ".join(why)
+    errors = [t for t in text if t.startswith(("error:", "ERROR:", "×"))]
+    return (errors or text or [""])[-1].lstrip("×").strip()
+
+
+def torch_marker(env):
+    return json.dumps({"torch_index": env.get("torch_index"), "python": sys.version.split()[0]}, sort_keys=True)
+
+
+def build_env(env):
+    """The environment at ~/.gpufleet/envs/KEY, built with uv unless it is there already."""
+    d = os.path.join(G, "envs", env["key"])
+    python = os.path.join(d, "bin", "python")
+    done = os.path.join(d, DONE)
+    os.makedirs(os.path.dirname(d), exist_ok=True)
+    with open(d + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(done) and open(done).read() == torch_marker(env):
+            return python, False
+        urls = [u for u in [env.get("index_url")] + env.get("extra_index_urls", []) + env.get("find_links", []) if u]
+        for url in urls + ([env["torch_index"]] if env.get("torch_index") else []):
+            why = reachable(url)
+            if why:
+                raise BuildError(f"the package index {url} cannot be reached ({why})")
+        uv = find_uv(env)
+        say("progress", f"building environment {env['key'][:12]}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        uv_env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
+        for cache in env.get("uv_cache") or []:  # the local SSD, where the node has one mounted
+            mount = os.path.dirname(cache)
+            if os.path.ismount(mount) and os.access(mount, os.W_OK):
+                uv_env["UV_CACHE_DIR"] = cache
+                break
+        run([uv, "venv", "-q", "--python", sys.executable, d], env=uv_env)
+        spec_dir = os.path.join(d, ".gpufleet-spec")
+        os.makedirs(spec_dir)
+        for name, text in env["files"].items():  # requirements.txt, pyproject.toml, uv.lock
+            with open(os.path.join(spec_dir, name), "w") as f:
+                f.write(text)
+        req = os.path.join(spec_dir, env["kind"])
+        if env["kind"] == "uv.lock":
+            req = os.path.join(spec_dir, "requirements.txt")
+            run(
+                [uv, "export", "-q", "--frozen", "--no-hashes", "--no-emit-project", "--format", "requirements-txt"]
+                + ["--directory", spec_dir, "-o", req],
+                env=uv_env,
+            )
+        extra = ["--extra-index-url", env["torch_index"]] if env.get("torch_index") else []
+        argv = [uv, "pip", "install", "--python", python, "-r", req] + pip_index_args(env) + extra
+        keep = ("Resolved", "Prepared", "Installed", "Downloading", "Audited")
+        run(argv, env=uv_env, on_line=lambda line: line.lstrip().startswith(keep) and say("progress", line.strip()))
+        with open(done, "w") as f:
+            f.write(torch_marker(env))
+        return python, True
+
+
+def gpu_driver():
+    """The NVIDIA driver version (nvidia-smi), or None on a node without one."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[0] if out else None
+
+
+def prepare(req):
+    os.makedirs(OBJECTS, exist_ok=True)
+    result = {"home": os.path.expanduser("~"), "missing": [], "python": None, "built": False, "error": None}
+    pending = []
+    for snap in req.get("snapshots", []):
+        # Every object is reported, placed snapshot or not: node 0 passes them on to the others.
+        lacking = sorted({sha for _, sha, _ in snap["files"] if not has_object(sha)})
+        result["missing"] += lacking
+        if not lacking and not os.path.exists(os.path.join(G, snap["dest"], DONE)):
+            pending.append(snap)
+    result["missing"] = sorted(set(result["missing"]))
+    for snap in pending:
+        place(snap)
+    env = req.get("env")
+    if env:
+        driver = gpu_driver()
+        result["driver"] = driver
+        if driver and env.get("torch_indexes"):
+            env["torch_index"] = pick_torch_index(driver, env["torch_indexes"])
+        try:
+            result["python"], result["built"] = build_env(env)
+        except BuildError as e:
+            result["error"] = str(e)
+    say("result", json.dumps(result))
+
+
+def pick_torch_index(driver, table):
+    """The first index of [[minimum driver, url], ...] (newest first) the driver satisfies."""
+    have = tuple(int(x) for x in driver.split(".") if x.isdigit())
+    for minimum, url in table:
+        if have >= tuple(int(x) for x in minimum.split(".")):
+            return url
+    return None
+
+
+def read_exact(stream, n):
+    chunks, left = [], n
+    while left:
+        b = stream.read(min(left, 1 << 20))
+        if not b:
+            raise EOFError("the stream ended early")
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def store(stream, sha, size):
+    """Write one object from `stream` into the store, its content checked against its name."""
+    tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")
+    h, left = hashlib.sha256(), size
+    with open(tmp, "wb") as f:
+        while left:
+            b = stream.read(min(left, 1 << 20))
+            if not b:
+                raise EOFError("the stream ended early")
+            h.update(b)
+            f.write(b)
+            left -= len(b)
+    if h.hexdigest() != sha:
+        os.unlink(tmp)
+        raise ValueError(f"object {sha[:12]} arrived corrupted")
+    os.chmod(tmp, 0o444)
+    os.rename(tmp, os.path.join(OBJECTS, sha))
+
+
+def send(argv, shas):
+    """Stream `shas` from this node's store to a receiving node (argv: ssh there); None or why not."""
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for sha in shas:
+            path = os.path.join(OBJECTS, sha)
+            p.stdin.write(f"OBJ {sha} {os.path.getsize(path)}\n".encode())
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, p.stdin, 1 << 20)
+        p.stdin.write(b"END\n")
+        p.stdin.close()
+    except BrokenPipeError:
+        pass
+    out, err = p.communicate()
+    if p.returncode != 0 or b"received" not in out:
+        return (err.decode(errors="replace").strip().splitlines() or [f"exit {p.returncode}"])[-1]
+    return None
+
+
+def receive():
+    os.makedirs(OBJECTS, exist_ok=True)
+    stream = sys.stdin.buffer
+    plan, count = None, 0
+    while True:
+        head = stream.readline().decode().split()
+        if not head or head[0] == "END":
+            break
+        if head[0] == "OBJ":
+            store(stream, head[1], int(head[2]))
+            count += 1
+        elif head[0] == "FILE":
+            path = os.path.join(os.path.expanduser("~"), head[1])
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            data = read_exact(stream, int(head[3]))
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.chmod(path + ".tmp", int(head[2], 8))
+            os.rename(path + ".tmp", path)
+        elif head[0] == "FWD":
+            plan = json.loads(read_exact(stream, int(head[1])))
+    failures = {}
+    if plan:
+        threads = []
+
+        def one(target):
+            why = send(target["argv"], target["objects"])
+            if why:
+                failures[target["rank"]] = why
+
+        for target in plan:
+            t = threading.Thread(target=one, args=(target,))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+    say("received", json.dumps({"objects": count, "failed": failures, "at": time.time()}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "prepare":
+        prepare(json.loads(sys.stdin.read()))
+    elif sys.argv[1] == "receive":
+        receive()

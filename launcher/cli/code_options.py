@@ -14,7 +14,7 @@ from rich.markup import escape
 from launcher.cli.render import err
 from launcher.code import CodeRequest, EnvSpec, code_snapshot, prepare, take_snapshot
 from launcher.code.pyenv import requirement_source, workloads_requirements
-from launcher.code.snapshot import DEFAULT_SYNC_MAX, parse_size
+from launcher.code.snapshot import DEFAULT_SYNC_MAX, human_size, parse_size
 from launcher.core.transport import state_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
@@ -81,9 +81,9 @@ def _sync_snapshot(o: dict[str, Any]) -> tuple[Path | None, Any]:
     snap = take_snapshot(d, cache=state_dir() / "hashes.json")
     if snap.size > limit:
         largest = sorted(snap.files, key=lambda f: -f.size)[:5]
-        names = ", ".join(f"{f.path} ({f.size / 1e6:.1f} MB)" for f in largest)
+        names = ", ".join(f"{f.path} ({human_size(f.size)})" for f in largest)
         raise UserError(
-            f"--sync {d} is {snap.size / 1e6:.1f} MB, over {limit / 1e6:.0f} MB; largest: {names}. Leave files out "
+            f"--sync {d} is {human_size(snap.size)}, over {human_size(limit)}; largest: {names}. Leave files out "
             "with .gpufleetignore, or allow it with --sync-max SIZE"
         )
     return d.resolve(), snap
@@ -150,6 +150,12 @@ def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) 
     n = len(cluster.nodes)
     with err.status(f"preparing {n} node{'s' * (n != 1)} (code and environment)…"):
         config, report = prepare(cluster, config, request, progress)
+    if report.objects_sent or report.passed_on:
+        others = f"{report.passed_on} other node{'s' * (report.passed_on != 1)}"
+        err.print(
+            f"[dim]sent {report.objects_sent} files ({human_size(report.object_bytes)}) to "
+            f"{escape(cluster.nodes[0].label)}; it passed content on to {others}[/dim]"
+        )
     if report.built:
         err.print(f"[dim]environment built on {len(report.built)} of {n} nodes[/dim]")
     return config

@@ -73,6 +73,8 @@ class PrepareReport:
 
     bytes_sent: int = 0
     objects_sent: int = 0
+    object_bytes: int = 0
+    passed_on: int = 0  # nodes node 0 passed content on to
     built: list[int] = field(default_factory=list)
 
 
@@ -210,7 +212,7 @@ def prepare(
             f"the nodes' home directories differ ({', '.join(sorted(homes))}), where gpufleet keeps a job's code "
             "and environment; use one user with one home on every node (--ssh-user)"
         )
-    return _configured(config, request, homes.pop(), results), report
+    return _configured(config, request, homes.pop()), report
 
 
 def _build_error(request: CodeRequest, error: str) -> str:
@@ -221,24 +223,29 @@ def _build_error(request: CodeRequest, error: str) -> str:
     return f"cannot build the environment from {what}: {error}"
 
 
-def _configured(config: LaunchConfig, request: CodeRequest, home: str, results: dict[int, dict]) -> LaunchConfig:
+def _configured(config: LaunchConfig, request: CodeRequest, home: str) -> LaunchConfig:
+    """The launch's config with what was prepared: every node holds it at the same place (their
+    homes are the same, checked above). PATH and PYTHONPATH go before what --env gave (and PATH
+    before the node's own: launcher.core.command prepends it)."""
     env = dict(config.env)
     add: dict[str, str] = {}
+    changes: dict = {}
     if request.code is not None:
-        code_dir = f"{home}/.gpufleet/snap/{request.code.hash}"
-        add["PYTHONPATH"] = code_dir + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
+        add["PYTHONPATH"] = f"{home}/.gpufleet/snap/{request.code.hash}"
     snap = request.sync or request.code
     if snap is not None:
         add["GPUFLEET_CODE"] = snap.hash
-    merged = tuple((k, v) for k, v in config.env if k not in add) + tuple(add.items())
-    changes: dict = {"env": merged}
     if request.sync is not None:
         changes["workdir"] = f"{home}/.gpufleet/work/{config.job_id}"
     if request.env is not None:
-        pythons = {res["python"] for res in results.values()}
-        changes["python"] = (
-            pythons.pop() if len(pythons) == 1 else f"{home}/.gpufleet/envs/{request.env.key}/bin/python"
-        )
+        venv = f"{home}/.gpufleet/envs/{request.env.key}"
+        changes["python"] = f"{venv}/bin/python"
+        add["VIRTUAL_ENV"] = venv
+        add["PATH"] = f"{venv}/bin"  # `launch exec` finds the environment's programs first
+    for key in ("PATH", "PYTHONPATH"):
+        if key in add and env.get(key):
+            add[key] += f":{env[key]}"
+    changes["env"] = tuple((k, v) for k, v in config.env if k not in add) + tuple(add.items())
     return replace(config, **changes)
 
 
@@ -279,6 +286,8 @@ def _send(
     objects = sorted(missing.get(head.rank, []))
     data = _frames(objects, files, extra, plan)
     report.objects_sent += len(objects)
+    report.object_bytes += sum(files[s].stat().st_size for s in objects)
+    report.passed_on = len(plan)
     result, why = _run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")

@@ -20,7 +20,16 @@ from pathlib import Path
 
 from launcher.core.types import UserError
 
-__all__ = ["Snapshot", "FileEntry", "take_snapshot", "code_snapshot", "DEFAULT_SYNC_MAX", "parse_size", "IGNORE_FILES"]
+__all__ = [
+    "Snapshot",
+    "FileEntry",
+    "take_snapshot",
+    "code_snapshot",
+    "DEFAULT_SYNC_MAX",
+    "parse_size",
+    "human_size",
+    "IGNORE_FILES",
+]
 
 IGNORE_FILES = (".gitignore", ".gpufleetignore")
 DEFAULT_SYNC_MAX = 100 * 1000 * 1000  # the issue's "over 100 MB"
@@ -231,3 +240,11 @@ def parse_size(text: str, flag: str = "--sync-max") -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise UserError(f"{flag} {text!r} is not a size; give one like 500MB or 2GB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human_size(n: int) -> str:
+    """1234 -> "1.2 kB", 100_000_000 -> "100.0 MB" (powers of 1000, as --sync-max reads them)."""
+    for unit, size in (("GB", 1000**3), ("MB", 1000**2), ("kB", 1000)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

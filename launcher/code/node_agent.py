@@ -12,16 +12,18 @@ Commands (stdin carries the request; every line this program prints starts with 
 - `prepare`: a JSON request. Reports the objects the node lacks; places every snapshot whose
   objects are all there; builds the environment when it is missing (one build per KEY at a
   time: a file lock), printing progress. Ends with `PREFIX result JSON`.
-- `receive`: a stream of frames (`OBJ SHA SIZE`, `FILE PATH MODE SIZE`, each followed by SIZE
-  bytes; `FWD SIZE` + a JSON plan; `END`): stores each object (its hash checked), writes each
-  file under the home, then sends each plan target the objects it lacks, all targets at once
-  (node 0 passes the content on over the cluster's own network).
+- `receive`: a stream of frames (`FILE PATH MODE SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
+  SIZE`, each followed by SIZE bytes; `END`): writes each file under the home, stores each
+  object (its hash checked) and passes it on at once to every plan target that lacks it, all
+  targets at the same time (node 0 forwards over the cluster's own network while its own
+  stream still arrives).
 """
 
 import fcntl
 import hashlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -290,29 +292,61 @@ def store(stream, sha, size):
     os.rename(tmp, os.path.join(OBJECTS, sha))
 
 
-def send(argv, shas):
-    """Stream `shas` from this node's store to a receiving node (argv: ssh there); None or why not."""
-    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        for sha in shas:
-            path = os.path.join(OBJECTS, sha)
-            p.stdin.write(f"OBJ {sha} {os.path.getsize(path)}\n".encode())
-            with open(path, "rb") as f:
-                shutil.copyfileobj(f, p.stdin, 1 << 20)
-        p.stdin.write(b"END\n")
-        p.stdin.close()
-    except BrokenPipeError:
-        pass
-    out, err = p.communicate()
-    if p.returncode != 0 or b"received" not in out:
-        return (err.decode(errors="replace").strip().splitlines() or [f"exit {p.returncode}"])[-1]
-    return None
+class Forward:
+    """Node 0 passing content on to one node (argv: ssh there, running `receive`), while its own
+    stream still arrives: each object goes as soon as this node holds it."""
+
+    def __init__(self, target):
+        self.rank, self.wanted = target["rank"], set(target["objects"])
+        self.queue = queue.Queue()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(target["argv"],), daemon=True)
+        self.thread.start()
+        for sha in sorted(self.wanted):
+            if has_object(sha):
+                self.offer(sha)
+
+    def offer(self, sha):
+        if sha in self.wanted:
+            self.wanted.discard(sha)
+            self.queue.put(sha)
+
+    def close(self):
+        self.queue.put(None)
+        self.thread.join()
+        return self.error
+
+    def _run(self, argv):
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as e:
+            self.error = str(e)
+            return self._drain()
+        try:
+            for sha in iter(self.queue.get, None):
+                path = os.path.join(OBJECTS, sha)
+                p.stdin.write(f"OBJ {sha} {os.path.getsize(path)}\n".encode())
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, p.stdin, 1 << 20)
+            p.stdin.write(b"END\n")
+            out, err = p.communicate()
+        except (BrokenPipeError, ValueError):
+            self._drain()
+            out, err = p.communicate()
+        if p.returncode != 0 or b" received " not in out:
+            self.error = (err.decode(errors="replace").strip().splitlines() or [f"exit {p.returncode}"])[-1]
+
+    def _drain(self):
+        for _ in iter(self.queue.get, None):
+            pass
 
 
 def receive():
+    """Frames in the order the launcher writes them: FILE (the cluster key, known_hosts), FWD
+    (whom to pass what on to), OBJ ..., END."""
     os.makedirs(OBJECTS, exist_ok=True)
     stream = sys.stdin.buffer
-    plan, count = None, 0
+    forwards, count = [], 0
     while True:
         head = stream.readline().decode().split()
         if not head or head[0] == "END":
@@ -320,6 +354,8 @@ def receive():
         if head[0] == "OBJ":
             store(stream, head[1], int(head[2]))
             count += 1
+            for fwd in forwards:
+                fwd.offer(head[1])
         elif head[0] == "FILE":
             path = os.path.join(os.path.expanduser("~"), head[1])
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -329,22 +365,12 @@ def receive():
             os.chmod(path + ".tmp", int(head[2], 8))
             os.rename(path + ".tmp", path)
         elif head[0] == "FWD":
-            plan = json.loads(read_exact(stream, int(head[1])))
+            forwards = [Forward(t) for t in json.loads(read_exact(stream, int(head[1])))]
     failures = {}
-    if plan:
-        threads = []
-
-        def one(target):
-            why = send(target["argv"], target["objects"])
-            if why:
-                failures[target["rank"]] = why
-
-        for target in plan:
-            t = threading.Thread(target=one, args=(target,))
-            t.start()
-            threads.append(t)
-        for t in threads:
-            t.join()
+    for fwd in forwards:
+        why = fwd.close()
+        if why:
+            failures[fwd.rank] = why
     say("received", json.dumps({"objects": count, "failed": failures, "at": time.time()}))
 
 

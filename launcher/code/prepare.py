@@ -21,7 +21,7 @@ import json
 import logging
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -105,20 +105,28 @@ def _request(request: CodeRequest, job_id: str) -> dict:
 
 
 def _run_agent(
-    transport: Transport, node: Node, script: str, data: bytes, progress: Progress, report: PrepareReport
+    transport: Transport, node: Node, script: str, data: Iterable[bytes], progress: Progress, report: PrepareReport
 ) -> tuple[dict | None, str]:
-    """Run one agent session; its result line's JSON (None if there was none) and stderr's tail."""
+    """Run one agent session, `data` on its stdin; its result line's JSON (None if there was
+    none) and stderr's tail."""
     argv = transport.argv(node, script)
-    report.bytes_sent += len(data) + sum(len(a) for a in argv)
+    report.bytes_sent += sum(len(a) for a in argv)
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     err: list[bytes] = []
     t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
     t.start()
-    try:
-        p.stdin.write(data)
-        p.stdin.close()
-    except BrokenPipeError:
-        pass
+
+    def feed() -> None:
+        try:
+            for chunk in data:
+                report.bytes_sent += len(chunk)
+                p.stdin.write(chunk)
+            p.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
     result = None
     for raw in p.stdout:
         line = raw.decode(errors="replace").rstrip()
@@ -130,6 +138,7 @@ def _run_agent(
         elif kind in ("result", "received"):
             result = json.loads(text)
     p.wait()
+    writer.join(timeout=5)
     t.join(timeout=5)
     tail = b"".join(err).decode(errors="replace").strip().splitlines()
     return result, (tail[-1] if tail else f"exit {p.returncode}")
@@ -149,19 +158,20 @@ def _each(nodes: list[Node], fn: Callable[[Node], object]) -> dict[int, object]:
     return out
 
 
-def _frames(objects: list[str], files: dict[str, Path], extra_files: dict[str, tuple[int, bytes]], plan: list) -> bytes:
-    """The `receive` stream (node_agent.receive): files, objects, the forwarding plan, END."""
-    out = bytearray()
+def _frames(objects: list[str], files: dict[str, Path], extra_files: dict[str, tuple[int, bytes]], plan: list):
+    """The `receive` stream (node_agent.receive), in chunks: files, the forwarding plan (first,
+    so node 0 passes each object on as it arrives), objects read from disk as they go, END."""
     for rel, (mode, data) in extra_files.items():
-        out += f"FILE {rel} {mode:o} {len(data)}\n".encode() + data
-    for sha in objects:
-        data = files[sha].read_bytes()
-        out += f"OBJ {sha} {len(data)}\n".encode() + data
+        yield f"FILE {rel} {mode:o} {len(data)}\n".encode() + data
     if plan:
         text = json.dumps(plan).encode()
-        out += f"FWD {len(text)}\n".encode() + text
-    out += b"END\n"
-    return bytes(out)
+        yield f"FWD {len(text)}\n".encode() + text
+    for sha in objects:
+        path = files[sha]
+        yield f"OBJ {sha} {path.stat().st_size}\n".encode()
+        with open(path, "rb") as f:
+            yield from iter(lambda: f.read(1 << 20), b"")
+    yield b"END\n"
 
 
 def _fail(cluster: Cluster, errors: dict[int, str]) -> UserError:
@@ -188,7 +198,7 @@ def prepare(
     script = "; ".join([*authorize, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
-        answers = _each(nodes, lambda n: _run_agent(transport, n, script, body, progress, report))
+        answers = _each(nodes, lambda n: _run_agent(transport, n, script, [body], progress, report))
         unreachable = {r: why for r, (res, why) in answers.items() if res is None}
         if unreachable:
             raise _fail(cluster, {r: f"cannot prepare the node ({why})" for r, why in unreachable.items()})

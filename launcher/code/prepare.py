@@ -39,7 +39,7 @@ from launcher.cluster.key import (
 from launcher.code import node_agent
 from launcher.code.pyenv import EnvSpec
 from launcher.code.snapshot import Snapshot
-from launcher.core.command import remote_command, ssh_argv, ssh_base_argv
+from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 

@@ -35,7 +35,7 @@ import urllib.request
 PREFIX = "gpufleet-prepare:"
 G = os.path.join(os.path.expanduser("~"), ".gpufleet")
 OBJECTS = os.path.join(G, "objects")
-DONE = ".gpufleet-complete"  # written last into a placed snapshot or a built environment
+DONE = ".gpufleet-complete"  # written last into a built environment (a snapshot is renamed into place whole)
 
 
 def say(kind, text):
@@ -52,7 +52,7 @@ def place(snap):
     (a half-written snapshot is never seen). `copy`: every file its own copy (a job's working
     directory, which the job may write); else hard links to the store (read-only code)."""
     dest = os.path.join(G, snap["dest"])
-    if os.path.exists(os.path.join(dest, DONE)):
+    if os.path.isdir(dest):  # renamed into place whole: there means complete
         return
     tmp = f"{dest}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -66,8 +66,6 @@ def place(snap):
         else:
             os.link(src, target)
     os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, DONE), "w") as f:
-        f.write(snap["hash"] + "\n")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     try:
         os.rename(tmp, dest)
@@ -148,13 +146,14 @@ def run(argv, cwd=None, env=None, on_line=None):
 
 
 def reason(lines):
-    """The resolver's reason in one line: uv's `╰─▶ Because ...` paragraph, pip's `ERROR:` line,
-    else the last line."""
+    """The resolver's reason in one line: uv's `Because ...` paragraph (after `╰─▶` on a
+    terminal, `cause:` otherwise), pip's `ERROR:` line, else the last line."""
     text = [line.strip() for line in lines if line.strip()]
     for i, line in enumerate(text):
-        if "╰─▶" in line:
-            why = [line.split("╰─▶", 1)[1].strip()] + [t for t in text[i + 1 :] if not t.startswith(("hint:", "help:"))]
-            return " ".join(why)
+        for mark in ("╰─▶", "cause:"):
+            if line.startswith(mark) or mark == "╰─▶" and mark in line:
+                rest = [t for t in text[i + 1 :] if not t.startswith(("hint:", "help:", "cause:"))]
+                return " ".join([line.split(mark, 1)[1].strip()] + rest)
     errors = [t for t in text if t.startswith(("error:", "ERROR:", "×"))]
     return (errors or text or [""])[-1].lstrip("×").strip()
 
@@ -235,7 +234,7 @@ def prepare(req):
         # Every object is reported, placed snapshot or not: node 0 passes them on to the others.
         lacking = sorted({sha for _, sha, _ in snap["files"] if not has_object(sha)})
         result["missing"] += lacking
-        if not lacking and not os.path.exists(os.path.join(G, snap["dest"], DONE)):
+        if not lacking and not os.path.isdir(os.path.join(G, snap["dest"])):
             pending.append(snap)
     result["missing"] = sorted(set(result["missing"]))
     for snap in pending:

@@ -54,7 +54,8 @@ def project(tmp_path: Path) -> Path:
             """
         )
     )
-    (d / "requirements.txt").write_text("torch\nsix==1.16.0\n")
+    # torch.distributed.broadcast_object_list needs numpy, which torch does not require.
+    (d / "requirements.txt").write_text("torch\nnumpy\nsix==1.16.0\n")
     (d / ".gitignore").write_text("data/\n*.pt\n")
     (d / ".gpufleetignore").write_text("notes.md\n")
     (d / "data").mkdir()

@@ -148,6 +148,13 @@ def test_the_resolvers_reason_is_one_line():
         "Because there is no version of nosuchpkg==9 and you require nosuchpkg==9, we can "
         "conclude that your requirements are unsatisfiable."
     )
+    plain = [  # uv without a terminal
+        "Using Python 3.11.2 environment at: /root/.gpufleet/envs/x",
+        "error: No solution found when resolving dependencies",
+        "  cause: Because nosuchpkg was not found in the package registry and you require nosuchpkg, we can "
+        "conclude that your requirements are unsatisfiable.",
+    ]
+    assert node_agent.reason(plain).startswith("Because nosuchpkg was not found in the package registry")
     assert node_agent.reason(["Collecting x", "ERROR: No matching distribution found for x"]) == (
         "ERROR: No matching distribution found for x"
     )

@@ -20,15 +20,15 @@ import click
 from rich.markup import escape
 
 from launcher.cli.code_options import code_request, prepare_nodes
-from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster
+from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, ssh_config
 from launcher.cli.render import err, setup_logging
-from launcher.cluster.ordering import order_for_launch
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
 from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, logs_script
 from launcher.jobs.recovery import parse_duration, recover_policy
+from launcher.runner import plan_detached
 
 __all__ = ["STATE_STYLE", "start_detached", "node0", "copy_path", "reader_gone", "follow", "restart_orphans"]
 
@@ -55,7 +55,7 @@ def start_detached(
     ranks import gpufleet's own code (None: as `builtin`), sent with its environment. The job
     keeps the snapshot and environment prepared here: every recovery runs them."""
     setup_logging()
-    if o.get("dry_run"):
+    if o.get("dry_run"):  # before the cluster is looked for: nothing of it is needed to refuse
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(o, workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
@@ -75,14 +75,13 @@ def start_detached(
     request = code_request(o, cluster, builtin if own_code is None else own_code)
     config = prepare_nodes(cluster, config, request)
     n = len(cluster.nodes)
-    # The controller keeps this order: the request carries the nodes in it, and a recovery
+    # The controller keeps the plan's order: the request carries the nodes in it, and a recovery
     # relaunches from the request.
-    order = order_for_launch(cluster, config)
-    cluster = order.cluster
-    if order.message:
-        err.print(f"[dim]{escape(order.message)}[/dim]")
+    p = plan_detached(cluster, config)
+    if p.order_message:
+        err.print(f"[dim]{escape(p.order_message)}[/dim]")
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
-        job_id = detach(cluster, config, policy.to_json() if policy else None)
+        job_id = detach(p, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")
     err.print(
         f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop {job_id}[/dim]"
@@ -98,8 +97,8 @@ def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
             "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
             "cluster's node flags (--hostfile, --stack, ...)"
         )
-    config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, Node0(make_transport(cluster, config), job_host(cluster))
+    transport = make_transport(cluster, ssh_config(o, cluster), o.get("dry_run", False))
+    return cluster, Node0(transport, job_host(cluster))
 
 
 def copy_path(o: dict[str, Any], job_id: str, node: int | None) -> Path:

@@ -1,5 +1,6 @@
-"""What train, run and exec share: run attached through the one attached path
-(launcher.cli.render.execute_on), or with --detach hand the job to node 0's controller."""
+"""What train, run and exec share: plan the launch (launcher.runner.plan) and run it attached
+through the one attached path (launcher.cli.render.execute), or with --detach hand the job to
+node 0's controller."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import build_config, find_cluster
-from launcher.cli.render import execute_on, finish, setup_logging
+from launcher.cli.render import execute, finish, setup_logging
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
+from launcher.runner import plan
 
 __all__ = ["start", "WorkloadCheck"]
 
@@ -41,12 +43,12 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
 
 def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None, builtin: bool) -> LaunchResult | None:
     """The nodes and the config from the flags, the workload's arguments checked against them,
-    the nodes prepared (code, --sync, the environment), then the one attached path
-    (render.execute_on)."""
+    the nodes prepared (code, --sync, the environment: launcher.code), then the plan, run on the
+    one attached path (render.execute)."""
     setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
     if check is not None:
         check(cluster, config)
-    request = code_request(o, cluster, builtin)
-    return execute_on(cluster, prepare_nodes(cluster, config, request))
+    config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
+    return execute(plan(cluster, config))

@@ -37,6 +37,7 @@ __all__ = [
     "apply_options",
     "find_cluster",
     "build_config",
+    "ssh_config",
 ]
 
 
@@ -301,9 +302,9 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
-    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
-    ssh = SshConfig(
+def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
+    """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
+    return SshConfig(
         user=o.get("ssh_user"),
         key=o.get("ssh_key"),
         options=_ssh_options(o.get("ssh_options", ())),
@@ -311,6 +312,11 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         iap=o.get("iap", False),
         zone=o.get("zone") or cluster.zone,
     )
+
+
+def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
+    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
+    ssh = ssh_config(o, cluster)
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     return LaunchConfig(

@@ -240,22 +240,27 @@ def _configured(config: LaunchConfig, request: CodeRequest, home: str) -> Launch
     env = dict(config.env)
     add: dict[str, str] = {}
     changes: dict = {}
+    prepared: list[str] = []
     if request.code is not None:
         add["PYTHONPATH"] = f"{home}/.gpufleet/snap/{request.code.hash}"
+        prepared.append(add["PYTHONPATH"])
     snap = request.sync or request.code
     if snap is not None:
         add["GPUFLEET_CODE"] = snap.hash
     if request.sync is not None:
         changes["workdir"] = f"{home}/.gpufleet/work/{config.job_id}"
+        prepared.append(changes["workdir"])
     if request.env is not None:
         venv = f"{home}/.gpufleet/envs/{request.env.key}"
         changes["python"] = f"{venv}/bin/python"
+        prepared.append(changes["python"])
         add["VIRTUAL_ENV"] = venv
         add["PATH"] = f"{venv}/bin"  # `launch exec` finds the environment's programs first
     for key in ("PATH", "PYTHONPATH"):
         if key in add and env.get(key):
             add[key] += f":{env[key]}"
     changes["env"] = tuple((k, v) for k, v in config.env if k not in add) + tuple(add.items())
+    changes["prepared"] = (*config.prepared, *prepared)
     return replace(config, **changes)
 
 

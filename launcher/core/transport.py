@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
-from launcher.core.types import Cluster, LaunchConfig, Node, UserError
+from launcher.core.types import Cluster, Node, SshConfig, UserError
 
 __all__ = ["Transport", "make_transport", "state_dir"]
 
@@ -39,19 +39,18 @@ class Transport:
         return script if self.local else remote_command(script)
 
 
-def make_transport(cluster: Cluster, config: LaunchConfig) -> Transport:
-    """The transport for `cluster`; creates its known_hosts and ControlPath directories unless
-    this is a dry run."""
+def make_transport(cluster: Cluster, ssh: SshConfig, dry_run: bool = False) -> Transport:
+    """The transport for `cluster` with the ssh options `ssh`; creates its known_hosts and
+    ControlPath directories unless this is a dry run."""
     if cluster.local:
         return Transport(local=True)
-    ssh = config.ssh
     if ssh.iap and not ssh.zone:
         raise UserError("--iap needs the nodes' zone: pass --zone (stack outputs carry it)")
     key = hashlib.sha256(f"{cluster.name}|{cluster.project}|{cluster.zone}".encode()).hexdigest()[:10]
     known = ssh.known_hosts or state_dir() / "known_hosts" / f"{cluster.name}-{key}"
     # ControlPath must fit a unix socket path (108 bytes): keep it short, per user and cluster.
     control = Path(f"/tmp/gpufleet-ssh-{os.getuid()}") / key
-    if not config.dry_run:
+    if not dry_run:
         Path(known).parent.mkdir(parents=True, exist_ok=True)
         control.mkdir(parents=True, exist_ok=True, mode=0o700)
     return Transport(local=False, ssh_base=ssh_base_argv(ssh, str(control), str(known)))

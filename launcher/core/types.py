@@ -237,6 +237,10 @@ class LaunchConfig:
     # sessions (launcher.core.supervise) and stop themselves after this long with no controller.
     # None: an attached launch, whose nodes stop at once when their session ends.
     controller_grace_s: int | None = None
+    # What launcher.code prepared on every node for this job (its directory, gpufleet's code, its
+    # environment), as absolute paths: the node program's `prepared` step checks each is there
+    # before the run, so a recovery on a node that lost its disk names what is missing.
+    prepared: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:

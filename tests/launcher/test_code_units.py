@@ -214,3 +214,32 @@ def test_the_console_script_lists_the_sync_and_environment_options():
     out = subprocess.run([LAUNCH, "run", "--help"], capture_output=True, text=True).stdout
     for flag in ("--sync DIR", "--sync-max SIZE", "--requirements FILE", "--index-url URL", "--find-links"):
         assert flag in out, flag
+
+
+def test_a_prepared_job_checks_its_paths_on_the_node_and_its_record_keeps_them(tmp_path):
+    """The node program's `prepared` step: a node that lacks what the launch prepared (a disk
+    lost since) says which path, as its own error; the detached job's request carries the paths."""
+    from launcher.cluster.discovery import parse_hostfile
+    from launcher.core.program import ProgramBuilder
+    from launcher.core.types import LaunchConfig, SshConfig, Workload
+    from launcher.jobs.record import request_from_json, request_json
+
+    there = tmp_path / "env" / "bin" / "python"
+    there.parent.mkdir(parents=True)
+    there.write_text("")
+    gone = tmp_path / "work" / "job"
+    cluster = parse_hostfile("10.0.0.2\n")
+    config = LaunchConfig(
+        Workload("exec", ("true",)), job_id="20260101-000000-abcdef", prepared=(str(there), str(gone))
+    )
+    prepare = ProgramBuilder(cluster, config).program(cluster.nodes[0]).prepare
+    r = subprocess.run(["bash", "-c", "\n".join([*prepare, "echo ran"])], capture_output=True, text=True)
+    assert r.returncode == 71 and "ran" not in r.stdout
+    assert f"10.0.0.2 lacks {gone}, which the launch prepared" in r.stderr
+    back = request_from_json(
+        json.loads(json.dumps(request_json(cluster, config, SshConfig(key=Path("k"), known_hosts=Path("kh"))))),
+        [],
+        tmp_path,
+        tmp_path,
+    )[1]
+    assert back.prepared == config.prepared

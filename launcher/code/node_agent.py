@@ -88,14 +88,43 @@ def reachable(url):
         return str(reason) or type(e).__name__
 
 
-def pip_index_args(env):
-    out = []
+METADATA_TOKEN = "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+
+
+def metadata_token():
+    """The node's service account's access token from the metadata server, or None off GCE."""
+    req = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())["access_token"]
+    except Exception:  # noqa: BLE001 - no metadata server: no token
+        return None
+
+
+def credentialed(url, token):
+    """An Artifact Registry URL (*.pkg.dev) with the node's token as its password: the form
+    Google documents for pip (https://cloud.google.com/artifact-registry/docs/python/authentication,
+    user `oauth2accesstoken`). Any other URL, or one that names its own credentials, as it is."""
+    scheme, sep, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    if not sep or not token or "@" in host or not host.split(":")[0].endswith(".pkg.dev"):
+        return url
+    return f"{scheme}://oauth2accesstoken:{token}@{rest}"
+
+
+def index_env(env, prefix, torch_index=None):
+    """The package sources as environment variables (uv's UV_*, pip's PIP_*), never arguments:
+    a URL may carry a token, and a process's arguments are world-readable in /proc."""
+    urls = [env.get("index_url")] + env.get("extra_index_urls", []) + [torch_index]
+    token = metadata_token() if any(u and ".pkg.dev" in u for u in urls) else None
+    out = {}
     if env.get("index_url"):
-        out += ["--index-url", env["index_url"]]
-    for u in env.get("extra_index_urls", []):
-        out += ["--extra-index-url", u]
-    for u in env.get("find_links", []):
-        out += ["--find-links", u]
+        out[prefix + "INDEX_URL"] = credentialed(env["index_url"], token)
+    extra = ([torch_index] if torch_index else []) + env.get("extra_index_urls", [])
+    if extra:  # uv prefers the earlier: the CUDA index of torch goes first
+        out[prefix + "EXTRA_INDEX_URL"] = " ".join(credentialed(u, token) for u in extra)
+    if env.get("find_links"):
+        out[prefix + "FIND_LINKS"] = (" " if prefix == "PIP_" else ",").join(env["find_links"])
     return out
 
 
@@ -115,12 +144,16 @@ def find_uv(env):
         say("progress", "installing uv (pip, from " + (env.get("index_url") or "PyPI") + ")")
         shutil.rmtree(home, ignore_errors=True)
         run([sys.executable, "-m", "venv", home])
-        trusted = []
-        for u in [env.get("index_url")] + env.get("extra_index_urls", []):
-            if u and u.startswith("http://"):  # pip takes plain HTTP only from a host named trusted
-                trusted += ["--trusted-host", u.split("/")[2].split(":")[0]]
+        pip_env = dict(os.environ, **index_env(env, "PIP_"))
+        trusted = [
+            u.split("/")[2].split(":")[0]
+            for u in [env.get("index_url")] + env.get("extra_index_urls", [])
+            if u and u.startswith("http://")
+        ]
+        if trusted:  # pip takes plain HTTP only from a host named trusted
+            pip_env["PIP_TRUSTED_HOST"] = " ".join(trusted)
         pip = [os.path.join(home, "bin", "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        run(pip + pip_index_args(env) + trusted + ["uv"])
+        run(pip + ["uv"], env=pip_env)
         open(os.path.join(home, DONE), "w").close()
     return uv
 
@@ -201,8 +234,8 @@ def build_env(env):
                 + ["--directory", spec_dir, "-o", req],
                 env=uv_env,
             )
-        extra = ["--extra-index-url", env["torch_index"]] if env.get("torch_index") else []
-        argv = [uv, "pip", "install", "--python", python, "-r", req] + pip_index_args(env) + extra
+        uv_env.update(index_env(env, "UV_", env.get("torch_index")))
+        argv = [uv, "pip", "install", "--python", python, "-r", req]
         keep = ("Resolved", "Prepared", "Installed", "Downloading", "Audited")
         run(argv, env=uv_env, on_line=lambda line: line.lstrip().startswith(keep) and say("progress", line.strip()))
         with open(done, "w") as f:

@@ -191,7 +191,7 @@ def prepare(
     report = PrepareReport()
     if request.empty or cluster.local or config.dry_run:
         return config, report
-    transport = make_transport(cluster, config)
+    transport = make_transport(cluster, config.ssh, config.dry_run)
     key = ensure_key(cluster)
     authorize = authorize_statements(key.with_name("id_ed25519.pub").read_text(), cluster)
     body = json.dumps(_request(request, config.job_id)).encode()

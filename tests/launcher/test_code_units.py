@@ -243,3 +243,26 @@ def test_a_prepared_job_checks_its_paths_on_the_node_and_its_record_keeps_them(t
         tmp_path,
     )[1]
     assert back.prepared == config.prepared
+
+
+def test_an_artifact_registry_index_gets_the_nodes_token_and_no_url_goes_on_a_command_line():
+    ar = "https://us-central1-python.pkg.dev/proj/pypi/simple/"
+    assert (
+        node_agent.credentialed(ar, "T0K")
+        == "https://oauth2accesstoken:T0K@us-central1-python.pkg.dev/proj/pypi/simple/"
+    )
+    assert node_agent.credentialed("http://10.0.0.9:8080/simple/", "T0K") == "http://10.0.0.9:8080/simple/"
+    assert node_agent.credentialed("https://me:pw@x-python.pkg.dev/p/r/simple/", "T0K").startswith("https://me:pw@")
+    assert node_agent.credentialed(ar, None) == ar
+    spec = {
+        "index_url": "http://10.0.0.9/simple/",
+        "extra_index_urls": ["http://e/simple/"],
+        "find_links": ["/w", "/v"],
+    }
+    uv = node_agent.index_env(spec, "UV_", "https://download.pytorch.org/whl/cu128")
+    assert uv == {
+        "UV_INDEX_URL": "http://10.0.0.9/simple/",
+        "UV_EXTRA_INDEX_URL": "https://download.pytorch.org/whl/cu128 http://e/simple/",
+        "UV_FIND_LINKS": "/w,/v",
+    }
+    assert node_agent.index_env(spec, "PIP_")["PIP_FIND_LINKS"] == "/w /v"

@@ -140,8 +140,19 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
 
 
 def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) -> LaunchConfig:
-    """Run the preparation (launcher.code.prepare) with one progress line per node on stderr."""
-    if request.empty or cluster.local or config.dry_run:
+    """Run the preparation (launcher.code.prepare) with one progress line per node on stderr; a
+    dry run only says what it would bring."""
+    if request.empty or cluster.local:
+        return config
+    if config.dry_run:
+        what = [
+            f"{name} {snap.hash} ({len(snap.files)} files)"
+            for name, snap in (("gpufleet's code", request.code), ("--sync", request.sync))
+            if snap
+        ]
+        if request.env is not None:
+            what.append(f"environment {request.env.key} from {request.env.kind} ({request.env.index_url or 'PyPI'})")
+        err.print(f"[dim]before the run, each node gets: {escape('; '.join(what))}[/dim]")
         return config
 
     def progress(node: Node, text: str) -> None:

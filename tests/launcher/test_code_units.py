@@ -266,3 +266,19 @@ def test_an_artifact_registry_index_gets_the_nodes_token_and_no_url_goes_on_a_co
         "UV_FIND_LINKS": "/w,/v",
     }
     assert node_agent.index_env(spec, "PIP_")["PIP_FIND_LINKS"] == "/w /v"
+
+
+def test_a_dry_run_says_what_each_node_would_get_and_connects_to_nothing(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n192.0.2.11\n")  # TEST-NET-1: a connection would hang, not pass
+    d = _tree(tmp_path / "proj", {"train.py": "x", "requirements.txt": "six\n"})
+    r = subprocess.run(
+        [LAUNCH, "run", "--hostfile", str(hf), "--dry-run", "--sync", str(d), "--", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    snap = take_snapshot(d)
+    key = EnvSpec("requirements.txt", {"requirements.txt": "six\n"}).key
+    assert f"each node gets: --sync {snap.hash} (2 files); environment {key} from requirements.txt (PyPI)" in r.stderr

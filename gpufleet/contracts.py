@@ -173,6 +173,8 @@ class StackOutputs:
     machine_type: str | None = None
     controller: StackController | None = None
     """None when the stack has no controller VM (`controller` absent or null)."""
+    package_index: str | None = None
+    """`packageIndex`: where the nodes get packages (launcher.code); None when the stack has none."""
 
 
 def node_output(*, name: Any, index: int, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
@@ -320,7 +322,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
     nodes = [_stack_node(i, n) for i, n in enumerate(raw_nodes)]
     _check_indexes(nodes)
     controller = _stack_controller(doc.get("controller"), nodes)
-    top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType")}
+    top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType", "packageIndex")}
     return StackOutputs(
         nodes=tuple(sorted(nodes, key=lambda n: n.index)),
         cluster=top["cluster"],
@@ -328,6 +330,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         zone=top["zone"],
         machine_type=top["machineType"],
         controller=controller,
+        package_index=top["packageIndex"],
     )
 
 

@@ -132,15 +132,8 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         zone=parsed.zone,
         project=parsed.project,
         controller=controller,
-        package_index=_package_index(outputs),
+        package_index=parsed.package_index,
     )
-
-
-def _package_index(outputs: Any) -> str | None:
-    """The stack output `packageIndex` (the stack's PyPI repository in Artifact Registry), when
-    the stack exports one."""
-    value = outputs.get("packageIndex") if isinstance(outputs, dict) else None
-    return value if isinstance(value, str) and value else None
 
 
 def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:

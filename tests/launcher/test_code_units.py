@@ -282,3 +282,19 @@ def test_a_dry_run_says_what_each_node_would_get_and_connects_to_nothing(tmp_pat
     snap = take_snapshot(d)
     key = EnvSpec("requirements.txt", {"requirements.txt": "six\n"}).key
     assert f"each node gets: --sync {snap.hash} (2 files); environment {key} from requirements.txt (PyPI)" in r.stderr
+
+
+def test_the_stack_output_package_index_is_the_default_and_index_url_wins():
+    from launcher.cli.code_options import code_request
+    from launcher.cluster.discovery import cluster_from_outputs
+
+    ar = "https://us-central1-python.pkg.dev/proj/gpufleet-pypi/simple/"
+    outputs = {"nodes": [{"name": "n0", "index": 0, "internalIp": "10.0.0.2"}], "packageIndex": ar}
+    cluster = cluster_from_outputs(outputs)
+    assert cluster.package_index == ar
+    assert code_request({}, cluster, builtin=True).env.index_url == ar
+    assert code_request({"index_url": "http://10.0.0.9/simple/"}, cluster, builtin=True).env.index_url == (
+        "http://10.0.0.9/simple/"
+    )
+    del outputs["packageIndex"]
+    assert code_request({}, cluster_from_outputs(outputs), builtin=True).env.index_url is None  # PyPI

@@ -109,11 +109,20 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
         )
     if own_python and index_flags:
         raise UserError(f"{index_flags[0]} has no use with --python (nothing is built); drop one of them")
+    image = o.get("image") or cluster.image
+    if image and (o.get("requirements") or index_flags):
+        flag = "--requirements" if o.get("requirements") else index_flags[0]
+        raise UserError(
+            f"{flag} builds an environment on the nodes, but the ranks run in the image {image} with its own "
+            "python3; put the packages in the image, or drop --image"
+        )
     sync_root, sync = _sync_snapshot(o)
     if cluster.local:
         if sync is not None or o.get("requirements"):
             raise UserError("--sync and --requirements send to nodes over SSH; --local runs here: drop them")
         return CodeRequest()
+    if image:  # the image brings the environment (and gpufleet's code); --sync's directory is mounted
+        return CodeRequest(sync=sync, sync_root=sync_root)
     if builtin and not own_python:
         defined = ("requirements.txt", {"requirements.txt": workloads_requirements()})
     else:

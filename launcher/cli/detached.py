@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, recover_request, ssh_config
-from launcher.cli.render import err, setup_logging
+from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
@@ -74,6 +74,7 @@ def start_detached(
         check(cluster, config)
     request = code_request(o, cluster, builtin if own_code is None else own_code)
     config = prepare_nodes(cluster, config, request)
+    pull_everywhere(cluster, config)
     n = len(cluster.nodes)
     # The controller keeps the plan's order: the request carries the nodes in it, and a recovery
     # relaunches from the request.

@@ -298,3 +298,15 @@ def test_the_stack_output_package_index_is_the_default_and_index_url_wins():
     )
     del outputs["packageIndex"]
     assert code_request({}, cluster_from_outputs(outputs), builtin=True).env.index_url is None  # PyPI
+
+
+def test_with_an_image_nothing_is_built_and_the_sync_directory_still_goes(tmp_path):
+    from launcher.cli.code_options import code_request
+    from launcher.cluster.discovery import parse_hostfile
+
+    cluster = parse_hostfile("10.0.0.2\n")
+    d = _tree(tmp_path / "proj", {"train.py": "x", "requirements.txt": "six\n"})
+    request = code_request({"image": "localhost/py:1", "sync": d}, cluster, builtin=True)
+    assert request.env is None and request.code is None and request.sync.hash == take_snapshot(d).hash
+    with pytest.raises(UserError, match="--requirements builds an environment on the nodes, but the ranks run in"):
+        code_request({"image": "localhost/py:1", "requirements": d / "requirements.txt"}, cluster, builtin=False)

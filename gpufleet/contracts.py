@@ -173,6 +173,8 @@ class StackOutputs:
     machine_type: str | None = None
     controller: StackController | None = None
     """None when the stack has no controller VM (`controller` absent or null)."""
+    package_index: str | None = None
+    """`packageIndex`: where the nodes get packages (launcher.code); None when the stack has none."""
     image: str | None = None
     """The container image the nodes run by default (`image`, from gpufleet:containerImage); None: none."""
 
@@ -322,7 +324,8 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
     nodes = [_stack_node(i, n) for i, n in enumerate(raw_nodes)]
     _check_indexes(nodes)
     controller = _stack_controller(doc.get("controller"), nodes)
-    top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType", "image")}
+    keys = ("cluster", "project", "zone", "machineType", "image", "packageIndex")
+    top = {k: _optional_str(k, doc.get(k)) for k in keys}
     return StackOutputs(
         nodes=tuple(sorted(nodes, key=lambda n: n.index)),
         cluster=top["cluster"],
@@ -330,6 +333,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         zone=top["zone"],
         machine_type=top["machineType"],
         controller=controller,
+        package_index=top["packageIndex"],
         image=top["image"] or None,
     )
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from launcher.cli.code_options import INDEX_OPTIONS, REQUIREMENTS_OPTION, SYNC_OPTIONS
 from launcher.cli.launching import start
 from launcher.cli.options import (
     CONTROLLER_GRACE_OPTION,
@@ -30,6 +31,9 @@ __all__ = ["exec_"]
 @apply_options(
     [
         *SOURCE_OPTIONS,
+        *SYNC_OPTIONS,
+        REQUIREMENTS_OPTION,
+        *INDEX_OPTIONS,
         ENV_OPTION,
         ENV_FILE_OPTION,
         IMAGE_OPTION,

@@ -29,6 +29,7 @@ from rich.markup import escape
 from gpufleet.bandwidth import avg_busbw
 from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
+from launcher.cli.code_options import INDEX_OPTIONS, code_request, prepare_nodes
 from launcher.cli.nccl_from import FROM_OPTIONS, from_request, show_report_from
 from launcher.cli.options import (
     DETACH_OPTION,
@@ -200,7 +201,7 @@ def report_rows(
     workload_title="Sweep options (python -m workloads.sweep on every node)",
     workload_params=_FORWARDED,
 )
-@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS + [DETACH_OPTION])
+@apply_options(SOURCE_OPTIONS + TORCHRUN_OPTIONS + INDEX_OPTIONS + _SWEEP_OPTIONS + FROM_OPTIONS + [DETACH_OPTION])
 @user_errors
 def nccl_tests(**o: Any) -> None:
     """Measure collective bandwidth across the nodes (an nccl-tests style sweep), or report on
@@ -223,9 +224,12 @@ def nccl_tests(**o: Any) -> None:
     cluster = find_cluster(o)
     config = build_config({**o, "env": request.env}, workload, cluster)
     if request.find_bad_nodes:
+        config = prepare_nodes(cluster, config, code_request(o, cluster, builtin=True))
         raise SystemExit(_find_bad_nodes(cluster, config, request))
     if request.impl == "nccl-tests":
         raise SystemExit(_run_nccl_tests_binary(cluster, config, request))
+    # The sweep's ranks import gpufleet's own workloads.sweep: sent, with its environment.
+    config = prepare_nodes(cluster, config, code_request(o, cluster, builtin=True))
     result = execute(plan(cluster, config))
     if result is None:  # --dry-run
         return
@@ -247,7 +251,7 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
         )
     from launcher.cli.detached import start_detached  # loaded only when asked for, as cli's --detach does
 
-    start_detached({**o, "env": request.env}, workload)
+    start_detached({**o, "env": request.env}, workload, own_code=True)
 
 
 def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:

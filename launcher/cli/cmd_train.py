@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from launcher.cli.code_options import INDEX_OPTIONS, SYNC_OPTIONS
 from launcher.cli.launching import start
 from launcher.cli.options import (
     CONTROLLER_GRACE_OPTION,
@@ -41,6 +42,8 @@ _SOURCES = ("stack", "outputs", "hostfile", "labels", "local")
 @apply_options(
     [
         *SOURCE_OPTIONS,
+        *SYNC_OPTIONS,
+        *INDEX_OPTIONS,
         *TORCHRUN_OPTIONS,
         *HANG_OPTIONS_TRAIN,
         TERM_GRACE_OPTION,

@@ -19,6 +19,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, recover_request, ssh_config
 from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.core.transport import make_transport
@@ -46,10 +47,13 @@ def start_detached(
     workload: Workload,
     check: Callable[[Cluster, LaunchConfig], None] | None = None,
     builtin: bool = False,
+    own_code: bool | None = None,
 ) -> None:
     """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line).
     `check` refuses workload arguments that do not fit the ranks the job will start; `builtin`:
-    the built-in workload, recovered with --resume (launcher.jobs.recovery)."""
+    the built-in workload, recovered with --resume (launcher.jobs.recovery). `own_code`: the
+    ranks import gpufleet's own code (None: as `builtin`), sent with its environment. The job
+    keeps the snapshot and environment prepared here: every recovery runs them."""
     setup_logging()
     if o.get("dry_run"):  # before the cluster is looked for: nothing of it is needed to refuse
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
@@ -68,6 +72,8 @@ def start_detached(
         config = dataclasses.replace(config, max_restarts=0)
     if check is not None:
         check(cluster, config)
+    request = code_request(o, cluster, builtin if own_code is None else own_code)
+    config = prepare_nodes(cluster, config, request)
     pull_everywhere(cluster, config)
     n = len(cluster.nodes)
     # The controller keeps the plan's order: the request carries the nodes in it, and a recovery

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import build_config, find_cluster, recover_request
 from launcher.cli.render import execute, finish, setup_logging
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
@@ -20,7 +21,8 @@ WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
 
 def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None, builtin: bool = False) -> None:
     """Run attached (the live stream, then the summary), or with --detach hand off to node 0.
-    `builtin`: the built-in workload (launch train), recovered with --resume."""
+    `builtin`: the built-in workload (launch train), recovered with --resume, whose ranks import
+    gpufleet's own code (sent to the nodes, with its environment: launcher.cli.code_options)."""
     keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes", "no_restart_exit_codes")
     given = [k for k in keys if o.get(k) is not None]
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
@@ -38,15 +40,17 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
 
         start_detached(o, workload, check, builtin=builtin)
     else:
-        finish(_attached(o, workload, check))
+        finish(_attached(o, workload, check, builtin))
 
 
-def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None) -> LaunchResult | None:
+def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None, builtin: bool) -> LaunchResult | None:
     """The nodes and the config from the flags, the workload's arguments checked against them,
-    then the plan, run on the one attached path (render.execute)."""
+    the nodes prepared (code, --sync, the environment: launcher.code), then the plan, run on the
+    one attached path (render.execute)."""
     setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
     if check is not None:
         check(cluster, config)
+    config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     return execute(plan(cluster, config))

@@ -142,6 +142,7 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         zone=parsed.zone,
         project=parsed.project,
         controller=controller,
+        package_index=parsed.package_index,
         image=image or None,
     )
 

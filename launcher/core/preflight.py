@@ -129,7 +129,8 @@ def _refuse_torch(probes: dict[int, Probe], config: LaunchConfig) -> None:
     if no_torch:
         raise UserError(
             f"torch is not installed for {config.python!r} on {', '.join(no_torch)}; nothing "
-            "was started. Install it there or pass --python with the right interpreter"
+            "was started. Name it in --requirements FILE (or the --sync directory's requirements.txt) and the "
+            "nodes build it, or pass --python with an interpreter that has it"
         )
     if len(set(torch.values())) > 1:
         by = "; ".join(f"{probes[r].node.label}: {v}" for r, v in sorted(torch.items()))

@@ -257,6 +257,17 @@ def _attached_run(token: str, argv: Sequence[str], grace_s: float, watch_preempt
     ]
 
 
+def _prepared_step(ctx: NodeContext) -> list[str]:
+    """Each path launcher.code prepared for the job is on this node (the job's directory, its
+    code, its environment), else one line naming it: a node that lost its disk since the launch
+    cannot run the job's code, and says so instead of failing on a missing interpreter."""
+    return [
+        f"[ -e {shlex.quote(p)} ] || {{ echo \"{LAUNCHER_ERROR_PREFIX}{ctx.node.host} lacks {shlex.quote(p)}, which "
+        "the launch prepared for this job (did the node lose its disk?); launch the job again\" >&2; exit 71; }"
+        for p in ctx.config.prepared
+    ]
+
+
 class ProgramBuilder:
     """Every node's program for one launch of `config` on `cluster`, in the launch's rank order
     (see the module docstring for the sections and the extension points). Without `env`, making
@@ -281,6 +292,8 @@ class ProgramBuilder:
         self._prepare: list[tuple[str, PrepareStep]] = []
         self._wrappers: list[tuple[str, RunWrapper]] = []
         # Steps that come with the request are added here, from `config` (see the module docstring).
+        if config.prepared:
+            self.add_prepare("prepared", _prepared_step)
         if config.image:  # the ranks in a container (launcher.core.container)
             self.wrap_run("container", _container)
 

@@ -115,6 +115,7 @@ class Cluster:
     project: str | None = None
     local: bool = False  # nodes are process groups on this machine, not SSH hosts
     controller: ControllerHost | None = None  # None: node 0 runs detached jobs' controllers
+    package_index: str | None = None  # the stack output packageIndex: where nodes get packages
     image: str | None = None  # the stack's default container image (its `image` output), if any
 
     def __post_init__(self) -> None:
@@ -238,6 +239,10 @@ class LaunchConfig:
     # sessions (launcher.core.supervise) and stop themselves after this long with no controller.
     # None: an attached launch, whose nodes stop at once when their session ends.
     controller_grace_s: int | None = None
+    # What launcher.code prepared on every node for this job (its directory, gpufleet's code, its
+    # environment), as absolute paths: the node program's `prepared` step checks each is there
+    # before the run, so a recovery on a node that lost its disk names what is missing.
+    prepared: tuple[str, ...] = ()
     # --image: every node runs the ranks inside this container image (launcher.core.container);
     # None: on the node itself.
     image: str | None = None

@@ -239,6 +239,7 @@ def request_json(
             "controller_grace_s": config.controller_grace_s,
             "image": config.image,
             "env_keys": [k for k, _ in config.env],
+            "prepared": list(config.prepared),
         },
         "ssh": {
             "user": ssh.user,
@@ -261,6 +262,7 @@ def request_from_json(
         user=s["user"], key=home / s["key"], options=tuple(s["options"]), known_hosts=home / s["known_hosts"]
     )
     cfg = {k: v for k, v in d["config"].items() if k != "env_keys"}
+    cfg["prepared"] = tuple(cfg.get("prepared", ()))
     config = LaunchConfig(
         workload=Workload(d["workload"]["kind"], tuple(d["workload"]["argv"])),
         env=tuple((k, v) for k, v in env),

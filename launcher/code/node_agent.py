@@ -1,0 +1,413 @@
+"""The node side of a launch's preparation: one self-contained, standard-library-only program,
+sent as its source text (`python3 -S -c SOURCE COMMAND`), since a bare node has nothing of
+gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gpufleet:
+
+    objects/SHA256        every file's content, once per node (content-addressed)
+    snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
+    work/JOB/             a job's working directory: its --sync snapshot, copied (writes allowed)
+    envs/KEY/             a Python environment built with uv, KEY the hash of what defines it
+    uv/                   uv itself, where the node had none (pip-installed from the job's index)
+
+Commands (stdin carries the request; every line this program prints starts with PREFIX):
+- `prepare`: a JSON request. Reports the objects the node lacks; places every snapshot whose
+  objects are all there; builds the environment when it is missing (one build per KEY at a
+  time: a file lock), printing progress. Ends with `PREFIX result JSON`.
+- `receive`: a stream of frames (`FILE PATH MODE SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
+  SIZE`, each followed by SIZE bytes; `END`): writes each file under the home, stores each
+  object (its hash checked) and passes it on at once to every plan target that lacks it, all
+  targets at the same time (node 0 forwards over the cluster's own network while its own
+  stream still arrives).
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+PREFIX = "gpufleet-prepare:"
+G = os.path.join(os.path.expanduser("~"), ".gpufleet")
+OBJECTS = os.path.join(G, "objects")
+DONE = ".gpufleet-complete"  # written last into a built environment (a snapshot is renamed into place whole)
+
+
+def say(kind, text):
+    sys.stdout.write(f"{PREFIX} {kind} {text}\n")
+    sys.stdout.flush()
+
+
+def has_object(sha):
+    return os.path.exists(os.path.join(OBJECTS, sha))
+
+
+def place(snap):
+    """Materialize a snapshot at ~/.gpufleet/DEST from the store: written aside, then renamed
+    (a half-written snapshot is never seen). `copy`: every file its own copy (a job's working
+    directory, which the job may write); else hard links to the store (read-only code)."""
+    dest = os.path.join(G, snap["dest"])
+    if os.path.isdir(dest):  # renamed into place whole: there means complete
+        return
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path, sha, mode in snap["files"]:
+        target = os.path.join(tmp, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        src = os.path.join(OBJECTS, sha)
+        if snap.get("copy"):
+            shutil.copyfile(src, target)
+            os.chmod(target, mode)
+        else:
+            os.link(src, target)
+    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another launch placed it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def reachable(url):
+    """None when `url` (an index or find-links URL) answers, else why not."""
+    if not url.startswith(("http://", "https://")):
+        return None if os.path.exists(url.removeprefix("file://")) else "no such directory on the node"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=15) as r:
+            r.read(1)
+        return None
+    except urllib.error.HTTPError as e:
+        return None if e.code < 500 and e.code != 404 else f"HTTP {e.code}"
+    except Exception as e:  # noqa: BLE001 - any failure to connect is the answer
+        reason = getattr(e, "reason", e)
+        return str(reason) or type(e).__name__
+
+
+METADATA_TOKEN = "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+
+
+def metadata_token():
+    """The node's service account's access token from the metadata server, or None off GCE."""
+    req = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())["access_token"]
+    except Exception:  # noqa: BLE001 - no metadata server: no token
+        return None
+
+
+def credentialed(url, token):
+    """An Artifact Registry URL (*.pkg.dev) with the node's token as its password: the form
+    Google documents for pip (https://cloud.google.com/artifact-registry/docs/python/authentication,
+    user `oauth2accesstoken`). Any other URL, or one that names its own credentials, as it is."""
+    scheme, sep, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    if not sep or not token or "@" in host or not host.split(":")[0].endswith(".pkg.dev"):
+        return url
+    return f"{scheme}://oauth2accesstoken:{token}@{rest}"
+
+
+def index_env(env, prefix, torch_index=None):
+    """The package sources as environment variables (uv's UV_*, pip's PIP_*), never arguments:
+    a URL may carry a token, and a process's arguments are world-readable in /proc."""
+    urls = [env.get("index_url")] + env.get("extra_index_urls", []) + [torch_index]
+    token = metadata_token() if any(u and ".pkg.dev" in u for u in urls) else None
+    out = {}
+    if env.get("index_url"):
+        out[prefix + "INDEX_URL"] = credentialed(env["index_url"], token)
+    extra = ([torch_index] if torch_index else []) + env.get("extra_index_urls", [])
+    if extra:  # uv prefers the earlier: the CUDA index of torch goes first
+        out[prefix + "EXTRA_INDEX_URL"] = " ".join(credentialed(u, token) for u in extra)
+    if env.get("find_links"):
+        out[prefix + "FIND_LINKS"] = (" " if prefix == "PIP_" else ",").join(env["find_links"])
+    return out
+
+
+def find_uv(env):
+    """uv on PATH, else the one this program installed before, else pip-install it now from the
+    job's own package source (the node ran no startup script that brought one)."""
+    on_path = shutil.which("uv")
+    if on_path:
+        return on_path
+    home = os.path.join(G, "uv")
+    uv = os.path.join(home, "bin", "uv")
+    os.makedirs(G, exist_ok=True)
+    with open(os.path.join(G, "uv.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(home, DONE)):
+            return uv
+        say("progress", "installing uv (pip, from " + (env.get("index_url") or "PyPI") + ")")
+        shutil.rmtree(home, ignore_errors=True)
+        run([sys.executable, "-m", "venv", home])
+        pip_env = dict(os.environ, **index_env(env, "PIP_"))
+        trusted = [
+            u.split("/")[2].split(":")[0]
+            for u in [env.get("index_url")] + env.get("extra_index_urls", [])
+            if u and u.startswith("http://")
+        ]
+        if trusted:  # pip takes plain HTTP only from a host named trusted
+            pip_env["PIP_TRUSTED_HOST"] = " ".join(trusted)
+        pip = [os.path.join(home, "bin", "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        run(pip + ["uv"], env=pip_env)
+        open(os.path.join(home, DONE), "w").close()
+    return uv
+
+
+class BuildError(Exception):
+    pass
+
+
+def run(argv, cwd=None, env=None, on_line=None):
+    """Run argv; each stderr/stdout line to on_line; BuildError with the output's tail on failure."""
+    p = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
+    lines = []
+    for line in p.stdout:
+        line = line.rstrip()
+        lines.append(line)
+        if on_line and line.strip():
+            on_line(line)
+    if p.wait() != 0:
+        raise BuildError(reason(lines) or f"{os.path.basename(argv[0])} exit {p.returncode}")
+    return lines
+
+
+def reason(lines):
+    """The resolver's reason in one line: uv's `Because ...` paragraph (after `╰─▶` on a
+    terminal, `cause:` otherwise), pip's `ERROR:` line, else the last line."""
+    text = [line.strip() for line in lines if line.strip()]
+    for i, line in enumerate(text):
+        for mark in ("╰─▶", "cause:"):
+            if line.startswith(mark) or mark == "╰─▶" and mark in line:
+                rest = [t for t in text[i + 1 :] if not t.startswith(("hint:", "help:", "cause:"))]
+                return " ".join([line.split(mark, 1)[1].strip()] + rest)
+    errors = [t for t in text if t.startswith(("error:", "ERROR:", "×"))]
+    return (errors or text or [""])[-1].lstrip("×").strip()
+
+
+def torch_marker(env):
+    return json.dumps({"torch_index": env.get("torch_index"), "python": sys.version.split()[0]}, sort_keys=True)
+
+
+def build_env(env):
+    """The environment at ~/.gpufleet/envs/KEY, built with uv unless it is there already."""
+    d = os.path.join(G, "envs", env["key"])
+    python = os.path.join(d, "bin", "python")
+    done = os.path.join(d, DONE)
+    os.makedirs(os.path.dirname(d), exist_ok=True)
+    with open(d + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(done) and open(done).read() == torch_marker(env):
+            return python, False
+        urls = [u for u in [env.get("index_url")] + env.get("extra_index_urls", []) + env.get("find_links", []) if u]
+        for url in urls + ([env["torch_index"]] if env.get("torch_index") else []):
+            why = reachable(url)
+            if why:
+                raise BuildError(f"the package index {url} cannot be reached ({why})")
+        uv = find_uv(env)
+        say("progress", f"building environment {env['key'][:12]}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        uv_env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
+        for cache in env.get("uv_cache") or []:  # the local SSD, where the node has one mounted
+            mount = os.path.dirname(cache)
+            if os.path.ismount(mount) and os.access(mount, os.W_OK):
+                uv_env["UV_CACHE_DIR"] = cache
+                break
+        run([uv, "venv", "-q", "--python", sys.executable, d], env=uv_env)
+        spec_dir = os.path.join(d, ".gpufleet-spec")
+        os.makedirs(spec_dir)
+        for name, text in env["files"].items():  # requirements.txt, pyproject.toml, uv.lock
+            with open(os.path.join(spec_dir, name), "w") as f:
+                f.write(text)
+        req = os.path.join(spec_dir, env["kind"])
+        if env["kind"] == "uv.lock":
+            req = os.path.join(spec_dir, "requirements.txt")
+            run(
+                [uv, "export", "-q", "--frozen", "--no-hashes", "--no-emit-project", "--format", "requirements-txt"]
+                + ["--directory", spec_dir, "-o", req],
+                env=uv_env,
+            )
+        uv_env.update(index_env(env, "UV_", env.get("torch_index")))
+        argv = [uv, "pip", "install", "--python", python, "-r", req]
+        keep = ("Resolved", "Prepared", "Installed", "Downloading", "Audited")
+        run(argv, env=uv_env, on_line=lambda line: line.lstrip().startswith(keep) and say("progress", line.strip()))
+        with open(done, "w") as f:
+            f.write(torch_marker(env))
+        return python, True
+
+
+def gpu_driver():
+    """The NVIDIA driver version (nvidia-smi), or None on a node without one."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[0] if out else None
+
+
+def prepare(req):
+    os.makedirs(OBJECTS, exist_ok=True)
+    result = {"home": os.path.expanduser("~"), "missing": [], "python": None, "built": False, "error": None}
+    pending = []
+    for snap in req.get("snapshots", []):
+        # Every object is reported, placed snapshot or not: node 0 passes them on to the others.
+        lacking = sorted({sha for _, sha, _ in snap["files"] if not has_object(sha)})
+        result["missing"] += lacking
+        if not lacking and not os.path.isdir(os.path.join(G, snap["dest"])):
+            pending.append(snap)
+    result["missing"] = sorted(set(result["missing"]))
+    for snap in pending:
+        place(snap)
+    env = req.get("env")
+    if env:
+        driver = gpu_driver()
+        result["driver"] = driver
+        if driver and env.get("torch_indexes"):
+            env["torch_index"] = pick_torch_index(driver, env["torch_indexes"])
+        try:
+            result["python"], result["built"] = build_env(env)
+        except BuildError as e:
+            result["error"] = str(e)
+    say("result", json.dumps(result))
+
+
+def pick_torch_index(driver, table):
+    """The first index of [[minimum driver, url], ...] (newest first) the driver satisfies."""
+    have = tuple(int(x) for x in driver.split(".") if x.isdigit())
+    for minimum, url in table:
+        if have >= tuple(int(x) for x in minimum.split(".")):
+            return url
+    return None
+
+
+def read_exact(stream, n):
+    chunks, left = [], n
+    while left:
+        b = stream.read(min(left, 1 << 20))
+        if not b:
+            raise EOFError("the stream ended early")
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def store(stream, sha, size):
+    """Write one object from `stream` into the store, its content checked against its name."""
+    tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")
+    h, left = hashlib.sha256(), size
+    with open(tmp, "wb") as f:
+        while left:
+            b = stream.read(min(left, 1 << 20))
+            if not b:
+                raise EOFError("the stream ended early")
+            h.update(b)
+            f.write(b)
+            left -= len(b)
+    if h.hexdigest() != sha:
+        os.unlink(tmp)
+        raise ValueError(f"object {sha[:12]} arrived corrupted")
+    os.chmod(tmp, 0o444)
+    os.rename(tmp, os.path.join(OBJECTS, sha))
+
+
+class Forward:
+    """Node 0 passing content on to one node (argv: ssh there, running `receive`), while its own
+    stream still arrives: each object goes as soon as this node holds it."""
+
+    def __init__(self, target):
+        self.rank, self.wanted = target["rank"], set(target["objects"])
+        self.queue = queue.Queue()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(target["argv"],), daemon=True)
+        self.thread.start()
+        for sha in sorted(self.wanted):
+            if has_object(sha):
+                self.offer(sha)
+
+    def offer(self, sha):
+        if sha in self.wanted:
+            self.wanted.discard(sha)
+            self.queue.put(sha)
+
+    def close(self):
+        self.queue.put(None)
+        self.thread.join()
+        return self.error
+
+    def _run(self, argv):
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as e:
+            self.error = str(e)
+            return self._drain()
+        try:
+            for sha in iter(self.queue.get, None):
+                path = os.path.join(OBJECTS, sha)
+                p.stdin.write(f"OBJ {sha} {os.path.getsize(path)}\n".encode())
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, p.stdin, 1 << 20)
+            p.stdin.write(b"END\n")
+            out, err = p.communicate()
+        except (BrokenPipeError, ValueError):
+            self._drain()
+            out, err = p.communicate()
+        if p.returncode != 0 or b" received " not in out:
+            self.error = (err.decode(errors="replace").strip().splitlines() or [f"exit {p.returncode}"])[-1]
+
+    def _drain(self):
+        for _ in iter(self.queue.get, None):
+            pass
+
+
+def receive():
+    """Frames in the order the launcher writes them: FILE (the cluster key, known_hosts), FWD
+    (whom to pass what on to), OBJ ..., END."""
+    os.makedirs(OBJECTS, exist_ok=True)
+    stream = sys.stdin.buffer
+    forwards, count = [], 0
+    while True:
+        head = stream.readline().decode().split()
+        if not head or head[0] == "END":
+            break
+        if head[0] == "OBJ":
+            store(stream, head[1], int(head[2]))
+            count += 1
+            for fwd in forwards:
+                fwd.offer(head[1])
+        elif head[0] == "FILE":
+            path = os.path.join(os.path.expanduser("~"), head[1])
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            data = read_exact(stream, int(head[3]))
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.chmod(path + ".tmp", int(head[2], 8))
+            os.rename(path + ".tmp", path)
+        elif head[0] == "FWD":
+            forwards = [Forward(t) for t in json.loads(read_exact(stream, int(head[1])))]
+    failures = {}
+    for fwd in forwards:
+        why = fwd.close()
+        if why:
+            failures[fwd.rank] = why
+    say("received", json.dumps({"objects": count, "failed": failures, "at": time.time()}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "prepare":
+        prepare(json.loads(sys.stdin.read()))
+    elif sys.argv[1] == "receive":
+        receive()

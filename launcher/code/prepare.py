@@ -1,0 +1,311 @@
+"""The launcher side of a launch's preparation, run over the launch's own transport before the
+launch: gpufleet's code and the --sync snapshot onto every node, and the job's Python
+environment built there (launcher.code.node_agent is the node side). The result feeds the
+launch through its LaunchConfig: `python` the environment's interpreter, `workdir` the job's
+directory holding the snapshot, PYTHONPATH gpufleet's code, GPUFLEET_CODE the snapshot's hash.
+
+Rounds, each on every node at once:
+1. `prepare` on every node (the cluster key authorized first, so node 0 can reach the others):
+   each reports the objects it lacks, places what it has, builds the environment if missing
+   (progress lines while it builds). An unchanged re-run ends here: nothing sent but the request.
+2. When some node lacks content: one stream from this machine to node 0 with every object that
+   node 0 lacks among those any node lacks (each file's content at most once per cluster from
+   here), and node 0 passes each other node what it lacks, all at once over the cluster's
+   network (a star from node 0; the cluster key and known_hosts go along, as --detach sends them).
+3. `prepare` again on the nodes that lacked content: they place their snapshots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from gpufleet.contracts import LOCAL_SSD_MOUNT
+from launcher.cluster.key import (
+    NODE_KEY_DIR,
+    authorize_statements,
+    cluster_slug,
+    controller_ssh,
+    ensure_key,
+    known_hosts_text,
+    ssh_target,
+    verified_host_keys,
+)
+from launcher.code import node_agent
+from launcher.code.pyenv import EnvSpec
+from launcher.code.snapshot import Snapshot
+from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
+from launcher.core.transport import Transport, make_transport
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
+
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script"]
+
+log = logging.getLogger("launcher")
+
+Progress = Callable[[Node, str], None]
+PREFIX = node_agent.PREFIX
+
+
+@dataclass(frozen=True)
+class CodeRequest:
+    """What a launch brings to its nodes (built by the CLI from --sync, --requirements, ...)."""
+
+    code: Snapshot | None = None  # gpufleet/ and workloads/ (launch train, nccl-tests)
+    code_root: Path | None = None
+    sync: Snapshot | None = None  # the --sync snapshot
+    sync_root: Path | None = None
+    env: EnvSpec | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.code is None and self.sync is None and self.env is None
+
+
+@dataclass
+class PrepareReport:
+    """What the preparation did: bytes this machine sent (requests included), objects sent to
+    node 0, environments built (by rank)."""
+
+    bytes_sent: int = 0
+    objects_sent: int = 0
+    object_bytes: int = 0
+    passed_on: int = 0  # nodes node 0 passed content on to
+    built: list[int] = field(default_factory=list)
+
+
+def agent_script(command: str) -> str:
+    source = Path(node_agent.__file__).read_text()
+    # The node's own python3, no site-packages: the program needs the standard library only.
+    return f"exec python3 -S -c {_quote(source)} {command}"
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+def _request(request: CodeRequest, job_id: str) -> dict:
+    snaps = []
+    if request.code is not None:
+        snaps.append({"hash": request.code.hash, "dest": f"snap/{request.code.hash}", "files": request.code.manifest()})
+    if request.sync is not None:
+        snaps.append(
+            {"hash": request.sync.hash, "dest": f"work/{job_id}", "files": request.sync.manifest(), "copy": True}
+        )
+    env = None
+    if request.env is not None:
+        env = request.env.request([f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()])
+    return {"snapshots": snaps, "env": env}
+
+
+def _run_agent(
+    transport: Transport, node: Node, script: str, data: Iterable[bytes], progress: Progress, report: PrepareReport
+) -> tuple[dict | None, str]:
+    """Run one agent session, `data` on its stdin; its result line's JSON (None if there was
+    none) and stderr's tail."""
+    argv = transport.argv(node, script)
+    report.bytes_sent += sum(len(a) for a in argv)
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err: list[bytes] = []
+    t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
+    t.start()
+
+    def feed() -> None:
+        try:
+            for chunk in data:
+                report.bytes_sent += len(chunk)
+                p.stdin.write(chunk)
+            p.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    result = None
+    for raw in p.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        if not line.startswith(PREFIX):
+            continue
+        kind, _, text = line[len(PREFIX) :].strip().partition(" ")
+        if kind == "progress":
+            progress(node, text)
+        elif kind in ("result", "received"):
+            result = json.loads(text)
+    p.wait()
+    writer.join(timeout=5)
+    t.join(timeout=5)
+    tail = b"".join(err).decode(errors="replace").strip().splitlines()
+    return result, (tail[-1] if tail else f"exit {p.returncode}")
+
+
+def _each(nodes: list[Node], fn: Callable[[Node], object]) -> dict[int, object]:
+    out: dict[int, object] = {}
+
+    def one(node: Node) -> None:
+        out[node.rank] = fn(node)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _frames(objects: list[str], files: dict[str, Path], extra_files: dict[str, tuple[int, bytes]], plan: list):
+    """The `receive` stream (node_agent.receive), in chunks: files, the forwarding plan (first,
+    so node 0 passes each object on as it arrives), objects read from disk as they go, END."""
+    for rel, (mode, data) in extra_files.items():
+        yield f"FILE {rel} {mode:o} {len(data)}\n".encode() + data
+    if plan:
+        text = json.dumps(plan).encode()
+        yield f"FWD {len(text)}\n".encode() + text
+    for sha in objects:
+        path = files[sha]
+        yield f"OBJ {sha} {path.stat().st_size}\n".encode()
+        with open(path, "rb") as f:
+            yield from iter(lambda: f.read(1 << 20), b"")
+    yield b"END\n"
+
+
+def _fail(cluster: Cluster, errors: dict[int, str]) -> UserError:
+    rank = min(errors)
+    others = len(errors) - 1
+    more = f" (and {others} other node{'s' * (others != 1)})" if others else ""
+    return UserError(f"{cluster.nodes[rank].label}: {errors[rank]}{more}; nothing was started")
+
+
+def prepare(
+    cluster: Cluster,
+    config: LaunchConfig,
+    request: CodeRequest,
+    progress: Progress = lambda node, text: None,
+) -> tuple[LaunchConfig, PrepareReport]:
+    """Bring `request` to every node; the LaunchConfig that runs with it, and what it cost."""
+    report = PrepareReport()
+    if request.empty or cluster.local or config.dry_run:
+        return config, report
+    transport = make_transport(cluster, config.ssh, config.dry_run)
+    key = ensure_key(cluster)
+    authorize = authorize_statements(key.with_name("id_ed25519.pub").read_text(), cluster)
+    body = json.dumps(_request(request, config.job_id)).encode()
+    script = "; ".join([*authorize, agent_script("prepare")])
+
+    def round_(nodes: list[Node]) -> dict[int, dict]:
+        answers = _each(nodes, lambda n: _run_agent(transport, n, script, [body], progress, report))
+        unreachable = {r: why for r, (res, why) in answers.items() if res is None}
+        if unreachable:
+            raise _fail(cluster, {r: f"cannot prepare the node ({why})" for r, why in unreachable.items()})
+        return {r: res for r, (res, _) in answers.items()}
+
+    results = round_(list(cluster.nodes))
+    missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    if missing:
+        _send(cluster, config, transport, request, missing, report)
+        results.update(round_([cluster.nodes[r] for r in sorted(missing)]))
+        still = {r: f"{len(res['missing'])} files did not arrive" for r, res in results.items() if res["missing"]}
+        if still:
+            raise _fail(cluster, still)
+    errors = {r: _build_error(request, res["error"]) for r, res in results.items() if res.get("error")}
+    if errors:
+        raise _fail(cluster, errors)
+    report.built = sorted(r for r, res in results.items() if res.get("built"))
+    homes = {res["home"] for res in results.values()}
+    if len(homes) > 1:
+        raise UserError(
+            f"the nodes' home directories differ ({', '.join(sorted(homes))}), where gpufleet keeps a job's code "
+            "and environment; use one user with one home on every node (--ssh-user)"
+        )
+    return _configured(config, request, homes.pop()), report
+
+
+def _build_error(request: CodeRequest, error: str) -> str:
+    if "cannot be reached" in error:
+        return f"{error}; check --index-url or the stack output packageIndex"
+    env = request.env
+    what = env.kind if env else "the requirements"
+    return f"cannot build the environment from {what}: {error}"
+
+
+def _configured(config: LaunchConfig, request: CodeRequest, home: str) -> LaunchConfig:
+    """The launch's config with what was prepared: every node holds it at the same place (their
+    homes are the same, checked above). PATH and PYTHONPATH go before what --env gave (and PATH
+    before the node's own: launcher.core.command prepends it)."""
+    env = dict(config.env)
+    add: dict[str, str] = {}
+    changes: dict = {}
+    prepared: list[str] = []
+    if request.code is not None:
+        add["PYTHONPATH"] = f"{home}/.gpufleet/snap/{request.code.hash}"
+        prepared.append(add["PYTHONPATH"])
+    snap = request.sync or request.code
+    if snap is not None:
+        add["GPUFLEET_CODE"] = snap.hash
+    if request.sync is not None:
+        changes["workdir"] = f"{home}/.gpufleet/work/{config.job_id}"
+        prepared.append(changes["workdir"])
+    if request.env is not None:
+        venv = f"{home}/.gpufleet/envs/{request.env.key}"
+        changes["python"] = f"{venv}/bin/python"
+        prepared.append(changes["python"])
+        add["VIRTUAL_ENV"] = venv
+        add["PATH"] = f"{venv}/bin"  # `launch exec` finds the environment's programs first
+    for key in ("PATH", "PYTHONPATH"):
+        if key in add and env.get(key):
+            add[key] += f":{env[key]}"
+    changes["env"] = tuple((k, v) for k, v in config.env if k not in add) + tuple(add.items())
+    changes["prepared"] = (*config.prepared, *prepared)
+    return replace(config, **changes)
+
+
+def _send(
+    cluster: Cluster,
+    config: LaunchConfig,
+    transport: Transport,
+    request: CodeRequest,
+    missing: dict[int, list[str]],
+    report: PrepareReport,
+) -> None:
+    """Every object some node lacks, at most once from here (to node 0), and from node 0 on."""
+    files: dict[str, Path] = {}
+    for snap, root in ((request.code, request.code_root), (request.sync, request.sync_root)):
+        if snap is not None and root is not None:
+            files.update({f.sha256: root / f.path for f in snap.files})
+    head = cluster.nodes[0]
+    extra: dict[str, tuple[int, bytes]] = {}
+    plan = []
+    others = {r: m for r, m in missing.items() if r != head.rank}
+    if others:
+        key = ensure_key(cluster)
+        target = ssh_target(transport, head)
+        slug = cluster_slug(cluster)
+        known_rel = f"{NODE_KEY_DIR}/{slug}/known_hosts"
+        known = known_hosts_text(cluster, verified_host_keys(target, cluster), target.port)
+        extra = {f"{NODE_KEY_DIR}/{slug}/id_ed25519": (0o600, key.read_bytes()), known_rel: (0o644, known.encode())}
+        # The controller's options (host keys checked strictly, no connection sharing): they come
+        # first, and OpenSSH keeps the first value of an option.
+        base = ssh_base_argv(controller_ssh(target.user, target.port, slug, known_rel), "/nonexistent", known_rel)
+        receive = remote_command(agent_script("receive"))
+        plan = [
+            {"rank": r, "argv": ssh_argv(base, cluster.nodes[r], receive), "objects": m}
+            for r, m in sorted(others.items())
+        ]
+    # Node 0's report covers every object of the request: what it lacks is all it needs from here
+    # to place its own snapshots and to pass the others theirs.
+    objects = sorted(missing.get(head.rank, []))
+    data = _frames(objects, files, extra, plan)
+    report.objects_sent += len(objects)
+    report.object_bytes += sum(files[s].stat().st_size for s in objects)
+    report.passed_on = len(plan)
+    result, why = _run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
+    if result is None:
+        raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
+    if result.get("failed"):
+        errors = {int(r): f"could not receive the job's files from node 0 ({w})" for r, w in result["failed"].items()}
+        raise _fail(cluster, errors)

@@ -1,0 +1,187 @@
+"""Every launch path on bare nodes (tests/simcluster.py, `bare=True`): nodes that have only the
+system python3 and the cluster's package index, as `pulumi up` leaves them. Nothing is installed
+on them by hand: gpufleet sends its own code and your --sync directory, and builds each job's
+environment with uv (launcher.code). One cluster of 3 nodes for the module, so an environment
+built by one test is there for the next (as on a real fleet)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.code.snapshot import code_snapshot, take_snapshot
+from tests.launcher.test_jobs_cluster import detach, launch, wait_state
+from tests.launcher.test_recover_own_cluster import snapshot_epochs
+from tests.support import REPO, TRAIN, source_args, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_cluster"), pytest.mark.timeout(900)]
+
+N = 3
+ONE = ["--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
+FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+SENT = re.compile(r"sent (\d+) files \(([^)]*)\) to node 0 \([^)]*\); it passed content on to (\d+) other nodes?")
+
+
+@pytest.fixture(scope="module")
+def c(bare_cluster):
+    return bare_cluster(N)
+
+
+def src(c, tmp_path: Path) -> list[str]:
+    return [*source_args(c, tmp_path), "--index-url", c.package_index]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A user's directory: a plain DDP script (examples/ddp_snapshot.py) started through a
+    wrapper that says which code it runs, its own requirements.txt, things to leave behind."""
+    d = tmp_path / "project"
+    d.mkdir()
+    shutil.copy(REPO / "examples" / "ddp_snapshot.py", d / "ddp_snapshot.py")
+    (d / "main.py").write_text(
+        textwrap.dedent(
+            """\
+            import os, runpy, sys
+            import six
+            print(f"code {os.environ['GPUFLEET_CODE']} six {six.__version__} cwd {os.getcwd()}", flush=True)
+            sys.argv = ["ddp_snapshot.py", *sys.argv[1:]]
+            runpy.run_path("ddp_snapshot.py", run_name="__main__")
+            """
+        )
+    )
+    # torch.distributed.broadcast_object_list needs numpy, which torch does not require.
+    (d / "requirements.txt").write_text("torch\nnumpy\nsix==1.16.0\n")
+    (d / ".gitignore").write_text("data/\n*.pt\n")
+    (d / ".gpufleetignore").write_text("notes.md\n")
+    (d / "data").mkdir()
+    (d / "data" / "big.bin").write_bytes(b"x" * 1000)
+    (d / "notes.md").write_text("mine\n")
+    (d / ".git").mkdir()
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    return d
+
+
+def test_train_on_bare_nodes_brings_gpufleet_and_its_environment_once(c, tmp_path):
+    r = launch(tmp_path, "train", *src(c, tmp_path), *ONE, *TRAIN, "--steps", "2", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "done: 2 steps" in r.stdout
+    sent = SENT.search(r.stderr)
+    assert sent and int(sent.group(3)) == N - 1, r.stderr
+    assert r.stderr.count("building environment") == N
+    # The same content is on every node, by its hash; a second launch sends and builds nothing.
+    snap = code_snapshot()
+    train = (REPO / "workloads" / "train.py").read_bytes()
+    assert all(
+        c.node_path(i, f"/root/.gpufleet/snap/{snap.hash}/workloads/train.py").read_bytes() == train for i in range(N)
+    )
+    again = launch(tmp_path, "train", *src(c, tmp_path), *ONE, *TRAIN, "--steps", "2", timeout=600)
+    assert again.returncode == 0 and "done: 2 steps" in again.stdout, again.stderr[-3000:]
+    assert "sent " not in again.stderr and "building environment" not in again.stderr, again.stderr
+
+
+def test_nccl_tests_on_bare_nodes_use_the_same_environment(c, tmp_path):
+    r = launch(tmp_path, "nccl-tests", *src(c, tmp_path), *ONE, "-b", "1K", "-e", "4K", "--ops", "all_reduce")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Avg bus bandwidth" in r.stdout
+    assert "building environment" not in r.stderr  # launch train's: the same requirements, the same key
+
+
+def test_run_sync_runs_a_plain_ddp_script_with_its_own_requirements_in_a_directory_of_its_own(c, tmp_path, project):
+    snap = take_snapshot(project)
+    assert sorted(f.path for f in snap.files) == [
+        ".gitignore",
+        ".gpufleetignore",
+        "ddp_snapshot.py",
+        "main.py",
+        "requirements.txt",
+    ]
+    r = launch(
+        tmp_path, "run", *src(c, tmp_path), *ONE, "--sync", str(project), "--", "main.py", "--epochs", "2", timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = re.findall(r"\[node (\d)\] code (\w+) six ([\d.]+) cwd (\S+)", r.stdout)
+    assert sorted(int(n) for n, *_ in lines) == list(range(N)), r.stdout
+    assert {(code, six) for _, code, six, _ in lines} == {(snap.hash, "1.16.0")}
+    (cwd,) = {cwd for *_, cwd in lines}
+    job = Path(cwd).name
+    assert cwd == f"/root/.gpufleet/work/{job}"
+    # The script saved its snapshot next to itself (rank 0), in this job's directory only.
+    assert c.node_path(0, f"{cwd}/snapshot.pt").exists() and not (project / "snapshot.pt").exists()
+    assert not c.node_path(0, f"{cwd}/data").exists() and not c.node_path(0, f"{cwd}/.git").exists()
+    assert not c.node_path(1, f"{cwd}/notes.md").exists()
+    # One file edited: that file is all that is sent, and the next job starts from a clean copy.
+    (project / "main.py").write_text((project / "main.py").read_text().replace("cwd", "dir"))
+    r = launch(tmp_path, "exec", *src(c, tmp_path), "--sync", str(project), "--", "python", "-c", _LIST, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sent = SENT.search(r.stderr)
+    assert sent and sent.group(1) == "1", r.stderr
+    assert r.stdout.count("['.gitignore', '.gpufleetignore', 'ddp_snapshot.py', 'main.py', 'requirements.txt']") == N
+    assert "building environment" not in r.stderr  # the same requirements: the environment run built
+
+
+# Run by `launch exec` with the environment's python (its bin is first on PATH).
+_LIST = "import os, six; print(sorted(os.listdir('.')) if six.__version__ == '1.16.0' else 'wrong six')"
+
+
+def test_a_detached_recovered_job_on_bare_nodes_runs_the_code_it_started_with(c, tmp_path, project):
+    job_id = detach(
+        c,
+        tmp_path,
+        "run",
+        *src(c, tmp_path)[len(source_args(c, tmp_path)) :],
+        *ONE,
+        "--sync",
+        str(project),
+        "--recover",
+        "--recover-timeout",
+        "2m",
+        "--",
+        "main.py",
+        "--epochs",
+        "40",
+        "--save-every",
+        "2",
+        "--epoch-seconds",
+        "0.3",
+    )
+    saved = c.node_path(0, f"/root/.gpufleet/work/{job_id}/snapshot.pt")
+    read = lambda: saved.read_bytes() if saved.exists() else None  # noqa: E731
+    wait_for(lambda: snapshot_epochs(read) >= 4, 180, "epoch 4 saved on node 0")
+    started = take_snapshot(project).hash
+    (project / "main.py").write_text("raise SystemExit('the edited code ran')\n")  # the laptop moves on
+    c.power_off(2)
+    t_gone = time.monotonic()
+    wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
+    time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
+    c.restart_sshd(2)
+    done = wait_state(c, tmp_path, job_id, FINAL, timeout=240)
+    assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
+    codes = re.findall(r"\] code (\w+) six", out)
+    assert len(codes) == 2 * N and set(codes) == {started}, out[-3000:]
+    assert "the edited code ran" not in out and re.search(r"resuming from the snapshot at epoch (\d+)", out), out
+
+
+def test_an_index_that_cannot_be_reached_is_one_line_naming_the_node_and_the_url(c, tmp_path, project):
+    url = f"http://{c.unused_address()}:8080/simple/"
+    r = launch(tmp_path, "run", *source_args(c, tmp_path), "--index-url", url, "--sync", str(project), "--", "x.py")
+    assert r.returncode == 2, r.stderr
+    (error,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: node 0 ({c.addresses[0]}): the package index {url} cannot be reached")
+    assert error.endswith("check --index-url or the stack output packageIndex (and 2 other nodes); nothing was started")
+    c.assert_nothing_left()
+
+
+def test_requirements_that_cannot_be_resolved_are_one_line_with_the_resolvers_reason(c, tmp_path, project):
+    (project / "requirements.txt").write_text("torch\nno-such-package-gpufleet==9.9\n")
+    r = launch(tmp_path, "exec", *src(c, tmp_path), "--sync", str(project), "--", "true", timeout=300)
+    assert r.returncode == 2, r.stderr
+    (error,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert "cannot build the environment from requirements.txt: Because no-such-package-gpufleet" in error, error
+    assert error.startswith("error: node 0 (") and error.endswith("nothing was started")
+    c.assert_nothing_left()

@@ -1,0 +1,312 @@
+"""What a launch brings to bare nodes, without a network: the snapshot's ignore rules and hash,
+the environment's definition and key, the CUDA index a driver gets, the resolver's reason in one
+line, and every refusal of bad input (one line, exit 2, nothing started)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from launcher.cli.main import main
+from launcher.code import node_agent
+from launcher.code.pyenv import TORCH_INDEXES, EnvSpec, requirement_source, workloads_requirements
+from launcher.code.snapshot import code_snapshot, parse_rules, parse_size, take_snapshot
+from launcher.core.types import UserError
+from tests.support import LAUNCH
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_snapshot_honours_gitignore_and_gpufleetignore_at_every_level_and_never_takes_git(tmp_path):
+    _tree(
+        tmp_path,
+        {
+            ".gitignore": "*.log\n/build/\ndata/\n!keep.log\n",
+            ".gpufleetignore": "*.ckpt\n",
+            "train.py": "print(1)\n",
+            "keep.log": "kept\n",
+            "run.log": "dropped\n",
+            "build/out.o": "x",
+            "src/build/kept.py": "anchored /build/ is the top one only\n",
+            "data/big.bin": "x" * 100,
+            "sub/.gitignore": "secret.txt\n",
+            "sub/secret.txt": "no\n",
+            "sub/model.ckpt": "no\n",
+            "sub/ok.txt": "yes\n",
+            ".git/HEAD": "ref: refs/heads/main\n",
+            "src/.git": "gitdir: ../.git/modules/src\n",
+        },
+    )
+    paths = [f.path for f in take_snapshot(tmp_path).files]
+    assert paths == [
+        ".gitignore",
+        ".gpufleetignore",
+        "keep.log",
+        "src/build/kept.py",
+        "sub/.gitignore",
+        "sub/ok.txt",
+        "train.py",
+    ]
+
+
+def test_the_snapshot_hash_changes_with_a_file_and_its_mode_and_not_with_time(tmp_path):
+    _tree(tmp_path, {"a.py": "1\n", "b.py": "2\n"})
+    first = take_snapshot(tmp_path, cache=tmp_path.parent / "hashes.json")
+    (tmp_path / "a.py").touch()
+    assert take_snapshot(tmp_path, cache=tmp_path.parent / "hashes.json").hash == first.hash
+    (tmp_path / "a.py").chmod(0o755)
+    moded = take_snapshot(tmp_path)
+    assert moded.hash != first.hash
+    (tmp_path / "b.py").write_text("3\n")
+    changed = take_snapshot(tmp_path, cache=tmp_path.parent / "hashes.json")  # the cache sees the edit
+    assert changed.hash not in (first.hash, moded.hash)
+    assert [f.sha256 for f in changed.files][0] == [f.sha256 for f in moded.files][0]
+
+
+def test_gitignore_patterns_follow_git():
+    rules = parse_rules("**/tmp/\nfoo/**/bar\n\\#lit\n*.py[co]\n", "")
+    from launcher.code.snapshot import _ignored
+
+    assert _ignored(rules, "a/b/tmp", True) and not _ignored(rules, "a/b/tmp", False)
+    assert _ignored(rules, "foo/x/y/bar", False) and _ignored(rules, "foo/bar", False)
+    assert _ignored(rules, "#lit", False) and _ignored(rules, "m/x.pyc", False) and not _ignored(rules, "x.py", False)
+
+
+def test_gpufleets_own_code_snapshot_holds_gpufleet_and_workloads_only():
+    paths = [f.path for f in code_snapshot().files]
+    assert "workloads/train.py" in paths and "gpufleet/contracts.py" in paths
+    assert not [p for p in paths if not p.startswith(("gpufleet/", "workloads/")) or p.endswith(".pyc")]
+
+
+def test_sizes_parse_and_a_bad_one_names_the_flag():
+    assert parse_size("100MB") == 100_000_000 and parse_size("2g") == 2_000_000_000 and parse_size("500") == 500
+    with pytest.raises(UserError, match="--sync-max '12 parsecs' is not a size"):
+        parse_size("12 parsecs")
+
+
+def test_the_requirements_source_is_uv_lock_then_pyproject_then_requirements_txt(tmp_path):
+    _tree(tmp_path, {"requirements.txt": "six\n"})
+    assert requirement_source(tmp_path, None) == ("requirements.txt", {"requirements.txt": "six\n"})
+    _tree(tmp_path, {"pyproject.toml": "[project]\nname='x'\nversion='0'\ndependencies=['six']\n"})
+    assert requirement_source(tmp_path, None)[0] == "pyproject.toml"
+    _tree(tmp_path, {"uv.lock": "version = 1\n"})
+    kind, files = requirement_source(tmp_path, None)
+    assert kind == "uv.lock" and set(files) == {"uv.lock", "pyproject.toml"}
+    given = _tree(tmp_path / "other", {"r.txt": "tomli\n"}) / "r.txt"
+    assert requirement_source(tmp_path, given) == ("requirements.txt", {"requirements.txt": "tomli\n"})
+    assert requirement_source(None, None) is None
+
+
+def test_the_environment_key_is_what_defines_it():
+    base = EnvSpec("requirements.txt", {"requirements.txt": "six==1.16.0\n"})
+    assert base.key == EnvSpec("requirements.txt", {"requirements.txt": "six==1.16.0\n"}).key
+    assert base.key != EnvSpec("requirements.txt", {"requirements.txt": "six==1.17.0\n"}).key
+    assert base.key != EnvSpec("requirements.txt", base.files, index_url="http://10.0.0.9/simple/").key
+    assert base.key != EnvSpec("requirements.txt", base.files, find_links=("/wheels",)).key
+
+
+def test_train_builds_gpufleets_workloads_extra():
+    reqs = workloads_requirements().split()
+    assert any(r.startswith("torch") for r in reqs) and any(r.startswith("numpy") for r in reqs)
+    assert not any(r.startswith(("pytest", "pulumi")) for r in reqs)
+
+
+@pytest.mark.parametrize(
+    "driver, index",
+    [
+        ("580.82.07", "cu130"),
+        ("575.57.08", "cu128"),
+        ("570.124.06", "cu128"),
+        ("565.57.01", "cu126"),
+        ("550.90.07", "cu124"),
+        ("535.183.01", None),
+    ],
+)
+def test_a_gpu_node_gets_the_torch_build_its_driver_runs(driver, index):
+    url = node_agent.pick_torch_index(driver, [list(t) for t in TORCH_INDEXES])
+    assert (url.rsplit("/", 1)[1] if url else None) == index
+
+
+def test_the_resolvers_reason_is_one_line():
+    uv = [
+        "Using Python 3.11.2 environment at: /root/.gpufleet/envs/x",
+        "  × No solution found when resolving dependencies:",
+        "  ╰─▶ Because there is no version of nosuchpkg==9 and you require nosuchpkg==9, we can",
+        "      conclude that your requirements are unsatisfiable.",
+    ]
+    assert node_agent.reason(uv) == (
+        "Because there is no version of nosuchpkg==9 and you require nosuchpkg==9, we can "
+        "conclude that your requirements are unsatisfiable."
+    )
+    plain = [  # uv without a terminal
+        "Using Python 3.11.2 environment at: /root/.gpufleet/envs/x",
+        "error: No solution found when resolving dependencies",
+        "  cause: Because nosuchpkg was not found in the package registry and you require nosuchpkg, we can "
+        "conclude that your requirements are unsatisfiable.",
+    ]
+    assert node_agent.reason(plain).startswith("Because nosuchpkg was not found in the package registry")
+    assert node_agent.reason(["Collecting x", "ERROR: No matching distribution found for x"]) == (
+        "ERROR: No matching distribution found for x"
+    )
+
+
+def test_the_node_agent_runs_on_the_standard_library_alone(tmp_path):
+    """`python3 -S -I` (no site-packages, no user paths), its source on the command line, as a
+    bare node runs it: an empty request answers with the home and nothing missing."""
+    r = subprocess.run(
+        [sys.executable, "-S", "-I", "-c", Path(node_agent.__file__).read_text(), "prepare"],
+        input=json.dumps({"snapshots": [{"hash": "h", "dest": "snap/h", "files": [["a", "0" * 64, 420]]}]}),
+        capture_output=True,
+        text=True,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    (line,) = r.stdout.splitlines()
+    result = json.loads(line.split(" ", 2)[2])
+    assert result["home"] == str(tmp_path) and result["missing"] == ["0" * 64], r.stderr
+    assert not (tmp_path / ".gpufleet" / "snap" / "h").exists()  # nothing placed without its files
+
+
+def _refused(args: list[str], tmp_path: Path) -> str:
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n192.0.2.11\n")  # TEST-NET-1: nothing answers there, nothing may be tried
+    r = CliRunner().invoke(main, [args[0], "--hostfile", str(hf), "--runs-dir", str(tmp_path / "runs"), *args[1:]])
+    assert r.exit_code == 2, r.output
+    lines = [l for l in r.output.splitlines() if l.strip()]
+    assert len(lines) == 1, r.output
+    assert not (tmp_path / "runs").exists()
+    return lines[0]
+
+
+def test_a_sync_path_that_is_missing_or_a_file_is_one_line(tmp_path):
+    line = _refused(["run", "--sync", str(tmp_path / "nope"), "--", "train.py"], tmp_path)
+    assert "--sync" in line and "no such directory" in line
+    f = _tree(tmp_path, {"train.py": "x"}) / "train.py"
+    line = _refused(["exec", "--sync", str(f), "--", "true"], tmp_path)
+    assert "is a file" in line and "give the directory" in line
+
+
+def test_a_snapshot_over_sync_max_lists_its_largest_files_and_the_flag(tmp_path):
+    d = _tree(tmp_path / "d", {"big.bin": "x" * 3000, "mid.bin": "x" * 2000, "small.py": "x"})
+    line = _refused(["train", "--sync", str(d), "--sync-max", "4KB"], tmp_path)
+    assert "is 5.0 kB, over 4.0 kB; largest: big.bin (3.0 kB), mid.bin (2.0 kB), small.py (1 B)" in line
+    assert line.endswith("or allow it with --sync-max SIZE")
+
+
+def test_python_with_a_requirements_source_is_refused(tmp_path):
+    req = _tree(tmp_path, {"requirements.txt": "six\n"}) / "requirements.txt"
+    line = _refused(["run", "--python", "/usr/bin/python3", "--requirements", str(req), "--", "x.py"], tmp_path)
+    assert "--python /usr/bin/python3" in line and "drop one" in line
+    line = _refused(["train", "--python", "/usr/bin/python3", "--index-url", "http://x/simple"], tmp_path)
+    assert line.startswith("error: --index-url has no use with --python")
+
+
+def test_the_console_script_lists_the_sync_and_environment_options():
+    out = subprocess.run([LAUNCH, "run", "--help"], capture_output=True, text=True).stdout
+    for flag in ("--sync DIR", "--sync-max SIZE", "--requirements FILE", "--index-url URL", "--find-links"):
+        assert flag in out, flag
+
+
+def test_a_prepared_job_checks_its_paths_on_the_node_and_its_record_keeps_them(tmp_path):
+    """The node program's `prepared` step: a node that lacks what the launch prepared (a disk
+    lost since) says which path, as its own error; the detached job's request carries the paths."""
+    from launcher.cluster.discovery import parse_hostfile
+    from launcher.core.program import ProgramBuilder
+    from launcher.core.types import LaunchConfig, SshConfig, Workload
+    from launcher.jobs.record import request_from_json, request_json
+
+    there = tmp_path / "env" / "bin" / "python"
+    there.parent.mkdir(parents=True)
+    there.write_text("")
+    gone = tmp_path / "work" / "job"
+    cluster = parse_hostfile("10.0.0.2\n")
+    config = LaunchConfig(
+        Workload("exec", ("true",)), job_id="20260101-000000-abcdef", prepared=(str(there), str(gone))
+    )
+    prepare = ProgramBuilder(cluster, config).program(cluster.nodes[0]).prepare
+    r = subprocess.run(["bash", "-c", "\n".join([*prepare, "echo ran"])], capture_output=True, text=True)
+    assert r.returncode == 71 and "ran" not in r.stdout
+    assert f"10.0.0.2 lacks {gone}, which the launch prepared" in r.stderr
+    back = request_from_json(
+        json.loads(json.dumps(request_json(cluster, config, SshConfig(key=Path("k"), known_hosts=Path("kh"))))),
+        [],
+        tmp_path,
+        tmp_path,
+    )[1]
+    assert back.prepared == config.prepared
+
+
+def test_an_artifact_registry_index_gets_the_nodes_token_and_no_url_goes_on_a_command_line():
+    ar = "https://us-central1-python.pkg.dev/proj/pypi/simple/"
+    assert (
+        node_agent.credentialed(ar, "T0K")
+        == "https://oauth2accesstoken:T0K@us-central1-python.pkg.dev/proj/pypi/simple/"
+    )
+    assert node_agent.credentialed("http://10.0.0.9:8080/simple/", "T0K") == "http://10.0.0.9:8080/simple/"
+    assert node_agent.credentialed("https://me:pw@x-python.pkg.dev/p/r/simple/", "T0K").startswith("https://me:pw@")
+    assert node_agent.credentialed(ar, None) == ar
+    spec = {
+        "index_url": "http://10.0.0.9/simple/",
+        "extra_index_urls": ["http://e/simple/"],
+        "find_links": ["/w", "/v"],
+    }
+    uv = node_agent.index_env(spec, "UV_", "https://download.pytorch.org/whl/cu128")
+    assert uv == {
+        "UV_INDEX_URL": "http://10.0.0.9/simple/",
+        "UV_EXTRA_INDEX_URL": "https://download.pytorch.org/whl/cu128 http://e/simple/",
+        "UV_FIND_LINKS": "/w,/v",
+    }
+    assert node_agent.index_env(spec, "PIP_")["PIP_FIND_LINKS"] == "/w /v"
+
+
+def test_a_dry_run_says_what_each_node_would_get_and_connects_to_nothing(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n192.0.2.11\n")  # TEST-NET-1: a connection would hang, not pass
+    d = _tree(tmp_path / "proj", {"train.py": "x", "requirements.txt": "six\n"})
+    r = subprocess.run(
+        [LAUNCH, "run", "--hostfile", str(hf), "--dry-run", "--sync", str(d), "--", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    snap = take_snapshot(d)
+    key = EnvSpec("requirements.txt", {"requirements.txt": "six\n"}).key
+    assert f"each node gets: --sync {snap.hash} (2 files); environment {key} from requirements.txt (PyPI)" in r.stderr
+
+
+def test_the_stack_output_package_index_is_the_default_and_index_url_wins():
+    from launcher.cli.code_options import code_request
+    from launcher.cluster.discovery import cluster_from_outputs
+
+    ar = "https://us-central1-python.pkg.dev/proj/gpufleet-pypi/simple/"
+    outputs = {"nodes": [{"name": "n0", "index": 0, "internalIp": "10.0.0.2"}], "packageIndex": ar}
+    cluster = cluster_from_outputs(outputs)
+    assert cluster.package_index == ar
+    assert code_request({}, cluster, builtin=True).env.index_url == ar
+    assert code_request({"index_url": "http://10.0.0.9/simple/"}, cluster, builtin=True).env.index_url == (
+        "http://10.0.0.9/simple/"
+    )
+    del outputs["packageIndex"]
+    assert code_request({}, cluster_from_outputs(outputs), builtin=True).env.index_url is None  # PyPI
+
+
+def test_with_an_image_nothing_is_built_and_the_sync_directory_still_goes(tmp_path):
+    from launcher.cli.code_options import code_request
+    from launcher.cluster.discovery import parse_hostfile
+
+    cluster = parse_hostfile("10.0.0.2\n")
+    d = _tree(tmp_path / "proj", {"train.py": "x", "requirements.txt": "six\n"})
+    request = code_request({"image": "localhost/py:1", "sync": d}, cluster, builtin=True)
+    assert request.env is None and request.code is None and request.sync.hash == take_snapshot(d).hash
+    with pytest.raises(UserError, match="--requirements builds an environment on the nodes, but the ranks run in"):
+        code_request({"image": "localhost/py:1", "requirements": d / "requirements.txt"}, cluster, builtin=False)

@@ -29,7 +29,16 @@ from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, logs_script
 from launcher.jobs.recovery import parse_duration, recover_policy
 
-__all__ = ["STATE_STYLE", "start_detached", "node0", "copy_path", "reader_gone", "follow", "restart_orphans"]
+__all__ = [
+    "STATE_STYLE",
+    "start_detached",
+    "node0",
+    "dry_run",
+    "copy_path",
+    "reader_gone",
+    "follow",
+    "restart_orphans",
+]
 
 STATE_STYLE = {
     "PENDING": "cyan",
@@ -94,6 +103,16 @@ def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
         )
     config = build_config(o, Workload("exec", ("true",)), cluster)
     return cluster, Node0(make_transport(cluster, config), job_host(cluster))
+
+
+def dry_run(o: dict[str, Any], n0: Node0, steps: list[tuple[str, str]]) -> bool:
+    """--dry-run on a command that reads or acts on the job host: print each step it would take
+    there, `HOST<TAB>what<TAB>command`, and connect to nothing (True); False without --dry-run."""
+    if not o.get("dry_run"):
+        return False
+    for what, script in steps:
+        click.echo(f"{n0.head.host}\t{what}\t{n0.transport.display(n0.head, script)}")
+    return True
 
 
 def copy_path(o: dict[str, Any], job_id: str, node: int | None) -> Path:

@@ -276,13 +276,38 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
         cluster = discovery.discover_by_label(
             labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
         )
+    _check_machine_type(cluster, "--machine-type" if o.get("machine_type") else _SOURCE_NAME[src](o))
     if o.get("controller"):
         host = o["controller"]
         cluster = replace(cluster, controller=ControllerHost(host=host, address=discovery.address_of(host)))
     if o.get("machine_type") and src != "hostfile":
         cluster = replace(cluster, machine_type=o["machine_type"])
+        _check_machine_type(cluster, "--machine-type")
     exclude = tuple(h.strip() for h in (o.get("exclude") or "").split(",") if h.strip())
     return cluster.select(o.get("nodes"), exclude)
+
+
+_SOURCE_NAME = {
+    "hostfile": lambda o: f"hostfile {o['hostfile']}",
+    "outputs": lambda o: str(o["outputs"]),
+    "stack": lambda o: f"stack {o['stack']!r}",
+    "labels": lambda o: "--label",
+}
+
+
+def _check_machine_type(cluster: Cluster, source: str) -> None:
+    """The cluster's machine type is one the catalog knows, checked once here, before any command
+    checks its workload against the nodes (their GPU count, the memory plan, the NICs): one line
+    naming the source and the known types, never a traceback from the first code to look it up."""
+    from gpufleet.catalog import UnknownMachineType, lookup
+
+    if cluster.machine_type is None or cluster.local:
+        return
+    try:
+        lookup(cluster.machine_type)
+    except UnknownMachineType as e:
+        known = str(e).partition("; ")[2]
+        raise UserError(f"{source}: machineType {cluster.machine_type!r} is unknown; {known}") from None
 
 
 def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:

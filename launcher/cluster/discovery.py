@@ -28,7 +28,7 @@ __all__ = [
     "address_of",
 ]
 
-_SLOTS_RE = re.compile(r"^slots=(\d+)$")
+_SLOTS_RE = re.compile(r"slots=(\d+)")
 
 
 def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None = None) -> Cluster:
@@ -44,7 +44,7 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
         if not line:
             continue
         host, *rest = line.split()
-        if host == "controller" and rest and not _SLOTS_RE.match(rest[0]):
+        if host == "controller" and rest and not _SLOTS_RE.fullmatch(rest[0]):
             if len(rest) > 1 or controller is not None:
                 raise UserError(
                     f"{source} line {lineno}: write one `controller HOST` line with one host (the host of "
@@ -57,7 +57,7 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
             continue
         slots = None
         for word in rest:
-            m = _SLOTS_RE.match(word)
+            m = _SLOTS_RE.fullmatch(word)
             if not m or int(m.group(1)) < 1:
                 raise UserError(
                     f"{source} line {lineno}: {word!r} is not understood; write `HOST` or `HOST slots=N` (N >= 1)"

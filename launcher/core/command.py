@@ -184,6 +184,22 @@ def _check_statements(config: LaunchConfig, facts: bool, torch: bool) -> list[st
     return s
 
 
+# A Spot VM gets 30 s between its preemption notice and its stop
+# (https://cloud.google.com/compute/docs/instances/spot#preemption-process): a --term-grace above
+# this leaves the ranks too little time after SIGTERM before the VM goes. The pre-start check asks
+# a node that watches for the notice whether it is one only then.
+SPOT_NOTICE_S = 30
+SPOT_GRACE_MAX_S = 25.0
+
+
+def _preemptible_statement() -> str:
+    """`preemptible=TRUE|FALSE` from the node's metadata server (`instance/scheduling/preemptible`,
+    https://cloud.google.com/compute/docs/metadata/predefined-metadata-keys; TRUE on a Spot VM,
+    whose scheduling sets preemptible), `unknown` without one."""
+    url = '"http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/scheduling/preemptible"'
+    return f"echo preemptible=$(curl -sf -m 2 -H 'Metadata-Flavor: Google' {url} || echo unknown)"
+
+
 def _workdir(wd: str) -> str:
     # `~/x` means the login directory on the node, so keep the tilde outside the quotes.
     return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
@@ -211,6 +227,8 @@ def remote_script(
     # decides which `python3` has torch), so it is exported before the check's lines.
     s = _env_statements(cluster, node, env)
     s += _check_statements(config, facts=check, torch=check and check_torch)
+    if watch_preemption and config.stop_grace_s > SPOT_GRACE_MAX_S:
+        s.append(_preemptible_statement())
     if check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
         s += prestart_statements(cluster, config.image_os)
     if lock_port is not None:

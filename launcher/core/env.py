@@ -17,7 +17,7 @@ __all__ = ["node_env", "job_env", "parse_env_pairs", "flight_recorder_on", "HOST
 
 log = logging.getLogger("launcher.core.env")
 
-_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def parse_env_pairs(pairs: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
@@ -25,7 +25,7 @@ def parse_env_pairs(pairs: tuple[str, ...] | list[str]) -> tuple[tuple[str, str]
     out = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not _KEY_RE.match(key):
+        if not sep or not _KEY_RE.fullmatch(key):
             raise UserError(f"--env {pair!r} is not KEY=VALUE with KEY a shell variable name")
         out.append((key, value))
     return tuple(out)

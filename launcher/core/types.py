@@ -56,7 +56,7 @@ class UserError(Exception):
 
 
 # A host is a DNS name or an IPv4/IPv6 address, optionally user@; nothing a shell would read.
-_HOST_RE = re.compile(r"^(?:[A-Za-z0-9._-]+@)?(?:[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?)$")
+_HOST_RE = re.compile(r"(?:[A-Za-z0-9._-]+@)?(?:[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?)")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Node:
     name: str = ""  # the instance name when known (stack outputs, Compute Engine API)
 
     def __post_init__(self) -> None:
-        if not _HOST_RE.match(self.host) or self.host.startswith("-"):
+        if not _HOST_RE.fullmatch(self.host) or self.host.startswith("-"):
             raise UserError(
                 f"host {self.host!r} is not a valid host name or address; "
                 "use letters, digits, '.', '-', '_' (or an IP address)"
@@ -92,7 +92,7 @@ class ControllerHost:
     name: str = ""  # the instance name when known (stack outputs)
 
     def __post_init__(self) -> None:
-        if not _HOST_RE.match(self.host) or self.host.startswith("-"):
+        if not _HOST_RE.fullmatch(self.host) or self.host.startswith("-"):
             raise UserError(
                 f"controller host {self.host!r} is not a valid host name or address; "
                 "use letters, digits, '.', '-', '_' (or an IP address)"

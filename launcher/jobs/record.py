@@ -81,7 +81,7 @@ RESTARTED_MARKER = "__GPUFLEET_RESTARTED__"
 # Prefixes each record line of `list_script`'s output, so a login banner is never read as one.
 LIST_MARKER = "__GPUFLEET_JOB__"
 
-_JOB_ID_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9a-f]{6}$")  # launcher.core.types.new_job_id
+_JOB_ID_RE = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # launcher.core.types.new_job_id
 
 
 class JobState(str, enum.Enum):
@@ -270,7 +270,7 @@ def request_from_json(
 
 
 def check_job_id(job_id: str) -> str:
-    if not _JOB_ID_RE.match(job_id):
+    if not _JOB_ID_RE.fullmatch(job_id):
         raise UserError(f"job id {job_id!r} is not a job id (like 20260101-120000-a1b2c3); `launch jobs` lists them")
     return job_id
 

@@ -11,8 +11,8 @@ import re
 
 __all__ = ["nccl_tests_command"]
 
-_HOST_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
-_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HOST_RE = re.compile(r"[A-Za-z0-9_.\-\[\]]+")
+_ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def nccl_tests_command(
@@ -34,7 +34,7 @@ def nccl_tests_command(
     if not hosts:
         raise ValueError("nccl-tests needs at least one host")
     for h in hosts:
-        if not _HOST_RE.match(h):
+        if not _HOST_RE.fullmatch(h):
             raise ValueError(f"host {h!r} is not a plain host name or address (no , : or spaces)")
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
@@ -50,7 +50,7 @@ def nccl_tests_command(
         "none",
     ]
     for k, v in env.items():
-        if not _ENV_RE.match(k):
+        if not _ENV_RE.fullmatch(k):
             raise ValueError(f"environment variable name {k!r} is not valid")
         cmd += ["-x", f"{k}={v}"]
     return cmd + [binary, *args]

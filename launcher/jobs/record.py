@@ -8,7 +8,10 @@ A job's directory on node 0 is `~/.gpufleet/jobs/<id>/`:
     env.json       the --env values (mode 600); the controller reads and deletes it at start
                    (with --recover: when the job ends, for a controller started again to relaunch)
     state.json     the record: state, times, exit, the node that failed first and why
-    output.log     every node's output as the attached launcher shows it: `[node N] line`
+    output.log     every node's output as the attached launcher shows it: `[node N] line`; and
+                   the controller's own lines, `[controller] TIME text` (CONTROLLER_PREFIX): each
+                   recovery or restart with its reason, a hang verdict with its stacks, a
+                   re-adoption, and last how and when the job ended
     node-N.log     node N's own log; launch.json: the summary (launcher.core.launch.write_summary)
     controller.log the controller's own messages
     node-N.offset  how many bytes of node N's output the controller has read (launcher.core.launch)
@@ -38,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError, Workload
+
+# How the controller's own lines in a job's output.log begin (launcher.jobs.controller.Controller.say).
+CONTROLLER_PREFIX = "[controller]"
 
 __all__ = [
     "JobState",

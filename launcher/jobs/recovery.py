@@ -300,6 +300,7 @@ class Recoverer:
         r.why = self._why(rec)
         self.c.save()
         log.warning("job %s: %s; waiting for every node to pass its check, then relaunching", r.id, r.why)
+        self.c.say(f"{r.why} (reason {rec.reason}); waiting for every node to pass its check, then relaunching")
 
     def _why(self, rec: Recovery) -> str:
         """The record's one line while recovering: which recovery, the node when known, the cause."""
@@ -376,6 +377,8 @@ class Recoverer:
             done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
         rec.restarted.update(done)
         self._note(restarted=dict(rec.restarted))
+        for name, what in done.items():
+            self.c.say(f"instance {name} {what} (--restart-stopped)")
 
     def _shrink(self, launch: Any, rec: Recovery) -> bool:
         """--min-nodes: leave out the nodes that are not back in time and go on with the others
@@ -395,6 +398,10 @@ class Recoverer:
         self.c.record.nodes = [n.host for n in kept]
         rec.shrunk_to = len(kept)
         self._note(shrunk_to=len(kept))
+        self.c.say(
+            f"{gone} not back within --recover-timeout {self.policy.timeout_s:.0f} s; going on with {len(kept)} "
+            f"nodes (--min-nodes {self.policy.min_nodes}), restart reason shrunk"
+        )
         log.warning(
             "job %s: %s not back within --recover-timeout %.0f s; going on with %d nodes (--min-nodes %d)",
             self.c.record.id,
@@ -424,6 +431,12 @@ class Recoverer:
             return
         moved = follow_moved(client, c, ranks, self.config.ssh.known_hosts, ports[0] if ports else 22)
         if moved != c:
+            for old, new in zip(c.nodes, moved.nodes):
+                if new.host != old.host:
+                    self.c.say(
+                        f"node {old.rank} ({old.name}) moved from {old.host} to {new.host}; reached there with "
+                        "the host keys its guest attributes publish"
+                    )
             self.cluster = moved
             self.c.record.nodes = [n.host for n in moved.nodes]
             self.c.save()
@@ -438,5 +451,10 @@ class Recoverer:
                 self.c.record.state = JobState.RUNNING
                 self._note(waited_s=round(time.monotonic() - t0, 3))
                 log.warning("job %s: relaunched after %.1f s", self.c.record.id, time.monotonic() - t0)
+                cfg = self.c.launch.config if self.c.launch is not None else self.config
+                self.c.say(
+                    f"relaunched after {time.monotonic() - t0:.1f} s: attempt {cfg.attempt} on "
+                    f"{len(self.cluster.nodes)} nodes (GPUFLEET_RESTART_REASON={cfg.restart_reason})"
+                )
 
         return on_event

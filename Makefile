@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # is marked xdist_group and runs on one worker, so the fixture runs once, not once per worker.
 PYTEST_JOBS ?= 3
 
-.PHONY: sysdeps venv lint test test-failures demo bench clean
+.PHONY: sysdeps venv lint docs test test-failures demo bench clean
 
 # The system packages the tests need (sshd nodes, shellcheck, pdsh, libfaketime): installed when
 # run as root, else one line naming the apt-get command and exit 2 before anything runs.
@@ -32,7 +32,15 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: sysdeps venv lint
+# The documentation site (mkdocs.yml) into site/; --strict fails on a broken link or anchor.
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: sysdeps venv lint docs
 	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 test-failures: sysdeps venv
@@ -45,4 +53,4 @@ bench: sysdeps venv
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -35,7 +35,6 @@ from gpufleet.health import (
 )
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.cluster.topology import metadata_statement, spread_warning
-from launcher.core.command import CHECKED_MARKER
 from launcher.core.prestart import (
     CHECKS,
     FAIL,
@@ -51,6 +50,7 @@ from launcher.core.prestart import (
     nic_statements,
 )
 from launcher.core.types import Node
+from launcher.core.wire import CHECKED_MARKER
 
 __all__ = [
     "RXDM_CONTAINER",

@@ -1,5 +1,10 @@
 """Shared fixtures: `sim_cluster(n)` starts n real sshd nodes (see tests/simcluster.py); every test
-keeps gpufleet state under its tmp_path; `small_tmpfs` mounts a small disk for full-disk tests."""
+keeps gpufleet state under its tmp_path; `small_tmpfs` mounts a small disk for full-disk tests.
+
+Two kinds of simulated node: `sim_cluster` nodes share this machine's disk (its venv, checkout
+and pip configuration: the tests of the launch itself, which need torch on the nodes without
+building it); `bare_cluster` nodes are what `pulumi up` gives (the system python only, a package
+index on the network), for the tests of what gpufleet must bring to a node itself."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.simcluster import SimCluster
+from tests.simcluster import SimCluster, netns_available
+from tests.simindex import wheel_cache
 
 
 @pytest.fixture
@@ -21,6 +27,27 @@ def sim_cluster(tmp_path):
 
     def make(n: int, **kw) -> SimCluster:
         cluster = SimCluster(n, workdir=tmp_path / f"sim{len(started)}", **kw)
+        started.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in started:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def bare_cluster(tmp_path_factory):
+    """Factory, one per test module: `cluster = bare_cluster(3)` starts 3 bare nodes and the
+    cluster's package index (SimCluster(bare=True, index=...)); the wheels are downloaded once
+    per machine (tests/simindex.py). A module shares its clusters across its tests, so a node's
+    built environment and received code are built once per module; torn down after the module."""
+    if not netns_available():
+        pytest.skip("bare nodes need root and ip netns (one mount and network namespace per node)")
+    started: list[SimCluster] = []
+
+    def make(n: int, **kw) -> SimCluster:
+        workdir = tmp_path_factory.mktemp("bare")
+        cluster = SimCluster(n, workdir=workdir, bare=True, index=wheel_cache(), **kw)
         started.append(cluster)
         return cluster.start()
 

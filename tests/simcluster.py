@@ -10,6 +10,18 @@ Two modes, picked automatically:
   namespace) reaches every node, and nodes reach each other.
 - ``loopback`` (otherwise): one sshd per node on 127.0.0.N, all on one free high port.
 
+``bare=True`` (netns mode only) makes each node what `pulumi up` gives: its sshd runs in a mount
+namespace of its own (``unshare --mount``, private propagation) entered with ``nsenter --net``
+(not ``ip netns exec``, which remounts /sys and so leaves no cgroup mounts for a container
+runtime), where /tmp and root's home are directories of the node's own (kept across a
+`power_off`/`restart_sshd`, as a disk is), and this checkout, every venv, pip's configuration
+files and the local wheel stores it names are covered by empty read-only mounts. Sessions get
+sshd's own environment (no PIP_*), and the only python is the system's /usr/bin/python3 (with
+venv). `index=WHEELS` adds one more namespace on the bridge serving WHEELS as a PEP 503 "simple"
+index over HTTP (`package_index` is its URL): the cluster's package repository
+(tests/simindex.py downloads the wheels once per machine). Without `bare`, nodes share this
+machine's disk: its venv, checkout and pip configuration (the mode most tests use).
+
 Each node has its own generated host key and the cluster writes a known_hosts file with them, so
 the client verifies hosts for real (StrictHostKeyChecking=yes, never "no").
 
@@ -24,10 +36,12 @@ from __future__ import annotations
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -38,6 +52,37 @@ __all__ = ["SimCluster", "SimNode", "netns_available", "leftovers"]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TAG = "GPUFLEET_SIMNODE"
 NAME_PREFIX = "gfs"  # every namespace, bridge and veth we create starts with this
+# A bare node's own sshd files, mounted here inside its namespace (an empty directory outside).
+BARE_RUN = "/run/gpufleet-simnode"
+HOME = "/root"  # the sessions' user is root (User=root in ssh_options)
+SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's and Ubuntu's, with venv (python3-venv)
+INDEX_PORT = 8080
+
+
+def hidden_paths() -> list[Path]:
+    """What a bare node must not see: this checkout, every venv and python this process knows of
+    (sys.prefix, sys.base_prefix), pip's configuration files and the local wheel stores they
+    name (find-links and file:// indexes, from `pip config list`)."""
+    repo = Path(__file__).resolve().parent.parent
+    out = {repo, Path(sys.prefix), Path(sys.base_prefix)}
+    out |= {Path(p) for p in ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more")}
+    r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.split(".")[-1] in ("find-links", "extra-index-url", "index-url", "constraint", "requirement"):
+            for item in value.strip("'\"").split():
+                item = item.removeprefix("file://")
+                if item.startswith("/"):
+                    path = Path(item)
+                    # A file:// index's "simple" directory: hide the store it lies in.
+                    out.add(path.parent if path.name == "simple" else path)
+    # Under root's home (mounted over), /usr (the system python's own) or a path already covered:
+    # nothing to cover.
+    return sorted(
+        p
+        for p in out
+        if Path(HOME) not in [p, *p.parents] and not str(p).startswith("/usr") and not out & set(p.parents)
+    )
 
 
 def netns_available() -> bool:
@@ -114,6 +159,8 @@ class SimCluster:
         node_env: dict[int, dict[str, str]] | None = None,
         hostnames: dict[int, str] | None = None,
         controller: bool = False,
+        bare: bool = False,
+        index: Path | None = None,
     ):
         """`node_env` adds environment variables to every session of the given nodes (sshd
         SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock;
@@ -126,12 +173,22 @@ class SimCluster:
 
         `controller`: one more host, not a node, after the `n` nodes (`nodes[n]`, also
         `controller`): its own sshd, namespace and host key like a node's, and the hostfile names
-        it on a `controller HOST` line, so detached jobs' controllers run there."""
+        it on a `controller HOST` line, so detached jobs' controllers run there.
+
+        `bare`: nodes that share nothing with this machine but the system python (module
+        docstring); `index`: a directory of wheels served as the cluster's package index."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
+        self.bare = bare
+        self.index_wheels = index
+        self._index_proc: subprocess.Popen | None = None
+        self._index_ns: str | None = None
+        self._index_link = ""
         self.n = n
         self.with_controller = controller
         self.mode = mode or ("netns" if netns_available() else "loopback")
+        if (bare or index) and self.mode != "netns":
+            raise RuntimeError("bare nodes and the package index need netns mode (root and ip netns)")
         self.id = f"{random.randrange(16**4):04x}"
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix=f"gpufleet-sim-{self.id}-"))
@@ -238,6 +295,8 @@ class SimCluster:
             self.nodes.append(self._make_node(i, port))
         if self.mode == "netns":
             self._write_name_service()
+        if self.index_wheels is not None:
+            self._start_index()
         lines = []
         for node in self.nodes:
             self._start_sshd(node)
@@ -283,10 +342,99 @@ class SimCluster:
             f"{n.address} simnode{n.index}\n::ffff:{n.address} simnode{n.index}\n" for n in self.nodes
         )
         for n in self.nodes:
-            d = Path("/etc/netns") / str(n.netns)
+            # A bare node binds them over its own /etc in its own mount namespace (_sshd_argv).
+            d = self._node_dir(n) / "sshd" if self.bare else Path("/etc/netns") / str(n.netns)
             d.mkdir(parents=True, exist_ok=True)
             (d / "hosts").write_text(text)
             (d / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+    # ---- bare nodes -------------------------------------------------------------------------
+
+    def _node_dir(self, node: SimNode) -> Path:
+        return self.dir / f"node{node.index}"
+
+    def node_path(self, i: int, path: str) -> Path:
+        """Where node i's `path` (under its /tmp or root's home, the node's own disk) lies on this
+        machine: e.g. node_path(0, "/root/.gpufleet") to look at what a launch left there."""
+        if not self.bare:
+            return Path(path)
+        d = self._node_dir(self.nodes[i])
+        for inside, outside in ((Path(HOME), d / "home"), (Path("/tmp"), d / "tmp")):
+            p = Path(path)
+            if p == inside or inside in p.parents:
+                return outside / p.relative_to(inside)
+        raise ValueError(f"{path} is not on node {i}'s own disk (/tmp or {HOME})")
+
+    def _bare_setup(self, node: SimNode) -> str:
+        """The shell lines that make node's mount namespace (run as root inside it, before sshd)."""
+        d = self._node_dir(node)
+        for sub in ("home/.ssh", "tmp"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(d / "tmp", 0o1777)
+        Path(BARE_RUN).mkdir(parents=True, exist_ok=True)
+        q = shlex.quote
+        lines = [
+            "set -e",
+            f"mount --bind {q(str(d / 'sshd'))} {BARE_RUN}",
+            f"mount --bind {q(str(d / 'home'))} {HOME}",
+            f"mount --bind {BARE_RUN}/hosts /etc/hosts",
+            f"mount --bind {BARE_RUN}/resolv.conf /etc/resolv.conf",
+            f"mount --bind {q(str(d / 'tmp'))} /tmp",  # last: d itself may lie under /tmp
+        ]
+        for hidden in hidden_paths():
+            if hidden.is_dir():
+                lines.append(f"mount -t tmpfs -o ro,size=4k gfs-hidden {q(str(hidden))}")
+            elif hidden.exists():
+                lines.append(f"mount --bind /dev/null {q(str(hidden))}")
+        return "\n".join(lines) + "\n"
+
+    # ---- the package index --------------------------------------------------------------------
+
+    @property
+    def index_address(self) -> str:
+        return f"{self.subnet}.251"
+
+    @property
+    def package_index(self) -> str:
+        """The index's URL (pip's --index-url), when the cluster has one."""
+        if self.index_wheels is None:
+            raise RuntimeError("this cluster has no package index: SimCluster(n, index=WHEELS)")
+        return f"http://{self.index_address}:{INDEX_PORT}/simple/"
+
+    def _start_index(self) -> None:
+        from tests.simindex import write_simple_tree
+
+        root = self.dir / "index"
+        write_simple_tree(Path(self.index_wheels), root)
+        ns, link = f"{NAME_PREFIX}{self.id}ix", f"{NAME_PREFIX}{self.id}vx"
+        _run("ip", "netns", "add", ns)
+        self._index_ns, self._index_link = ns, link
+        _run("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", link, "master", self.bridge)
+        _run("ip", "link", "set", link, "up")
+        nsx = ("nsenter", f"--net=/run/netns/{ns}")
+        _run(*nsx, "ip", "link", "set", "lo", "up")
+        _run(*nsx, "ip", "addr", "add", f"{self.index_address}/24", "dev", "eth0")
+        _run(*nsx, "ip", "link", "set", "eth0", "up")
+        log = open(self.dir / "index.log", "ab")
+        self._index_proc = subprocess.Popen(
+            [*nsx, SYSTEM_PYTHON, "-I", "-m", "http.server", "--bind", self.index_address, str(INDEX_PORT)],
+            cwd=root,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with socket.create_connection((self.index_address, INDEX_PORT), timeout=0.5):
+                    return
+            except OSError:
+                if self._index_proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.dir / "index.log").read_text()
+                    raise RuntimeError(f"the package index did not start: {log}") from None
+                time.sleep(0.05)
 
     def _start_sshd(self, node: SimNode) -> None:
         key = self.dir / f"host_key_{node.index}"
@@ -300,6 +448,16 @@ class SimCluster:
             Path(home, ".ssh").mkdir(parents=True, exist_ok=True)
             keys += f" {home}/.ssh/authorized_keys"
         cfg = self.dir / f"gpufleet-sshd-{self.id}-{node.index}.conf"  # leftovers() greps this name
+        if self.bare:
+            # The node sees its own files only: the key and configuration are copied to the
+            # directory its namespace mounts at BARE_RUN (the cluster's dir may be hidden there).
+            d = self._node_dir(node) / "sshd"
+            d.mkdir(parents=True, exist_ok=True)
+            for suffix in ("", ".pub"):
+                shutil.copy(f"{key}{suffix}", d / f"host_key{suffix}")
+            shutil.copy(self.dir / "authorized_keys", d / "authorized_keys")
+            key = Path(BARE_RUN) / "host_key"
+            keys = f"{BARE_RUN}/authorized_keys .ssh/authorized_keys"
         cfg.write_text(
             f"# gpufleet-simnode {self.id}-{node.index}\n"
             f"ListenAddress {node.address}\nPort {node.port}\nHostKey {key}\n"
@@ -311,6 +469,35 @@ class SimCluster:
             + "".join(f" {k}={v}" for k, v in self.node_env.get(node.index, {}).items())
             + "\n"
         )
+        if self.bare:
+            shutil.copy(cfg, self._node_dir(node) / "sshd" / cfg.name)
+        self._spawn_sshd(node)
+
+    def _sshd_argv(self, node: SimNode) -> list[str]:
+        cfg = self.dir / f"gpufleet-sshd-{self.id}-{node.index}.conf"
+        if self.bare:
+            # sshd re-executes itself per connection and reads its files then: inside the node, under
+            # the same name (leftovers() finds the listener by it).
+            argv = [SSHD, "-D", "-e", "-f", f"{BARE_RUN}/{cfg.name}"]
+            return [
+                "env",
+                "-i",
+                "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                "nsenter",
+                f"--net=/run/netns/{node.netns}",
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                *(["--uts"] if self.hostnames.get(node.index) else []),
+                "sh",
+                "-c",
+                self._bare_setup(node)
+                + (f"hostname {self.hostnames[node.index]}\n" if self.hostnames.get(node.index) else "")
+                + 'exec "$@"',
+                "sh",
+                *argv,
+            ]
         argv = [SSHD, "-D", "-e", "-f", str(cfg)]
         name = self.hostnames.get(node.index)
         if name:
@@ -318,9 +505,13 @@ class SimCluster:
             argv = ["unshare", "--uts", "sh", "-c", f"hostname {name} && exec \"$@\"", "sh", *argv]
         if node.netns:
             argv = ["ip", "netns", "exec", node.netns] + argv
+        return argv
+
+    def _spawn_sshd(self, node: SimNode) -> None:
         log = open(self.dir / f"sshd_{node.index}.log", "ab")
-        # `ip netns exec` execs sshd in place, so the Popen pid is the sshd listener itself.
-        node.sshd = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+        # `ip netns exec`, nsenter, unshare and sh -c 'exec' all exec in place: the Popen pid is
+        # the sshd listener itself.
+        node.sshd = subprocess.Popen(self._sshd_argv(node), stdout=log, stderr=log, start_new_session=True)
         log.close()
 
     def _wait_listening(self, node: SimNode, timeout: float = 15.0) -> None:
@@ -364,6 +555,15 @@ class SimCluster:
         # Session processes that outlived their sshd (reparented to init) still carry the tag.
         for pid in _tagged_pids(f"{self.id}-"):
             self._kill(pid)
+        if self._index_proc is not None:
+            if self._index_proc.poll() is None:
+                os.killpg(self._index_proc.pid, signal.SIGKILL)
+            self._index_proc.wait(timeout=10)
+            self._index_proc = None
+        if self._index_ns:
+            subprocess.run(["ip", "netns", "del", self._index_ns], capture_output=True)
+            subprocess.run(["ip", "link", "del", self._index_link], capture_output=True)
+            self._index_ns = None
         if self.mode == "netns":
             for node in self.nodes:
                 if node.netns:
@@ -388,7 +588,12 @@ class SimCluster:
     def exec(self, i: int, argv: list[str], **kw) -> subprocess.CompletedProcess:
         """Run argv as node i sees the world (inside its namespace), not over SSH."""
         node = self.nodes[i]
-        full = (["ip", "netns", "exec", node.netns] if node.netns else []) + list(argv)
+        if self.bare:  # its network and its own mounts: enter the listener's namespaces
+            if not node.sshd or node.sshd.poll() is not None:
+                raise RuntimeError(f"node {i} is off: restart_sshd({i}) first, or read node_path({i}, PATH)")
+            full = ["nsenter", "-t", str(node.sshd.pid), "-m", "-n", *argv]
+        else:
+            full = (["ip", "netns", "exec", node.netns] if node.netns else []) + list(argv)
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         return subprocess.run(full, **kw)
@@ -471,16 +676,7 @@ class SimCluster:
         node = self.nodes[i]
         if node.sshd and node.sshd.poll() is None:
             raise RuntimeError(f"node {i}'s sshd is still running")
-        cfg = self.dir / f"gpufleet-sshd-{self.id}-{node.index}.conf"
-        argv = [SSHD, "-D", "-e", "-f", str(cfg)]
-        name = self.hostnames.get(node.index)
-        if name:
-            argv = ["unshare", "--uts", "sh", "-c", f"hostname {name} && exec \"$@\"", "sh", *argv]
-        if node.netns:
-            argv = ["ip", "netns", "exec", node.netns] + argv
-        log = open(self.dir / f"sshd_{node.index}.log", "ab")
-        node.sshd = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
-        log.close()
+        self._spawn_sshd(node)
         self._wait_listening(node)
 
     def block(self, i: int) -> None:

@@ -40,8 +40,8 @@ from launcher.cli.options import (
 from launcher.cli.render import err, execute_on, setup_logging, user_errors
 from launcher.cli.workload_args import WorkloadCommand, parser_help
 from launcher.cluster.ordering import order_for_launch
-from launcher.core.command import nproc_for
 from launcher.core.env import node_env
+from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload, new_job_id
 from launcher.nccl.badnodes import BadNodeSearch, GroupResult, SearchFailed, SearchOptions
 from launcher.nccl.from_files import FROM_OPTIONS, from_request, report_from
@@ -179,7 +179,7 @@ def rank0_rows(result: LaunchResult, nranks: int) -> list[SweepRow]:
 
 
 def _nprocs(cluster: Cluster, config: LaunchConfig) -> list[int]:
-    """Processes on each node, as the launch starts them (launcher.core.command.nproc_for)."""
+    """Processes on each node, as the launch starts them (launcher.core.torchrun.nproc_for)."""
     return [nproc_for(n, cluster.gpus_per_node, config) for n in cluster.nodes]
 
 

@@ -417,7 +417,7 @@ def _stop_all(sampler: TopSampler, exporter, recorder: Recorder | None) -> tuple
     "--record",
     type=click.Path(path_type=Path),
     metavar="FILE.jsonl",
-    help="Append every sample, one JSON object per node per sample (README: launch top).",
+    help="Append every sample, one JSON object per node per sample (docs/top.md lists the fields).",
 )
 @click.option("--duration", type=float, help="Stop after this many seconds (for scripts; default: until Ctrl-C).")
 @click.option(

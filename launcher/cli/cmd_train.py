@@ -23,7 +23,7 @@ from launcher.cli.options import (
 )
 from launcher.cli.render import err, user_errors
 from launcher.cli.workload_args import TrainArgs, WorkloadCommand, option_names
-from launcher.core.command import nproc_for
+from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 
 __all__ = ["train"]

@@ -94,8 +94,8 @@ ENV_OPTION = click.option(
 DETACH_OPTION = click.option(
     "--detach",
     is_flag=True,
-    help="Check every node, hand the job to a controller on node 0, print `job ID` "
-    "and return; see `launch jobs/logs/stop/attach`.",
+    help="Check every node, hand the job to a controller on the controller host (see --controller; "
+    "node 0 only when the cluster has none), print `job ID` and return; see `launch jobs/logs/stop/attach`.",
 )
 
 # A detached job's nodes keep training without their controller this long (launcher.core.supervise).
@@ -192,7 +192,7 @@ TORCHRUN_OPTIONS = [
 ]
 
 
-# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.command's watchdog).
+# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.stop).
 TERM_GRACE_OPTION = click.option(
     "--term-grace",
     metavar="DURATION",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import click
 
-from launcher.core.command import nproc_for
+from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
 
 
 def world_size(cluster: Cluster, config: LaunchConfig) -> int:
-    """The ranks the launch starts: each node's processes (launcher.core.command.nproc_for), summed."""
+    """The ranks the launch starts: each node's processes (launcher.core.torchrun.nproc_for), summed."""
     return sum(nproc_for(n, cluster.gpus_per_node, config) for n in cluster.nodes)
 
 

@@ -20,7 +20,7 @@ def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
     --rank-order topology when a node has no physical host, or when a node cannot be reached."""
     if config.workload.kind != "torchrun":
         return RankOrder(cluster, False, "")
-    if config.max_restarts > 0:  # launcher.core.command.torchrun_argv: in-place restarts need c10d
+    if config.max_restarts > 0:  # launcher.core.torchrun.torchrun_argv: in-place restarts need c10d
         return RankOrder(
             cluster,
             False,

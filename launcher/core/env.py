@@ -12,6 +12,7 @@ from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.core.hang import flight_recorder_env
 from launcher.core.types import Cluster, LaunchConfig, UserError
+from launcher.core.wire import ATTEMPT_VAR, JOB_ID_VAR, RESTART_REASON_VAR
 
 __all__ = ["node_env", "job_env", "parse_env_pairs", "flight_recorder_on", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
 
@@ -50,9 +51,9 @@ def job_env(config: LaunchConfig) -> dict[str, str]:
     workers inherit it): GPUFLEET_JOB_ID, the same on every attempt; GPUFLEET_ATTEMPT, 0 then
     1, 2, ... for each relaunch of a `--recover` job; GPUFLEET_RESTART_REASON (node-lost,
     preempted, worker-failed or hang), absent on attempt 0."""
-    env = {"GPUFLEET_JOB_ID": config.job_id, "GPUFLEET_ATTEMPT": str(config.attempt)}
+    env = {JOB_ID_VAR: config.job_id, ATTEMPT_VAR: str(config.attempt)}
     if config.restart_reason:
-        env["GPUFLEET_RESTART_REASON"] = config.restart_reason
+        env[RESTART_REASON_VAR] = config.restart_reason
     return env
 
 

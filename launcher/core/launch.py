@@ -37,13 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet import atomic
-from launcher.core.command import attach_commands, grace_line, node_commands, probe_script
+from launcher.core.command import attach_commands, node_commands, probe_script
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, check_probes, check_timeout, handshake_limit
 from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
+from launcher.core.wire import grace_line
 
 __all__ = ["NodeState", "NodeEvent", "Interrupted", "Launch", "write_summary", "offset_file_name", "read_offsets"]
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from gpufleet.contracts import is_error_line
-from launcher.core.command import CHECKED_MARKER, EXIT_MARKER
 from launcher.core.output import Sorted, StreamSorter, shown_live
 from launcher.core.preflight import Probe, clock_skew
 from launcher.core.types import Node, NodeOutcome
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
 
 __all__ = ["Report", "NodeSession"]
 
@@ -186,7 +186,7 @@ class NodeSession:
 
     def request_stop(self, grace_line: bytes = b"") -> None:
         """After `go`: close stdin; the node-side watchdog reads EOF and stops the tree.
-        `grace_line` (launcher.core.command.grace_line), written first, is this stop's own grace."""
+        `grace_line` (launcher.core.wire.grace_line), written first, is this stop's own grace."""
         if self.stop_sent_at is None:
             self.stop_sent_at = time.monotonic()
             if grace_line:

@@ -32,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.core.command import run_token
 from launcher.core.hang import flight_recorder_prefix
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, Node
+from launcher.core.wire import run_token
 
 __all__ = [
     "STACK_MARKER",

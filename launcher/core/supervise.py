@@ -56,7 +56,7 @@ def supervisor_script(
 ) -> str:
     """The supervisor, run as `bash -c SCRIPT sup DIR` in a session of its own with its output
     appended to DIR/out. `token`: the run token (quoted) the workload's processes carry; `stop`:
-    launcher.core.command's G/S and `ranks`/`gone`/`stop`/`reap`; `watch`: the preemption
+    launcher.core.stop's G/S and `ranks`/`gone`/`stop`/`reap`; `watch`: the preemption
     watcher's statements (empty: none), which send `$W` SIGUSR2; `notice`: the line it prints then."""
     lines = [
         "D=$1",

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.core.command import remote_command, ssh_argv, ssh_base_argv
+from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
 __all__ = ["Transport", "make_transport", "state_dir"]

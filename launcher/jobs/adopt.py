@@ -71,7 +71,7 @@ def stop_script(job_id: str, attempt: int, rank: int, grace_s: float, ticks: int
 def _stop_runs(launch: Any) -> None:
     """Stop the run on every node that can be reached, in parallel (the unreachable ones stop
     themselves after --controller-grace)."""
-    from launcher.core.command import stop_ticks
+    from launcher.core.wire import stop_ticks
 
     cfg = launch.config
     procs = [

@@ -215,7 +215,7 @@ class Controller:
             out.write(f"[node {event.node.rank}] {event.line}\n")
             self.orphan_stopped = self.orphan_stopped or event.line.startswith(ORPHAN_STOP)
             if self.request.get("recover") is not None:
-                from launcher.core.command import PREEMPTION_NOTICE
+                from launcher.core.wire import PREEMPTION_NOTICE
                 from launcher.jobs.recovery import PREEMPTED_TEXT, step_of
 
                 self.last_step = step_of(event.line) or self.last_step

@@ -1,7 +1,7 @@
 """The collective-sweep report's library API in one import (no torch, no pulumi, no I/O here).
 
 Each name lives in the module that owns its one job; this module gathers them for callers that
-want the whole API (the README's "Library API"):
+want the whole API (docs/reference/nccl-api.md):
 
 - parse (``launcher.nccl.parse``): ``parse_output(text, *, collective=None, nranks=None)``,
   our sweep's ``#gpufleet-json`` line when present, else every nccl-tests table, through the

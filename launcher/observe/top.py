@@ -59,7 +59,7 @@ __all__ = [
     "TopSampler",
 ]
 
-# The record's schema name; bump the number when a field changes meaning (README, "launch top").
+# The record's schema name; bump the number when a field changes meaning (docs/top.md lists the fields).
 SCHEMA = "gpufleet.top/1"
 
 HOST, GPU, OTHER = "host", "gpu", "other"
@@ -264,7 +264,7 @@ def _r(v: float | None, nd: int = 4) -> float | None:
 
 
 def to_record(row: NodeRow, session: str) -> dict:
-    """One line of the `--record` JSONL file (schema SCHEMA; README "launch top" lists the fields)."""
+    """One line of the `--record` JSONL file (schema SCHEMA; docs/top.md lists the fields)."""
     rec: dict = {
         "schema": SCHEMA,
         "session": session,

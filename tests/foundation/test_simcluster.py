@@ -81,3 +81,53 @@ def test_a_killed_node_loses_its_sessions(sim_cluster):
         time.sleep(0.05)
     assert not cluster.processes(0)
     assert _ssh(cluster, cluster.addresses[0], "true").returncode == 0  # sshd itself still serves
+
+
+@pytest.fixture(scope="module")
+def bare(bare_cluster):
+    return bare_cluster(2)
+
+
+def test_a_bare_node_sees_nothing_of_this_machine_but_the_system_python(bare):
+    """No checkout, no venv, no pip configuration or local wheel store, an empty /tmp and a home
+    of its own; the system python3 with venv; PIP_* unset (sshd's own environment)."""
+    import os
+    from pathlib import Path
+
+    from tests.simcluster import hidden_paths
+
+    repo = Path(__file__).resolve().parents[2]
+    probe = (
+        f"ls -A /tmp; ls -A ~ ; ls -A {repo} /opt/wheels /etc/xdg/pip; cat /etc/pip.conf; env | grep ^PIP_; "
+        "python3 -c 'import sys; print(sys.executable, sys.version_info >= (3, 10))'; "
+        "python3 -c 'import torch' 2>&1 | tail -n 1; "
+        "python3 -m venv /tmp/v && /tmp/v/bin/python -c 'print(\"venv ok\")'"
+    )
+    r = _ssh(bare, bare.addresses[1], probe)
+    lines = r.stdout.splitlines()
+    assert (repo / "pyproject.toml").exists() and os.listdir("/opt/wheels")  # here they exist...
+    assert lines[0] == ".ssh"  # ...there, an empty /tmp and a home holding only its ssh keys
+    assert f"{repo}:" in lines and "/opt/wheels:" in lines and not any(l.endswith(".whl") for l in lines)
+    assert not any(l.startswith("PIP_") or l.startswith("[global]") for l in lines), r.stdout
+    assert "/usr/bin/python3 True" in lines
+    assert "ModuleNotFoundError: No module named 'torch'" in lines
+    assert lines[-1] == "venv ok", r.stdout + r.stderr
+    assert Path("/etc/xdg/pip") in hidden_paths() and repo in hidden_paths()
+    # The node's disk is its own: what it wrote is under node_path, not this machine's /tmp.
+    assert bare.node_path(1, "/tmp/v/bin/python").exists() and not Path("/tmp/v/bin/python").exists()
+
+
+def test_a_bare_node_installs_from_the_cluster_index_and_only_from_it(bare):
+    """The index on the bridge answers every node; pip in a fresh venv installs from it."""
+    # Plain HTTP on the cluster's own network: pip wants the host named trusted.
+    pip = "/tmp/pipv/bin/pip install -q --no-cache-dir"
+    venv = f"python3 -m venv /tmp/pipv && {pip} --trusted-host {bare.index_address}"
+    r = _ssh(bare, bare.addresses[0], f"{venv} --index-url {bare.package_index} six==1.17.0 && echo installed")
+    assert r.stdout.strip().endswith("installed"), r.stderr
+    # Without the index there is nothing to install from: no config points at this machine's wheels.
+    r = _ssh(
+        bare,
+        bare.addresses[0],
+        f"{venv} --retries 0 --timeout 2 --index-url http://{bare.unused_address()}:1/simple tomli",
+    )
+    assert r.returncode != 0

@@ -168,8 +168,10 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(out)
     assert row("llm-dev-ssh", "llm-dev-net", "INGRESS", "tcp:22", "35.235.240.0/20", "llm-dev").search(out)
     assert "gpufleet-cluster=llm-dev, gpufleet-node=1, team=research" in out
-    # The README's count of the example's resources is the preview's.
-    (count,) = re.findall(r"The first prints the (\d+) Google Cloud resources", (ROOT / "README.md").read_text())
+    # The getting-started page's count of the example's resources is the preview's.
+    (count,) = re.findall(
+        r"The first prints the (\d+) Google Cloud resources", (ROOT / "docs" / "getting-started.md").read_text()
+    )
     assert f"{count} Google Cloud resources, 6 gpufleet components" in out and count == "47"
     # The controller VM and what it costs: e2-standard-2, on-demand, $0.06701142/h x 730 h.
     assert row(
@@ -328,7 +330,7 @@ def test_no_pulumi_runtime_internals_outside_the_sdk():
 
 @pytest.mark.slow
 def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
-    """The README's third "Start here" step, as a user runs it: two installed commands."""
+    """docs/getting-started.md's offline step (the README's too), as a user runs it: two installed commands."""
     env = {**os.environ, "NO_COLOR": "1"}
     preview = subprocess.run(
         [sys.executable, "-m", "infra.preview", str(EXAMPLE), "--outputs", "o.json", "--json"],

@@ -21,9 +21,9 @@ from gpufleet.health import (
     parse_xids,
 )
 from launcher.cluster.topology import launch_order, order, rank_order, spread_warning
-from launcher.core.command import CHECKED_MARKER
 from launcher.core.prestart import CHECKS, Expectation, expectation
 from launcher.core.types import Cluster, Node, UserError
+from launcher.core.wire import CHECKED_MARKER
 from launcher.doctor import judge, node_script
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 

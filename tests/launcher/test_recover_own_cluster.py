@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.core.command import PREEMPTION_NOTICE
+from launcher.core.wire import PREEMPTION_NOTICE
 from tests.launcher.fake_gpu_node import FakeMetadata
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
 from tests.simcluster import _environ

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.core.command import EXIT_MARKER, PREEMPTION_NOTICE, grace_line, node_commands, remote_script
+from launcher.core.command import node_commands, remote_script
 from launcher.core.env import job_env, node_env
 from launcher.core.types import (
     Cluster,
@@ -27,6 +27,7 @@ from launcher.core.types import (
     WorkerFailure,
     Workload,
 )
+from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, grace_line
 from launcher.jobs.record import STOP_GRACE_FILE, process_start, stop_script
 from launcher.jobs.recovery import RecoverPolicy, failure_of, recover_policy
 from launcher.jobs.restarts import (

@@ -25,6 +25,10 @@ SPLIT = [
     "cli.render",
     "core.session",
     "core.transport",
+    "core.wire",
+    "core.ssh",
+    "core.torchrun",
+    "core.stop",
 ]
 COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "nccl.from_files"]
 # The collective sweep's report, split by job: parse, judge, render and store, find a

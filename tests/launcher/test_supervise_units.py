@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.core.command import CHECKED_MARKER, EXIT_MARKER, attach_commands, remote_script
+from launcher.core.command import attach_commands, remote_script
 from launcher.core.supervise import ORPHAN_STOP, node_run_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, Workload
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
 from launcher.jobs.adopt import stop_script
 from launcher.jobs.record import restart_script
 

@@ -23,17 +23,12 @@ from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.cli import main
 from launcher.cluster.discovery import cluster_from_outputs, local_cluster, parse_hostfile
 from launcher.cluster.topology import launch_order
-from launcher.core.command import (
-    CHECKED_MARKER,
-    EXIT_MARKER,
-    join_timeout_s,
-    node_commands,
-    remote_command,
-    remote_script,
-    torchrun_argv,
-)
+from launcher.core.command import node_commands, remote_script
 from launcher.core.env import node_env, parse_env_pairs
+from launcher.core.ssh import remote_command
+from launcher.core.torchrun import join_timeout_s, torchrun_argv
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
 from tests.support import LAUNCH, REPO
 
 HOSTILE = '"; rm -rf ~'
@@ -722,8 +717,8 @@ def test_preflight_warns_about_a_skewed_clock_and_a_wrong_hostname():
 
 
 def test_connections_through_a_proxy_are_bounded_below_maxstartups():
-    from launcher.core.command import ssh_base_argv
     from launcher.core.preflight import through_gateway
+    from launcher.core.ssh import ssh_base_argv
     from launcher.core.transport import Transport
     from launcher.core.types import SshConfig
 
@@ -740,7 +735,7 @@ def test_connections_through_a_proxy_are_bounded_below_maxstartups():
 
 
 def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win():
-    from launcher.core.command import ssh_argv, ssh_base_argv
+    from launcher.core.ssh import ssh_argv, ssh_base_argv
     from launcher.core.types import SshConfig
 
     base = ssh_base_argv(
@@ -901,7 +896,7 @@ class _BashHereSshToNode1:
     local = False
 
     def __init__(self, tmp_path):
-        from launcher.core.command import ssh_base_argv
+        from launcher.core.ssh import ssh_base_argv
         from launcher.core.types import SshConfig
 
         ssh = SshConfig(options=("Port=1",), connect_timeout=3)
@@ -911,7 +906,7 @@ class _BashHereSshToNode1:
         self.ssh_base = ssh_base_argv(ssh, control, str(tmp_path / "known_hosts"))
 
     def argv(self, node, script):
-        from launcher.core.command import remote_command, ssh_argv
+        from launcher.core.ssh import remote_command, ssh_argv
 
         if node.rank == 0:
             return ["bash", "--norc", "--noprofile", "-c", script]

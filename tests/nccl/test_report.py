@@ -236,7 +236,7 @@ def test_nccl_tests_command_builds_a_hostfile_free_mpirun():
 
 
 def test_the_report_api_is_the_owning_modules_names():
-    """README "Library API": every name nccl_report offers is the object its owning module defines."""
+    """docs/reference/nccl-api.md: every name nccl_report offers is the object its owning module defines."""
     import importlib
 
     owners = {

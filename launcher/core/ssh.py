@@ -1,0 +1,72 @@
+"""The ssh command line that carries a node program: OpenSSH's options (the user's first), the
+node, and the remote command that hands the program to bash. Pure functions: they build argv.
+
+Everything that crosses a shell goes through `shlex.quote`."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from launcher.core.types import Node, SshConfig
+
+__all__ = ["remote_command", "ssh_base_argv", "ssh_argv"]
+
+
+def remote_command(script: str) -> str:
+    """What goes on the ssh command line: the remote login shell runs bash with our program.
+
+    `--norc`: bash started by sshd reads ~/.bashrc (bash(1), INVOCATION: "run by the remote
+    shell daemon"); the login shell already did, and a second pass (pyenv, conda...) costs a
+    noticeable part of a short command's time on every node."""
+    return f"exec bash --norc --noprofile -c {shlex.quote(script)}"
+
+
+def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[str]:
+    """ssh and its options. The user's options come first: OpenSSH keeps the first value it
+    obtains for each option (ssh_config(5)), so `--ssh-option` wins over our defaults."""
+    argv = ["ssh"]
+    for opt in ssh.options:
+        argv += ["-o", opt]
+    if ssh.user:
+        argv += ["-l", ssh.user]
+    if ssh.key:
+        argv += ["-i", str(ssh.key)]
+    if ssh.iap:
+        if not ssh.zone:
+            raise ValueError("--iap needs the zone")
+        # gcloud's documented tunnel-through-IAP ProxyCommand for OpenSSH.
+        argv += [
+            "-o",
+            f"ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin --zone {shlex.quote(ssh.zone)}",
+        ]
+    argv += [
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={ssh.connect_timeout}",
+        # Keep-alives: a node that vanished is noticed within 3 x 2 s.
+        "-o",
+        "ServerAliveInterval=2",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        f"UserKnownHostsFile={known_hosts}",
+        # First contact records the key; a changed key is refused. Never "no".
+        "-o",
+        "StrictHostKeyChecking=accept-new",
+        "-o",
+        "ControlMaster=auto",
+        "-o",
+        f"ControlPath={control_dir}/%C",
+        "-o",
+        f"ControlPersist={ssh.control_persist}",
+        "-o",
+        "LogLevel=ERROR",
+        "-T",
+    ]
+    return argv
+
+
+def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
+    return [*base, node.host, "--", command]

@@ -257,25 +257,7 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
     elif src == "stack":
         cluster = discovery.read_stack(o["stack"], prefer_external=ext)
     else:
-        labels = {}
-        for pair in o["labels"]:
-            k, sep, v = pair.partition("=")
-            if not sep:
-                raise UserError(f"--label {pair!r} is not KEY=VALUE")
-            labels[k] = v
-        if not o.get("project") or not o.get("zone"):
-            raise UserError("--label needs --project and --zone")
-        client = None
-        if o.get("api_endpoint"):
-            from google.auth.credentials import AnonymousCredentials
-            from google.cloud import compute_v1
-
-            client = compute_v1.InstancesClient(
-                credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": o["api_endpoint"]}
-            )
-        cluster = discovery.discover_by_label(
-            labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
-        )
+        cluster = _label_cluster(o, ext)
     _check_machine_type(cluster, "--machine-type" if o.get("machine_type") else _SOURCE_NAME[src](o))
     if o.get("controller"):
         host = o["controller"]
@@ -285,6 +267,28 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
         _check_machine_type(cluster, "--machine-type")
     exclude = tuple(h.strip() for h in (o.get("exclude") or "").split(",") if h.strip())
     return cluster.select(o.get("nodes"), exclude)
+
+
+def _label_cluster(o: dict[str, Any], ext: bool) -> Cluster:
+    labels = {}
+    for pair in o["labels"]:
+        k, sep, v = pair.partition("=")
+        if not sep:
+            raise UserError(f"--label {pair!r} is not KEY=VALUE")
+        labels[k] = v
+    if not o.get("project") or not o.get("zone"):
+        raise UserError("--label needs --project and --zone")
+    client = None
+    if o.get("api_endpoint"):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import compute_v1
+
+        client = compute_v1.InstancesClient(
+            credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": o["api_endpoint"]}
+        )
+    return discovery.discover_by_label(
+        labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
+    )
 
 
 _SOURCE_NAME = {
@@ -338,7 +342,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
     )
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
-    return LaunchConfig(
+    config = LaunchConfig(
         workload=workload,
         nproc_per_node=o.get("nproc_per_node"),
         max_restarts=o.get("max_restarts", 0),
@@ -360,6 +364,18 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         progress=parse_progress(o.get("progress"), hang_timeout_s),
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
+    return _with_host_keys(o, cluster, config)
+
+
+def _with_host_keys(o: dict[str, Any], cluster: Cluster, config: LaunchConfig) -> LaunchConfig:
+    """The config with how ssh checks the cluster's host keys, its known_hosts made ready before
+    the first connection (launcher.cluster.host_keys.host_key_checking); a dry run reads nothing."""
+    if config.dry_run or cluster.local:
+        return config
+    from launcher.cluster.host_keys import host_key_checking
+
+    checking = host_key_checking(cluster, config.ssh, o.get("api_endpoint"))
+    return replace(config, ssh=replace(config.ssh, host_key_checking=checking))
 
 
 def _term_grace(text: str) -> float:

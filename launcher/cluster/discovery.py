@@ -31,9 +31,12 @@ __all__ = [
 _SLOTS_RE = re.compile(r"slots=(\d+)")
 
 
-def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None = None) -> Cluster:
+def parse_hostfile(
+    text: str, source: str = "hostfile", machine_type: str | None = None, name: str | None = None
+) -> Cluster:
     """One host per line, optional `slots=N`, `#` comments and blank lines ignored; one line
-    `controller HOST` names the host of detached jobs' controllers (not a node).
+    `controller HOST` names the host of detached jobs' controllers (not a node). `name`: the
+    cluster's (read_hostfile: the file's absolute path), else one made from `source`.
 
     Line order is rank order (the first host is node 0, the rendezvous host).
     """
@@ -69,7 +72,9 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
             raise UserError(f"{source} line {lineno}: {e}") from None
     if not nodes:
         raise UserError(f"{source} lists no hosts; write one host per line (`#` starts a comment)")
-    return Cluster(name=_cluster_name(source), nodes=tuple(nodes), machine_type=machine_type, controller=controller)
+    return Cluster(
+        name=name or _cluster_name(source), nodes=tuple(nodes), machine_type=machine_type, controller=controller
+    )
 
 
 def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
@@ -81,7 +86,9 @@ def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
         raise UserError(
             f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}); write one host name or address per line"
         ) from None
-    return parse_hostfile(text, source=str(path), machine_type=machine_type)
+    # Named by its absolute path: two files called `hosts` are two clusters, each with its own
+    # known_hosts file (launcher.core.transport.cluster_slug).
+    return parse_hostfile(text, source=str(path), machine_type=machine_type, name=str(path.resolve()))
 
 
 def address_of(host: str) -> str:

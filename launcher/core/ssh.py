@@ -52,9 +52,10 @@ def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[st
         "ServerAliveCountMax=3",
         "-o",
         f"UserKnownHostsFile={known_hosts}",
-        # First contact records the key; a changed key is refused. Never "no".
+        # "yes": the keys the Compute Engine API publishes are there already; "accept-new": first
+        # contact records the key. Either way a changed key is refused. Never "no".
         "-o",
-        "StrictHostKeyChecking=accept-new",
+        f"StrictHostKeyChecking={ssh.host_key_checking}",
         "-o",
         "ControlMaster=auto",
         "-o",

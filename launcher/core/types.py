@@ -196,6 +196,9 @@ class SshConfig:
     connect_timeout: int = 10
     concurrency: int = 8  # sshd's default MaxStartups is 10:30:100; stay below 10
     control_persist: str = "10m"
+    # "yes" where known_hosts holds every node's published keys (launcher.cluster.host_keys);
+    # "accept-new" (trust on first use, a changed key refused) where nothing publishes them.
+    host_key_checking: str = "accept-new"
 
 
 def new_job_id() -> str:

@@ -110,6 +110,8 @@ def dry_run(o: dict[str, Any], n0: Node0, steps: list[tuple[str, str]]) -> bool:
     there, `HOST<TAB>what<TAB>command`, and connect to nothing (True); False without --dry-run."""
     if not o.get("dry_run"):
         return False
+    if n0.transport.route(n0.head):
+        err.print(f"[dim]{escape(n0.head.label)}: {escape(n0.transport.route(n0.head))}[/dim]")
     for what, script in steps:
         click.echo(f"{n0.head.host}\t{what}\t{n0.transport.display(n0.head, script)}")
     return True

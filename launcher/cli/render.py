@@ -146,7 +146,10 @@ def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
             err.print(f"[dim]{escape(order.message)}[/dim]")
         transport = make_transport(cluster, config)
         for rank, script in node_commands(cluster, config).items():
-            click.echo(f"{cluster.nodes[rank].host}\t{transport.display(cluster.nodes[rank], script)}")
+            node = cluster.nodes[rank]
+            if transport.route(node):  # --iap: the tunnel each node's connection would take
+                err.print(f"[dim]{escape(node.label)}: {escape(transport.route(node))}[/dim]")
+            click.echo(f"{node.host}\t{transport.display(node, script)}")
         return None
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)

@@ -5,6 +5,7 @@ offers it is tested here without being named. `ssh` and `gcloud` on PATH record 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import click
 import pytest
 
 from launcher.cli.main import main
+from tests.launcher.fake_compute import FakeCompute
 from tests.support import LAUNCH
 
 JOB = "20260101-120000-abcdef"
@@ -91,3 +93,21 @@ def test_stop_dry_run_shows_the_stop_it_would_send(tmp_path):
     lines = p.stdout.splitlines()
     assert [line.split("\t")[1] for line in lines][-1].startswith(f"stop job {JOB}")
     assert all(line.startswith("192.0.2.10\t") for line in lines), p.stdout
+
+
+@pytest.mark.parametrize("command", ["exec", "jobs", "logs", "stop", "attach"])
+def test_a_dry_run_through_iap_runs_no_tunnel_and_shows_it(tmp_path, command):
+    env, calls = _recorders(tmp_path)
+    outputs = tmp_path / "o.json"
+    nodes = [{"name": f"dev-{i}", "index": i, "internalIp": f"192.0.2.{10 + i}", "externalIp": None} for i in range(2)]
+    outputs.write_text(
+        json.dumps({"cluster": "dev", "project": "p", "zone": "z1", "machineType": None, "nodes": nodes})
+    )
+    with FakeCompute({}) as api:  # where the nodes' host keys would be read: not in a dry run
+        argv = [LAUNCH, command, "--outputs", str(outputs), "--iap", "--api-endpoint", api.endpoint, "--dry-run"]
+        argv += [] if command == "jobs" else ARGS.get(command, ["--", "true"])
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not calls.exists(), calls.read_text()  # neither gcloud nor ssh
+    assert api.requests == []
+    assert "through IAP: gcloud compute start-iap-tunnel dev-0 22 --listen-on-stdin --zone z1" in p.stderr

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path of gpufleet, run on a GPU machine; bench/RESULTS.md records what it printed.
-#   bash bench/gpu_checks.sh [STAGE...]    stages: env train compile paths sweep smi doctor top (default: all)
+#   bash bench/gpu_checks.sh [STAGE...]    stages: env train compile plan paths sweep smi doctor top (default: all)
 # Needs python3 with a CUDA torch, click and rich; writes metrics and logs under $OUT (default
 # /tmp/gpufleet-gpu). Nothing here runs in the test suite or CI: they have no GPU.
 set -uo pipefail
@@ -8,7 +8,7 @@ out=${OUT:-/tmp/gpufleet-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 launch() { python3 -m launcher "$@"; }
-stages=${*:-env train compile paths sweep smi doctor top}
+stages=${*:-env train compile plan paths sweep smi doctor top}
 
 # One node, one process: the GPU's own throughput (the launcher adds nothing per step).
 train() {  # model micro_batch steps [extra train args...]
@@ -34,6 +34,20 @@ for stage in $stages; do
             train 124M 16 60 --compile
             train 350M 16 60 --compile
             train 350M 32 60 --compile
+            ;;
+        plan)
+            # The memory plan against the peaks it models: llama3-1b, micro-batch 4, seq 2048, one
+            # rank, eager, checkpointed, compiled, and both; then FSDP2 with meta init on one rank.
+            # The log's peak memory is torch.cuda.max_memory_allocated; the plan's (a 1-GPU machine
+            # type: the bytes do not depend on it) is its total less the 2 GiB reserve.
+            for mode in "" "--activation-checkpointing" "--compile" "--compile --activation-checkpointing"; do
+                # shellcheck disable=SC2086  # $mode is zero to two flags
+                train llama3-1b 4 40 --seq-len 2048 $mode
+                # shellcheck disable=SC2086
+                python3 -m workloads.train --plan --plan-machine-type a3-highgpu-1g --model llama3-1b \
+                    --micro-batch 4 --seq-len 2048 $mode | grep -E "^mode|  total"
+            done
+            train llama3-1b 4 40 --seq-len 2048 --parallelism fsdp --init-device meta
             ;;
         paths)
             # The other GPU-only paths once each: FSDP2, fp16 with its GradScaler, the profiler

@@ -39,6 +39,8 @@ __all__ = [
     "LABEL_CONTROLLER",
     "CONTROLLER_VENV",
     "CONTROLLER_READY_MARKER",
+    "RXDM_CONTAINER",
+    "RXDM_SOCKET_DIR",
     "OUTPUT_KEYS",
     "NODE_KEYS",
     "CONTROLLER_KEYS",
@@ -98,6 +100,13 @@ CONTROLLER_VENV = "/opt/gpufleet/venv"
 # without gpufleet:controllerSource).
 CONTROLLER_READY_MARKER = "/var/lib/gpufleet/controller-ready.json"
 
+# On A3 High and A3 Mega nodes the startup script runs GPUDirect's receive-datapath manager (RxDM)
+# as the docker container of this name (`docker ps --filter name=^receive-datapath-manager$`
+# lists it while it runs); on A3 High its Unix sockets are in RXDM_SOCKET_DIR (TCPX's --uds_path,
+# which a job's container mounts at the same path). TCPXO's RxDM has no socket directory.
+RXDM_CONTAINER = "receive-datapath-manager"
+RXDM_SOCKET_DIR = "/run/tcpx"
+
 
 # ---- the stack outputs ---------------------------------------------------------------------------
 
@@ -112,6 +121,9 @@ OUTPUT_KEYS = (
     "placementPolicy",
     "networks",
     "checkpointBucket",
+    "packageIndex",
+    "image",
+    "imageRepository",
 )
 # One entry of `nodes`. externalIp is null unless the stack asks for external IPs.
 NODE_KEYS = ("name", "index", "internalIp", "externalIp", "zone")
@@ -184,10 +196,29 @@ def stack_outputs(
     networks: Any,
     checkpoint_bucket: Any,
     controller: dict[str, Any] | None = None,
+    package_index: Any = None,
+    image: Any = None,
+    image_repository: Any = None,
 ) -> dict[str, Any]:
     """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports.
-    `controller` (a controller_output) is left out when None: a stack without one has no key."""
-    values = (cluster, project, zone, machine_type, nodes, controller, placement_policy, networks, checkpoint_bucket)
+    `controller` (a controller_output) is left out when None: a stack without one has no key.
+    `packageIndex`: pip's index URL of the cluster's PyPI repository (null when the stack has none);
+    `image`: the stack's default container image (gpufleet:containerImage; null when unset);
+    `imageRepository`: the docker repository the nodes can pull from (HOST/PROJECT/REPOSITORY)."""
+    values = (
+        cluster,
+        project,
+        zone,
+        machine_type,
+        nodes,
+        controller,
+        placement_policy,
+        networks,
+        checkpoint_bucket,
+        package_index,
+        image,
+        image_repository,
+    )
     return {k: v for k, v in zip(OUTPUT_KEYS, values) if k != "controller" or controller is not None}
 
 
@@ -360,7 +391,7 @@ def sweep_json_line(doc: Mapping[str, Any]) -> str:
 # launcher names the node that printed one before it was stopped as the cause of a failure.
 ERROR_PREFIX = "error: "  # workloads.train
 SWEEP_ERROR_PREFIX = "sweep: "  # workloads.sweep
-LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.core.command)
+LAUNCHER_ERROR_PREFIX = "gpufleet: "  # the launcher's node-side program (launcher.core.program)
 ERROR_LINE_PREFIXES = (ERROR_PREFIX, SWEEP_ERROR_PREFIX, LAUNCHER_ERROR_PREFIX)
 
 

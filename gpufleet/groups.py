@@ -24,7 +24,7 @@ from gpufleet.contracts import JSON_MARKER
 
 __all__ = ["NODE_RANK_ENV", "Plan", "format_rounds", "parse_rounds", "group_documents"]
 
-# Exported by launcher.core.command's node script on every node: the node's index in the launch.
+# Exported by launcher.core.program's node script on every node: the node's index in the launch.
 NODE_RANK_ENV = "GPUFLEET_NODE_RANK"
 
 Plan = list[list[tuple[int, ...]]]

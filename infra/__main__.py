@@ -19,12 +19,13 @@ if _ROOT not in sys.path:
 import pulumi  # noqa: E402
 
 from gpufleet.contracts import stack_outputs  # noqa: E402
-from infra.config import ConfigError, read_spec  # noqa: E402
+from infra.config import ConfigError, read_spec, spec_warnings  # noqa: E402
 from infra.controller import ControllerVm, ControllerVmArgs  # noqa: E402
 from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
 from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
 from infra.nodes import NodePool, NodePoolArgs  # noqa: E402
 from infra.placement import PlacementPolicy, PlacementPolicyArgs  # noqa: E402
+from infra.registries import Registries, RegistriesArgs, docker_host  # noqa: E402
 from infra.restart_grant import RestartGrant, RestartGrantArgs  # noqa: E402
 from infra.startup import render_controller_script, render_startup_script  # noqa: E402
 
@@ -35,6 +36,8 @@ def main() -> None:
     except ConfigError as e:
         # RunError: Pulumi prints the message alone, without a Python traceback.
         raise pulumi.RunError(str(e)) from None
+    for warning in spec_warnings(spec):
+        pulumi.log.warn(warning)
 
     networks = GpuNetworks(
         f"{spec.cluster}-networks",
@@ -71,15 +74,37 @@ def main() -> None:
             labels=spec.cluster_labels,
         ),
     )
+    # The jobs' images and (unless turned off) PyPI cached in the region; the nodes read both.
+    registries = Registries(
+        f"{spec.cluster}-registries",
+        RegistriesArgs(
+            cluster=spec.cluster,
+            project=spec.project,
+            region=spec.region,
+            labels=spec.cluster_labels,
+            package_index=spec.package_index,
+            reader=identity.member,
+        ),
+    )
     pool = NodePool(
         f"{spec.cluster}-nodes",
         NodePoolArgs(
             spec=spec,
             nic_targets=networks.nic_targets,
             service_account_email=identity.email,
-            startup_script=render_startup_script(spec.machine, cluster=spec.cluster, image_os=spec.image_os),
+            startup_script=render_startup_script(
+                spec.machine,
+                cluster=spec.cluster,
+                image_os=spec.image_os,
+                docker_registries=(docker_host(spec.region),),
+            ),
             placement_policy=placement.self_link if placement else None,
-            depends_on=[*networks.attach_after, *identity.grants, *([placement.policy] if placement else [])],
+            depends_on=[
+                *networks.attach_after,
+                *identity.grants,
+                *registries.grants,
+                *([placement.policy] if placement else []),
+            ],
         ),
     )
 
@@ -111,7 +136,6 @@ def main() -> None:
                 startup_script=render_controller_script(cluster=spec.cluster, source=spec.controller_source),
                 restart_role=restart.role_name,
                 nodes=[(f"{spec.cluster}-{i}", inst) for i, inst in enumerate(pool.instances)],
-                checkpoint_bucket=identity.bucket_name,
                 depends_on=networks.attach_after,
                 grants_after=[restart.role],
             ),
@@ -127,6 +151,9 @@ def main() -> None:
         networks=networks.summary,
         checkpoint_bucket=identity.bucket_name,
         controller=controller.output if controller else None,
+        package_index=registries.package_index_url,
+        image=spec.container_image,
+        image_repository=registries.docker_url,
     )
     for key, value in outputs.items():
         pulumi.export(key, value)

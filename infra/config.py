@@ -32,6 +32,7 @@ __all__ = [
     "read_spec",
     "read_stack_file",
     "read_stack_config",
+    "spec_warnings",
     "main",
 ]
 
@@ -68,6 +69,10 @@ DEFAULTS: dict[str, Any] = {
     # controller's venv holds google-cloud-compute alone and the launcher ships its own code there
     # at first use, as it ships it to node 0, so the controller runs the client's launcher.
     "controllerSource": None,
+    # An Artifact Registry remote repository caching PyPI in the nodes' region (infra/registries.py).
+    "packageIndex": True,
+    # No default container image: jobs run on the host unless `launch --image` or this names one.
+    "containerImage": None,
 }
 
 # Every key this program reads, in the namespace `gpufleet`. Anything else there is a typo.
@@ -89,6 +94,8 @@ KEYS = (
     "labels",
     "controller",
     "controllerSource",
+    "packageIndex",
+    "containerImage",
 )
 
 _PLACEMENTS = ("compact", "none")
@@ -113,6 +120,14 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _SOURCE_RE = re.compile(
     r"^(git\+https://[a-z0-9.-]+(:[0-9]{1,5})?/[A-Za-z0-9._~/-]+(@[A-Za-z0-9._/-]+)?"
     r"|https://[a-z0-9.-]+(:[0-9]{1,5})?/[A-Za-z0-9._~/%+-]+\.(whl|tar\.gz|zip))$"
+)
+
+
+# A container image reference (https://github.com/distribution/reference reference.go grammar,
+# lowercase path components): [HOST[:PORT]/]PATH[:TAG][@sha256:DIGEST].
+_CONTAINER_IMAGE_RE = re.compile(
+    r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]{1,5})?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
 )
 
 
@@ -153,6 +168,10 @@ class FleetSpec:
     controller_source: str | None = None
     """What the controller's startup script pip-installs gpufleet from; None: the launcher ships
     its own code to the controller at first use (infra/startup.py render_controller_script)."""
+    package_index: bool = True
+    """Declare the PyPI remote repository and export its URL as `packageIndex`."""
+    container_image: str | None = None
+    """The jobs' default container image, exported as `image`; None: none."""
 
     @property
     def region(self) -> str:
@@ -464,6 +483,19 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         if not controller:
             raise _fail(_key("controllerSource"), controller_source, "only with gpufleet:controller true")
 
+    package_index = (
+        DEFAULTS["packageIndex"] if get("packageIndex") is None else _bool("packageIndex", get("packageIndex"))
+    )
+    container_image = None
+    if get("containerImage") is not None:
+        container_image = _string(
+            "containerImage",
+            get("containerImage"),
+            _CONTAINER_IMAGE_RE,
+            "a container image such as us-central1-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE:TAG "
+            "(or @sha256:DIGEST); gpufleet:image is the nodes' boot disk image",
+        )
+
     return FleetSpec(
         cluster=cluster,
         project=project,
@@ -484,7 +516,25 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         labels=labels,
         controller=controller,
         controller_source=controller_source,
+        package_index=package_index,
+        container_image=container_image,
     )
+
+
+def spec_warnings(spec: FleetSpec) -> list[str]:
+    """What a valid config grants that a user should know about, one line each (nothing refused):
+    `python -m infra.config`, the preview and `pulumi up` print them."""
+    out = []
+    if spec.external_ip:
+        # Every node (and the controller) gets a public address; the SSH rule admits these sources.
+        open_to_all = [r for r in spec.ssh_source_ranges if ipaddress.ip_network(r).prefixlen == 0]
+        if open_to_all:
+            out.append(
+                f"{_key('sshSourceRanges')} {open_to_all[0]} with {_key('externalIp')} true opens SSH (tcp:22) on "
+                "every node's and the controller's public address to the whole internet; keep the default "
+                f"(IAP's {IAP_RANGE}, `gcloud compute ssh --tunnel-through-iap`) or name your own ranges"
+            )
+    return out
 
 
 def read_spec() -> FleetSpec:
@@ -575,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for warning in spec_warnings(spec):
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
         f"placement {spec.placement}{', a controller VM' if spec.controller else ', no controller VM'})"

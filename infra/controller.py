@@ -4,12 +4,9 @@ such a VM; Slurm runs slurmctld off the compute nodes).
 
 It holds its own service account with only what recovery needs:
 - `compute.instances.get` and `.start` on each of the cluster's own nodes: the custom role the
-  nodes' restart grant uses (infra/restart_grant.py), bound per instance, never on the project;
-- read and write of the checkpoint bucket's objects when the stack has one (`roles/storage.objectUser`,
-  the nodes' role there: objects only, no bucket or IAM administration). The bucket is the stack's
-  one job-facing bucket and the config has no prefix within it, so the grant covers the bucket
-  and carries no IAM condition.
-No project-level role: the controller runs no logging or monitoring agent (stock Ubuntu, and its
+  nodes' restart grant uses (infra/restart_grant.py), bound per instance, never on the project.
+Nothing on the checkpoint bucket: the launcher never reads or writes it (the nodes' jobs do, with
+the nodes' own grant). No project-level role: the controller runs no logging or monitoring agent (stock Ubuntu, and its
 startup script installs none), so the nodes' logWriter/metricWriter would be unused; nor does it
 pull images (artifactregistry.reader). Its logs are files the launcher reads over SSH.
 """
@@ -24,7 +21,7 @@ import pulumi
 import pulumi_gcp as gcp
 
 from gpufleet.contracts import LABEL_CONTROLLER, controller_output
-from infra.identity import BUCKET_ROLE, service_account_email
+from infra.identity import service_account_email
 
 __all__ = [
     "CONTROLLER_MACHINE_TYPE",
@@ -80,7 +77,6 @@ class ControllerVmArgs:
     """The full name of the custom role that may get and start an instance (RestartGrant.role_name)."""
     nodes: Sequence[tuple[str, pulumi.Resource]]
     """(instance name, the Instance resource) for every node."""
-    checkpoint_bucket: pulumi.Input[str] | None = None
     depends_on: Sequence[pulumi.Resource] = ()
     """What the VM must be created after: its subnet and the NAT its first boot downloads through."""
     grants_after: Sequence[pulumi.Resource] = ()
@@ -122,14 +118,6 @@ class ControllerVm(pulumi.ComponentResource):
             )
             for instance_name, instance in args.nodes
         ]
-        if args.checkpoint_bucket is not None:
-            self.grants.append(
-                gcp.storage.BucketIAMMember(
-                    f"{args.cluster}-controller-checkpoints",
-                    gcp.storage.BucketIAMMemberArgs(bucket=args.checkpoint_bucket, role=BUCKET_ROLE, member=member),
-                    opts=pulumi.ResourceOptions(parent=self, depends_on=[account]),
-                )
-            )
 
         self.instance = gcp.compute.Instance(
             vm_name,

@@ -17,13 +17,12 @@ __all__ = [
     "NodeIdentity",
 ]
 
-# What a node needs and nothing more: write its logs and metrics, pull the GPUDirect images from
-# Artifact Registry (dstack grants roles/artifactregistry.reader for them: github.com/dstackai/dstack
-# mkdocs/docs/examples/clusters/gcp.md).
+# What a node needs on the project and nothing more: write its logs and metrics. It reads Artifact
+# Registry only in the cluster's own repositories, granted on each (infra/registries.py); Google's
+# GPUDirect images live in Google's public project gce-ai-infra, which needs no grant here.
 NODE_ROLES = (
     "roles/logging.logWriter",
     "roles/monitoring.metricWriter",
-    "roles/artifactregistry.reader",
 )
 # Read, write and delete objects in the one bucket (checkpoints are overwritten and pruned), no
 # bucket administration (https://cloud.google.com/storage/docs/access-control/iam-roles).
@@ -104,6 +103,7 @@ class NodeIdentity(pulumi.ComponentResource):
         else:
             self.email = args.service_account
             member = f"serviceAccount:{args.service_account}"
+        self.member = member
 
         self.bucket_name: pulumi.Output[str] | None = None
         if args.checkpoint_bucket is not None:

@@ -39,8 +39,9 @@ from rich.table import Table
 from gpufleet import atomic
 from gpufleet.catalog import on_demand_price
 from gpufleet.contracts import LABEL_CONTROLLER, LABEL_NODE
-from infra.config import ConfigError, parse_spec, read_stack_config
+from infra.config import ConfigError, parse_spec, read_stack_config, spec_warnings
 from infra.mocks import Declared, RecordingMocks, run_under_mocks
+from infra.registries import FREE_GB, PRICING_SOURCE, STORAGE_USD_PER_GB_MONTH
 
 __all__ = [
     "MAIN",
@@ -155,10 +156,29 @@ def _rank(inst: Declared) -> tuple[int, str]:
     return (int(index) if index.isdigit() else sys.maxsize, inst.inputs.get("name", inst.name))
 
 
-def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
+def _grants_to(preview: Preview, inputs: dict[int, dict[str, Any]], member: str) -> list[dict[str, str]]:
+    """Every IAM grant the program binds to `member`: on instances, buckets, repositories and the
+    project; instance grants first, then by what they are on."""
+    kinds = (
+        ("InstanceIAMMember", "instance", "instanceName"),
+        ("BucketIAMMember", "bucket", "bucket"),
+        ("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember", "repository", "repository"),
+        ("gcp:projects/iAMMember:IAMMember", "project", "project"),
+    )
+    grants = [
+        {"role": inputs[id(g)]["role"], "on": f"{kind} {inputs[id(g)][key]}"}
+        for token, kind, key in kinds
+        for g in preview.of_type(token)
+        if inputs[id(g)].get("member") == member
+    ]
+    return sorted(grants, key=lambda g: (g["on"].split()[0] != "instance", g["on"], g["role"]))
+
+
+def summarize(preview: Preview, *, stack: str, warnings: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """What `pulumi up` would create, as plain data: resource counts by type, networks, each node
-    (machine type, zone, NICs, placement, scheduling, service account, labels), the service
-    account's roles, the bucket, firewall rules, and the stack outputs (placeholder addresses)."""
+    (machine type, zone, NICs, placement, scheduling, service account, labels), every grant to the
+    service accounts, the bucket, the Artifact Registry repositories and what they cost, firewall
+    rules, and the stack outputs (placeholder addresses). `warnings`: infra.config.spec_warnings."""
     # By resource, not by name: a component and its own resource may share a name (NodePool and
     # the nodes' Account are both `<cluster>-nodes`).
     inputs = {id(d): _plain(d.inputs) for d in preview.declared}
@@ -245,7 +265,31 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
             for g in preview.of_type("BucketIAMMember")
             if inputs[id(g)].get("member") == member
         ],
+        # Every grant, a given account's included (the program binds roles to it too).
+        "grants": _grants_to(preview, inputs, member) if email else [],
     }
+    out = preview.outputs
+    registries = [
+        {
+            "name": r["repositoryId"],
+            "format": r.get("format"),
+            "mode": r.get("mode"),
+            "location": r.get("location"),
+            "upstream": ((r.get("remoteRepositoryConfig") or {}).get("pythonRepository") or {}).get("publicRepository"),
+            "url": out.get("packageIndex") if r.get("format") == "PYTHON" else out.get("imageRepository"),
+            "readers": sorted(
+                inputs[id(g)]["member"]
+                for g in preview.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember")
+                if inputs[id(g)].get("repository") == r["repositoryId"]
+            ),
+            "cost": {
+                "usdPerGbMonth": STORAGE_USD_PER_GB_MONTH,
+                "freeGb": FREE_GB,
+                "source": PRICING_SOURCE,
+            },
+        }
+        for r in (inputs[id(d)] for d in preview.of_type("gcp:artifactregistry/repository:Repository"))
+    ]
     # Networks in the program's NIC order (the `networks` output), subnets by address: the
     # mocks see registrations in whatever order they arrive.
     order = [n["name"] for n in preview.outputs.get("networks") or []]
@@ -298,24 +342,7 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
         sched = i.get("scheduling") or {}
         ctl_member = f"serviceAccount:{(i.get('serviceAccount') or {}).get('email')}"
         price = on_demand_price(i.get("machineType", ""))
-        grants = sorted(
-            [
-                {"role": inputs[id(g)]["role"], "on": f"instance {inputs[id(g)]['instanceName']}"}
-                for g in preview.of_type("InstanceIAMMember")
-                if inputs[id(g)].get("member") == ctl_member
-            ]
-            + [
-                {"role": inputs[id(g)]["role"], "on": f"bucket {inputs[id(g)]['bucket']}"}
-                for g in preview.of_type("BucketIAMMember")
-                if inputs[id(g)].get("member") == ctl_member
-            ]
-            + [
-                {"role": inputs[id(g)]["role"], "on": f"project {inputs[id(g)]['project']}"}
-                for g in preview.of_type("gcp:projects/iAMMember:IAMMember")
-                if inputs[id(g)].get("member") == ctl_member
-            ],
-            key=lambda g: (g["on"].split()[0] != "instance", g["on"], g["role"]),
-        )
+        grants = _grants_to(preview, inputs, ctl_member)
         listed = preview.outputs.get("controller") or {}
         controller = {
             "name": i["name"],
@@ -340,7 +367,6 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
                 "retrieved": price.retrieved,
             },
         }
-    out = preview.outputs
     return {
         "stack": stack,
         "cluster": out.get("cluster"),
@@ -348,6 +374,7 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
         "zone": out.get("zone"),
         "machineType": out.get("machineType"),
         "note": _SUMMARY_NOTE,
+        "warnings": list(warnings),
         "resources": resources,
         "networks": network_rows,
         "placementPolicies": policies,
@@ -355,6 +382,7 @@ def summarize(preview: Preview, *, stack: str) -> dict[str, Any]:
         "controller": controller,
         "serviceAccount": account,
         "buckets": buckets,
+        "registries": registries,
         "firewalls": firewalls,
         "outputs": out,
     }
@@ -367,6 +395,24 @@ def outputs_document(preview: Preview) -> dict[str, Any]:
 
 
 # ---- the command ---------------------------------------------------------------------------------
+
+
+def _grants_table(t: Table, account: str, grants: list[dict[str, str]]) -> Table:
+    """One row per role and kind of target: the restart role is granted on every node's instance,
+    which a 128-node fleet would otherwise list 128 times."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for g in grants:
+        kind, _, target = g["on"].partition(" ")
+        rows.setdefault((g["role"], kind), []).append(target)
+    for k, ((role, kind), targets) in enumerate(rows.items() or [(("(none granted here)", ""), [""])]):
+        if len(targets) == 1:
+            on = f"{kind} {targets[0]}"
+        elif kind == "instance":
+            on = f"each node's instance ({len(targets)})"
+        else:
+            on = f"{kind} " + ", ".join(targets)
+        t.add_row(escape(account) if k == 0 else "", escape(role), escape(on.strip()))
+    return t
 
 
 def _render(summary: dict[str, Any], console: Console) -> None:
@@ -384,6 +430,8 @@ def _render(summary: dict[str, Any], console: Console) -> None:
         f"{escape(str(s['cluster']))}, {len(s['nodes'])} x {escape(str(s['machineType']))} in "
         f"{escape(str(s['zone']))} (project {escape(str(s['project']))})"
     )
+    for warning in s["warnings"]:
+        console.print(f"[yellow]warning: {escape(warning)}[/yellow]")
     t = table("Resources", "type")
     t.add_column("count", justify="right")
     for r in s["resources"]:
@@ -460,13 +508,19 @@ def _render(summary: dict[str, Any], console: Console) -> None:
         console.print(t)
 
     a = s["serviceAccount"]
-    t = table("Service account", "account", "role", "on")
-    how = "created" if a["created"] else "existing, used as is"
-    rows = [(r, f"project {s['project']}") for r in a["projectRoles"]]
-    rows += [(b["role"], f"bucket {b['bucket']}") for b in a["bucketRoles"]]
-    for k, (role, on) in enumerate(rows or [("(none granted here)", "")]):
-        t.add_row(f"{a['email']} ({how})" if k == 0 else "", role, escape(on))
-    console.print(t)
+    how = "created" if a["created"] else "existing: these grants are added to it"
+    console.print(
+        _grants_table(table("Service account", "account", "role", "on"), f"{a['email']} ({how})", a["grants"])
+    )
+    for r in s["registries"]:
+        what = f"remote repository of {r['upstream']}" if r["upstream"] else f"{r['format'].lower()} repository"
+        cost = r["cost"]
+        console.print(
+            f"artifact registry [bold]{escape(r['name'])}[/bold]: {what} in {r['location']}, {escape(str(r['url']))}; "
+            f"read by {', '.join(m.removeprefix('serviceAccount:') for m in r['readers']) or 'no one'}; "
+            f"${cost['usdPerGbMonth']:.2f} per GB-month stored after the first {cost['freeGb']:g} GB, "
+            f"nothing while empty ({cost['source']})"
+        )
     c = s["controller"]
     if c is not None:
         t = table(
@@ -500,17 +554,8 @@ def _render(summary: dict[str, Any], console: Console) -> None:
                 f"({cost['retrieved']}; other regions differ; boot disk not included)"
             )
         console.print(t)
-        # One row per role: the restart role is granted on every node's instance, which a
-        # 128-node fleet would otherwise list 128 times.
-        rows: dict[tuple[str, str], list[str]] = {}
-        for g in c["grants"]:
-            kind, _, target = g["on"].partition(" ")
-            rows.setdefault((g["role"], kind), []).append(target)
         t = table("Controller service account", "account", "role", "on")
-        for k, ((role, kind), targets) in enumerate(rows.items() or [(("(none granted here)", ""), [""])]):
-            on = f"{kind} {targets[0]}" if len(targets) == 1 else f"each node's instance ({len(targets)})"
-            t.add_row(f"{c['serviceAccount']} (created)" if k == 0 else "", escape(role), escape(on.strip()))
-        console.print(t)
+        console.print(_grants_table(t, f"{c['serviceAccount']} (created)", c["grants"]))
     else:
         console.print("no controller VM (gpufleet:controller false): detached jobs' controllers run on node 0")
     for p in s["placementPolicies"]:
@@ -584,7 +629,7 @@ def _command(stack_file: str | None, stack_name: str | None, outputs_file: Path 
     if outputs_file is not None:
         # Whole or not at all: an existing file is never left half-written.
         atomic.write_text(outputs_file, json.dumps(outputs_document(preview), indent=2) + "\n")
-    summary = summarize(preview, stack=stack)
+    summary = summarize(preview, stack=stack, warnings=spec_warnings(parse_spec(raw, stack=stack)))
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:

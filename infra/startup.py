@@ -21,12 +21,16 @@ from gpufleet.contracts import (
     LOCAL_SSD_MOUNT,
     NCCL_TESTS_DIR,
     READY_MARKER,
+    RXDM_CONTAINER,
+    RXDM_SOCKET_DIR,
 )
+from infra import pins
 
 __all__ = [
     "STACK_TEMPLATES",
     "LAUNCH_LINK",
     "COMPUTE_REQUIREMENT",
+    "GPUDIRECT_REGISTRY",
     "render_startup_script",
     "render_controller_script",
 ]
@@ -66,9 +70,54 @@ def _fill(text: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(sub, text)
 
 
-def render_startup_script(machine: MachineType, *, cluster: str, image_os: str) -> str:
+# The Artifact Registry host of Google's GPUDirect images (infra/pins.py TCPX_*, TCPXO_*).
+GPUDIRECT_REGISTRY = "us-docker.pkg.dev"
+
+
+def _words(values: tuple[str, ...] | list[str]) -> str:
+    return " ".join(shlex.quote(v) for v in values)
+
+
+def _pin_values() -> dict[str, str]:
+    """Every pin the templates take (infra/pins.py), shell-quoted."""
+    q = shlex.quote
+    return {
+        "NCCL_TESTS_URL": q(pins.NCCL_TESTS.url),
+        "NCCL_TESTS_PIN": q(pins.NCCL_TESTS.commit),
+        "CUDA_KEYRING_URL": pins.CUDA_KEYRING_URL.format(release="${release}"),
+        "CUDA_KEYRING_SUMS": " ".join(f"[{r}]={q(s)}" for r, s in sorted(pins.CUDA_KEYRING_SHA256.items())),
+        "NVIDIA_CTK_KEY_URL": q(pins.NVIDIA_CONTAINER_TOOLKIT_KEY.url),
+        "NVIDIA_CTK_KEY_FPRS": _words(pins.NVIDIA_CONTAINER_TOOLKIT_KEY.fingerprints),
+        "NVIDIA_CTK_REPO": q(pins.NVIDIA_CONTAINER_TOOLKIT_REPO),
+        "GOOGLE_APT_KEY_URL": q(pins.GOOGLE_CLOUD_APT_KEY.url),
+        "GOOGLE_APT_KEY_FPRS": _words(pins.GOOGLE_CLOUD_APT_KEY.fingerprints),
+        "AR_APT_KEY_URL": q(pins.ARTIFACT_REGISTRY_APT_KEY.url),
+        "AR_APT_KEY_FPRS": _words(pins.ARTIFACT_REGISTRY_APT_KEY.fingerprints),
+        "AR_TRANSPORT_REPO": q(pins.ARTIFACT_REGISTRY_TRANSPORT_REPO),
+        "CUDA_DEVEL_IMAGE": q(pins.CUDA_DEVEL_IMAGE.ref),
+        "TCPX_PLUGIN_IMAGE": q(pins.TCPX_PLUGIN.ref),
+        "TCPX_RXDM_IMAGE": q(pins.TCPX_RXDM.ref),
+        "TCPX_PLUGIN_TAG": pins.TCPX_PLUGIN.tag,
+        "TCPX_RXDM_TAG": pins.TCPX_RXDM.tag,
+        "TCPXO_PLUGIN_IMAGE": q(pins.TCPXO_PLUGIN.ref),
+        "TCPXO_RXDM_IMAGE": q(pins.TCPXO_RXDM.ref),
+        "TCPXO_PLUGIN_TAG": pins.TCPXO_PLUGIN.tag,
+        "TCPXO_RXDM_TAG": pins.TCPXO_RXDM.tag,
+        "RXDM_CONTAINER": q(RXDM_CONTAINER),
+        "RXDM_SOCKET_DIR": q(RXDM_SOCKET_DIR),
+        "UV_VERSION": q(pins.UV["version"]),
+        "UV_HASH": q(pins.UV["sha256"]),
+    }
+
+
+def render_startup_script(
+    machine: MachineType, *, cluster: str, image_os: str, docker_registries: tuple[str, ...] = ()
+) -> str:
     """The startup script for every node of `cluster` (identical across nodes: the node's index is
-    in its labels and hostname, so one script serves the fleet)."""
+    in its labels and hostname, so one script serves the fleet). `docker_registries`: the
+    Artifact Registry hosts of the stack's own repositories (e.g. "us-central1-docker.pkg.dev"),
+    for which docker gets the VM's credentials, besides Google's GPUDirect images' host on A3
+    High/Mega."""
     if image_os not in LOCAL_SSD_MOUNT:
         raise ValueError(f"image OS {image_os!r} is unknown; one of: {', '.join(LOCAL_SSD_MOUNT)}")
     gpu_nics = [
@@ -76,7 +125,12 @@ def render_startup_script(machine: MachineType, *, cluster: str, image_os: str) 
         for nic, name in zip(machine.nics, machine.interface_names(image_os))
         if nic.role == "gpu" and name is not None
     ]
+    registries = list(docker_registries)
+    if machine.net_stack in (NetStack.TCPX, NetStack.TCPXO):
+        registries.insert(0, GPUDIRECT_REGISTRY)
     values = {
+        **_pin_values(),
+        "DOCKER_REGISTRIES": _words(list(dict.fromkeys(registries))),
         "CLUSTER": shlex.quote(cluster),
         "MACHINE_TYPE": shlex.quote(machine.name),
         "NET_STACK": shlex.quote(machine.net_stack.value),

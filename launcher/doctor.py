@@ -11,7 +11,7 @@ with both values).
 The node's program (`node_script`) only reads: it runs `nvidia-smi` queries, reads the kernel log,
 /sys/class/net, `docker ps`, `df`, the ready marker and the metadata server, prints `key=value`
 lines and the launcher's CHECKED_MARKER, then waits for end of input, like the check half of a
-launch (launcher.core.command), so it rides the same SSH sessions. Nothing it runs writes a file.
+launch (launcher.core.program), so it rides the same SSH sessions. Nothing it runs writes a file.
 
 Test hooks, read on the node, each defaulting to the real thing: GCE_METADATA_HOST (the metadata
 server's host:port, as google-auth honours it), GPUFLEET_READY_MARKER (the ready marker's path,
@@ -90,9 +90,9 @@ def node_script(
     env: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The read-only bash program that reports on `node` as `key=value` lines, then prints
-    CHECKED_MARKER and waits for end of input (one line: launcher.core.command's `_join` form).
+    CHECKED_MARKER and waits for end of input (one line: launcher.core.wire.join's form).
     `env` is the user's --env, exported first as a launch does, so `--env PATH=...` picks the
-    same python3 here as in the run (PATH-like values are prepended, as launcher.core.command does)."""
+    same python3 here as in the run (PATH-like values are prepended, as launcher.core.program does)."""
     q = shlex.quote
     s = [f"export {k}={q(v)}${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else f"export {k}={q(v)}" for k, v in env]
     s += [

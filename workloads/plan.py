@@ -1,48 +1,106 @@
 """The memory plan: does a model fit the GPUs at a layout, and if not, what is the smallest change
-that makes it fit. `python -m workloads.train --plan` and `launch train --dry-run` print it.
+that makes it fit. `python -m workloads.train --plan` and `launch train --dry-run` print it, with
+the mode it assumes: eager, compiled (--compile), checkpointed (--activation-checkpointing) or both.
 
 Importing this module does not import torch: the launcher runs it on a laptop.
 
-What one GPU holds, for a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
+The figure is the peak of one GPU, which comes at the start of backward: every activation is kept,
+the loss's backward makes its largest temporaries, and no gradient exists yet (workloads.train
+zeroes them with set_to_none, so a step's first backward makes them as it frees activations). With
+gradient accumulation or a pipeline, earlier micro-batches made them: then they count too. The end
+of backward (every gradient, the activations gone) is the other candidate; the larger counts.
 
-- weights, gradients and AdamW states, sharded over tp x pp x dp_shard (dp_replicate copies):
-  4 + 4 + 8 bytes per parameter in both precisions. Under bf16, FSDP2's mixed precision (torchtitan
-  `mixed_precision_param = bfloat16`, `mixed_precision_reduce = float32`) keeps fp32 sharded
-  weights, reduces gradients in fp32 into fp32 shards, and AdamW keeps exp_avg and exp_avg_sq in
-  the weights' dtype. A pipeline stage holds its share of the layers plus the embedding (first
-  stage) or the final norm and output projection (last stage); the larger stage counts.
+For a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
+
+- weights and AdamW states, sharded over tp x pp x dp_shard (dp_replicate copies): 4 + 8 bytes per
+  parameter in both precisions, and fp32 gradients (4 B). Under bf16, FSDP2's mixed precision
+  (torchtitan `mixed_precision_param = bfloat16`, `mixed_precision_reduce = float32`) keeps fp32
+  sharded weights, reduces gradients in fp32 into fp32 shards, and AdamW keeps exp_avg and
+  exp_avg_sq in the weights' dtype. A pipeline stage holds its share of the layers plus the
+  embedding (first stage) or the final norm and output projection (last stage); the larger counts.
 - working buffers: with dp_shard > 1, the gathered weights of two FSDP units (the one computing and
   the one prefetched) and the unsharded gradient of one, a unit being the largest of a layer, the
-  embedding and the output (each already split by tp); with dp_shard = 1 (DDP), the all-reduce
-  buckets, a second fp32 copy of the gradients (DDP without gradient_as_bucket_view), and under
-  bf16 the bf16 copies of the weights that autocast makes and backward keeps.
+  embedding and the output (each already split by tp); with dp_shard = 1, DDP's fp32 all-reduce
+  buckets (dp_replicate > 1), and under bf16 without FSDP autocast's bf16 copies of the matmul
+  weights (norm weights are not cast): autocast caches the cast of a leaf tensor for the whole
+  forward (aten/src/ATen/autocast_mode.cpp, cached_cast) and each matmul's backward keeps it. A
+  compiled run keeps them too (the partitioner's rule (b) below: backward's matmuls read them).
+  Under checkpointing a layer keeps none: the cache dies with forward's autocast region and the
+  layer's backward recomputes them; the output projection's copy and one recomputed layer's remain.
 - activations of one micro-batch (b sequences of s tokens; hidden h, FFN width f, a query heads,
-  KV width h·kv/a): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models" (arXiv:2205.05198) section 4.1 count sbh(34 + 5as/h) bytes per 16-bit GPT layer: 11sbh +
-  5as²b for attention, 19sbh for the MLP, 4sbh for the two LayerNorms. Adapted to these models:
-  no dropout (minus the two sbh masks), flash attention / SDPA keeps no s x s matrix (minus 5as²b)
-  but its output and an fp32 log-sum-exp per head and token (4asb bytes), grouped-query K and V
-  are kv/a of the queries' width, and SwiGLU keeps four f-wide tensors (w1 out, silu out, w3 out,
-  w2 in) where GELU keeps two. In elements per layer:
-      norm inputs 2sbh + linear inputs 2sbh + q sbh + k, v 2sbh·kv/a + attention out sbh
-      + FFN 4sbf (SwiGLU) or 2sbf (GELU)
-  times 2 bytes (bf16) or 4 (fp32), plus 4asb, plus each norm's fp32 statistics (RMSNorm 4sb,
-  LayerNorm 8sb). A GPT-2 layer (kv = a, f = 4h, GELU) comes to 32sbh bytes and the small terms:
-  Korthikanti's 34sbh less the two dropout masks. Tensor parallelism without
-  sequence parallel splits all but the norm and linear inputs by tp (their "10sbh + 24sbh/t");
-  with sequence parallel the norm inputs are split too (PyTorch's SequenceParallel keeps the
-  gathered linear inputs for backward). After the last layer: the final norm's and the output's
-  inputs (2sbh) and the logits: bf16 logits, their fp32 copy and fp32 log-softmax at the loss
-  (10sbV bytes; 8sbV in fp32, which needs no copy; split by tp only under loss parallel).
-  Under a pipeline the first rank holds the most micro-batches in flight (each a micro-batch
-  through its layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per
-  rank pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
+  KV width h·kv/a, vocabulary V; e = 2 bytes in bf16, 4 in fp32), op by op (`layer_tensors`,
+  `head_tensors`). Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (arXiv:2205.05198) section 4.1 count sbh(34 + 5as/h) bytes per 16-bit GPT layer with
+  dropout and an s x s attention matrix; these models have no dropout, and SDPA's flash kernel
+  keeps no s x s matrix but its output and an fp32 log-sum-exp per head and token (4asb).
+  The residual stream's dtype r matters: under autocast with fp32 weights (one rank, DDP, tp or pp
+  without data parallelism) the embedding's output is fp32 and every residual add promotes to
+  fp32, so r = 4; FSDP2's bf16 weights make it bf16 (r = 2). Eager, per layer:
+      norm inputs 2·r·sbh (RMSNorm keeps its input and an fp32 rstd per token, LayerNorm its input,
+        mean and rstd: autocast runs layer_norm in fp32)
+      + the matmuls' inputs: under autocast with fp32 weights each linear casts the normed input
+        itself and keeps its own bf16 copy (autocast caches only leaf tensors): q, k, v and w1, w3
+        (SwiGLU) or fc1 (GELU), 5 or 4 x e·sbh; otherwise one normed tensor per norm, 2·e·sbh
+      + q e·sbh, k and v 2·e·sbh·kv/a, the attention's output e·sbh (SDPA's and wo's input), 4asb
+      + SwiGLU 4·e·sbf (w1 out for silu, silu out and w3 out for the product, the product for w2);
+        GELU 2·e·sbf (its input and output)
+  A one-rank bf16 llama3-1b layer is 55sbh bytes; a GPT-2 one 40sbh (Korthikanti's 34sbh with the
+  casts and fp32 norm inputs, less the dropout masks). Tensor parallelism splits all but the norm
+  and linear inputs by tp (their "10sbh + 24sbh/t"); with sequence parallel the norm inputs are
+  split too (PyTorch's SequenceParallel keeps the gathered linear inputs for backward).
+  After the last layer: the final norm's input r·sbh and the output's input e·sbh; the loss
+  (F.cross_entropy of the logits' fp32 copy) keeps its fp32 log-softmax, and its backward holds that,
+  the log-softmax's gradient and the fp32 logits' gradient at once: 12sbV bytes (split by tp only
+  under loss parallel). Forward's peak there is smaller (bf16 logits, fp32 copy, log-softmax: 10sbV).
+- compiled (torch.compile, inductor): AOTAutograd traces forward and backward as one graph and
+  inductor's partitioner (torch/_functorch/partitioners.py, min_cut_rematerialization_partition;
+  Horace He, "Min-cut optimal(*) recomputation (i.e. activation checkpointing) with AOTAutograd",
+  https://dev-discuss.pytorch.org/t/min-cut-optimal-recomputation-i-e-activation-checkpointing-with-aotautograd/467)
+  chooses what forward saves by a minimum cut weighted by
+  bytes, under the rules torch/_functorch/config.py turns on: (a) ops outside an allowlist of
+  pointwise, view and reduction ops (matmuls, SDPA, embedding) are never recomputed
+  (ban_recompute_not_in_allowlist), as torchtitan's selective checkpointing saves mm and SDPA
+  outputs (torchtitan/distributed/activation_checkpoint.py, _op_sac_save_list); (b) a tensor that
+  backward reads through an op it cannot fuse into (a matmul's input) is saved, not recomputed
+  (ban_recompute_materialized_backward); (c) reductions 4x smaller than their input (rstd, the
+  loss's max and log-sum-exp) are saved (ban_recompute_reductions); (d) a pointwise op reading a
+  tensor that an unfusible op read earlier is not recomputed (ban_recompute_used_far_apart): the
+  residual adds, so the fp32 residual stays saved at each norm; (e) the rest, the cheap pointwise
+  ops (casts, silu, RoPE, normalisation, the loss's fp32 upcast and softmax), are recomputed inside
+  backward's fused kernels. Per layer that leaves:
+      norm inputs 2·r·sbh (LayerNorm: its normalised input, the mean folded in) and one fp32
+        statistic per token each
+      + one bf16 cast per norm (the casts are one node in the graph), 2·e·sbh
+      + q, k, v, attention output, log-sum-exp as eager (SDPA's inputs and outputs)
+      + SwiGLU 3·e·sbf: w1 and w3 outputs (matmul outputs, rule a) and their product (w2's input,
+        rule b); silu's output is recomputed. GELU 2·e·sbf: fc1's output and fc2's input (rule b).
+  A one-rank bf16 llama3-1b layer is 41sbh bytes. The first Llama layer keeps wo's bf16 output
+  instead of the fp32 sum after attention (the embedding is no fusible op, so rule d does not
+  hold there); the plan counts the fp32 sum (2 bytes x sbh more, once). The loss keeps the bf16
+  logits (a matmul output) and the per-token max and log-sum-exp; backward writes the logits'
+  gradient into the logits' buffer (inductor's inplace_buffers, torch/_inductor/config.py) and
+  then makes the output weight's bf16 gradient (e·Vh/tp) while it lives: e·sbV + e·Vh/tp.
+  tests/workloads/test_plan.py checks these lists against what AOTAutograd's partitioner saves
+  for llama3-debug and GPT tiny on CPU, tensor by tensor in bytes. A pipeline runs uncompiled
+  (workloads.train compiles only at pp 1), so the plan ignores --compile there.
+- activation checkpointing keeps each layer's input (r·sbh) and recomputes one layer at a time in
+  backward (Korthikanti's "full recomputation", 2sbhL in 16 bits). The recomputation comes after
+  the loss's backward has freed its temporaries, so the peak is the inputs plus the larger of the
+  head (eager or compiled, as above) and one recomputed layer.
+- a pipeline's first rank holds the most micro-batches in flight (each a micro-batch through its
+  layers): GPipe all n of them; 1F1B min(pp, n); interleaved 1F1B with two stages per rank
+  pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
   (p - 1)/(pm)) layers' worth with m = 2 stages a rank). The last rank holds one micro-batch and
   the head under 1F1B, all n under GPipe.
-  Activation checkpointing keeps each layer's input (2sbh bytes) and recomputes one layer at a
-  time in backward (Korthikanti's "full recomputation": 2sbhL, plus that one layer).
 - a reserve of RESERVED_GIB for what torch's allocator does not count: the CUDA context, NCCL's
   buffers, fragmentation.
+
+The check: llama3-1b, micro-batch 4, seq 2048, bf16, one rank on one H200 (torch 2.11.0+cu130,
+torch.cuda.max_memory_allocated; bench/RESULTS.md) peaked at 41.78 GiB eager, 27.20 GiB
+checkpointed and 28.96 GiB compiled; the plan, less its reserve, says 41.72, 27.25 and 28.92.
+"Smallest change that fits" tries --compile first (fewer activations and a faster step: 132 vs
+172 ms there), then checkpointing (206 ms), then more sharding, tensor and pipeline parallelism,
+then more nodes, and says what each costs in step time where that was measured (STEP_MS).
 
 A GPU's memory is the catalog's figure (gpufleet.catalog GPU.memory_gb), read as GiB: the marketed
 "80 GB" of an H100 is what nvidia-smi reports as about 79.6 GiB, and the reserve covers the gap.
@@ -60,13 +118,17 @@ from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
 
 __all__ = [
     "GiB",
+    "MODES",
     "RESERVED_GIB",
     "Layout",
     "MemoryPlan",
     "PlanError",
     "Suggestion",
     "format_plan",
+    "head_tensors",
+    "layer_tensors",
     "mesh_lines",
+    "mode_of",
     "model_names",
     "plan",
     "plan_for",
@@ -119,6 +181,7 @@ class _Shape:
     vocab: int
     gated: bool  # SwiGLU (three FFN matrices, four f-wide activations) vs GELU
     norm_stats: int  # per-token fp32 statistics a norm keeps: RMSNorm rstd (1), LayerNorm mean, rstd (2)
+    norm_params: int  # a layer's norm weights (and biases): autocast casts none of them
     layer_params: int
     first_params: int  # held only by the first pipeline stage (embeddings)
     last_params: int  # held only by the last stage (final norm, output projection when untied)
@@ -137,6 +200,7 @@ def _llama_shape(name: str, s: LlamaSize) -> _Shape:
         vocab=s.vocab_size,
         gated=True,
         norm_stats=1,
+        norm_params=2 * s.dim,
         layer_params=s.layer_params,
         first_params=s.embedding_params,
         last_params=s.dim + (0 if s.tie_embeddings else s.embedding_params),
@@ -161,6 +225,7 @@ def _gpt_shape(name: str, s: ModelSize) -> _Shape:
         vocab=s.vocab_size,
         gated=False,
         norm_stats=2,
+        norm_params=4 * c,
         layer_params=layer,
         first_params=first,
         last_params=2 * c,
@@ -180,9 +245,33 @@ def _shape(model: str) -> _Shape:
     raise PlanError(f"--model {model!r} is unknown; one of: {', '.join(model_names())}")
 
 
+MODES = ("eager", "compiled", "checkpointed", "compiled+checkpointed")
+"""What a step keeps for backward: eager autograd, torch.compile (--compile), activation
+checkpointing (--activation-checkpointing), or both."""
+
+STEP_MS = {"eager": 172.0, "compiled": 132.0, "checkpointed": 206.0}
+"""Step time of llama3-1b, micro-batch 4, seq 2048, bf16, one rank on one H200 (torch 2.11.0+cu130,
+measured; bench/RESULTS.md): what one mode costs against another, as a ratio. Compiled and
+checkpointed together was not measured."""
+
+
+def mode_of(compiled: bool, ac: bool) -> str:
+    return MODES[(2 if ac else 0) + (1 if compiled else 0)]
+
+
+def step_cost(was: str, now: str) -> str:
+    """The step time of mode `now` against `was`, where it was measured."""
+    if was == now:
+        return "same step time"
+    if was not in STEP_MS or now not in STEP_MS:
+        return "step time not measured"
+    ratio = STEP_MS[now] / STEP_MS[was]
+    return f"{ratio:.2f}x the step time (measured: {STEP_MS[now]:.0f} vs {STEP_MS[was]:.0f} ms, llama3-1b on one H200)"
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Per-GPU memory of one layout, in bytes, against the GPU's."""
+    """Per-GPU memory of one layout at its peak (the start of backward), in bytes, against the GPU's."""
 
     model: str
     n_params: int
@@ -194,21 +283,28 @@ class MemoryPlan:
     micro_batch: int
     seq_len: int
     precision: str  # "bf16" or "fp32"
+    compiled: bool
+    """The run is compiled (--compile; workloads.train compiles only without a pipeline)."""
     activation_checkpointing: bool
     sequence_parallel: bool
     loss_parallel: bool
     pp_schedule: str
     pp_microbatches: int
+    grad_accum: int
     params: float
     grads: float
     optimizer: float
     buffers: float
-    activations_full: float
-    """Activations without checkpointing."""
-    activations_checkpointed: float
-    """Activations with per-layer checkpointing."""
+    """Held through forward into backward: FSDP's gathered units, DDP's buckets, autocast's bf16
+    copies of the weights that backward keeps."""
+    activations: float
+    """What backward keeps at its start, with the loss's peak (see the module's docstring)."""
+    layer: float
+    """One layer's share of `activations` (what a checkpointed layer recomputes)."""
     reserved: float
     capacity: float
+    by_mode: tuple[tuple[str, float], ...] = ()
+    """The total of each mode (MODES) at this layout, for comparison."""
     suggestion: Suggestion | None = None
     """The smallest change that fits, when this layout does not (None when it fits, or nothing
     within the search does)."""
@@ -216,13 +312,24 @@ class MemoryPlan:
     """How the run builds the model (--init-device resolved for GPUs): "meta" or "full"."""
 
     @property
-    def activations(self) -> float:
-        """The activations of the run as asked (checkpointed or not)."""
-        return self.activations_checkpointed if self.activation_checkpointing else self.activations_full
+    def mode(self) -> str:
+        return mode_of(self.compiled, self.activation_checkpointing)
+
+    @property
+    def grads_at_peak(self) -> bool:
+        """Gradients exist at the start of backward only when an earlier micro-batch of the step
+        made them (accumulation, or a pipeline's micro-batches); a step's first backward makes
+        them after zero_grad(set_to_none=True) freed them, as its activations go."""
+        return self.grad_accum > 1 or self.layout.pp > 1
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.buffers + self.activations + self.reserved
+        """The larger of the start of backward (activations and buffers, and the gradients when
+        they exist) and its end (every gradient, the activations gone), over the weights, AdamW
+        states and the reserve."""
+        start = self.buffers + self.activations + (self.grads if self.grads_at_peak else 0)
+        end = self.buffers + self.grads
+        return self.params + self.optimizer + max(start, end) + self.reserved
 
     @property
     def fits(self) -> bool:
@@ -237,11 +344,13 @@ class MemoryPlan:
 
 @dataclass(frozen=True)
 class Suggestion:
-    """A layout (and possibly more nodes, or checkpointing) that fits, with what to change."""
+    """A layout (and possibly more nodes, compilation or checkpointing) that fits, with what to change."""
 
     change: str
-    """The flags to pass, e.g. "--activation-checkpointing" or "--tp 8 --dp-shard 2"."""
+    """The flags to pass, e.g. "--compile", "--activation-checkpointing" or "--tp 8 --dp-shard 2"."""
     plan: MemoryPlan
+    cost: str
+    """What the change costs in step time, where the plan can tell."""
 
 
 def plan(
@@ -253,18 +362,22 @@ def plan(
     micro_batch: int,
     seq_len: int,
     precision: str = "bf16",
+    compile: bool = False,
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     pp_schedule: str = "1f1b",
     pp_microbatches: int = 0,
+    grad_accum: int = 1,
     gpus_per_node: int | None = None,
     init_device: str = "auto",
 ) -> MemoryPlan:
     """The memory plan of `model` at `layout` on `nodes` x `machine_type`, with the smallest change
     that fits when it does not. `layout.dp_shard` -1 takes the ranks the other dimensions leave.
     `micro_batch` is the samples of one forward (under a pipeline, of one pipeline micro-batch);
-    `pp_microbatches` the micro-batches of a pipeline step (0: pp, the fewest 1F1B runs with).
+    `pp_microbatches` the micro-batches of a pipeline step (0: pp, the fewest 1F1B runs with);
+    `grad_accum` the micro-batches a rank accumulates into one step. `compile` is torch.compile
+    (ignored under a pipeline, which workloads.train does not compile).
     `sequence_parallel` and `loss_parallel` (the logits stay split by vocabulary across tp for the
     loss, torch.distributed.tensor.parallel.loss_parallel) change what tp splits.
     Raises PlanError (a ConfigError: exit 2) for a layout that cannot run at all."""
@@ -274,7 +387,13 @@ def plan(
     except UnknownMachineType as e:
         raise PlanError(f"--machine-type: {e}") from None
     gpus = gpus_per_node or machine.gpu_count
-    for name, value in (("nodes", nodes), ("micro-batch", micro_batch), ("seq-len", seq_len), ("nproc-per-node", gpus)):
+    for name, value in (
+        ("nodes", nodes),
+        ("micro-batch", micro_batch),
+        ("seq-len", seq_len),
+        ("nproc-per-node", gpus),
+        ("grad-accum", grad_accum),
+    ):
         if value < 1:
             raise PlanError(f"--{name} must be at least 1, got {value}")
     if precision not in PRECISIONS:
@@ -298,21 +417,28 @@ def plan(
         loss_parallel=loss_parallel,
         pp_schedule=pp_schedule,
         pp_microbatches=pp_microbatches,
+        grad_accum=grad_accum,
     )
-    result = ask.estimate(layout, nodes, activation_checkpointing)
+    compiled = compile and layout.pp == 1
+    result = ask.estimate(layout, nodes, activation_checkpointing, compiled)
+    modes = tuple(
+        (mode_of(c, a), ask.estimate(layout, nodes, a, c).total)
+        for a in (False, True)
+        for c in ((False, True) if layout.pp == 1 else (False,))
+    )
     sharded = layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1
     built, _ = pick_init_device(init_device, sharded=sharded, cuda=True, whole_bytes_per_node=0, host_available=None)
-    result = replace(result, init_device=built)
+    result = replace(result, init_device=built, by_mode=modes)
     if result.fits:
         return result
-    return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing))
+    return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing, compiled))
 
 
 def plan_for(cfg: TrainConfig, *, machine_type: str, nodes: int, gpus_per_node: int | None = None) -> MemoryPlan:
-    """The plan of a validated training config (its model, resolved layout, batch split and
-    checkpointing) on `nodes` x `machine_type`, `gpus_per_node` ranks a node (default: its GPUs).
-    Under a pipeline the micro-batch is one pipeline micro-batch: each data-parallel rank's batch
-    split into the step's micro-batches."""
+    """The plan of a validated training config (its model, resolved layout, batch split,
+    compilation and checkpointing) on `nodes` x `machine_type`, `gpus_per_node` ranks a node
+    (default: its GPUs). Under a pipeline the micro-batch is one pipeline micro-batch: each
+    data-parallel rank's batch split into the step's micro-batches."""
     dims = cfg.dims
     micro = cfg.micro_batch
     if dims.pp > 1:
@@ -325,9 +451,11 @@ def plan_for(cfg: TrainConfig, *, machine_type: str, nodes: int, gpus_per_node: 
         micro_batch=micro,
         seq_len=cfg.tokens_per_sample,
         precision=cfg.precision,
+        compile=cfg.compile,
         activation_checkpointing=cfg.activation_checkpointing,
         pp_schedule=cfg.pp_schedule,
         pp_microbatches=cfg.n_microbatches if dims.pp > 1 else 0,
+        grad_accum=cfg.grad_accum if dims.pp == 1 else 1,
         gpus_per_node=gpus_per_node,
         init_device=cfg.init_device,
     )
@@ -366,9 +494,92 @@ def _check(shape: _Shape, layout: Layout, world: int, nodes: int, gpus: int) -> 
         )
 
 
+def _mixed_precision_params(layout: Layout, precision: str) -> bool:
+    """FSDP2 gathers bf16 weights (MixedPrecisionPolicy param_dtype): workloads.train shards
+    whenever the run is not pure replication and has data parallelism (Trainer._parallelize)."""
+    is_ddp = layout.dp_shard == 1 and layout.tp == 1 and layout.pp == 1
+    return precision == "bf16" and not is_ddp and layout.dp_replicate * layout.dp_shard > 1
+
+
+def layer_tensors(
+    model: str,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    compiled: bool = False,
+    layout: Layout = Layout(),
+    sequence_parallel: bool = False,
+) -> list[tuple[str, float]]:
+    """What one layer keeps for backward on one rank, op by op: (what, bytes). The module's
+    docstring derives each entry."""
+    bytes16 = "fp32" if precision == "fp32" else "bf16"  # fp16 and auto (on a GPU) are 2 bytes too
+    return _layer_tensors(_shape(model), micro_batch, seq_len, bytes16, compiled, layout, sequence_parallel)
+
+
+def head_tensors(
+    model: str,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    compiled: bool = False,
+    layout: Layout = Layout(),
+    loss_parallel: bool = False,
+) -> list[tuple[str, float]]:
+    """What the final norm, the output projection and the loss keep, with the loss's peak in
+    backward: (what, bytes)."""
+    bytes16 = "fp32" if precision == "fp32" else "bf16"
+    return _head_tensors(_shape(model), micro_batch, seq_len, bytes16, compiled, layout, loss_parallel)
+
+
+def _layer_tensors(
+    m: _Shape, b: int, s: int, precision: str, compiled: bool, layout: Layout, sp: bool
+) -> list[tuple[str, float]]:
+    e = 4 if precision == "fp32" else 2
+    mixed = _mixed_precision_params(layout, precision)
+    r = 2 if mixed else 4  # the residual stream: fp32 unless FSDP computes with bf16 weights
+    casts = precision == "bf16" and not mixed and not compiled  # eager autocast: one copy per linear
+    tp, sps = layout.tp, (layout.tp if sp else 1)
+    sbh, sbf, sb = b * s * m.dim, b * s * m.ffn, b * s
+    kv = m.n_kv_heads / m.n_heads
+    ffn_kept = (3 if compiled else 4) if m.gated else 2
+    return [
+        ("norm inputs", 2 * r * sbh / sps),
+        ("norm statistics", 2 * 4 * (1 if compiled else m.norm_stats) * sb / sps),
+        ("linear inputs", ((3 + (2 if m.gated else 1)) if casts else 2) * e * sbh),
+        ("q", e * sbh / tp),
+        ("k, v", 2 * e * sbh * kv / tp),
+        ("attention out", e * sbh / tp),
+        ("log-sum-exp", 4 * m.n_heads * sb / tp),
+        ("feed-forward", ffn_kept * e * sbf / tp),
+    ]
+
+
+def _head_tensors(
+    m: _Shape, b: int, s: int, precision: str, compiled: bool, layout: Layout, lp: bool
+) -> list[tuple[str, float]]:
+    e = 4 if precision == "fp32" else 2
+    r = 2 if _mixed_precision_params(layout, precision) else 4
+    sbh, sbv, sb = b * s * m.dim, b * s * m.vocab / (layout.tp if lp else 1), b * s
+    kept = [
+        ("final norm input", r * sbh),
+        ("final norm statistics", 4 * (1 if compiled else m.norm_stats) * sb),
+        ("output input", e * sbh),
+    ]
+    if compiled:
+        return [
+            *kept,
+            ("logits (their gradient in place)", e * sbv),
+            ("loss max and log-sum-exp", 2 * 4 * sb),
+            ("output weight gradient", e * m.vocab * m.dim / layout.tp),
+        ]
+    return [*kept, ("log-softmax, its gradient, the logits' fp32 gradient", 3 * 4 * sbv)]
+
+
 @dataclass(frozen=True)
 class _Ask:
-    """Everything about the run but the layout, the node count and checkpointing."""
+    """Everything about the run but the layout, the node count, compilation and checkpointing."""
 
     shape: _Shape
     machine_type: str
@@ -382,6 +593,7 @@ class _Ask:
     loss_parallel: bool
     pp_schedule: str
     pp_microbatches: int
+    grad_accum: int
 
     def _in_flight(self, pp: int) -> tuple[float, int]:
         """Micro-batches in flight on the first and on the last pipeline rank."""
@@ -392,9 +604,11 @@ class _Ask:
             return min(n, pp + (pp - 1) / 2), 1
         return min(n, pp), 1
 
-    def estimate(self, layout: Layout, nodes: int, ac: bool) -> MemoryPlan:
+    def estimate(self, layout: Layout, nodes: int, ac: bool, compiled: bool = False) -> MemoryPlan:
         m, tp, pp = self.shape, layout.tp, layout.pp
-        act_bytes = 4 if self.precision == "fp32" else 2
+        compiled = compiled and pp == 1
+        e = 4 if self.precision == "fp32" else 2
+        mixed = _mixed_precision_params(layout, self.precision)
         layers = math.ceil(m.n_layers / pp)
         # A pipeline's last stage holds its own copy of a tied table, as the output projection.
         last = m.last_params + (m.vocab * m.dim if m.tied and pp > 1 else 0)
@@ -402,29 +616,33 @@ class _Ask:
         shard = stage_params / (tp * layout.dp_shard)
         if layout.dp_shard > 1:
             unit = max(m.layer_params, m.first_params, m.last_params + (m.vocab * m.dim if m.tied else 0)) / tp
-            buffers = unit * (2 * act_bytes + 4)  # two gathered units + one fp32 gradient
+            buffers = unit * (2 * e + 4)  # two gathered units + one fp32 gradient
         else:
-            buckets = 4 if layout.dp_replicate > 1 else 0
-            buffers = stage_params / tp * (buckets + (2 if self.precision == "bf16" else 0))
+            buffers = stage_params / tp * (4 if layout.dp_replicate > 1 else 0)  # DDP's fp32 buckets
+            if self.precision == "bf16" and not mixed:
+                # autocast's bf16 copies of the matmul weights, cached through forward and kept by
+                # backward (compiled too: the partitioner saves them, their users in backward being
+                # matmuls); a checkpointed layer keeps none, the one being recomputed aside.
+                head_weights = m.vocab * m.dim
+                layer_weights = m.layer_params - m.norm_params
+                casts = (layer_weights if ac else layers * layer_weights) + head_weights
+                buffers += 2 * casts / tp
 
-        b, s, h, f = self.micro_batch, self.seq_len, m.dim, m.ffn
-        sbh = b * s * h
-        sp = tp if self.sequence_parallel else 1
-        split = sbh * (2 + 2 * m.n_kv_heads / m.n_heads) + b * s * f * (4 if m.gated else 2)
-        # + the attention's fp32 log-sum-exp per head and token, each norm's fp32 statistics per token.
-        stats = 4 * (m.n_heads / tp) * s * b + 2 * 4 * m.norm_stats * b * s / sp
-        layer = act_bytes * (2 * sbh / sp + 2 * sbh + split / tp) + stats
-        kept = act_bytes * sbh / sp  # a checkpointed layer keeps its input
-        # The final norm's and the output's inputs; the logits at the loss.
-        logits = act_bytes + (4 if act_bytes != 4 else 0) + 4  # the logits, an fp32 copy, log-softmax
-        head = act_bytes * 2 * sbh + logits * b * s * m.vocab / (tp if self.loss_parallel else 1)
+        b, s = self.micro_batch, self.seq_len
+        layer = sum(v for _, v in _layer_tensors(m, b, s, self.precision, compiled, layout, self.sequence_parallel))
+        head = sum(v for _, v in _head_tensors(m, b, s, self.precision, compiled, layout, self.loss_parallel))
+        r = 2 if mixed else 4
+        kept = r * b * s * m.dim / (tp if self.sequence_parallel else 1)  # a checkpointed layer's input
+        # Checkpointed: the inputs of every layer, and the larger of the loss's peak (at the start
+        # of backward) and one layer recomputed (later, the loss's tensors freed).
         if pp == 1:
-            full = layers * layer + head
-            checkpointed = layers * kept + layer + head
+            activations = layers * (kept if ac else layer) + (max(layer, head) if ac else head)
         else:
-            first, last = self._in_flight(pp)
-            full = max(first * layers * layer, last * (layers * layer + head))
-            checkpointed = max(first * layers * kept + layer, last * (layers * kept + head) + layer)
+            first, last_n = self._in_flight(pp)
+            if ac:
+                activations = max(first * layers * kept + layer, last_n * layers * kept + max(layer, head))
+            else:
+                activations = max(first * layers * layer, last_n * layers * layer + head)
         return MemoryPlan(
             model=m.name,
             n_params=m.n_params,
@@ -436,69 +654,79 @@ class _Ask:
             micro_batch=b,
             seq_len=s,
             precision=self.precision,
+            compiled=compiled,
             activation_checkpointing=ac,
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
             pp_schedule=self.pp_schedule,
             pp_microbatches=self.pp_microbatches,
+            grad_accum=self.grad_accum,
             params=4 * shard,
             grads=4 * shard,
             optimizer=8 * shard,
             buffers=buffers,
-            activations_full=full,
-            activations_checkpointed=checkpointed,
+            activations=activations,
+            layer=layer,
             reserved=RESERVED_GIB * GiB,
             capacity=self.capacity,
         )
 
-    def _moves(self, layout: Layout, ac: bool) -> list[tuple[Layout, bool]]:
-        """One step each: checkpointing on; shard more (a replica's factor 2 to dp_shard); double tp
-        within a node; double pp. tp and pp take their factor 2 from dp_shard, else dp_replicate."""
-        out: list[tuple[Layout, bool]] = []
+    def _moves(self, layout: Layout, ac: bool, compiled: bool) -> list[tuple[Layout, bool, bool]]:
+        """One step each, cheapest first: compile (on CUDA it keeps fewer activations and runs
+        faster; not under a pipeline, which workloads.train does not compile); checkpointing on
+        (slower); shard more (a replica's factor 2 to dp_shard); double tp within a node; double
+        pp. tp and pp take their factor 2 from dp_shard, else dp_replicate."""
+        out: list[tuple[Layout, bool, bool]] = []
+        if not compiled and layout.pp == 1:
+            out.append((layout, ac, True))
         if not ac:
-            out.append((layout, True))
+            out.append((layout, True, compiled))
         if layout.dp_replicate % 2 == 0:
-            out.append((replace(layout, dp_replicate=layout.dp_replicate // 2, dp_shard=layout.dp_shard * 2), ac))
+            grown = replace(layout, dp_replicate=layout.dp_replicate // 2, dp_shard=layout.dp_shard * 2)
+            out.append((grown, ac, compiled))
         for dim, limit in (("tp", self.gpus), ("pp", self.shape.n_layers)):
-            grown = getattr(layout, dim) * 2
-            if grown > limit:
+            grown_n = getattr(layout, dim) * 2
+            if grown_n > limit:
                 continue
-            if dim == "tp" and (self.shape.n_heads % grown or self.shape.n_kv_heads % grown):
+            if dim == "tp" and (self.shape.n_heads % grown_n or self.shape.n_kv_heads % grown_n):
                 continue
             for source in ("dp_shard", "dp_replicate"):
                 if getattr(layout, source) % 2 == 0:
-                    out.append((replace(layout, **{dim: grown, source: getattr(layout, source) // 2}), ac))
+                    moved = replace(layout, **{dim: grown_n, source: getattr(layout, source) // 2})
+                    out.append((moved, ac, compiled and moved.pp == 1))
                     break
         return out
 
-    def _search(self, start: Layout, nodes: int, ac: bool) -> MemoryPlan | None:
-        """Breadth first over the moves: the fitting layout fewest doublings away (ties go to the
+    def _search(self, start: Layout, nodes: int, ac: bool, compiled: bool) -> MemoryPlan | None:
+        """Breadth first over the moves: the fitting layout fewest steps away (ties go to the
         move listed first in `_moves`)."""
-        seen = {(start, ac)}
-        queue = deque([(start, ac)])
+        seen = {(start, ac, compiled)}
+        queue = deque([(start, ac, compiled)])
         while queue:
-            layout, on = queue.popleft()
-            candidate = self.estimate(layout, nodes, on)
+            layout, on, comp = queue.popleft()
+            candidate = self.estimate(layout, nodes, on, comp)
             if candidate.fits:
                 return candidate
-            for nxt in self._moves(layout, on):
+            for nxt in self._moves(layout, on, comp):
                 if nxt not in seen:
                     seen.add(nxt)
                     queue.append(nxt)
         return None
 
-    def smallest_fix(self, layout: Layout, nodes: int, ac: bool) -> Suggestion | None:
-        """The same nodes at another layout; failing that, the fewest doublings of the node count
-        (the new ranks added to dp_shard)."""
+    def smallest_fix(self, layout: Layout, nodes: int, ac: bool, compiled: bool = False) -> Suggestion | None:
+        """The same nodes at another layout or mode; failing that, the fewest doublings of the
+        node count (the new ranks added to dp_shard)."""
         for doublings in range(_MAX_NODE_DOUBLINGS + 1):
             factor = 2**doublings
-            found = self._search(replace(layout, dp_shard=layout.dp_shard * factor), nodes * factor, ac)
+            found = self._search(replace(layout, dp_shard=layout.dp_shard * factor), nodes * factor, ac, compiled)
             if found is not None:
-                return Suggestion(_change(layout, nodes, ac, found), found)
+                return Suggestion(
+                    _change(layout, nodes, ac, compiled, found), found, _cost(layout, nodes, ac, compiled, found)
+                )
         return None
 
 
-def _change(was: Layout, nodes: int, ac: bool, now: MemoryPlan) -> str:
+def _change(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan) -> str:
     flags = []
     if now.nodes != nodes:
         flags.append(f"--nodes {now.nodes}")
@@ -507,9 +735,23 @@ def _change(was: Layout, nodes: int, ac: bool, now: MemoryPlan) -> str:
         for n in ("dp_replicate", "dp_shard", "tp", "pp")
         if getattr(now.layout, n) != getattr(was, n)
     ]
+    if now.compiled and not compiled:
+        flags.append("--compile")
     if now.activation_checkpointing and not ac:
         flags.append("--activation-checkpointing")
     return " ".join(flags)
+
+
+def _cost(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan) -> str:
+    """The step time the change costs: the modes' measured ratio; a layout change adds
+    communication the plan does not estimate."""
+    parts = []
+    before = mode_of(compiled, ac)
+    if now.mode != before:
+        parts.append(f"{now.mode}: {step_cost(before, now.mode)}")
+    if now.layout != was or now.nodes != nodes:
+        parts.append("the new layout's communication: not estimated")
+    return "; ".join(parts)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -553,32 +795,47 @@ def _build_line(p: MemoryPlan) -> str:
     return f"build: whole on every rank's host ({whole}), then moved to its GPU{sharded}"
 
 
+_MODE_WORDS = {
+    "eager": "eager (autograd keeps what each op saves)",
+    "compiled": "compiled (--compile: inductor's min-cut partitioner picks what backward keeps)",
+    "checkpointed": "checkpointed (--activation-checkpointing: each layer keeps its input, recomputes the rest)",
+    "compiled+checkpointed": "compiled and checkpointed (--compile --activation-checkpointing)",
+}
+
+
 def format_plan(p: MemoryPlan) -> list[str]:
     """The plan as lines of text for a person."""
 
     def gib(x: float) -> str:
         return f"{x / GiB:8.2f} GiB"
 
-    ac_used = " (used)" if p.activation_checkpointing else ""
-    full_used = "" if p.activation_checkpointing else " (used)"
     mp = "bf16 compute, fp32 weights, gradients and AdamW states" if p.precision == "bf16" else "fp32"
     pipeline = ""
     if p.layout.pp > 1:
         pipeline = f"; pipeline {p.pp_schedule}, {p.pp_microbatches or p.layout.pp} micro-batches a step"
+    mode = f"mode: {_MODE_WORDS[p.mode]}"
+    if p.layout.pp > 1:
+        mode += "; a pipeline runs uncompiled"
+    if p.grads_at_peak:
+        held = "held at the peak: earlier micro-batches of the step made them"
+    else:
+        held = "made in backward as activations are freed: not held at the peak"
     lines = [
         f"model {p.model}: {p.n_params / 1e9:.2f}B parameters; micro-batch {p.micro_batch} x seq {p.seq_len}; "
         f"{mp}{pipeline}",
+        mode,
         *mesh_lines(p.layout, p.nodes, p.gpus_per_node),
         _build_line(p),
-        f"per GPU ({p.nodes} x {p.machine_type}, {p.gpu}):",
+        f"per GPU ({p.nodes} x {p.machine_type}, {p.gpu}), at the start of backward:",
         f"  parameters       {gib(p.params)}",
-        f"  gradients        {gib(p.grads)}",
         f"  optimizer state  {gib(p.optimizer)}",
         f"  working buffers  {gib(p.buffers)}",
-        f"  activations      {gib(p.activations_full)} without checkpointing{full_used}",
-        f"                   {gib(p.activations_checkpointed)} with activation checkpointing{ac_used}",
+        f"  activations      {gib(p.activations)} {p.mode}",
+        f"  gradients        {gib(p.grads)} ({held})",
         f"  reserved         {gib(p.reserved)} (CUDA context, NCCL buffers, fragmentation)",
         f"  total            {gib(p.total)} of {p.capacity / GiB:.0f} GiB",
+        "  by mode: "
+        + "; ".join(f"{name} {total / GiB:.1f} GiB{' (used)' if name == p.mode else ''}" for name, total in p.by_mode),
         f"verdict: {p.verdict}",
     ]
     if not p.fits:
@@ -587,6 +844,9 @@ def format_plan(p: MemoryPlan) -> list[str]:
                 f"  nothing fits up to {p.nodes * 2**_MAX_NODE_DOUBLINGS} nodes: lower --micro-batch or --seq-len"
             )
         else:
-            s = p.suggestion.plan
-            lines.append(f"  smallest change that fits: {p.suggestion.change} -> {s.layout.arithmetic()}: {s.verdict}")
+            s = p.suggestion
+            cost = f"; {s.cost}" if s.cost else ""
+            lines.append(
+                f"  smallest change that fits: {s.change} -> {s.plan.layout.arithmetic()}: {s.plan.verdict}{cost}"
+            )
     return lines

@@ -15,6 +15,18 @@ readonly LOCAL_SSD_COUNT=@@LOCAL_SSD_COUNT@@
 readonly LOCAL_SSD_MOUNT=@@LOCAL_SSD_MOUNT@@
 readonly READY_MARKER=@@READY_MARKER@@
 readonly NCCL_TESTS_DIR=@@NCCL_TESTS_DIR@@
+# Artifact Registry hosts whose images this node pulls: Google's GPUDirect images and the stack's
+# own docker repository (empty entries are none).
+readonly DOCKER_REGISTRIES=(@@DOCKER_REGISTRIES@@)
+# Pins (infra/pins.py holds each with its source).
+readonly NCCL_TESTS_URL=@@NCCL_TESTS_URL@@
+readonly NCCL_TESTS_PIN=@@NCCL_TESTS_PIN@@
+readonly CUDA_DEVEL_IMAGE=@@CUDA_DEVEL_IMAGE@@
+readonly UV_VERSION=@@UV_VERSION@@
+readonly UV_SHA256=@@UV_HASH@@
+readonly UV_HOME=/var/lib/gpufleet/uv
+readonly UV_LINK=/usr/local/bin/uv
+readonly UV_CONFIG=/etc/uv/uv.toml
 readonly STATE_DIR=/var/lib/gpufleet
 readonly ERROR_FILE="$STATE_DIR/startup-error.txt"
 
@@ -156,67 +168,187 @@ nccl_version() {
 # Docker that can hand GPUs to a container (the TCPX/TCPXO RxDM and plugin installers run in one).
 ensure_docker_gpus() {
   # COS ships docker and exposes the driver under /var/lib/nvidia; Ubuntu needs docker and the
-  # NVIDIA container toolkit for --gpus.
+  # NVIDIA container toolkit for --gpus, from NVIDIA's repository signed by its pinned key.
   if [[ "$IMAGE_OS" == cos ]]; then
     return 0
   fi
-  apt_install docker.io
+  apt_install docker.io gnupg
   if ! command -v nvidia-ctk >/dev/null 2>&1; then
-    curl -fsSL https://nvidia.github.io/libnvidia-container/gpgkey \
-      | gpg --dearmor --yes -o /usr/share/keyrings/nvidia-container-toolkit-keyring.gpg
-    curl -fsSL https://nvidia.github.io/libnvidia-container/stable/deb/nvidia-container-toolkit.list \
-      | sed 's#deb https://#deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg] https://#' \
-      >/etc/apt/sources.list.d/nvidia-container-toolkit.list
-    apt-get update -qq
+    local keyring=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg
+    pinned_keyring "$keyring" @@NVIDIA_CTK_KEY_URL@@ @@NVIDIA_CTK_KEY_FPRS@@
+    # shellcheck disable=SC2016  # $(ARCH) is apt's, not the shell's
+    apt_source /etc/apt/sources.list.d/nvidia-container-toolkit.list "deb [signed-by=$keyring] "@@NVIDIA_CTK_REPO@@
     apt_install nvidia-container-toolkit
     nvidia-ctk runtime configure --runtime=docker
     systemctl restart docker
   fi
 }
 
+# The ar+https apt transport that Google's Artifact Registry apt repositories need, from
+# packages.cloud.google.com signed by its pinned keys; then the Artifact Registry signing key, so a
+# repository there is added `signed-by` it, never [trusted=yes].
+ensure_artifact_registry_apt() {
+  local google=/usr/share/keyrings/gpufleet-google-cloud.gpg
+  apt_install gnupg
+  if ! dpkg-query -W -f='${Status}' apt-transport-artifact-registry 2>/dev/null | grep -q "install ok installed"; then
+    pinned_keyring "$google" @@GOOGLE_APT_KEY_URL@@ @@GOOGLE_APT_KEY_FPRS@@
+    apt_source /etc/apt/sources.list.d/gpufleet-artifact-registry-transport.list \
+      "deb [signed-by=$google] "@@AR_TRANSPORT_REPO@@
+    apt_install apt-transport-artifact-registry
+  fi
+  pinned_keyring "$AR_KEYRING" @@AR_APT_KEY_URL@@ @@AR_APT_KEY_FPRS@@
+}
+readonly AR_KEYRING=/usr/share/keyrings/gpufleet-artifact-registry.gpg
+
+# GPUDirect's receive path accepts TCP from the other nodes on the GPU NICs (Google's sequence adds
+# one accept rule on every interface; this adds it on the GPU NICs alone). -C first: once per boot.
+accept_tcp_on_gpu_nics() {
+  local nic
+  for nic in "${GPU_NICS[@]}"; do
+    iptables -C INPUT -i "$nic" -p tcp -m tcp -j ACCEPT 2>/dev/null \
+      || iptables -I INPUT -i "$nic" -p tcp -m tcp -j ACCEPT
+  done
+}
+
+# Docker pulls from Artifact Registry with the VM's service account, as Google documents for
+# Compute Engine VMs (https://cloud.google.com/artifact-registry/docs/docker/authentication):
+# gcloud's credential helper on Ubuntu (`gcloud auth configure-docker HOSTS`), the standalone
+# docker-credential-gcr on Container-Optimized OS (`docker-credential-gcr configure-docker
+# --registries=HOSTS`, https://cloud.google.com/container-optimized-os/docs/how-to/run-container-instance).
+# For root, whose docker runs RxDM and the installers; new users' homes get the same config
+# (/etc/skel). Without the helper the node still boots: a pull from the stack's repository then
+# fails with the registry's own reason.
+configure_registry_auth() {
+  local hosts
+  hosts=$(IFS=,; echo "${DOCKER_REGISTRIES[*]}")
+  [[ -n "$hosts" ]] || return 0
+  if [[ "$IMAGE_OS" == cos ]]; then
+    docker-credential-gcr configure-docker --registries="$hosts" >/dev/null 2>&1 \
+      || log "docker-credential-gcr could not configure $hosts"
+    return 0
+  fi
+  if ! command -v gcloud >/dev/null 2>&1; then
+    log "no gcloud on this image: docker has no credentials for $hosts"
+    return 0
+  fi
+  gcloud auth configure-docker --quiet "$hosts" >/dev/null 2>&1 || log "gcloud could not configure docker for $hosts"
+  if [[ -f /root/.docker/config.json && -d /etc/skel ]]; then
+    mkdir -p /etc/skel/.docker
+    cp -f /root/.docker/config.json /etc/skel/.docker/config.json
+  fi
+}
+
+# The image a container runs from: pulled only when it is not here (a digest is never pulled
+# again); its digest logged, for pins without one (infra/pins.py).
+ensure_image() {
+  local ref=$1
+  if ! docker image inspect "$ref" >/dev/null 2>&1; then
+    docker pull --quiet "$ref" >/dev/null
+  fi
+  log "image $ref: $(docker image inspect --format '{{index .RepoDigests 0}}' "$ref" 2>/dev/null || echo 'digest unknown')"
+}
+
 # ---- network stack: @@NET_STACK@@ ----------------------------------------------------------
 @@NET_STACK_SETUP@@
 # ---- end of network stack ------------------------------------------------------------------
 
-# nccl-tests (MPI build, so it runs across nodes) into NCCL_TESTS_DIR, once.
+# nccl-tests (MPI build, so it runs across nodes) into NCCL_TESTS_DIR, once: the pinned commit,
+# fetched by its hash and checked before it is built as root.
 build_nccl_tests() {
   local src="$STATE_DIR/nccl-tests"
-  if [[ -x "$NCCL_TESTS_DIR/all_reduce_perf" ]]; then
-    NCCL_TESTS_COMMIT=$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)
+  if [[ -x "$NCCL_TESTS_DIR/all_reduce_perf" && "$(git -C "$src" rev-parse HEAD 2>/dev/null)" == "$NCCL_TESTS_PIN" ]]; then
+    NCCL_TESTS_COMMIT=${NCCL_TESTS_PIN:0:7}
     return 0
   fi
   if [[ "$IMAGE_OS" == cos ]]; then
-    # COS has no compiler: build in a CUDA devel container, onto the exec-mounted state dir.
-    docker run --rm --network=host -v "$STATE_DIR:$STATE_DIR" nvidia/cuda:12.8.1-devel-ubuntu22.04 \
-      bash -c "apt-get update -qq && apt-get install -y -qq git libnccl-dev libopenmpi-dev && \
-        rm -rf $src && git clone --depth 1 https://github.com/NVIDIA/nccl-tests.git $src && \
-        make -C $src -j MPI=1 MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi NCCL_HOME=/usr BUILDDIR=$NCCL_TESTS_DIR"
+    # COS has no compiler: build in a CUDA devel container (pinned by digest), onto the
+    # exec-mounted state dir.
+    ensure_image "$CUDA_DEVEL_IMAGE"
+    docker run --rm --network=host -v "$STATE_DIR:$STATE_DIR" \
+      -e SRC="$src" -e URL="$NCCL_TESTS_URL" -e PIN="$NCCL_TESTS_PIN" -e OUT="$NCCL_TESTS_DIR" \
+      "$CUDA_DEVEL_IMAGE" bash -c 'set -e
+        apt-get update -qq && apt-get install -y -qq git libnccl-dev libopenmpi-dev
+        rm -rf "$SRC" && git init -q "$SRC" && git -C "$SRC" fetch -q --depth 1 "$URL" "$PIN"
+        git -C "$SRC" checkout -q --detach FETCH_HEAD
+        [[ "$(git -C "$SRC" rev-parse HEAD)" == "$PIN" ]]
+        make -C "$SRC" -j MPI=1 MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi NCCL_HOME=/usr BUILDDIR="$OUT"'
   else
     ensure_cuda_toolkit
     apt_install git libopenmpi-dev openmpi-bin build-essential
     rm -rf "$src"
-    git clone --depth 1 https://github.com/NVIDIA/nccl-tests.git "$src"
+    git init -q "$src"
+    git -C "$src" fetch -q --depth 1 "$NCCL_TESTS_URL" "$NCCL_TESTS_PIN"
+    git -C "$src" checkout -q --detach FETCH_HEAD
+    if [[ "$(git -C "$src" rev-parse HEAD)" != "$NCCL_TESTS_PIN" ]]; then
+      log "nccl-tests: fetched $(git -C "$src" rev-parse HEAD), not the pinned $NCCL_TESTS_PIN"
+      return 1
+    fi
     make -C "$src" -j "$(nproc)" MPI=1 MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi \
       CUDA_HOME=/usr/local/cuda NCCL_HOME=/usr BUILDDIR="$NCCL_TESTS_DIR"
   fi
-  NCCL_TESTS_COMMIT=$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)
+  NCCL_TESTS_COMMIT=${NCCL_TESTS_PIN:0:7}
 }
 
 # nvcc and NCCL headers from NVIDIA's CUDA apt repo (github.com/GoogleCloudPlatform/cluster-toolkit
 # examples/machine-learning/a4-highgpu-8g/a4high-vm.yaml installs cuda-toolkit-12-8, libnccl2,
-# libnccl-dev from it).
+# libnccl-dev from it). Its keyring package is checked against its pinned SHA-256 before dpkg.
 ensure_cuda_toolkit() {
   if [[ -x /usr/local/cuda/bin/nvcc ]] && dpkg-query -W libnccl-dev >/dev/null 2>&1; then
     return 0
   fi
-  if ! dpkg-query -W cuda-keyring >/dev/null 2>&1; then
-    local version deb=/tmp/cuda-keyring.deb
-    version=$(sed -n 's/^VERSION_ID="\{0,1\}\([0-9.]*\)"\{0,1\}$/\1/p' /etc/os-release)
-    curl -fsSL -o "$deb" "https://developer.download.nvidia.com/compute/cuda/repos/ubuntu${version//./}/x86_64/cuda-keyring_1.1-1_all.deb"
+  if ! dpkg-query -W -f='${Status}' cuda-keyring 2>/dev/null | grep -q "install ok installed"; then
+    local release sum deb=/tmp/cuda-keyring.deb
+    release=$(sed -n 's/^VERSION_ID="\{0,1\}\([0-9.]*\)"\{0,1\}$/\1/p' /etc/os-release)
+    release=${release//./}
+    declare -A sums=(@@CUDA_KEYRING_SUMS@@)
+    sum=${sums[$release]:-}
+    if [[ -z "$sum" ]]; then
+      log "no pinned cuda-keyring checksum for Ubuntu $release (infra/pins.py has: ${!sums[*]})"
+      return 1
+    fi
+    curl -fsSL -o "$deb" "@@CUDA_KEYRING_URL@@"
+    if ! echo "$sum  $deb" | sha256sum --check --status; then
+      log "cuda-keyring for Ubuntu $release does not match its pinned SHA-256 $sum"
+      rm -f "$deb"
+      return 1
+    fi
     dpkg -i "$deb"
+    rm -f "$deb"
     apt-get update -qq
   fi
   apt_install cuda-toolkit-12-8 libnccl2 libnccl-dev
+}
+
+# What building a job's Python environment needs on Ubuntu/Debian (COS runs jobs in containers):
+# python3-venv, uv (the pinned wheel, by its hash) on the PATH, and uv's cache on the local SSD
+# when there is one, so environments hardlink from it (/etc/uv/uv.toml, uv's system config:
+# https://docs.astral.sh/uv/concepts/configuration-files/).
+prepare_python_build() {
+  [[ "$IMAGE_OS" == ubuntu ]] || return 0
+  apt_install python3-venv
+  if [[ "$("$UV_HOME/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
+    rm -rf "$UV_HOME"
+    python3 -m venv "$UV_HOME"
+    printf 'uv==%s --hash=sha256:%s\n' "$UV_VERSION" "$UV_SHA256" >"$UV_HOME/requirements.txt"
+    "$UV_HOME/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes \
+      --only-binary=:all: -r "$UV_HOME/requirements.txt"
+  fi
+  if [[ "$(readlink "$UV_LINK" 2>/dev/null)" != "$UV_HOME/bin/uv" ]]; then
+    mkdir -p "$(dirname "$UV_LINK")"
+    ln -sfn "$UV_HOME/bin/uv" "$UV_LINK"
+  fi
+  local want=""
+  if ((LOCAL_SSD_COUNT > 0)) && mountpoint -q "$LOCAL_SSD_MOUNT"; then
+    mkdir -p "$LOCAL_SSD_MOUNT/uv-cache"
+    chmod 1777 "$LOCAL_SSD_MOUNT/uv-cache"
+    want="cache-dir = \"$LOCAL_SSD_MOUNT/uv-cache\""
+  fi
+  if [[ -n "$want" && "$(cat "$UV_CONFIG" 2>/dev/null)" != "$want" ]]; then
+    mkdir -p "$(dirname "$UV_CONFIG")"
+    printf '%s\n' "$want" >"$UV_CONFIG"
+  elif [[ -z "$want" && "$(cat "$UV_CONFIG" 2>/dev/null)" == "cache-dir = \"$LOCAL_SSD_MOUNT/uv-cache\"" ]]; then
+    rm -f "$UV_CONFIG"  # ours, and no local SSD this boot: uv's own default cache
+  fi
 }
 
 write_ready_marker() {
@@ -236,6 +368,8 @@ main() {
   ensure_driver
   set_ulimits
   setup_local_ssd
+  prepare_python_build
+  configure_registry_auth  # before the network stack pulls Google's GPUDirect images
   net_stack_setup
   build_nccl_tests
   if [[ "$NCCL_VERSION" == unknown ]]; then

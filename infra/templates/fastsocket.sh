@@ -6,14 +6,12 @@ net_stack_setup() {
     log "Fast Socket is packaged for Debian/Ubuntu only; NCCL uses plain sockets on $IMAGE_OS"
     return 0
   fi
-  local keyring=/usr/share/keyrings/cloud.google.gpg list=/etc/apt/sources.list.d/google-fast-socket.list
-  if [[ ! -s "$keyring" ]]; then
-    curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | gpg --dearmor --yes -o "$keyring"
-  fi
-  if [[ ! -f "$list" ]]; then
-    echo "deb [signed-by=$keyring] https://packages.cloud.google.com/apt google-fast-socket main" >"$list"
-    apt-get update -qq
-  fi
+  # Signed by packages.cloud.google.com's pinned keys (infra/pins.py GOOGLE_CLOUD_APT_KEY).
+  local keyring=/usr/share/keyrings/gpufleet-google-cloud.gpg
+  apt_install gnupg
+  pinned_keyring "$keyring" @@GOOGLE_APT_KEY_URL@@ @@GOOGLE_APT_KEY_FPRS@@
+  apt_source /etc/apt/sources.list.d/google-fast-socket.list \
+    "deb [signed-by=$keyring] https://packages.cloud.google.com/apt google-fast-socket main"
   apt_install google-fast-socket
   PLUGIN_VERSION="fastsocket-$(dpkg-query -W -f='${Version}' google-fast-socket)"
 }

@@ -17,12 +17,11 @@ wait_for_rdma_nics() {
 
 net_stack_setup() {
   wait_for_rdma_nics
-  apt_install apt-transport-artifact-registry ibverbs-utils
-  local list=/etc/apt/sources.list.d/gpudirect-gib.list
-  if [[ ! -f "$list" ]]; then
-    echo "deb [trusted=yes] ar+https://us-apt.pkg.dev/projects/gce-ai-infra gpudirect-gib-apt main" >"$list"
-    apt-get update -qq
-  fi
+  apt_install ibverbs-utils
+  # Google's Artifact Registry apt repo, signed by the Artifact Registry key (pinned), not [trusted=yes].
+  ensure_artifact_registry_apt
+  apt_source /etc/apt/sources.list.d/gpudirect-gib.list \
+    "deb [signed-by=$AR_KEYRING] ar+https://us-apt.pkg.dev/projects/gce-ai-infra gpudirect-gib-apt main"
   apt_install nccl-gib
   local ldconf=/etc/ld.so.conf.d/000_nccl-gib.conf
   if [[ "$(cat "$ldconf" 2>/dev/null)" != "$GIB_DIR/lib64" ]]; then

@@ -1,11 +1,12 @@
 # A3 High / Edge: GPUDirect-TCPX. Google's VM sequence (https://cloud.google.com/compute/docs/gpus/
 # gpudirect, as skypilot sky/provision/gcp/constants.py GPU_DIRECT_TCPX_USER_DATA and dstack run
 # it): the receive-datapath manager (RxDM) container, an iptables accept
-# rule, the NCCL plugin installer (which also installs its NCCL into /var/lib/tcpx/lib64).
-# Images: the pair github.com/GoogleCloudPlatform/cluster-toolkit pins together ("rxdm_version = v2.0.12 # matching nccl-tcpx-installer
-# version v3.1.9").
-readonly TCPX_PLUGIN_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/nccl-plugin-gpudirecttcpx-dev:v3.1.9
-readonly TCPX_RXDM_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12
+# rule on the GPU NICs, the NCCL plugin installer (which also installs its NCCL into /var/lib/tcpx/lib64).
+# Images: infra/pins.py (TCPX_PLUGIN, TCPX_RXDM).
+readonly TCPX_PLUGIN_IMAGE=@@TCPX_PLUGIN_IMAGE@@
+readonly TCPX_RXDM_IMAGE=@@TCPX_RXDM_IMAGE@@
+readonly RXDM_CONTAINER=@@RXDM_CONTAINER@@
+readonly RXDM_SOCKET_DIR=@@RXDM_SOCKET_DIR@@
 
 
 gpu_device_flags() {
@@ -18,29 +19,32 @@ gpu_device_flags() {
 
 net_stack_setup() {
   ensure_docker_gpus
-  # RxDM needs the accept rule (same Google sequence); -C first so reboots and re-runs add it once.
-  iptables -C INPUT -p tcp -m tcp -j ACCEPT 2>/dev/null || iptables -I INPUT -p tcp -m tcp -j ACCEPT
+  accept_tcp_on_gpu_nics
   # github.com/GoogleCloudPlatform/container-engine-accelerators gpudirect-tcpx/optmem-max-ds.yaml
   # sets this for TCPX.
   sysctl -q -w net.core.optmem_max=131072
   if [[ ! -e /var/lib/tcpx/lib64/libnccl-net.so ]]; then
+    ensure_image "$TCPX_PLUGIN_IMAGE"
     docker run --rm --network=host -v /var/lib:/var/lib "$TCPX_PLUGIN_IMAGE" install --install-nccl
   fi
   exec_mount /var/lib/tcpx
-  if [[ -z "$(docker ps -q -f name=^receive-datapath-manager$)" ]]; then
-    docker rm -f receive-datapath-manager >/dev/null 2>&1 || true
+  # RxDM: the container RXDM_CONTAINER, its socket in RXDM_SOCKET_DIR (what the launcher checks).
+  if [[ -z "$(docker ps -q -f "name=^${RXDM_CONTAINER}\$")" ]]; then
+    docker rm -f "$RXDM_CONTAINER" >/dev/null 2>&1 || true
+    ensure_image "$TCPX_RXDM_IMAGE"
+    mkdir -p "$RXDM_SOCKET_DIR"
     local gpus
     # shellcheck disable=SC2207  # word-splitting the flag list is the point
     gpus=($(gpu_device_flags))
-    docker run --detach --pull=always --name receive-datapath-manager --privileged \
+    docker run --detach --name "$RXDM_CONTAINER" --privileged \
       --cap-add=NET_ADMIN --network=host "${gpus[@]}" \
       --volume /var/lib/nvidia/lib64:/usr/local/nvidia/lib64 \
       --env LD_LIBRARY_PATH=/usr/local/nvidia/lib64 \
-      --volume /run/tcpx:/run/tcpx \
+      --volume "$RXDM_SOCKET_DIR:$RXDM_SOCKET_DIR" \
       --entrypoint /tcpgpudmarxd/build/app/tcpgpudmarxd \
       "$TCPX_RXDM_IMAGE" \
-      --gpu_nic_preset a3vm --gpu_shmem_type fd --uds_path /run/tcpx --setup_param "--verbose 128 2 0"
+      --gpu_nic_preset a3vm --gpu_shmem_type fd --uds_path "$RXDM_SOCKET_DIR" --setup_param "--verbose 128 2 0"
   fi
   NCCL_VERSION=$(nccl_version /var/lib/tcpx/lib64)
-  PLUGIN_VERSION="gpudirecttcpx-${TCPX_PLUGIN_IMAGE##*:}+rxdm-${TCPX_RXDM_IMAGE##*:}"
+  PLUGIN_VERSION="gpudirecttcpx-@@TCPX_PLUGIN_TAG@@+rxdm-@@TCPX_RXDM_TAG@@"
 }

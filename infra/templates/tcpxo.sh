@@ -1,22 +1,20 @@
 # A3 Mega: GPUDirect-TCPXO: the dmabuf import-helper module, the aperture devices
 # udev rule, the NCCL plugin installer (NCCL into /var/lib/tcpxo/lib64) and the RxDM container.
-# Images: the current pair of github.com/GoogleCloudPlatform/container-engine-accelerators
-# gpudirect-tcpxo/README.md (Jan 9, 2026), qualified with NCCL 2.28.7-1.
-readonly TCPXO_PLUGIN_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/nccl-plugin-gpudirecttcpx-dev:v1.0.15
-readonly TCPXO_RXDM_IMAGE=us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/tcpgpudmarxd-dev:v1.0.21
+# Images, by digest: infra/pins.py (TCPXO_PLUGIN, TCPXO_RXDM).
+readonly TCPXO_PLUGIN_IMAGE=@@TCPXO_PLUGIN_IMAGE@@
+readonly TCPXO_RXDM_IMAGE=@@TCPXO_RXDM_IMAGE@@
+readonly RXDM_CONTAINER=@@RXDM_CONTAINER@@
 readonly APERTURE_RULE=/etc/udev/rules.d/00-a3-megagpu.rules
 
 
 ensure_import_helper() {
   if ! modinfo import-helper >/dev/null 2>&1; then
     # github.com/GoogleCloudPlatform/cluster-toolkit examples/machine-learning/a3-megagpu-8g/
-    # a3mega-slurm-blueprint.yaml: dmabuf-import-helper DKMS package from Google's Artifact Registry apt repo.
-    apt_install apt-transport-artifact-registry
-    local list=/etc/apt/sources.list.d/gpudirect-tcpxo.list
-    if [[ ! -f "$list" ]]; then
-      echo "deb [arch=all trusted=yes] ar+https://us-apt.pkg.dev/projects/gce-ai-infra gpudirect-tcpxo-apt main" >"$list"
-      apt-get update -qq
-    fi
+    # a3mega-slurm-blueprint.yaml: dmabuf-import-helper DKMS package from Google's Artifact Registry
+    # apt repo, signed by the Artifact Registry key (pinned), not [trusted=yes].
+    ensure_artifact_registry_apt
+    apt_source /etc/apt/sources.list.d/gpudirect-tcpxo.list \
+      "deb [arch=all signed-by=$AR_KEYRING] ar+https://us-apt.pkg.dev/projects/gce-ai-infra gpudirect-tcpxo-apt main"
     apt_install "linux-headers-$(uname -r)" dkms dmabuf-import-helper
   fi
   modprobe import-helper
@@ -44,11 +42,11 @@ net_stack_setup() {
   ensure_docker_gpus
   ensure_import_helper
   ensure_aperture_devices
-  iptables -C INPUT -p tcp -m tcp -j ACCEPT 2>/dev/null || iptables -I INPUT -p tcp -m tcp -j ACCEPT
-  gcloud auth configure-docker --quiet us-docker.pkg.dev >/dev/null 2>&1 || true
+  accept_tcp_on_gpu_nics
   local profile=/var/lib/tcpxo/lib64/nccl-env-profile.sh
   if [[ ! -e /var/lib/tcpxo/lib64/libnccl-net.so ]]; then
     rm -rf /var/lib/tcpxo/lib64
+    ensure_image "$TCPXO_PLUGIN_IMAGE"
     docker run --rm --name nccl-installer --network=host -v /var/lib:/var/lib "$TCPXO_PLUGIN_IMAGE" install --install-nccl
   fi
   exec_mount /var/lib/tcpxo
@@ -58,11 +56,13 @@ net_stack_setup() {
   if ! grep -q NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY "$profile" 2>/dev/null; then
     echo 'export NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY=/dev/aperture_devices' >>"$profile"
   fi
-  if [[ -z "$(docker ps -q -f name=^receive-datapath-manager$)" ]]; then
-    docker rm -f receive-datapath-manager >/dev/null 2>&1 || true
+  # RxDM: the container RXDM_CONTAINER (what the launcher checks; TCPXO has no socket directory).
+  if [[ -z "$(docker ps -q -f "name=^${RXDM_CONTAINER}\$")" ]]; then
+    docker rm -f "$RXDM_CONTAINER" >/dev/null 2>&1 || true
+    ensure_image "$TCPXO_RXDM_IMAGE"
     # Since RxDM v1.0.20 the only flag is --num_hops=2 (github.com/google/nccl-plugin-gpudirect-tcpxo
     # README.md).
-    docker run --detach --pull=always --name receive-datapath-manager \
+    docker run --detach --name "$RXDM_CONTAINER" \
       --cap-add=NET_ADMIN --network=host --privileged --gpus all \
       --volume /var/lib/nvidia/lib64:/usr/local/nvidia/lib64 \
       --volume /dev/dmabuf_import_helper:/dev/dmabuf_import_helper \
@@ -72,7 +72,7 @@ net_stack_setup() {
   # RxDM takes ~30 s to initialise (CEA best-practice.md); slurm-gcp waits up to 120 s.
   local i
   for ((i = 0; i < 60; i++)); do
-    docker logs receive-datapath-manager 2>&1 | grep -q "Buffer manager initialization complete" && break
+    docker logs "$RXDM_CONTAINER" 2>&1 | grep -q "Buffer manager initialization complete" && break
     sleep 2
   done
   if ((i == 60)); then
@@ -80,5 +80,5 @@ net_stack_setup() {
     return 1
   fi
   NCCL_VERSION=$(nccl_version /var/lib/tcpxo/lib64)
-  PLUGIN_VERSION="gpudirecttcpxo-${TCPXO_PLUGIN_IMAGE##*:}+rxdm-${TCPXO_RXDM_IMAGE##*:}"
+  PLUGIN_VERSION="gpudirecttcpxo-@@TCPXO_PLUGIN_TAG@@+rxdm-@@TCPXO_RXDM_TAG@@"
 }

@@ -2,7 +2,7 @@
 
 The click edge: the options are mapped once into the typed request (`Cluster` from
 `find_cluster`, `LaunchConfig` from `build_config`, and `NcclRequest` for the rest), and every run
-is a caller of `launcher.core.launch.Launch` (through `launcher.cli.render.execute_on`, or the bad-node
+is a caller of `launcher.core.launch.Launch` (through a plan, `launcher.cli.render.execute`, or the bad-node
 search's `launcher.nccl.badnodes.BadNodeSearch`), which owns signal handling and stopping. This module
 only renders what they return.
 
@@ -37,7 +37,7 @@ from launcher.cli.options import (
     build_config,
     find_cluster,
 )
-from launcher.cli.render import err, execute_on, setup_logging, user_errors
+from launcher.cli.render import err, execute, setup_logging, user_errors
 from launcher.cli.workload_args import WorkloadCommand, parser_help
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import node_env
@@ -49,6 +49,7 @@ from launcher.nccl.judge import expected_judgement, verdict
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
 from launcher.nccl.render import rich_table, write_results
+from launcher.runner import plan
 from workloads.sweep_args import build_parser as build_sweep_parser
 
 __all__ = ["nccl_tests", "NcclRequest", "nccl_request", "rank0_rows", "report_rows"]
@@ -239,7 +240,7 @@ def nccl_tests(**o: Any) -> None:
         raise SystemExit(_find_bad_nodes(cluster, config, request))
     if request.impl == "nccl-tests":
         raise SystemExit(_run_nccl_tests_binary(cluster, config, request))
-    result = execute_on(cluster, config)
+    result = execute(plan(cluster, config))
     if result is None:  # --dry-run
         return
     lost = result.first_failure is not None and result.outcomes[result.first_failure].connection_lost
@@ -266,10 +267,11 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
 def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
     launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
+    # The environment first: bad input is refused before the order asks any node.
+    env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     order = order_for_launch(cluster, config)
     cluster = order.cluster
     err.print(f"[dim]{escape(order.message)}[/dim]")
-    env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     nprocs = set(_nprocs(cluster, config))
     if len(nprocs) != 1:
         raise UserError(
@@ -289,7 +291,7 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
             allow_run_as_root=request.allow_run_as_root,
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())
-        result = execute_on(head, op_config)
+        result = execute(plan(head, op_config))
         if result is None:  # --dry-run: the mpirun command on node 0, for each collective
             continue
         if result.exit_code != 0:

@@ -272,7 +272,7 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
     if o.get("dry_run"):
         raise UserError(f"{what} reads the job's record on node 0, and --dry-run connects to nothing; drop one")
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config)
+    return cluster, config, make_transport(cluster, config.ssh, config.dry_run)
 
 
 def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
@@ -301,7 +301,7 @@ def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, Launch
         return _job_nodes(cluster, transport, job_id), config, transport, job_host(cluster)
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config), job_host(cluster)
+    return cluster, config, make_transport(cluster, config.ssh, config.dry_run), job_host(cluster)
 
 
 class _JobWatch:

@@ -19,15 +19,15 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster
+from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, ssh_config, trusted_ssh
 from launcher.cli.render import err, setup_logging
-from launcher.cluster.ordering import order_for_launch
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
 from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, logs_script
 from launcher.jobs.recovery import parse_duration, recover_policy
+from launcher.runner import plan_detached
 
 __all__ = [
     "STATE_STYLE",
@@ -60,7 +60,7 @@ def start_detached(
     `check` refuses workload arguments that do not fit the ranks the job will start; `builtin`:
     the built-in workload, recovered with --resume (launcher.jobs.recovery)."""
     setup_logging()
-    if o.get("dry_run"):
+    if o.get("dry_run"):  # before the cluster is looked for: nothing of it is needed to refuse
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(o, workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
@@ -78,14 +78,13 @@ def start_detached(
     if check is not None:
         check(cluster, config)
     n = len(cluster.nodes)
-    # The controller keeps this order: the request carries the nodes in it, and a recovery
+    # The controller keeps the plan's order: the request carries the nodes in it, and a recovery
     # relaunches from the request.
-    order = order_for_launch(cluster, config)
-    cluster = order.cluster
-    if order.message:
-        err.print(f"[dim]{escape(order.message)}[/dim]")
+    p = plan_detached(cluster, config)
+    if p.order_message:
+        err.print(f"[dim]{escape(p.order_message)}[/dim]")
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
-        job_id = detach(cluster, config, policy.to_json() if policy else None)
+        job_id = detach(p, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")
     err.print(
         f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop {job_id}[/dim]"
@@ -101,8 +100,8 @@ def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
             "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
             "cluster's node flags (--hostfile, --stack, ...)"
         )
-    config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, Node0(make_transport(cluster, config), job_host(cluster))
+    transport = make_transport(cluster, trusted_ssh(o, cluster, ssh_config(o, cluster)), o.get("dry_run", False))
+    return cluster, Node0(transport, job_host(cluster))
 
 
 def dry_run(o: dict[str, Any], n0: Node0, steps: list[tuple[str, str]]) -> bool:

@@ -1,5 +1,6 @@
-"""What train, run and exec share: run attached through the one attached path
-(launcher.cli.render.execute_on), or with --detach hand the job to node 0's controller."""
+"""What train, run and exec share: plan the launch (launcher.runner.plan) and run it attached
+through the one attached path (launcher.cli.render.execute), or with --detach hand the job to
+node 0's controller."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from launcher.cli.options import build_config, find_cluster
-from launcher.cli.render import execute_on, finish, setup_logging
+from launcher.cli.render import execute, finish, setup_logging
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
+from launcher.runner import plan
 
 __all__ = ["start", "WorkloadCheck"]
 
@@ -39,10 +41,10 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
 
 def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None) -> LaunchResult | None:
     """The nodes and the config from the flags, the workload's arguments checked against them,
-    then the one attached path (render.execute_on)."""
+    then the plan, run on the one attached path (render.execute)."""
     setup_logging()
     cluster = find_cluster(o)
     config = build_config(o, workload, cluster)
     if check is not None:
         check(cluster, config)
-    return execute_on(cluster, config)
+    return execute(plan(cluster, config))

@@ -37,6 +37,8 @@ __all__ = [
     "apply_options",
     "find_cluster",
     "build_config",
+    "ssh_config",
+    "trusted_ssh",
 ]
 
 
@@ -330,9 +332,9 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
-    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
-    ssh = SshConfig(
+def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
+    """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
+    return SshConfig(
         user=o.get("ssh_user"),
         key=o.get("ssh_key"),
         options=_ssh_options(o.get("ssh_options", ())),
@@ -340,6 +342,11 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         iap=o.get("iap", False),
         zone=o.get("zone") or cluster.zone,
     )
+
+
+def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
+    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
+    ssh = ssh_config(o, cluster)
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     config = LaunchConfig(
@@ -364,18 +371,17 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         progress=parse_progress(o.get("progress"), hang_timeout_s),
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
-    return _with_host_keys(o, cluster, config)
+    return replace(config, ssh=trusted_ssh(o, cluster, config.ssh))
 
 
-def _with_host_keys(o: dict[str, Any], cluster: Cluster, config: LaunchConfig) -> LaunchConfig:
-    """The config with how ssh checks the cluster's host keys, its known_hosts made ready before
-    the first connection (launcher.cluster.host_keys.host_key_checking); a dry run reads nothing."""
-    if config.dry_run or cluster.local:
-        return config
+def trusted_ssh(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConfig:
+    """`ssh` with how it checks the cluster's host keys, its known_hosts made ready before the
+    first connection (launcher.cluster.host_keys.host_key_checking); a dry run reads nothing."""
+    if o.get("dry_run") or cluster.local:
+        return ssh
     from launcher.cluster.host_keys import host_key_checking
 
-    checking = host_key_checking(cluster, config.ssh, o.get("api_endpoint"))
-    return replace(config, ssh=replace(config.ssh, host_key_checking=checking))
+    return replace(ssh, host_key_checking=host_key_checking(cluster, ssh, o.get("api_endpoint")))
 
 
 def _term_grace(text: str) -> float:

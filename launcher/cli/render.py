@@ -1,6 +1,7 @@
 """What the user sees of a launch: one console on stderr (status line, summary table, one red
 line per error), node output on stdout as `[node N] line`, library log records as one coloured
-line each. `execute_on` drives one `launcher.core.launch.Launch` with this display.
+line each. `execute` drives one `launcher.core.launch.Launch` through a launch plan (launcher.runner)
+with this display.
 
 rich lives here and in the command modules; library modules (launch, session, ...) log and emit
 `NodeEvent`s instead of printing.
@@ -18,13 +19,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cluster.ordering import order_for_launch
-from launcher.core.command import node_commands
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.core.output import failure_line
-from launcher.core.transport import make_transport
-from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
+from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchResult, UserError
 from launcher.jobs.busy import BusyCheck
+from launcher.runner import LaunchPlan
 
 __all__ = [
     "err",
@@ -33,7 +32,8 @@ __all__ = [
     "user_errors",
     "live_printer",
     "render_result",
-    "execute_on",
+    "execute",
+    "print_plan",
     "finish",
 ]
 
@@ -134,28 +134,22 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
-def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
-    """Every attached launch's one path: run `config` on `cluster` with the live display and the
-    summary table, or, for --dry-run, print each node's command and connect to nothing (returns
-    None). On SSH nodes a detached job holding them refuses the launch: one line, nothing started.
-    The nodes run in the rank order launcher.cluster.ordering decides."""
-    order = order_for_launch(cluster, config)
-    cluster = order.cluster
+def execute(p: LaunchPlan) -> LaunchResult | None:
+    """Every attached launch's one path: run the plan with the live display and the summary
+    table, or, for --dry-run, print the plan and connect to nothing (returns None). On SSH nodes
+    a detached job holding them refuses the launch: one line, nothing started."""
+    cluster, config = p.cluster, p.config
     if config.dry_run:
-        if order.message:
-            err.print(f"[dim]{escape(order.message)}[/dim]")
-        transport = make_transport(cluster, config)
-        for rank, script in node_commands(cluster, config).items():
-            node = cluster.nodes[rank]
-            if transport.route(node):  # --iap: the tunnel each node's connection would take
-                err.print(f"[dim]{escape(node.label)}: {escape(transport.route(node))}[/dim]")
-            click.echo(f"{node.host}\t{transport.display(node, script)}")
+        print_plan(p)
         return None
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)
-    on_event, status = live_printer(cluster, order.message)
+    on_event, status = live_printer(cluster, p.order_message)
     try:
-        result = Launch(cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop).run()
+        launch = Launch(
+            cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop, transport=p.transport
+        )
+        result = launch.run(programs=p.programs)
     except Interrupted:
         if busy is not None and busy.busy is not None:
             raise busy.refusal() from None
@@ -166,6 +160,16 @@ def execute_on(cluster: Cluster, config: LaunchConfig) -> LaunchResult | None:
             busy.close()
     render_result(result, cluster)
     return result
+
+
+def print_plan(p: LaunchPlan) -> None:
+    """--dry-run: the order's line on stderr, each node's exact command on stdout."""
+    if p.order_message:
+        err.print(f"[dim]{escape(p.order_message)}[/dim]")
+    for node, line in zip(p.cluster.nodes, p.dry_run()):
+        if p.transport.route(node):  # --iap: the tunnel each node's connection would take
+            err.print(f"[dim]{escape(node.label)}: {escape(p.transport.route(node))}[/dim]")
+        click.echo(line)
 
 
 def finish(result: LaunchResult | None) -> None:

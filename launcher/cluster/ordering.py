@@ -7,7 +7,6 @@ order: --rank-order given, --local, --dry-run, or a workload that is not torchru
 from __future__ import annotations
 
 from launcher.cluster.topology import RankOrder, launch_order, metadata_statement, node_physical_hosts
-from launcher.core.command import node_commands
 from launcher.core.preflight import refuse_unreachable
 from launcher.core.types import Cluster, LaunchConfig
 
@@ -17,7 +16,9 @@ __all__ = ["order_for_launch"]
 def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
     """`cluster` in the order the launch uses (renumbered), with the line that says which and
     why (empty for a plain command, whose nodes have no torchrun ranks). Raises UserError for
-    --rank-order topology when a node has no physical host, or when a node cannot be reached."""
+    --rank-order topology when a node has no physical host, or when a node cannot be reached.
+    Its caller refuses bad input first (launcher.runner.plan makes the program builder before
+    it asks for the order), so a node is never asked about a launch that cannot start."""
     if config.workload.kind != "torchrun":
         return RankOrder(cluster, False, "")
     if config.max_restarts > 0:  # launcher.core.torchrun.torchrun_argv: in-place restarts need c10d
@@ -31,9 +32,6 @@ def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
         return launch_order(cluster, config.rank_order, None)
     from launcher.core.launch import Launch  # the sessions and threads, only when nodes are asked
 
-    # Bad input (an unknown machine type, a bad --env) is refused before any node is contacted,
-    # as a launch without this question refuses it: building the commands raises it.
-    node_commands(cluster, config)
     # The launch's own check sessions, sent home once answered (ControlMaster keeps each
     # connection for the launch that follows).
     probes = Launch(cluster, config).probe(check_torch=False, extra=[metadata_statement()])

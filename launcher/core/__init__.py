@@ -5,9 +5,9 @@ that owns one launch's life. No click, no rich: the CLI (launcher.cli) renders w
 
 from __future__ import annotations
 
-from launcher.core.command import node_commands
 from launcher.core.env import node_env
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
+from launcher.core.program import ProgramBuilder, node_commands
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import (
     Cluster,
@@ -33,6 +33,7 @@ __all__ = [
     "NodeEvent",
     "NodeOutcome",
     "NodeState",
+    "ProgramBuilder",
     "SshConfig",
     "Transport",
     "UserError",

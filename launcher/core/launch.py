@@ -15,7 +15,7 @@ A node's state changes in one place, `Launch._set_state`, from the thread that r
 
 Every node is checked before any starts: one SSH session per node (a bounded number of
 handshakes at a time) runs the check and waits at a gate, and only when every node has passed
-does the launch tell them all to go (launcher.core.command). Stopping is cooperative first: the
+does the launch tell them all to go (launcher.core.program). Stopping is cooperative first: the
 launch closes each node's stdin, and the node-side wrapper stops its own process tree; a node
 that cannot be told (its connection is gone) sees the same end of input when it closes.
 """
@@ -32,15 +32,15 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet import atomic
-from launcher.core.command import attach_commands, node_commands, probe_script
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, check_probes, check_timeout, handshake_limit
+from launcher.core.program import attach_commands, node_commands, probe_script
 from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
@@ -121,7 +121,7 @@ class Launch:
     ):
         self.cluster = cluster
         self.config = config
-        self.transport = transport or make_transport(cluster, config)
+        self.transport = transport or make_transport(cluster, config.ssh, config.dry_run)
         self.stop_event = stop or threading.Event()
         self.signals: list[int] = []  # SIGINT/SIGTERM received, in order
         self.states: dict[int, NodeState] = {}  # by node rank; changed only by _set_state
@@ -162,13 +162,22 @@ class Launch:
 
     # ---- what callers call ----
 
-    def run(self, handle_signals: bool = True, adopt: dict[int, int] | None = None) -> LaunchResult:
+    def run(
+        self,
+        handle_signals: bool = True,
+        adopt: dict[int, int] | None = None,
+        programs: Mapping[int, str] | None = None,
+    ) -> LaunchResult:
         """Check every node, start the workload on all of them, stream, stop on the first
         failure, and report. Raises UserError or Interrupted (nothing was started).
         `adopt`: a detached job's run that is already going (its controller died): instead of
         starting it, re-attach to every node's supervisor and stream from these byte offsets, by
-        rank (launcher.core.supervise); a node without its run refuses, as a check does."""
-        if adopt is None:
+        rank (launcher.core.supervise); a node without its run refuses, as a check does.
+        `programs`: each node's program, by rank, rendered already (a launch plan's,
+        launcher.runner); else rendered here by the builder (launcher.core.program)."""
+        if programs is not None:
+            scripts = dict(programs)
+        elif adopt is None:
             scripts = node_commands(self.cluster, self.config)
         else:
             self._offsets = adopt
@@ -192,7 +201,7 @@ class Launch:
 
     def ask(self, scripts: dict[int, str]) -> dict[int, Probe]:
         """Run each node's own check program (by rank; `key=value` lines, then CHECKED_MARKER,
-        then wait for input, as launcher.core.command.probe_script does), with a launch's bounded
+        then wait for input, as launcher.core.program.probe_script does), with a launch's bounded
         handshakes and timeout, and send every node home: what each answered."""
         with self._signals_stop(True):
             try:

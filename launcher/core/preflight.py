@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-from launcher.core.command import SPOT_GRACE_MAX_S, SPOT_NOTICE_S
 from launcher.core.prestart import prestart_verdict
+from launcher.core.program import SPOT_GRACE_MAX_S, SPOT_NOTICE_S
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
@@ -95,7 +95,7 @@ def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfi
 
 
 def _spot_grace_warnings(probes: dict[int, Probe], config: LaunchConfig) -> list[str]:
-    """A --term-grace longer than a Spot VM's notice allows (launcher.core.command.SPOT_NOTICE_S)."""
+    """A --term-grace longer than a Spot VM's notice allows (launcher.core.program.SPOT_NOTICE_S)."""
     spot = [p.node.label for p in probes.values() if p.ok and p.facts.get("preemptible") == "TRUE"]
     if not spot or config.stop_grace_s <= SPOT_GRACE_MAX_S:
         return []

@@ -1,6 +1,6 @@
 """One node's SSH session (or local bash under `--local`) for one launch.
 
-The session carries the node-side program of launcher.core.command: its check half (`key=value`
+The session carries the node-side program of launcher.core.program: its check half (`key=value`
 facts up to CHECKED_MARKER), then, once told `go`, the workload's output, which it writes to the
 node's log and reports line by line. It reports what it sees as `Report`s on the launch's queue,
 from its reader threads; the `Launch` reading that queue is the only one that decides what

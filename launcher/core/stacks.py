@@ -3,7 +3,7 @@
 `collect` runs one program per node (`collect_script`), all nodes in parallel, over the launch's
 own transport (the SSH ControlMaster connections its sessions opened, or bash for `--local`).
 On the node the program finds the job's workers by the `GPUFLEET_RUN` token the run half put
-in their environment (launcher.core.command): of the processes carrying it, the workers are the ones
+in their environment (launcher.core.program): of the processes carrying it, the workers are the ones
 with RANK and LOCAL_RANK (torchrun's agent has neither) whose parent has none (a DataLoader
 worker forked from a rank inherits them). It dumps each with `py-spy dump` (every worker of the
 node in parallel) and prints the dumps between marker lines, then any flight-recorder dumps of

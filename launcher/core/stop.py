@@ -1,16 +1,52 @@
-"""The stop protocol on a node, as bash: how a run's processes are found (the run token), stopped
-(SIGTERM to the workload's group and every rank, a grace, SIGKILL to what is left, one STOP_REPORT
-line per rank) and reaped; and the Spot preemption watcher that starts a stop. Pure functions:
-they build bash statements, they run nothing. The attached run and the detached job's supervisor
-(launcher.core.supervise) both stop with these statements."""
+"""The stop protocol on a node, as bash: how a run's workload is started so that its processes can
+be found (its own session, the run token in its environment), stopped (SIGTERM to the workload's
+group and every rank, a grace, SIGKILL to what is left, one STOP_REPORT line per rank) and reaped;
+the Spot preemption watcher that starts a stop; and the tail every run ends with. Pure functions:
+they build bash statements, they run nothing. The attached run (launcher.core.program) and the
+detached job's supervisor (launcher.core.supervise) both start, stop and end with these
+statements, so each is written once."""
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 
-from launcher.core.wire import STOP_REPORT, stop_ticks
+from launcher.core.wire import PREEMPTION_NOTICE, STOP_REPORT, stop_ticks
 
-__all__ = ["reap_function", "stop_functions", "preemption_watch"]
+__all__ = ["reap_function", "stop_functions", "preemption_watch", "workload_head", "workload_tail", "PREEMPTED_ECHO"]
+
+# What the watchdog (or a detached job's watcher) prints when the preemption watcher tells it.
+PREEMPTED_ECHO = f'echo "{PREEMPTION_NOTICE} (instance/preempted is TRUE): SIGTERM to every rank, SIGKILL after $S s"'
+
+
+def workload_head(token: str, argv: Sequence[str], grace_s: float, redirects: str) -> list[str]:
+    """Start `argv` under setsid with `token` (quoted) in its environment, leaving `$P` its
+    session's id, then define `reap`, `ranks`, `gone` and `stop` (with the grace `grace_s`).
+    `redirects`: the workload's own (its stdin is never the launcher's)."""
+    return [
+        # The subshell is not a group leader (no job control here), so setsid runs in place and
+        # $! is the new session's id; the token is exported only inside it.
+        f"( export {token}; exec setsid -- {' '.join(shlex.quote(a) for a in argv)} ) {redirects} &",
+        "P=$!",
+        reap_function(token),
+        *stop_functions(token, grace_s),
+    ]
+
+
+def workload_tail(watch_preemption: bool) -> list[str]:
+    """Wait for the workload (`$P`), leaving its status in `$rc`; end the watchdog (`$W`) and
+    the preemption watcher (`$M`, when there is one); reap what a failure left behind."""
+    return [
+        "wait $P",
+        "rc=$?",
+        "kill $W 2>/dev/null",
+        *(['kill -- -"$M" 2>/dev/null'] if watch_preemption else []),
+        "wait $W",
+        # After a clean exit torchrun has already waited for its workers; the scan of every
+        # process's environment (costly with many processes, and run on every node) is for
+        # failures, where children may be left behind. The stop path always scans.
+        '[ "$rc" = 0 ] || reap',
+    ]
 
 
 def reap_function(token: str) -> str:

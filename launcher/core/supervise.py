@@ -1,7 +1,7 @@
 """The run half of a detached job's node, which outlives its SSH session. Pure functions: they
 build bash, they run nothing.
 
-An attached launch's node runs its workload under the SSH session itself (launcher.core.command):
+An attached launch's node runs its workload under the SSH session itself (launcher.core.program):
 end of input stops it at once, and nothing is written on the node. A detached job's controller may
 die (its process killed, its VM rebooted) while the job trains, so on a detached job's node:
 
@@ -27,16 +27,18 @@ process, so the supervisor's test (`flock -n -x`, once a second) needs no heartb
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
+
+from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, join
 
 __all__ = [
     "NODE_RUNS_DIR",
     "ORPHAN_STOP",
     "node_run_dir",
+    "supervised_run",
     "supervisor_script",
-    "start_statements",
-    "stream_statements",
     "attach_script",
-    "join",
 ]
 
 # Relative to the home directory of the account on the node.
@@ -51,45 +53,56 @@ def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
     return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
 
 
+def supervised_run(
+    job_id: str,
+    attempt: int,
+    rank: int,
+    token: str,
+    argv: Sequence[str],
+    controller_grace_s: int,
+    stop_grace_s: float,
+    watch_preemption: bool,
+) -> list[str]:
+    """A detached job's run half on node `rank`: start the supervisor (`supervisor_script`) in a
+    session of its own and stream its output from the start. `token`: the run token, quoted."""
+    sup = supervisor_script(token, argv, controller_grace_s, stop_grace_s, watch_preemption)
+    return [*_start_statements(node_run_dir(job_id, attempt, rank), sup), "OFF=0", *_stream_statements()]
+
+
 def supervisor_script(
-    token: str, argv: list[str], controller_grace_s: int, stop: list[str], watch: list[str], notice: str
+    token: str, argv: Sequence[str], controller_grace_s: int, stop_grace_s: float, watch_preemption: bool
 ) -> str:
     """The supervisor, run as `bash -c SCRIPT sup DIR` in a session of its own with its output
-    appended to DIR/out. `token`: the run token (quoted) the workload's processes carry; `stop`:
-    launcher.core.stop's G/S and `ranks`/`gone`/`stop`/`reap`; `watch`: the preemption
-    watcher's statements (empty: none), which send `$W` SIGUSR2; `notice`: the line it prints then."""
+    appended to DIR/out: it starts, stops and ends the workload as an attached run does
+    (launcher.core.stop), with a watcher of its own instead of the session's watchdog.
+    `token`: the run token (quoted) the workload's processes carry; `watch_preemption`: start the
+    preemption watcher, which sends the watcher (`$W`) SIGUSR2."""
     lines = [
         "D=$1",
-        f"( export {token}; exec setsid -- {' '.join(shlex.quote(a) for a in argv)} ) </dev/null &",
-        "P=$!",
-        *stop,
+        *workload_head(token, argv, stop_grace_s, "</dev/null"),
         # The watcher, once a second: a stop request (the file `stop`, with its grace; SIGUSR1
         # wakes it at once), the preemption notice (SIGUSR2), or no session holding `attached`
         # for --controller-grace. Bash runs a trap when `wait` returns, hence the sleep it waits on
         # (and ends, when the supervisor ends the watcher).
         "( trap : USR1; trap 'N=1' USR2; trap 'kill $s 2>/dev/null; exit 0' TERM; o=; while :; do sleep 1 & s=$!; "
         "wait $s; kill $s 2>/dev/null; "
-        f'if [ -n "$N" ]; then echo "{notice}: SIGTERM to every rank, SIGKILL after $S s"; break; fi; '
+        f'if [ -n "$N" ]; then {PREEMPTED_ECHO}; break; fi; '
         'if [ -f "$D/stop" ]; then read -r G S < "$D/stop"; break; fi; '
         'if flock -n -x "$D/attached" true; then o=${o:-$SECONDS}; '
         f'if [ $((SECONDS - o)) -ge {int(controller_grace_s)} ]; then echo "{ORPHAN_STOP} {int(controller_grace_s)} s '
         '(--controller-grace): SIGTERM to every rank, SIGKILL after $S s"; break; fi; else o=; fi; done; '
         "trap '' TERM; stop ) </dev/null &",
         "W=$!",
-        'echo "$$ $W" > "$D/pid"',
-        *watch,
-        "wait $P",
-        "rc=$?",
-        "kill $W 2>/dev/null",
-        *(['kill -- -"$M" 2>/dev/null'] if watch else []),
-        "wait $W",
-        '[ "$rc" = 0 ] || reap',
-        'echo $rc > "$D/rc"',
+        # Written whole or not at all (rename): a reader never sees the file empty.
+        'echo "$$ $W" > "$D/pid.new" && mv -f "$D/pid.new" "$D/pid"',
+        *(preemption_watch("USR2") if watch_preemption else []),
+        *workload_tail(watch_preemption),
+        'echo $rc > "$D/rc.new" && mv -f "$D/rc.new" "$D/rc"',
     ]
     return "\n".join(lines)
 
 
-def start_statements(run_dir: str, supervisor: str) -> list[str]:
+def _start_statements(run_dir: str, supervisor: str) -> list[str]:
     """The session's statements that make the run's directory (private) and start the supervisor
     in a session of its own, leaving `$SUP` its pid; the workload inherits the rendezvous lock
     (fd 9), which the session itself then lets go, and never the session's stdin (fd 3)."""
@@ -104,9 +117,9 @@ def start_statements(run_dir: str, supervisor: str) -> list[str]:
     ]
 
 
-def stream_statements(exit_marker: str) -> list[str]:
+def _stream_statements() -> list[str]:
     """Stream `$D/out` from byte `$OFF` while `$SUP` runs, relaying a stop line from fd 3; then
-    the rest, `exit_marker <rc>`, and the directory removed. End of input first: detach."""
+    the rest, `EXIT_MARKER <rc>`, and the directory removed. End of input first: detach."""
     return [
         'exec 8>>"$D/attached"',
         "flock -s 8",
@@ -127,14 +140,14 @@ def stream_statements(exit_marker: str) -> list[str]:
         'echo "the supervisor of this run ended without an exit status" >&2; exit 70; fi',
         'kill "$R" 2>/dev/null',
         'read -r rc < "$D/rc"',
-        f"printf '{exit_marker} %d\\n' \"$rc\"",
+        f"printf '{EXIT_MARKER} %d\\n' \"$rc\"",
         'rm -rf "$D"',
         'rmdir "${D%/*}" 2>/dev/null',
         'exit "$rc"',
     ]
 
 
-def attach_script(job_id: str, attempt: int, rank: int, offset: int, checked_marker: str, exit_marker: str) -> str:
+def attach_script(job_id: str, attempt: int, rank: int, offset: int) -> str:
     """A re-adopting controller's session to node `rank`: it answers its check at once when the
     run's directory is there (else one error line and exit 3), waits for `go`, then streams from
     byte `offset` as the first session did."""
@@ -145,15 +158,10 @@ def attach_script(job_id: str, attempt: int, rank: int, offset: int, checked_mar
         'ended and its output was read, or it never started" >&2; exit 3; }',
         'read -r SUP _ < "$D/pid"',
         f"OFF={int(offset)}",
-        f"echo {checked_marker}",
+        f"echo {CHECKED_MARKER}",
         "IFS= read -r G || exit 0",
         '[ "$G" = go ] || exit 0',
         "exec 3<&0",
-        *stream_statements(exit_marker),
+        *_stream_statements(),
     ]
     return join(s)
-
-
-def join(statements: list[str]) -> str:
-    """Statements on one line; `a &; b` is a syntax error: one ending in `&` is already terminated."""
-    return " ".join(st if st.endswith("&") else st + ";" for st in statements).rstrip(";")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.core.ssh import iap_tunnel, remote_command, ssh_argv, ssh_base_argv
-from launcher.core.types import Cluster, ControllerHost, LaunchConfig, Node, SshConfig, UserError
+from launcher.core.types import Cluster, ControllerHost, Node, SshConfig, UserError
 
 __all__ = [
     "Transport",
@@ -134,12 +134,11 @@ class Transport:
         return f"through IAP: {self.tunnel(node, str(self.port))}" if self.iap_zone else ""
 
 
-def make_transport(cluster: Cluster, config: LaunchConfig) -> Transport:
-    """The transport for `cluster`; creates its known_hosts and ControlPath directories unless
-    this is a dry run."""
+def make_transport(cluster: Cluster, ssh: SshConfig, dry_run: bool = False) -> Transport:
+    """The transport for `cluster` with the ssh options `ssh`; creates its known_hosts and
+    ControlPath directories unless this is a dry run."""
     if cluster.local:
         return Transport(local=True)
-    ssh = config.ssh
     if ssh.iap and not ssh.zone:
         raise UserError("--iap needs the nodes' zone: pass --zone (stack outputs carry it)")
     if ssh.iap:  # every node (and the controller host) by name, or one line before anything
@@ -148,8 +147,8 @@ def make_transport(cluster: Cluster, config: LaunchConfig) -> Transport:
     key = cluster_slug(cluster).rsplit("-", 1)[1]
     known = known_hosts_path(cluster, ssh.known_hosts)
     # ControlPath must fit a unix socket path (108 bytes): keep it short, per user and cluster.
-    control = control_dir(create=not config.dry_run) / key
-    if not config.dry_run:
+    control = control_dir(create=not dry_run) / key
+    if not dry_run:
         Path(known).parent.mkdir(parents=True, exist_ok=True)
         control.mkdir(exist_ok=True, mode=0o700)
         _say_trust_on_first_use(cluster, ssh, Path(known))

@@ -1,8 +1,10 @@
 """The wire protocol between the launcher and the program it runs on each node: the lines the node
 prints that the launcher reads (markers), the lines the launcher writes to the node (`go`, a stop's
 `term` line), the run token every process of a run carries, and the `GPUFLEET_*` variables the
-node program exports. Both sides (launcher.core.command builds the node's bash,
+node program exports. Both sides (launcher.core.program builds the node's bash,
 launcher.core.session reads it) take these names from here, so a marker is spelt once.
+
+A node program travels as one bash line (`join`), so `--dry-run` prints it on one line.
 
 Pure values and string functions: no processes, no network.
 """
@@ -25,6 +27,7 @@ __all__ = [
     "stop_ticks",
     "rdzv_lock_path",
     "run_token",
+    "join",
 ]
 
 # The node's last line: `EXIT_MARKER <status>`; a lost connection prints none, which tells a
@@ -71,3 +74,8 @@ def grace_line(grace_s: float) -> bytes:
 def stop_ticks(grace_s: float) -> int:
     """The watchdog's ticks in a grace of `grace_s`."""
     return max(1, round(grace_s * 5))  # the watchdog looks every 0.2 s
+
+
+def join(statements: list[str]) -> str:
+    """Statements on one line; `a &; b` is a syntax error: one ending in `&` is already terminated."""
+    return " ".join(st if st.endswith("&") else st + ";" for st in statements).rstrip(";")

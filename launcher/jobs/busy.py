@@ -33,7 +33,7 @@ class BusyCheck:
         self.stop = stop
         self.busy: JobRecord | None = None
         self._answered: set[int] = set()  # ranks whose check has ended, one way or another
-        self._node0 = Node0(make_transport(cluster, config), job_host(cluster))
+        self._node0 = Node0(make_transport(cluster, config.ssh, config.dry_run), job_host(cluster))
         self._timeout = config.ssh.connect_timeout + 10.0
         self._proc: subprocess.Popen | None = None
 

@@ -8,8 +8,9 @@ hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
    CONTROLLER_VENV's (the stack's startup script makes it) where there is one, else python3.
 
 1. The check: each node runs the same node-side program an attached launch runs
-   (launcher.core.command.node_commands) up to its gate, and is sent home instead of told to go; the
-   check session also authorizes the cluster key, and node 0's known_hosts is made of the host
+   (launcher.core.program.ProgramBuilder, rendered once in the launch's plan: launcher.runner)
+   up to its gate, and is sent home instead of told to go; the check session also authorizes the
+   cluster key (the plan's prologue), and node 0's known_hosts is made of the host
    keys this check was verified with (launcher.cluster.key). A node that cannot run is refused
    as today: one UserError, nothing started. A busy rendezvous port is not a refusal here: the
    queue on node 0 decides when the job may take it.
@@ -38,21 +39,19 @@ import launcher
 from gpufleet.contracts import CONTROLLER_VENV
 from launcher.cluster.key import (
     NODE_KEY_DIR,
-    authorize_statements,
     cluster_slug,
     controller_ssh,
-    ensure_key,
     known_hosts_text,
     ssh_target,
     verified_host_keys,
 )
-from launcher.core.command import node_commands
 from launcher.core.launch import Launch
 from launcher.core.preflight import Probe, check_probes
-from launcher.core.transport import Transport, make_transport
+from launcher.core.transport import Transport
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
 from launcher.jobs.node0 import job_host
 from launcher.jobs.record import CONTROLLER_SH, JOBS_DIR, request_json
+from launcher.runner.plan import LaunchPlan
 
 __all__ = ["detach", "controller_sh", "STARTED_MARKER", "NODE0_WARNING"]
 
@@ -70,17 +69,16 @@ _PY_FACT = "__GPUFLEET_PYTHON__"
 _SHIPPED = (("launcher", "**/*.py"), ("gpufleet", "**/*.py"))
 
 
-def detach(cluster: Cluster, config: LaunchConfig, recover: dict[str, Any] | None = None) -> str:
-    """Check every node, hand the job to the job host's controller, return the job id.
-    `recover`: --recover's settings (launcher.jobs.recovery.RecoverPolicy.to_json), carried in
-    the request."""
-    if cluster.local:
-        raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: drop --detach")
-    key = ensure_key(cluster)
-    transport = make_transport(cluster, config)
+def detach(plan: LaunchPlan, recover: dict[str, Any] | None = None) -> str:
+    """Check every node with the plan's programs (launcher.runner.plan_detached), hand the job
+    to the job host's controller, return the job id. `recover`: --recover's settings
+    (launcher.jobs.recovery.RecoverPolicy.to_json), carried in the request."""
+    cluster, config, transport, key = plan.cluster, plan.config, plan.transport, plan.key
+    if key is None:
+        raise ValueError("detach takes a detached job's plan (launcher.runner.plan_detached)")
     python = config.python if cluster.controller is None else _controller_python(cluster.controller, config, transport)
     target = ssh_target(transport, cluster.nodes[0])
-    _check(cluster, config, transport, key.with_name("id_ed25519.pub").read_text())
+    _check(plan)
     # After the check: a first contact has just recorded its key (StrictHostKeyChecking=accept-new).
     known = known_hosts_text(cluster, verified_host_keys(target, cluster), target.port)
     slug = cluster_slug(cluster)
@@ -140,13 +138,13 @@ def _controller_python(host: ControllerHost, config: LaunchConfig, transport: Tr
     )
 
 
-def _check(cluster: Cluster, config: LaunchConfig, transport: Transport, public_key: str) -> dict[int, Probe]:
-    authorize = authorize_statements(public_key, cluster)  # from the nodes' and the controller's addresses
-    scripts = {rank: "; ".join([*authorize, script]) for rank, script in node_commands(cluster, config).items()}
-    probes = Launch(cluster, config, transport=transport).ask(scripts)
+def _check(plan: LaunchPlan) -> dict[int, Probe]:
+    """The plan's programs up to their gate (their prologue authorizes the cluster key), then
+    every node sent home."""
+    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs))
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port
-    for warning in check_probes(cluster, probes, config):
+    for warning in check_probes(plan.cluster, probes, plan.config):
         log.warning(warning)
     return probes
 

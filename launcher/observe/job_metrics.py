@@ -93,7 +93,7 @@ def start(cluster: Cluster, config: LaunchConfig, path: Path, interval_s: float 
         recorder = Recorder(Path(path), config.job_id or "job")
         sampler = TopSampler(
             cluster,
-            make_transport(cluster, config).argv,
+            make_transport(cluster, config.ssh, config.dry_run).argv,
             interval_s=iv,
             plan=role_plan(cluster.machine_type, config.image_os),
             on_row=recorder.write,

@@ -116,7 +116,7 @@ def nic_roles(
         roles[name] = GPU if name in plan.gpu_names else HOST if name in plan.host_names else OTHER
     if HOST not in roles.values():
         # The catalog names none here: the interface holding the address other nodes reach this
-        # one at (what launcher.core.command resolves for the host NIC), else the default route's.
+        # one at (what launcher.core.program resolves for the host NIC), else the default route's.
         iface = addresses.get(address)
         if iface not in roles:
             iface = default_iface

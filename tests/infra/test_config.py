@@ -190,6 +190,8 @@ WRONG_TYPES = {
     "labels": ["team"],
     "controller": "sometimes",
     "controllerSource": 3,
+    "packageIndex": "maybe",
+    "containerImage": ["train:v1"],
     "gcp:project": 42,
     "gcp:zone": ["us-central1-a"],
 }
@@ -304,3 +306,43 @@ def test_a_controller_source_with_credentials_or_not_a_pip_url_is_one_line(sourc
 def test_a_controller_source_without_a_controller_is_refused():
     m = error(controller=False, controllerSource="git+https://github.com/me/gpufleet.git")
     assert m.startswith("config gpufleet:controllerSource") and "only with gpufleet:controller true" in m
+
+
+# ---- what the config grants, said ------------------------------------------------------------------
+
+
+def test_ssh_open_to_the_internet_on_public_addresses_warns_in_the_check(tmp_path, capsys):
+    from infra.config import main, spec_warnings
+
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(
+        "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n"
+        "  gpufleet:externalIp: true\n  gpufleet:sshSourceRanges: ['0.0.0.0/0']\n"
+    )
+    assert main([str(path)]) == 0  # allowed, but said
+    err = capsys.readouterr().err
+    assert err.startswith("warning: gpufleet:sshSourceRanges 0.0.0.0/0 with gpufleet:externalIp true opens SSH")
+    assert "35.235.240.0/20" in err and err.count("\n") == 1
+    # Without public addresses, or with a named range, nothing to say.
+    assert spec_warnings(spec(externalIp=False, sshSourceRanges=["0.0.0.0/0"])) == []
+    assert spec_warnings(spec(externalIp=True, sshSourceRanges=["203.0.113.0/24"])) == []
+    assert spec_warnings(spec()) == []
+
+
+def test_the_package_index_is_on_by_default_and_a_container_image_is_optional():
+    s = spec()
+    assert s.package_index is True and s.container_image is None
+    assert spec(packageIndex=False).package_index is False
+    for image in (
+        "us-central1-docker.pkg.dev/my-proj/demo-images/train:v1",
+        "nvcr.io/nvidia/pytorch:25.01-py3",
+        "localhost:5000/train@sha256:" + "a" * 64,
+        "ubuntu",
+    ):
+        assert spec(containerImage=image).container_image == image
+
+
+@pytest.mark.parametrize("image", ["Train:v1", "a/b:", "host/x y", "https://gcr.io/x"])
+def test_a_container_image_that_is_no_image_reference_is_one_line(image):
+    with pytest.raises(ConfigError, match=r"^config gpufleet:containerImage = .* is not allowed: a container image"):
+        spec(containerImage=image)

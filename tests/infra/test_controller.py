@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -110,20 +111,21 @@ def test_its_account_may_start_the_fleets_own_instances_and_nothing_else(fleet):
     )
 
 
-def test_with_a_bucket_its_account_also_reads_and_writes_that_bucket_alone(fleet):
+def test_with_a_bucket_its_account_gets_nothing_on_it(fleet):
+    """The launcher never reads or writes the checkpoint bucket (no storage client in launcher/):
+    the nodes' jobs do, with the nodes' own grant. The controller gets none."""
     p = fleet(
         machineType="a2-highgpu-8g",
         nodes=2,
         checkpointBucket="gpufleet-test-ckpts",
         serviceAccount="trainer@gpufleet-test.iam.gserviceaccount.com",
     )
-    assert grants_of(p, MEMBER) == sorted(
-        [("bucket", "gpufleet-test-ckpts", BUCKET_ROLE)] + [("instance", f"dev-{i}", ROLE) for i in range(2)]
-    )
-    assert BUCKET_ROLE == "roles/storage.objectUser"  # objects only: no bucket or IAM administration
-    grant = p.named("dev-controller-checkpoints")
-    assert "dev-controller" in grant.depends_on
-    # The given node account keeps its own grants; the controller's are beside them, not instead.
+    assert grants_of(p, MEMBER) == [("instance", f"dev-{i}", ROLE) for i in range(2)]
+    launcher = Path(__file__).parents[2] / "launcher"
+    for path in launcher.rglob("*.py"):
+        text = path.read_text()
+        assert "google.cloud.storage" not in text and "gs://" not in text and "storage.googleapis" not in text, path
+    # The given node account keeps its own grants.
     assert grants_of(p, "serviceAccount:trainer@gpufleet-test.iam.gserviceaccount.com") == sorted(
         [("bucket", "gpufleet-test-ckpts", BUCKET_ROLE)] + [("instance", f"dev-{i}", ROLE) for i in range(2)]
     )
@@ -158,8 +160,8 @@ def test_turning_it_off_removes_the_vm_its_account_its_grants_and_the_output(fle
     assert parse_stack_outputs(off.outputs).controller is None
     assert grants_of(off, MEMBER) == []
     assert [a.name for a in off.of_type("Account")] == ["dev-nodes"]
-    # Exactly the controller's five resources go: VM, account, 2 instance grants, 1 bucket grant.
-    assert len([d for d in on.declared if d.custom]) - len([d for d in off.declared if d.custom]) == 5
+    # Exactly the controller's four resources go: VM, account, 2 instance grants.
+    assert len([d for d in on.declared if d.custom]) - len([d for d in off.declared if d.custom]) == 4
     assert [n.inputs["name"] for n in off.node_instances()] == ["dev-0", "dev-1"]
 
 

@@ -20,6 +20,7 @@ from gpufleet.contracts import OUTPUT_KEYS
 from infra import config as infra_config
 from infra.mocks import run_under_mocks
 from infra.preview import NOTE_KEY, OUTPUTS_NOTE, main, preview_program
+from infra.restart_grant import restart_role_id
 from tests.infra.conftest import BASE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +86,7 @@ def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
         "gpufleet:infra:NodeIdentity",
         "gpufleet:infra:NodePool",
         "gpufleet:infra:PlacementPolicy",
+        "gpufleet:infra:Registries",
         "gpufleet:infra:RestartGrant",
     }
     assert [n["name"] for n in s["nodes"]] == [f"{spec.cluster}-{i}" for i in range(nodes)]
@@ -111,11 +113,28 @@ def test_json_shows_what_pulumi_up_would_create_for_each_family(capsys, name):
         assert node["serviceAccount"] == s["serviceAccount"]["email"]
     account = s["serviceAccount"]
     assert account["created"] is created
-    assert account["projectRoles"] == (
-        ["roles/artifactregistry.reader", "roles/logging.logWriter", "roles/monitoring.metricWriter"] if created else []
-    )
+    assert account["projectRoles"] == (["roles/logging.logWriter", "roles/monitoring.metricWriter"] if created else [])
     if spec.checkpoint_bucket:
         assert account["bucketRoles"] == [{"bucket": spec.checkpoint_bucket, "role": "roles/storage.objectUser"}]
+    # Every grant, for a given account too: the restart role on each node, the repositories, ...
+    restart = f"projects/{spec.project}/roles/{restart_role_id(spec.cluster)}"
+    repos = [f"{spec.cluster}-images"] + ([f"{spec.cluster}-pypi"] if spec.package_index else [])
+    assert account["grants"] == sorted(
+        [{"role": restart, "on": f"instance {spec.cluster}-{i}"} for i in range(nodes)]
+        + [{"role": r, "on": f"project {spec.project}"} for r in account["projectRoles"]]
+        + [{"role": b["role"], "on": f"bucket {b['bucket']}"} for b in account["bucketRoles"]]
+        + [{"role": "roles/artifactregistry.reader", "on": f"repository {r}"} for r in repos],
+        key=lambda g: (g["on"].split()[0] != "instance", g["on"], g["role"]),
+    )
+    assert [(r["name"], r["format"], r["mode"], r["readers"]) for r in s["registries"]] == [
+        (repos[0], "DOCKER", "STANDARD_REPOSITORY", [f"serviceAccount:{account['email']}"])
+    ] + (
+        [(repos[1], "PYTHON", "REMOTE_REPOSITORY", [f"serviceAccount:{account['email']}"])]
+        if spec.package_index
+        else []
+    )
+    assert s["outputs"]["imageRepository"] == f"{spec.region}-docker.pkg.dev/{spec.project}/{repos[0]}"
+    assert s["warnings"] == []
     ssh = [f for f in s["firewalls"] if f["allow"] == ["tcp:22"]]
     assert [f["sourceRanges"] for f in ssh] == [list(spec.ssh_source_ranges)]
     assert all("0.0.0.0/0" not in f["sourceRanges"] for f in s["firewalls"])
@@ -162,17 +181,24 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     )
     assert row(
         "llm-dev-nodes@my-project-id.iam.gserviceaccount.com (created)",
-        "roles/artifactregistry.reader",
-        "project my-project-id",
+        "projects/my-project-id/roles/gpufleet_llm_dev_restart",
+        "each node's instance (2)",
     ).search(out)
+    assert row("", "roles/logging.logWriter", "project my-project-id").search(out)
     assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(out)
+    assert row("", "roles/artifactregistry.reader", "repository llm-dev-images, llm-dev-pypi").search(out)
+    assert (
+        "artifact registry llm-dev-pypi: remote repository of PYPI in us-central1, "
+        "https://us-central1-python.pkg.dev/my-project-id/llm-dev-pypi/simple/" in out
+    )
+    assert "$0.10 per GB-month stored after the first 0.5 GB, nothing while empty" in out
     assert row("llm-dev-ssh", "llm-dev-net", "INGRESS", "tcp:22", "35.235.240.0/20", "llm-dev").search(out)
     assert "gpufleet-cluster=llm-dev, gpufleet-node=1, team=research" in out
     # The getting-started page's count of the example's resources is the preview's.
     (count,) = re.findall(
         r"The first prints the (\d+) Google Cloud resources", (ROOT / "docs" / "getting-started.md").read_text()
     )
-    assert f"{count} Google Cloud resources, 6 gpufleet components" in out and count == "47"
+    assert f"{count} Google Cloud resources, 7 gpufleet components" in out and count == "50"
     # The controller VM and what it costs: e2-standard-2, on-demand, $0.06701142/h x 730 h.
     assert row(
         "llm-dev-controller",
@@ -189,8 +215,9 @@ def test_the_tables_show_resources_nodes_nics_account_and_firewalls(capsys):
     account = "llm-dev-controller@my-project-id.iam.gserviceaccount.com (created)"
     role = "projects/my-project-id/roles/gpufleet_llm_dev_restart"
     assert row(account, role, "each node's instance (2)").search(out)
-    assert row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(
-        out.split("Controller")[-1]
+    # Nothing on the bucket for the controller: the launcher never touches it.
+    assert not row("", "roles/storage.objectUser", "bucket my-project-id-llm-dev-checkpoints").search(
+        out.split("Controller service account")[-1]
     )
 
 
@@ -367,3 +394,32 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         assert f"GPUFLEET_NODE_RANK={rank} GPUFLEET_NNODES=2" in script
         # a3-megagpu-8g: the TCPXO environment, with the host NIC for the control path.
         assert "NCCL_FASTRAK_CTRL_DEV=enp0s12" in script and "NCCL_SOCKET_IFNAME=enp0s12" in script
+
+
+def test_an_existing_account_shows_every_grant_and_open_ssh_warns(capsys, tmp_path):
+    """A given service account is used as is, but the program still binds roles to it: the preview
+    lists each of them (never "(none granted here)"); SSH open to the internet warns at the top."""
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(
+        "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  gpufleet:machineType: a2-highgpu-1g\n"
+        "  gpufleet:nodes: 2\n  gpufleet:serviceAccount: trainer@my-project-id.iam.gserviceaccount.com\n"
+        "  gpufleet:checkpointBucket: my-ckpts\n  gpufleet:externalIp: true\n"
+        "  gpufleet:sshSourceRanges: ['0.0.0.0/0']\n  gpufleet:packageIndex: false\n"
+    )
+    rc, out, err = run_main(capsys, str(path))
+    assert rc == 0, err
+    assert "(none granted here)" not in out.split("Controller")[0]
+    assert re.search(
+        r"trainer@my-project-id\.iam\.gserviceaccount\.com \(existing: these grants are added to it\)\s*│\s*"
+        r"projects/my-project-id/roles/gpufleet_dev_restart\s*│\s*each node's instance \(2\)",
+        out,
+    ), out
+    assert re.search(r"│\s*roles/storage\.objectUser\s*│\s*bucket my-ckpts\s*│", out)
+    assert re.search(r"│\s*roles/artifactregistry\.reader\s*│\s*repository dev-images\s*│", out)
+    assert "dev-pypi" not in out  # packageIndex false: no PyPI repository
+    first = out.splitlines()[1]
+    assert first.startswith("warning: gpufleet:sshSourceRanges 0.0.0.0/0 with gpufleet:externalIp true opens SSH")
+    rc, out, err = run_main(capsys, str(path), "--json")
+    s = json.loads(out)
+    assert s["warnings"] and s["outputs"]["packageIndex"] is None
+    assert s["serviceAccount"]["created"] is False and len(s["serviceAccount"]["grants"]) == 4

@@ -317,8 +317,8 @@ def test_created_service_account_gets_only_the_node_roles(fleet):
     (account,) = [a for a in p.of_type("Account") if a.name == "dev-nodes"]
     email = f"{account.inputs['accountId']}@{BASE['gcp:project']}.iam.gserviceaccount.com"
     grants = p.of_type("IAMMember")
+    # On the project: logs and metrics, no more (Artifact Registry is read per repository).
     assert sorted(g.inputs["role"] for g in grants) == [
-        "roles/artifactregistry.reader",
         "roles/logging.logWriter",
         "roles/monitoring.metricWriter",
     ]
@@ -396,3 +396,71 @@ def test_clusters_sharing_a_long_prefix_get_their_own_service_accounts(fleet):
     ]
     assert len(accounts) == 2
     assert accounts[0].inputs["accountId"] != accounts[1].inputs["accountId"]
+
+
+# ---- Artifact Registry: the jobs' images and PyPI, read by the nodes alone ---------------------------
+
+
+def test_the_registries_are_declared_in_the_region_and_read_by_the_nodes_alone(fleet):
+    from infra.registries import API, READER_ROLE
+
+    p = fleet(machineType="a3-megagpu-8g", nodes=2, containerImage="us-central1-docker.pkg.dev/p/r/train:v1")
+    repos = {r.inputs["repositoryId"]: r.inputs for r in p.of_type("gcp:artifactregistry/repository:Repository")}
+    assert set(repos) == {"dev-images", "dev-pypi"}
+    assert (repos["dev-images"]["format"], repos["dev-images"]["mode"]) == ("DOCKER", "STANDARD_REPOSITORY")
+    assert (repos["dev-pypi"]["format"], repos["dev-pypi"]["mode"]) == ("PYTHON", "REMOTE_REPOSITORY")
+    assert repos["dev-pypi"]["remoteRepositoryConfig"]["pythonRepository"] == {"publicRepository": "PYPI"}
+    assert all(r["location"] == "us-central1" and r["labels"]["gpufleet-cluster"] == "dev" for r in repos.values())
+    (api,) = p.of_type("gcp:projects/service:Service")
+    assert api.inputs["service"] == API and api.inputs["disableOnDestroy"] is False
+    assert all(api.name in r.depends_on for r in p.of_type("gcp:artifactregistry/repository:Repository"))
+    email = f"dev-nodes@{BASE['gcp:project']}.iam.gserviceaccount.com"
+    readers = p.of_type("RepositoryIamMember")
+    assert sorted((g.inputs["repository"], g.inputs["role"], g.inputs["member"]) for g in readers) == [
+        (repo, READER_ROLE, f"serviceAccount:{email}") for repo in ("dev-images", "dev-pypi")
+    ]
+    # The nodes wait for their read grants, and their docker trusts the region's registry host.
+    for inst in p.node_instances():
+        assert {g.name for g in readers} <= set(inst.depends_on)
+        assert (
+            "readonly DOCKER_REGISTRIES=(us-docker.pkg.dev us-central1-docker.pkg.dev)"
+            in (inst.inputs["metadata"]["startup-script"])
+        )
+    out = p.outputs
+    assert out["packageIndex"] == f"https://us-central1-python.pkg.dev/{BASE['gcp:project']}/dev-pypi/simple/"
+    assert out["imageRepository"] == f"us-central1-docker.pkg.dev/{BASE['gcp:project']}/dev-images"
+    assert out["image"] == "us-central1-docker.pkg.dev/p/r/train:v1"
+
+
+def test_package_index_false_drops_the_pypi_repository_and_its_output(fleet):
+    p = fleet(machineType="a2-highgpu-8g", nodes=1, packageIndex=False)
+    repos = [r.inputs["repositoryId"] for r in p.of_type("gcp:artifactregistry/repository:Repository")]
+    assert repos == ["dev-images"] and len(p.of_type("RepositoryIamMember")) == 1
+    assert p.outputs["packageIndex"] is None and p.outputs["image"] is None
+    # A2 pulls no GPUDirect image: only the stack's own registry host.
+    script = p.node_instances()[0].inputs["metadata"]["startup-script"]
+    assert "readonly DOCKER_REGISTRIES=(us-central1-docker.pkg.dev)" in script
+
+
+def test_a_domain_scoped_project_is_a_path_in_the_registry_urls():
+    from infra.registries import docker_repository_url, package_index_url
+
+    assert (
+        docker_repository_url("c", "example.com:proj", "us-east4")
+        == "us-east4-docker.pkg.dev/example.com/proj/c-images"
+    )
+    assert package_index_url("c", "example.com:proj", "us-east4") == (
+        "https://us-east4-python.pkg.dev/example.com/proj/c-pypi/simple/"
+    )
+
+
+def test_pulumi_up_warns_when_ssh_is_open_to_the_internet(caplog):
+    """The program says it through pulumi.log.warn (without an engine, Python's logging)."""
+    from infra.preview import preview_program
+
+    config = {**BASE, "gpufleet:machineType": "a2-highgpu-1g", "gpufleet:nodes": 1, "gpufleet:externalIp": True}
+    preview_program({**config, "gpufleet:sshSourceRanges": ["0.0.0.0/0"]})
+    assert "gpufleet:sshSourceRanges 0.0.0.0/0 with gpufleet:externalIp true opens SSH" in caplog.text
+    caplog.clear()
+    preview_program({**config, "gpufleet:sshSourceRanges": ["203.0.113.0/24"]})
+    assert "opens SSH" not in caplog.text

@@ -132,7 +132,7 @@ def test_the_controller_and_its_recoveries_run_the_clients_rank_order(tmp_path):
     node gets the same --node-rank again."""
     from gpufleet.health import PhysicalHost
     from launcher.cluster.topology import launch_order
-    from launcher.core.command import node_commands
+    from launcher.core.program import node_commands
 
     nodes = tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(3))
     hosts = {n.host: PhysicalHost("c", f"b{[1, 2, 1][n.rank]}", None, f"h{n.rank}") for n in nodes}

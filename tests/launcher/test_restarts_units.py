@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
-from launcher.core.command import node_commands, remote_script
 from launcher.core.env import job_env, node_env
+from launcher.core.program import NodeProgram, node_commands
 from launcher.core.types import (
     Cluster,
     LaunchConfig,
@@ -239,7 +239,7 @@ def _wrapper(tmp_path: Path, prog: str, grace_s: float, env: dict[str, str] | No
     c = _cluster(1)
     argv = ["env", "RANK=0", sys.executable, "-c", prog]
     cfg = _cfg(job_id=f"unit-{tmp_path.name}", stop_grace_s=grace_s)
-    script = remote_script(c, c.nodes[0], cfg, env or {}, argv, watch_preemption=watch)
+    script = NodeProgram(c, c.nodes[0], cfg, env or {}, argv, watch_preemption=watch).render()
     p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     p.stdout.readline()  # CHECKED_MARKER
     p.stdin.write("go\n")
@@ -291,9 +291,9 @@ def test_a_preemption_notice_from_the_metadata_server_stops_every_rank_with_the_
         metadata.close()
     # Without a metadata server, the watcher ends at once and the job runs on.
     c = _cluster(1)
-    script = remote_script(
+    script = NodeProgram(
         c, c.nodes[0], _cfg(job_id="u2"), {"GCE_METADATA_HOST": "127.0.0.1:9"}, ["true"], watch_preemption=True
-    )
+    ).render()
     out = subprocess.run(["bash", "-c", script], input="go\n", capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and PREEMPTION_NOTICE not in out.stdout
 

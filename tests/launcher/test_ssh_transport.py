@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from launcher.cli import main
 from launcher.core.transport import control_dir, make_transport
-from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError, Workload
+from launcher.core.types import Cluster, Node, SshConfig, UserError
 from tests.simcluster import SimCluster
 from tests.support import LAUNCH
 
@@ -31,15 +31,16 @@ def _cluster(names: bool = True) -> Cluster:
     return Cluster("dev", nodes, zone=Z, project="p")
 
 
-def _config(**ssh) -> LaunchConfig:
-    return LaunchConfig(Workload("exec", ("true",)), job_id="j", dry_run=True, ssh=SshConfig(**ssh))
+def _transport(**ssh):
+    """A dry run's transport (it makes nothing here)."""
+    return make_transport(_cluster(), SshConfig(**ssh), dry_run=True)
 
 
 # ---- --iap --------------------------------------------------------------------------------------
 
 
 def test_iap_tunnels_to_each_node_by_instance_name_and_zone():
-    t = make_transport(_cluster(), _config(iap=True, zone=Z))
+    t = _transport(iap=True, zone=Z)
     argv = t.argv(_cluster().nodes[1], "true")
     host = argv.index("10.0.0.3")
     assert argv[host - 2 : host] == [
@@ -48,7 +49,7 @@ def test_iap_tunnels_to_each_node_by_instance_name_and_zone():
     ]
     assert not any("%h" in a for a in argv)
     # The user's own ProxyCommand, given first, wins (OpenSSH keeps the first value).
-    mine = make_transport(_cluster(), _config(iap=True, zone=Z, options=("ProxyCommand=my-proxy %h",)))
+    mine = _transport(iap=True, zone=Z, options=("ProxyCommand=my-proxy %h",))
     argv = mine.argv(_cluster().nodes[0], "true")
     assert argv.index("ProxyCommand=my-proxy %h") < argv.index(
         "ProxyCommand=gcloud compute start-iap-tunnel dev-0 %p --listen-on-stdin --zone us-central1-a"
@@ -56,7 +57,7 @@ def test_iap_tunnels_to_each_node_by_instance_name_and_zone():
 
 
 def test_without_iap_there_is_no_tunnel():
-    argv = make_transport(_cluster(), _config()).argv(_cluster().nodes[0], "true")
+    argv = _transport().argv(_cluster().nodes[0], "true")
     assert not any(a.startswith("ProxyCommand") for a in argv)
 
 
@@ -177,7 +178,7 @@ def _control_path(t) -> str:
 
 
 def test_the_control_directory_is_made_private_under_the_temporary_directory(short_tmp):
-    t = make_transport(_cluster(), LaunchConfig(Workload("exec", ("true",)), job_id="j"))
+    t = make_transport(_cluster(), SshConfig())
     base = short_tmp / f"gpufleet-ssh-{os.getuid()}"
     assert _control_path(t).startswith(f"ControlPath={base}/")
     assert oct(base.stat().st_mode & 0o777) == "0o700"
@@ -187,7 +188,7 @@ def test_the_runtime_directory_is_used_when_there_is_one(short_tmp, monkeypatch)
     runtime = short_tmp / "run"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    t = make_transport(_cluster(), LaunchConfig(Workload("exec", ("true",)), job_id="j"))
+    t = make_transport(_cluster(), SshConfig())
     assert _control_path(t).startswith(f"ControlPath={runtime}/gpufleet-ssh/")
     assert not (short_tmp / f"gpufleet-ssh-{os.getuid()}").exists()
 

@@ -14,7 +14,7 @@ LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 # options (launcher.cli.options) and display (launcher.cli.render) by their public names.
 SPLIT = [
     "cli.main",
-    "core.command",
+    "core.program",
     "cluster.discovery",
     "core.env",
     "core.launch",
@@ -35,7 +35,7 @@ COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "nccl.from_fi
 # bad node, the mpirun command; nccl.report gathers their public names.
 REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
-BUILDERS = {("core.command", "remote_script"), ("doctor", "node_script")}
+BUILDERS = {("doctor", "node_script")}
 
 
 def _name(path: Path) -> str:

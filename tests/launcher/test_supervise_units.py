@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.core.command import attach_commands, remote_script
+from launcher.core.program import NodeProgram, attach_commands
 from launcher.core.supervise import ORPHAN_STOP, node_run_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, Workload
 from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
@@ -92,7 +92,7 @@ def _group(pgid: int) -> list[int]:
 
 def test_end_of_input_detaches_and_an_attach_resumes_at_the_byte_it_had_read_then_a_stop_ends_it(tmp_path):
     config = _config(tmp_path)
-    first = Session(remote_script(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]), tmp_path)
+    first = Session(NodeProgram(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]).render(), tmp_path)
     got = first.lines(5)
     assert got == [f"line {i}\n".encode() for i in range(5)]
     # The controller went away: its session ends without an exit status, the workload goes on.
@@ -119,7 +119,7 @@ def test_end_of_input_detaches_and_an_attach_resumes_at_the_byte_it_had_read_the
 
 def test_with_no_session_attached_for_the_grace_the_supervisor_stops_the_workload_itself(tmp_path):
     config = _config(tmp_path, grace_s=2)
-    s = Session(remote_script(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]), tmp_path)
+    s = Session(NodeProgram(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]).render(), tmp_path)
     s.lines(2)
     t0 = time.monotonic()
     s.hang_up()
@@ -144,7 +144,7 @@ def test_with_no_session_attached_for_the_grace_the_supervisor_stops_the_workloa
 
 def test_a_workload_that_ends_by_itself_leaves_nothing_once_its_exit_status_is_streamed(tmp_path):
     config = _config(tmp_path)
-    s = Session(remote_script(C, C.nodes[0], config, {}, ["sh", "-c", "sleep 1.5; echo done; exit 3"]), tmp_path)
+    s = Session(NodeProgram(C, C.nodes[0], config, {}, ["sh", "-c", "sleep 1.5; echo done; exit 3"]).render(), tmp_path)
     pid = _run_dir(tmp_path, config) / "pid"
     deadline = time.monotonic() + 30
     while not pid.exists() and time.monotonic() < deadline:
@@ -156,7 +156,7 @@ def test_a_workload_that_ends_by_itself_leaves_nothing_once_its_exit_status_is_s
 
 def test_a_session_that_stays_attached_keeps_the_workload_past_the_grace(tmp_path):
     config = _config(tmp_path, grace_s=1)
-    s = Session(remote_script(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]), tmp_path)
+    s = Session(NodeProgram(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]).render(), tmp_path)
     lines = s.lines(40)  # 4 s of output, 4 times the grace
     assert lines[-1] == b"line 39\n" and ORPHAN_STOP.encode() not in b"".join(lines)
     s.tell("term 10 2")
@@ -178,7 +178,7 @@ def test_attaching_where_the_run_is_not_there_is_one_line_and_exit_3(tmp_path):
 
 def test_stop_script_stops_a_run_nobody_streams_and_removes_it(tmp_path):
     config = _config(tmp_path, job_id="20260101-000000-bbbbbb")
-    s = Session(remote_script(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]), tmp_path)
+    s = Session(NodeProgram(C, C.nodes[0], config, {}, [sys.executable, "-c", TICKER]).render(), tmp_path)
     s.lines(1)
     s.hang_up()
     d = _run_dir(tmp_path, config)
@@ -197,7 +197,7 @@ def test_stop_script_stops_a_run_nobody_streams_and_removes_it(tmp_path):
 
 def test_an_attached_launch_writes_no_file_on_the_node_and_end_of_input_stops_it(tmp_path):
     attached = LaunchConfig(Workload("exec", ("x",)), job_id=f"unit-{tmp_path.name}", stop_grace_s=2.0)
-    s = Session(remote_script(C, C.nodes[0], attached, {}, [sys.executable, "-c", TICKER]), tmp_path)
+    s = Session(NodeProgram(C, C.nodes[0], attached, {}, [sys.executable, "-c", TICKER]).render(), tmp_path)
     s.lines(2)
     s.p.stdin.close()
     assert EXIT_MARKER.encode() in s.p.stdout.read() and s.p.wait(timeout=30) == 0
@@ -209,7 +209,9 @@ def test_the_node_side_programs_pass_shellcheck(tmp_path, part):
     assert shutil.which("shellcheck"), "shellcheck is not installed (.ci/run installs it)"
     config = _config(tmp_path, job_id="20260101-000000-cccccc")
     script = {
-        "run": lambda: remote_script(C, C.nodes[0], config, {}, ["python3", "-c", "print(1)"], watch_preemption=True),
+        "run": lambda: NodeProgram(
+            C, C.nodes[0], config, {}, ["python3", "-c", "print(1)"], watch_preemption=True
+        ).render(),
         "attach": lambda: attach_commands(C, config, {0: 12})[0],
         "stop": lambda: stop_script(config.job_id, 0, 0, 2.0, 10),
         "restart": lambda: restart_script([config.job_id]),

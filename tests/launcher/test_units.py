@@ -23,8 +23,8 @@ from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
 from launcher.cli import main
 from launcher.cluster.discovery import cluster_from_outputs, local_cluster, parse_hostfile
 from launcher.cluster.topology import launch_order
-from launcher.core.command import node_commands, remote_script
 from launcher.core.env import node_env, parse_env_pairs
+from launcher.core.program import NodeProgram, node_commands
 from launcher.core.ssh import remote_command
 from launcher.core.torchrun import join_timeout_s, torchrun_argv
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
@@ -271,7 +271,7 @@ def test_hostile_argument_arrives_as_one_literal_argument(tmp_path):
     c = _cluster(1)
     cfg = _cfg(job_id=f"unit-{tmp_path.name}")
     argv = [sys.executable, "-c", "import sys; print(repr(sys.argv[1:]))", HOSTILE, "$(id)", "a b"]
-    script = remote_script(c, c.nodes[0], cfg, {"X": "it's; $HOME"}, argv)
+    script = NodeProgram(c, c.nodes[0], cfg, {"X": "it's; $HOME"}, argv).render()
     # What ssh hands the remote login shell: one string, parsed by a POSIX shell.
     out = _run_wrapper(["sh", "-c", remote_command(script)])
     assert out.returncode == 0, out.stderr
@@ -287,13 +287,13 @@ def test_wrapper_exports_env_and_resolves_host_nic_from_the_address(tmp_path):
         "LD_LIBRARY_PATH": "/opt/x",
         "Q": "it's; $HOME",
     }
-    script = remote_script(
+    script = NodeProgram(
         c,
         c.nodes[0],
         _cfg(job_id=f"unit-{tmp_path.name}"),
         env,
         ["sh", "-c", 'echo "$GLOO_SOCKET_IFNAME|$NCCL_SOCKET_IFNAME|$LD_LIBRARY_PATH|$Q"'],
-    )
+    ).render()
     out = _run_wrapper(
         ["bash", "-c", script], env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/keep"}
     )
@@ -302,7 +302,7 @@ def test_wrapper_exports_env_and_resolves_host_nic_from_the_address(tmp_path):
 
 def test_wrapper_reports_the_exit_status_of_the_command(tmp_path):
     c = _cluster(1)
-    script = remote_script(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["sh", "-c", "exit 7"])
+    script = NodeProgram(c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["sh", "-c", "exit 7"]).render()
     out = _run_wrapper(["bash", "-c", script])
     assert out.returncode == 7 and f"{EXIT_MARKER} 7" in out.stdout
 
@@ -315,9 +315,9 @@ def test_closing_stdin_stops_the_whole_tree_including_escaped_sessions(tmp_path)
         f"import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
         f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('up', flush=True); time.sleep(300)"
     )
-    script = remote_script(
+    script = NodeProgram(
         c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}", stop_grace_s=1.0), {}, [sys.executable, "-c", prog]
-    )
+    ).render()
     p = subprocess.Popen(["bash", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == CHECKED_MARKER
     p.stdin.write("go\n")
@@ -337,9 +337,9 @@ def test_without_go_the_node_runs_nothing(tmp_path):
     """End of input at the gate (another node failed its check, or Ctrl-C): nothing starts."""
     c = _cluster(1)
     flag = tmp_path / "ran"
-    script = remote_script(
+    script = NodeProgram(
         c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {}, ["touch", str(flag)], check=True, check_torch=True
-    )
+    ).render()
     out = subprocess.run(["bash", "-c", script], input="", capture_output=True, text=True, timeout=30)
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and lines[-1] == CHECKED_MARKER and EXIT_MARKER not in out.stdout
@@ -354,8 +354,8 @@ def test_without_go_the_node_runs_nothing(tmp_path):
 def test_rendezvous_lock_is_held_from_the_check_to_the_end_and_a_second_holder_refuses(tmp_path):
     c = Cluster("c", (Node(0, "127.0.0.1", f"127.0.9.{os.getpid() % 200 + 1}"),))
     port = 20000 + os.getpid() % 10000
-    first = remote_script(c, c.nodes[0], _cfg(job_id="first"), {}, ["sleep", "30"], lock_port=port, check=True)
-    second = remote_script(c, c.nodes[0], _cfg(job_id="second"), {}, ["true"], lock_port=port, check=True)
+    first = NodeProgram(c, c.nodes[0], _cfg(job_id="first"), {}, ["sleep", "30"], lock_port=port, check=True).render()
+    second = NodeProgram(c, c.nodes[0], _cfg(job_id="second"), {}, ["true"], lock_port=port, check=True).render()
     p = subprocess.Popen(["bash", "-c", first], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -377,14 +377,14 @@ def test_rendezvous_lock_is_held_from_the_check_to_the_end_and_a_second_holder_r
 def test_the_workload_keeps_the_users_umask(tmp_path):
     """Checkpoints and logs a job writes must not turn private because the wrapper made a lock."""
     c = _cluster(1)
-    script = remote_script(
+    script = NodeProgram(
         c,
         c.nodes[0],
         _cfg(job_id=f"unit-{tmp_path.name}"),
         {},
         ["sh", "-c", "umask"],
         lock_port=20000 + os.getpid() % 10000,
-    )
+    ).render()
     out = _run_wrapper(["bash", "-c", f"umask 0022; {script}"])
     assert out.returncode == 0 and "0022" in out.stdout.splitlines(), out
 
@@ -798,9 +798,9 @@ def test_the_check_sees_the_launch_environment(tmp_path):
 
     c = _cluster(1)
     venv_bin = str(Path(sys.executable).parent)
-    script = remote_script(
+    script = NodeProgram(
         c, c.nodes[0], _cfg(job_id=f"unit-{tmp_path.name}"), {"PATH": venv_bin}, ["true"], check=True, check_torch=True
-    )
+    ).render()
     # A PATH without this venv: its `python3` (if any) has no torch, so only --env can find it.
     out = subprocess.run(
         ["bash", "-c", script], input="", capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}

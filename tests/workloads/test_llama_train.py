@@ -69,15 +69,19 @@ def test_plan_without_torchrun_prints_the_verdict_and_the_fix_and_exits_0():
         "build: on the meta device, sharded there, then materialized shard by shard: each rank allocates and "
         "initialises only its own shards on its GPU, no process holds the whole model (262.8 GiB of fp32 weights)"
     ) in lines
-    assert "verdict: does not fit by 1.6 GiB" in lines
-    assert lines[-1].startswith("  smallest change that fits: --activation-checkpointing ->")
+    assert lines[1] == "mode: eager (autograd keeps what each op saves)"
+    assert "verdict: does not fit by 1.5 GiB" in lines
+    assert lines[-1].startswith("  smallest change that fits: --compile ->")
 
 
 def test_plan_with_checkpointing_fits(capsys):
     assert main([*PLAN_70B, "--activation-checkpointing"]) == 0
     out = capsys.readouterr().out
-    assert "verdict: fits (32.0 of 80 GiB)" in out.splitlines()
+    assert "verdict: fits (31.1 of 80 GiB)" in out.splitlines()
     assert "smallest change" not in out
+    assert main([*PLAN_70B, "--compile"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("mode: compiled (--compile: ") and "verdict: fits (67.6 of 80 GiB)" in lines
 
 
 def test_plan_says_a_ddp_run_or_init_device_full_builds_the_model_whole(capsys):

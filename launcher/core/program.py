@@ -1,0 +1,426 @@
+"""The program each node runs, assembled by one builder (`ProgramBuilder`) and rendered once, in
+the spirit of SkyPilot's sky/backends/task_codegen.py (prologue, task, epilogue, build). Pure: no
+network, no processes. The wire protocol it speaks is launcher.core.wire; the ssh line that
+carries it launcher.core.ssh; torchrun's argv launcher.core.torchrun; its stop launcher.core.stop;
+a detached job's supervised run launcher.core.supervise.
+
+Everything that crosses a shell goes through `shlex.quote`, so an argument such as
+`"; rm -rf ~` reaches the program as one literal argument.
+
+A node's program is one bash line (so `--dry-run` prints it on one line), in sections, in order
+(`NodeProgram.sections`):
+
+1. prologue: statements before anything else (the detach check's authorization of the cluster
+   key, `ProgramBuilder.add_prologue`);
+2. environment: the launch's `export`s (resolving the host NIC on the node when the catalog
+   cannot name it), first, so the check sees what the run will;
+3. checks: what the launcher compares across nodes as `key=value` lines (hostname, clock, ready
+   marker, torch version, --workdir, the cheap part of `launch doctor`), and node 0's lock on the
+   rendezvous port for a torchrun job (a second launch on the same port refuses instead of
+   joining the first one's store);
+4. gate: `CHECKED_MARKER`, then one line on stdin. The launcher sends `go` only once every node
+   has answered and passed; end of input instead (a node failed the check, or Ctrl-C) makes it
+   exit without running anything. Every node is checked before any workload starts, but no node
+   pays for a second session, and each node's handshake overlaps the others';
+5. prepare: what runs after `go` and before the workload: `cd --workdir`, then each step added
+   with `ProgramBuilder.add_prepare`;
+6. run: the job's `GPUFLEET_*` variables, then the rank command (torchrun's, or the plain
+   command; each wrapper added with `ProgramBuilder.wrap_run` applied to it) started under
+   `setsid` with a unique `GPUFLEET_RUN` token in its environment, and the stop protocol
+   (launcher.core.stop) around it:
+   - attached: a watchdog reads the rest of stdin; when the launcher closes it, or the SSH
+     connection drops, or a Spot preemption notice comes, it sends SIGTERM to the workload's
+     process group and to every rank, waits up to --term-grace, then SIGKILLs every process that
+     carries the token, and prints one STOP_REPORT line per rank. `EXIT_MARKER <status>` comes
+     last, which tells a nonzero exit of the code apart from a lost connection (no marker). The
+     run forks three times (the workload, its watchdog, on a cluster the preemption watcher) and
+     writes no files;
+   - supervised (a detached job, `LaunchConfig.controller_grace_s` set): the workload must
+     outlive the controller's session, so a supervisor on the node owns it and its output goes to
+     a file the session streams (launcher.core.supervise). A stop is then a `term` line before
+     the end of input, never the end of input alone.
+
+Extension points (a step is added to the builder, never spliced into a rendered string):
+
+- `ProgramBuilder.add_prepare(name, step)`: `step(ctx: NodeContext) -> list[str]`, bash
+  statements run on each node after `go` and before the run, in the order added, after the
+  --workdir `cd`. For a bare node: unpack a code snapshot, build or activate a Python environment,
+  `cd` into the job's directory, `export GPUFLEET_CODE=...`. A failing statement should print one
+  `gpufleet.contracts.LAUNCHER_ERROR_PREFIX` line to stderr and `exit` nonzero (as the --workdir
+  step does), which the launcher reads as the node's own error.
+- `ProgramBuilder.wrap_run(name, wrapper)`: `wrapper(ctx: NodeContext, argv) -> list[str]`
+  returns the rank command to run instead of `argv` (torchrun's argv, or the plain command), e.g.
+  `["podman", "run", "--rm", "--network=host", "-e", "GPUFLEET_RUN", ..., IMAGE, *argv]`. Wrappers
+  apply in the order added (the last added is outermost), to the attached and the supervised run
+  alike. `ctx.token` is the run token (`GPUFLEET_RUN=<job>-<rank>`) the stop protocol finds the
+  run's processes by: a wrapper whose processes leave the host's view of /proc (a container with
+  its own pid namespace) must pass it on (`-e GPUFLEET_RUN`) and stop its own children on
+  SIGTERM.
+- `ProgramBuilder.add_prologue(name, statements)`: statements before the environment.
+
+Steps that belong to the request (a snapshot, an image) are added in `ProgramBuilder.__init__`
+from the `LaunchConfig`, never by a caller: the launching machine and a detached job's
+controller both build from the same request (launcher.jobs.record carries it) through this
+builder, so both render the same program. A caller adds only what is its own (the detach check's
+prologue).
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
+from gpufleet.nccl_env import PREPEND_PATH_VARS
+from launcher.core import supervise
+from launcher.core.env import HOST_IFACE_ON_NODE, job_env, node_env
+from launcher.core.prestart import prestart_statements
+from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
+from launcher.core.torchrun import nproc_for, torchrun_argv
+from launcher.core.types import Cluster, LaunchConfig, Node
+from launcher.core.wire import (
+    CHECKED_MARKER,
+    EXIT_MARKER,
+    GO,
+    JOB_ID_VAR,
+    NNODES_VAR,
+    NODE_RANK_VAR,
+    join,
+    rdzv_lock_path,
+    run_token,
+)
+
+__all__ = [
+    "NodeContext",
+    "PrepareStep",
+    "RunWrapper",
+    "NodeProgram",
+    "ProgramBuilder",
+    "node_commands",
+    "attach_commands",
+    "probe_script",
+]
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What a step sees when it writes a node's statements: the launch, the node, the node's
+    environment (what the program exports) and the run token (`GPUFLEET_RUN=<job>-<rank>`,
+    unquoted)."""
+
+    cluster: Cluster
+    node: Node
+    config: LaunchConfig
+    env: Mapping[str, str]
+    token: str
+
+
+# Bash statements run after `go` and before the run (see the module docstring).
+PrepareStep = Callable[[NodeContext], Sequence[str]]
+# The rank command to run instead of `argv` (see the module docstring).
+RunWrapper = Callable[[NodeContext, Sequence[str]], Sequence[str]]
+
+
+@dataclass(frozen=True)
+class NodeProgram:
+    """One node's program, in its parts; `render()` writes it as one bash line (the module
+    docstring's sections). `argv`: the rank command, wrapped already; `check` adds the hostname,
+    clock and ready-marker lines (and the torch version with `check_torch`) a torchrun launch
+    compares across nodes; `lock_port` takes the rendezvous-port lock (node 0 of a torchrun
+    launch); `watch_preemption` starts the Spot preemption watcher (a Compute Engine node);
+    `prologue` and `prepare`: the builder's steps, rendered for this node."""
+
+    cluster: Cluster
+    node: Node
+    config: LaunchConfig
+    env: Mapping[str, str]
+    argv: Sequence[str]
+    lock_port: int | None = None
+    check: bool = False
+    check_torch: bool = False
+    watch_preemption: bool = False
+    prologue: Sequence[str] = ()
+    prepare: Sequence[str] = ()
+
+    @property
+    def token(self) -> str:
+        """The run token, quoted for bash."""
+        return shlex.quote(run_token(self.config.job_id, self.node.rank))
+
+    def sections(self) -> list[tuple[str, list[str]]]:
+        """(name, statements) in the order they run."""
+        return [
+            ("prologue", list(self.prologue)),
+            # The environment first: the check must see what the run will (`--env PATH=...`
+            # decides which `python3` has torch), so it is exported before the check's lines.
+            ("environment", _env_statements(self.cluster, self.node, self.env)),
+            ("checks", self._checks()),
+            ("gate", _gate()),
+            ("prepare", [*self._workdir_step(), *self.prepare]),
+            ("run", self._run()),
+        ]
+
+    def render(self) -> str:
+        return join([st for _, statements in self.sections() for st in statements])
+
+    def _checks(self) -> list[str]:
+        config = self.config
+        s = _check_statements(config, facts=self.check, torch=self.check and self.check_torch)
+        if self.watch_preemption and config.stop_grace_s > SPOT_GRACE_MAX_S:
+            s.append(_preemptible_statement())
+        if self.check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
+            s += prestart_statements(self.cluster, config.image_os)
+        if self.lock_port is not None:
+            lock = shlex.quote(rdzv_lock_path(self.node.address, self.lock_port))
+            # Held from the check to the end of the run (torchrun inherits fd 9), so there is no
+            # moment between "free" and "taken" for another launch to slip into. The file is
+            # private (umask 077), and the user's own umask is back for the workload.
+            s += [
+                "O=$(umask)",
+                "umask 077",
+                f"exec 9>>{lock}",
+                f"if flock -n 9; then echo {shlex.quote(config.job_id)} > {lock}.job; echo port=free; else "
+                f"echo port=busy:$(cat {lock}.job 2>/dev/null); echo {CHECKED_MARKER}; exit 75; fi",
+                'umask "$O"',
+            ]
+        return s
+
+    def _workdir_step(self) -> list[str]:
+        wd = self.config.workdir
+        if not wd:
+            return []
+        # A line the launcher reads as this node's own error (gpufleet.contracts.is_error_line).
+        return [
+            f"cd {_workdir(wd)} || {{ echo \"{LAUNCHER_ERROR_PREFIX}--workdir {shlex.quote(wd)} does not "
+            f"exist on {self.node.host}\" >&2; exit 71; }}"
+        ]
+
+    def _run(self) -> list[str]:
+        config, node = self.config, self.node
+        s = [
+            f"export {JOB_ID_VAR}={shlex.quote(config.job_id)} {NODE_RANK_VAR}={node.rank} "
+            f"{NNODES_VAR}={len(self.cluster.nodes)}",
+            # Keep the launcher's end of stdin on fd 3 for the watchdog: a background list's stdin is
+            # /dev/null in a non-interactive shell (POSIX, "Asynchronous Lists").
+            "exec 3<&0",
+        ]
+        if config.controller_grace_s is not None:  # a detached job: the run outlives this session
+            return s + supervise.supervised_run(
+                config.job_id,
+                config.attempt,
+                node.rank,
+                self.token,
+                self.argv,
+                int(config.controller_grace_s),
+                config.stop_grace_s,
+                self.watch_preemption,
+            )
+        return s + _attached_run(self.token, self.argv, config.stop_grace_s, self.watch_preemption)
+
+
+def _gate() -> list[str]:
+    return [
+        f"echo {CHECKED_MARKER}",
+        # One line from the launcher: `go`, or end of input when it decided not to start.
+        "IFS= read -r G || exit 0",
+        f'[ "$G" = {GO} ] || exit 0',
+    ]
+
+
+def _attached_run(token: str, argv: Sequence[str], grace_s: float, watch_preemption: bool) -> list[str]:
+    """The run under this session: the workload, its watchdog on the launcher's stdin (fd 3),
+    the preemption watcher, then the common tail and `EXIT_MARKER <rc>`."""
+    return [
+        *workload_head(token, argv, grace_s, "</dev/null 3<&- 2>&1"),
+        # Once stopping, the watchdog ignores the SIGTERM below: the main shell then waits for it
+        # to finish (its sleep would otherwise outlive it) instead of cutting it short. A line
+        # `term TICKS SECONDS` before the end of input is the stop's own grace (`launch stop --grace`);
+        # SIGUSR1 is the preemption watcher's notice: bash runs its trap between reads, not
+        # during one, hence a read that times out every second to look.
+        f"( trap 'N=1' USR1; while :; do IFS= read -r -t 1 L; r=$?; if [ -n \"$N\" ]; then {PREEMPTED_ECHO}; "
+        'break; fi; [ $r -gt 128 ] && continue; [ $r = 0 ] || break; case $L in "term "*) set -- $L; G=$2; S=$3;; '
+        "esac; done; "
+        "trap '' TERM; stop ) <&3 2>/dev/null &",
+        "W=$!",
+        *(preemption_watch() if watch_preemption else []),
+        "exec 3<&-",
+        *workload_tail(watch_preemption),
+        f"printf '{EXIT_MARKER} %d\\n' $rc",
+        "exit $rc",
+    ]
+
+
+class ProgramBuilder:
+    """Every node's program for one launch of `config` on `cluster` (see the module docstring for
+    the sections and the extension points). Building it computes the nodes' environment, so bad
+    input (an unknown machine type, an --env the profile refuses) raises UserError here, before
+    any node is contacted and without rendering a program."""
+
+    def __init__(self, cluster: Cluster, config: LaunchConfig):
+        self.cluster, self.config = cluster, config
+        self.torchrun = config.workload.kind == "torchrun"
+        # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
+        self.env = node_env(cluster, config) if self.torchrun else {**job_env(config), **dict(config.env)}
+        self._prologue: list[tuple[str, tuple[str, ...]]] = []
+        self._prepare: list[tuple[str, PrepareStep]] = []
+        self._wrappers: list[tuple[str, RunWrapper]] = []
+        # Steps that come with the request are added here, from `config` (see the module docstring).
+
+    def add_prologue(self, name: str, statements: Sequence[str]) -> ProgramBuilder:
+        self._prologue.append((name, tuple(statements)))
+        return self
+
+    def add_prepare(self, name: str, step: PrepareStep) -> ProgramBuilder:
+        self._prepare.append((name, step))
+        return self
+
+    def wrap_run(self, name: str, wrapper: RunWrapper) -> ProgramBuilder:
+        self._wrappers.append((name, wrapper))
+        return self
+
+    def steps(self) -> list[str]:
+        """The added steps' names, by section (what a dry run may show)."""
+        return [
+            *(f"prologue:{n}" for n, _ in self._prologue),
+            *(f"prepare:{n}" for n, _ in self._prepare),
+            *(f"wrap:{n}" for n, _ in self._wrappers),
+        ]
+
+    def for_cluster(self, cluster: Cluster) -> ProgramBuilder:
+        """The same builder (environment and steps) for `cluster`: the same nodes in the order the
+        launch settled on (launcher.cluster.ordering)."""
+        other = copy.copy(self)
+        other.cluster = cluster
+        other._prologue, other._prepare, other._wrappers = [*self._prologue], [*self._prepare], [*self._wrappers]
+        return other
+
+    def program(self, node: Node) -> NodeProgram:
+        config = self.config
+        ctx = NodeContext(self.cluster, node, config, self.env, run_token(config.job_id, node.rank))
+        if self.torchrun:
+            nproc = nproc_for(node, self.cluster.gpus_per_node, config)
+            argv = torchrun_argv(self.cluster, node, config, nproc, config.workload.argv)
+        else:
+            argv = list(config.workload.argv)
+        for _, wrapper in self._wrappers:
+            argv = list(wrapper(ctx, argv))
+        return NodeProgram(
+            self.cluster,
+            node,
+            config,
+            self.env,
+            argv,
+            lock_port=config.rdzv_port if self.torchrun and node.rank == 0 else None,
+            check=self.torchrun,
+            check_torch=self.torchrun and config.check_versions,
+            watch_preemption=not self.cluster.local,
+            prologue=[st for _, statements in self._prologue for st in statements],
+            prepare=[st for _, step in self._prepare for st in step(ctx)],
+        )
+
+    def build(self) -> dict[int, str]:
+        """Every node's program, rendered, by rank (what --dry-run prints)."""
+        return {node.rank: self.program(node).render() for node in self.cluster.nodes}
+
+
+def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
+    """`ProgramBuilder(cluster, config).build()`: a launch's programs with no caller's steps."""
+    return ProgramBuilder(cluster, config).build()
+
+
+def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int, int]) -> dict[int, str]:
+    """A re-adopting controller's program for every node, by rank: stream the detached run's
+    output from `offsets[rank]` bytes on (launcher.core.supervise.attach_script)."""
+    return {
+        n.rank: supervise.attach_script(config.job_id, config.attempt, n.rank, offsets.get(n.rank, 0))
+        for n in cluster.nodes
+    }
+
+
+def probe_script(config: LaunchConfig, check_torch: bool, extra: Sequence[str] = ()) -> str:
+    """`launch hosts`' program: the check lines (and `extra` statements that print `key=value`
+    lines) and CHECKED_MARKER, then it waits for end of input, as a launch's node does before `go`."""
+    return join(
+        [
+            *_check_statements(config, facts=True, torch=check_torch),
+            *extra,
+            f"echo {CHECKED_MARKER}",
+            "IFS= read -r G",
+            "exit 0",
+        ]
+    )
+
+
+def _resolve_iface(address: str, head_address: str) -> str:
+    # The interface that holds the address we reach this node at; failing that (we connected by
+    # name), the interface the route to node 0 leaves through. `ip -o` prints one line per
+    # address: "2: eth0    inet 10.0.0.2/24 ...".
+    a, h = shlex.quote(address), shlex.quote(head_address)
+    return (
+        f"I=$(ip -o -4 addr show 2>/dev/null | awk -v a={a} "
+        "'{split($4,p,\"/\"); if (p[1]==a) {print $2; exit}}'); "
+        f'[ -n "$I" ] || I=$(ip -o route get {h} 2>/dev/null | '
+        "sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')"
+    )
+
+
+def _check_statements(config: LaunchConfig, facts: bool, torch: bool) -> list[str]:
+    """`key=value` lines about the node: hostname, clock and ready marker (`facts`), the torch
+    version (`torch`), and whether --workdir exists."""
+    s = []
+    if facts:
+        s += [
+            "echo host=$(hostname)",
+            "echo time=$(date +%s.%N)",
+            f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
+        ]
+    if torch:
+        # importlib.metadata reads the version without importing torch (seconds on a busy node).
+        s.append(
+            f"echo torch=$({shlex.quote(config.python)} -c 'import importlib.metadata as m; "
+            "print(m.version(\"torch\"))' 2>/dev/null || echo missing)"
+        )
+    if config.workdir:
+        s.append(f"if [ -d {_workdir(config.workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
+    return s
+
+
+# A Spot VM gets 30 s between its preemption notice and its stop
+# (https://cloud.google.com/compute/docs/instances/spot#preemption-process): a --term-grace above
+# this leaves the ranks too little time after SIGTERM before the VM goes. The pre-start check asks
+# a node that watches for the notice whether it is one only then.
+SPOT_NOTICE_S = 30
+SPOT_GRACE_MAX_S = 25.0
+
+
+def _preemptible_statement() -> str:
+    """`preemptible=TRUE|FALSE` from the node's metadata server (`instance/scheduling/preemptible`,
+    https://cloud.google.com/compute/docs/metadata/predefined-metadata-keys; TRUE on a Spot VM,
+    whose scheduling sets preemptible), `unknown` without one."""
+    url = '"http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/scheduling/preemptible"'
+    return f"echo preemptible=$(curl -sf -m 2 -H 'Metadata-Flavor: Google' {url} || echo unknown)"
+
+
+def _workdir(wd: str) -> str:
+    # `~/x` means the login directory on the node, so keep the tilde outside the quotes.
+    return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
+
+
+def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> list[str]:
+    """`export` lines for `env`; PATH-like variables are prepended to the node's value, and a
+    HOST_IFACE_ON_NODE value is resolved on the node."""
+    s = []
+    unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
+    for key, value in env.items():
+        if value == HOST_IFACE_ON_NODE:
+            continue
+        if key in PREPEND_PATH_VARS:
+            s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
+        else:
+            s.append(f"export {key}={shlex.quote(value)}")
+    if unresolved:
+        s.append(_resolve_iface(node.address, cluster.nodes[0].address))
+        s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")
+    return s

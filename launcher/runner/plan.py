@@ -1,0 +1,82 @@
+"""A launch's plan: the cluster in the rank order the launch uses, the config, and each node's
+program, rendered once by launcher.core.program's builder, with the transport that carries it.
+
+    plan(cluster, config)            ──> LaunchPlan ──> Launch.run(programs=...)   (attached)
+    plan_detached(cluster, config)   ──> LaunchPlan ──> launcher.jobs.handoff.detach
+                                         LaunchPlan.dry_run()                     (--dry-run)
+
+Bad input (an unknown machine type, an --env the profile refuses) is refused when the builder is
+made, before the order is decided, so before any node is contacted. Deciding the order may ask
+the nodes where they sit (launcher.cluster.ordering), except on a dry run."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.cluster.key import authorize_statements, ensure_key
+from launcher.cluster.ordering import order_for_launch
+from launcher.core.program import ProgramBuilder
+from launcher.core.transport import Transport, make_transport
+from launcher.core.types import Cluster, LaunchConfig, UserError
+
+__all__ = ["LaunchPlan", "plan", "plan_detached"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch will do. `cluster`: its nodes in the launch's rank order; `order_message`:
+    the line that says which order and why (empty for a plain command); `programs`: each node's
+    program by rank, rendered; `steps`: the builder's added steps, by name; `key`: for a detached
+    job, the cluster key its check authorizes on every node."""
+
+    cluster: Cluster
+    config: LaunchConfig
+    order_message: str
+    programs: Mapping[int, str]
+    transport: Transport
+    steps: tuple[str, ...] = ()
+    key: Path | None = field(default=None)
+
+    def dry_run(self) -> list[str]:
+        """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""
+        return [f"{n.host}\t{self.transport.display(n, self.programs[n.rank])}" for n in self.cluster.nodes]
+
+
+def plan(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:
+    """The plan of an attached launch of `config` on `cluster`."""
+    return _plan(cluster, config, ProgramBuilder(cluster, config))
+
+
+def plan_detached(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:
+    """The plan of `--detach`: the same programs (the supervised run: `config.controller_grace_s`
+    is set), whose check also authorizes the cluster key on every node (its prologue), made here
+    on first use. The controller renders its own programs from the job's request through the
+    same builder, without that prologue."""
+    if cluster.local:
+        raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: drop --detach")
+    if config.dry_run:
+        raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
+    builder = ProgramBuilder(cluster, config)
+    key = ensure_key(cluster)
+    public = key.with_name("id_ed25519.pub").read_text()
+    return _plan(cluster, config, builder, key=key, public_key=public)
+
+
+def _plan(
+    cluster: Cluster, config: LaunchConfig, builder: ProgramBuilder, key: Path | None = None, public_key: str = ""
+) -> LaunchPlan:
+    order = order_for_launch(cluster, config)
+    builder = builder.for_cluster(order.cluster)
+    if public_key:  # from the nodes' and the controller's addresses, which the order keeps
+        builder.add_prologue("authorize the cluster key", authorize_statements(public_key, order.cluster))
+    return LaunchPlan(
+        cluster=order.cluster,
+        config=config,
+        order_message=order.message,
+        programs=builder.build(),
+        transport=make_transport(order.cluster, config.ssh, config.dry_run),
+        steps=tuple(builder.steps()),
+        key=key,
+    )

@@ -1,0 +1,121 @@
+"""The launch plan (launcher.runner): what a launch will do, decided before it connects to run
+anything; --dry-run prints it and connects to nothing; each node's program is rendered once per
+launch, attached or detached."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from launcher.cli import main
+from launcher.core import program
+from launcher.core.program import ProgramBuilder
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
+from launcher.runner import plan, plan_detached
+from tests.launcher.test_jobs_cluster import cluster as detached_cluster
+from tests.support import source_args
+
+# TEST-NET-1 (RFC 5737): nothing answers there; a dry run never tries.
+HOSTS = ["192.0.2.10", "192.0.2.11", "192.0.2.12"]
+
+
+@pytest.fixture
+def ssh_spy(tmp_path, monkeypatch) -> Path:
+    """An `ssh` first on PATH that records that it ran (and fails): a dry run must never run it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    called = tmp_path / "ssh-called"
+    spy = bin_dir / "ssh"
+    spy.write_text(f'#!/bin/sh\necho "$@" >> {called}\nexit 255\n')
+    spy.chmod(spy.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return called
+
+
+@pytest.fixture
+def render_count(monkeypatch) -> list[int]:
+    """How many node programs this process renders."""
+    count = [0]
+    render = program.NodeProgram.render
+
+    def counted(self):
+        count[0] += 1
+        return render(self)
+
+    monkeypatch.setattr(program.NodeProgram, "render", counted)
+    return count
+
+
+def _hostfile(tmp_path: Path) -> Path:
+    f = tmp_path / "hosts"
+    f.write_text("".join(f"{h}\n" for h in HOSTS))
+    return f
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--steps", "2"],
+        ["run", "--", "train.py"],
+        ["exec", "--", "hostname"],
+        ["nccl-tests", "-b", "1M", "-e", "1M"],
+    ],
+    ids=["train", "run", "exec", "nccl-tests"],
+)
+def test_a_dry_run_prints_the_plan_and_connects_to_nothing(tmp_path, ssh_spy, render_count, args):
+    kind, rest = args[0], args[1:]
+    r = CliRunner().invoke(main, [kind, "--hostfile", str(_hostfile(tmp_path)), "--dry-run", *rest])
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.stdout.splitlines() if "\t" in line]
+    assert [line.split("\t")[0] for line in lines] == HOSTS
+    assert all(line.split("\t")[1].startswith("exec bash --norc --noprofile -c ") for line in lines)
+    assert not ssh_spy.exists(), ssh_spy.read_text()
+    assert render_count[0] == len(HOSTS)  # each node's program rendered once
+    # Nothing written for a connection: no known_hosts file was made.
+    assert not (tmp_path / "state" / "known_hosts").exists()
+
+
+def test_the_plan_holds_the_order_the_programs_and_the_dry_run_lines(tmp_path):
+    nodes = tuple(Node(i, h, h) for i, h in enumerate(HOSTS))
+    cluster = Cluster("c", nodes)
+    config = LaunchConfig(Workload("torchrun", ("train.py",)), job_id="plan1", dry_run=True)
+    p = plan(cluster, config)
+    assert p.cluster.nodes == nodes and "given" in p.order_message
+    assert dict(p.programs) == ProgramBuilder(cluster, config).build()
+    assert p.dry_run() == [f"{n.host}\t{p.transport.display(n, p.programs[n.rank])}" for n in nodes]
+
+
+def test_bad_input_is_refused_before_any_node_is_asked(tmp_path, ssh_spy):
+    """An unknown machine type with --rank-order topology (which asks the nodes where they sit):
+    one UserError naming the type, and ssh never ran."""
+    nodes = tuple(Node(i, h, h) for i, h in enumerate(HOSTS))
+    cluster = Cluster("c", nodes, machine_type="a3-mega")
+    config = LaunchConfig(Workload("torchrun", ("train.py",)), job_id="plan2", rank_order="topology")
+    with pytest.raises(UserError, match="a3-mega"):
+        plan(cluster, config)
+    assert not ssh_spy.exists()
+
+
+def test_a_detached_plan_refuses_local_and_dry_run(tmp_path):
+    local = Cluster("l", (Node(0, "127.0.0.1", "127.0.0.1"),), local=True)
+    config = LaunchConfig(Workload("exec", ("true",)), job_id="plan3", controller_grace_s=60)
+    with pytest.raises(UserError, match="--detach needs SSH nodes"):
+        plan_detached(local, config)
+    ssh = Cluster("c", (Node(0, HOSTS[0], HOSTS[0]),))
+    with pytest.raises(UserError, match="--detach and --dry-run"):
+        plan_detached(ssh, LaunchConfig(Workload("exec", ("true",)), job_id="plan4", dry_run=True))
+
+
+@pytest.mark.cluster
+def test_a_detached_launch_renders_each_node_program_once_on_the_launching_machine(sim_cluster, tmp_path, render_count):
+    c = detached_cluster(sim_cluster, tmp_path, 2)
+    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path), "--detach", "--", "true"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("job ")
+    # The check's programs, with the key authorization as their prologue; the controller renders
+    # its own on node 0 (another process) from the same request.
+    assert render_count[0] == 2

@@ -50,7 +50,7 @@ from launcher.core.prestart import (
     nic_statements,
 )
 from launcher.core.types import Node
-from launcher.core.wire import CHECKED_MARKER
+from launcher.core.wire import CHECKED_MARKER, read_env_statements
 
 __all__ = [
     "RXDM_CONTAINER",
@@ -91,10 +91,12 @@ def node_script(
 ) -> str:
     """The read-only bash program that reports on `node` as `key=value` lines, then prints
     CHECKED_MARKER and waits for end of input (one line: launcher.core.wire.join's form).
-    `env` is the user's --env, exported first as a launch does, so `--env PATH=...` picks the
-    same python3 here as in the run (PATH-like values are prepended, as launcher.core.program does)."""
+    `env` is the user's --env (launcher.core.program.stdin_env), exported first as a launch does,
+    so `--env PATH=...` picks the same python3 here as in the run (PATH-like values are
+    prepended): as in a launch, the values are read from stdin (launcher.core.wire.env_block,
+    which the caller writes first), never put in the program."""
     q = shlex.quote
-    s = [f"export {k}={q(v)}${{{k}:+:${k}}}" if k in PREPEND_PATH_VARS else f"export {k}={q(v)}" for k, v in env]
+    s = [st for k, _ in env for st in read_env_statements(k, prepend=k in PREPEND_PATH_VARS)]
     s += [
         "echo host=$(hostname)",
         "echo time=$(date +%s.%N)",

@@ -21,6 +21,7 @@ from launcher.cli.render import err, setup_logging, user_errors
 from launcher.cluster.topology import RANK_ORDERS, RankOrder, rank_order
 from launcher.core.env import node_env
 from launcher.core.prestart import CHECKS, FAIL, OK, WARN, expectation
+from launcher.core.program import env_stdin, stdin_env
 from launcher.core.types import Cluster, LaunchConfig, Workload
 from launcher.doctor import Report, judge, node_script
 
@@ -34,7 +35,7 @@ def _check_sessions(cluster: Cluster, config: LaunchConfig, scripts: dict[int, s
     sent home once it has answered: {rank: Probe}."""
     from launcher.core.launch import Launch
 
-    return Launch(cluster, config).ask(scripts)
+    return Launch(cluster, config).ask(scripts, env_stdin(config))
 
 
 def run_doctor(
@@ -42,7 +43,8 @@ def run_doctor(
 ) -> tuple[Report, RankOrder]:
     """Check every node and judge the answers; also the rank order a launch would use."""
     expect = expectation(cluster.machine_type, image_os, node_env(cluster, config))
-    scripts = {n.rank: node_script(n, expect, config.python, config.workdir, config.env) for n in cluster.nodes}
+    env = stdin_env(config)
+    scripts = {n.rank: node_script(n, expect, config.python, config.workdir, env) for n in cluster.nodes}
     probes = _check_sessions(cluster, config, scripts)
     report = judge(
         cluster.nodes,
@@ -117,8 +119,9 @@ def to_json(report: Report, order: RankOrder) -> dict:
     "--env",
     "env",
     multiple=True,
-    metavar="KEY=VALUE",
-    help="Set a variable on every node, as a launch would (e.g. PATH for --python's lookup).",
+    metavar="KEY[=VALUE]",
+    help="Set a variable on every node, as a launch would (e.g. PATH for --python's lookup); KEY alone "
+    "passes this machine's value.",
 )
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the table.")
@@ -142,8 +145,11 @@ def doctor(as_json: bool, min_free_gb: float, rank_order: str | None, **o: Any) 
     config = build_config(o, Workload("exec", ("true",)), cluster)
     if config.dry_run:
         expect = expectation(cluster.machine_type, o.get("image_os"), node_env(cluster, config))
+        env = stdin_env(config)
+        if env:
+            err.print(f"[dim]each node reads on stdin: {' '.join(f'{k}=<from --env, hidden>' for k, _ in env)}[/dim]")
         for n in cluster.nodes:
-            click.echo(f"{n.host}\t{node_script(n, expect, config.python, config.workdir, config.env)}")
+            click.echo(f"{n.host}\t{node_script(n, expect, config.python, config.workdir, env)}")
         return
     with err.status(f"checking {len(cluster.nodes)} nodes…"):
         report, order = run_doctor(cluster, config, o.get("image_os"), min_free_gb, rank_order)

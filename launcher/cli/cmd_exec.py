@@ -10,6 +10,7 @@ from launcher.cli.launching import start
 from launcher.cli.options import (
     CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
+    ENV_FILE_OPTION,
     ENV_OPTION,
     EXEC_RESTARTS_OPTION,
     PROGRAM_AFTER,
@@ -29,6 +30,7 @@ __all__ = ["exec_"]
     [
         *SOURCE_OPTIONS,
         ENV_OPTION,
+        ENV_FILE_OPTION,
         TERM_GRACE_OPTION,
         DETACH_OPTION,
         CONTROLLER_GRACE_OPTION,

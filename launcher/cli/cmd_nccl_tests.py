@@ -29,6 +29,7 @@ from rich.markup import escape
 from gpufleet.bandwidth import SizeError, avg_busbw, parse_size, size_ladder
 from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
+from launcher.cli.nccl_from import FROM_OPTIONS, from_request, show_report_from
 from launcher.cli.options import (
     DETACH_OPTION,
     SOURCE_OPTIONS,
@@ -41,10 +42,10 @@ from launcher.cli.render import err, execute, setup_logging, user_errors
 from launcher.cli.workload_args import WorkloadCommand, parser_help
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import node_env
+from launcher.core.program import stdin_env
 from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload, new_job_id
 from launcher.nccl.badnodes import BadNodeSearch, GroupResult, SearchFailed, SearchOptions
-from launcher.nccl.from_files import FROM_OPTIONS, from_request, report_from
 from launcher.nccl.judge import expected_judgement, verdict
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
@@ -221,8 +222,10 @@ def report_rows(
 def nccl_tests(**o: Any) -> None:
     """Measure collective bandwidth across the nodes (an nccl-tests style sweep), or report on
     nccl-tests output that exists (--from FILE)."""
-    if o["from_files"]:  # results that exist: read and report, run nothing (launcher.nccl.from_files)
-        raise SystemExit(report_from(from_request(o), _out()))
+    if o[
+        "from_files"
+    ]:  # results that exist: read and report, run nothing (launcher.nccl.from_files, shown by launcher.cli.nccl_from)
+        raise SystemExit(show_report_from(from_request(o), _out()))
     if o["as_json"]:
         raise UserError(
             "--json prints the rows read with --from; a live run streams its nodes' "
@@ -288,6 +291,9 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
             nproc,
             [*request.sweep.flags(), "-g", "1"],
             env,
+            # The --env values: in mpirun's environment (node 0's program reads them from stdin),
+            # never in its argv.
+            inherit={k for k, _ in stdin_env(config)},
             allow_run_as_root=request.allow_run_as_root,
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())

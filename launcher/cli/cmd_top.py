@@ -30,15 +30,14 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
-from launcher.cli.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.cli.options import SOURCE_OPTIONS, apply_options, find_cluster, ssh_config
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
-from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
+from launcher.core.types import Cluster, Node, SshConfig, UserError, new_job_id
 from launcher.jobs.goodput import goodput_of, summary
 from launcher.jobs.node0 import Node0, job_host
-from launcher.jobs.record import JobRecord, check_job_id
+from launcher.jobs.record import SAMPLES_FILE, JobRecord, check_job_id, samples_script
 from launcher.observe.job_metrics import INTERVAL_S as JOB_INTERVAL_S
-from launcher.observe.job_metrics import RECORD, record_script
 from launcher.observe.top import (
     FLAG_FRACTION,
     NodeRow,
@@ -258,7 +257,7 @@ def _summary(stats: _ViewStats, sampler: TopSampler, recorder: Recorder | None) 
     return s
 
 
-def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, LaunchConfig, Transport]:
+def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, SshConfig, Transport]:
     """The cluster whose node 0 holds `job_id`'s record, from the node-source flags."""
     check_job_id(job_id)
     if not any(o.get(f) for f in ("stack", "outputs", "hostfile", "labels", "local")):
@@ -271,8 +270,8 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Lau
         raise UserError(f"{what}: detached jobs live on node 0 of an SSH cluster; --local has none")
     if o.get("dry_run"):
         raise UserError(f"{what} reads the job's record on node 0, and --dry-run connects to nothing; drop one")
-    config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config.ssh, config.dry_run)
+    ssh = ssh_config(o, cluster)
+    return cluster, ssh, make_transport(cluster, ssh)
 
 
 def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
@@ -293,15 +292,15 @@ def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
     return replace(cluster, nodes=tuple(replace(by_host[h], rank=i) for i, h in enumerate(job.nodes)))
 
 
-def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, LaunchConfig, Transport, Node]:
+def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, SshConfig, Transport, Node]:
     """The nodes to view (the flags' cluster, or detached job `job_id`'s nodes of it), and the
     flags' node 0 (where the job's record is)."""
     if job_id:
-        cluster, config, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return _job_nodes(cluster, transport, job_id), config, transport, job_host(cluster)
+        cluster, ssh, transport = _job_source(o, job_id, f"launch top {job_id}")
+        return _job_nodes(cluster, transport, job_id), ssh, transport, job_host(cluster)
     cluster = find_cluster(o)
-    config = build_config(o, Workload("exec", ("true",)), cluster)
-    return cluster, config, make_transport(cluster, config.ssh, config.dry_run), job_host(cluster)
+    ssh = ssh_config(o, cluster)
+    return cluster, ssh, make_transport(cluster, ssh, bool(o.get("dry_run"))), job_host(cluster)
 
 
 class _JobWatch:
@@ -361,13 +360,13 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = Node0(transport, job_host(cluster)).run(record_script(job_id))
+    text = Node0(transport, job_host(cluster)).run(samples_script(job_id))
     if not text.strip():
         raise UserError(
             f"job {job_id} has no samples yet (its controller samples every "
             f"{JOB_INTERVAL_S:g} s while it runs); try again later"
         )
-    copy = Path(o.get("runs_dir") or "runs") / job_id / RECORD
+    copy = Path(o.get("runs_dir") or "runs") / job_id / SAMPLES_FILE
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(text)
     err.print(f"[dim]copied job {job_id}'s samples to {escape(str(copy))}[/dim]")
@@ -461,8 +460,8 @@ def top(
         _plot_only(plot_from, output, job_id, record, duration, o)
         return
     _check_timing(interval, duration)
-    cluster, config, transport, head = _view_source(o, job_id)
-    if config.dry_run:
+    cluster, ssh, transport, head = _view_source(o, job_id)
+    if o.get("dry_run"):
         from launcher.observe.sampler import node_program
 
         script = node_program(interval)
@@ -478,7 +477,7 @@ def top(
         interval_s=interval,
         plan=role_plan(cluster.machine_type, o.get("image_os")),
         on_row=recorder.write if recorder else None,
-        concurrency=config.ssh.concurrency,
+        concurrency=ssh.concurrency,
     )
     exporter = _cloud_exporter(o, cluster, sampler)
     watch = _JobWatch(transport, head, job_id).start() if job_id else None

@@ -19,7 +19,14 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, ssh_config, trusted_ssh
+from launcher.cli.options import (
+    DEFAULT_CONTROLLER_GRACE,
+    build_config,
+    find_cluster,
+    recover_request,
+    ssh_config,
+    trusted_ssh,
+)
 from launcher.cli.render import err, setup_logging
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
@@ -62,7 +69,7 @@ def start_detached(
     setup_logging()
     if o.get("dry_run"):  # before the cluster is looked for: nothing of it is needed to refuse
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
-    policy = recover_policy(o, workload.argv, detach=True, builtin=builtin)
+    policy = recover_policy(recover_request(o), workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
     if policy and policy.min_nodes is not None and policy.min_nodes > len(cluster.nodes):
         raise UserError(

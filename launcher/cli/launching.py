@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from launcher.cli.options import build_config, find_cluster
+from launcher.cli.options import build_config, find_cluster, recover_request
 from launcher.cli.render import execute, finish, setup_logging
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
 from launcher.runner import plan
@@ -26,7 +26,9 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
         from launcher.jobs.recovery import recover_policy
 
-        recover_policy(o, workload.argv, detach=False, builtin=builtin)  # refuses: --recover lives on node 0
+        recover_policy(
+            recover_request(o), workload.argv, detach=False, builtin=builtin
+        )  # refuses: --recover lives on node 0
     if o.get("controller_grace") is not None and not o.get("detach"):
         from launcher.core.types import UserError
 

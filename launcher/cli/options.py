@@ -17,11 +17,12 @@ from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
-from launcher.jobs.recovery import parse_duration
+from launcher.jobs.recovery import RecoverRequest, parse_duration
 
 __all__ = [
     "SOURCE_OPTIONS",
     "ENV_OPTION",
+    "ENV_FILE_OPTION",
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
     "CONTROLLER_GRACE_OPTION",
@@ -39,6 +40,7 @@ __all__ = [
     "build_config",
     "ssh_config",
     "trusted_ssh",
+    "recover_request",
 ]
 
 
@@ -89,7 +91,19 @@ SOURCE_OPTIONS = [
 ]
 
 ENV_OPTION = click.option(
-    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set or override a variable on every node (repeatable)."
+    "--env",
+    "env",
+    multiple=True,
+    metavar="KEY[=VALUE]",
+    help="Set or override a variable on every node (repeatable); KEY alone passes this machine's value. "
+    "Values reach the nodes on stdin, never on a command line.",
+)
+ENV_FILE_OPTION = click.option(
+    "--env-file",
+    "env_file",
+    multiple=True,
+    metavar="FILE",
+    help="KEY=VALUE lines (# comments) to set on every node, as --env does (repeatable; --env wins).",
 )
 
 # Issue 13: the job goes to a controller on node 0 (launcher.jobs.handoff) and outlives this client.
@@ -182,6 +196,7 @@ TORCHRUN_OPTIONS = [
     click.option("--max-restarts", type=int, default=0, show_default=True, help=_MAX_RESTARTS_HELP),
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
     ENV_OPTION,
+    ENV_FILE_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
     click.option(
@@ -332,6 +347,20 @@ def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def recover_request(o: dict[str, Any]) -> RecoverRequest:
+    """--recover and its settings, as given (launcher.jobs.recovery.recover_policy checks them)."""
+    return RecoverRequest(
+        recover=bool(o.get("recover")),
+        max_recoveries=o.get("max_recoveries"),
+        recover_timeout=o.get("recover_timeout"),
+        restart_stopped=o.get("restart_stopped"),
+        no_restart_exit_codes=o.get("no_restart_exit_codes"),
+        min_nodes=o.get("min_nodes"),
+        api_endpoint=o.get("api_endpoint"),
+        max_restarts=o.get("max_restarts"),
+    )
+
+
 def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
     """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
     return SshConfig(
@@ -357,7 +386,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         # on 29500 here) never collide; on a cluster, torchrun's documented default.
         rdzv_port=o.get("rdzv_port") or (_free_port() if cluster.local else 29500),
         workdir=o.get("workdir"),
-        env=parse_env_pairs(o.get("env", ())),
+        env=parse_env_pairs(o.get("env", ()), o.get("env_file", ())),
         nccl_debug=o.get("nccl_debug", False),
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.

@@ -149,7 +149,7 @@ def execute(p: LaunchPlan) -> LaunchResult | None:
         launch = Launch(
             cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop, transport=p.transport
         )
-        result = launch.run(programs=p.programs)
+        result = launch.run(programs=p.programs, stdin=p.stdin)
     except Interrupted:
         if busy is not None and busy.busy is not None:
             raise busy.refusal() from None
@@ -163,9 +163,12 @@ def execute(p: LaunchPlan) -> LaunchResult | None:
 
 
 def print_plan(p: LaunchPlan) -> None:
-    """--dry-run: the order's line on stderr, each node's exact command on stdout."""
+    """--dry-run: the order's line and the --env names (their values hidden) on stderr, each
+    node's exact command on stdout."""
     if p.order_message:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
+    if p.stdin_note():
+        err.print(f"[dim]{escape(p.stdin_note())}[/dim]")
     for node, line in zip(p.cluster.nodes, p.dry_run()):
         if p.transport.route(node):  # --iap: the tunnel each node's connection would take
             err.print(f"[dim]{escape(node.label)}: {escape(p.transport.route(node))}[/dim]")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
@@ -14,22 +17,57 @@ from launcher.core.hang import flight_recorder_env
 from launcher.core.types import Cluster, LaunchConfig, UserError
 from launcher.core.wire import ATTEMPT_VAR, JOB_ID_VAR, RESTART_REASON_VAR
 
-__all__ = ["node_env", "job_env", "parse_env_pairs", "flight_recorder_on", "HOST_IFACE_ON_NODE", "TORCHRUN_DEFAULTS"]
+__all__ = [
+    "launch_env",
+    "node_env",
+    "job_env",
+    "parse_env_pairs",
+    "flight_recorder_on",
+    "HOST_IFACE_ON_NODE",
+    "TORCHRUN_DEFAULTS",
+]
 
 log = logging.getLogger("launcher.core.env")
 
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def parse_env_pairs(pairs: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
-    """`KEY=VAL` strings from `--env`, validated (the value may hold anything, even `=`)."""
+def parse_env_pairs(
+    pairs: Sequence[str], files: Sequence[str] = (), environ: Mapping[str, str] | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The user's variables: each `--env-file` (KEY=VALUE lines; `#` comments and blank lines
+    skipped), then each `--env`, so `--env` wins over a file. `KEY=VALUE` sets KEY (the value may
+    hold anything, even `=`); `KEY` alone takes this machine's value (`environ`, os.environ by
+    default), as docker's `-e KEY` does, so a secret never has to be typed on a command line.
+    Bad input is one UserError naming the culprit."""
+    environ = os.environ if environ is None else environ
     out = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not _KEY_RE.fullmatch(key):
-            raise UserError(f"--env {pair!r} is not KEY=VALUE with KEY a shell variable name")
-        out.append((key, value))
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
+        except OSError as e:
+            raise UserError(f"--env-file {path}: {e.strerror}; pass a file of KEY=VALUE lines") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            out.append(_pair(line, f"--env-file {path}:{number}", environ))
+    out += [_pair(pair, f"--env {pair!r}", environ) for pair in pairs]
     return tuple(out)
+
+
+def _pair(text: str, where: str, environ: Mapping[str, str]) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not _KEY_RE.fullmatch(key):
+        raise UserError(
+            f"{where}: {key!r} is not a shell variable name; write KEY=VALUE, or KEY to pass this machine's"
+        )
+    if "\0" in value:
+        raise UserError(f"{where}: the value of {key} holds a NUL byte, which no environment can")
+    if sep:
+        return key, value
+    if key not in environ:
+        raise UserError(f"{where}: {key} is not set here; set it, or write {key}=VALUE")
+    return key, environ[key]
 
 
 # What every torchrun node gets before the user's --env (which may override it, logged).
@@ -101,6 +139,16 @@ def node_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
         env.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET,ENV")
     for key, value in config.env:
         if key in env and env[key] != value:
-            log.warning("--env %s=%s overrides the profile value %s=%s", key, value, key, env[key])
+            # The value is the user's and may be a secret: named, never shown (logs are kept).
+            log.warning("--env %s overrides the profile value %s=%s", key, key, env[key])
         env[key] = value
     return env
+
+
+def launch_env(cluster: Cluster, config: LaunchConfig) -> dict[str, str]:
+    """What a launch's nodes export: a torchrun workload gets `node_env`; a plain command only the
+    job's variables and the user's --env (the NCCL profile is for torchrun workloads). Bad input
+    (an unknown machine type, an image the profile does not know) raises UserError."""
+    if config.workload.kind == "torchrun":
+        return node_env(cluster, config)
+    return {**job_env(config), **dict(config.env)}

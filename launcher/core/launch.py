@@ -40,7 +40,7 @@ from gpufleet import atomic
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, check_probes, check_timeout, handshake_limit
-from launcher.core.program import attach_commands, node_commands, probe_script
+from launcher.core.program import attach_commands, env_stdin, node_commands, probe_script
 from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
@@ -167,6 +167,7 @@ class Launch:
         handle_signals: bool = True,
         adopt: dict[int, int] | None = None,
         programs: Mapping[int, str] | None = None,
+        stdin: bytes | None = None,
     ) -> LaunchResult:
         """Check every node, start the workload on all of them, stream, stop on the first
         failure, and report. Raises UserError or Interrupted (nothing was started).
@@ -174,7 +175,8 @@ class Launch:
         starting it, re-attach to every node's supervisor and stream from these byte offsets, by
         rank (launcher.core.supervise); a node without its run refuses, as a check does.
         `programs`: each node's program, by rank, rendered already (a launch plan's,
-        launcher.runner); else rendered here by the builder (launcher.core.program)."""
+        launcher.runner); else rendered here by the builder (launcher.core.program). `stdin`: what
+        those programs read first (the plan's --env values); else computed here."""
         if programs is not None:
             scripts = dict(programs)
         elif adopt is None:
@@ -182,9 +184,13 @@ class Launch:
         else:
             self._offsets = adopt
             scripts = attach_commands(self.cluster, self.config, adopt)
+        if adopt is not None:
+            stdin = b""  # a re-attach reads no --env values
+        elif stdin is None:  # the builder's programs read the --env values from stdin first
+            stdin = env_stdin(self.config)
         with self._signals_stop(handle_signals):
             try:
-                self._check(scripts)
+                self._check(scripts, stdin)
                 self._refuse_or_warn()
                 self._make_run_dir()
             except BaseException:
@@ -196,16 +202,17 @@ class Launch:
     def probe(self, check_torch: bool, extra: Sequence[str] = ()) -> dict[int, Probe]:
         """The check alone on every node (what `launch hosts` shows; `extra` statements report
         more facts): the sessions a launch opens, sent home after the check instead of told to go."""
-        script = probe_script(self.config, check_torch, extra)
+        script = probe_script(self.config.python, self.config.workdir, check_torch, extra)
         return self.ask(dict.fromkeys((n.rank for n in self.cluster.nodes), script))
 
-    def ask(self, scripts: dict[int, str]) -> dict[int, Probe]:
+    def ask(self, scripts: dict[int, str], stdin: bytes = b"") -> dict[int, Probe]:
         """Run each node's own check program (by rank; `key=value` lines, then CHECKED_MARKER,
         then wait for input, as launcher.core.program.probe_script does), with a launch's bounded
-        handshakes and timeout, and send every node home: what each answered."""
+        handshakes and timeout, and send every node home: what each answered. `stdin`: what each
+        program reads first (a builder's program: its --env values, launcher.core.program.env_stdin)."""
         with self._signals_stop(True):
             try:
-                self._check(scripts)
+                self._check(scripts, stdin)
                 if self.stop_event.is_set():  # Ctrl-C while asking: Interrupted, as a launch's check
                     raise Interrupted(self.signals[0] if self.signals else signal.SIGINT)
                 return {r: s.probe() for r, s in self._sessions.items()}
@@ -235,18 +242,18 @@ class Launch:
 
     # ---- connecting and checking ----
 
-    def _check(self, scripts: dict[int, str]) -> None:
+    def _check(self, scripts: dict[int, str], stdin: bytes = b"") -> None:
         """Open every node's session, a bounded number of handshakes at a time, until each node
         has passed its check half (and waits for `go`), ended, or run out of time."""
-        limit = handshake_limit(self.cluster, self.config, self.transport)
-        timeout = check_timeout(self.config)
+        limit = handshake_limit(self.cluster, self.config.ssh, self.transport)
+        timeout = check_timeout(self.config.ssh)
         pending = deque(self.cluster.nodes)
         deadlines: dict[int, float] = {}  # rank -> deadline, for sessions still checking
         while (pending or deadlines) and not self.stop_event.is_set():
             while pending and len(deadlines) < limit:
                 node = pending.popleft()
                 self._sessions[node.rank] = NodeSession(
-                    node, self.transport.argv(node, scripts[node.rank]), self._reports
+                    node, self.transport.argv(node, scripts[node.rank]), self._reports, stdin
                 )
                 self._set_state(node.rank, NodeState.CONNECTING)
                 deadlines[node.rank] = time.monotonic() + timeout

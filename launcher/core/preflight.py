@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from launcher.core.prestart import prestart_verdict
 from launcher.core.program import SPOT_GRACE_MAX_S, SPOT_NOTICE_S
 from launcher.core.transport import Transport
-from launcher.core.types import Cluster, LaunchConfig, Node, UserError
+from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError
 
 __all__ = [
     "Probe",
@@ -39,11 +39,11 @@ class Probe:
 DIRECT_CONCURRENCY = 32
 
 
-def through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> bool:
+def through_gateway(transport: Transport, node: Node, ssh: SshConfig) -> bool:
     """Whether connections share one sshd on the way (IAP, ProxyJump, ProxyCommand from the
     options or ~/.ssh/config): then sshd's MaxStartups (default 10:30:100, sshd_config(5))
     applies to all of them together and `ssh.concurrency` (8) bounds them."""
-    if config.ssh.iap:
+    if ssh.iap:
         return True
     try:
         out = subprocess.run([*transport.ssh_base, "-G", node.host], capture_output=True, text=True, timeout=10).stdout
@@ -56,20 +56,20 @@ def through_gateway(transport: Transport, node: Node, config: LaunchConfig) -> b
     return False
 
 
-def handshake_limit(cluster: Cluster, config: LaunchConfig, transport: Transport) -> int:
+def handshake_limit(cluster: Cluster, ssh: SshConfig, transport: Transport) -> int:
     """How many nodes may be mid-handshake at once. sshd's MaxStartups limits unauthenticated
     connections per sshd: through one gateway they all count against it (`ssh.concurrency`);
     going straight to the nodes, each node's sshd sees one connection from us, so more."""
-    workers = config.ssh.concurrency
-    if not transport.local and not through_gateway(transport, cluster.nodes[0], config):
+    workers = ssh.concurrency
+    if not transport.local and not through_gateway(transport, cluster.nodes[0], ssh):
         workers = max(workers, min(len(cluster.nodes), DIRECT_CONCURRENCY))
     return max(1, workers)
 
 
-def check_timeout(config: LaunchConfig) -> float:
+def check_timeout(ssh: SshConfig) -> float:
     """How long a node may take to pass its check: the handshake, plus the check itself
     (reading torch's version on a busy node)."""
-    return config.ssh.connect_timeout + 20.0
+    return ssh.connect_timeout + 20.0
 
 
 def clock_skew(facts: dict[str, str], t0: float, t1: float) -> float | None:

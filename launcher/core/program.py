@@ -13,7 +13,9 @@ A node's program is one bash line (so `--dry-run` prints it on one line), in sec
 1. prologue: statements before anything else (the detach check's authorization of the cluster
    key, `ProgramBuilder.add_prologue`);
 2. environment: the launch's `export`s (resolving the host NIC on the node when the catalog
-   cannot name it), first, so the check sees what the run will;
+   cannot name it), first, so the check sees what the run will. The user's --env values are
+   not in the program: it reads them from stdin, where the launcher writes them first
+   (`env_stdin`; launcher.core.wire.env_block), so no command line on any machine holds them;
 3. checks: what the launcher compares across nodes as `key=value` lines (hostname, clock, ready
    marker, torch version, --workdir, the cheap part of `launch doctor`), and node 0's lock on the
    rendezvous port for a torchrun job (a second launch on the same port refuses instead of
@@ -67,7 +69,6 @@ prologue).
 
 from __future__ import annotations
 
-import copy
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,20 +76,23 @@ from dataclasses import dataclass
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.core import supervise
-from launcher.core.env import HOST_IFACE_ON_NODE, job_env, node_env
+from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
-from launcher.core.torchrun import nproc_for, torchrun_argv
-from launcher.core.types import Cluster, LaunchConfig, Node
+from launcher.core.torchrun import torchrun_argvs
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import (
     CHECKED_MARKER,
+    ENV_BLOCK_MAX,
     EXIT_MARKER,
     GO,
     JOB_ID_VAR,
     NNODES_VAR,
     NODE_RANK_VAR,
+    env_block,
     join,
     rdzv_lock_path,
+    read_env_statements,
     run_token,
 )
 
@@ -101,6 +105,8 @@ __all__ = [
     "node_commands",
     "attach_commands",
     "probe_script",
+    "stdin_env",
+    "env_stdin",
 ]
 
 
@@ -155,7 +161,7 @@ class NodeProgram:
             ("prologue", list(self.prologue)),
             # The environment first: the check must see what the run will (`--env PATH=...`
             # decides which `python3` has torch), so it is exported before the check's lines.
-            ("environment", _env_statements(self.cluster, self.node, self.env)),
+            ("environment", _env_statements(self.cluster, self.node, self.env, [k for k, _ in stdin_env(self.config)])),
             ("checks", self._checks()),
             ("gate", _gate()),
             ("prepare", [*self._workdir_step(), *self.prepare]),
@@ -167,7 +173,7 @@ class NodeProgram:
 
     def _checks(self) -> list[str]:
         config = self.config
-        s = _check_statements(config, facts=self.check, torch=self.check and self.check_torch)
+        s = _check_statements(config.python, config.workdir, facts=self.check, torch=self.check and self.check_torch)
         if self.watch_preemption and config.stop_grace_s > SPOT_GRACE_MAX_S:
             s.append(_preemptible_statement())
         if self.check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
@@ -253,16 +259,25 @@ def _attached_run(token: str, argv: Sequence[str], grace_s: float, watch_preempt
 
 
 class ProgramBuilder:
-    """Every node's program for one launch of `config` on `cluster` (see the module docstring for
-    the sections and the extension points). Building it computes the nodes' environment, so bad
-    input (an unknown machine type, an --env the profile refuses) raises UserError here, before
-    any node is contacted and without rendering a program."""
+    """Every node's program for one launch of `config` on `cluster`, in the launch's rank order
+    (see the module docstring for the sections and the extension points). Without `env`, making
+    it computes the nodes' environment (launcher.core.env.launch_env), so bad input (an unknown
+    machine type, an image the profile does not know) raises UserError here, before any program
+    is rendered."""
 
-    def __init__(self, cluster: Cluster, config: LaunchConfig):
+    def __init__(self, cluster: Cluster, config: LaunchConfig, env: Mapping[str, str] | None = None):
         self.cluster, self.config = cluster, config
         self.torchrun = config.workload.kind == "torchrun"
-        # A plain command gets only the user's --env; the NCCL profile is for torchrun workloads.
-        self.env = node_env(cluster, config) if self.torchrun else {**job_env(config), **dict(config.env)}
+        # `env`: launch_env's, computed already (launcher.runner computes it before the order).
+        self.env = dict(env) if env is not None else launch_env(cluster, config)
+        # What every node's program reads on stdin first (its --env values), computed once here.
+        self.stdin = env_stdin(config)
+        size = len(self.stdin)
+        if size > ENV_BLOCK_MAX:
+            raise UserError(
+                f"the --env values come to {size} bytes; at most {ENV_BLOCK_MAX} travel to the nodes: "
+                "put large data in a file on the nodes and pass its path"
+            )
         self._prologue: list[tuple[str, tuple[str, ...]]] = []
         self._prepare: list[tuple[str, PrepareStep]] = []
         self._wrappers: list[tuple[str, RunWrapper]] = []
@@ -288,22 +303,19 @@ class ProgramBuilder:
             *(f"wrap:{n}" for n, _ in self._wrappers),
         ]
 
-    def for_cluster(self, cluster: Cluster) -> ProgramBuilder:
-        """The same builder (environment and steps) for `cluster`: the same nodes in the order the
-        launch settled on (launcher.cluster.ordering)."""
-        other = copy.copy(self)
-        other.cluster = cluster
-        other._prologue, other._prepare, other._wrappers = [*self._prologue], [*self._prepare], [*self._wrappers]
-        return other
-
     def program(self, node: Node) -> NodeProgram:
+        return self._program(node, self._rank_commands()[node.rank])
+
+    def _rank_commands(self) -> dict[int, list[str]]:
+        """Each node's rank command, unwrapped: torchrun's (launcher.core.torchrun), or the plain
+        command on every node."""
+        if self.torchrun:
+            return torchrun_argvs(self.cluster, self.config)
+        return {n.rank: list(self.config.workload.argv) for n in self.cluster.nodes}
+
+    def _program(self, node: Node, argv: list[str]) -> NodeProgram:
         config = self.config
         ctx = NodeContext(self.cluster, node, config, self.env, run_token(config.job_id, node.rank))
-        if self.torchrun:
-            nproc = nproc_for(node, self.cluster.gpus_per_node, config)
-            argv = torchrun_argv(self.cluster, node, config, nproc, config.workload.argv)
-        else:
-            argv = list(config.workload.argv)
         for _, wrapper in self._wrappers:
             argv = list(wrapper(ctx, argv))
         return NodeProgram(
@@ -322,7 +334,8 @@ class ProgramBuilder:
 
     def build(self) -> dict[int, str]:
         """Every node's program, rendered, by rank (what --dry-run prints)."""
-        return {node.rank: self.program(node).render() for node in self.cluster.nodes}
+        argvs = self._rank_commands()
+        return {node.rank: self._program(node, argvs[node.rank]).render() for node in self.cluster.nodes}
 
 
 def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
@@ -339,12 +352,13 @@ def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int
     }
 
 
-def probe_script(config: LaunchConfig, check_torch: bool, extra: Sequence[str] = ()) -> str:
-    """`launch hosts`' program: the check lines (and `extra` statements that print `key=value`
-    lines) and CHECKED_MARKER, then it waits for end of input, as a launch's node does before `go`."""
+def probe_script(python: str, workdir: str | None, check_torch: bool, extra: Sequence[str] = ()) -> str:
+    """`launch hosts`' program: the check lines (the torch version of `python` with `check_torch`,
+    whether `workdir` exists; and `extra` statements that print `key=value` lines) and
+    CHECKED_MARKER, then it waits for end of input, as a launch's node does before `go`."""
     return join(
         [
-            *_check_statements(config, facts=True, torch=check_torch),
+            *_check_statements(python, workdir, facts=True, torch=check_torch),
             *extra,
             f"echo {CHECKED_MARKER}",
             "IFS= read -r G",
@@ -366,7 +380,7 @@ def _resolve_iface(address: str, head_address: str) -> str:
     )
 
 
-def _check_statements(config: LaunchConfig, facts: bool, torch: bool) -> list[str]:
+def _check_statements(python: str, workdir: str | None, facts: bool, torch: bool) -> list[str]:
     """`key=value` lines about the node: hostname, clock and ready marker (`facts`), the torch
     version (`torch`), and whether --workdir exists."""
     s = []
@@ -379,11 +393,11 @@ def _check_statements(config: LaunchConfig, facts: bool, torch: bool) -> list[st
     if torch:
         # importlib.metadata reads the version without importing torch (seconds on a busy node).
         s.append(
-            f"echo torch=$({shlex.quote(config.python)} -c 'import importlib.metadata as m; "
+            f"echo torch=$({shlex.quote(python)} -c 'import importlib.metadata as m; "
             "print(m.version(\"torch\"))' 2>/dev/null || echo missing)"
         )
-    if config.workdir:
-        s.append(f"if [ -d {_workdir(config.workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
+    if workdir:
+        s.append(f"if [ -d {_workdir(workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
     return s
 
 
@@ -408,18 +422,34 @@ def _workdir(wd: str) -> str:
     return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
 
 
-def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str]) -> list[str]:
+def stdin_env(config: LaunchConfig) -> list[tuple[str, str]]:
+    """The user's --env values a node program reads from stdin, in the order it reads them (the
+    last value of a key given twice; a HOST_IFACE_ON_NODE value is resolved on the node instead)."""
+    return [(k, v) for k, v in dict(config.env).items() if v != HOST_IFACE_ON_NODE]
+
+
+def env_stdin(config: LaunchConfig) -> bytes:
+    """What the launcher writes to a node program's stdin first: its --env values
+    (launcher.core.wire.env_block). The check reads them; `go` comes after."""
+    return env_block(stdin_env(config))
+
+
+def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str], from_stdin: Sequence[str] = ()) -> list[str]:
     """`export` lines for `env`; PATH-like variables are prepended to the node's value, and a
-    HOST_IFACE_ON_NODE value is resolved on the node."""
+    HOST_IFACE_ON_NODE value is resolved on the node. The keys `from_stdin` (the user's --env,
+    `stdin_env`) are read from stdin, after the others, in that order: their values are not in
+    the program."""
     s = []
     unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
     for key, value in env.items():
-        if value == HOST_IFACE_ON_NODE:
+        if value == HOST_IFACE_ON_NODE or key in from_stdin:
             continue
         if key in PREPEND_PATH_VARS:
             s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
         else:
             s.append(f"export {key}={shlex.quote(value)}")
+    for key in from_stdin:
+        s += read_env_statements(key, prepend=key in PREPEND_PATH_VARS)
     if unresolved:
         s.append(_resolve_iface(node.address, cluster.nodes[0].address))
         s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")

@@ -40,9 +40,11 @@ class Report(NamedTuple):
 
 
 class NodeSession:
-    """One node's session: the process, its output, and what its check found."""
+    """One node's session: the process, its output, and what its check found. `stdin`: what the
+    program reads first (its --env values: launcher.core.program.env_stdin), written at once;
+    it fits a pipe's buffer (launcher.core.wire.ENV_BLOCK_MAX), so the write never waits."""
 
-    def __init__(self, node: Node, argv: list[str], reports: queue.Queue):
+    def __init__(self, node: Node, argv: list[str], reports: queue.Queue, stdin: bytes = b""):
         self.node = node
         self.facts: dict[str, str] = {}
         self.asked_at = time.time()  # with checked_at, the window for the clock-skew bound
@@ -69,6 +71,12 @@ class NodeSession:
             stderr=subprocess.PIPE,
             start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher, which stops in order
         )
+        if stdin:
+            try:
+                self.proc.stdin.write(stdin)
+                self.proc.stdin.flush()
+            except OSError:
+                pass  # the transport has gone already: its exit report says so
         self._readers = [
             threading.Thread(target=self._read, args=(self.proc.stdout, False, StreamSorter()), daemon=True),
             threading.Thread(target=self._read, args=(self.proc.stderr, True, StreamSorter()), daemon=True),

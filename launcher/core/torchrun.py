@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from launcher.core.types import Cluster, LaunchConfig, Node
 
-__all__ = ["join_timeout_s", "nproc_for", "torchrun_argv"]
+__all__ = ["join_timeout_s", "nproc_for", "torchrun_argv", "torchrun_argvs"]
 
 
 def join_timeout_s(nnodes: int) -> int:
@@ -73,3 +73,12 @@ def torchrun_argv(
         f"--max-restarts={config.max_restarts}",
         *workload_argv,
     ]
+
+
+def torchrun_argvs(cluster: Cluster, config: LaunchConfig) -> dict[int, list[str]]:
+    """Every node's torchrun command for `config.workload`, by rank."""
+    gpus = cluster.gpus_per_node
+    return {
+        n.rank: torchrun_argv(cluster, n, config, nproc_for(n, gpus, config), config.workload.argv)
+        for n in cluster.nodes
+    }

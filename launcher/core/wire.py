@@ -28,6 +28,9 @@ __all__ = [
     "rdzv_lock_path",
     "run_token",
     "join",
+    "ENV_BLOCK_MAX",
+    "env_block",
+    "read_env_statements",
 ]
 
 # The node's last line: `EXIT_MARKER <status>`; a lost connection prints none, which tells a
@@ -74,6 +77,37 @@ def grace_line(grace_s: float) -> bytes:
 def stop_ticks(grace_s: float) -> int:
     """The watchdog's ticks in a grace of `grace_s`."""
     return max(1, round(grace_s * 5))  # the watchdog looks every 0.2 s
+
+
+# What the --env values may come to on stdin: less than a pipe's buffer (64 KiB on Linux, pipe(7)),
+# so writing them never waits for the node to read.
+ENV_BLOCK_MAX = 32768
+
+
+def env_block(pairs: list[tuple[str, str]]) -> bytes:
+    """The user's --env values as the launcher writes them to a node's stdin before anything
+    else, one line per value in `pairs`' order (`read_env_statements` reads them): each backslash
+    doubled and each newline written as backslash-n, so a value is one line and bash's
+    `printf %b` gives it back byte for byte. Values never go on a command line, where `ps` on
+    every machine shows them for the whole job."""
+    return b"".join(
+        value.replace("\\", "\\\\").replace("\n", "\\n").encode("utf-8", "surrogateescape") + b"\n"
+        for _, value in pairs
+    )
+
+
+# The variable a value is read into first (the user's variable names are never this one).
+_READ_VAR = "_GPUFLEET_ENV_VALUE"
+
+
+def read_env_statements(key: str, prepend: bool = False) -> list[str]:
+    """Bash that reads one `env_block` line from stdin and exports it as `key` (prepended to the
+    node's value for a PATH-like `key`); end of input (the launcher gave up before sending it)
+    ends the program before anything ran. `key` is a checked variable name; the value is only
+    read (`read -r`) and decoded (`printf -v`), both builtins: no eval, no process, no argv."""
+    v = _READ_VAR
+    value = f"${v}${{{key}:+:${key}}}" if prepend else f"${v}"
+    return [f"IFS= read -r {v} || exit 0", f'printf -v {v} %b "${v}"', f'export {key}="{value}"', f"unset {v}"]
 
 
 def join(statements: list[str]) -> str:

@@ -26,18 +26,25 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TextIO
 
 from launcher.core.supervise import node_run_dir
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
+from launcher.jobs.owner import JobOwner
 from launcher.jobs.record import (
     CONTROLLER_SH,
+    SAMPLES_FILE,
     JobRecord,
     JobState,
     controller_alive,
     request_from_json,
 )
+
+if TYPE_CHECKING:  # imported where they run: the controller's start stays light
+    from launcher.core.launch import Launch, NodeEvent
+    from launcher.jobs.recovery import Recoverer, RecoverPolicy
 
 __all__ = ["adopt", "adopt_all", "current_run", "stop_script"]
 
@@ -68,7 +75,7 @@ def stop_script(job_id: str, attempt: int, rank: int, grace_s: float, ticks: int
     )
 
 
-def _stop_runs(launch: Any) -> None:
+def _stop_runs(launch: Launch) -> None:
     """Stop the run on every node that can be reached, in parallel (the unreachable ones stop
     themselves after --controller-grace)."""
     from launcher.core.wire import stop_ticks
@@ -93,7 +100,7 @@ def _stop_runs(launch: Any) -> None:
             p.kill()
 
 
-def _lost(launch: Any, why: str) -> LaunchResult:
+def _lost(launch: Launch, why: str) -> LaunchResult:
     """A re-adoption that failed, as the result of an attempt whose first bad node was lost."""
     rank = launch.first_bad()
     rank = rank if rank is not None else 0
@@ -102,7 +109,7 @@ def _lost(launch: Any, why: str) -> LaunchResult:
     return LaunchResult(launch.config.job_id, launch.config.run_dir, {rank: outcome}, first_failure=rank)
 
 
-def adopt(c: Any, previous: JobRecord, silent_s: float | None) -> int:
+def adopt(c: JobOwner, previous: JobRecord, silent_s: float | None) -> int:
     """Re-adopt the job whose record `previous` its dead controller left (launcher.jobs.controller
     calls this with itself as `c`); `silent_s`: how long ago that controller was last alive."""
     from launcher.core.launch import Interrupted, Launch, read_offsets
@@ -153,7 +160,9 @@ def adopt(c: Any, previous: JobRecord, silent_s: float | None) -> int:
     return _recoverer(c, cluster, config, policy, run_cluster).run(result)
 
 
-def _recoverer(c: Any, cluster: Cluster, config: LaunchConfig, policy: Any, run_cluster: Cluster) -> Any:
+def _recoverer(
+    c: JobOwner, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy, run_cluster: Cluster
+) -> Recoverer:
     """The Recoverer the dead controller had: on the nodes of the attempt that ran, with the
     reason a shrunk cluster gives the workload (launcher.jobs.recovery.Recoverer._shrink)."""
     from launcher.jobs.recovery import RESTART_REASON_VAR, Recoverer
@@ -166,18 +175,18 @@ def _recoverer(c: Any, cluster: Cluster, config: LaunchConfig, policy: Any, run_
     return rec
 
 
-def _sample(c: Any, cluster: Cluster, config: LaunchConfig) -> None:
+def _sample(c: JobOwner, cluster: Cluster, config: LaunchConfig) -> None:
     """The job's sampling (launcher.observe.job_metrics), as the first controller ran it."""
     from launcher.observe import job_metrics
 
     if c.metrics is None:
-        c.metrics = job_metrics.start(cluster, config, c.jobdir / job_metrics.RECORD)
+        c.metrics = job_metrics.start(cluster, config, c.jobdir / SAMPLES_FILE)
 
 
-def _on_event(c: Any, out: Any, cluster: Cluster, config: LaunchConfig) -> Any:
+def _on_event(c: JobOwner, out: TextIO, cluster: Cluster, config: LaunchConfig) -> Callable[[NodeEvent], None]:
     t0 = c.started_at
 
-    def on_event(event: Any) -> None:
+    def on_event(event: NodeEvent) -> None:
         c.on_event(out, event)
         last = c.record.adoptions[-1]
         if event.state is not None and event.state.value == "running" and last["attached_s"] is None:

@@ -42,6 +42,7 @@ from launcher.jobs.record import (
     CONTROLLER_PREFIX,
     HEARTBEAT_FILE,
     HEARTBEAT_S,
+    SAMPLES_FILE,
     STOP_GRACE_FILE,
     JobRecord,
     JobState,
@@ -66,10 +67,9 @@ class Controller:
         self.request = json.loads((jobdir / "request.json").read_text())
         env_file = jobdir / "env.json"
         self.env = json.loads(env_file.read_text()) if env_file.exists() else []
-        if self.request.get("recover") is None:
-            env_file.unlink(missing_ok=True)  # the --env values live only in this process from now on
-        # With --recover they stay (mode 600) until the job ends: a controller started again after
-        # this one died needs them to relaunch the job.
+        # The --env values (mode 600) stay on disk only while a controller started again after this
+        # one died could need them: until the nodes are told to go (note_run), or with --recover,
+        # which may relaunch the job, until it ends (end). They reach the nodes on stdin.
         self.stop = threading.Event()
         self.metrics = None  # the job's sampling (launcher.observe.job_metrics), while it runs
         self.preempted, self.last_step = False, None  # this attempt's, for launcher.jobs.recovery
@@ -150,7 +150,7 @@ class Controller:
         cluster, config = request_from_json(self.request, self.env, home, self.jobdir.parent)
         from launcher.observe import job_metrics
 
-        self.metrics = job_metrics.start(cluster, config, self.jobdir / job_metrics.RECORD)
+        self.metrics = job_metrics.start(cluster, config, self.jobdir / SAMPLES_FILE)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
             launch = Launch(cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop)
             self.launch = launch
@@ -185,6 +185,8 @@ class Controller:
         if self._run_noted is launch:
             return
         self._run_noted = launch
+        if self.request.get("recover") is None:  # no relaunch can come: the values live only here now
+            (self.jobdir / "env.json").unlink(missing_ok=True)
         cfg = launch.config
         self.record.run = {
             "attempt": cfg.attempt,

@@ -141,7 +141,7 @@ def _controller_python(host: ControllerHost, config: LaunchConfig, transport: Tr
 def _check(plan: LaunchPlan) -> dict[int, Probe]:
     """The plan's programs up to their gate (their prologue authorizes the cluster key), then
     every node sent home."""
-    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs))
+    probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs), plan.stdin)
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port
     for warning in check_probes(plan.cluster, probes, plan.config):
@@ -187,14 +187,15 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str, python: str
             'tar -x -z -f - -C "$S" || { echo "cannot unpack the job" >&2; rm -rf "$S"; exit 1; }',
             'cmp -s "$N/id_ed25519" "$K/id_ed25519" || mv -f "$N/id_ed25519" "$K/id_ed25519"',
             f'[ -d "$G/code/{code_hash}" ] || mv -T "$S/.gpufleet/code/{code_hash}" "$G/code/{code_hash}" 2>/dev/null',
-            f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || exit 1',
+            # A failed hand-off leaves no --env values behind (env.json).
+            f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || {{ rm -rf "$S"; exit 1; }}',
             'rm -rf "$S"',
             f'J="$G/jobs/"{job}',
             f'C=$(bash "$J/{CONTROLLER_SH}")',
             'i=0; while [ ! -f "$J/state.json" ] && kill -0 "$C" 2>/dev/null && [ $i -lt 1500 ]; do sleep 0.02; '
             "i=$((i+1)); done",
             f'if [ -f "$J/state.json" ]; then echo {STARTED_MARKER} {job}; else echo "the controller did not start:" '
-            '>&2; tail -n 5 "$J/controller.log" >&2; exit 1; fi',
+            '>&2; tail -n 5 "$J/controller.log" >&2; kill -0 "$C" 2>/dev/null || rm -f "$J/env.json"; exit 1; fi',
         ]
     )
 

@@ -5,8 +5,8 @@ tells a live job from one whose controller died.
 A job's directory on node 0 is `~/.gpufleet/jobs/<id>/`:
 
     request.json   what was asked: the cluster and the launch config, --env values left out
-    env.json       the --env values (mode 600); the controller reads and deletes it at start
-                   (with --recover: when the job ends, for a controller started again to relaunch)
+    env.json       the --env values (mode 600), deleted once the nodes run (they reach them on
+                   stdin); with --recover when the job ends, for a controller started again to relaunch
     state.json     the record: state, times, exit, the node that failed first and why
     output.log     every node's output as the attached launcher shows it: `[node N] line`; and
                    the controller's own lines, `[controller] TIME text` (CONTROLLER_PREFIX): each
@@ -67,6 +67,8 @@ __all__ = [
     "CONTROLLER_LOCK",
     "RESTARTED_MARKER",
     "restart_script",
+    "SAMPLES_FILE",
+    "samples_script",
 ]
 
 # Relative to the home directory of the account on node 0 (the nodes' $HOME, never the client's).
@@ -74,6 +76,8 @@ JOBS_DIR = ".gpufleet/jobs"
 # `launch stop --grace`: the stop's own SIGTERM-to-SIGKILL grace, in seconds, left in the job's
 # directory for its controller to read when the SIGTERM arrives.
 STOP_GRACE_FILE = "stop-grace"
+# The job's own `launch top --record` (launcher.observe.job_metrics), sampled by its controller.
+SAMPLES_FILE = "top.jsonl"
 # Touched by a live controller every HEARTBEAT_S: when a dead one was last alive (the start of
 # its nodes' --controller-grace, to a second or two).
 HEARTBEAT_FILE = "heartbeat"
@@ -372,3 +376,12 @@ def restart_script(job_ids: list[str]) -> str:
             "sleep 0.1; i=$((i+1)); done; fi"
         )
     return "; ".join(out) + "; exit 0"
+
+
+def samples_script(job_id: str) -> str:
+    """The node-0 program that prints a job's samples (SAMPLES_FILE; nothing when it has none
+    yet), or says on stderr that there is no such job (exit 3)."""
+    return (
+        f'D={_job_dir(job_id)}; [ -d "$D" ] || {{ echo "no job {job_id} on this node" >&2; exit 3; }}; '
+        f'[ -f "$D"/{SAMPLES_FILE} ] && cat "$D"/{SAMPLES_FILE}; exit 0'
+    )

@@ -18,10 +18,12 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.jobs.owner import JobOwner
 from launcher.jobs.record import JobState
 from launcher.jobs.restarts import (
     DEFAULT_NO_RESTART_EXIT_CODES,
@@ -31,12 +33,16 @@ from launcher.jobs.restarts import (
     worker_exit_codes,
 )
 
+if TYPE_CHECKING:  # imported where it runs: the controller's start stays light
+    from launcher.core.launch import Launch, NodeEvent
+
 __all__ = [
     "RecoverPolicy",
     "Recovery",
     "PREEMPTED_TEXT",
     "RESTART_REASON_VAR",
     "parse_duration",
+    "RecoverRequest",
     "recover_policy",
     "resume_argv",
     "step_of",
@@ -101,31 +107,46 @@ def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
-def recover_policy(
-    o: dict[str, Any], train_argv: tuple[str, ...], detach: bool, builtin: bool = True
-) -> RecoverPolicy | None:
-    """`--recover` and its settings from the CLI options, refused (one line, nothing started)
-    where there is nothing to resume from or no controller to do it. `builtin`: the built-in
-    workload (`launch train`), which needs --checkpoint-dir and is relaunched with --resume; a
-    user's own program resumes from its own checkpoint (launcher.jobs.restarts)."""
-    given = [
-        f
-        for f, k in (
-            ("--max-recoveries", "max_recoveries"),
-            ("--recover-timeout", "recover_timeout"),
-            ("--restart-stopped/--no-restart-stopped", "restart_stopped"),
-            ("--no-restart-exit-codes", "no_restart_exit_codes"),
-            ("--min-nodes", "min_nodes"),
+@dataclass(frozen=True)
+class RecoverRequest:
+    """What was asked about recovery, as given (None: not given); `recover_policy` checks it."""
+
+    recover: bool = False
+    max_recoveries: int | None = None
+    recover_timeout: str | None = None  # a duration: 90, 90s, 30m, 2h
+    restart_stopped: bool | None = None
+    no_restart_exit_codes: str | None = None  # comma-separated exit statuses
+    min_nodes: int | None = None
+    api_endpoint: str | None = None  # the Compute Engine API's, when not the default (tests)
+    max_restarts: int | None = None  # a user's own program's restarts (launch run/exec)
+
+    def given(self) -> list[str]:
+        """The recovery settings given, as their flags."""
+        flags = (
+            ("--max-recoveries", self.max_recoveries),
+            ("--recover-timeout", self.recover_timeout),
+            ("--restart-stopped/--no-restart-stopped", self.restart_stopped),
+            ("--no-restart-exit-codes", self.no_restart_exit_codes),
+            ("--min-nodes", self.min_nodes),
         )
-        if o.get(k) is not None
-    ]
-    if not o.get("recover"):
+        return [flag for flag, value in flags if value is not None]
+
+
+def recover_policy(
+    asked: RecoverRequest, train_argv: tuple[str, ...], detach: bool, builtin: bool = True
+) -> RecoverPolicy | None:
+    """`--recover` and its settings, refused (one line, nothing started) where there is nothing
+    to resume from or no controller to do it. `builtin`: the built-in workload (`launch train`),
+    which needs --checkpoint-dir and is relaunched with --resume; a user's own program resumes
+    from its own checkpoint (launcher.jobs.restarts)."""
+    given = asked.given()
+    if not asked.recover:
         if given:
             raise UserError(f"{given[0]} needs --recover; add --recover (with --detach) or drop {given[0]}")
         return None
     if not detach:
         raise UserError("--recover needs --detach: the job's controller recovers it; add --detach")
-    codes = o.get("no_restart_exit_codes")
+    codes = asked.no_restart_exit_codes
     no_restart = DEFAULT_NO_RESTART_EXIT_CODES if codes is None else parse_exit_codes(codes)
     if builtin and codes is not None:
         raise UserError(
@@ -137,20 +158,20 @@ def recover_policy(
             "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
             "otherwise); nothing was started. Add -- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K"
         )
-    n = o.get("max_recoveries")
+    n = asked.max_recoveries
     if n is not None and n < 1:
         raise UserError(f"--max-recoveries {n} must be at least 1")
-    m = o.get("min_nodes")
+    m = asked.min_nodes
     if m is not None and m < 1:
         raise UserError(f"--min-nodes {m} must be at least 1")
-    timeout = parse_duration(o["recover_timeout"]) if o.get("recover_timeout") is not None else 1800.0
-    restart = o.get("restart_stopped") is not False  # on by default with --recover
+    timeout = parse_duration(asked.recover_timeout) if asked.recover_timeout is not None else 1800.0
+    restart = asked.restart_stopped is not False  # on by default with --recover
     return RecoverPolicy(
         max_recoveries=3 if n is None else n,
         timeout_s=timeout,
         restart_stopped=restart,
-        api_endpoint=o.get("api_endpoint") if restart else None,
-        max_restarts=None if builtin else int(o.get("max_restarts") or 0),
+        api_endpoint=asked.api_endpoint if restart else None,
+        max_restarts=None if builtin else int(asked.max_restarts or 0),
         no_restart_exit_codes=no_restart,
         resume=builtin,
         min_nodes=m,
@@ -234,7 +255,7 @@ class Recoverer:
     the same one every launch runs; each relaunch attempt is one `Launch.run` whose check
     refuses (nothing started) while a node is not back."""
 
-    def __init__(self, controller: Any, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy):
+    def __init__(self, controller: JobOwner, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy):
         self.c = controller
         self.cluster = cluster
         self.policy = policy
@@ -358,7 +379,7 @@ class Recoverer:
             if self.c.stop.wait(0.5):  # a node still down refuses at once (or after ConnectTimeout)
                 return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
 
-    def _restart_stopped(self, launch: Any, rec: Recovery) -> None:
+    def _restart_stopped(self, launch: Launch, rec: Recovery) -> None:
         """Start the unreachable nodes' instances that Compute Engine stopped (once each per
         recovery), when the request knows where they are and --restart-stopped is on."""
         c = self.cluster
@@ -380,7 +401,7 @@ class Recoverer:
         for name, what in done.items():
             self.c.say(f"instance {name} {what} (--restart-stopped)")
 
-    def _shrink(self, launch: Any, rec: Recovery) -> bool:
+    def _shrink(self, launch: Launch, rec: Recovery) -> bool:
         """--min-nodes: leave out the nodes that are not back in time and go on with the others
         (renumbered in their order, node 0 of it the rendezvous master), when that leaves at least
         --min-nodes. The workload gets torchrun's new WORLD_SIZE and GPUFLEET_RESTART_REASON=shrunk;
@@ -412,7 +433,7 @@ class Recoverer:
         )
         return True
 
-    def _follow_moved(self, launch: Any) -> None:
+    def _follow_moved(self, launch: Launch) -> None:
         """Unreachable nodes whose instance is now at another address (a restart gave it a new
         one) are reached there, with the host keys the Compute Engine API publishes for it
         (launcher.cluster.host_keys); the request must know where they are, as for --restart-stopped."""
@@ -441,10 +462,10 @@ class Recoverer:
             self.c.record.nodes = [n.host for n in moved.nodes]
             self.c.save()
 
-    def _on_event(self, out: Any, t0: float) -> Any:
+    def _on_event(self, out: TextIO, t0: float) -> Callable[[NodeEvent], None]:
         started = []
 
-        def on_event(event: Any) -> None:  # a launcher.core.launch.NodeEvent
+        def on_event(event: NodeEvent) -> None:
             self.c.on_event(out, event)
             if event.state is not None and event.state.value == "running" and not started:
                 started.append(True)

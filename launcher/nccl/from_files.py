@@ -1,67 +1,39 @@
-"""`launch nccl-tests --from FILE`: the report of a sweep that already ran, read from its output.
+"""`launch nccl-tests --from FILE`'s library half: the report of a sweep that already ran, read
+from its output (the command's options and its display are launcher.cli.nccl_from).
 
 nccl-tests or gpufleet sweep output that exists already (a Slurm log, `kubectl logs`, a file a
 colleague pasted; `-` is stdin; repeatable) is read by `launcher.nccl.parse` and gets the report a
-live run gets: the table, rows.json / rows.csv / busbw.png in a new run directory under
---runs-dir, the expected-bandwidth lines with --machine-type and --nodes, --min-busbw, and exit 1
-naming every row with wrong results. Nothing runs and nothing is connected to.
+live run gets: the rows, rows.json / rows.csv / busbw.png in a new run directory under
+--runs-dir, the expected-bandwidth lines with --machine-type and --nodes, --min-busbw, and the
+lines naming every row with wrong results. Nothing runs and nothing is connected to.
 
-``--json`` prints every row as one JSON object per line on stdout (the keys of rows.json) and
-nothing else there; the rest of the report goes to stderr.
-
-Exit status: 0; 1 for wrong results or an average below --min-busbw; 2 for bad input (a missing
-or unreadable file, a file without rows, an option that does not apply), one line naming it.
+Bad input (a missing or unreadable file, a file without rows, a value that cannot be right) is
+one UserError naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import click
-from click.core import ParameterSource
-from rich.console import Console
-from rich.markup import escape
 
 from gpufleet.bandwidth import COLLECTIVES, avg_busbw
 from gpufleet.catalog import UnknownMachineType, lookup
 from gpufleet.contracts import SweepRow
-from launcher.cli.render import err
 from launcher.core.types import UserError, new_job_id
 from launcher.nccl import parse as nccl_parse
 from launcher.nccl.judge import expected_judgement, verdict
 from launcher.nccl.parse import ParsedTest
-from launcher.nccl.render import rich_table, write_results
+from launcher.nccl.render import write_results
 
-__all__ = ["FROM_OPTIONS", "FromRequest", "from_request", "report_from"]
-
-FROM_OPTIONS = [
-    click.option(
-        "--from",
-        "from_files",
-        multiple=True,
-        metavar="FILE",
-        help="Report on nccl-tests or sweep output that exists instead of running (repeatable; - for stdin).",
-    ),
-    click.option(
-        "--json",
-        "as_json",
-        is_flag=True,
-        help="With --from: each row as one JSON object per line on stdout, nothing else there.",
-    ),
-]
-
-# The options that mean something for results that exist; the others run or place a sweep.
-_APPLIES = frozenset({"from_files", "as_json", "machine_type", "nodes", "min_busbw", "runs_dir", "ops"})
+__all__ = ["FromRequest", "FromReport", "report_from"]
 
 
 @dataclass(frozen=True)
 class FromRequest:
-    """What `launch nccl-tests --from` was asked, checked (built by `from_request`)."""
+    """What `launch nccl-tests --from` was asked; checked when made (a UserError for a value that
+    cannot be right, before any file is read)."""
 
     files: tuple[str, ...]  # file names; "-" is stdin
     ops: str | None = None  # given on the command line: the collective the output is of
@@ -71,48 +43,40 @@ class FromRequest:
     runs_dir: Path = Path("runs")
     as_json: bool = False
 
-
-def _refuse_what_does_not_apply(ctx: click.Context) -> None:
-    for p in ctx.command.params:
-        if p.name in _APPLIES:
-            continue
-        if ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            flag = max(p.opts, key=len)
+    def __post_init__(self) -> None:
+        if self.files.count("-") > 1:
+            raise UserError("--from - is given twice; stdin can be read once")
+        if self.ops is not None and self.ops not in COLLECTIVES:
             raise UserError(
-                f"{flag} does not apply to --from, which reads results that exist and runs nothing: drop {flag}"
+                f"--ops {self.ops!r} with --from names the collective the output is of: one of {', '.join(COLLECTIVES)}"
             )
+        if self.machine_type:
+            try:
+                lookup(self.machine_type)
+            except UnknownMachineType as e:
+                raise UserError(str(e)) from None
+        if self.nnodes is not None and self.nnodes < 1:
+            raise UserError(f"--nodes {self.nnodes}: a run has 1 or more nodes")
 
 
-def from_request(o: dict[str, Any]) -> FromRequest:
-    """The command's options as a FromRequest; a UserError for an option that does not apply
-    or a value that cannot be right (before any file is read)."""
-    ctx = click.get_current_context()
-    _refuse_what_does_not_apply(ctx)
-    names: tuple[str, ...] = tuple(o["from_files"])
-    if names.count("-") > 1:
-        raise UserError("--from - is given twice; stdin can be read once")
-    ops = o.get("ops") if ctx.get_parameter_source("ops") == ParameterSource.COMMANDLINE else None
-    if ops is not None and ops not in COLLECTIVES:
-        raise UserError(
-            f"--ops {ops!r} with --from names the collective the output is of: one of {', '.join(COLLECTIVES)}"
-        )
-    mt = o.get("machine_type")
-    if mt:
-        try:
-            lookup(mt)
-        except UnknownMachineType as e:
-            raise UserError(str(e)) from None
-    if o.get("nodes") is not None and o["nodes"] < 1:
-        raise UserError(f"--nodes {o['nodes']}: a run has 1 or more nodes")
-    return FromRequest(
-        names,
-        ops,
-        mt or None,
-        o.get("nodes"),
-        o.get("min_busbw"),
-        Path(o.get("runs_dir") or "runs"),
-        bool(o.get("as_json")),
-    )
+@dataclass
+class FromReport:
+    """What the report says, in the order it is shown: a summary per table read, the rows (and
+    their average), a warning about the node count, where the rows were written, the lines naming
+    wrong results (or an average below --min-busbw), and the expected-bandwidth lines as
+    (style, line), the verdict last. `exit_code`: 1 when there are verdict lines, else 0."""
+
+    summaries: list[str]
+    rows: list[SweepRow]
+    avg_busbw: float
+    nodes_warning: str | None
+    paths: dict[str, Path]
+    verdict: list[str]
+    expected: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.verdict else 0
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -198,15 +162,14 @@ def _one(values: set[int]) -> int:
     return values.pop() if len(values) == 1 else 0
 
 
-def _node_count(request: FromRequest, tests: list[tuple[str, ParsedTest]]) -> int:
-    """--nodes, else the hosts every test's '# Rank' lines agree on, else 0 (unknown)."""
+def _node_count(request: FromRequest, tests: list[tuple[str, ParsedTest]]) -> tuple[int, str | None]:
+    """--nodes, else the hosts every test's '# Rank' lines agree on, else 0 (unknown); and a
+    warning when --nodes and the '# Rank' lines disagree."""
     hosts = _one({len(t.hosts) for _, t in tests if t.hosts})
+    warning = None
     if request.nnodes and hosts and hosts != request.nnodes:
-        err.print(
-            f"[yellow]--nodes {request.nnodes}, but the '# Rank' lines name {hosts} hosts; "
-            f"using --nodes {request.nnodes}[/yellow]"
-        )
-    return request.nnodes or hosts
+        warning = f"--nodes {request.nnodes}, but the '# Rank' lines name {hosts} hosts; using --nodes {request.nnodes}"
+    return request.nnodes or hosts, warning
 
 
 def _lacking(tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[str]:
@@ -221,45 +184,36 @@ def _lacking(tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[str]:
     return lacking
 
 
-def _print_expected(mt: str, tests: list[tuple[str, ParsedTest]], nnodes: int) -> None:
+def _expected(mt: str, tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[tuple[str, str]]:
     """As a live run: the expected-bandwidth report, its one-line verdict last."""
-    for line in _lacking(tests, nnodes):
-        err.print(f"[yellow]no expected bandwidth: {escape(line)}[/yellow]")
+    out = [("yellow", f"no expected bandwidth: {line}") for line in _lacking(tests, nnodes)]
     if not nnodes:
-        return
+        return out
     by_ranks: dict[int, list[SweepRow]] = {}
     for _, t in tests:
         if t.collective in COLLECTIVES and t.nranks:
             by_ranks.setdefault(t.nranks, []).extend(t.rows)
     for n, grp in by_ranks.items():
-        for style, line in expected_judgement(grp, mt, n, nnodes).styled():
-            err.print(f"[{style}]{escape(line)}[/{style}]")
+        out += expected_judgement(grp, mt, n, nnodes).styled()
+    return out
 
 
-def report_from(request: FromRequest, out: Console) -> int:
-    """Read every --from input, report on their rows, and return the exit status."""
+def report_from(request: FromRequest) -> FromReport:
+    """Read every --from input, write its rows into a new run directory, and say what they show."""
     tests = _read_tests(request)
     run_dir = _make_run_dir(request.runs_dir)
-    for label, t in tests:
-        err.print(f"[dim]{escape(_summary(label, t))}[/dim]")
     rows = [r for _, t in tests for r in t.rows]
-    if request.as_json:
-        out = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
-    out.print(rich_table(rows))
     nranks = _one({t.nranks for _, t in tests})
-    nnodes = _node_count(request, tests)
+    nnodes, warning = _node_count(request, tests)
     mt = request.machine_type
     complete = all(t.collective in COLLECTIVES and t.nranks for _, t in tests)
     plot_mt = mt if mt and nnodes and nranks and complete else None
-    paths = write_results(rows, run_dir, machine_type=plot_mt, nranks=nranks, nnodes=nnodes)
-    out.print(f"# Avg bus bandwidth    : {avg_busbw(rows):.4g} GB/s")
-    err.print(f"[dim]rows: {paths['json']}  {paths['csv']}  plot: {paths['png']}[/dim]")
-    if request.as_json:
-        for r in rows:
-            click.echo(json.dumps(dataclasses.asdict(r)))
-    lines = verdict([(f"{label}: ", t.rows) for label, t in tests], request.min_busbw)
-    for line in lines:
-        err.print(f"[red]{escape(line)}[/red]")
-    if mt:
-        _print_expected(mt, tests, nnodes)
-    return 1 if lines else 0
+    return FromReport(
+        summaries=[_summary(label, t) for label, t in tests],
+        rows=rows,
+        avg_busbw=avg_busbw(rows),
+        nodes_warning=warning,
+        paths=write_results(rows, run_dir, machine_type=plot_mt, nranks=nranks, nnodes=nnodes),
+        verdict=verdict([(f"{label}: ", t.rows) for label, t in tests], request.min_busbw),
+        expected=_expected(mt, tests, nnodes) if mt else [],
+    )

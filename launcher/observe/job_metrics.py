@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 from pathlib import Path
 
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig
-from launcher.jobs.record import JOBS_DIR, check_job_id
 from launcher.observe.top import Recorder, TopSampler, role_plan
 
-__all__ = ["RECORD", "INTERVAL_S", "INTERVAL_ENV", "JobMetrics", "interval", "start", "record_script"]
+__all__ = ["INTERVAL_S", "INTERVAL_ENV", "JobMetrics", "interval", "start"]
 
 log = logging.getLogger("launcher")
 
 # The samples' file in the job's directory on node 0.
-RECORD = "top.jsonl"
 # Issue 15: "the controller samples every 10 s into the job record".
 INTERVAL_S = 10.0
 INTERVAL_ENV = "GPUFLEET_JOB_TOP_INTERVAL"
@@ -107,13 +104,3 @@ def start(cluster: Cluster, config: LaunchConfig, path: Path, interval_s: float 
         return JobMetrics(None, None)
     log.info("sampling %d nodes every %g s into %s", len(cluster.nodes), iv, path)
     return JobMetrics(sampler, recorder)
-
-
-def record_script(job_id: str) -> str:
-    """The node-0 program that prints a job's samples (nothing when it has none yet), or says on
-    stderr that there is no such job (exit 3)."""
-    d = f'"$HOME"/{JOBS_DIR}/{shlex.quote(check_job_id(job_id))}'
-    return (
-        f'D={d}; [ -d "$D" ] || {{ echo "no job {job_id} on this node" >&2; exit 3; }}; '
-        f'[ -f "$D"/{RECORD} ] && cat "$D"/{RECORD}; exit 0'
-    )

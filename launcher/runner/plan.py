@@ -5,8 +5,8 @@ program, rendered once by launcher.core.program's builder, with the transport th
     plan_detached(cluster, config)   ──> LaunchPlan ──> launcher.jobs.handoff.detach
                                          LaunchPlan.dry_run()                     (--dry-run)
 
-Bad input (an unknown machine type, an --env the profile refuses) is refused when the builder is
-made, before the order is decided, so before any node is contacted. Deciding the order may ask
+Bad input (an unknown machine type, an image the profile does not know) is refused when the
+nodes' environment is computed, before the order is decided, so before any node is contacted. Deciding the order may ask
 the nodes where they sit (launcher.cluster.ordering), except on a dry run."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 
 from launcher.cluster.key import authorize_statements, ensure_key
 from launcher.cluster.ordering import order_for_launch
-from launcher.core.program import ProgramBuilder
+from launcher.core.env import launch_env
+from launcher.core.program import ProgramBuilder, stdin_env
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
@@ -38,15 +39,27 @@ class LaunchPlan:
     transport: Transport
     steps: tuple[str, ...] = ()
     key: Path | None = field(default=None)
+    # What each program reads on stdin before its check: the --env values (never in `programs`).
+    stdin: bytes = b""
 
     def dry_run(self) -> list[str]:
         """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""
         return [f"{n.host}\t{self.transport.display(n, self.programs[n.rank])}" for n in self.cluster.nodes]
 
+    def stdin_note(self) -> str:
+        """What --dry-run says (on stderr) each node reads on stdin before its check: the --env
+        values, by name only (launcher.core.program.env_stdin); empty without --env."""
+        keys = [k for k, _ in stdin_env(self.config)]
+        if not keys:
+            return ""
+        return "each node reads on stdin, not on its command line: " + " ".join(
+            f"{k}=<from --env, hidden>" for k in keys
+        )
+
 
 def plan(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:
     """The plan of an attached launch of `config` on `cluster`."""
-    return _plan(cluster, config, ProgramBuilder(cluster, config))
+    return _plan(cluster, config)
 
 
 def plan_detached(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:
@@ -58,19 +71,18 @@ def plan_detached(cluster: Cluster, config: LaunchConfig) -> LaunchPlan:
         raise UserError("--detach needs SSH nodes (its controller runs on node 0); --local runs here: drop --detach")
     if config.dry_run:
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
-    builder = ProgramBuilder(cluster, config)
-    key = ensure_key(cluster)
-    public = key.with_name("id_ed25519.pub").read_text()
-    return _plan(cluster, config, builder, key=key, public_key=public)
+    return _plan(cluster, config, detached=True)
 
 
-def _plan(
-    cluster: Cluster, config: LaunchConfig, builder: ProgramBuilder, key: Path | None = None, public_key: str = ""
-) -> LaunchPlan:
+def _plan(cluster: Cluster, config: LaunchConfig, detached: bool = False) -> LaunchPlan:
+    # The environment first: bad input is refused before the order asks any node.
+    env = launch_env(cluster, config)
+    key = ensure_key(cluster) if detached else None
     order = order_for_launch(cluster, config)
-    builder = builder.for_cluster(order.cluster)
-    if public_key:  # from the nodes' and the controller's addresses, which the order keeps
-        builder.add_prologue("authorize the cluster key", authorize_statements(public_key, order.cluster))
+    builder = ProgramBuilder(order.cluster, config, env)
+    if key is not None:  # from the nodes' and the controller's addresses
+        public = key.with_name("id_ed25519.pub").read_text()
+        builder.add_prologue("authorize the cluster key", authorize_statements(public, order.cluster))
     return LaunchPlan(
         cluster=order.cluster,
         config=config,
@@ -79,4 +91,5 @@ def _plan(
         transport=make_transport(order.cluster, config.ssh, config.dry_run),
         steps=tuple(builder.steps()),
         key=key,
+        stdin=builder.stdin,
     )

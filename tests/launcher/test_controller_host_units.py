@@ -89,15 +89,15 @@ def test_the_cluster_key_is_authorized_from_the_controller_host_too():
 
 
 def test_min_nodes_needs_recover_and_at_least_one_node():
-    from launcher.jobs.recovery import recover_policy
+    from launcher.jobs.recovery import RecoverRequest, recover_policy
 
     argv = ("--checkpoint-dir", "d")
     with pytest.raises(UserError, match="^--min-nodes needs --recover"):
-        recover_policy({"min_nodes": 2}, argv, detach=True)
+        recover_policy(RecoverRequest(min_nodes=2), argv, detach=True)
     with pytest.raises(UserError, match="^--min-nodes 0 must be at least 1"):
-        recover_policy({"recover": True, "min_nodes": 0}, argv, detach=True)
-    assert recover_policy({"recover": True, "min_nodes": 2}, argv, detach=True).min_nodes == 2
-    assert recover_policy({"recover": True}, argv, detach=True).min_nodes is None
+        recover_policy(RecoverRequest(recover=True, min_nodes=0), argv, detach=True)
+    assert recover_policy(RecoverRequest(recover=True, min_nodes=2), argv, detach=True).min_nodes == 2
+    assert recover_policy(RecoverRequest(recover=True), argv, detach=True).min_nodes is None
 
 
 def test_a_shrinking_recovery_says_how_many_nodes_it_went_on_with():

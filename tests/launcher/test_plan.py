@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from launcher.core.program import ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.runner import plan, plan_detached
 from tests.launcher.test_jobs_cluster import cluster as detached_cluster
-from tests.support import source_args
+from tests.support import source_args, torch_args
 
 # TEST-NET-1 (RFC 5737): nothing answers there; a dry run never tries.
 HOSTS = ["192.0.2.10", "192.0.2.11", "192.0.2.12"]
@@ -119,3 +120,54 @@ def test_a_detached_launch_renders_each_node_program_once_on_the_launching_machi
     # The check's programs, with the key authorization as their prologue; the controller renders
     # its own on node 0 (another process) from the same request.
     assert render_count[0] == 2
+
+
+def _config_walk(invoke) -> list[str]:
+    """The launcher modules a detached launch's config walks through, in order: every call into a
+    launcher module whose arguments hold the LaunchConfig (or a plan, or a `self` holding one),
+    from the first call that gets the detached config (controller_grace_s set); the config's own
+    methods (a property read) left out; consecutive calls in one module are one stop."""
+    launcher_dir = str(Path(program.__file__).resolve().parents[1])
+    stops: list[str] = []
+    started = False
+
+    def holds(v) -> LaunchConfig | None:
+        if isinstance(v, LaunchConfig):
+            return v
+        cfg = getattr(v, "config", None)
+        return cfg if isinstance(cfg, LaunchConfig) else None
+
+    def profile(frame, event, arg) -> None:
+        nonlocal started
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(launcher_dir):
+            return
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if names[:1] == ("self",) and isinstance(frame.f_locals.get("self"), LaunchConfig):
+            return
+        held = [c for c in (holds(frame.f_locals.get(n)) for n in names) if c is not None]
+        if not held or not (started or any(c.controller_grace_s is not None for c in held)):
+            return
+        started = True
+        module = Path(code.co_filename).relative_to(Path(launcher_dir).parent).with_suffix("").as_posix()
+        if not stops or stops[-1] != module:
+            stops.append(module)
+
+    sys.setprofile(profile)
+    try:
+        invoke()
+    finally:
+        sys.setprofile(None)
+    return stops
+
+
+@pytest.mark.cluster
+def test_a_detached_launchs_config_enters_each_module_at_most_twice(sim_cluster, tmp_path):
+    c = detached_cluster(sim_cluster, tmp_path, 2)
+    args = ["train", *source_args(c, tmp_path), *torch_args(), "--detach", "--", "--steps", "1"]
+    result = []
+    walk = _config_walk(lambda: result.append(CliRunner().invoke(main, args)))
+    assert result[0].exit_code == 0, result[0].output
+    entered = {m: walk.count(m) for m in walk}
+    assert {"launcher/runner/plan", "launcher/core/program", "launcher/jobs/handoff"} <= entered.keys(), walk
+    assert max(entered.values()) <= 2, " -> ".join(walk)

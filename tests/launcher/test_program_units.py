@@ -13,7 +13,7 @@ import pytest
 
 from launcher.core.program import NodeContext, ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
-from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, read_env_statements
 
 LOCAL = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),), local=True)
 
@@ -113,7 +113,8 @@ def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_
     sections = builder.program(LOCAL.nodes[0]).sections()
     assert [name for name, _ in sections] == ["prologue", "environment", "checks", "gate", "prepare", "run"]
     named = dict(sections)
-    assert named["prologue"] == ["echo first"] and "export A=1" in named["environment"]
+    # The user's --env is read from stdin (its value is on no command line).
+    assert named["prologue"] == ["echo first"] and read_env_statements("A")[0] in named["environment"]
     # --workdir's cd is the first prepare step; the added step follows it.
     assert named["prepare"][0].startswith("cd ") and named["prepare"][1] == "echo mine"
 
@@ -124,10 +125,10 @@ def test_bad_input_is_refused_when_the_builder_is_made(tmp_path):
         ProgramBuilder(cluster, _config(tmp_path, workload=Workload("torchrun", ("t.py",))))
 
 
-def test_for_cluster_keeps_the_steps_and_renumbers_the_nodes(tmp_path):
-    two = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"), Node(1, "10.0.0.3", "10.0.0.3")))
-    swapped = Cluster("c", (Node(0, "10.0.0.3", "10.0.0.3"), Node(1, "10.0.0.2", "10.0.0.2")))
-    builder = ProgramBuilder(two, _config(tmp_path)).add_prepare("mark", lambda ctx: [f"echo at {ctx.node.address}"])
-    programs = builder.for_cluster(swapped).build()
-    assert "echo at 10.0.0.3" in programs[0] and "echo at 10.0.0.2" in programs[1]
-    assert builder.steps() == ["prepare:mark"]
+def test_an_environment_given_is_the_one_exported(tmp_path):
+    config = _config(tmp_path, env=(("A", "from-config"),))
+    program = ProgramBuilder(LOCAL, config, env={"B": "given"}).program(LOCAL.nodes[0])
+    environment = dict(program.sections())["environment"]
+    # The given environment is exported as is; the config's own --env value (A) is read from
+    # stdin after it, so it is never in the program's text.
+    assert environment[0] == "export B=given" and "from-config" not in "\n".join(environment)

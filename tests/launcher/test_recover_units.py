@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from launcher.core.types import LaunchResult, Node, NodeOutcome, UserError
-from launcher.jobs.recovery import RecoverPolicy, failure_of, parse_duration, recover_policy, resume_argv, step_of
+from launcher.jobs.recovery import (
+    RecoverPolicy,
+    RecoverRequest,
+    failure_of,
+    parse_duration,
+    recover_policy,
+    resume_argv,
+    step_of,
+)
 
 TRAIN_ARGV = ("-m", "workloads.train", "--steps", "10", "--checkpoint-dir", "/ckpt")
 
@@ -22,15 +30,15 @@ def test_durations_read_seconds_minutes_and_hours_and_a_bad_one_names_the_flag()
 
 
 def test_recover_policy_defaults_and_settings():
-    assert recover_policy({}, TRAIN_ARGV, detach=True) is None
-    assert recover_policy({"recover": True}, TRAIN_ARGV, detach=True) == RecoverPolicy(3, 1800.0)
-    got = recover_policy({"recover": True, "max_recoveries": 1, "recover_timeout": "20s"}, TRAIN_ARGV, True)
+    assert recover_policy(RecoverRequest(), TRAIN_ARGV, detach=True) is None
+    assert recover_policy(RecoverRequest(recover=True), TRAIN_ARGV, detach=True) == RecoverPolicy(3, 1800.0)
+    got = recover_policy(RecoverRequest(recover=True, max_recoveries=1, recover_timeout="20s"), TRAIN_ARGV, True)
     assert got == RecoverPolicy(1, 20.0)
-    assert recover_policy({"recover": True}, ("-m", "workloads.train", "--checkpoint-dir=gs://b/r"), True)
+    assert recover_policy(RecoverRequest(recover=True), ("-m", "workloads.train", "--checkpoint-dir=gs://b/r"), True)
     # --restart-stopped is on by default with --recover; the API endpoint (tests) travels with it.
-    on = recover_policy({"recover": True, "api_endpoint": "http://127.0.0.1:1"}, TRAIN_ARGV, True)
+    on = recover_policy(RecoverRequest(recover=True, api_endpoint="http://127.0.0.1:1"), TRAIN_ARGV, True)
     assert on.restart_stopped and on.api_endpoint == "http://127.0.0.1:1"
-    off = recover_policy({"recover": True, "restart_stopped": False, "api_endpoint": "http://x"}, TRAIN_ARGV, True)
+    off = recover_policy(RecoverRequest(recover=True, restart_stopped=False, api_endpoint="http://x"), TRAIN_ARGV, True)
     assert not off.restart_stopped and off.api_endpoint is None
 
 
@@ -47,7 +55,7 @@ def test_recover_policy_defaults_and_settings():
 )
 def test_recover_without_what_it_needs_is_one_line_naming_it(o, argv, detach, words):
     with pytest.raises(UserError) as e:
-        recover_policy(o, argv, detach)
+        recover_policy(RecoverRequest(**o), argv, detach)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 

@@ -29,7 +29,7 @@ from launcher.core.types import (
 )
 from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, grace_line
 from launcher.jobs.record import STOP_GRACE_FILE, process_start, stop_script
-from launcher.jobs.recovery import RecoverPolicy, failure_of, recover_policy
+from launcher.jobs.recovery import RecoverPolicy, RecoverRequest, failure_of, recover_policy
 from launcher.jobs.restarts import (
     parse_exit_codes,
     program_error_line,
@@ -63,18 +63,18 @@ def test_exit_codes_read_a_comma_list_and_a_bad_one_names_itself_and_the_range()
 
 
 def test_recover_for_an_own_program_needs_no_checkpoint_dir_and_takes_max_restarts():
-    got = recover_policy({"recover": True, "max_restarts": 2}, OWN, detach=True, builtin=False)
+    got = recover_policy(RecoverRequest(recover=True, max_restarts=2), OWN, detach=True, builtin=False)
     assert got.max_restarts == 2 and got.no_restart_exit_codes == (2,) and not got.resume
     assert got.max_recoveries == 3
-    codes = recover_policy({"recover": True, "no_restart_exit_codes": "3,4"}, OWN, True, builtin=False)
+    codes = recover_policy(RecoverRequest(recover=True, no_restart_exit_codes="3,4"), OWN, True, builtin=False)
     assert codes.max_restarts == 0 and codes.no_restart_exit_codes == (3, 4)
     # The built-in workload keeps its policy: every recovery in --max-recoveries, with --resume.
-    train = recover_policy({"recover": True, "max_restarts": 2}, ("--checkpoint-dir", "/c"), True, builtin=True)
+    train = recover_policy(RecoverRequest(recover=True, max_restarts=2), ("--checkpoint-dir", "/c"), True, builtin=True)
     assert train.max_restarts is None and train.resume
     with pytest.raises(UserError, match="--no-restart-exit-codes is for your own program"):
-        recover_policy({"recover": True, "no_restart_exit_codes": "3"}, ("--checkpoint-dir", "/c"), True, True)
+        recover_policy(RecoverRequest(recover=True, no_restart_exit_codes="3"), ("--checkpoint-dir", "/c"), True, True)
     with pytest.raises(UserError, match="--no-restart-exit-codes needs --recover"):
-        recover_policy({"no_restart_exit_codes": "3"}, OWN, True, builtin=False)
+        recover_policy(RecoverRequest(no_restart_exit_codes="3"), OWN, True, builtin=False)
 
 
 @pytest.fixture
@@ -141,7 +141,9 @@ def test_every_rank_gets_the_job_id_the_attempt_and_from_attempt_1_the_reason():
     plain = _cfg(workload=Workload("exec", ("true",)), attempt=1, restart_reason="hang", env=(("X", "1"),))
     script = node_commands(_cluster(), plain)[0]
     assert "export GPUFLEET_ATTEMPT=1;" in script and "export GPUFLEET_RESTART_REASON=hang;" in script
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script and "export X=1" in script
+    # (--env's value comes on stdin: the program reads X, after the contract's variables.)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script and 'export X="$_GPUFLEET_ENV_VALUE"' in script
+    assert script.index("export X=") > script.index("export GPUFLEET_RESTART_REASON=")
 
 
 # ---- why an attempt ended, and whether another is allowed ------------------------------------

@@ -29,8 +29,9 @@ SPLIT = [
     "core.ssh",
     "core.torchrun",
     "core.stop",
+    "runner.plan",
 ]
-COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "nccl.from_files"]
+COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "cli.nccl_from", "nccl.from_files"]
 # The collective sweep's report, split by job: parse, judge, render and store, find a
 # bad node, the mpirun command; nccl.report gathers their public names.
 REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]

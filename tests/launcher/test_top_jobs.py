@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from launcher.cli.cmd_top import top
 from launcher.cluster.discovery import local_cluster
 from launcher.core.types import LaunchConfig, Workload
+from launcher.jobs.record import samples_script
 from launcher.observe import job_metrics
 from launcher.observe.top import SCHEMA
 from tests.launcher.test_jobs_cluster import cluster, job, launch
@@ -58,11 +59,11 @@ def test_the_job_interval_is_10_s_unless_node_0_says_otherwise():
 
 
 def test_record_script_quotes_the_job_and_refuses_what_is_not_a_job_id():
-    script = job_metrics.record_script(JOB)
+    script = samples_script(JOB)
     assert f'"$HOME"/.gpufleet/jobs/{JOB}' in script and "top.jsonl" in script
     assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
     with pytest.raises(Exception, match="is not a job id"):
-        job_metrics.record_script("x; rm -rf ~")
+        samples_script("x; rm -rf ~")
 
 
 def test_job_sampling_writes_every_node_under_the_job_id_and_stop_leaves_no_session(tmp_path):

@@ -1,0 +1,95 @@
+"""The launcher's import contract, read from the source (every import, a function's lazy one too):
+its packages import one another without a cycle, and the terminal (click, rich) is cli/'s alone.
+An equivalent of import-linter's `independence`/`layers` contracts, without the dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
+
+# The one exception to "rich only in cli/": launcher.nccl's documented library API hands out the
+# sweep's table as a rich Table (`launcher.nccl.render.rich_table`, docs/reference/nccl-api.md).
+RICH_OUTSIDE_CLI = {"launcher.nccl.render"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(LAUNCHER.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package(module: str) -> str:
+    """launcher.core.launch -> "core"; a top-level module (launcher.doctor) is its own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out.update(a.name for a in n.names)
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            out.add(n.module)
+            out.update(f"{n.module}.{a.name}" for a in n.names)
+    return out
+
+
+MODULES = {_module(p): _imports(p) for p in LAUNCHER.rglob("*.py")}
+
+
+def _package_graph() -> dict[str, dict[str, str]]:
+    """package -> {package it imports: one module that does, for the message}."""
+    graph: dict[str, dict[str, str]] = {}
+    for module, imported in MODULES.items():
+        src = _package(module)
+        for name in imported:
+            parts = name.split(".")
+            if parts[0] != "launcher" or len(parts) < 2:
+                continue
+            dst = parts[1]
+            if dst != src and ((LAUNCHER / dst).is_dir() or (LAUNCHER / f"{dst}.py").exists()):
+                graph.setdefault(src, {}).setdefault(dst, module)
+    return graph
+
+
+def test_the_launcher_packages_import_one_another_without_a_cycle():
+    graph = _package_graph()
+
+    def visit(pkg: str, path: tuple[str, ...]) -> None:
+        for dep in sorted(graph.get(pkg, {})):
+            where = " -> ".join(f"{p} ({graph[p][q]})" for p, q in zip(path, (*path[1:], dep)))
+            assert dep not in path, f"import cycle between launcher's packages: {where}"
+            visit(dep, (*path, dep))
+
+    for pkg in graph:
+        visit(pkg, (pkg,))
+
+
+def test_only_cli_imports_click_and_rich():
+    bad = sorted(
+        f"{module} imports {name.split('.')[0]}"
+        for module, imported in MODULES.items()
+        for name in imported
+        if name.split(".")[0] in ("click", "rich")
+        and _package(module) != "cli"
+        and not (name.split(".")[0] == "rich" and module in RICH_OUTSIDE_CLI)
+    )
+    assert not bad, bad
+
+
+def test_the_contract_sees_a_cycle_and_a_terminal_import_when_there_is_one(monkeypatch):
+    """The checks above fail on a layout with nccl importing cli's display and click,
+    and jobs and observe importing each other."""
+    monkeypatch.setitem(MODULES, "launcher.nccl.from_files", {"launcher.cli.render", "click", "rich.console"})
+    monkeypatch.setitem(MODULES, "launcher.observe.job_metrics", {"launcher.jobs.record"})
+    graph = _package_graph()
+    assert "cli" in graph["nccl"] and "nccl" in graph["cli"]
+    assert "jobs" in graph["observe"] and "observe" in graph["jobs"]
+    try:
+        test_only_cli_imports_click_and_rich()
+    except AssertionError as e:
+        assert "launcher.nccl.from_files imports click" in str(e)
+    else:
+        raise AssertionError("a library importing click passed the contract")

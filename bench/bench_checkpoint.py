@@ -61,7 +61,7 @@ def _free_port() -> int:
 def _full_state_save(trainer: Any, url: str, name: str) -> None:
     """The anchor: the previous release's Trainer.save and LocalStore/GCSStore.save, in one."""
     model_sd, optim_sd = get_state_dict(
-        trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        trainer.model, trainer.optimizers.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     rngs: list[Any] = [None] * trainer.world
     dist.all_gather_object(rngs, rng_state(trainer.device))
@@ -69,8 +69,8 @@ def _full_state_save(trainer: Any, url: str, name: str) -> None:
         state = {
             "model": model_sd,
             "optimizer": optim_sd,
-            "scheduler": trainer.scheduler.state_dict(),
-            "scaler": trainer.scaler.state_dict(),
+            "scheduler": trainer.optimizers.scheduler.state_dict(),
+            "scaler": trainer.optimizers.scaler.state_dict(),
             "step": trainer.step,
             "rng": rngs,
             "meta": trainer.checkpoint.meta,
@@ -151,7 +151,7 @@ def _worker(rank: int, world: int, port: int, model: str, url: str, repeats: int
             results[kind].append(time.perf_counter() - t0)
     if rank == 0:
         out.update({k: min(v) for k, v in results.items()})
-        out["params"] = trainer.n_params
+        out["params"] = trainer.built.n_params
         out["rounds"] = {k: v for k, v in results.items()}
     with contextlib.suppress(Exception):
         del trainer

@@ -51,7 +51,7 @@ def _worker(size: int, iters: int, repeats: int) -> None:
         for _ in range(repeats):
             rows, _ = run_sweep(cfg, device)
             sweep_bw.append(rows[-1].ip_busbw)
-            # The bare loop, timed as workloads.sweep._Bench.time_per_op does.
+            # The bare loop, timed as workloads.sweep.bench.Bench.time_per_op does.
             dist.all_reduce(buf)
             if cuda:
                 torch.cuda.synchronize()

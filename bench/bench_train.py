@@ -55,7 +55,7 @@ def trainer_tokens_per_s(model: str, steps: int, warmup: int = 3) -> float:
     with contextlib.redirect_stdout(io.StringIO()):  # its log lines are not the benchmark's output
         trainer = Trainer(cfg)
         trainer.fit()  # warm-up steps: allocator, autograd graph caches
-        cfg.steps = warmup + steps
+        cfg.training.steps = warmup + steps
         t0 = time.perf_counter()
         trainer.fit()
         return steps * MICRO * SEQ / (time.perf_counter() - t0)

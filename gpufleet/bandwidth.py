@@ -1,6 +1,6 @@
 """Bandwidth arithmetic of NVIDIA nccl-tests.
 
-Pure: no torch, no I/O. The sweep (`workloads/sweep.py`, on the nodes) and the report
+Pure: no torch, no I/O. The sweep (`workloads/sweep/`, on the nodes) and the report
 (`launcher/nccl/`, on the laptop) both compute with these functions, so a number printed
 on a node and a number recomputed from a parsed table can never disagree.
 

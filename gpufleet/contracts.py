@@ -173,6 +173,8 @@ class StackOutputs:
     machine_type: str | None = None
     controller: StackController | None = None
     """None when the stack has no controller VM (`controller` absent or null)."""
+    image: str | None = None
+    """The container image the nodes run by default (`image`, from gpufleet:containerImage); None: none."""
 
 
 def node_output(*, name: Any, index: int, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
@@ -320,7 +322,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
     nodes = [_stack_node(i, n) for i, n in enumerate(raw_nodes)]
     _check_indexes(nodes)
     controller = _stack_controller(doc.get("controller"), nodes)
-    top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType")}
+    top = {k: _optional_str(k, doc.get(k)) for k in ("cluster", "project", "zone", "machineType", "image")}
     return StackOutputs(
         nodes=tuple(sorted(nodes, key=lambda n: n.index)),
         cluster=top["cluster"],
@@ -328,12 +330,13 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         zone=top["zone"],
         machine_type=top["machineType"],
         controller=controller,
+        image=top["image"] or None,
     )
 
 
 # ---- the sweep's JSON line -----------------------------------------------------------------------
 
-# The sweep's machine-readable line (workloads/sweep.py writes it, the launcher's nccl-tests
+# The sweep's machine-readable line (workloads/sweep/ writes it, the launcher's nccl-tests
 # reader reads it). It starts with '#' so that anything reading the output as an nccl-tests
 # table skips it. The document: {"version", "nranks", "backend", "avg_busbw", "rows": [SweepRow
 # fields]}, plus "round" and "nodes" for one group of a --rounds plan (gpufleet.groups).
@@ -367,7 +370,7 @@ class SweepRow:
     error_column: bool = False
     iters: int | None = None
     """Timed calls behind each block's time: -n, or fewer where the sweep's --time-budget cut a
-    slow size short (workloads/sweep.py); None where the output does not say (nccl-tests)."""
+    slow size short (workloads/sweep/); None where the output does not say (nccl-tests)."""
 
     @property
     def best_busbw(self) -> float:

@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Callable, Iterable
 
 from gpufleet.catalog import UnknownMachineType, lookup
 from workloads.llama_sizes import LLAMA_SIZES, LlamaSize
 from workloads.parallel.dims import PP_SCHEDULES, LayoutError, ParallelDims
 
 __all__ = [
+    "SECTIONS",
+    "CheckpointConfig",
     "ConfigError",
+    "DDPConfig",
+    "LRSchedulerConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "PlanConfig",
+    "ProfilingConfig",
+    "TrainingConfig",
     "INIT_DEVICES",
     "ModelSize",
     "MODEL_SIZES",
@@ -77,71 +89,41 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# ---- the sections: each validates its own fields; the field names are the flags' -----------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(section: object, names: tuple[str, ...], ok: Callable[[Any], bool], words: str) -> None:
+    """ConfigError naming the first of `names` whose value fails `ok`: `--steps must be at least 1, got 0`."""
+    for name in names:
+        value = getattr(section, name)
+        if not ok(value):
+            raise ConfigError(f"{_flag(name)} {words}, got {value}")
+
+
+def _one_of(name: str, value: str, allowed: Iterable[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{_flag(name)} {value!r} is unknown; one of: {', '.join(allowed)}")
+
+
+def _at_least_1(section: object, *names: str) -> None:
+    _require(section, names, lambda v: v >= 1, "must be at least 1")
+
+
+def _not_negative(section: object, *names: str) -> None:
+    _require(section, names, lambda v: v >= 0, "must be 0 or more")
+
+
 @dataclass
-class TrainConfig:
-    """One training run. Batches are counted in sequences (samples), not tokens."""
+class ModelConfig:
+    """Which model, and how it is built and computed."""
 
     model: str = "tiny"
     """Named model size: a GPT size (MODEL_SIZES) or a Llama-3 size (llama3-debug, llama3-1b,
     llama3-8b, llama3-70b)."""
-    seq_len: int = 0
-    """Tokens per sample; 0 = the model's block size."""
-    steps: int = 100
-    """Optimizer steps to run in total (a resumed run counts the steps already done)."""
-    global_batch: int = 0
-    """Samples per optimizer step across all ranks (micro_batch x data-parallel ranks x
-    accumulation); 0 = micro_batch x data-parallel ranks (no accumulation), so the default runs at
-    any world size."""
-    micro_batch: int = 4
-    """Samples per rank per forward/backward."""
-    world_size: int = 1
-    """Ranks in the job; filled from torchrun's WORLD_SIZE, not a flag."""
-    lr: float = 6e-4
-    """Peak learning rate (before --scale-lr)."""
-    min_lr_ratio: float = 0.1
-    """The cosine schedule ends at lr x this."""
-    warmup_steps: int = 10
-    """Linear warmup steps before the cosine decay."""
-    lr_decay_steps: int = 0
-    """Step at which the cosine reaches its floor; 0 = --steps (nanoGPT's lr_decay_iters). Set it
-    to the full run's length when a run is split into parts (--steps 10, then --resume --steps 20)."""
-    scale_lr: bool = False
-    """Multiply the learning rate by the world size (Goyal et al. 2017, linear scaling rule)."""
-    weight_decay: float = 0.1
-    """AdamW weight decay, applied to 2-D weights only (nanoGPT)."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
-    seed: int = 1337
-    """Seeds the weights, the data order and every RNG; same seed, same run."""
-    data: str | None = None
-    """A uint16 token file (nanoGPT .bin); None = the synthetic learnable task."""
-    synthetic_samples: int = 1 << 16
-    """Samples in one epoch of the synthetic task."""
-    parallelism: str = "ddp"
-    """Shorthand for the data-parallel layout when neither --dp-replicate nor --dp-shard is
-    given: "ddp" replicates over the rest of the world, "fsdp" shards over it (fully_shard)."""
-    dp_replicate: int = 0
-    """Data-parallel replicas (all-reduce between them; HSDP with --dp-shard); 0 = from --parallelism."""
-    dp_shard: int = 0
-    """Data-parallel shards (FSDP2 fully_shard); -1 = the rest of the world; 0 = from --parallelism."""
-    tp: int = 1
-    """Tensor-parallel degree: each layer's matmuls split over this many ranks of one node."""
-    pp: int = 1
-    """Pipeline-parallel degree: the layers split into this many stages (torch.distributed.pipelining)."""
-    pp_schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or interleaved-1f1b (two stages per rank)."""
-    pp_microbatches: int = 0
-    """Microbatches a pipeline step splits each data-parallel rank's batch into; 0 = batch / --micro-batch."""
-    bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size (the DDP default)."""
-    gradient_as_bucket_view: bool = False
-    """DDP: gradients alias the all-reduce buckets (saves one copy of the gradients)."""
-    static_graph: bool = False
-    """DDP: the graph is the same every step (lets DDP skip unused-parameter search)."""
-    compression: str = "none"
-    """DDP gradient compression through torch's comm hooks: none, bf16, fp16, powersgd."""
-    powersgd_rank: int = 4
-    """PowerSGD matrix approximation rank."""
     precision: str = "auto"
     """bf16 (autocast), fp16 (autocast + GradScaler), fp32; auto = bf16 on GPU, fp32 on CPU."""
     activation_checkpointing: bool = False
@@ -157,6 +139,130 @@ class TrainConfig:
     whole model's fp32 weights on each of a node's ranks would take more than half the host's
     available memory; full otherwise. On CPU, meta-built shards come from each rank's own
     generator (DTensor has no RNG tracker there), so the initial weights depend on the layout."""
+
+    def __post_init__(self) -> None:
+        _one_of("model", self.model, MODELS)
+        size = MODELS[self.model]
+        if size.n_embd % size.n_head:
+            raise ConfigError(f"model {self.model}: n_embd {size.n_embd} % n_head {size.n_head} != 0")
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("init_device", self.init_device, INIT_DEVICES)
+
+
+@dataclass
+class TrainingConfig:
+    """How long, on what data, in what batches. Batches are counted in sequences (samples), not tokens."""
+
+    seq_len: int = 0
+    """Tokens per sample; 0 = the model's block size."""
+    steps: int = 100
+    """Optimizer steps to run in total (a resumed run counts the steps already done)."""
+    global_batch: int = 0
+    """Samples per optimizer step across all ranks (micro_batch x data-parallel ranks x
+    accumulation); 0 = micro_batch x data-parallel ranks (no accumulation), so the default runs at
+    any world size."""
+    micro_batch: int = 4
+    """Samples per rank per forward/backward."""
+    seed: int = 1337
+    """Seeds the weights, the data order and every RNG; same seed, same run."""
+    data: str | None = None
+    """A uint16 token file (nanoGPT .bin); None = the synthetic learnable task."""
+    synthetic_samples: int = 1 << 16
+    """Samples in one epoch of the synthetic task."""
+
+    def __post_init__(self) -> None:
+        _at_least_1(self, "steps", "micro_batch", "synthetic_samples")
+        _not_negative(self, "seq_len", "global_batch")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW (torchtitan's optimizer section)."""
+
+    lr: float = 6e-4
+    """Peak learning rate (before --scale-lr)."""
+    scale_lr: bool = False
+    """Multiply the learning rate by the world size (Goyal et al. 2017, linear scaling rule)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to 2-D weights only (nanoGPT)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _require(self, ("lr",), lambda v: v > 0, "must be positive")
+        _not_negative(self, "weight_decay", "grad_clip")
+
+
+@dataclass
+class LRSchedulerConfig:
+    """Linear warmup, then cosine decay to a floor (torchtitan's lr_scheduler section)."""
+
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr x this."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    lr_decay_steps: int = 0
+    """Step at which the cosine reaches its floor; 0 = --steps (nanoGPT's lr_decay_iters). Set it
+    to the full run's length when a run is split into parts (--steps 10, then --resume --steps 20)."""
+
+    def __post_init__(self) -> None:
+        _not_negative(self, "warmup_steps", "lr_decay_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class ParallelismConfig:
+    """The device mesh: data-parallel replicas and shards, tensor and pipeline parallelism."""
+
+    parallelism: str = "ddp"
+    """Shorthand for the data-parallel layout when neither --dp-replicate nor --dp-shard is
+    given: "ddp" replicates over the rest of the world, "fsdp" shards over it (fully_shard)."""
+    dp_replicate: int = 0
+    """Data-parallel replicas (all-reduce between them; HSDP with --dp-shard); 0 = from --parallelism."""
+    dp_shard: int = 0
+    """Data-parallel shards (FSDP2 fully_shard); -1 = the rest of the world; 0 = from --parallelism."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matmuls split over this many ranks of one node."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into this many stages (torch.distributed.pipelining)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved-1f1b (two stages per rank)."""
+    pp_microbatches: int = 0
+    """Microbatches a pipeline step splits each data-parallel rank's batch into; 0 = batch / --micro-batch."""
+
+    def __post_init__(self) -> None:
+        _at_least_1(self, "tp", "pp")
+        _not_negative(self, "dp_replicate", "pp_microbatches")
+        _one_of("parallelism", self.parallelism, PARALLELISMS)
+        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULE_NAMES)
+
+
+@dataclass
+class DDPConfig:
+    """DistributedDataParallel's knobs: buckets, graph, gradient compression (its comm hooks)."""
+
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size (the DDP default)."""
+    gradient_as_bucket_view: bool = False
+    """DDP: gradients alias the all-reduce buckets (saves one copy of the gradients)."""
+    static_graph: bool = False
+    """DDP: the graph is the same every step (lets DDP skip unused-parameter search)."""
+    compression: str = "none"
+    """DDP gradient compression through torch's comm hooks: none, bf16, fp16, powersgd."""
+    powersgd_rank: int = 4
+    """PowerSGD matrix approximation rank."""
+
+    def __post_init__(self) -> None:
+        _at_least_1(self, "powersgd_rank")
+        _require(self, ("bucket_cap_mb",), lambda v: v > 0, "must be positive")
+        _one_of("compression", self.compression, COMPRESSIONS)
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go, how often, and what a preemption leaves for the last one."""
+
     checkpoint_dir: str | None = None
     """Where checkpoints go: a local directory or gs://bucket/prefix; None = no checkpoints."""
     checkpoint_every: int = 0
@@ -175,19 +281,65 @@ class TrainConfig:
     so a torchrun restart with --max-restarts and a first launch use the same command)."""
     save_params: str | None = None
     """Rank 0 writes the final model parameters (a torch.save'd state_dict) to this path."""
+    budget_s: float = field(default=30.0, init=False, repr=False)
+    """--preemption-budget in seconds."""
+
+    def __post_init__(self) -> None:
+        _at_least_1(self, "keep_checkpoints")
+        _not_negative(self, "checkpoint_every")
+        self.budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if self.async_checkpoint and not self.checkpoint_every:
+            raise ConfigError(
+                "--async-checkpoint overlaps the periodic saves with training; it needs "
+                "--checkpoint-every K (the final and SIGTERM saves are always synchronous)"
+            )
+
+
+@dataclass
+class MetricsConfig:
+    """What rank 0 logs, and the straggler check."""
+
     log_every: int = 1
     """Log a line every K steps."""
     metrics_file: str | None = None
     """Also append each log line as JSON to this file (rank 0)."""
-    profile_steps: str | None = None
-    """"a:b": record a torch.profiler trace of steps a..b-1 for TensorBoard."""
-    profile_dir: str = "profile"
-    """Where the profiler trace goes."""
     straggler_every: int = 20
     """Every K steps the ranks share their forward-pass (compute) times, the part of a step that
     waits on no other rank under DDP; 0 disables the check."""
     straggler_threshold: float = 1.2
     """A rank whose forward time is above this x the median of all ranks' is named in a warning."""
+
+    def __post_init__(self) -> None:
+        _at_least_1(self, "log_every")
+        _not_negative(self, "straggler_every")
+        if self.straggler_threshold <= 1:
+            raise ConfigError(f"--straggler-threshold must be above 1, got {self.straggler_threshold}")
+
+
+@dataclass
+class ProfilingConfig:
+    """A torch.profiler trace of some steps."""
+
+    profile_steps: str | None = None
+    """"a:b": record a torch.profiler trace of steps a..b-1 for TensorBoard."""
+    profile_dir: str = "profile"
+    """Where the profiler trace goes."""
+    step_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    """--profile-steps as (a, b)."""
+
+    def __post_init__(self) -> None:
+        if self.profile_steps is not None:
+            self.step_range = _parse_range(self.profile_steps)
+
+
+@dataclass
+class PlanConfig:
+    """The memory plan (--plan) instead of a run."""
+
     plan: bool = False
     """Print the memory plan of this model and layout on --plan-nodes x --plan-machine-type (per-GPU
     parameters, gradients, optimizer state, activations; fits or not, and the smallest change
@@ -196,84 +348,105 @@ class TrainConfig:
     """--plan: the machine type whose GPUs (gpufleet.catalog) the plan is for."""
     plan_nodes: int = 1
     """--plan: how many nodes the plan is for."""
-    _profile_range: tuple[int, int] | None = field(default=None, init=False, repr=False)
-    _dims: ParallelDims | None = field(default=None, init=False, repr=False)
-    _budget_s: float = field(default=30.0, init=False, repr=False)
-    _batch_is_default: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ConfigError(f"--model {self.model!r} is unknown; one of: {', '.join(MODELS)}")
-        for name in (
-            "steps",
-            "micro_batch",
-            "world_size",
-            "log_every",
-            "synthetic_samples",
-            "keep_checkpoints",
-            "powersgd_rank",
-            "tp",
-            "pp",
-            "plan_nodes",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in (
-            "seq_len",
-            "global_batch",
-            "warmup_steps",
-            "lr_decay_steps",
-            "checkpoint_every",
-            "straggler_every",
-            "dp_replicate",
-            "pp_microbatches",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
-        for name, value in (("lr", self.lr), ("bucket-cap-mb", self.bucket_cap_mb)):
-            if not value > 0:
-                raise ConfigError(f"--{name} must be positive, got {value}")
-        for name, value in (("weight-decay", self.weight_decay), ("grad-clip", self.grad_clip)):
-            if value < 0:
-                raise ConfigError(f"--{name} must be 0 or more, got {value}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.straggler_threshold <= 1:
-            raise ConfigError(f"--straggler-threshold must be above 1, got {self.straggler_threshold}")
-        for name, value, allowed in (
-            ("precision", self.precision, PRECISIONS),
-            ("parallelism", self.parallelism, PARALLELISMS),
-            ("compression", self.compression, COMPRESSIONS),
-            ("pp-schedule", self.pp_schedule, PP_SCHEDULE_NAMES),
-            ("init-device", self.init_device, INIT_DEVICES),
-        ):
-            if value not in allowed:
-                raise ConfigError(f"--{name} {value!r} is unknown; one of: {', '.join(allowed)}")
-        if self.profile_steps is not None:
-            self._profile_range = _parse_range(self.profile_steps)
-        self._budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
-        self._resolve_layout()
-        if self.global_batch == 0:
-            self.global_batch = self.micro_batch * self.dp_size
+        _at_least_1(self, "plan_nodes")
+
+
+# TrainConfig's sections, in the order --help lists them (torchtitan's JobConfig groups its
+# fields the same way: model, training, optimizer, lr_scheduler, parallelism, checkpoint, ...).
+SECTIONS: dict[str, type] = {
+    "model_spec": ModelConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "lr_scheduler": LRSchedulerConfig,
+    "layout": ParallelismConfig,
+    "ddp": DDPConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "profiling": ProfilingConfig,
+    "planning": PlanConfig,
+}
+
+
+def flag_fields(section: type) -> list[Field]:
+    """A section's fields that are flags (not the values derived from them)."""
+    return [f for f in fields(section) if f.init]
+
+
+# Each flag's section, by field name (one name space: a flag names its field).
+_SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in flag_fields(section)}
+
+
+class TrainConfig:
+    """One training run, in sections (SECTIONS). Built from the flags' names, as the command line
+    gives them (`TrainConfig(steps=10, tp=2, world_size=4)`; a name no section has is a
+    TypeError, as for a dataclass), and read by section (`cfg.optimizer.lr`) or by the flag's
+    name (`cfg.lr`). Each section checks its own fields; the rules that tie fields of several
+    sections together are `_check_cross_field`, each with its arithmetic in the message."""
+
+    model_spec: ModelConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    lr_scheduler: LRSchedulerConfig
+    layout: ParallelismConfig
+    ddp: DDPConfig
+    checkpoint: CheckpointConfig
+    metrics: MetricsConfig
+    profiling: ProfilingConfig
+    planning: PlanConfig
+
+    def __init__(self, world_size: int = 1, **flags: Any) -> None:
+        unknown = sorted(set(flags) - set(_SECTION_OF))
+        if unknown:
+            raise TypeError(f"TrainConfig.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        for name, section in SECTIONS.items():
+            mine = {f.name: flags[f.name] for f in flag_fields(section) if f.name in flags}
+            setattr(self, name, section(**mine))
+        self.world_size = world_size  # the ranks in the job: torchrun's WORLD_SIZE, not a flag
+        _at_least_1(self, "world_size")
+        self._batch_is_default = False
+        self._dims = self._resolve_layout()
+        if self.training.global_batch == 0:
+            self.training.global_batch = self.training.micro_batch * self.dp_size
             self._batch_is_default = True
         self._check_cross_field()
 
-    def _resolve_layout(self) -> None:
+    def __getattr__(self, name: str) -> Any:
+        """A flag's value by its name, from its section (called only for names not found on self)."""
+        section = _SECTION_OF.get(name)
+        if section is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(getattr(self, section), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        section = _SECTION_OF.get(name)
+        if section is None:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(getattr(self, section), name, value)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{name}={getattr(self, name)!r}" for name in SECTIONS)
+        return f"TrainConfig({parts}, world_size={self.world_size})"
+
+    def _resolve_layout(self) -> ParallelDims:
         """The mesh (--dp-replicate/--dp-shard/--tp/--pp, or the --parallelism shorthand) against
         the world size and the model: everything else, the default global batch included, uses it."""
-        size = self.size
+        size, p = self.size, self.layout
         try:
             dims = ParallelDims.resolve(
-                self.world_size, self.parallelism, self.dp_replicate, self.dp_shard, self.tp, self.pp, self.pp_schedule
+                self.world_size, p.parallelism, p.dp_replicate, p.dp_shard, p.tp, p.pp, p.pp_schedule
             )
             kv_heads = size.n_kv_heads if isinstance(size, LlamaSize) else None
             dims.check_model(self.model, size.n_layer, size.n_head, kv_heads)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
-        self._dims = dims
+        return dims
 
     def _check_cross_field(self) -> None:
-        """Rules that tie several fields together, each with its arithmetic in the message."""
+        """The rules that tie fields of several sections together, each with its arithmetic in the
+        message (a section's own rules are in its __post_init__)."""
         dims, size = self.dims, self.size
         per_step = self.micro_batch * dims.dp
         if self.global_batch % per_step:
@@ -310,8 +483,6 @@ class TrainConfig:
                 f"--seq-len {self.seq_len} is longer than model {self.model}'s block size "
                 f"{size.block_size}; use --seq-len {size.block_size} or less"
             )
-        if size.n_embd % size.n_head:
-            raise ConfigError(f"model {self.model}: n_embd {size.n_embd} % n_head {size.n_head} != 0")
         if self.parallelism == "fsdp" and self.compression != "none":
             raise ConfigError(
                 f"--compression {self.compression} is a DDP comm hook; FSDP has none: "
@@ -321,17 +492,8 @@ class TrainConfig:
             raise ConfigError(
                 "--static-graph and --gradient-as-bucket-view are DDP knobs; drop them or use --parallelism ddp"
             )
-        if self.resume and not self.checkpoint_dir:
-            raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
-        if self.async_checkpoint and not self.checkpoint_every:
-            raise ConfigError(
-                "--async-checkpoint overlaps the periodic saves with training; it needs "
-                "--checkpoint-every K (the final and SIGTERM saves are always synchronous)"
-            )
-        if self._profile_range and self._profile_range[1] > self.steps:
-            a, b = self._profile_range
+        if self.profile_range and self.profile_range[1] > self.steps:
+            a, b = self.profile_range
             raise ConfigError(f"--profile-steps {a}:{b} ends after --steps {self.steps}")
         if self.synthetic_samples < self.global_batch and self.data is None:
             raise ConfigError(
@@ -342,7 +504,6 @@ class TrainConfig:
     @property
     def dims(self) -> ParallelDims:
         """The resolved layout (dp_shard -1 and the --parallelism shorthand filled in)."""
-        assert self._dims is not None
         return self._dims
 
     @property
@@ -381,12 +542,12 @@ class TrainConfig:
 
     @property
     def profile_range(self) -> tuple[int, int] | None:
-        return self._profile_range
+        return self.profiling.step_range
 
     @property
     def preemption_budget_s(self) -> float:
         """--preemption-budget in seconds."""
-        return self._budget_s
+        return self.checkpoint.budget_s
 
 
 def pick_init_device(
@@ -446,29 +607,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "python -m workloads.train") -> argparse.ArgumentParser:
-    """One flag per TrainConfig field (except world_size), help text from the field docs. `prog`
-    names the command in usage errors: the launcher parses the same flags as `launch train`."""
+    """One flag per field of TrainConfig's sections, a group of flags per section, help text
+    from the field docs. `prog` names the command in usage errors: the launcher parses the same
+    flags as `launch train`."""
     parser = _Parser(
         prog=prog, description="GPT and Llama-3 training under torchrun (DP, FSDP, TP, PP on one mesh; NCCL or gloo)."
     )
-    docs = _field_docs()
-    for f in fields(TrainConfig):
-        if f.name in ("world_size",) or f.name.startswith("_"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name, ""))
-        else:
-            kind = {int: int, float: float}.get(type(default), str)
-            parser.add_argument(
-                flag,
-                type=kind,
-                default=default,
-                metavar=f.name.upper(),
-                help=f"{docs.get(f.name, '')} (default: {default})",
-            )
+    for name, section in SECTIONS.items():
+        group = parser.add_argument_group(name, section.__doc__)
+        docs = _field_docs(section)
+        for f in flag_fields(section):
+            _add_flag(group, f, docs.get(f.name, ""))
     return parser
+
+
+def _add_flag(group: Any, f: Field, doc: str) -> None:
+    """`--field-name`: on/off for a bool field, else a value of the default's type."""
+    flag, default = _flag(f.name), f.default
+    if isinstance(default, bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
+        return
+    kind = {int: int, float: float}.get(type(default), str)
+    group.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=f"{doc} (default: {default})")
 
 
 def config_from_args(argv: list[str] | None = None, world_size: int | None = None) -> TrainConfig:
@@ -487,12 +647,12 @@ def plan_gpus_per_node(machine_type: str) -> int:
         raise ConfigError(f"--plan-machine-type: {e}") from None
 
 
-def _field_docs() -> dict[str, str]:
+def _field_docs(section: type) -> dict[str, str]:
     """The docstring under each field, read from the source (the one place they are written)."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(TrainConfig))
+    tree = ast.parse(inspect.getsource(section))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for prev, node in zip(body, body[1:]):

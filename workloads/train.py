@@ -21,15 +21,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import json
-import math
 import os
 import signal
 import socket
 import sys
-import time
-from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,25 +37,29 @@ from gpufleet.contracts import ERROR_PREFIX
 from workloads.checkpoint.manager import CheckpointManager, run_meta
 from workloads.checkpoint.store import CheckpointError
 from workloads.collective import Ranks, StoppedElsewhere, every_rank, is_every_rank
-from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args, pick_init_device
+from workloads.components import (
+    MetricsLogger,
+    Optimizers,
+    Preemption,
+    Profiler,
+    StepClock,
+    Stragglers,
+    build_lr_scheduler,
+    build_optimizer,
+    check_writable_file,
+    trace_range,
+)
+from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
-from workloads.llama import Llama
 from workloads.llama import flops_per_token as llama_flops_per_token
-from workloads.metrics import RankInfo, format_log_line, straggler_warning
-from workloads.model import GPT, cross_entropy, flops_per_token, mfu
+from workloads.metrics import RankInfo
+from workloads.model import flops_per_token
+from workloads.parallel.build import ModelBuilder, build_line
 from workloads.parallel.grads import clip_grad_norm
-from workloads.parallel.materialize import init_seed, materialize_stages, sync_tied, sync_tp_replicated
 from workloads.parallel.parallelize import (
-    ModelParts,
-    apply_fsdp,
-    apply_tp,
     build_mesh,
     local,
-    merge_stages,
-    split_stages,
-    tied_group,
 )
-from workloads.parallel.pipeline import build_schedule
 
 __all__ = ["Trainer", "main"]
 
@@ -68,72 +68,73 @@ _SAVE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Trainer:
-    """One process's share of the run. Named steps: build, load, train_step, save, fit."""
+    """One process's share of the run. Named steps: build, train_step, fit, save_params; the side
+    jobs (checkpoints, preemption, timing, metrics, profiler, optimizer) are components."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.cuda = torch.cuda.is_available()
-        self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
-        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.cuda else "fp32")
-        self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
-        if cfg.compression == "bf16" and not self.cuda:
-            raise every_rank(
-                ConfigError(
-                    "--compression bf16 needs CUDA and NCCL 2.10+ (torch's "
-                    "bf16_compress_hook); on CPU use fp16 or powersgd"
-                )
-            )
-        self.stop_requested = False
-        self.notice_at = 0.0  # time.monotonic() of this rank's first SIGTERM
-        self._stop_posted: tuple[torch.Tensor, Any, float] | None = None  # CUDA: last step's flag
-        self.forward_s = 0.0  # this rank's own compute time since the last straggler check
-        self._forward_events: list[tuple[Any, Any]] = []
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-            # TF32 matmuls/convs on Ampere+: ~free speed for fp32 parts (PyTorch CUDA semantics docs).
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        self._place()
         self.ranks = self._where_ranks_run()
         self.comms = Ranks(self.rank, self.world, self.device)
         self.checkpoint = CheckpointManager(cfg, self.comms, self.ranks)
         # Output paths are proven writable now, not at the first log line or after the last step.
-        self.metrics_out: IO[str] | None = None
-        self.comms.on_rank0(self._open_outputs)
+        if cfg.checkpoint.save_params:
+            self.comms.on_rank0(lambda: check_writable_file("--save-params", cfg.checkpoint.save_params))
+        self.metrics = MetricsLogger(self.comms, cfg.metrics.metrics_file, self.device)
+        self.profiler = Profiler(cfg.profiling, self.rank, self.cuda)
         if cfg.profile_range is not None:
-            self.comms.on_every_rank(self._check_profile_dir)  # every rank writes its own trace
+            self.comms.on_every_rank(self.profiler.check_dir)  # every rank writes its own trace
+        self.preemption = Preemption(self.world, self.device)
+        self.stragglers = Stragglers(cfg.metrics, self.ranks, self.device)
         self.dims = cfg.dims
         self.coords = self.dims.coordinates(self.rank)
         # One loss per data-parallel replica: the last pipeline stage's, from its first TP rank.
         self.reports_loss = self.coords["pp"] == self.dims.pp - 1 and self.coords["tp"] == 0
         self.mesh = None if self.dims.is_ddp else build_mesh(self.dims, self.device.type)
         self._warn_tp_across_nodes()
-        self.schedule: Any = None
-        self.pp_first = self.pp_last = True
-        self.tied_group: Any = None
-        self.tied: list[torch.Tensor] = []
-        self.clip_skip: set[int] = set()
-        self.model, self.raw_model = self._build_model()
+        self.built = ModelBuilder(cfg, self.dims, self.mesh, self.coords, self.device, self.world, self.ptdtype).build()
+        self.model, self.raw_model, self.tied = self.built.model, self.built.raw, self.built.tied
         self.build_growths: list[Any] = [None] * self.world
-        dist.all_gather_object(self.build_growths, self.build_growth)
-        self.optimizer = self._build_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        seq_len = cfg.tokens_per_sample
+        dist.all_gather_object(self.build_growths, self.built.build_growth)
+        self.optimizers = self._build_optimizers()
         self.batches = self.comms.on_every_rank(self._open_data)  # --data may be missing on one node only
-        size = cfg.size
-        self.flops_token = (
-            llama_flops_per_token(cfg.model, seq_len)
-            if cfg.is_llama
-            else flops_per_token(self.n_params, size.n_layer, size.n_head, size.n_embd // size.n_head, seq_len)
-        )
-        self.peak_flops = peak_flops_for_device(torch.cuda.get_device_name(self.device)) if self.cuda else None
+        self.metrics.flops_token = self._flops_per_token()
+        self.metrics.peak_flops = peak_flops_for_device(torch.cuda.get_device_name(self.device)) if self.cuda else None
         self.step = 0
         meta = {**run_meta(cfg, self.world), "layout": self.dims.describe()}
-        self.checkpoint.track(self.raw_model, self.optimizer, self, meta)
+        self.checkpoint.track(self.raw_model, self.optimizers.optimizer, self, meta)
 
     # ---- build ---------------------------------------------------------------------------
+
+    def _place(self) -> None:
+        """This rank, its device and its precision (torchrun's environment)."""
+        cfg = self.cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
+        asked = cfg.model_spec.precision
+        self.precision = asked if asked != "auto" else ("bf16" if self.cuda else "fp32")
+        self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        if cfg.ddp.compression == "bf16" and not self.cuda:
+            raise every_rank(
+                ConfigError(
+                    "--compression bf16 needs CUDA and NCCL 2.10+ (torch's "
+                    "bf16_compress_hook); on CPU use fp16 or powersgd"
+                )
+            )
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            # TF32 matmuls/convs on Ampere+: ~free speed for fp32 parts (PyTorch CUDA semantics docs).
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    def _flops_per_token(self) -> float:
+        cfg, size = self.cfg, self.cfg.size
+        if cfg.is_llama:
+            return llama_flops_per_token(cfg.model_spec.model, cfg.tokens_per_sample)
+        head_dim = size.n_embd // size.n_head
+        return flops_per_token(self.built.n_params, size.n_layer, size.n_head, head_dim, cfg.tokens_per_sample)
 
     def _where_ranks_run(self) -> list[RankInfo]:
         me = RankInfo(self.rank, int(os.environ.get("GROUP_RANK", "0")), socket.gethostname())
@@ -141,147 +142,18 @@ class Trainer:
         dist.all_gather_object(everyone, me)
         return everyone
 
-    def _open_outputs(self) -> None:
-        """Rank 0: open --metrics-file for the whole run and prove --save-params writable."""
-        cfg = self.cfg
-        if cfg.save_params:
-            _check_writable_file("--save-params", cfg.save_params)
-        if cfg.metrics_file:
-            try:
-                self.metrics_out = open(cfg.metrics_file, "a")
-            except OSError as e:
-                raise ConfigError(_unwritable("--metrics-file", cfg.metrics_file, e)) from None
-
-    def _check_profile_dir(self) -> None:
-        where = Path(self.cfg.profile_dir)
-        probe = where / f".probe-{os.getpid()}"
-        try:
-            where.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(
-                f"--profile-dir {where}: cannot write traces there "
-                f"({e.strerror or e}); fix its permissions or pass another --profile-dir"
-            ) from None
-
     def _open_data(self) -> BatchStream:
         cfg = self.cfg
         seq_len, vocab = cfg.tokens_per_sample, cfg.size.vocab_size
         dataset = (
-            TokenFile(cfg.data, seq_len, vocab)
-            if cfg.data
-            else SyntheticTokens(cfg.synthetic_samples, seq_len, vocab, cfg.seed)
+            TokenFile(cfg.training.data, seq_len, vocab)
+            if cfg.training.data
+            else SyntheticTokens(cfg.training.synthetic_samples, seq_len, vocab, cfg.training.seed)
         )
         # By data-parallel rank: the TP and PP ranks of one replica train on the same samples, and
         # the samples of a step are the same whatever the layout.
         dp_rank = self.dims.dp_rank(self.rank)
-        return BatchStream(dataset, dp_rank, self.dims.dp, cfg.micro_batch, cfg.grad_accum, cfg.seed)
-
-    def _build_model(self) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """The model as this rank runs it, and the plain model, GPT or Llama (or, under a
-        pipeline, the module over this rank's stages) that the optimizer steps and the checkpoint
-        saves."""
-        cfg, dims = self.cfg, self.dims
-        torch.manual_seed(cfg.seed)  # same initial weights on every rank, before any wrapping
-        kind = Llama if cfg.is_llama else GPT
-        rss_before = _rss_bytes()
-        with torch.device("meta"):  # shapes only: no memory, and no draw from the generator
-            raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing)
-        self.n_params = raw.num_params()  # from the whole (meta) model, before any sharding
-        self.whole_bytes = 4 * raw.num_params(non_embedding=False)  # its fp32 weights
-        self.init_device = self._pick_init_device()
-        if self.init_device == "full":
-            raw = kind(cfg.size, activation_checkpointing=cfg.activation_checkpointing).to(self.device)
-        try:
-            if not dims.is_ddp:
-                return self._parallelize(raw)
-            if self.init_device == "meta":
-                self._materialize([raw])
-            return self._replicate(raw)
-        finally:
-            self.build_growth = _peak_rss_bytes() - rss_before if rss_before is not None else None
-
-    def _pick_init_device(self) -> str:
-        """--init-device resolved (config.pick_init_device): meta or full."""
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        device, self.init_why = pick_init_device(
-            self.cfg.init_device,
-            sharded=not self.dims.is_ddp,
-            cuda=self.cuda,
-            whole_bytes_per_node=self.whole_bytes * local_ranks,
-            host_available=_host_available_bytes(),
-        )
-        return device
-
-    def _materialize(self, stages: list[torch.nn.Module]) -> None:
-        """Memory and initial values for this rank's (meta, sharded) stage modules, then the
-        copies that make replicated and tied parameters one value (workloads.parallel.materialize)."""
-        dims = self.dims
-        materialize_stages(stages, self.device, init_seed(self.cfg.seed, dims, self.coords), self.mesh)
-        if dims.tp > 1:
-            sync_tp_replicated(stages, self.mesh["tp"])
-        torch.manual_seed(self.cfg.seed)  # every rank's generator as after a whole build's seeding
-
-    def _replicate(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """DDP over every rank (the model whole on each), or the model itself on one rank."""
-        cfg = self.cfg
-        if self.world == 1:
-            # Nothing to reduce with one rank: skip DDP's bucket copies (torchtitan also applies
-            # data parallelism only when its degree is above 1).
-            model: torch.nn.Module = raw
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            model = DDP(
-                raw,
-                device_ids=[self.local_rank] if self.cuda else None,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                static_graph=cfg.static_graph,
-            )
-            self._register_comm_hook(model)
-        if cfg.compile:
-            model = torch.compile(model)
-        return model, raw
-
-    def _parallelize(self, raw: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
-        """TP, then pipeline stages, then FSDP2/HSDP over the data-parallel mesh dimensions."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        cfg, dims, mesh = self.cfg, self.dims, self.mesh
-        parts = ModelParts(*raw.PP_PARTS)
-        # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
-        mp = (
-            MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
-            if self.precision in ("bf16", "fp16")
-            else MixedPrecisionPolicy()
-        )
-        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
-        stages = split_stages(raw, parts, dims, self.coords["pp"]) if dims.pp > 1 else [(0, raw)]
-        for _, module in stages:
-            if dims.tp > 1:
-                apply_tp(module, parts, mesh["tp"])
-            if dims.dp > 1:
-                apply_fsdp(module, parts, dp_mesh, mp)
-        if self.init_device == "meta":
-            self._materialize([m for _, m in stages])
-        whole = merge_stages([m for _, m in stages], parts)
-        if dims.pp == 1:
-            model: torch.nn.Module = torch.compile(whole) if cfg.compile else whole
-            return model, whole
-        held = [s for s, _ in stages]
-        self.pp_first, self.pp_last = 0 in held, dims.num_stages - 1 in held
-        self.schedule = build_schedule(stages, dims, mesh["pp"], self.device, cfg.n_microbatches, cross_entropy)
-        # The embedding matrix the first and the last stage both hold (the head's tied weight):
-        # summed over the two after backward, counted once in the gradient norm.
-        self.tied_group = tied_group(dims)
-        self.tied = [getattr(whole, n).weight for n in parts.tied if getattr(whole, n, None) is not None]
-        if self.tied_group is not None and self.init_device == "meta":
-            sync_tied(self.tied, self.tied_group)  # each stage filled its own copy: take the first's
-        if self.pp_last and not self.pp_first:
-            self.clip_skip = {id(p) for p in self.tied}
-        return whole, whole
+        return BatchStream(dataset, dp_rank, self.dims.dp, cfg.training.micro_batch, cfg.grad_accum, cfg.training.seed)
 
     def _warn_tp_across_nodes(self) -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -292,93 +164,35 @@ class Trainer:
                 stream=sys.stderr,
             )
 
-    def _register_comm_hook(self, ddp: torch.nn.Module) -> None:
-        """Gradient compression through PyTorch's own DDP comm hooks."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        kind = self.cfg.compression
-        if kind == "bf16":
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        elif kind == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif kind == "powersgd":
-            # start_powerSGD_iter: plain all-reduce for the first steps, as the PowerSGD paper and
-            # the hook's docs advise (error feedback needs a warmed-up model).
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.cfg.powersgd_rank,
-                start_powerSGD_iter=max(2, self.cfg.warmup_steps),
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        cfg = self.cfg
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # nanoGPT: decay the 2-D weights (matmuls, embeddings), not biases and LayerNorm gains.
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        lr = cfg.lr * (self.dims.dp if cfg.scale_lr else 1)
-        if self.dims.tp > 1 or self.dims.pp > 1:
-            # Per-parameter steps: the foreach/fused kernels take one list of tensors, and TP's
-            # 2-D DTensors, FSDP's 1-D ones and plain tensors cannot share one.
-            return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=False)
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=self.cuda)
-
-    def _lr_factor(self, step: int) -> float:
-        """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
-        cfg = self.cfg
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        span = max(1, (cfg.lr_decay_steps or cfg.steps) - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    # ---- collectives helpers ---------------------------------------------------------------
-
-    def _stop_notice(self) -> float | None:
-        """Collective: None while no rank has had a SIGTERM, else the age in seconds of the
-        oldest notice any rank got (what the preemption budget has already spent).
-
-        On CUDA the answer lags one step: this step's flag is reduced on the GPU and copied to
-        pinned memory behind an event, and the previous step's is read, so the host never waits
-        for the step it just queued (an `.item()` here would drain the GPU's queue every step).
-        """
-        age = time.monotonic() - self.notice_at if self.stop_requested else -1.0
-        if self.world == 1:
-            return age if age >= 0 else None
-        t = torch.tensor([age], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if not self.cuda:
-            age = t.item()
-            return age if age >= 0 else None
-        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        posted, self._stop_posted = self._stop_posted, (host, done, time.monotonic())
-        if posted is None:
-            return None
-        host, done, at = posted
-        done.synchronize()
-        age = float(host[0])
-        return age + (time.monotonic() - at) if age >= 0 else None
+    def _build_optimizers(self) -> Optimizers:
+        cfg, dims = self.cfg, self.dims
+        optimizer = build_optimizer(
+            [p for p in self.model.parameters() if p.requires_grad],
+            cfg.optimizer,
+            dp=dims.dp,
+            mixed_tensors=dims.tp > 1 or dims.pp > 1,
+            cuda=self.cuda,
+        )
+        scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training)
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        return Optimizers(optimizer, scheduler, scaler)
 
     # ---- what a checkpoint holds besides model and optimizer (CheckpointManager's TrainState) ----
 
     def state_dict(self) -> dict[str, Any]:
         epoch, in_epoch = self.batches.position(self.step)
         return {
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
+            **self.optimizers.state_dict(),
             "step": self.step,
-            "data": {"epoch": epoch, "step_in_epoch": in_epoch, "samples_seen": self.step * self.cfg.global_batch},
+            "data": {
+                "epoch": epoch,
+                "step_in_epoch": in_epoch,
+                "samples_seen": self.step * self.cfg.training.global_batch,
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self.optimizers.load_state_dict(state)
         self.step = state["step"]
 
     # ---- training ------------------------------------------------------------------------------
@@ -388,17 +202,8 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.ptdtype)
 
-    @contextlib.contextmanager
-    def _range(self, name: str) -> Iterator[None]:
-        """A named range for torch.profiler and, on GPUs, for Nsight (NVTX)."""
-        with torch.profiler.record_function(name):
-            if self.cuda:
-                torch.cuda.nvtx.range_push(name)
-            try:
-                yield
-            finally:
-                if self.cuda:
-                    torch.cuda.nvtx.range_pop()
+    def _range(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return trace_range(name, self.cuda)
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce on all but the last micro-step: one all-reduce per optimizer step."""
@@ -408,51 +213,30 @@ class Trainer:
             return _fsdp_no_sync(self.raw_model)
         return self.model.no_sync()  # type: ignore[operator]
 
-    def _mark(self) -> Any:
-        if self.cuda:  # host timers would see only kernel launches; CUDA events see the GPU
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _add_forward_time(self, start: Any) -> None:
-        if self.cuda:
-            self._forward_events.append((start, self._mark()))
-        else:
-            self.forward_s += time.perf_counter() - start
-
-    def _take_forward_time(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self.forward_s += sum(a.elapsed_time(b) for a, b in self._forward_events) / 1e3
-            self._forward_events.clear()
-        taken, self.forward_s = self.forward_s, 0.0
-        return taken
-
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss, or 0
         on a rank that does not report one (see `reports_loss`)."""
-        cfg = self.cfg
-        total = torch.zeros((), device=self.device)
-        if self.schedule is not None:
+        if self.built.schedule is not None:
             return self._pipeline_step()
-        for micro in range(cfg.grad_accum):
-            x, y = self.batches.micro_batch_at(self.step, micro)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._sync_context(micro == cfg.grad_accum - 1):
-                # Forward has no collectives under DDP, so its time is this rank's own speed
-                # (the straggler signal); under FSDP it includes the parameter all-gathers.
-                # Timed only when the check is on: its CUDA events pile up until a check reads them.
-                t0 = self._mark() if cfg.straggler_every else None
-                with self._range("forward"), self._autocast():
-                    loss = self.model(x, y) / cfg.grad_accum
-                if cfg.straggler_every:
-                    self._add_forward_time(t0)
-                with self._range("backward"):
-                    self.scaler.scale(loss).backward()
-            total += loss.detach()
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.cfg.grad_accum):
+            total += self._micro_step(micro)
         self._optimizer_step()
         return total if self.reports_loss else torch.zeros_like(total)
+
+    def _micro_step(self, micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its share of the step's loss."""
+        accum = self.cfg.grad_accum
+        x, y = self.batches.micro_batch_at(self.step, micro)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self._sync_context(micro == accum - 1):
+            # Forward has no collectives under DDP, so its time is this rank's own speed
+            # (the straggler signal); under FSDP it includes the parameter all-gathers.
+            with self.stragglers.timed(), self._range("forward"), self._autocast():
+                loss = self.model(x, y) / accum
+            with self._range("backward"):
+                self.optimizers.backward(loss)
+        return loss.detach()
 
     def _pipeline_step(self) -> torch.Tensor:
         """One optimizer step through the pipeline: this rank's whole batch (its grad_accum
@@ -463,91 +247,91 @@ class Trainer:
         y = torch.cat([p[1] for p in pieces]).to(self.device)
         losses: list[torch.Tensor] = []
         with self._range("pipeline"), self._autocast():
-            if self.pp_first:
-                self.schedule.step(x, target=y, losses=losses)
+            if self.built.pp_first:
+                self.built.schedule.step(x, target=y, losses=losses)
             else:
-                self.schedule.step(target=y, losses=losses)
-        if self.tied_group is not None:
-            for p in self.tied:  # the head's share of the tied embedding, and the embedding's
-                if p.grad is None:
-                    continue
-                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                    # DTensor's embedding backward leaves the gradient of a row-wise sharded
-                    # embedding replicated; take the parameter's own shard, as the head has.
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-                dist.all_reduce(local(p.grad), group=self.tied_group)
+                self.built.schedule.step(target=y, losses=losses)
+        if self.built.tied_group is not None:
+            self._reduce_tied_grads()
         self._optimizer_step()
-        if self.pp_last and self.reports_loss:
+        if self.built.pp_last and self.reports_loss:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=self.device)
 
+    def _reduce_tied_grads(self) -> None:
+        """The head's share of the tied embedding's gradient, and the embedding's, summed."""
+        for p in self.tied:
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # DTensor's embedding backward leaves the gradient of a row-wise sharded
+                # embedding replicated; take the parameter's own shard, as the head has.
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            dist.all_reduce(local(p.grad), group=self.built.tied_group)
+
     def _optimizer_step(self) -> None:
-        cfg = self.cfg
         with self._range("optimizer"):
-            if cfg.grad_clip:
-                self.scaler.unscale_(self.optimizer)
-                if self.dims.is_ddp:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                else:
-                    pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-                    clip_grad_norm(list(self.raw_model.parameters()), cfg.grad_clip, pp_group, self.clip_skip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+            self.optimizers.step(self._clip_grads if self.cfg.optimizer.grad_clip else None)
         self.step += 1
 
+    def _clip_grads(self) -> None:
+        """The global gradient norm clipped to --grad-clip (across pipeline stages under PP)."""
+        if self.dims.is_ddp:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
+            return
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        clip_grad_norm(list(self.raw_model.parameters()), self.cfg.optimizer.grad_clip, pp_group, self.built.clip_skip)
+
     def fit(self) -> None:
+        """Train to --steps (from the checkpoint with --resume), then the final save; a SIGTERM
+        ends it early with a checkpoint of the last whole step."""
         cfg = self.cfg
-        if cfg.resume:
+        if cfg.checkpoint.resume:
             self.checkpoint.load()
         self.log(self._banner())
-        self.log(self._build_line())
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        profiler = self._profiler()
-        tokens_per_step = cfg.global_batch * cfg.tokens_per_sample
-        last_log, last_log_step = time.perf_counter(), self.step
+        self.log(build_line(self.built, not self.dims.is_ddp, self.build_growths))
         try:
-            while self.step < cfg.steps:
-                loss = self.train_step()
-                if profiler:
-                    profiler.step()
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                    loss_value = loss.item() / self.dims.dp  # .item() waits for the GPU: times are real
-                    now = time.perf_counter()
-                    step_s = (now - last_log) / (self.step - last_log_step)
-                    last_log, last_log_step = now, self.step
-                    self._log_step(loss_value, step_s, tokens_per_step / step_s)
-                if cfg.straggler_every and self.step % cfg.straggler_every == 0:
-                    self._check_stragglers(cfg.straggler_every)
-                notice_s = self._stop_notice()
-                if notice_s is not None:
-                    self.log(
-                        f"SIGTERM: saving a checkpoint at step {self.step} and exiting; rerun with --resume to continue"
-                    )
-                    if self.checkpoint.enabled:
-                        self.checkpoint.save_on_preemption(notice_s)
+            with self.preemption.watching(), self.profiler.running(self.step):
+                if self._train_loop():
                     return
-                if (
-                    self.checkpoint.enabled
-                    and cfg.checkpoint_every
-                    and self.step % cfg.checkpoint_every == 0
-                    and self.step < cfg.steps
-                ):
-                    self.checkpoint.save(asynchronous=cfg.async_checkpoint)
         finally:
-            signal.signal(signal.SIGTERM, previous)
-            if profiler:
-                profiler.stop()
-            if self.metrics_out:
-                self.metrics_out.close()
-                self.metrics_out = None
+            self.metrics.close()
         if self.checkpoint.enabled:
             self.checkpoint.save()
-        if cfg.save_params:
-            self.save_params(cfg.save_params)
+        if cfg.checkpoint.save_params:
+            self.save_params(cfg.checkpoint.save_params)
         self.log(f"done: {self.step} steps")
+
+    def _train_loop(self) -> bool:
+        """The steps left; True when a SIGTERM stopped them (its checkpoint saved)."""
+        cfg = self.cfg
+        clock = StepClock(self.step)
+        while self.step < cfg.training.steps:
+            loss = self.train_step()
+            self.profiler.step()
+            if self.step % cfg.metrics.log_every == 0 or self.step == cfg.training.steps:
+                self._log_step(loss, clock)
+            self.stragglers.check(self.step, lambda line: self.log(line, stream=sys.stderr))
+            if self._preempted():
+                return True
+            if self._checkpoint_due():
+                self.checkpoint.save(asynchronous=cfg.checkpoint.async_checkpoint)
+        return False
+
+    def _checkpoint_due(self) -> bool:
+        """A periodic save (--checkpoint-every) after this step; the last step's is fit's own."""
+        every, last = self.cfg.checkpoint.checkpoint_every, self.cfg.training.steps
+        return self.checkpoint.enabled and bool(every) and self.step % every == 0 and self.step < last
+
+    def _preempted(self) -> bool:
+        """Collective: whether any rank had a SIGTERM; if so, the checkpoint of this step saved."""
+        notice_s = self.preemption.notice_age()
+        if notice_s is None:
+            return False
+        self.log(f"SIGTERM: saving a checkpoint at step {self.step} and exiting; rerun with --resume to continue")
+        if self.checkpoint.enabled:
+            self.checkpoint.save_on_preemption(notice_s)
+        return True
 
     def save_params(self, path: str) -> None:
         """Rank 0 writes the final parameters (full state_dict) for comparison between runs."""
@@ -561,94 +345,34 @@ class Trainer:
 
         self.comms.on_rank0(write)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Only a flag and the time: the save happens at the next step boundary, when all ranks agree.
-        if not self.stop_requested:
-            self.notice_at = time.monotonic()
-        self.stop_requested = True
-
-    def _profiler(self) -> torch.profiler.profile | None:
-        rng = self.cfg.profile_range
-        if rng is None or rng[1] <= self.step:
-            return None
-        a, b = max(rng[0], self.step), rng[1]
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=a - self.step, warmup=0, active=b - a, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                self.cfg.profile_dir, worker_name=f"rank{self.rank}"
-            ),
-        )
-        prof.start()
-        return prof
-
-    def _check_stragglers(self, steps: int) -> None:
-        mine = self._take_forward_time() / steps
-        times: list[Any] = [None] * self.world
-        dist.all_gather_object(times, mine)
-        for line in straggler_warning(times, self.ranks, self.cfg.straggler_threshold):
-            self.log("warning: " + line, stream=sys.stderr)
-
     # ---- reporting -----------------------------------------------------------------------------
 
     def _banner(self) -> str:
         cfg, dims = self.cfg, self.dims
-        peak = f"{self.peak_flops:.3g} FLOP/s (gpufleet.catalog)" if self.peak_flops else "n/a"
+        peak_flops = self.metrics.peak_flops
+        peak = f"{peak_flops:.3g} FLOP/s (gpufleet.catalog)" if peak_flops else "n/a"
         # "ddp x 4 ranks", "fsdp x 4 ranks", or the mesh: "dp_shard 2 x tp 2 = 4 ranks".
         if self.world == 1 or dims.is_ddp or dims.dp_shard == self.world:
-            kind = cfg.parallelism if self.world == 1 else "ddp" if dims.is_ddp else "fsdp"
+            kind = cfg.layout.parallelism if self.world == 1 else "ddp" if dims.is_ddp else "fsdp"
             layout = f"{kind} x {self.world} ranks"
         else:
             layout = f"{dims.describe()} = {self.world} ranks"
+        params = f"{self.built.n_params / 1e6:.2f}M params"
         return (
-            f"train: model {cfg.model} ({self.n_params / 1e6:.2f}M params) | {layout} on {self.device.type} "
+            f"train: model {cfg.model_spec.model} ({params}) | {layout} on {self.device.type} "
             f"({dist.get_backend()}) | {self.precision} | {cfg.batch_summary()} | seq "
-            f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.steps} | "
-            f"{self.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak} | init {self.init_device}"
+            f"{cfg.tokens_per_sample} | steps {self.step}->{cfg.training.steps} | "
+            f"{self.metrics.flops_token:.3g} FLOP/token (6N+12LHQT) | peak {peak} | init {self.built.init_device}"
         )
 
-    def _build_line(self) -> str:
-        """How the model was built, and the most host memory that took on any rank."""
-        sharded = not self.dims.is_ddp
-        if self.init_device == "meta":
-            how = "built on the meta device, " + (
-                "sharded, then materialized shard by shard on each rank"
-                if sharded
-                else "then materialized whole on each rank's device"
-            )
-        else:
-            how = "built whole on every rank" + (", then sharded" if sharded else "")
-        line = (
-            f"init {self.init_device} ({self.init_why}): the model ({self.whole_bytes / 2**30:.2f} GiB of fp32 "
-            f"weights whole) {how}"
-        )
-        known = [(g, r) for r, g in enumerate(self.build_growths) if g is not None]
-        if known:
-            most, rank = max(known)
-            line += f"; peak host memory while building: +{most / 2**30:.2f} GiB on rank {rank}, the most of any rank"
-        return line
-
-    def _log_step(self, loss: float, step_s: float, tokens_per_s: float) -> None:
-        per_gpu_mfu = mfu(self.flops_token, tokens_per_s / self.world, self.peak_flops)
-        mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
-        lr = self.scheduler.get_last_lr()[0]
-        self.log(format_log_line(self.step, self.cfg.steps, loss, lr, step_s, tokens_per_s, per_gpu_mfu, mem))
-        if self.metrics_out:  # rank 0
-            record = {
-                "step": self.step,
-                "loss": loss,
-                "lr": lr,
-                "step_s": step_s,
-                "tokens_per_s": tokens_per_s,
-                "mfu": per_gpu_mfu,
-                "peak_mem_gib": mem,
-                "time": time.time(),
-            }
-            self.metrics_out.write(json.dumps(record) + "\n")
-            self.metrics_out.flush()  # whole lines, readable while the run goes on
+    def _log_step(self, loss: torch.Tensor, clock: StepClock) -> None:
+        """Collective: the replicas' mean loss, then rank 0's step line."""
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss_value = loss.item() / self.dims.dp  # .item() waits for the GPU: times are real
+        step_s = clock.lap(self.step)
+        cfg = self.cfg
+        tokens_per_s = cfg.training.global_batch * cfg.tokens_per_sample / step_s
+        self.metrics.log_step(self.step, cfg.training.steps, loss_value, self.optimizers.last_lr, step_s, tokens_per_s)
 
     def log(self, line: str, stream: Any = None) -> None:
         self.comms.log(line, stream)
@@ -661,52 +385,6 @@ def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
-def _unwritable(flag: str, path: str, err: OSError) -> str:
-    return (
-        f"{flag} {path}: cannot write it ({err.strerror or err}); create its directory, "
-        f"fix its permissions or pass another {flag}"
-    )
-
-
-def _check_writable_file(flag: str, path: str) -> None:
-    """Prove a file that is written at the end of the run writable now (ConfigError if not);
-    a file that did not exist is removed again."""
-    existed = os.path.lexists(path)
-    try:
-        with open(path, "ab"):  # append: an existing file is left as it is
-            pass
-        if not existed:
-            os.remove(path)
-    except OSError as e:
-        raise ConfigError(_unwritable(flag, path, e)) from None
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident memory now (Linux /proc; None elsewhere)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (getrusage's ru_maxrss: KiB on Linux)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _host_available_bytes() -> int | None:
-    """The host's MemAvailable (Linux /proc/meminfo; None elsewhere)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _init_distributed() -> None:
@@ -770,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error(every_rank(e))  # every rank parses the same flags
         return EXIT_BAD_ARGS
-    if cfg.plan:
+    if cfg.planning.plan:
         return _print_plan(cfg) if rank == 0 else 0
     _init_distributed()
     # Trainer.fit turns SIGTERM into a stop flag while it trains. Outside the loop (the final

@@ -27,7 +27,7 @@ from launcher.cli.options import (
     ssh_config,
     trusted_ssh,
 )
-from launcher.cli.render import err, setup_logging
+from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
@@ -84,6 +84,7 @@ def start_detached(
         config = dataclasses.replace(config, max_restarts=0)
     if check is not None:
         check(cluster, config)
+    pull_everywhere(cluster, config)
     n = len(cluster.nodes)
     # The controller keeps the plan's order: the request carries the nodes in it, and a recovery
     # relaunches from the request.

@@ -23,6 +23,7 @@ __all__ = [
     "SOURCE_OPTIONS",
     "ENV_OPTION",
     "ENV_FILE_OPTION",
+    "IMAGE_OPTION",
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
     "CONTROLLER_GRACE_OPTION",
@@ -104,6 +105,15 @@ ENV_FILE_OPTION = click.option(
     multiple=True,
     metavar="FILE",
     help="KEY=VALUE lines (# comments) to set on every node, as --env does (repeatable; --env wins).",
+)
+
+# The ranks run in a container (launcher.core.container); the stack's `image` output is the default.
+IMAGE_OPTION = click.option(
+    "--image",
+    metavar="IMAGE",
+    help="Run the ranks inside this container image on every node (docker, else podman), pulled first, "
+    "wired for the machine type's GPUs and GPUDirect; torchrun is the image's python3 "
+    "[default: the stack's `image` output, else none]. See docs/containers.md.",
 )
 
 # Issue 13: the job goes to a controller on node 0 (launcher.jobs.handoff) and outlives this client.
@@ -197,6 +207,7 @@ TORCHRUN_OPTIONS = [
     click.option("--rdzv-port", type=int, help="Rendezvous port on node 0 [default: 29500; --local: a free one]."),
     ENV_OPTION,
     ENV_FILE_OPTION,
+    IMAGE_OPTION,
     click.option("--nccl-debug", is_flag=True, help="NCCL_DEBUG=INFO on every node."),
     click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image."),
     click.option(
@@ -376,6 +387,12 @@ def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
 def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
     """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
     ssh = ssh_config(o, cluster)
+    image = o.get("image") or cluster.image
+    if image and o.get("python"):
+        raise UserError(
+            f"--image runs the image's own python3, so --python {o['python']!r} does not apply; "
+            "drop --python (or drop --image to run it on the nodes themselves)"
+        )
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     config = LaunchConfig(
@@ -390,7 +407,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         nccl_debug=o.get("nccl_debug", False),
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.
-        python=o.get("python") or (sys.executable if cluster.local else "python3"),
+        python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
         job_id=new_job_id(),
         runs_dir=o.get("runs_dir") or Path("runs"),
         dry_run=o.get("dry_run", False),
@@ -398,6 +415,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         rank_order=o.get("rank_order"),
         hang_timeout_s=hang_timeout_s,
         progress=parse_progress(o.get("progress"), hang_timeout_s),
+        image=image or None,
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
     return replace(config, ssh=trusted_ssh(o, cluster, config.ssh))

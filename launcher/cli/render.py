@@ -21,7 +21,9 @@ from rich.table import Table
 
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
 from launcher.core.output import failure_line
-from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchResult, UserError
+from launcher.core.pull import PullFailed, pull_image, refusal
+from launcher.core.transport import make_transport
+from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
 from launcher.jobs.busy import BusyCheck
 from launcher.runner import LaunchPlan
 
@@ -34,6 +36,8 @@ __all__ = [
     "render_result",
     "execute",
     "print_plan",
+    "container_summary",
+    "pull_everywhere",
     "finish",
 ]
 
@@ -68,6 +72,10 @@ def user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except PullFailed as e:
+            for line in e.lines:
+                err.print(f"[red]error: {escape(line)}[/red]")
+            fail(str(e))
         except UserError as e:
             fail(str(e))
         except Interrupted as e:
@@ -140,8 +148,11 @@ def execute(p: LaunchPlan) -> LaunchResult | None:
     a detached job holding them refuses the launch: one line, nothing started."""
     cluster, config = p.cluster, p.config
     if config.dry_run:
+        if config.image:
+            err.print(f"[dim]{escape(container_summary(cluster, config))}[/dim]")
         print_plan(p)
         return None
+    pull_everywhere(cluster, config)
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)
     on_event, status = live_printer(cluster, p.order_message)
@@ -160,6 +171,49 @@ def execute(p: LaunchPlan) -> LaunchResult | None:
             busy.close()
     render_result(result, cluster)
     return result
+
+
+def container_summary(cluster: Cluster, config: LaunchConfig) -> str:
+    """--dry-run's line about --image: the image and the machine type's wiring."""
+    from gpufleet.catalog import lookup
+    from gpufleet.containers import wiring
+
+    machine = lookup(cluster.machine_type) if cluster.machine_type and not cluster.local else None
+    w = wiring(machine, config.image_os)
+    what = "; ".join(w.notes) or "no GPUs (no machine type)"
+    return f"container {config.image} on every node (pulled first), --network/--ipc/--pid host: {what}"
+
+
+def pull_everywhere(cluster: Cluster, config: LaunchConfig) -> None:
+    """--image: pull it on every node at once, with each node's progress on the status line;
+    a node that cannot pull it stops the launch (PullFailed: one line per node, exit 2)."""
+    if not config.image or config.dry_run:
+        return
+    n = len(cluster.nodes)
+    done: dict[str, str] = {}
+    lock = threading.Lock()
+    with err.status(f"pulling {config.image} on {n} node{'s' * (n != 1)}…") as status:
+
+        def progress(node, line: str) -> None:
+            with lock:
+                done[node.label] = line
+                status.update(f"pulling {config.image}: {escape(node.label)}: {escape(line[:100])}")
+
+        pulled = pull_image(cluster, config.image, make_transport(cluster, config.ssh), progress, env=config.env)
+    failed = refusal(config.image, pulled)
+    if failed is not None:
+        raise failed
+    for p in pulled.values():
+        if p.status == "local":
+            what = f"{p.node.label}: using its own copy of {config.image}, unchecked: {p.note}"
+            err.print(f"[yellow]{escape(what)}[/yellow]")
+    fetched = [p.node.label for p in pulled.values() if p.status == "pulled"]
+    err.print(
+        f"[dim]{escape(config.image)}: pulled on {', '.join(fetched)}; already current on "
+        f"{n - len(fetched)} of {n} node{'s' * (n != 1)}[/dim]"
+        if fetched
+        else f"[dim]{escape(config.image)}: already current on every node[/dim]"
+    )
 
 
 def print_plan(p: LaunchPlan) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from gpufleet.catalog import MACHINE_TYPES
 from gpufleet.contracts import LABEL_NODE, OutputsError, parse_stack_outputs
+from launcher.core.container import check_image_ref
 from launcher.core.types import Cluster, ControllerHost, Node, UserError
 
 __all__ = [
@@ -132,6 +133,15 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         )
     except (OutputsError, UserError) as e:
         raise UserError(f"{source}: {e}") from None
+    image = parsed.image  # the stack's default container image (gpufleet:containerImage)
+    if image is not None:
+        try:
+            check_image_ref(image)
+        except ValueError:
+            raise UserError(
+                f"{source}: output `image` is {image!r}, not an image reference; fix gpufleet:containerImage "
+                "in the stack config (REGISTRY/PATH/NAME[:TAG])"
+            ) from None
     return Cluster(
         name=parsed.cluster or "cluster",
         nodes=nodes,
@@ -139,6 +149,7 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         zone=parsed.zone,
         project=parsed.project,
         controller=controller,
+        image=image or None,
     )
 
 

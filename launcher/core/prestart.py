@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
-from gpufleet.contracts import LOCAL_SSD_MOUNT
+from gpufleet.contracts import LOCAL_SSD_MOUNT, RXDM_CONTAINER
 from gpufleet.health import GPU_QUERY_FIELDS, GpuRow, PhysicalHost, majority, parse_gpu_query
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
@@ -41,6 +41,9 @@ __all__ = [
     "nic_statements",
     "prestart_statements",
     "prestart_verdict",
+    "RXDM_CONTAINER",
+    "rxdm_problem",
+    "rxdm_statement",
 ]
 
 
@@ -127,13 +130,42 @@ def nic_statements(expect: Expectation) -> list[str]:
     return out
 
 
+def rxdm_statement() -> str:
+    """`rxdm_rc=` (docker's status: 127 no docker) and `rxdm=` (the running RxDM container's id,
+    empty when it does not run), asking docker as the user, else through `sudo -n` (the socket is
+    root's on COS and with Ubuntu's docker.io)."""
+    # `docker ps` without -a lists running containers only.
+    f = f"-f {shlex.quote(f'name=^{RXDM_CONTAINER}$')}"
+    return (
+        f"R=$(docker ps -q {f} 2>&1); rc=$?; if [ $rc != 0 ]; then "
+        f"R2=$(sudo -n docker ps -q {f} 2>/dev/null) && {{ R=$R2; rc=0; }}; fi; "
+        "echo rxdm_rc=$rc; echo \"rxdm=$(printf '%s' \"$R\" | head -n 1)\""
+    )
+
+
+def rxdm_problem(facts: Mapping[str, str], net_stack: str | None) -> str | None:
+    """What is wrong with RxDM by the `rxdm_statement` answers; None when it runs."""
+    rc, rxdm = facts.get("rxdm_rc", ""), facts.get("rxdm", "")
+    if rc == "127":
+        return f"docker is not installed, so {RXDM_CONTAINER} cannot run ({net_stack} needs it)"
+    if rc != "0":
+        return f"cannot ask docker whether {RXDM_CONTAINER} runs: {rxdm or 'exit ' + rc}"
+    if not rxdm:
+        return (
+            f"{RXDM_CONTAINER} (RxDM) is not running ({net_stack} needs it; the startup script starts it: "
+            "reboot the node, or run its startup script again)"
+        )
+    return None
+
+
 def prestart_statements(cluster: Cluster, image_os: str | None) -> list[str]:
     """What a launch's check adds on each node: the GPU query and the NICs, when the cluster's
-    machine type is known and its nodes are not this machine (--local); ends with `wait`."""
+    machine type is known and its nodes are not this machine (--local), and on GPUDirect-TCPX/
+    TCPXO nodes whether RxDM runs; ends with `wait`."""
     if cluster.machine_type is None or cluster.local:
         return []
     expect = expectation(cluster.machine_type, image_os)
-    return [gpu_statement(), *nic_statements(expect), "wait"]
+    return [gpu_statement(), *nic_statements(expect), *([rxdm_statement()] if expect.rxdm else []), "wait"]
 
 
 # ---- the verdict's parts, shared with `launch doctor` (launcher.doctor) ----------------------
@@ -353,6 +385,10 @@ def prestart_verdict(cluster: Cluster, probes: Mapping[int, Any], config: Launch
         errors += [f"{node.label}: {p}" for p in r.checks["gpus"].problems]
         for kind, p in nic_problems(f, expect)[1]:
             (warnings if kind == "mtu" else errors).append(f"{node.label}: {p}")
+        if expect.rxdm and "rxdm_rc" in f:
+            problem = rxdm_problem(f, expect.net_stack)
+            if problem:
+                errors.append(f"{node.label}: {problem}")
     judge_drift(reports, expect)
     for r in reports:
         warnings += [

@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.core import supervise
+from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
@@ -282,6 +283,8 @@ class ProgramBuilder:
         self._prepare: list[tuple[str, PrepareStep]] = []
         self._wrappers: list[tuple[str, RunWrapper]] = []
         # Steps that come with the request are added here, from `config` (see the module docstring).
+        if config.image:  # the ranks in a container (launcher.core.container)
+            self.wrap_run("container", _container)
 
     def add_prologue(self, name: str, statements: Sequence[str]) -> ProgramBuilder:
         self._prologue.append((name, tuple(statements)))
@@ -326,7 +329,8 @@ class ProgramBuilder:
             argv,
             lock_port=config.rdzv_port if self.torchrun and node.rank == 0 else None,
             check=self.torchrun,
-            check_torch=self.torchrun and config.check_versions,
+            # With --image, torch is the image's: the node itself may have none (COS).
+            check_torch=self.torchrun and config.check_versions and not config.image,
             watch_preemption=not self.cluster.local,
             prologue=[st for _, statements in self._prologue for st in statements],
             prepare=[st for _, step in self._prepare for st in step(ctx)],
@@ -336,6 +340,15 @@ class ProgramBuilder:
         """Every node's program, rendered, by rank (what --dry-run prints)."""
         argvs = self._rank_commands()
         return {node.rank: self._program(node, argvs[node.rank]).render() for node in self.cluster.nodes}
+
+
+def _container(ctx: NodeContext, argv: Sequence[str]) -> list[str]:
+    """The run wrapper of --image: the rank command inside the image, wired for the machine type."""
+    c, config = ctx.cluster, ctx.config
+    assert config.image is not None
+    return in_image(
+        c.machine_type, c.local, config.image_os, config.image, config.job_id, ctx.node.rank, ctx.token, ctx.env, argv
+    )
 
 
 def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gpufleet.catalog import lookup
+from launcher.core.container import check_image_ref
 
 __all__ = [
     "UserError",
@@ -114,6 +115,7 @@ class Cluster:
     project: str | None = None
     local: bool = False  # nodes are process groups on this machine, not SSH hosts
     controller: ControllerHost | None = None  # None: node 0 runs detached jobs' controllers
+    image: str | None = None  # the stack's default container image (its `image` output), if any
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -239,8 +241,16 @@ class LaunchConfig:
     # sessions (launcher.core.supervise) and stop themselves after this long with no controller.
     # None: an attached launch, whose nodes stop at once when their session ends.
     controller_grace_s: int | None = None
+    # --image: every node runs the ranks inside this container image (launcher.core.container);
+    # None: on the node itself.
+    image: str | None = None
 
     def __post_init__(self) -> None:
+        if self.image is not None:
+            try:
+                check_image_ref(self.image)
+            except ValueError as e:
+                raise UserError(str(e)) from None
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise UserError(f"--nproc-per-node {self.nproc_per_node} must be at least 1")
         if self.max_restarts < 0:

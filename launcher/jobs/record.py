@@ -243,6 +243,7 @@ def request_json(
             "hang_timeout_s": config.hang_timeout_s,
             "progress": config.progress,
             "controller_grace_s": config.controller_grace_s,
+            "image": config.image,
             "env_keys": [k for k, _ in config.env],
         },
         "ssh": {

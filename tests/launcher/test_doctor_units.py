@@ -463,7 +463,8 @@ def test_a_launch_checks_gpus_and_nics_only_when_the_machine_type_is_known():
     typed = Cluster("t", _cluster(2).nodes, machine_type="a3-highgpu-8g")
     s = prestart_statements(typed, None)
     assert s[0].startswith("{ O=$(nvidia-smi --query-gpu=index,name,") and s[0].endswith("} &")
-    assert [x.split("/sys/class/net/")[1].split()[0] for x in s[1:-1]] == [f"eth{i}" for i in range(5)]
+    assert [x.split("/sys/class/net/")[1].split()[0] for x in s[1:-2]] == [f"eth{i}" for i in range(5)]
+    assert "receive-datapath-manager" in s[-2]  # TCPX needs RxDM up
     assert s[-1] == "wait"
     subprocess.run(["bash", "-n", "-c", " ".join(x if x.endswith("&") else x + ";" for x in s)], check=True)
 

@@ -217,8 +217,10 @@ def test_a_wrong_result_is_counted_and_fails_the_run(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    real = sweep._reduced
-    monkeypatch.setattr(sweep, "_reduced", lambda g, op, n, dt: real(g, op, n, dt) + 1)
+    from workloads.sweep import expected
+
+    real = expected.reduced
+    monkeypatch.setattr(expected, "reduced", lambda g, op, n, dt: real(g, op, n, dt) + 1)
     rc = sweep.main(["--ops", "all_reduce,broadcast", "-b", "64", "-e", "64", "-n", "1"])
     out = capsys.readouterr().out
     assert rc == 1
@@ -244,7 +246,7 @@ def test_a_json_path_that_cannot_be_written_is_one_line_before_the_sweep(monkeyp
     import workloads.sweep as sweep
 
     ran = []
-    monkeypatch.setattr(sweep, "_sweep", lambda *a: ran.append(a))
+    monkeypatch.setattr(sweep.driver, "_sweep", lambda *a: ran.append(a))
     for path, needle in (
         (tmp_path / "no-such-dir" / "rows.json", "cannot write there (No such file"),
         (tmp_path, "is a directory; pass a file path"),
@@ -282,7 +284,7 @@ def test_a_size_over_the_time_budget_is_answered_by_its_first_call(monkeypatch, 
 
     _one_process(monkeypatch)
     calls = []
-    real = sweep._Bench.case
+    real = sweep.bench.Bench.case
 
     def counting_case(self, *a, **k):
         c, size, count = real(self, *a, **k)
@@ -290,7 +292,7 @@ def test_a_size_over_the_time_budget_is_answered_by_its_first_call(monkeypatch, 
         c.run = lambda: (calls.append(size), run())[1]
         return c, size, count
 
-    monkeypatch.setattr(sweep._Bench, "case", counting_case)
+    monkeypatch.setattr(sweep.bench.Bench, "case", counting_case)
     assert (
         sweep.main(
             ["--ops", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "20", "-w", "3", "--time-budget", "1e-9"]
@@ -316,7 +318,7 @@ def test_the_time_budget_sets_the_timed_calls_from_the_first_call(monkeypatch, c
 
     _one_process(monkeypatch)
     # The first call of every size took 0.3 s on the slowest rank: 3 calls fit 1 s.
-    monkeypatch.setattr(sweep._Bench, "sizing_call", lambda self, c: (c.run(), (0.3, 0.3))[1])
+    monkeypatch.setattr(sweep.bench.Bench, "sizing_call", lambda self, c: (c.run(), (0.3, 0.3))[1])
     assert sweep.main(["--ops", "all_reduce", "-b", "1K", "-e", "1K", "-n", "20", "--time-budget", "1"]) == 0
     out = capsys.readouterr().out
     (row,) = _json_rows(out)

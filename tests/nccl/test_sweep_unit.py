@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workloads import sweep
+from workloads.sweep import expected, table
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.float64]
 _CASES = [
@@ -19,23 +20,23 @@ _CASES = [
 @pytest.mark.parametrize(("op", "dtype"), _CASES)
 def test_reference_equals_reducing_every_rank_by_hand(n, op, dtype):
     g = torch.arange(1000, 1100)
-    per_rank = [sweep._red_values(r, g, op).to(torch.float64) for r in range(n)]
+    per_rank = [expected.red_values(r, g, op).to(torch.float64) for r in range(n)]
     fold = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum, "avg": torch.add}[op]
     want = functools.reduce(fold, per_rank)
     if op == "avg":
         want = want / n
-    got = sweep._reduced(g, op, n, dtype)
+    got = expected.reduced(g, op, n, dtype)
     assert torch.equal(got, want.to(torch.int64).to(dtype) if not dtype.is_floating_point else want.to(dtype))
 
 
 def test_count_wrong_counts_exactly_the_spoiled_elements():
     buf = torch.empty(1000, dtype=torch.float32)
-    sweep._fill(buf, 5, lambda g: sweep._move_values(3, g))
-    assert sweep._count_wrong(buf, 5, lambda g: sweep._move_values(3, g), 0.0) == 0
+    expected.fill(buf, 5, lambda g: expected.move_values(3, g))
+    assert expected.count_wrong(buf, 5, lambda g: expected.move_values(3, g), 0.0) == 0
     buf[[0, 17, 999]] += 1
-    assert sweep._count_wrong(buf, 5, lambda g: sweep._move_values(3, g), 0.0) == 3
+    assert expected.count_wrong(buf, 5, lambda g: expected.move_values(3, g), 0.0) == 3
     # A different rank's data (shifted by one) is wrong nearly everywhere.
-    assert sweep._count_wrong(buf, 5, lambda g: sweep._move_values(4, g), 0.0) >= 990
+    assert expected.count_wrong(buf, 5, lambda g: expected.move_values(4, g), 0.0) >= 990
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_count_wrong_counts_exactly_the_spoiled_elements():
 )
 def test_numbers_print_like_nccl_tests_getFloatStr(value, width, text):
     # Expected strings are C printf of nccl-tests src/util.cu getFloatStr's chosen format.
-    assert sweep._float_str(value, width) == text
+    assert table.float_str(value, width) == text
 
 
 def test_row_line_layout_matches_the_header_columns():

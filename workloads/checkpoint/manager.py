@@ -111,7 +111,7 @@ class CheckpointManager:
         self.optimizer: torch.optim.Optimizer | None = None
         self.train_state: TrainState | None = None
         self.meta: dict[str, Any] = {}
-        if not cfg.checkpoint_dir:
+        if not cfg.checkpoint.checkpoint_dir:
             return
         self.url = ranks.on_rank0(lambda: self._open_store().url)
         self.store = ranks.on_every_rank(self._open_store)
@@ -139,11 +139,11 @@ class CheckpointManager:
 
     def _open_store(self) -> CheckpointStore:
         """Open the checkpoint place (rank 0 first, alone: it also proves the place writable)."""
-        assert self.cfg.checkpoint_dir is not None
+        assert self.cfg.checkpoint.checkpoint_dir is not None
         if self.store is not None:
             return self.store
         try:
-            store = open_store(self.cfg.checkpoint_dir)
+            store = open_store(self.cfg.checkpoint.checkpoint_dir)
             if self.ranks.rank == 0:
                 store.check()
         except CheckpointError as e:
@@ -218,7 +218,7 @@ class CheckpointManager:
             if self.ranks.rank == 0:
                 store.abort(name, token)
             raise every_rank(CheckpointError(line)) from None
-        keep = self.cfg.keep_checkpoints
+        keep = self.cfg.checkpoint.keep_checkpoints
 
         def publish() -> str:
             where = store.commit(name, token)
@@ -260,7 +260,7 @@ class CheckpointManager:
                 return
             try:
                 where = store.commit(save.name, save.token)
-                store.prune(self.cfg.keep_checkpoints)
+                store.prune(self.cfg.checkpoint.keep_checkpoints)
             except CheckpointError as e:
                 save.error = str(e)
                 return
@@ -433,13 +433,13 @@ class CheckpointManager:
 def run_meta(cfg: TrainConfig, world: int) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (and a resume checks)."""
     return {
-        "model": cfg.model,
+        "model": cfg.model_spec.model,
         "size": asdict(cfg.size),
         "seq_len": cfg.tokens_per_sample,
-        "global_batch": cfg.global_batch,
+        "global_batch": cfg.training.global_batch,
         "world_size": world,
-        "parallelism": cfg.parallelism,
-        "seed": cfg.seed,
+        "parallelism": cfg.layout.parallelism,
+        "seed": cfg.training.seed,
     }
 
 

@@ -1,0 +1,135 @@
+"""`launch run --image` on bare simulated nodes: nodes with the system python only (no torch, no
+venv, no checkout: tests/simcluster.py `bare=True`), each its own network and mount namespace
+entered with `nsenter --net`, where podman (with runc) can run. The image brings torch; the job's
+working directory is the node's own. The image is the tests' Python image, in the container store
+the nodes share with this machine, as a pre-pulled image on a VM's disk."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.containers.runtime import containers_named, podman_env, python_image
+from tests.support import LAUNCH, REPO, source_args
+
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("containers")]
+
+DDP = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+passwd = open("/etc/passwd").read().strip()
+os.write(1, f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item():g} passwd={passwd}\\n".encode())
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def conf():
+    # Where a bare node can read it (its /tmp and the checkout are its own or hidden there).
+    d = Path(tempfile.mkdtemp(prefix="gpufleet-containers-", dir="/var/tmp"))
+    try:
+        yield d, podman_env(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def nodes(bare_cluster):
+    return bare_cluster(2)
+
+
+def test_ddp_over_gloo_runs_in_the_image_on_bare_nodes_that_have_no_torch(nodes, conf, tmp_path):
+    _, env = conf
+    image = python_image(env)
+    for i in range(2):
+        job = nodes.node_path(i, "/root/job")
+        job.mkdir(parents=True, exist_ok=True)
+        (job / "ddp.py").write_text(DDP)
+    no_torch = nodes.exec(0, ["python3", "-c", "import torch"])
+    assert no_torch.returncode != 0  # the node itself has none
+    before = set(containers_named(env, "gpufleet-"))
+    flags = [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
+    r = subprocess.run(
+        [LAUNCH, "run", *source_args(nodes, tmp_path), "--image", image, *flags, "--env", "OMP_NUM_THREADS=1"]
+        + ["--workdir", "/root/job", "--", "/root/job/ddp.py"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = sorted(re.findall(r"rank=\d world=\d sum=\S+ passwd=.*", r.stdout))
+    assert lines == [f"rank={i} world=2 sum=3 passwd=root:x:0:0:root:/root:/bin/sh" for i in range(2)], r.stdout
+    assert set(containers_named(env, "gpufleet-")) == before
+    nodes.assert_nothing_left()
+
+
+STEPS = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+attempt = os.environ["GPUFLEET_ATTEMPT"]
+for step in range(int(os.environ.get("STEPS", "40"))):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        os.write(1, f"step {step} attempt {attempt} world {t.item():g}\\n".encode())
+    time.sleep(0.3)
+dist.destroy_process_group()
+"""
+
+
+def test_a_detached_job_in_the_image_comes_back_after_a_node_is_lost(nodes, conf, tmp_path):
+    """--detach --recover with --image: node 1 lost (its VM gone, and its container with it), the
+    controller on node 0 relaunches in the image once it is back; no container is left."""
+    from tests.launcher.test_jobs_cluster import detach, launch, wait_state
+
+    _, env = conf
+    image = python_image(env)
+    for i in range(2):
+        job = nodes.node_path(i, "/root/steps")
+        job.mkdir(parents=True, exist_ok=True)
+        (job / "steps.py").write_text(STEPS)
+    flags = [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
+    job_id = detach(
+        nodes,
+        tmp_path,
+        "run",
+        "--image",
+        image,
+        *flags,
+        "--env",
+        "OMP_NUM_THREADS=1",
+        "--workdir",
+        "/root/steps",
+        "--recover",
+        "--recover-timeout",
+        "3m",
+        "--",
+        "/root/steps/steps.py",
+    )
+    logs = lambda: launch(tmp_path, "logs", *source_args(nodes, tmp_path), job_id).stdout  # noqa: E731
+    deadline = time.monotonic() + 300
+    while "step 3 attempt 0" not in logs():
+        assert time.monotonic() < deadline, logs()
+        time.sleep(1)
+    # The VM goes away: its sessions and sshd, and (as on a real VM) its container.
+    nodes.power_off(1)
+    subprocess.run(["podman", "rm", "-f", f"gpufleet-{job_id}-1"], env={**os.environ, **env})
+    wait_state(nodes, tmp_path, job_id, {"RECOVERING"}, timeout=60)
+    nodes.restart_sshd(1)
+    done = wait_state(nodes, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=400)
+    assert done["state"] == "SUCCEEDED", done
+    (rec,) = done["recoveries"]
+    assert rec["node"] == 1 and rec["reason"] == "node-lost", rec
+    out = logs()
+    assert "step 39 attempt 1 world 2" in out, out
+    assert containers_named(env, f"gpufleet-{job_id}") == []

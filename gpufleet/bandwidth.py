@@ -165,13 +165,13 @@ class SizeError(ValueError):
 
 
 # nccl-tests parsesize(): `sscanf(value, "%zu %1[kmgKMG]")`, K/M/G binary (1024^k).
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
+_SIZE_RE = re.compile(r"\s*(\d+)\s*([kKmMgG]?)\s*")
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
 
 def parse_size(text: str) -> int:
     """`8` → 8, `1K` → 1024, `8M` → 8·2^20, `8G` → 8·2^30; raises SizeError naming the value."""
-    m = _SIZE_RE.match(str(text))
+    m = _SIZE_RE.fullmatch(str(text))
     if not m:
         raise SizeError(
             f"size {text!r} is not understood; write bytes as an integer with an optional "

@@ -10,18 +10,22 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli.detached import copy_path, follow, node0, restart_orphans
+from launcher.cli.detached import copy_path, dry_run, follow, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.jobs.node0 import Node0
-from launcher.jobs.record import JobRecord, check_job_id
+from launcher.jobs.record import JobRecord, check_job_id, list_script, logs_script
 from launcher.jobs.recovery import recovery_lines
 
 __all__ = ["attach", "render_summary"]
 
 
+def _summary_script(job_id: str) -> str:
+    return f'cat "$HOME"/.gpufleet/jobs/{check_job_id(job_id)}/launch.json 2>/dev/null; exit 0'
+
+
 def _fetch_summary(n0: Node0, job_id: str) -> dict[str, Any] | None:
-    text = n0.run(f'cat "$HOME"/.gpufleet/jobs/{check_job_id(job_id)}/launch.json 2>/dev/null; exit 0')
+    text = n0.run(_summary_script(job_id))
     try:
         return json.loads(text) if text.strip() else None
     except ValueError:
@@ -54,6 +58,13 @@ def attach(job_id: str, **o: Any) -> None:
     """Follow a detached job's output until it ends, then show its summary table."""
     check_job_id(job_id)
     _, n0 = node0(o)
+    steps = [
+        (f"read job {job_id}'s record", list_script(job_id)),
+        (f"follow job {job_id}'s log until it ends", logs_script(job_id, None, follow=True)),
+        (f"read job {job_id}'s summary", _summary_script(job_id)),
+    ]
+    if dry_run(o, n0, steps):
+        return
     restart_orphans(n0, n0.records(job_id))
     record = follow(n0, job_id, None, copy_path(o, job_id, None))
     render_summary(record, _fetch_summary(n0, job_id))

@@ -14,11 +14,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli.detached import STATE_STYLE, node0, restart_orphans
+from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import user_errors
 from launcher.jobs.goodput import format_cost, goodput_of
-from launcher.jobs.record import JobRecord
+from launcher.jobs.record import JobRecord, list_script
 
 __all__ = ["jobs"]
 
@@ -61,6 +61,8 @@ def jobs(as_json: bool, **o: Any) -> None:
     """List the cluster's detached jobs, newest first, with each one's goodput (productive share
     of its time on the nodes), node-hours and cost so far at on-demand / Spot list prices."""
     n0 = node0(o)[1]
+    if dry_run(o, n0, [("list the jobs (and start again any dead controller)", list_script())]):
+        return
     records = n0.records()
     restart_orphans(n0, records)
     if as_json:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from launcher.cli.detached import copy_path, follow, node0, reader_gone
+from launcher.cli.detached import copy_path, dry_run, follow, node0, reader_gone
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import user_errors
 from launcher.core.types import UserError
@@ -29,6 +29,9 @@ def logs(job_id: str, node: int | None, follow_: bool, **o: Any) -> None:
     cluster, n0 = node0(o)
     if node is not None and not 0 <= node < len(cluster.nodes):
         raise UserError(f"--node {node} is not a node of this cluster (0..{len(cluster.nodes) - 1})")
+    what = f"{'follow' if follow_ else 'print'} job {job_id}'s log" + (f" (node {node})" if node is not None else "")
+    if dry_run(o, n0, [(what, logs_script(job_id, node, follow=follow_))]):
+        return
     copy = copy_path(o, job_id, node)
     if follow_:
         record = follow(n0, job_id, node, copy)

@@ -26,7 +26,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from gpufleet.bandwidth import avg_busbw
+from gpufleet.bandwidth import SizeError, avg_busbw, parse_size, size_ladder
 from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
 from launcher.cli.code_options import INDEX_OPTIONS, code_request, prepare_nodes
@@ -131,12 +131,29 @@ class NcclRequest:
         return dict(e.split("=", 1) for e in self.env if "=" in e)
 
 
+def _check_sizes(sweep: SweepSpec) -> None:
+    """-b, -e and -f as the sweep on every node reads them (gpufleet.bandwidth, nccl-tests'
+    parsesize and its size loop), checked here so a sweep that cannot run starts nowhere."""
+    sizes = {}
+    for flag, text in (("-b", sweep.minbytes), ("-e", sweep.maxbytes)):
+        try:
+            sizes[flag] = parse_size(text)
+        except SizeError as e:
+            raise UserError(f"{flag} {text}: {e}") from None
+    try:
+        # The sweep's own -i (bytes added when -f is 1), which the launcher leaves at its default.
+        size_ladder(sizes["-b"], sizes["-e"], sweep.stepfactor, stepbytes=_SWEEP.get_default("stepbytes"))
+    except SizeError as e:
+        raise UserError(f"-b {sweep.minbytes} -e {sweep.maxbytes} -f {sweep.stepfactor}: {e}") from None
+
+
 def nccl_request(o: dict[str, Any]) -> NcclRequest:
     """The command's options (click's dict) as a checked NcclRequest."""
     try:
         sweep = SweepSpec(**{name: o[name] for name in ("ops", *(n for n, _ in SWEEP_FLAGS))})
     except ValueError as e:
         raise UserError(f"--ops {o['ops']}: {e}") from None
+    _check_sizes(sweep)
     env = list(o.get("env", ()))
     env += [f"{var}={o[key]}" for var, key in (("NCCL_ALGO", "nccl_algo"), ("NCCL_PROTO", "nccl_proto")) if o.get(key)]
     return NcclRequest(

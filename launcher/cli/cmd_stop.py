@@ -9,12 +9,12 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.detached import STATE_STYLE, node0, restart_orphans
+from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.core.types import LaunchConfig, UserError
 from launcher.jobs.node0 import Node0
-from launcher.jobs.record import JobRecord, check_job_id, stop_script
+from launcher.jobs.record import JobRecord, check_job_id, list_script, stop_script
 from launcher.jobs.recovery import parse_duration
 
 __all__ = ["stop"]
@@ -29,9 +29,13 @@ def _wait_final(n0: Node0, job_id: str, timeout: float) -> JobRecord:
         time.sleep(0.3)
 
 
+def _request_script(job_id: str) -> str:
+    return f'cat "$HOME"/.gpufleet/jobs/{check_job_id(job_id)}/request.json 2>/dev/null; exit 0'
+
+
 def _job_term_grace(n0: Node0, job_id: str) -> tuple[float, bool]:
     """The job's --term-grace, and whether it runs under torchrun, from its request on node 0."""
-    text = n0.run(f'cat "$HOME"/.gpufleet/jobs/{check_job_id(job_id)}/request.json 2>/dev/null; exit 0')
+    text = n0.run(_request_script(job_id))
     try:
         d = json.loads(text)
         return float(d["config"].get("stop_grace_s", 5.0)), d["workload"]["kind"] == "torchrun"
@@ -55,6 +59,13 @@ def stop(job_id: str, grace: str | None, **o: Any) -> None:
     check_job_id(job_id)
     grace_s = parse_duration(grace, "--grace") if grace is not None else None
     _, n0 = node0(o)
+    steps = [
+        (f"read job {job_id}'s record", list_script(job_id)),
+        (f"read job {job_id}'s --term-grace", _request_script(job_id)),
+        (f"stop job {job_id}, then wait for its record to say it ended", stop_script(job_id, grace_s)),
+    ]
+    if dry_run(o, n0, steps):
+        return
     # Names a job that is not there; a job whose controller died gets one again, which stops it.
     restart_orphans(n0, [n0.record(job_id)])
     term_s, torchrun = _job_term_grace(n0, job_id)

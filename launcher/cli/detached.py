@@ -20,7 +20,14 @@ import click
 from rich.markup import escape
 
 from launcher.cli.code_options import code_request, prepare_nodes
-from launcher.cli.options import DEFAULT_CONTROLLER_GRACE, build_config, find_cluster, recover_request, ssh_config
+from launcher.cli.options import (
+    DEFAULT_CONTROLLER_GRACE,
+    build_config,
+    find_cluster,
+    recover_request,
+    ssh_config,
+    trusted_ssh,
+)
 from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
@@ -30,7 +37,16 @@ from launcher.jobs.record import JobRecord, logs_script
 from launcher.jobs.recovery import parse_duration, recover_policy
 from launcher.runner import plan_detached
 
-__all__ = ["STATE_STYLE", "start_detached", "node0", "copy_path", "reader_gone", "follow", "restart_orphans"]
+__all__ = [
+    "STATE_STYLE",
+    "start_detached",
+    "node0",
+    "dry_run",
+    "copy_path",
+    "reader_gone",
+    "follow",
+    "restart_orphans",
+]
 
 STATE_STYLE = {
     "PENDING": "cyan",
@@ -98,8 +114,20 @@ def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
             "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
             "cluster's node flags (--hostfile, --stack, ...)"
         )
-    transport = make_transport(cluster, ssh_config(o, cluster), o.get("dry_run", False))
+    transport = make_transport(cluster, trusted_ssh(o, cluster, ssh_config(o, cluster)), o.get("dry_run", False))
     return cluster, Node0(transport, job_host(cluster))
+
+
+def dry_run(o: dict[str, Any], n0: Node0, steps: list[tuple[str, str]]) -> bool:
+    """--dry-run on a command that reads or acts on the job host: print each step it would take
+    there, `HOST<TAB>what<TAB>command`, and connect to nothing (True); False without --dry-run."""
+    if not o.get("dry_run"):
+        return False
+    if n0.transport.route(n0.head):
+        err.print(f"[dim]{escape(n0.head.label)}: {escape(n0.transport.route(n0.head))}[/dim]")
+    for what, script in steps:
+        click.echo(f"{n0.head.host}\t{what}\t{n0.transport.display(n0.head, script)}")
+    return True
 
 
 def copy_path(o: dict[str, Any], job_id: str, node: int | None) -> Path:

@@ -40,6 +40,7 @@ __all__ = [
     "find_cluster",
     "build_config",
     "ssh_config",
+    "trusted_ssh",
     "recover_request",
 ]
 
@@ -284,32 +285,61 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
     elif src == "stack":
         cluster = discovery.read_stack(o["stack"], prefer_external=ext)
     else:
-        labels = {}
-        for pair in o["labels"]:
-            k, sep, v = pair.partition("=")
-            if not sep:
-                raise UserError(f"--label {pair!r} is not KEY=VALUE")
-            labels[k] = v
-        if not o.get("project") or not o.get("zone"):
-            raise UserError("--label needs --project and --zone")
-        client = None
-        if o.get("api_endpoint"):
-            from google.auth.credentials import AnonymousCredentials
-            from google.cloud import compute_v1
-
-            client = compute_v1.InstancesClient(
-                credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": o["api_endpoint"]}
-            )
-        cluster = discovery.discover_by_label(
-            labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
-        )
+        cluster = _label_cluster(o, ext)
+    _check_machine_type(cluster, "--machine-type" if o.get("machine_type") else _SOURCE_NAME[src](o))
     if o.get("controller"):
         host = o["controller"]
         cluster = replace(cluster, controller=ControllerHost(host=host, address=discovery.address_of(host)))
     if o.get("machine_type") and src != "hostfile":
         cluster = replace(cluster, machine_type=o["machine_type"])
+        _check_machine_type(cluster, "--machine-type")
     exclude = tuple(h.strip() for h in (o.get("exclude") or "").split(",") if h.strip())
     return cluster.select(o.get("nodes"), exclude)
+
+
+def _label_cluster(o: dict[str, Any], ext: bool) -> Cluster:
+    labels = {}
+    for pair in o["labels"]:
+        k, sep, v = pair.partition("=")
+        if not sep:
+            raise UserError(f"--label {pair!r} is not KEY=VALUE")
+        labels[k] = v
+    if not o.get("project") or not o.get("zone"):
+        raise UserError("--label needs --project and --zone")
+    client = None
+    if o.get("api_endpoint"):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import compute_v1
+
+        client = compute_v1.InstancesClient(
+            credentials=AnonymousCredentials(), transport="rest", client_options={"api_endpoint": o["api_endpoint"]}
+        )
+    return discovery.discover_by_label(
+        labels, o["project"], o["zone"], client=client, machine_type=o.get("machine_type"), prefer_external=ext
+    )
+
+
+_SOURCE_NAME = {
+    "hostfile": lambda o: f"hostfile {o['hostfile']}",
+    "outputs": lambda o: str(o["outputs"]),
+    "stack": lambda o: f"stack {o['stack']!r}",
+    "labels": lambda o: "--label",
+}
+
+
+def _check_machine_type(cluster: Cluster, source: str) -> None:
+    """The cluster's machine type is one the catalog knows, checked once here, before any command
+    checks its workload against the nodes (their GPU count, the memory plan, the NICs): one line
+    naming the source and the known types, never a traceback from the first code to look it up."""
+    from gpufleet.catalog import UnknownMachineType, lookup
+
+    if cluster.machine_type is None or cluster.local:
+        return
+    try:
+        lookup(cluster.machine_type)
+    except UnknownMachineType as e:
+        known = str(e).partition("; ")[2]
+        raise UserError(f"{source}: machineType {cluster.machine_type!r} is unknown; {known}") from None
 
 
 def _ssh_options(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -365,7 +395,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         )
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
-    return LaunchConfig(
+    config = LaunchConfig(
         workload=workload,
         nproc_per_node=o.get("nproc_per_node"),
         max_restarts=o.get("max_restarts", 0),
@@ -388,6 +418,17 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         image=image or None,
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
+    return replace(config, ssh=trusted_ssh(o, cluster, config.ssh))
+
+
+def trusted_ssh(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConfig:
+    """`ssh` with how it checks the cluster's host keys, its known_hosts made ready before the
+    first connection (launcher.cluster.host_keys.host_key_checking); a dry run reads nothing."""
+    if o.get("dry_run") or cluster.local:
+        return ssh
+    from launcher.cluster.host_keys import host_key_checking
+
+    return replace(ssh, host_key_checking=host_key_checking(cluster, ssh, o.get("api_endpoint")))
 
 
 def _term_grace(text: str) -> float:

@@ -223,7 +223,9 @@ def print_plan(p: LaunchPlan) -> None:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
     if p.stdin_note():
         err.print(f"[dim]{escape(p.stdin_note())}[/dim]")
-    for line in p.dry_run():
+    for node, line in zip(p.cluster.nodes, p.dry_run()):
+        if p.transport.route(node):  # --iap: the tunnel each node's connection would take
+            err.print(f"[dim]{escape(node.label)}: {escape(p.transport.route(node))}[/dim]")
         click.echo(line)
 
 

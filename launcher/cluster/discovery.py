@@ -29,12 +29,15 @@ __all__ = [
     "address_of",
 ]
 
-_SLOTS_RE = re.compile(r"^slots=(\d+)$")
+_SLOTS_RE = re.compile(r"slots=(\d+)")
 
 
-def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None = None) -> Cluster:
+def parse_hostfile(
+    text: str, source: str = "hostfile", machine_type: str | None = None, name: str | None = None
+) -> Cluster:
     """One host per line, optional `slots=N`, `#` comments and blank lines ignored; one line
-    `controller HOST` names the host of detached jobs' controllers (not a node).
+    `controller HOST` names the host of detached jobs' controllers (not a node). `name`: the
+    cluster's (read_hostfile: the file's absolute path), else one made from `source`.
 
     Line order is rank order (the first host is node 0, the rendezvous host).
     """
@@ -45,7 +48,7 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
         if not line:
             continue
         host, *rest = line.split()
-        if host == "controller" and rest and not _SLOTS_RE.match(rest[0]):
+        if host == "controller" and rest and not _SLOTS_RE.fullmatch(rest[0]):
             if len(rest) > 1 or controller is not None:
                 raise UserError(
                     f"{source} line {lineno}: write one `controller HOST` line with one host (the host of "
@@ -58,7 +61,7 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
             continue
         slots = None
         for word in rest:
-            m = _SLOTS_RE.match(word)
+            m = _SLOTS_RE.fullmatch(word)
             if not m or int(m.group(1)) < 1:
                 raise UserError(
                     f"{source} line {lineno}: {word!r} is not understood; write `HOST` or `HOST slots=N` (N >= 1)"
@@ -70,7 +73,9 @@ def parse_hostfile(text: str, source: str = "hostfile", machine_type: str | None
             raise UserError(f"{source} line {lineno}: {e}") from None
     if not nodes:
         raise UserError(f"{source} lists no hosts; write one host per line (`#` starts a comment)")
-    return Cluster(name=_cluster_name(source), nodes=tuple(nodes), machine_type=machine_type, controller=controller)
+    return Cluster(
+        name=name or _cluster_name(source), nodes=tuple(nodes), machine_type=machine_type, controller=controller
+    )
 
 
 def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
@@ -82,7 +87,9 @@ def read_hostfile(path: Path, machine_type: str | None = None) -> Cluster:
         raise UserError(
             f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}); write one host name or address per line"
         ) from None
-    return parse_hostfile(text, source=str(path), machine_type=machine_type)
+    # Named by its absolute path: two files called `hosts` are two clusters, each with its own
+    # known_hosts file (launcher.core.transport.cluster_slug).
+    return parse_hostfile(text, source=str(path), machine_type=machine_type, name=str(path.resolve()))
 
 
 def address_of(host: str) -> str:

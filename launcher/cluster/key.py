@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.core.transport import Transport, state_dir
+from launcher.core.transport import Transport, cluster_slug, state_dir
 from launcher.core.types import Cluster, Node, SshConfig, UserError
 
 __all__ = [
@@ -42,13 +42,6 @@ __all__ = [
 
 # Where node 0 keeps the cluster's private key and known_hosts, relative to its home.
 NODE_KEY_DIR = ".gpufleet/clusters"
-
-
-def cluster_slug(cluster: Cluster) -> str:
-    """The cluster's name plus a short hash of (name, project, zone), as the client's known_hosts
-    file is named (launcher.core.transport)."""
-    key = hashlib.sha256(f"{cluster.name}|{cluster.project}|{cluster.zone}".encode()).hexdigest()[:10]
-    return f"{cluster.name}-{key}"
 
 
 def ensure_key(cluster: Cluster) -> Path:

@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from launcher.core.prestart import prestart_verdict
+from launcher.core.program import SPOT_GRACE_MAX_S, SPOT_NOTICE_S
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError
 
@@ -90,7 +91,19 @@ def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfi
     _refuse_torch(probes, config)
     # What launcher.core.prestart's statements reported: a missing GPU or NIC refuses, drift warns.
     drift = prestart_verdict(cluster, probes, config)
-    return _clock_warnings(probes) + _hostname_warnings(cluster, probes) + drift
+    return _clock_warnings(probes) + _hostname_warnings(cluster, probes) + drift + _spot_grace_warnings(probes, config)
+
+
+def _spot_grace_warnings(probes: dict[int, Probe], config: LaunchConfig) -> list[str]:
+    """A --term-grace longer than a Spot VM's notice allows (launcher.core.program.SPOT_NOTICE_S)."""
+    spot = [p.node.label for p in probes.values() if p.ok and p.facts.get("preemptible") == "TRUE"]
+    if not spot or config.stop_grace_s <= SPOT_GRACE_MAX_S:
+        return []
+    return [
+        f"--term-grace {config.stop_grace_s:g} s on Spot nodes ({', '.join(spot)}): a preemption gives "
+        f"{SPOT_NOTICE_S} s from notice to stop, so the ranks may be killed with the VM before their grace "
+        f"ends; give at most {SPOT_GRACE_MAX_S:g}s (https://cloud.google.com/compute/docs/instances/spot)"
+    ]
 
 
 def refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:

@@ -175,6 +175,8 @@ class NodeProgram:
     def _checks(self) -> list[str]:
         config = self.config
         s = _check_statements(config.python, config.workdir, facts=self.check, torch=self.check and self.check_torch)
+        if self.watch_preemption and config.stop_grace_s > SPOT_GRACE_MAX_S:
+            s.append(_preemptible_statement())
         if self.check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
             s += prestart_statements(self.cluster, config.image_os)
         if self.lock_port is not None:
@@ -423,6 +425,22 @@ def _check_statements(python: str, workdir: str | None, facts: bool, torch: bool
     if workdir:
         s.append(f"if [ -d {_workdir(workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
     return s
+
+
+# A Spot VM gets 30 s between its preemption notice and its stop
+# (https://cloud.google.com/compute/docs/instances/spot#preemption-process): a --term-grace above
+# this leaves the ranks too little time after SIGTERM before the VM goes. The pre-start check asks
+# a node that watches for the notice whether it is one only then.
+SPOT_NOTICE_S = 30
+SPOT_GRACE_MAX_S = 25.0
+
+
+def _preemptible_statement() -> str:
+    """`preemptible=TRUE|FALSE` from the node's metadata server (`instance/scheduling/preemptible`,
+    https://cloud.google.com/compute/docs/metadata/predefined-metadata-keys; TRUE on a Spot VM,
+    whose scheduling sets preemptible), `unknown` without one."""
+    url = '"http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/scheduling/preemptible"'
+    return f"echo preemptible=$(curl -sf -m 2 -H 'Metadata-Flavor: Google' {url} || echo unknown)"
 
 
 def _workdir(wd: str) -> str:

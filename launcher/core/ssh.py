@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from launcher.core.types import Node, SshConfig
 
-__all__ = ["remote_command", "ssh_base_argv", "ssh_argv"]
+__all__ = ["remote_command", "ssh_base_argv", "ssh_argv", "iap_tunnel"]
 
 
 def remote_command(script: str) -> str:
@@ -32,14 +32,9 @@ def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[st
         argv += ["-l", ssh.user]
     if ssh.key:
         argv += ["-i", str(ssh.key)]
-    if ssh.iap:
-        if not ssh.zone:
-            raise ValueError("--iap needs the zone")
-        # gcloud's documented tunnel-through-IAP ProxyCommand for OpenSSH.
-        argv += [
-            "-o",
-            f"ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin --zone {shlex.quote(ssh.zone)}",
-        ]
+    if ssh.iap and not ssh.zone:
+        raise ValueError("--iap needs the zone")
+    # --iap: each node's own ProxyCommand, by its instance name (ssh_argv).
     argv += [
         "-o",
         "BatchMode=yes",
@@ -52,9 +47,10 @@ def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[st
         "ServerAliveCountMax=3",
         "-o",
         f"UserKnownHostsFile={known_hosts}",
-        # First contact records the key; a changed key is refused. Never "no".
+        # "yes": the keys the Compute Engine API publishes are there already; "accept-new": first
+        # contact records the key. Either way a changed key is refused. Never "no".
         "-o",
-        "StrictHostKeyChecking=accept-new",
+        f"StrictHostKeyChecking={ssh.host_key_checking}",
         "-o",
         "ControlMaster=auto",
         "-o",
@@ -68,5 +64,17 @@ def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[st
     return argv
 
 
-def ssh_argv(base: Sequence[str], node: Node, command: str) -> list[str]:
-    return [*base, node.host, "--", command]
+def iap_tunnel(instance: str, zone: str, port: str = "%p") -> str:
+    """The command that carries one SSH connection through Identity-Aware Proxy to `instance`:
+    `gcloud compute start-iap-tunnel INSTANCE_NAME INSTANCE_PORT --listen-on-stdin --zone ZONE`
+    (https://cloud.google.com/sdk/gcloud/reference/compute/start-iap-tunnel; it takes an instance
+    name, an IP address only with --network and --region). `%p`: ssh's own port token."""
+    return (
+        f"gcloud compute start-iap-tunnel {shlex.quote(instance)} {port} --listen-on-stdin --zone {shlex.quote(zone)}"
+    )
+
+
+def ssh_argv(base: Sequence[str], node: Node, command: str, tunnel: str | None = None) -> list[str]:
+    """`tunnel`: the node's ProxyCommand (iap_tunnel), after the user's options, which win."""
+    proxy = ["-o", f"ProxyCommand={tunnel}"] if tunnel else []
+    return [*base, *proxy, node.host, "--", command]

@@ -57,7 +57,7 @@ class UserError(Exception):
 
 
 # A host is a DNS name or an IPv4/IPv6 address, optionally user@; nothing a shell would read.
-_HOST_RE = re.compile(r"^(?:[A-Za-z0-9._-]+@)?(?:[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?)$")
+_HOST_RE = re.compile(r"(?:[A-Za-z0-9._-]+@)?(?:[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?)")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Node:
     name: str = ""  # the instance name when known (stack outputs, Compute Engine API)
 
     def __post_init__(self) -> None:
-        if not _HOST_RE.match(self.host) or self.host.startswith("-"):
+        if not _HOST_RE.fullmatch(self.host) or self.host.startswith("-"):
             raise UserError(
                 f"host {self.host!r} is not a valid host name or address; "
                 "use letters, digits, '.', '-', '_' (or an IP address)"
@@ -93,7 +93,7 @@ class ControllerHost:
     name: str = ""  # the instance name when known (stack outputs)
 
     def __post_init__(self) -> None:
-        if not _HOST_RE.match(self.host) or self.host.startswith("-"):
+        if not _HOST_RE.fullmatch(self.host) or self.host.startswith("-"):
             raise UserError(
                 f"controller host {self.host!r} is not a valid host name or address; "
                 "use letters, digits, '.', '-', '_' (or an IP address)"
@@ -199,6 +199,9 @@ class SshConfig:
     connect_timeout: int = 10
     concurrency: int = 8  # sshd's default MaxStartups is 10:30:100; stay below 10
     control_persist: str = "10m"
+    # "yes" where known_hosts holds every node's published keys (launcher.cluster.host_keys);
+    # "accept-new" (trust on first use, a changed key refused) where nothing publishes them.
+    host_key_checking: str = "accept-new"
 
 
 def new_job_id() -> str:

@@ -126,6 +126,10 @@ def adopt(c: JobOwner, previous: JobRecord, silent_s: float | None) -> int:
         silent_s,
         previous.state.value,
     )
+    c.say(
+        f"the job's controller (pid {previous.pid}) died about {silent_s:.0f} s ago while the job was "
+        f"{previous.state.value}; this one (pid {r.pid}) re-adopts it"
+    )
     r.adoptions.append({"at": time.time(), "pid": previous.pid, "attached_s": None})  # saved with the run
     home = Path(os.path.expanduser("~"))
     cluster, config = request_from_json(c.request, c.env, home, c.jobdir.parent)

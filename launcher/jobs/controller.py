@@ -39,6 +39,7 @@ from launcher.core.types import LaunchResult, UserError
 from launcher.jobs.goodput import MarkKeeper, is_node_failure, note_state
 from launcher.jobs.record import (
     CONTROLLER_LOCK,
+    CONTROLLER_PREFIX,
     HEARTBEAT_FILE,
     HEARTBEAT_S,
     SAMPLES_FILE,
@@ -104,6 +105,13 @@ class Controller:
         note_state(self.record, time.time())
         atomic.write_text(self.jobdir / "state.json", json.dumps(self.record.to_json(), indent=1) + "\n")
         self._saved_at = time.monotonic()
+
+    def say(self, text: str) -> None:
+        """One line of the controller's own in the job's log (output.log), after the nodes' lines
+        so far: `launch logs JOB` shows what the controller did and why, not only the record."""
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(self.jobdir / "output.log", "a", buffering=1) as f:
+            f.write(f"{CONTROLLER_PREFIX} {stamp} {text}\n")
 
     def take_lock(self) -> bool:
         """Hold CONTROLLER_LOCK for this controller's life; False: another controller holds it."""
@@ -280,6 +288,7 @@ class Controller:
             )
         if result.hang is not None:
             h = result.hang
+            self.say(h.verdict)  # with the stacks' directory on the job host
             return self.end(JobState.FAILED, result.exit_code, why=h.verdict + note, node=h.node, reason=h.reason)
         if result.exit_code == 0:
             return self.end(JobState.SUCCEEDED, 0)
@@ -308,10 +317,23 @@ class Controller:
         r.state, r.exit, r.why, r.failed_node, r.tail, r.ended = state, code, why, node, tail or [], time.time()
         r.reason = reason
         r.run = None
+        # In the log before the record says so: a reader that sees the final state finds the line.
+        self.say(_ending_line(r))
         self.save()
         (self.jobdir / "env.json").unlink(missing_ok=True)  # the --env values: no relaunch can come now
         log.info("job %s %s (exit %d) %s", r.id, state.value, code, why)
         return code
+
+
+def _ending_line(r: JobRecord) -> str:
+    """How and when the job ended, the last line of its log: `job ID ended FAILED at TIME (exit
+    124, reason hang) after 42 s: why` (a hang's verdict is the line before it)."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.ended))
+    how = f"exit {r.exit}" + (f", reason {r.reason}" if r.reason else "")
+    took = f" after {r.ended - r.started:.0f} s" if r.started and r.ended else ""
+    why = "" if not r.why or r.reason == "hang" else f": {r.why}"
+    tail = f" — last lines of node {r.failed_node}: {r.tail[-1]}" if r.tail and r.failed_node is not None else ""
+    return f"job {r.id} ended {r.state.value} at {when} ({how}){took}{why}{tail}"
 
 
 def _waits_for_controller(record: JobRecord, jobdir: Path) -> bool:

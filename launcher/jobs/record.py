@@ -8,7 +8,10 @@ A job's directory on node 0 is `~/.gpufleet/jobs/<id>/`:
     env.json       the --env values (mode 600), deleted once the nodes run (they reach them on
                    stdin); with --recover when the job ends, for a controller started again to relaunch
     state.json     the record: state, times, exit, the node that failed first and why
-    output.log     every node's output as the attached launcher shows it: `[node N] line`
+    output.log     every node's output as the attached launcher shows it: `[node N] line`; and
+                   the controller's own lines, `[controller] TIME text` (CONTROLLER_PREFIX): each
+                   recovery or restart with its reason, a hang verdict with its stacks, a
+                   re-adoption, and last how and when the job ended
     node-N.log     node N's own log; launch.json: the summary (launcher.core.launch.write_summary)
     controller.log the controller's own messages
     node-N.offset  how many bytes of node N's output the controller has read (launcher.core.launch)
@@ -38,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError, Workload
+
+# How the controller's own lines in a job's output.log begin (launcher.jobs.controller.Controller.say).
+CONTROLLER_PREFIX = "[controller]"
 
 __all__ = [
     "JobState",
@@ -85,7 +91,7 @@ RESTARTED_MARKER = "__GPUFLEET_RESTARTED__"
 # Prefixes each record line of `list_script`'s output, so a login banner is never read as one.
 LIST_MARKER = "__GPUFLEET_JOB__"
 
-_JOB_ID_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9a-f]{6}$")  # launcher.core.types.new_job_id
+_JOB_ID_RE = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # launcher.core.types.new_job_id
 
 
 class JobState(str, enum.Enum):
@@ -277,7 +283,7 @@ def request_from_json(
 
 
 def check_job_id(job_id: str) -> str:
-    if not _JOB_ID_RE.match(job_id):
+    if not _JOB_ID_RE.fullmatch(job_id):
         raise UserError(f"job id {job_id!r} is not a job id (like 20260101-120000-a1b2c3); `launch jobs` lists them")
     return job_id
 

@@ -59,7 +59,7 @@ PREEMPTED_TEXT = "rerun with --resume to continue"
 RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
 # A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
 _STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*")
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Recovery:
 
 def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
     """`90`, `90s`, `30m`, `2h` in seconds; a bad value is a UserError naming `flag`."""
-    m = _DURATION_RE.match(text)
+    m = _DURATION_RE.fullmatch(text)
     if not m or float(m.group(1)) <= 0:
         raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
@@ -321,6 +321,7 @@ class Recoverer:
         r.why = self._why(rec)
         self.c.save()
         log.warning("job %s: %s; waiting for every node to pass its check, then relaunching", r.id, r.why)
+        self.c.say(f"{r.why} (reason {rec.reason}); waiting for every node to pass its check, then relaunching")
 
     def _why(self, rec: Recovery) -> str:
         """The record's one line while recovering: which recovery, the node when known, the cause."""
@@ -397,6 +398,8 @@ class Recoverer:
             done = dict.fromkeys(names, f"could not be started: {type(e).__name__}: {e}")
         rec.restarted.update(done)
         self._note(restarted=dict(rec.restarted))
+        for name, what in done.items():
+            self.c.say(f"instance {name} {what} (--restart-stopped)")
 
     def _shrink(self, launch: Launch, rec: Recovery) -> bool:
         """--min-nodes: leave out the nodes that are not back in time and go on with the others
@@ -416,6 +419,10 @@ class Recoverer:
         self.c.record.nodes = [n.host for n in kept]
         rec.shrunk_to = len(kept)
         self._note(shrunk_to=len(kept))
+        self.c.say(
+            f"{gone} not back within --recover-timeout {self.policy.timeout_s:.0f} s; going on with {len(kept)} "
+            f"nodes (--min-nodes {self.policy.min_nodes}), restart reason shrunk"
+        )
         log.warning(
             "job %s: %s not back within --recover-timeout %.0f s; going on with %d nodes (--min-nodes %d)",
             self.c.record.id,
@@ -445,6 +452,12 @@ class Recoverer:
             return
         moved = follow_moved(client, c, ranks, self.config.ssh.known_hosts, ports[0] if ports else 22)
         if moved != c:
+            for old, new in zip(c.nodes, moved.nodes):
+                if new.host != old.host:
+                    self.c.say(
+                        f"node {old.rank} ({old.name}) moved from {old.host} to {new.host}; reached there with "
+                        "the host keys its guest attributes publish"
+                    )
             self.cluster = moved
             self.c.record.nodes = [n.host for n in moved.nodes]
             self.c.save()
@@ -459,5 +472,10 @@ class Recoverer:
                 self.c.record.state = JobState.RUNNING
                 self._note(waited_s=round(time.monotonic() - t0, 3))
                 log.warning("job %s: relaunched after %.1f s", self.c.record.id, time.monotonic() - t0)
+                cfg = self.c.launch.config if self.c.launch is not None else self.config
+                self.c.say(
+                    f"relaunched after {time.monotonic() - t0:.1f} s: attempt {cfg.attempt} on "
+                    f"{len(self.cluster.nodes)} nodes (GPUFLEET_RESTART_REASON={cfg.restart_reason})"
+                )
 
         return on_event

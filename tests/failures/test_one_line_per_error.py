@@ -7,6 +7,7 @@ worker's own status, the same on every run."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import textwrap
@@ -106,3 +107,70 @@ def test_a_user_traceback_raised_on_every_rank_is_shown_once_and_torchruns_repor
     # Every node's own traceback stays in its own log.
     for other in runs.glob("*/node-*.log"):
         assert "[rank" in other.read_text(), other
+
+
+# ---- an unknown machine type: one line, exit 2, on every path ---------------------------------
+
+# Every command that takes a cluster, and the paths through them that check the workload against
+# the nodes (GPU count, memory plan, NICs) before anything starts: attached, dry run, detached.
+UNKNOWN_TYPE_PATHS = [
+    ["train", "--dry-run"],
+    ["train"],
+    ["train", "--detach"],
+    ["train", "--dry-run", "--nproc-per-node", "2", "--tp", "2"],
+    ["run", "--dry-run", "--", "a.py"],
+    ["run", "--detach", "--", "a.py"],
+    ["exec", "--", "true"],
+    ["nccl-tests", "--dry-run"],
+    ["nccl-tests", "--detach"],
+    ["nccl-tests", "--impl", "nccl-tests", "--dry-run"],
+    ["doctor", "--dry-run"],
+    ["hosts", "--dry-run"],
+    ["top", "--dry-run"],
+    ["jobs"],
+]
+
+
+def _outputs(tmp_path: Path, machine_type: str) -> Path:
+    nodes = [
+        {"name": f"dev-{i}", "index": i, "internalIp": f"192.0.2.{10 + i}", "externalIp": None, "zone": "us-central1-a"}
+        for i in range(2)
+    ]
+    path = tmp_path / "o.json"
+    path.write_text(
+        json.dumps(
+            {"cluster": "dev", "project": "p", "zone": "us-central1-a", "machineType": machine_type, "nodes": nodes}
+        )
+    )
+    return path
+
+
+@pytest.mark.parametrize("args", UNKNOWN_TYPE_PATHS, ids=" ".join)
+def test_an_unknown_machine_type_in_the_outputs_is_one_line_with_the_known_types(tmp_path, args):
+    outputs = _outputs(tmp_path, "a3-mega")
+    cmd, rest = args[0], args[1:]
+    runs = tmp_path / "runs"
+    p = subprocess.run(
+        [LAUNCH, cmd, "--outputs", str(outputs), "--runs-dir", str(runs), *rest],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith(f"error: {outputs}: machineType 'a3-mega' is unknown; one of: "), lines[0]
+    assert "a3-megagpu-8g" in lines[0] and not runs.exists()
+
+
+def test_an_unknown_machine_type_given_for_a_hostfile_names_the_flag(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("192.0.2.10\n")
+    p = subprocess.run(
+        [LAUNCH, "train", "--hostfile", str(hosts), "--machine-type", "a3-mega", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("error: --machine-type: machineType 'a3-mega' is unknown; one of: ")

@@ -172,9 +172,14 @@ class FakeMetadata:
 
     PATH = "/computeMetadata/v1/instance/attributes/physical_host"
     PREEMPTED = "/computeMetadata/v1/instance/preempted"
+    # TRUE on a Spot or preemptible VM (https://cloud.google.com/compute/docs/metadata/predefined-metadata-keys).
+    PREEMPTIBLE = "/computeMetadata/v1/instance/scheduling/preemptible"
 
-    def __init__(self, physical_host: str | None, bind: str = "0.0.0.0", reach_at: str = "127.0.0.1"):
+    def __init__(
+        self, physical_host: str | None, bind: str = "0.0.0.0", reach_at: str = "127.0.0.1", spot: bool = False
+    ):
         self.physical_host = physical_host
+        self.spot = spot
         self.requests: list[str] = []
         self.preempted = False
         self.preempted_addresses: set[str] = set()
@@ -191,6 +196,8 @@ class FakeMetadata:
                     self._reply(403, "Missing required header \"Metadata-Flavor\": \"Google\"\n")
                 elif self.path == fake.PATH and fake.physical_host is not None:
                     self._reply(200, fake.physical_host)
+                elif self.path == fake.PREEMPTIBLE:
+                    self._reply(200, "TRUE" if fake.spot else "FALSE")
                 elif self.path.partition("?")[0] == fake.PREEMPTED:
                     query = parse_qs(urlsplit(self.path).query)
                     self._reply(200, fake.wait_preempted(query, self.client_address[0]))

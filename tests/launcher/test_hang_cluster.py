@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, wait_state
+from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
 from tests.support import LAUNCH, REPO, source_args, torch_args
 
 pytestmark = pytest.mark.cluster
@@ -86,4 +86,13 @@ def test_detached_run_ends_failed_with_reason_hang_naming_the_rank(sim_cluster, 
     stacks = jobdir(tmp_path, job_id) / "stacks"  # on node 0, in the job's directory
     assert done["why"].endswith(f"stacks: {stacks}/")
     assert len(list(stacks.glob("node-*-rank-*.txt"))) == 6
+    # `launch logs` says why: the job's log ends with the controller's own lines, the verdict
+    # (with the stacks' directory) and how and when the job ended.
+    logs = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout.splitlines()
+    stamp = r"\[controller\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+    assert re.fullmatch(stamp + re.escape(done["why"]), logs[-2]), logs[-3:]
+    assert re.fullmatch(
+        stamp + rf"job {job_id} ended FAILED at \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \(exit 124, reason hang\) after \d+ s",
+        logs[-1],
+    ), logs[-3:]
     c.assert_nothing_left()

@@ -275,7 +275,12 @@ def test_jobs_on_busy_nodes_queue_fifo_stop_removes_a_pending_one_and_attached_l
     ran_first = job(c, tmp_path, first)
     assert ran_first["state"] == "SUCCEEDED" and done["started"] >= ran_first["ended"], (ran_first, done)
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), third, check=True).stdout
-    assert out == ""  # it never ran
+    # It never ran: no node's line, only the controller's own saying how it ended.
+    (line,) = out.splitlines()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+    ending = rf"\[controller\] {stamp} job {third} ended STOPPED at {stamp} \(exit 143\): "
+    ending += "stopped while pending; it never ran"
+    assert re.fullmatch(ending, line), line
     c.assert_nothing_left()
 
 

@@ -164,7 +164,12 @@ def test_a_crash_at_the_same_step_with_the_same_error_is_retried_once_then_fails
     assert first["signature"] == second["signature"] and first["step"] == second["step"] == 4
     assert checkpoint_step(ckpt) == 4
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
-    assert out.count("injected crash at step 5") == 2 and "resumed from" in out
+    nodes = "\n".join(line for line in out.splitlines() if line.startswith("[node "))
+    assert nodes.count("injected crash at step 5") == 2 and "resumed from" in nodes
+    # Then the controller's own lines: the recovery, and the end with the repeated error's verdict.
+    said = [line.split(" ", 3)[3] for line in out.splitlines() if line.startswith("[controller] ")]
+    assert said[0].startswith("recovery 1 of 3: node ") and "(reason worker-failed)" in said[0], said
+    assert said[-1].startswith(f"job {job_id} ended FAILED at ") and "same error at step 4" in said[-1], said
     table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
     assert "FAILED" in table and "(2" in table and "recoveries;" in table, table  # the why column may wrap
     # attach on the ended job: its output, then the summary with every recovery listed.

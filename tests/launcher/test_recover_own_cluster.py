@@ -95,6 +95,17 @@ def test_a_plain_ddp_script_survives_a_node_lost_for_10_s_and_resumes_from_its_o
     assert resumed and int(resumed.group(1)) >= 4, second
     assert "] epoch 0 |" not in second and "] epoch 59 | loss" in second, second
     assert snapshot_epochs(read) == 60
+    # The controller's own lines in the log: the recovery with its reason, the relaunch, the end.
+    said = [line.split(" ", 3)[3] for line in out.splitlines() if line.startswith("[controller] ")]
+    assert len(said) == 3, said
+    assert said[0].startswith("attempt 1 after node-lost: node 1: unreachable (") and said[0].endswith(
+        "(reason node-lost); waiting for every node to pass its check, then relaunching"
+    ), said
+    assert re.fullmatch(
+        r"relaunched after [\d.]+ s: attempt 1 on 2 nodes \(GPUFLEET_RESTART_REASON=node-lost\)", said[1]
+    )
+    assert re.fullmatch(rf"job {job_id} ended SUCCEEDED at [\d-]+ [\d:]+ \(exit 0\) after \d+ s", said[2]), said
+    assert out.splitlines()[-1].startswith("[controller] ")
     c.assert_nothing_left()
 
 

@@ -751,10 +751,14 @@ def test_ssh_argv_checks_host_keys_keeps_connections_and_lets_user_options_win()
     assert "StrictHostKeyChecking=no" not in opts
     assert "UserKnownHostsFile=/home/u/.cache/gpufleet/known_hosts/c-1" in opts
     assert {"BatchMode=yes", "ControlMaster=auto", "ControlPath=/tmp/ctl/%C", "ServerAliveInterval=2"} <= set(opts)
-    assert ("ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin --zone us-east5-a") in opts
+    # --iap: no tunnel by address in the shared options; each node's own, by name (ssh_argv).
+    assert not any(o.startswith("ProxyCommand=") for o in opts)
     assert base[base.index("-l") + 1] == "ml"
     argv = ssh_argv(base, Node(0, "10.0.0.2", "10.0.0.2"), "exec bash -c true")
     assert argv[-3:] == ["10.0.0.2", "--", "exec bash -c true"]
+    tunnel = "gcloud compute start-iap-tunnel dev-0 %p --listen-on-stdin --zone us-east5-a"
+    argv = ssh_argv(base, Node(0, "10.0.0.2", "10.0.0.2", name="dev-0"), "exec bash -c true", tunnel)
+    assert argv[-5:] == ["-o", f"ProxyCommand={tunnel}", "10.0.0.2", "--", "exec bash -c true"]
 
 
 def test_local_exec_passes_env_and_a_dash_command_literally(tmp_path):

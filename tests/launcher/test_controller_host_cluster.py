@@ -50,14 +50,18 @@ def test_a_recovering_job_survives_node_0_lost_for_10_s_and_ends_at_its_last_ste
     c.preempt(0)
     t_gone = time.monotonic()
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
+    t_seen = time.monotonic()  # the controller noticed the loss no later than this
     assert checkpoint_step(ckpt) < 200, "node 0 was lost after the end: make the run longer"
     time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
     assert job(c, tmp_path, job_id)["state"] == "RECOVERING"
+    t_back = time.monotonic()
     c.restart_sshd(0)
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
     (rec,) = done["recoveries"]
-    assert rec["node"] == 0 and rec["waited_s"] >= 9, rec
+    # It waited for node 0: from noticing the loss (at t_seen at the latest) to the relaunch
+    # (after t_back) it waited at least t_back - t_seen, however late a loaded machine noticed.
+    assert rec["node"] == 0 and rec["waited_s"] >= (t_back - t_seen) - 0.5, rec
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     assert "resumed from" in out and "] step 200/200 |" in out, out[-3000:]
     assert checkpoint_step(ckpt) == 200

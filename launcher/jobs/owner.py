@@ -39,6 +39,9 @@ class JobOwner(Protocol):
     def save(self) -> None:
         """Write the record (atomically)."""
 
+    def say(self, text: str) -> None:
+        """One line of the controller's own in the job's log (a recovery, a relaunch, why)."""
+
     def end(
         self,
         state: JobState,

@@ -1,8 +1,9 @@
 """What the detached-job commands share: `--detach` itself (`start_detached`, for train, run,
-exec and nccl-tests), node 0 of the cluster the node-source flags name, and following a job's
-stream. Every command reads node 0 over the client's own SSH (the same known_hosts and options
-as any launch): the records live there, under the home of the account on node 0
-(launcher.jobs.record), never on this machine.
+exec and nccl-tests), the job host of the cluster the node-source flags name (its controller
+host, else node 0: launcher.jobs.node0.job_host), and following a job's stream. Every command
+reads the job host over the client's own SSH (the same known_hosts and options as any launch):
+the records live there, under the home of its account (launcher.jobs.record), never on this
+machine.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def start_detached(
     builtin: bool = False,
     own_code: bool | None = None,
 ) -> None:
-    """`--detach`: check every node, hand off to node 0, print `job ID` (stdout's only line).
+    """`--detach`: check every node, hand off to the job host, print `job ID` (stdout's only line).
     `check` refuses workload arguments that do not fit the ranks the job will start; `builtin`:
     the built-in workload, recovered with --resume (launcher.jobs.recovery). `own_code`: the
     ranks import gpufleet's own code (None: as `builtin`), sent with its environment. The job
@@ -97,7 +98,7 @@ def start_detached(
     p = plan_detached(cluster, config)
     if p.order_message:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
-    with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to node 0…"):
+    with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to its controller…"):
         job_id = detach(p, policy.to_json() if policy else None)
     click.echo(f"job {job_id}")
     err.print(
@@ -106,12 +107,12 @@ def start_detached(
 
 
 def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:
-    """The cluster the flags name, and the client's SSH to its node 0."""
+    """The cluster the flags name, and the client's SSH to its job host (controller host, else node 0)."""
     setup_logging()
     cluster = find_cluster(o)
     if cluster.local:
         raise UserError(
-            "detached jobs live on node 0 of an SSH cluster; --local has none: give the "
+            "detached jobs live on an SSH cluster's controller host or node 0; --local has none: give the "
             "cluster's node flags (--hostfile, --stack, ...)"
         )
     transport = make_transport(cluster, trusted_ssh(o, cluster, ssh_config(o, cluster)), o.get("dry_run", False))

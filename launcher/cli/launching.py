@@ -1,6 +1,6 @@
 """What train, run and exec share: plan the launch (launcher.runner.plan) and run it attached
 through the one attached path (launcher.cli.render.execute), or with --detach hand the job to
-node 0's controller."""
+its controller (on the controller host, else node 0)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
 
 
 def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None, builtin: bool = False) -> None:
-    """Run attached (the live stream, then the summary), or with --detach hand off to node 0.
+    """Run attached (the live stream, then the summary), or with --detach hand off to the job host.
     `builtin`: the built-in workload (launch train), recovered with --resume, whose ranks import
     gpufleet's own code (sent to the nodes, with its environment: launcher.cli.code_options)."""
     keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes", "no_restart_exit_codes")
@@ -30,7 +30,7 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
 
         recover_policy(
             recover_request(o), workload.argv, detach=False, builtin=builtin
-        )  # refuses: --recover lives on node 0
+        )  # refuses: --recover lives in the detached controller
     if o.get("controller_grace") is not None and not o.get("detach"):
         from launcher.core.types import UserError
 

@@ -88,7 +88,7 @@ def job_env(config: LaunchConfig) -> dict[str, str]:
     """The job's contract with the program it runs, on every rank of every node (torchrun's
     workers inherit it): GPUFLEET_JOB_ID, the same on every attempt; GPUFLEET_ATTEMPT, 0 then
     1, 2, ... for each relaunch of a `--recover` job; GPUFLEET_RESTART_REASON (node-lost,
-    preempted, worker-failed or hang), absent on attempt 0."""
+    preempted, worker-failed, hang or shrunk), absent on attempt 0."""
     env = {JOB_ID_VAR: config.job_id, ATTEMPT_VAR: str(config.attempt)}
     if config.restart_reason:
         env[RESTART_REASON_VAR] = config.restart_reason

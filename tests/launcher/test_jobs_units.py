@@ -197,7 +197,7 @@ def test_stop_and_logs_scripts_quote_the_job_dir():
         (["exec", "--hostfile", "HOSTS", "--dry-run", "--detach", "--", "true"], "--detach and --dry-run"),
         (["logs", "--hostfile", "HOSTS", "../../etc"], "is not a job id"),
         (["stop", "--hostfile", "HOSTS", "20260101-000000-aaaaaa; reboot"], "is not a job id"),
-        (["jobs", "--local", "--nodes", "2"], "detached jobs live on node 0 of an SSH cluster"),
+        (["jobs", "--local", "--nodes", "2"], "detached jobs live on an SSH cluster's controller host or node 0"),
     ],
 )
 def test_detached_commands_refuse_bad_input_in_one_line_before_connecting(tmp_path, args, message):

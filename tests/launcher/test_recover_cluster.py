@@ -70,11 +70,14 @@ def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_un
     time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
     recovering = job(c, tmp_path, job_id)
     assert recovering["state"] == "RECOVERING" and "recovery 1 of 3: node 1" in recovering["why"], recovering
+    back = time.time()
     c.restart_sshd(1)
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
     (rec,) = done["recoveries"]
-    assert rec["node"] == 1 and rec["waited_s"] >= 9, rec
+    # waited_s counts from the controller's notice (rec["at"]), which a loaded machine delays by
+    # seconds after the preemption: what must hold is that the relaunch came after the node did.
+    assert rec["node"] == 1 and rec["at"] + rec["waited_s"] >= back, (rec, back)
     assert "preempted" in rec["cause"] or "unreachable" in rec["cause"], rec
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     assert "resumed from" in out and "] step 300/300 |" in out, seen

@@ -14,6 +14,9 @@ click, so `infra/` (Pulumi), `launcher/` (the laptop) and `workloads/` (the node
   controllerSource) and writes `CONTROLLER_READY_MARKER`.
 - Paths on a node that the startup script makes and the launcher reads: `READY_MARKER`,
   `NCCL_TESTS_DIR`, `LOCAL_SSD_MOUNT`.
+- uv, which builds the jobs' environments: `UV`, the version and wheel hash that the startup
+  script installs (infra/pins.py renders it) and that the launcher's node agent pip-installs on a
+  node that has no uv (launcher/code/pyenv.py puts it in the agent's request).
 - The sweep's machine-readable line: `workloads.sweep` prints `sweep_json_line(doc)`, the
   launcher finds lines that start with `JSON_MARKER` and reads their rows as `SweepRow`s.
 - A node program's own one-line error: it starts with one of `ERROR_LINE_PREFIXES`, and the
@@ -36,6 +39,8 @@ __all__ = [
     "READY_MARKER",
     "NCCL_TESTS_DIR",
     "LOCAL_SSD_MOUNT",
+    "UV",
+    "uv_requirement",
     "LABEL_CONTROLLER",
     "CONTROLLER_VENV",
     "CONTROLLER_READY_MARKER",
@@ -84,6 +89,22 @@ NCCL_TESTS_DIR = "/var/lib/gpufleet/nccl-tests/build"
 # github.com/GoogleCloudPlatform/cluster-toolkit modules/scripts/startup-script/files/setup-raid.yml
 # mounts it. COS keeps / read-only; /mnt/disks is its writable place for extra disks.
 LOCAL_SSD_MOUNT = {"ubuntu": "/mnt/localssd", "cos": "/mnt/disks/localssd"}
+
+# uv, which builds the jobs' environments on Ubuntu nodes: one wheel from PyPI, by version and by
+# the SHA-256 PyPI lists for it (https://pypi.org/project/uv/0.13.9/#files,
+# uv-0.13.9-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl), installed with
+# pip --require-hashes, so a different file is refused: by the startup script, and by the node
+# agent on a node that ran none (launcher.code.node_agent.find_uv).
+UV = {
+    "version": "0.13.9",
+    "sha256": "d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19",
+}
+
+
+def uv_requirement() -> str:
+    """UV as one line of a requirements file for `pip install --require-hashes`."""
+    return f"uv=={UV['version']} --hash=sha256:{UV['sha256']}"
+
 
 # The controller VM's label (value: the cluster name). It does not carry LABEL_CLUSTER: `--label
 # gpufleet-cluster=NAME` lists the nodes alone, and a node count never includes the controller.

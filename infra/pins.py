@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpufleet import contracts
+
 __all__ = [
     "GitPin",
     "AptKey",
@@ -155,11 +157,7 @@ CUDA_DEVEL_IMAGE = Image(
 
 # ---- the Python build tool -------------------------------------------------------------------------
 
-# uv, which builds the jobs' environments on Ubuntu nodes: one wheel from PyPI, by version and by
-# the SHA-256 PyPI lists for it (https://pypi.org/project/uv/0.13.9/#files,
-# uv-0.13.9-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl), installed with
-# pip --require-hashes, so a different file is refused.
-UV = {
-    "version": "0.13.9",
-    "sha256": "d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19",
-}
+# uv, which builds the jobs' environments: pinned in gpufleet/contracts.py (its version, its wheel's
+# SHA-256 and the PyPI page they come from), since the launcher's node agent installs the same uv
+# on a node without one; the startup script renders it from here.
+UV = contracts.UV

@@ -130,7 +130,9 @@ def index_env(env, prefix, torch_index=None):
 
 def find_uv(env):
     """uv on PATH, else the one this program installed before, else pip-install it now from the
-    job's own package source (the node ran no startup script that brought one)."""
+    job's own package source (the node ran no startup script that brought one): the version and
+    wheel the startup script pins (env["uv"], a requirements line with its hash), so a node gets
+    the same uv either way and pip refuses any other file."""
     on_path = shutil.which("uv")
     if on_path:
         return on_path
@@ -139,7 +141,8 @@ def find_uv(env):
     os.makedirs(G, exist_ok=True)
     with open(os.path.join(G, "uv.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(os.path.join(home, DONE)):
+        done = os.path.join(home, DONE)
+        if os.path.exists(done) and open(done).read() == env["uv"]:
             return uv
         say("progress", "installing uv (pip, from " + (env.get("index_url") or "PyPI") + ")")
         shutil.rmtree(home, ignore_errors=True)
@@ -152,9 +155,13 @@ def find_uv(env):
         ]
         if trusted:  # pip takes plain HTTP only from a host named trusted
             pip_env["PIP_TRUSTED_HOST"] = " ".join(trusted)
+        req = os.path.join(home, "requirements.txt")
+        with open(req, "w") as f:
+            f.write(env["uv"] + "\n")
         pip = [os.path.join(home, "bin", "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        run(pip + ["uv"], env=pip_env)
-        open(os.path.join(home, DONE), "w").close()
+        run(pip + ["--require-hashes", "--only-binary=:all:", "-r", req], env=pip_env)
+        with open(done, "w") as f:
+            f.write(env["uv"])
     return uv
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpufleet.contracts import uv_requirement
 from launcher.core.types import UserError
 
 __all__ = ["EnvSpec", "TORCH_INDEXES", "requirement_source", "workloads_requirements", "PYPI"]
@@ -118,4 +119,5 @@ class EnvSpec:
             "find_links": list(self.find_links),
             "torch_indexes": [list(t) for t in self.torch_indexes],
             "uv_cache": uv_cache,
+            "uv": uv_requirement(),  # what a node without uv installs (gpufleet.contracts.UV)
         }

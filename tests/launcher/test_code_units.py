@@ -310,3 +310,42 @@ def test_with_an_image_nothing_is_built_and_the_sync_directory_still_goes(tmp_pa
     assert request.env is None and request.code is None and request.sync.hash == take_snapshot(d).hash
     with pytest.raises(UserError, match="--requirements builds an environment on the nodes, but the ranks run in"):
         code_request({"image": "localhost/py:1", "requirements": d / "requirements.txt"}, cluster, builtin=False)
+
+
+def test_a_node_without_uv_installs_the_version_the_startup_script_pins_and_refuses_another_file(tmp_path):
+    """find_uv pip-installs gpufleet.contracts.UV (the startup script's pin, infra/pins.py) by its
+    hash: an index that offers a uv wheel of that version with other content is refused."""
+    from gpufleet.contracts import UV, uv_requirement
+    from infra import pins
+
+    assert pins.UV is UV
+    # A PEP 503 index (file://) whose uv page links a wheel of the pinned version, not PyPI's file.
+    wheel = f"uv-{UV['version']}-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"
+    (tmp_path / "index" / "simple" / "uv").mkdir(parents=True)
+    (tmp_path / "index" / wheel).write_bytes(b"not uv")
+    (tmp_path / "index" / "simple" / "uv" / "index.html").write_text(f'<a href="../../{wheel}">{wheel}</a>\n')
+    spec = EnvSpec(
+        "requirements.txt", {"requirements.txt": "six\n"}, index_url=(tmp_path / "index" / "simple").as_uri()
+    )
+    env = spec.request(None)
+    assert env["uv"] == uv_requirement() == f"uv=={UV['version']} --hash=sha256:{UV['sha256']}"
+    source = Path(node_agent.__file__).read_text()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-I",
+            "-c",
+            f"{source}\nimport json\nfind_uv(json.loads({json.dumps(json.dumps(env))}))",
+            "find-uv",
+        ],
+        capture_output=True,
+        text=True,
+        env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert r.returncode != 0
+    assert "THESE PACKAGES DO NOT MATCH THE HASHES" in r.stderr, r.stdout + r.stderr
+    requirements = tmp_path / "home" / ".gpufleet" / "uv" / "requirements.txt"
+    assert requirements.read_text() == uv_requirement() + "\n"
+    assert not (tmp_path / "home" / ".gpufleet" / "uv" / node_agent.DONE).exists()

@@ -10,17 +10,20 @@ CONTAINERS_CONF; the registry is plain HTTP on loopback, which registries.conf m
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["podman_env", "python_image", "tiny_image", "Registry", "containers_named", "HERE"]
+__all__ = ["podman_env", "python_image", "python_image_name", "tiny_image", "Registry", "containers_named", "HERE"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -43,17 +46,43 @@ def _podman(env: dict[str, str], *args: str, check: bool = True) -> subprocess.C
     return subprocess.run(["podman", *args], env={**os.environ, **env}, capture_output=True, text=True, check=check)
 
 
+# What build_image.sh copies from the venv: a change to any of them (or to the script, or to the
+# interpreter) is a new image.
+_IMAGE_PACKAGES = ("torch", "sympy", "mpmath", "networkx", "filelock", "fsspec", "jinja2", "markupsafe")
+
+
+def python_image_name() -> str:
+    """localhost/gpufleet-test-python:<torch version>-<key>, the key a hash of the image's inputs:
+    build_image.sh, the venv's interpreter and the versions of the packages it copies."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    inputs = [(HERE / "build_image.sh").read_text(), sys.version, os.path.realpath(sys.executable)]
+    for name in _IMAGE_PACKAGES:
+        try:
+            inputs.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            inputs.append(f"{name} absent")
+    key = hashlib.sha256("\n".join(inputs).encode()).hexdigest()[:12]
+    return f"localhost/gpufleet-test-python:{torch.__version__.replace('+', '-')}-{key}"
+
+
 def python_image(env: dict[str, str]) -> str:
-    """localhost/gpufleet-test-python:<torch version>, built once (about a minute; it stays in
-    podman's image store for the next session, as any pulled image would on a node)."""
-    name = f"localhost/gpufleet-test-python:{torch.__version__.replace('+', '-')}"
-    if _podman(env, "image", "exists", name, check=False).returncode != 0:
-        subprocess.run(
-            ["bash", str(HERE / "build_image.sh"), str(REPO / ".venv"), name],
-            env={**os.environ, **env},
-            check=True,
-            capture_output=True,
-        )
+    """The tests' Python image, built once per machine and per inputs (`make test-image`, before
+    the suite; about a minute), then reused from podman's image store, as a pre-pulled image on a
+    node would be. Built here when missing (a suite started without make): under a file lock,
+    so concurrent test workers wait for the first build."""
+    name = python_image_name()
+    if _podman(env, "image", "exists", name, check=False).returncode == 0:
+        return name
+    with open("/var/tmp/gpufleet-test-image.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _podman(env, "image", "exists", name, check=False).returncode != 0:
+            subprocess.run(
+                ["bash", str(HERE / "build_image.sh"), str(REPO / ".venv"), name],
+                env={**os.environ, **env},
+                check=True,
+                capture_output=True,
+            )
     return name
 
 
@@ -118,3 +147,8 @@ class Registry:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=10)
+
+
+if __name__ == "__main__":  # `make test-image`: build the image now, before the suite, if missing
+    with tempfile.TemporaryDirectory(prefix="gpufleet-podman-conf-") as conf:
+        print(python_image(podman_env(Path(conf))))

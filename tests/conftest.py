@@ -3,8 +3,9 @@ keeps gpufleet state under its tmp_path; `small_tmpfs` mounts a small disk for f
 
 Two kinds of simulated node: `sim_cluster` nodes share this machine's disk (its venv, checkout
 and pip configuration: the tests of the launch itself, which need torch on the nodes without
-building it); `bare_cluster` nodes are what `pulumi up` gives (the system python only, a package
-index on the network), for the tests of what gpufleet must bring to a node itself."""
+building it); `bare_nodes` (one cluster the bare-node modules share) and `bare_cluster` nodes
+are what `pulumi up` gives (the system python only, a package index on the network), for the
+tests of what gpufleet must bring to a node itself."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from tests.simcluster import SimCluster, netns_available
 from tests.simindex import wheel_cache
+from tests.support import BARE_NODES
 
 
 @pytest.fixture
@@ -36,18 +38,22 @@ def sim_cluster(tmp_path):
         cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def bare_cluster(tmp_path_factory):
-    """Factory, one per test module: `cluster = bare_cluster(3)` starts 3 bare nodes and the
-    cluster's package index (SimCluster(bare=True, index=...)); the wheels are downloaded once
-    per machine (tests/simindex.py). A module shares its clusters across its tests, so a node's
-    built environment and received code are built once per module; torn down after the module."""
+def _bare_nodes_possible() -> None:
     if not netns_available():
         why = "bare nodes need root and ip netns (one mount and network namespace per node)"
         # CI runs as root (.ci/run): there a missing netns is a broken machine, never a skip.
         if os.environ.get("CI"):
             pytest.fail(why + "; CI must run as root with iproute2 (make sysdeps)")
         pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def bare_cluster(tmp_path_factory):
+    """Factory, one per test module: `cluster = bare_cluster(3)` starts 3 bare nodes and the
+    cluster's package index (SimCluster(bare=True, index=...)); the wheels are downloaded once
+    per machine (tests/simindex.py). For a module that needs nodes nobody else touched (what a
+    fresh node looks like); the others share `bare_nodes`. Torn down after the module."""
+    _bare_nodes_possible()
     started: list[SimCluster] = []
 
     def make(n: int, **kw) -> SimCluster:
@@ -58,6 +64,25 @@ def bare_cluster(tmp_path_factory):
 
     yield make
     for cluster in started:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def bare_nodes(tmp_path_factory):
+    """ONE cluster of BARE_NODES bare nodes (and the package index) for every module that uses
+    it, as a fleet serves job after job: gpufleet's code is sent and the workloads environment
+    built once, by whichever test comes first, and found there by the rest. Such a module marks
+    itself `BARE_GROUP` (tests/support.py) so xdist runs all of them on one worker (a session
+    fixture is per worker). Its tests must not depend on each other's order: each works in
+    directories of its own (its job id, its own paths on the nodes), asserts what it did from
+    what was there before it, and leaves every node up and nothing running. Torn down at the
+    end of the session."""
+    _bare_nodes_possible()
+    cluster = SimCluster(BARE_NODES, workdir=tmp_path_factory.mktemp("bare-shared"), bare=True, index=wheel_cache())
+    cluster.start()
+    try:
+        yield cluster
+    finally:
         cluster.stop()
 
 

@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.simcluster import SimCluster, _environ
@@ -29,11 +30,44 @@ __all__ = [
     "train_job",
     "sigkill",
     "site_dir",
+    "BARE_NODES",
+    "BARE_GROUP",
+    "IMAGE_DDP",
+    "env_flags",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
+
 PY = str(REPO / ".venv" / "bin" / "python")
 LAUNCH = str(REPO / ".venv" / "bin" / "launch")
+
+# The bare-node modules share one cluster (tests/conftest.py `bare_nodes`) of BARE_NODES nodes,
+# on one xdist worker: each such module carries BARE_GROUP in its pytestmark.
+BARE_NODES = 3
+BARE_GROUP = pytest.mark.xdist_group("bare_nodes")
+
+# A plain DDP script for the --image tests: one all-reduce over gloo, then the rank's line with
+# the /etc/passwd it sees (the image's, not this machine's); with FOREVER set it then ticks until
+# stopped (for Ctrl-C and stop).
+IMAGE_DDP = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+passwd = open("/etc/passwd").read().strip()
+os.write(1, f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item():g} passwd={passwd}\\n".encode())
+dist.destroy_process_group()
+if os.environ.get("FOREVER"):
+    while True:
+        os.write(1, f"tick rank={os.environ['RANK']}\\n".encode())
+        time.sleep(0.5)
+"""
+
+
+def env_flags(env: dict[str, str]) -> list[str]:
+    """`--env K=V` for each variable (e.g. podman's configuration for the ranks' container)."""
+    return [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
+
 
 # The tiny model, one sample per rank per step, no straggler exchange: a step costs ~20 ms on
 # this 2-core machine, so a test's time goes to starting torchrun, not to training.

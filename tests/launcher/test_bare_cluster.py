@@ -1,39 +1,64 @@
 """Every launch path on bare nodes (tests/simcluster.py, `bare=True`): nodes that have only the
 system python3 and the cluster's package index, as `pulumi up` leaves them. Nothing is installed
 on them by hand: gpufleet sends its own code and your --sync directory, and builds each job's
-environment with uv (launcher.code). One cluster of 3 nodes for the module, so an environment
-built by one test is there for the next (as on a real fleet)."""
+environment with uv (launcher.code). The nodes are the session's shared bare cluster
+(tests/conftest.py `bare_nodes`), so an environment built by one test is there for the next, as on
+a real fleet; each test asserts what it did against what the nodes held before it, so none
+depends on another having run first."""
 
 from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from gpufleet.contracts import UV
+from launcher.code.pyenv import EnvSpec, workloads_requirements
 from launcher.code.snapshot import code_snapshot, take_snapshot
-from tests.launcher.test_jobs_cluster import detach, launch, wait_state
+from tests.launcher.test_jobs_cluster import client_env, detach, launch, wait_state
 from tests.launcher.test_recover_own_cluster import snapshot_epochs
-from tests.support import REPO, TRAIN, source_args, wait_for
+from tests.simcluster import _environ
+from tests.support import BARE_GROUP, BARE_NODES, LAUNCH, REPO, TRAIN, source_args, wait_for, workers
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_cluster"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, BARE_GROUP, pytest.mark.timeout(900)]
 
-N = 3
+N = BARE_NODES
 ONE = ["--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
 FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 SENT = re.compile(r"sent (\d+) files \(([^)]*)\) to node 0 \([^)]*\); it passed content on to (\d+) other nodes?")
 
 
-@pytest.fixture(scope="module")
-def c(bare_cluster):
-    return bare_cluster(N)
+@pytest.fixture
+def c(bare_nodes):
+    return bare_nodes
 
 
 def src(c, tmp_path: Path) -> list[str]:
     return [*source_args(c, tmp_path), "--index-url", c.package_index]
+
+
+def lacking_workloads_env(c) -> list[int]:
+    """The nodes without launch train's environment (gpufleet's workloads requirements from the
+    cluster's index): the ones a train or nccl-tests launch must build it on."""
+    key = EnvSpec("requirements.txt", {"requirements.txt": workloads_requirements()}, index_url=c.package_index).key
+    return [i for i in range(N) if not c.node_path(i, f"/root/.gpufleet/envs/{key}/.gpufleet-complete").exists()]
+
+
+def lacking_code(c) -> list[int]:
+    """The nodes without gpufleet's own code (its snapshot, by hash)."""
+    snap = code_snapshot()
+    return [i for i in range(N) if not c.node_path(i, f"/root/.gpufleet/snap/{snap.hash}").is_dir()]
+
+
+def work_dirs(c) -> set[str]:
+    """The job directories (--sync snapshots) on node 0."""
+    d = c.node_path(0, "/root/.gpufleet/work")
+    return {p.name for p in d.iterdir()} if d.is_dir() else set()
 
 
 @pytest.fixture
@@ -67,12 +92,18 @@ def project(tmp_path: Path) -> Path:
 
 
 def test_train_on_bare_nodes_brings_gpufleet_and_its_environment_once(c, tmp_path):
+    lacking_env, lacking = lacking_workloads_env(c), lacking_code(c)
     r = launch(tmp_path, "train", *src(c, tmp_path), *ONE, *TRAIN, "--steps", "2", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "done: 2 steps" in r.stdout
+    # What a node lacked, it got: the code from node 0 (sent once from here), the environment built.
     sent = SENT.search(r.stderr)
-    assert sent and int(sent.group(3)) == N - 1, r.stderr
-    assert r.stderr.count("building environment") == N
+    if lacking:
+        assert sent and int(sent.group(3)) == len(set(lacking) - {0}), r.stderr
+    else:
+        assert sent is None, r.stderr
+    assert r.stderr.count("building environment") == len(lacking_env), r.stderr
+    assert lacking_workloads_env(c) == [] and lacking_code(c) == []
     # The same content is on every node, by its hash; a second launch sends and builds nothing.
     snap = code_snapshot()
     train = (REPO / "workloads" / "train.py").read_bytes()
@@ -85,10 +116,69 @@ def test_train_on_bare_nodes_brings_gpufleet_and_its_environment_once(c, tmp_pat
 
 
 def test_nccl_tests_on_bare_nodes_use_the_same_environment(c, tmp_path):
+    lacking = lacking_workloads_env(c)
     r = launch(tmp_path, "nccl-tests", *src(c, tmp_path), *ONE, "-b", "1K", "-e", "4K", "--ops", "all_reduce")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Avg bus bandwidth" in r.stdout
-    assert "building environment" not in r.stderr  # launch train's: the same requirements, the same key
+    # launch train's environment (the same requirements, the same key): built only where missing.
+    assert r.stderr.count("building environment") == len(lacking), r.stderr
+    assert lacking_workloads_env(c) == []
+
+
+def test_train_with_sync_runs_its_ranks_in_the_snapshot_with_gpufleet_code_set(c, tmp_path, project):
+    """launch train --sync DIR: the ranks run gpufleet's workloads.train in the job's own copy of
+    DIR (a relative --save-params lands there) with GPUFLEET_CODE the snapshot's hash."""
+    snap = take_snapshot(project)
+    before = work_dirs(c)
+    args = [*src(c, tmp_path), *ONE, "--sync", str(project), *TRAIN, "--steps", "40", "--save-params", "params.pt"]
+    with open(tmp_path / "train.log", "w") as log:
+        p = subprocess.Popen(
+            [LAUNCH, "train", *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=client_env(tmp_path)
+        )
+        try:
+            # Each node's rank, while it trains: its environment as torchrun gave it.
+            seen: dict[int, bytes] = {}
+
+            def ranks_seen() -> bool:
+                for i in range(N):
+                    for pid in workers(c, i).values():
+                        seen.setdefault(i, _environ(pid))
+                return len(seen) == N or p.poll() is not None
+
+            wait_for(ranks_seen, 600, "a rank on every node", interval=0.02)
+            assert p.wait(timeout=600) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = (tmp_path / "train.log").read_text()
+    assert "done: 40 steps" in out, out[-3000:]
+    assert sorted(seen) == list(range(N)), out[-3000:]
+    assert all(f"GPUFLEET_CODE={snap.hash}".encode() in env.split(b"\0") for env in seen.values())
+    (job,) = work_dirs(c) - before
+    cwd = c.node_path(0, f"/root/.gpufleet/work/{job}")
+    assert (cwd / "params.pt").is_file() and (cwd / "main.py").read_text() == (project / "main.py").read_text()
+    assert not (project / "params.pt").exists() and not (cwd / "data").exists()
+
+
+def test_a_sync_project_with_a_uv_lock_builds_the_locked_versions(c, tmp_path):
+    """A --sync directory whose uv.lock defines the environment (uv export, then install): its
+    pyproject.toml asks for any six and the index has 1.17.0, the lock says 1.16.0, and 1.16.0 is
+    what every node runs. Built with uv at the version gpufleet pins, which a node without uv
+    pip-installs from the index by its hash (gpufleet.contracts.UV)."""
+    d = tmp_path / "locked"
+    shutil.copytree(REPO / "tests" / "fixtures" / "locked_project", d)
+    show = "import os, six, sys; print('six', six.__version__, sys.prefix, os.environ['GPUFLEET_CODE'])"
+    r = launch(tmp_path, "exec", *src(c, tmp_path), "--sync", str(d), "--", "python", "-c", show, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = re.findall(r"\[node (\d)\] six (\S+) (\S+) (\w+)", r.stdout)
+    assert sorted(int(n) for n, *_ in lines) == list(range(N)), r.stdout
+    (env,) = {prefix for _, _, prefix, _ in lines}
+    assert {(v, code) for _, v, _, code in lines} == {("1.16.0", take_snapshot(d).hash)}, r.stdout
+    assert env.startswith("/root/.gpufleet/envs/") and r.stderr.count("building environment") == N, r.stderr
+    for i in range(N):
+        uv = c.exec(i, ["/root/.gpufleet/uv/bin/uv", "--version"])
+        assert uv.stdout.startswith(f"uv {UV['version']}"), uv.stdout + uv.stderr
 
 
 def test_run_sync_runs_a_plain_ddp_script_with_its_own_requirements_in_a_directory_of_its_own(c, tmp_path, project):

@@ -17,19 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.containers.runtime import containers_named, podman_env, python_image
-from tests.support import LAUNCH, REPO, source_args
+from tests.support import BARE_GROUP, BARE_NODES, IMAGE_DDP, LAUNCH, REPO, env_flags, source_args
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("containers")]
-
-DDP = """
-import os, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-t = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(t)
-passwd = open("/etc/passwd").read().strip()
-os.write(1, f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item():g} passwd={passwd}\\n".encode())
-dist.destroy_process_group()
-"""
+pytestmark = [pytest.mark.cluster, BARE_GROUP]
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +32,34 @@ def conf():
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def nodes(bare_cluster):
-    return bare_cluster(2)
+@pytest.fixture
+def nodes(bare_nodes):
+    return bare_nodes
+
+
+N = BARE_NODES
+
+
+def _job_dir(nodes, tmp_path: Path, name: str, text: str) -> str:
+    """A directory of this test's own on every node (the cluster is shared) holding `name`."""
+    d = f"/root/{tmp_path.name}"
+    for i in range(N):
+        job = nodes.node_path(i, d)
+        job.mkdir(parents=True, exist_ok=True)
+        (job / name).write_text(text)
+    return d
 
 
 def test_ddp_over_gloo_runs_in_the_image_on_bare_nodes_that_have_no_torch(nodes, conf, tmp_path):
     _, env = conf
     image = python_image(env)
-    for i in range(2):
-        job = nodes.node_path(i, "/root/job")
-        job.mkdir(parents=True, exist_ok=True)
-        (job / "ddp.py").write_text(DDP)
+    job = _job_dir(nodes, tmp_path, "ddp.py", IMAGE_DDP)
     no_torch = nodes.exec(0, ["python3", "-c", "import torch"])
     assert no_torch.returncode != 0  # the node itself has none
     before = set(containers_named(env, "gpufleet-"))
-    flags = [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
     r = subprocess.run(
-        [LAUNCH, "run", *source_args(nodes, tmp_path), "--image", image, *flags, "--env", "OMP_NUM_THREADS=1"]
-        + ["--workdir", "/root/job", "--", "/root/job/ddp.py"],
+        [LAUNCH, "run", *source_args(nodes, tmp_path), "--image", image, *env_flags(env), "--env", "OMP_NUM_THREADS=1"]
+        + ["--workdir", job, "--", f"{job}/ddp.py"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -68,7 +67,8 @@ def test_ddp_over_gloo_runs_in_the_image_on_bare_nodes_that_have_no_torch(nodes,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = sorted(re.findall(r"rank=\d world=\d sum=\S+ passwd=.*", r.stdout))
-    assert lines == [f"rank={i} world=2 sum=3 passwd=root:x:0:0:root:/root:/bin/sh" for i in range(2)], r.stdout
+    want = [f"rank={i} world={N} sum={N * (N + 1) // 2} passwd=root:x:0:0:root:/root:/bin/sh" for i in range(N)]
+    assert lines == want, r.stdout
     assert set(containers_named(env, "gpufleet-")) == before
     nodes.assert_nothing_left()
 
@@ -94,27 +94,23 @@ def test_a_detached_job_in_the_image_comes_back_after_a_node_is_lost(nodes, conf
 
     _, env = conf
     image = python_image(env)
-    for i in range(2):
-        job = nodes.node_path(i, "/root/steps")
-        job.mkdir(parents=True, exist_ok=True)
-        (job / "steps.py").write_text(STEPS)
-    flags = [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
+    job = _job_dir(nodes, tmp_path, "steps.py", STEPS)
     job_id = detach(
         nodes,
         tmp_path,
         "run",
         "--image",
         image,
-        *flags,
+        *env_flags(env),
         "--env",
         "OMP_NUM_THREADS=1",
         "--workdir",
-        "/root/steps",
+        job,
         "--recover",
         "--recover-timeout",
         "3m",
         "--",
-        "/root/steps/steps.py",
+        f"{job}/steps.py",
     )
     logs = lambda: launch(tmp_path, "logs", *source_args(nodes, tmp_path), job_id).stdout  # noqa: E731
     deadline = time.monotonic() + 300
@@ -131,5 +127,5 @@ def test_a_detached_job_in_the_image_comes_back_after_a_node_is_lost(nodes, conf
     (rec,) = done["recoveries"]
     assert rec["node"] == 1 and rec["reason"] == "node-lost", rec
     out = logs()
-    assert "step 39 attempt 1 world 2" in out, out
+    assert f"step 39 attempt 1 world {N}" in out, out
     assert containers_named(env, f"gpufleet-{job_id}") == []

@@ -18,23 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.containers.runtime import Registry, containers_named, podman_env, python_image, tiny_image
-from tests.support import LAUNCH, REPO, Launch
+from tests.support import IMAGE_DDP, LAUNCH, REPO, Launch, env_flags
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("containers")]
-
-DDP = """
-import os, time, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-t = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(t)
-passwd = open("/etc/passwd").read().strip()
-os.write(1, f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item():g} passwd={passwd}\\n".encode())
-dist.destroy_process_group()
-if os.environ.get("FOREVER"):
-    while True:
-        os.write(1, f"tick rank={os.environ['RANK']}\\n".encode())
-        time.sleep(0.5)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +34,9 @@ def box(tmp_path_factory):
         registry.stop()
 
 
-def _env_flags(env: dict[str, str]) -> list[str]:
-    return [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
-
-
 def _run(box, tmp_path: Path, *extra: str, image: str | None = None) -> list[str]:
     script = tmp_path / "ddp.py"
-    script.write_text(DDP)
+    script.write_text(IMAGE_DDP)
     return [
         "run",
         "--local",
@@ -62,7 +44,7 @@ def _run(box, tmp_path: Path, *extra: str, image: str | None = None) -> list[str
         "2",
         "--image",
         image or box["image"],
-        *_env_flags(box["env"]),
+        *env_flags(box["env"]),
         "--env",
         "OMP_NUM_THREADS=1",
         "--workdir",
@@ -119,7 +101,7 @@ def test_a_pull_fetches_once_then_not_again_and_a_missing_image_is_one_line_per_
     local = tiny_image(env, "localhost/gpufleet-tiny:pull", "from-the-registry")
     ref = reg.push(env, local, "gpufleet/tiny:1")
     subprocess.run(["podman", "rmi", "-f", local, ref], env={**os.environ, **env}, capture_output=True)
-    base = ["exec", "--local", "--nodes", "2", *_env_flags(env), "--runs-dir", str(tmp_path / "runs")]
+    base = ["exec", "--local", "--nodes", "2", *env_flags(env), "--runs-dir", str(tmp_path / "runs")]
 
     first = subprocess.run([LAUNCH, *base, "--image", ref, "--", "cat", "/marker"], capture_output=True, text=True)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -155,7 +137,7 @@ def test_a_hang_inside_the_container_is_named_from_py_spy_stacks_of_the_ranks_in
         "2",
         "--image",
         box["image"],
-        *_env_flags(box["env"]),
+        *env_flags(box["env"]),
         "--env",
         f"PATH={venv_bin}",
         "--env",

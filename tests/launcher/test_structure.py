@@ -36,7 +36,7 @@ COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "cli.nccl_fro
 # bad node, the mpirun command; nccl.report gathers their public names.
 REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
-BUILDERS = {("doctor", "node_script")}
+BUILDERS = {("health.script", "node_script")}
 
 
 def _name(path: Path) -> str:

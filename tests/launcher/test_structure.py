@@ -208,10 +208,11 @@ def _imported(name: str) -> tuple[set[str], set[str]]:
     return inner, outer
 
 
-@pytest.mark.parametrize("package", ["core", "jobs"])
+@pytest.mark.parametrize("package", ["core", "jobs", "health"])
 def test_core_and_jobs_import_neither_click_nor_rich(package):
-    """Node 0 runs core/ and jobs/ with `python -S` (no site-packages), and library code leaves
-    the display to the CLI: neither package reaches click or rich, through any launcher module."""
+    """Node 0 runs core/ and jobs/ with `python -S` (no site-packages), and with them the
+    pre-start verdict of health/ that the controller passes its launches; library code leaves the
+    display to the CLI: none of them reaches click or rich, through any launcher module."""
     start = [m for m in ALL if m == package or m.startswith(package + ".")]
     via = {m: (m,) for m in start}
     todo = list(start)

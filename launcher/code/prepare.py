@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
 from launcher.cluster.key import (
@@ -43,7 +44,7 @@ from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script"]
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script", "run_agent"]
 
 log = logging.getLogger("launcher")
 
@@ -78,8 +79,10 @@ class PrepareReport:
     built: list[int] = field(default_factory=list)
 
 
-def agent_script(command: str) -> str:
-    source = Path(node_agent.__file__).read_text()
+def agent_script(command: str, program: ModuleType = node_agent) -> str:
+    """The node's command running `program` (a standard-library-only module of launcher.code,
+    node_agent unless named) from its source text."""
+    source = Path(program.__file__).read_text()
     # The node's own python3, no site-packages: the program needs the standard library only.
     return f"exec python3 -S -c {_quote(source)} {command}"
 
@@ -104,7 +107,7 @@ def _request(request: CodeRequest, job_id: str) -> dict:
     return {"snapshots": snaps, "env": env}
 
 
-def _run_agent(
+def run_agent(
     transport: Transport, node: Node, script: str, data: Iterable[bytes], progress: Progress, report: PrepareReport
 ) -> tuple[dict | None, str]:
     """Run one agent session, `data` on its stdin; its result line's JSON (None if there was
@@ -198,7 +201,7 @@ def prepare(
     script = "; ".join([*authorize, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
-        answers = _each(nodes, lambda n: _run_agent(transport, n, script, [body], progress, report))
+        answers = _each(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
         unreachable = {r: why for r, (res, why) in answers.items() if res is None}
         if unreachable:
             raise _fail(cluster, {r: f"cannot prepare the node ({why})" for r, why in unreachable.items()})
@@ -303,7 +306,7 @@ def _send(
     report.objects_sent += len(objects)
     report.object_bytes += sum(files[s].stat().st_size for s in objects)
     report.passed_on = len(plan)
-    result, why = _run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
+    result, why = run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
     if result.get("failed"):

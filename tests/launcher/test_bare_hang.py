@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
-from tests.launcher.test_jobs_cluster import launch
+from tests.launcher.test_jobs_cluster import detach, launch, wait_state
 from tests.support import REPO, TRAIN, source_args
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_hang"), pytest.mark.timeout(900)]
@@ -52,11 +52,17 @@ def stacks_of(tmp_path: Path) -> Path:
     return run_dir / "stacks"
 
 
-def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the_verdict(c, tmp_path):
-    project = tmp_path / "project"
-    project.mkdir()
-    shutil.copy(REPO / "tests" / "launcher" / "hang_script.py", project / "hang_script.py")
-    (project / "requirements.txt").write_text("torch\n")
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A user's directory: the hang script and a requirements.txt without py-spy."""
+    d = tmp_path / "project"
+    d.mkdir()
+    shutil.copy(REPO / "tests" / "launcher" / "hang_script.py", d / "hang_script.py")
+    (d / "requirements.txt").write_text("torch\n")
+    return d
+
+
+def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the_verdict(c, tmp_path, project):
     r = launch(
         tmp_path,
         "run",
@@ -113,6 +119,36 @@ def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the
     c.assert_nothing_left()
 
 
+def test_a_detached_hang_on_bare_nodes_is_judged_by_the_controllers_shipped_launcher(c, tmp_path, project):
+    """Node 0 has no gpufleet installed: its controller runs the copy of launcher/ the launch
+    shipped, collects the stacks with the tools environment's py-spy and ends the job FAILED."""
+    job_id = detach(
+        c,
+        tmp_path,
+        "run",
+        "--index-url",
+        c.package_index,
+        *ONE,
+        "--env",
+        "HANG_RANK=1",
+        "--sync",
+        str(project),
+        *HANG,
+        "--",
+        "hang_script.py",
+    )
+    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=300)
+    assert done["state"] == "FAILED" and done["reason"] == "hang" and done["exit"] == 124, done
+    assert "node 1 (" in done["why"] and "rank 1 is outside any collective at load_batch" in done["why"], done
+    assert done["failed_node"] == 1, done
+    stacks = done["why"].rsplit("stacks: ", 1)[1].rstrip("/")
+    assert sorted(p.name for p in c.node_path(0, stacks).glob("node-*-rank-*.txt")) == [
+        "node-0-rank-0.txt",
+        "node-1-rank-1.txt",
+    ]
+    c.assert_nothing_left()
+
+
 # Rank 1 of the built-in training stalls in its data loading at step 2 (a sitecustomize on the
 # workers' PYTHONPATH, on each node's own disk): every other rank waits for it in a collective.
 _STALL = """
@@ -154,7 +190,7 @@ def test_train_on_bare_nodes_names_the_stalled_rank_with_py_spy_from_its_own_env
     line = verdict_of(r)
     m = re.search(
         r"node 1 \(([\d.]+)\) rank 1 is outside any collective at stuck_loading \(sitecustomize\.py:\d+\) "
-        r"<- _micro_step \(train\.py:\d+\)",
+        r"<- (Trainer\.)?_micro_step \(train\.py:\d+\); 1 rank waits in ",
         line,
     )
     assert m and m.group(1) == c.addresses[1], line

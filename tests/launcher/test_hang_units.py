@@ -15,7 +15,14 @@ from click.testing import CliRunner
 
 from launcher.cli import main
 from launcher.core.env import flight_recorder_on, node_env
-from launcher.core.hang import STARTUP_S, HangWatch, flight_recorder_env, flight_recorder_prefix
+from launcher.core.hang import (
+    FR_ALIASES,
+    STARTUP_S,
+    HangWatch,
+    flight_recorder_aliases,
+    flight_recorder_env,
+    flight_recorder_prefix,
+)
 from launcher.core.stacks import (
     PYSPY_TOOLS,
     STACK_MARKER,
@@ -356,15 +363,42 @@ def test_nccl_jobs_get_the_flight_recorder_and_cpu_jobs_do_not():
     env = node_env(gpu, config)
     prefix = "/tmp/gpufleet-20260101-000000-abcdef-nccl_trace_rank_"
     assert {k: env[k] for k in flight_recorder_env(config.job_id)} == {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix,
     }
     assert flight_recorder_on(gpu) and flight_recorder_on(Cluster("c", tuple(nodes(2))))  # unknown: maybe GPUs
     local = Cluster("l", tuple(nodes(2)), local=True)
     assert not flight_recorder_on(local) and "TORCH_FR_DUMP_TEMP_FILE" not in node_env(local, config)
+
+
+@pytest.mark.parametrize("version, aliased", [("2.7.1", True), ("2.4.0", True), ("2.8.0", False), ("2.13.0", False)])
+def test_a_torch_older_than_2_8_gets_the_flight_recorders_older_names_and_a_newer_one_only_the_new(
+    tmp_path, version, aliased
+):
+    # A real python reading a real dist-info (what pip or uv writes for an installed torch), so
+    # importlib.metadata answers the version as it would on the node.
+    site = tmp_path / "site"
+    (site / f"torch-{version}.dist-info").mkdir(parents=True)
+    (site / f"torch-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n"
+    )
+    config = LaunchConfig(Workload("torchrun", ("x.py",)), job_id="20260101-000000-abcdef", python=PY)
+    gpu = Cluster("c", tuple(nodes(2)), "a3-megagpu-8g")
+    env = node_env(gpu, config)
+    exports = " ".join(f"export {k}={v}" + ";" for k, v in env.items() if k in flight_recorder_env(config.job_id))
+    script = f"{exports} {flight_recorder_aliases(PY)}; env"
+    out = subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": os.environ["PATH"]},
+    ).stdout
+    got = dict(line.split("=", 1) for line in out.splitlines() if line.startswith("TORCH_"))
+    old = {o: env[n] for n, o in FR_ALIASES.items()}
+    assert (old.items() <= got.items()) is aliased, got
+    assert got["TORCH_FR_BUFFER_SIZE"] == "2000"
 
 
 # ---- the result, the record and a restart ----

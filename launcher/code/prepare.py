@@ -41,6 +41,7 @@ from launcher.code import node_agent
 from launcher.code.pyenv import EnvSpec
 from launcher.code.snapshot import Snapshot
 from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
+from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
@@ -93,7 +94,9 @@ def _quote(s: str) -> str:
     return shlex.quote(s)
 
 
-def _request(request: CodeRequest, job_id: str) -> dict:
+def _request(request: CodeRequest, job_id: str, stacks: bool = False) -> dict:
+    """The node agent's `prepare` request; `stacks`: the launch may collect hang stacks, so a
+    node whose job environment lacks py-spy gets it (launcher.core.stacks.PYSPY_TOOLS)."""
     snaps = []
     if request.code is not None:
         snaps.append({"hash": request.code.hash, "dest": f"snap/{request.code.hash}", "files": request.code.manifest()})
@@ -101,10 +104,22 @@ def _request(request: CodeRequest, job_id: str) -> dict:
         snaps.append(
             {"hash": request.sync.hash, "dest": f"work/{job_id}", "files": request.sync.manifest(), "copy": True}
         )
-    env = None
+    env = tools = None
     if request.env is not None:
-        env = request.env.request([f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()])
-    return {"snapshots": snaps, "env": env}
+        caches = [f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()]
+        env = request.env.request(caches)
+        if stacks:
+            tools = _pyspy_tools(request.env).request(caches)
+            tools.update(key=PYSPY_TOOLS.rsplit("/", 1)[-1], program="py-spy")
+    return {"snapshots": snaps, "env": env, "tools": tools}
+
+
+def _pyspy_tools(env: EnvSpec) -> EnvSpec:
+    """py-spy, pinned, from the job environment's own package sources (no CUDA index: py-spy's
+    wheel is one binary for any Python)."""
+    return replace(
+        env, kind="requirements.txt", files={"requirements.txt": f"py-spy=={PYSPY_VERSION}\n"}, torch_indexes=()
+    )
 
 
 def run_agent(
@@ -197,7 +212,7 @@ def prepare(
     transport = make_transport(cluster, config.ssh, config.dry_run)
     key = ensure_key(cluster)
     authorize = authorize_statements(key.with_name("id_ed25519.pub").read_text(), cluster)
-    body = json.dumps(_request(request, config.job_id)).encode()
+    body = json.dumps(_request(request, config.job_id, stacks=config.hang_timeout_s is not None)).encode()
     script = "; ".join([*authorize, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
@@ -219,6 +234,13 @@ def prepare(
     if errors:
         raise _fail(cluster, errors)
     report.built = sorted(r for r, res in results.items() if res.get("built"))
+    for r, res in sorted(results.items()):
+        if res.get("tools_error"):
+            log.warning(
+                "%s: py-spy could not be installed (%s); a hang there is reported without its stacks",
+                cluster.nodes[r].label,
+                res["tools_error"],
+            )
     homes = {res["home"] for res in results.values()}
     if len(homes) > 1:
         raise UserError(

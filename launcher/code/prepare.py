@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
 from launcher.cluster.key import (
@@ -40,10 +41,11 @@ from launcher.code import node_agent
 from launcher.code.pyenv import EnvSpec
 from launcher.code.snapshot import Snapshot
 from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
+from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script"]
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script", "run_agent"]
 
 log = logging.getLogger("launcher")
 
@@ -78,8 +80,10 @@ class PrepareReport:
     built: list[int] = field(default_factory=list)
 
 
-def agent_script(command: str) -> str:
-    source = Path(node_agent.__file__).read_text()
+def agent_script(command: str, program: ModuleType = node_agent) -> str:
+    """The node's command running `program` (a standard-library-only module of launcher.code,
+    node_agent unless named) from its source text."""
+    source = Path(program.__file__).read_text()
     # The node's own python3, no site-packages: the program needs the standard library only.
     return f"exec python3 -S -c {_quote(source)} {command}"
 
@@ -90,7 +94,9 @@ def _quote(s: str) -> str:
     return shlex.quote(s)
 
 
-def _request(request: CodeRequest, job_id: str) -> dict:
+def _request(request: CodeRequest, job_id: str, stacks: bool = False) -> dict:
+    """The node agent's `prepare` request; `stacks`: the launch may collect hang stacks, so a
+    node whose job environment lacks py-spy gets it (launcher.core.stacks.PYSPY_TOOLS)."""
     snaps = []
     if request.code is not None:
         snaps.append({"hash": request.code.hash, "dest": f"snap/{request.code.hash}", "files": request.code.manifest()})
@@ -98,13 +104,25 @@ def _request(request: CodeRequest, job_id: str) -> dict:
         snaps.append(
             {"hash": request.sync.hash, "dest": f"work/{job_id}", "files": request.sync.manifest(), "copy": True}
         )
-    env = None
+    env = tools = None
     if request.env is not None:
-        env = request.env.request([f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()])
-    return {"snapshots": snaps, "env": env}
+        caches = [f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()]
+        env = request.env.request(caches)
+        if stacks:
+            tools = _pyspy_tools(request.env).request(caches)
+            tools.update(key=PYSPY_TOOLS.rsplit("/", 1)[-1], program="py-spy")
+    return {"snapshots": snaps, "env": env, "tools": tools}
 
 
-def _run_agent(
+def _pyspy_tools(env: EnvSpec) -> EnvSpec:
+    """py-spy, pinned, from the job environment's own package sources (no CUDA index: py-spy's
+    wheel is one binary for any Python)."""
+    return replace(
+        env, kind="requirements.txt", files={"requirements.txt": f"py-spy=={PYSPY_VERSION}\n"}, torch_indexes=()
+    )
+
+
+def run_agent(
     transport: Transport, node: Node, script: str, data: Iterable[bytes], progress: Progress, report: PrepareReport
 ) -> tuple[dict | None, str]:
     """Run one agent session, `data` on its stdin; its result line's JSON (None if there was
@@ -194,11 +212,11 @@ def prepare(
     transport = make_transport(cluster, config.ssh, config.dry_run)
     key = ensure_key(cluster)
     authorize = authorize_statements(key.with_name("id_ed25519.pub").read_text(), cluster)
-    body = json.dumps(_request(request, config.job_id)).encode()
+    body = json.dumps(_request(request, config.job_id, stacks=config.hang_timeout_s is not None)).encode()
     script = "; ".join([*authorize, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
-        answers = _each(nodes, lambda n: _run_agent(transport, n, script, [body], progress, report))
+        answers = _each(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
         unreachable = {r: why for r, (res, why) in answers.items() if res is None}
         if unreachable:
             raise _fail(cluster, {r: f"cannot prepare the node ({why})" for r, why in unreachable.items()})
@@ -216,6 +234,13 @@ def prepare(
     if errors:
         raise _fail(cluster, errors)
     report.built = sorted(r for r, res in results.items() if res.get("built"))
+    for r, res in sorted(results.items()):
+        if res.get("tools_error"):
+            log.warning(
+                "%s: py-spy could not be installed (%s); a hang there is reported without its stacks",
+                cluster.nodes[r].label,
+                res["tools_error"],
+            )
     homes = {res["home"] for res in results.values()}
     if len(homes) > 1:
         raise UserError(
@@ -303,7 +328,7 @@ def _send(
     report.objects_sent += len(objects)
     report.object_bytes += sum(files[s].stat().st_size for s in objects)
     report.passed_on = len(plan)
-    result, why = _run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
+    result, why = run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
     if result.get("failed"):

@@ -6,9 +6,11 @@ train` gets it beside its python, in gpufleet's workloads environment. Either wa
 names the rank outside the collective, writes every rank's stack, stops the job and leaves
 nothing running.
 
-Two nodes, one rank each: rank 1 sleeps in its data loading while rank 0 waits for it in a gloo
-all_reduce. py-spy may ptrace the workers: the nodes' sessions run as root in the root PID
-namespace (tests/launcher/test_hang_cluster.py says why that is allowed)."""
+Two nodes of the session's shared bare cluster (tests/conftest.py `bare_nodes`, where the
+workloads environment an earlier test built is found), one rank each: rank 1 sleeps in its data
+loading while rank 0 waits for it in a gloo all_reduce. py-spy may ptrace the workers: the nodes'
+sessions run as root in the root PID namespace (tests/launcher/test_hang_cluster.py says why that
+is allowed)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from launcher.code.pyenv import EnvSpec
 from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
-from tests.launcher.test_jobs_cluster import detach, launch, wait_state
-from tests.support import REPO, TRAIN, source_args
+from tests.launcher.test_jobs_cluster import launch, wait_state
+from tests.support import BARE_GROUP, REPO, TRAIN, source_args
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_hang"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, BARE_GROUP, pytest.mark.timeout(900)]
 
 N = 2
 ONE = ["--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
@@ -32,13 +35,22 @@ ONE = ["--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
 HANG = ["--hang-timeout", "5s", "--progress", r"rank \d+ up"]
 
 
-@pytest.fixture(scope="module")
-def c(bare_cluster):
-    return bare_cluster(N)
+@pytest.fixture
+def c(bare_nodes):
+    return bare_nodes
 
 
 def src(c, tmp_path: Path) -> list[str]:
-    return [*source_args(c, tmp_path), "--index-url", c.package_index]
+    """The first N nodes of the shared cluster (a hostfile of this test's own), and its index."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{a}\n" for a in c.addresses[:N]))
+    return [*source_args(c, tmp_path, hostfile), "--index-url", c.package_index]
+
+
+def lacking_tools(c) -> list[int]:
+    """The nodes without the tools environment (py-spy), which a launch that may collect stacks
+    builds where the job's own environment lacks py-spy."""
+    return [i for i in range(N) if not c.node_path(i, f"/root/{PYSPY_TOOLS}/bin/py-spy").exists()]
 
 
 def verdict_of(r) -> str:
@@ -63,6 +75,7 @@ def project(tmp_path: Path) -> Path:
 
 
 def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the_verdict(c, tmp_path, project):
+    lacking = lacking_tools(c)
     r = launch(
         tmp_path,
         "run",
@@ -91,11 +104,12 @@ def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the
     assert "load_batch" in (stacks / "node-1-rank-1.txt").read_text()
     assert "all_reduce" in (stacks / "node-0-rank-0.txt").read_text()
     # The job's environment has no py-spy: each node built the tools environment, once.
-    assert r.stderr.count(f"installing py-spy-{PYSPY_VERSION} (for hang stacks)") == N, r.stderr
+    assert r.stderr.count(f"installing py-spy-{PYSPY_VERSION} (for hang stacks)") == len(lacking), r.stderr
+    assert lacking_tools(c) == []
+    key = EnvSpec("requirements.txt", {"requirements.txt": "torch\n"}, index_url=c.package_index).key
     for i in range(N):
-        assert c.node_path(i, f"/root/{PYSPY_TOOLS}/bin/py-spy").exists()
-        (env,) = c.node_path(i, "/root/.gpufleet/envs").glob("*/bin")
-        assert not (env / "py-spy").exists()
+        env = c.node_path(i, f"/root/.gpufleet/envs/{key}/bin")
+        assert (env / "python").exists() and not (env / "py-spy").exists()
     c.assert_nothing_left()
 
     # The next launch finds it there: nothing is built.
@@ -122,12 +136,11 @@ def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the
 def test_a_detached_hang_on_bare_nodes_is_judged_by_the_controllers_shipped_launcher(c, tmp_path, project):
     """Node 0 has no gpufleet installed: its controller runs the copy of launcher/ the launch
     shipped, collects the stacks with the tools environment's py-spy and ends the job FAILED."""
-    job_id = detach(
-        c,
+    r = launch(
         tmp_path,
         "run",
-        "--index-url",
-        c.package_index,
+        *src(c, tmp_path),
+        "--detach",
         *ONE,
         "--env",
         "HANG_RANK=1",
@@ -136,7 +149,11 @@ def test_a_detached_hang_on_bare_nodes_is_judged_by_the_controllers_shipped_laun
         *HANG,
         "--",
         "hang_script.py",
+        check=True,
     )
+    (line,) = r.stdout.splitlines()
+    assert line.startswith("job "), r.stdout
+    job_id = line.split()[1]
     done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, timeout=300)
     assert done["state"] == "FAILED" and done["reason"] == "hang" and done["exit"] == 124, done
     assert "node 1 (" in done["why"] and "rank 1 is outside any collective at load_batch" in done["why"], done

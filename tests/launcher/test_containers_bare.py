@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.containers.runtime import containers_named, podman_env, python_image
-from tests.support import BARE_GROUP, BARE_NODES, IMAGE_DDP, LAUNCH, REPO, env_flags, source_args
+from tests.support import BARE_GROUP, IMAGE_DDP, LAUNCH, REPO, env_flags, source_args
 
 pytestmark = [pytest.mark.cluster, BARE_GROUP]
 
@@ -37,7 +37,14 @@ def nodes(bare_nodes):
     return bare_nodes
 
 
-N = BARE_NODES
+N = 2  # of the shared cluster's BARE_NODES: two ranks show what a container changes
+
+
+def _hostfile(nodes, tmp_path: Path) -> Path:
+    """The first N nodes of the shared cluster, in a hostfile of this test's own."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{a}\n" for a in nodes.addresses[:N]))
+    return hostfile
 
 
 def _job_dir(nodes, tmp_path: Path, name: str, text: str) -> str:
@@ -58,7 +65,16 @@ def test_ddp_over_gloo_runs_in_the_image_on_bare_nodes_that_have_no_torch(nodes,
     assert no_torch.returncode != 0  # the node itself has none
     before = set(containers_named(env, "gpufleet-"))
     r = subprocess.run(
-        [LAUNCH, "run", *source_args(nodes, tmp_path), "--image", image, *env_flags(env), "--env", "OMP_NUM_THREADS=1"]
+        [
+            LAUNCH,
+            "run",
+            *source_args(nodes, tmp_path, _hostfile(nodes, tmp_path)),
+            "--image",
+            image,
+            *env_flags(env),
+            "--env",
+            "OMP_NUM_THREADS=1",
+        ]
         + ["--workdir", job, "--", f"{job}/ddp.py"],
         capture_output=True,
         text=True,
@@ -90,15 +106,16 @@ dist.destroy_process_group()
 def test_a_detached_job_in_the_image_comes_back_after_a_node_is_lost(nodes, conf, tmp_path):
     """--detach --recover with --image: node 1 lost (its VM gone, and its container with it), the
     controller on node 0 relaunches in the image once it is back; no container is left."""
-    from tests.launcher.test_jobs_cluster import detach, launch, wait_state
+    from tests.launcher.test_jobs_cluster import launch, wait_state
 
     _, env = conf
     image = python_image(env)
     job = _job_dir(nodes, tmp_path, "steps.py", STEPS)
-    job_id = detach(
-        nodes,
+    r = launch(
         tmp_path,
         "run",
+        *source_args(nodes, tmp_path, _hostfile(nodes, tmp_path)),
+        "--detach",
         "--image",
         image,
         *env_flags(env),
@@ -111,7 +128,10 @@ def test_a_detached_job_in_the_image_comes_back_after_a_node_is_lost(nodes, conf
         "3m",
         "--",
         f"{job}/steps.py",
+        check=True,
     )
+    (line,) = r.stdout.splitlines()
+    job_id = line.split()[1]
     logs = lambda: launch(tmp_path, "logs", *source_args(nodes, tmp_path), job_id).stdout  # noqa: E731
     deadline = time.monotonic() + 300
     while "step 3 attempt 0" not in logs():

@@ -212,7 +212,6 @@ def prepare(
         head = cluster.nodes[0].rank
         if still and head not in still:  # node 0 holds it all: it sends the starved nodes theirs
             report.resent = {r: failed.get(r, f"{len(m)} files did not arrive") for r, m in still.items()}
-            log.warning("node 0 sends %d nodes their content directly: %s", len(still), report.resent)
             failed.update(_send(cluster, transport, request, still, set(), len(cluster.nodes), report, again=True))
             results.update(round_([cluster.nodes[r] for r in sorted(still)]))
             still = {r: res["missing"] for r, res in results.items() if res["missing"]}
@@ -298,6 +297,7 @@ def _send(
     head = cluster.nodes[0]
     extra: dict[str, bytes] = {}
     plan: list[dict] = []
+    tree: dict[int, list[int]] = {}
     others = {r: m for r, m in missing.items() if r != head.rank}
     if others:
         target = ssh_target(transport, head)
@@ -321,4 +321,10 @@ def _send(
     result, why = _run_agent(transport, head, agent_script("relay"), data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
-    return {int(r): w for r, w in result.get("failed", {}).items()}
+    parent = {child: p for p, children in tree.items() for child in children}
+    failed = {}
+    for r, why in result.get("failed", {}).items():
+        rank = int(r)
+        by = cluster.nodes[parent.get(rank, head.rank)].label
+        failed[rank] = why if why.startswith("not reached") else f"{by} could not pass it on: {why}"
+    return failed

@@ -399,12 +399,10 @@ class Forward:
         self.wanted = {sha for sha in child["objects"] if SHA.fullmatch(sha)}
         self.queue = queue.Queue(maxsize=64)  # at most 64 chunks of 1 MB held for a slow child
         self.error, self.report = None, None
+        self.held = sorted(sha for sha in self.wanted if has_object(sha))  # sent first, from the store
+        self.wanted.difference_update(self.held)
         self.thread = threading.Thread(target=self._run, args=(key, known), daemon=True)
         self.thread.start()
-        for sha in sorted(self.wanted):
-            if has_object(sha):
-                self.wanted.discard(sha)
-                self.queue.put(("file", sha))
 
     def begin(self, sha, size):
         """Whether the child wants the object now arriving (then its chunks follow, `data`)."""
@@ -447,13 +445,13 @@ class Forward:
                     p.stdin.write(f"{kind} {len(data)}\n".encode() + data)
                 plan = json.dumps(children).encode()
                 p.stdin.write(f"FWD {len(plan)}\n".encode() + plan)
+            for sha in self.held:
+                path = os.path.join(OBJECTS, sha)
+                p.stdin.write(f"OBJ {sha} {os.path.getsize(path)}\n".encode())
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, p.stdin, 1 << 20)
             for item in iter(self.queue.get, None):
-                if item[0] == "file":
-                    path = os.path.join(OBJECTS, item[1])
-                    p.stdin.write(f"OBJ {item[1]} {os.path.getsize(path)}\n".encode())
-                    with open(path, "rb") as f:
-                        shutil.copyfileobj(f, p.stdin, 1 << 20)
-                elif item[0] == "head":
+                if item[0] == "head":
                     p.stdin.write(f"OBJ {item[1]} {item[2]}\n".encode())
                 else:
                     p.stdin.write(item[1])

@@ -349,6 +349,7 @@ def keep_own_source():
             f.write(source)
         os.chmod(tmp, 0o444)
         os.rename(tmp, os.path.join(OBJECTS, sha))
+    os.utime(os.path.join(OBJECTS, sha))  # used now: `launch prune` keeps what launches use
     return sha
 
 

@@ -101,48 +101,45 @@ class Registries(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self),
         )
         after_api = pulumi.ResourceOptions(parent=self, depends_on=[api])
-        repos = [
-            (
-                f"{args.cluster}-images",
-                gcp.artifactregistry.Repository(
-                    f"{args.cluster}-images",
-                    gcp.artifactregistry.RepositoryArgs(
-                        project=args.project,
-                        location=args.region,
-                        repository_id=docker_repository_id(args.cluster),
-                        format="DOCKER",
-                        mode="STANDARD_REPOSITORY",
-                        description=f"gpufleet {args.cluster}: the jobs' container images",
-                        labels=args.labels,
-                    ),
-                    opts=after_api,
+
+        def repository(suffix: str, repository_id: str, fmt: str, description: str, **kw: object) -> tuple:
+            name = f"{args.cluster}-{suffix}"
+            return name, gcp.artifactregistry.Repository(
+                name,
+                gcp.artifactregistry.RepositoryArgs(
+                    project=args.project,
+                    location=args.region,
+                    repository_id=repository_id,
+                    format=fmt,
+                    description=f"gpufleet {args.cluster}: {description}",
+                    labels=args.labels,
+                    **kw,
                 ),
+                opts=after_api,
+            )
+
+        repos = [
+            repository(
+                "images",
+                docker_repository_id(args.cluster),
+                "DOCKER",
+                "the jobs' container images",
+                mode="STANDARD_REPOSITORY",
             )
         ]
         self.docker_url = docker_repository_url(args.cluster, args.project, args.region)
         self.package_index_url: str | None = None
         if args.package_index:
+            pypi = gcp.artifactregistry.RepositoryRemoteRepositoryConfigPythonRepositoryArgs(public_repository="PYPI")
             repos.append(
-                (
-                    f"{args.cluster}-pypi",
-                    gcp.artifactregistry.Repository(
-                        f"{args.cluster}-pypi",
-                        gcp.artifactregistry.RepositoryArgs(
-                            project=args.project,
-                            location=args.region,
-                            repository_id=python_repository_id(args.cluster),
-                            format="PYTHON",
-                            mode="REMOTE_REPOSITORY",
-                            description=f"gpufleet {args.cluster}: PyPI, cached in the nodes' region",
-                            remote_repository_config=gcp.artifactregistry.RepositoryRemoteRepositoryConfigArgs(
-                                description="PyPI",
-                                python_repository=gcp.artifactregistry.RepositoryRemoteRepositoryConfigPythonRepositoryArgs(
-                                    public_repository="PYPI"
-                                ),
-                            ),
-                            labels=args.labels,
-                        ),
-                        opts=after_api,
+                repository(
+                    "pypi",
+                    python_repository_id(args.cluster),
+                    "PYTHON",
+                    "PyPI, cached in the nodes' region",
+                    mode="REMOTE_REPOSITORY",
+                    remote_repository_config=gcp.artifactregistry.RepositoryRemoteRepositoryConfigArgs(
+                        description="PyPI", python_repository=pypi
                     ),
                 )
             )

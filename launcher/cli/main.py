@@ -1,6 +1,6 @@
 """`launch`: the click group and its command table, one module per command named after it
 (cmd_train, cmd_run, cmd_exec, cmd_hosts, cmd_nccl_tests, cmd_doctor, cmd_top, cmd_jobs,
-cmd_logs, cmd_stop, cmd_attach). Each command maps its options into a `LaunchConfig`
+cmd_logs, cmd_stop, cmd_attach, cmd_prune). Each command maps its options into a `LaunchConfig`
 (launcher.cli.options), finds the `Cluster`, and drives one `launcher.core.launch.Launch`
 through launcher.cli.render, which shows its events: a status line and the final table on
 stderr, node output on stdout, one red line per error.
@@ -72,6 +72,7 @@ class _OneLineErrors(click.Group):
         "logs": ("launcher.cli.cmd_logs", "logs"),
         "stop": ("launcher.cli.cmd_stop", "stop"),
         "attach": ("launcher.cli.cmd_attach", "attach"),
+        "prune": ("launcher.cli.cmd_prune", "prune_"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

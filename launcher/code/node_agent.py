@@ -288,6 +288,14 @@ def prepare(req):
             result["python"], result["built"] = build_env(env)
         except BuildError as e:
             result["error"] = str(e)
+    # What this launch uses, marked used now: `launch prune` (launcher.code.node_prune) removes
+    # only what no launch has used for its --older-than.
+    used = [os.path.join(G, s["dest"]) for s in req.get("snapshots", [])]
+    for path in used + ([os.path.join(G, "envs", env["key"])] if env and result["python"] else []):
+        try:
+            os.utime(path)
+        except OSError:  # not placed yet: its objects are still to come
+            pass
     say("result", json.dumps(result))
 
 

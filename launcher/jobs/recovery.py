@@ -59,7 +59,7 @@ PREEMPTED_TEXT = "rerun with --resume to continue"
 RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
 # A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
 _STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
-_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*")
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,11 @@ class Recovery:
 
 
 def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
-    """`90`, `90s`, `30m`, `2h` in seconds; a bad value is a UserError naming `flag`."""
+    """`90`, `90s`, `30m`, `2h`, `7d` in seconds; a bad value is a UserError naming `flag`."""
     m = _DURATION_RE.fullmatch(text)
     if not m or float(m.group(1)) <= 0:
-        raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m or h (like 30m)")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+        raise UserError(f"{flag} {text!r} is not a duration; give seconds or a number with s, m, h or d (like 30m)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 @dataclass(frozen=True)

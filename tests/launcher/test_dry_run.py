@@ -54,9 +54,20 @@ def _recorders(tmp_path: Path) -> tuple[dict[str, str], Path]:
 
 def test_the_commands_offering_dry_run_are_found():
     # The enumeration itself: a broken lookup would make the test below test nothing.
-    assert {"train", "run", "exec", "hosts", "nccl-tests", "doctor", "top", "jobs", "logs", "stop", "attach"} <= set(
-        _dry_run_commands()
-    )
+    assert {
+        "train",
+        "run",
+        "exec",
+        "hosts",
+        "nccl-tests",
+        "doctor",
+        "top",
+        "jobs",
+        "logs",
+        "stop",
+        "attach",
+        "prune",
+    } <= set(_dry_run_commands())
 
 
 @pytest.mark.parametrize("command", _dry_run_commands())

@@ -21,10 +21,10 @@ from launcher.jobs.recovery import (
 TRAIN_ARGV = ("-m", "workloads.train", "--steps", "10", "--checkpoint-dir", "/ckpt")
 
 
-def test_durations_read_seconds_minutes_and_hours_and_a_bad_one_names_the_flag():
+def test_durations_read_seconds_minutes_hours_and_days_and_a_bad_one_names_the_flag():
     assert parse_duration("90") == 90 and parse_duration("90s") == 90
-    assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400
-    for bad in ("", "soon", "10d", "-5", "0"):
+    assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400 and parse_duration("7d") == 604800
+    for bad in ("", "soon", "10w", "-5", "0"):
         with pytest.raises(UserError, match="--recover-timeout"):
             parse_duration(bad)
 

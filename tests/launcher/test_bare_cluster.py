@@ -242,3 +242,27 @@ def test_a_node_that_cannot_pass_content_on_does_not_starve_the_one_below_it(c, 
     sent = SENT.search(r.stderr)
     assert sent and sent.group(1) == "2", r.stderr  # still once from here: node 0 re-sent it
     c.assert_nothing_left()
+
+
+def test_a_node_no_other_node_can_reach_fails_the_launch_with_one_line_naming_it(c, tmp_path):
+    """Neither node 1 (its parent in the chain) nor node 0 (the direct re-send) can reach node 2:
+    one line naming node 2 and why, exit 2, nothing started."""
+    d = _fresh(tmp_path, "unreachable")
+    route = ["ip", "route", "add", "prohibit", f"{c.addresses[2]}/32"]
+    for i in (0, 1):
+        assert c.exec(i, route).returncode == 0
+    try:
+        chain = ["--sync", str(d), "--sync-fanout", "1"]
+        r = launch(tmp_path, "exec", *source_args(c, tmp_path), *chain, "--", "cat", "data.txt")
+    finally:
+        for i in (0, 1):
+            c.exec(i, ["ip", "route", "del", "prohibit", f"{c.addresses[2]}/32"])
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    (error,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(
+        f"error: node 2 ({c.addresses[2]}): could not receive the job's files (node 0 ({c.addresses[0]}) could "
+        f"not pass it on: ssh: connect to host {c.addresses[2]}"
+    ), error
+    assert error.endswith("; nothing was started"), error
+    assert "started on" not in r.stderr and "data.txt" not in r.stdout
+    c.assert_nothing_left()

@@ -344,12 +344,18 @@ def store(stream, sha, size, forwards=()):
 
 def keep_own_source():
     """Store this program's own source (the `-c` argument) as an object, so the relay key's
-    forced command can run it by its hash; the hash, or None where Python has no sys.orig_argv
-    (before 3.10: the node then only receives, never passes on)."""
-    argv = getattr(sys, "orig_argv", None)
-    if not argv or "-c" not in argv[:-1]:
+    forced command can run it by its hash; the hash, or None where it cannot be found. The
+    arguments: sys.orig_argv (Python 3.10+), else /proc/self/cmdline (Linux)."""
+    argv = [os.fsencode(a) for a in getattr(sys, "orig_argv", [])]
+    if b"-c" not in argv[:-1]:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return None
+    if b"-c" not in argv[:-1]:
         return None
-    source = os.fsencode(argv[argv.index("-c") + 1])
+    source = argv[argv.index(b"-c") + 1]
     sha = hashlib.sha256(source).hexdigest()
     if not has_object(sha):
         tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")

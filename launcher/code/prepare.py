@@ -205,14 +205,17 @@ def prepare(
     results = round_(list(cluster.nodes))
     missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
     if missing:
-        relays = {r for r, res in results.items() if res.get("agent") == AGENT_SHA}
-        failed = _send(cluster, transport, request, missing, relays, request.fanout, report)
+        lost = {r: "its python3 could not store gpufleet's node program (~/.gpufleet/objects)" for r in missing}
+        lost = {r: why for r, why in lost.items() if results[r].get("agent") != AGENT_SHA}
+        if lost:  # the relay key's forced command runs that copy: nothing could reach the node
+            raise _fail(cluster, lost)
+        failed = _send(cluster, transport, request, missing, request.fanout, report)
         results.update(round_([cluster.nodes[r] for r in sorted(missing)]))
         still = {r: res["missing"] for r, res in results.items() if res["missing"]}
         head = cluster.nodes[0].rank
         if still and head not in still:  # node 0 holds it all: it sends the starved nodes theirs
             report.resent = {r: failed.get(r, f"{len(m)} files did not arrive") for r, m in still.items()}
-            failed.update(_send(cluster, transport, request, still, set(), len(cluster.nodes), report, again=True))
+            failed.update(_send(cluster, transport, request, still, len(cluster.nodes), report, again=True))
             results.update(round_([cluster.nodes[r] for r in sorted(still)]))
             still = {r: res["missing"] for r, res in results.items() if res["missing"]}
         if still:
@@ -282,7 +285,6 @@ def _send(
     transport: Transport,
     request: CodeRequest,
     missing: dict[int, list[str]],
-    relays: set[int],
     fanout: int,
     report: PrepareReport,
     again: bool = False,
@@ -305,7 +307,7 @@ def _send(
             "KEY": ensure_key(cluster, RELAY_KEY).read_bytes(),
             "KNOWN": known_hosts_text(cluster, verified_host_keys(target, cluster), target.port).encode(),
         }
-        tree = forwarding_tree(head.rank, others, fanout, relays)
+        tree = forwarding_tree(head.rank, others, fanout)
         hosts = {n.rank: n.host for n in cluster.nodes}
         plan = relay_plan(tree, head.rank, others, hosts, target.user, target.port)
         if not again:

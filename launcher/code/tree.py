@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import shlex
-from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from launcher.code import node_agent
@@ -50,24 +49,15 @@ DEFAULT_FANOUT = 4
 AGENT_SHA = hashlib.sha256(Path(node_agent.__file__).read_text().encode()).hexdigest()
 
 
-def forwarding_tree(root: int, others: Iterable[int], fanout: int, relays: Collection[int]) -> dict[int, list[int]]:
+def forwarding_tree(root: int, others: Iterable[int], fanout: int) -> dict[int, list[int]]:
     """Each rank's children: `root` first, then breadth first, each parent taking up to `fanout`
-    children in rank order. Only `relays` (nodes whose agent can run as the relay key's forced
-    command) and the root become parents; when they are full, the root takes the rest."""
+    children in rank order (rank i's parent is the (i-1)//fanout-th of the order)."""
     if fanout < 1:
         raise ValueError(f"fan-out {fanout} must be at least 1")
-    children: dict[int, list[int]] = {root: []}
-    parents = deque([root])
-    for rank in sorted(others, key=lambda r: (r not in relays, r)):
-        while len(parents) > 1 and len(children[parents[0]]) >= fanout:
-            parents.popleft()
-        if len(children[parents[0]]) >= fanout:  # no parent left with room: the root takes it
-            children[root].append(rank)
-        else:
-            children[parents[0]].append(rank)
-        children[rank] = []
-        if rank in relays:
-            parents.append(rank)
+    order = [root, *sorted(others)]
+    children: dict[int, list[int]] = {rank: [] for rank in order}
+    for i, rank in enumerate(order[1:], start=1):
+        children[order[(i - 1) // fanout]].append(rank)
     return children
 
 

@@ -18,11 +18,9 @@ from launcher.code import node_agent
 from launcher.code.tree import AGENT_SHA, authorize_relay, depth, forwarding_tree, relay_plan
 from launcher.core.types import Cluster, Node
 
-ALL = set(range(64))
-
 
 def test_sixteen_nodes_at_fanout_four_are_two_levels_and_node_0_sends_four_copies():
-    tree = forwarding_tree(0, range(1, 16), 4, ALL)
+    tree = forwarding_tree(0, range(1, 16), 4)
     assert tree[0] == [1, 2, 3, 4]
     assert tree[1] == [5, 6, 7, 8] and tree[2] == [9, 10, 11, 12] and tree[3] == [13, 14, 15]
     assert tree[4] == [] and all(tree[r] == [] for r in range(5, 16))
@@ -31,35 +29,30 @@ def test_sixteen_nodes_at_fanout_four_are_two_levels_and_node_0_sends_four_copie
 
 
 def test_fanout_n_minus_1_is_the_star_and_fanout_1_the_chain():
-    star = forwarding_tree(0, range(1, 16), 15, ALL)
+    star = forwarding_tree(0, range(1, 16), 15)
     assert star[0] == list(range(1, 16)) and depth(star, 0) == 1
-    chain = forwarding_tree(0, [1, 2, 3], 1, ALL)
+    chain = forwarding_tree(0, [1, 2, 3], 1)
     assert chain == {0: [1], 1: [2], 2: [3], 3: []} and depth(chain, 0) == 3
 
 
 def test_64_nodes_at_fanout_4_are_three_levels():
-    assert depth(forwarding_tree(0, range(1, 64), 4, ALL), 0) == 3
+    assert depth(forwarding_tree(0, range(1, 64), 4), 0) == 3
 
 
 def test_only_nodes_that_lack_content_are_in_the_tree():
-    tree = forwarding_tree(0, [3, 7, 9], 2, ALL)
+    tree = forwarding_tree(0, [3, 7, 9], 2)
     assert tree == {0: [3, 7], 3: [9], 7: [], 9: []}
 
 
-def test_a_node_that_cannot_relay_is_never_a_parent_and_the_root_takes_the_overflow():
-    tree = forwarding_tree(0, range(1, 7), 2, relays={3})
-    parents = {p for p, kids in tree.items() if kids}
-    assert parents <= {0, 3}
-    assert tree[0][:2] == [3, 1] and tree[3] == [2, 4]  # relays first, then ranks in order
-    assert tree[0][2:] == [5, 6]  # nobody else may pass on: node 0 takes the rest
+def test_a_fanout_below_one_is_refused():
     with pytest.raises(ValueError, match="fan-out 0"):
-        forwarding_tree(0, [1], 0, ALL)
+        forwarding_tree(0, [1], 0)
 
 
 def test_each_edge_carries_exactly_what_its_child_lacks():
     a, b, c = "a" * 64, "b" * 64, "c" * 64
     missing = {1: [b, a], 2: [c], 3: [a, b, c]}
-    tree = forwarding_tree(0, missing, 1, ALL)  # a chain 0 -> 1 -> 2 -> 3
+    tree = forwarding_tree(0, missing, 1)  # a chain 0 -> 1 -> 2 -> 3
     hosts = {0: "n0", 1: "n1", 2: "n2", 3: "n3"}
     (hop1,) = relay_plan(tree, 0, missing, hosts, "me", 2222)
     assert (hop1["rank"], hop1["host"], hop1["user"], hop1["port"], hop1["objects"]) == (1, "n1", "me", 2222, [a, b])
@@ -91,6 +84,21 @@ def test_the_agent_stores_its_own_source_under_the_hash_the_relay_key_runs(tmp_p
     stored = tmp_path / ".gpufleet" / "objects" / AGENT_SHA
     assert hashlib.sha256(stored.read_bytes()).hexdigest() == AGENT_SHA
     assert stored.read_bytes() == Path(node_agent.__file__).read_bytes()
+
+
+def test_without_sys_orig_argv_the_agent_finds_its_source_in_proc(tmp_path):
+    """Python before 3.10 has no sys.orig_argv: /proc/self/cmdline has the same `-c` text."""
+    source = Path(node_agent.__file__).read_text()
+    r = subprocess.run(
+        [sys.executable, "-S", "-I", "-c", source.replace("getattr(sys, \"orig_argv\", [])", "[]"), "prepare"],
+        input=b"{}",
+        capture_output=True,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    result = json.loads(r.stdout.decode().split(" ", 2)[2])
+    changed = hashlib.sha256(source.replace("getattr(sys, \"orig_argv\", [])", "[]").encode()).hexdigest()
+    assert result["agent"] == changed != AGENT_SHA, r.stderr
+    assert (tmp_path / ".gpufleet" / "objects" / changed).exists()
 
 
 def test_a_relay_stores_objects_checked_against_their_hash(tmp_path):

@@ -205,9 +205,11 @@ def prepare(
     results = round_(list(cluster.nodes))
     missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
     if missing:
-        lost = {r: "its python3 could not store gpufleet's node program (~/.gpufleet/objects)" for r in missing}
-        lost = {r: why for r, why in lost.items() if results[r].get("agent") != AGENT_SHA}
-        if lost:  # the relay key's forced command runs that copy: nothing could reach the node
+        # Every node but node 0 receives through the relay key's forced command, which runs the
+        # copy of the node program each stored in round 1: without it nothing can reach the node.
+        why = "its python3 could not store gpufleet's node program in ~/.gpufleet/objects"
+        lost = {r: why for r in missing if r != cluster.nodes[0].rank and results[r].get("agent") != AGENT_SHA}
+        if lost:
             raise _fail(cluster, lost)
         failed = _send(cluster, transport, request, missing, request.fanout, report)
         results.update(round_([cluster.nodes[r] for r in sorted(missing)]))

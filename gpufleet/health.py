@@ -1,7 +1,7 @@
 """What a node says about its own health, as text, parsed. Pure functions, no processes.
 
 These formats cross a boundary: a node prints them (nvidia-smi, the kernel log, the metadata
-server) and the launcher judges them (`launcher.doctor`), so each is read in one place here.
+server) and the launcher judges them (`launcher.health`), so each is read in one place here.
 
 - `nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits`: one line per GPU, the fields in
   the order asked, separated by ", " (nvidia-smi(1), "--format"; `nvidia-smi --help-query-gpu`

@@ -4,11 +4,12 @@ PEP 503 "simple" index (https://peps.python.org/pep-0503/) by SimCluster(..., in
 `wheel_cache()` fills one directory per machine (GPUFLEET_SIM_WHEELS, else
 ~/.cache/gpufleet/sim-wheels) with the wheels a bare node's builds need: gpufleet's
 `workloads` requirements with torch pinned to the CPU 2.13.0 build this machine's pip takes from
-its local disk, uv (which a node without it installs from the index), and the small packages the
-tests' own requirements name. It asks this machine's pip (`pip download`), so the wheels come from
-wherever pip is configured to take them; a later call with the same requirements downloads
-nothing (one stamp file per requirement set, under a file lock: concurrent test workers wait for
-the first).
+its local disk, uv (which a node without it installs from the index), the py-spy version a node
+whose job environment lacks it gets (launcher.core.stacks.PYSPY_VERSION, a manylinux wheel), and
+the small packages the tests' own requirements name. It asks this machine's pip (`pip
+download`), so the wheels come from wherever pip is configured to take them; a later call with
+the same requirements downloads nothing (one stamp file per requirement set, under a file lock:
+concurrent test workers wait for the first).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import tomllib
 
+from launcher.core.stacks import PYSPY_VERSION
+
 __all__ = ["wheel_cache", "write_simple_tree", "INDEX_REQUIREMENTS", "workloads_requirements"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +41,7 @@ def workloads_requirements() -> list[str]:
     return [TORCH if re.match(r"torch\b", r) else r for r in extra]
 
 
-INDEX_REQUIREMENTS = (*workloads_requirements(), "uv", *EXTRAS)
+INDEX_REQUIREMENTS = (*workloads_requirements(), "uv", f"py-spy=={PYSPY_VERSION}", *EXTRAS)
 
 
 def _cache_dir() -> Path:

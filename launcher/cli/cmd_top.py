@@ -2,8 +2,8 @@
 `--interval`; `--record FILE.jsonl` keeps every sample; `--plot FILE.jsonl` draws a record.
 
 `launch top JOB_ID` views a detached job's nodes only, read from the job's record on node 0 of
-the cluster the node flags name (launcher.jobs.record); `--plot JOB_ID` copies the samples the job's
-controller took (launcher.observe.job_metrics) to RUNS_DIR/JOB_ID/top.jsonl and draws them.
+the cluster the node flags name; `--plot JOB_ID` copies the samples the job's controller took to
+RUNS_DIR/JOB_ID/top.jsonl and draws them (both launcher.jobs.watch).
 
 On a terminal the table redraws in place (rich Live); into a pipe or file it is printed once per
 refresh, one after the other, like `top -b`, so a script or a test reads the whole history.
@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,9 @@ from launcher.cli.options import SOURCE_OPTIONS, apply_options, find_cluster, ss
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Node, SshConfig, UserError, new_job_id
-from launcher.jobs.goodput import goodput_of, summary
-from launcher.jobs.node0 import Node0, job_host
-from launcher.jobs.record import SAMPLES_FILE, JobRecord, check_job_id, samples_script
-from launcher.observe.job_metrics import INTERVAL_S as JOB_INTERVAL_S
+from launcher.jobs.node0 import job_host
+from launcher.jobs.record import check_job_id
+from launcher.jobs.watch import JobWatch, copy_samples, job_nodes
 from launcher.observe.top import (
     FLAG_FRACTION,
     NodeRow,
@@ -274,73 +273,15 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Ssh
     return cluster, ssh, make_transport(cluster, ssh)
 
 
-def _job_nodes(cluster: Cluster, transport: Transport, job_id: str) -> Cluster:
-    """`cluster` narrowed to the nodes of detached job `job_id`, ranked as in the job."""
-    job = Node0(transport, job_host(cluster)).record(job_id)
-    if job.state.final:
-        raise UserError(
-            f"job {job_id} has ended ({job.state.value}); `launch top --plot {job_id}` draws what "
-            "its controller sampled"
-        )
-    by_host = {n.host: n for n in cluster.nodes}
-    missing = [h for h in job.nodes if h not in by_host]
-    if missing:
-        raise UserError(
-            f"job {job_id} runs on {', '.join(missing)}, which the node flags do not name; give the "
-            "node flags the job was started with"
-        )
-    return replace(cluster, nodes=tuple(replace(by_host[h], rank=i) for i, h in enumerate(job.nodes)))
-
-
 def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, SshConfig, Transport, Node]:
     """The nodes to view (the flags' cluster, or detached job `job_id`'s nodes of it), and the
     flags' node 0 (where the job's record is)."""
     if job_id:
         cluster, ssh, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return _job_nodes(cluster, transport, job_id), ssh, transport, job_host(cluster)
+        return job_nodes(cluster, transport, job_id), ssh, transport, job_host(cluster)
     cluster = find_cluster(o)
     ssh = ssh_config(o, cluster)
     return cluster, ssh, make_transport(cluster, ssh, bool(o.get("dry_run"))), job_host(cluster)
-
-
-class _JobWatch:
-    """Asks node 0 for a detached job's state every `every_s` seconds; `latest` is its latest
-    record; `ended` is set, and `record` holds the job's record, once it has ended (the view of
-    its nodes ends with it)."""
-
-    def __init__(self, transport: Transport, head: Node, job_id: str, every_s: float = 5.0):
-        self.node0, self.job_id, self.every_s = Node0(transport, head), job_id, every_s
-        self.ended = threading.Event()
-        self.record: JobRecord | None = None
-        self.latest: JobRecord | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="top-job-watch")
-
-    def start(self) -> "_JobWatch":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def goodput(self) -> str:
-        """The job's goodput line for the view's title (empty until node 0 has answered)."""
-        return f"  {summary(goodput_of(self.latest))}" if self.latest else ""
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                found = self.node0.records(self.job_id)
-            except UserError:
-                found = []  # node 0 did not answer this time: the view goes on, as for any node
-            if found:
-                self.latest = found[0]
-            if found and found[0].state.final:
-                self.record = found[0]
-                self.ended.set()
-                return
-            if self._stop.wait(self.every_s):
-                return
 
 
 def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
@@ -360,15 +301,7 @@ def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
             )
         return plot_record(Path(plot_from), output)
     cluster, _, transport = _job_source(o, job_id, f"--plot {job_id}")
-    text = Node0(transport, job_host(cluster)).run(samples_script(job_id))
-    if not text.strip():
-        raise UserError(
-            f"job {job_id} has no samples yet (its controller samples every "
-            f"{JOB_INTERVAL_S:g} s while it runs); try again later"
-        )
-    copy = Path(o.get("runs_dir") or "runs") / job_id / SAMPLES_FILE
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    copy.write_text(text)
+    copy = copy_samples(cluster, transport, job_id, Path(o.get("runs_dir") or "runs"))
     err.print(f"[dim]copied job {job_id}'s samples to {escape(str(copy))}[/dim]")
     return plot_record(copy, output)
 
@@ -480,7 +413,7 @@ def top(
         concurrency=ssh.concurrency,
     )
     exporter = _cloud_exporter(o, cluster, sampler)
-    watch = _JobWatch(transport, head, job_id).start() if job_id else None
+    watch = JobWatch(transport, head, job_id).start() if job_id else None
     sampler.start()
     if exporter:
         exporter.start()

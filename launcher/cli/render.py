@@ -158,7 +158,12 @@ def execute(p: LaunchPlan) -> LaunchResult | None:
     on_event, status = live_printer(cluster, p.order_message)
     try:
         launch = Launch(
-            cluster, config, on_event=busy.gate(on_event) if busy else on_event, stop=stop, transport=p.transport
+            cluster,
+            config,
+            on_event=busy.gate(on_event) if busy else on_event,
+            stop=stop,
+            transport=p.transport,
+            verdict=p.verdict,
         )
         result = launch.run(programs=p.programs, stdin=p.stdin)
     except Interrupted:

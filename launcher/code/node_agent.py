@@ -8,12 +8,15 @@ gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gp
     snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
     work/JOB/             a job's working directory: its --sync snapshot, copied (writes allowed)
     envs/KEY/             a Python environment built with uv, KEY the hash of what defines it
+    tools/NAME-VERSION/   a tool the job's environment lacks (py-spy, for hang stacks), built the same way
     uv/                   uv itself, where the node had none (pip-installed from the job's index)
 
 Commands (stdin carries the request; every line this program prints starts with PREFIX):
 - `prepare`: a JSON request. Reports the objects the node lacks; places every snapshot whose
   objects are all there; builds the environment when it is missing (one build per KEY at a
-  time: a file lock), printing progress. Ends with `PREFIX result JSON`.
+  time: a file lock), printing progress; then the request's `tools` environment when the job's
+  environment lacks its program (a failure there is reported apart: the job can run without
+  it). Ends with `PREFIX result JSON`.
 - `relay`: a stream of frames (`KEY SIZE`, `KNOWN SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
   SIZE`, each followed by SIZE bytes; `END`): stores each object (its hash checked) and passes
   it on, chunk by chunk as it arrives, to each child in the plan that lacks it, over ssh with
@@ -200,9 +203,10 @@ def torch_marker(env):
     return json.dumps({"torch_index": env.get("torch_index"), "python": sys.version.split()[0]}, sort_keys=True)
 
 
-def build_env(env):
-    """The environment at ~/.gpufleet/envs/KEY, built with uv unless it is there already."""
-    d = os.path.join(G, "envs", env["key"])
+def build_env(env, base="envs", what=None):
+    """The environment at ~/.gpufleet/BASE/KEY, built with uv unless it is there already; `what`:
+    its progress line."""
+    d = os.path.join(G, base, env["key"])
     python = os.path.join(d, "bin", "python")
     done = os.path.join(d, DONE)
     os.makedirs(os.path.dirname(d), exist_ok=True)
@@ -216,7 +220,7 @@ def build_env(env):
             if why:
                 raise BuildError(f"the package index {url} cannot be reached ({why})")
         uv = find_uv(env)
-        say("progress", f"building environment {env['key'][:12]}")
+        say("progress", what or f"building environment {env['key'][:12]}")
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         uv_env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
@@ -288,6 +292,9 @@ def prepare(req):
             result["python"], result["built"] = build_env(env)
         except BuildError as e:
             result["error"] = str(e)
+    tools = req.get("tools")
+    if tools and not result["error"]:
+        result["tools_error"] = build_tools(tools, result["python"])
     # What this launch uses, marked used now: `launch prune` (launcher.code.node_prune) removes
     # only what no launch has used for its --older-than.
     used = [os.path.join(G, s["dest"]) for s in req.get("snapshots", [])]
@@ -297,6 +304,18 @@ def prepare(req):
         except OSError:  # not placed yet: its objects are still to come
             pass
     say("result", json.dumps(result))
+
+
+def build_tools(tools, python):
+    """The tools environment (~/.gpufleet/tools/KEY) unless `python`'s bin has its program
+    already; None, or why it could not be built."""
+    if python and os.access(os.path.join(os.path.dirname(python), tools["program"]), os.X_OK):
+        return None
+    try:
+        build_env(tools, "tools", f"installing {tools['key']} (for hang stacks)")
+    except BuildError as e:
+        return str(e)
+    return None
 
 
 def pick_torch_index(driver, table):

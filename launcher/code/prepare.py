@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
 from launcher.cluster.key import ensure_key, known_hosts_text, ssh_target, verified_host_keys
@@ -33,10 +34,11 @@ from launcher.code import node_agent
 from launcher.code.pyenv import EnvSpec
 from launcher.code.snapshot import Snapshot
 from launcher.code.tree import AGENT_SHA, DEFAULT_FANOUT, authorize_relay, depth, forwarding_tree, relay_plan
+from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script"]
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script", "run_agent"]
 
 log = logging.getLogger("launcher")
 
@@ -75,8 +77,10 @@ class PrepareReport:
     built: list[int] = field(default_factory=list)
 
 
-def agent_script(command: str) -> str:
-    source = Path(node_agent.__file__).read_text()
+def agent_script(command: str, program: ModuleType = node_agent) -> str:
+    """The node's command running `program` (a standard-library-only module of launcher.code,
+    node_agent unless named) from its source text."""
+    source = Path(program.__file__).read_text()
     # The node's own python3, no site-packages: the program needs the standard library only.
     return f"exec python3 -S -c {_quote(source)} {command}"
 
@@ -87,7 +91,9 @@ def _quote(s: str) -> str:
     return shlex.quote(s)
 
 
-def _request(request: CodeRequest, job_id: str) -> dict:
+def _request(request: CodeRequest, job_id: str, stacks: bool = False) -> dict:
+    """The node agent's `prepare` request; `stacks`: the launch may collect hang stacks, so a
+    node whose job environment lacks py-spy gets it (launcher.core.stacks.PYSPY_TOOLS)."""
     snaps = []
     if request.code is not None:
         snaps.append({"hash": request.code.hash, "dest": f"snap/{request.code.hash}", "files": request.code.manifest()})
@@ -95,13 +101,25 @@ def _request(request: CodeRequest, job_id: str) -> dict:
         snaps.append(
             {"hash": request.sync.hash, "dest": f"work/{job_id}", "files": request.sync.manifest(), "copy": True}
         )
-    env = None
+    env = tools = None
     if request.env is not None:
-        env = request.env.request([f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()])
-    return {"snapshots": snaps, "env": env}
+        caches = [f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()]
+        env = request.env.request(caches)
+        if stacks:
+            tools = _pyspy_tools(request.env).request(caches)
+            tools.update(key=PYSPY_TOOLS.rsplit("/", 1)[-1], program="py-spy")
+    return {"snapshots": snaps, "env": env, "tools": tools}
 
 
-def _run_agent(
+def _pyspy_tools(env: EnvSpec) -> EnvSpec:
+    """py-spy, pinned, from the job environment's own package sources (no CUDA index: py-spy's
+    wheel is one binary for any Python)."""
+    return replace(
+        env, kind="requirements.txt", files={"requirements.txt": f"py-spy=={PYSPY_VERSION}\n"}, torch_indexes=()
+    )
+
+
+def run_agent(
     transport: Transport, node: Node, script: str, data: Iterable[bytes], progress: Progress, report: PrepareReport
 ) -> tuple[dict | None, str]:
     """Run one agent session, `data` on its stdin; its result line's JSON (None if there was
@@ -192,48 +210,29 @@ def prepare(
     transport = make_transport(cluster, config.ssh, config.dry_run)
     key = ensure_key(cluster, RELAY_KEY)
     authorize = authorize_relay(key.with_name(f"{RELAY_KEY}.pub").read_text(), cluster)
-    body = json.dumps(_request(request, config.job_id)).encode()
+    body = json.dumps(_request(request, config.job_id, stacks=config.hang_timeout_s is not None)).encode()
     script = "; ".join([authorize, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
-        answers = _each(nodes, lambda n: _run_agent(transport, n, script, [body], progress, report))
+        answers = _each(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
         unreachable = {r: why for r, (res, why) in answers.items() if res is None}
         if unreachable:
             raise _fail(cluster, {r: f"cannot prepare the node ({why})" for r, why in unreachable.items()})
         return {r: res for r, (res, _) in answers.items()}
 
     results = round_(list(cluster.nodes))
-    missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
-    if missing:
-        # Every node but node 0 receives through the relay key's forced command, which runs the
-        # copy of the node program each stored in round 1: without it nothing can reach the node.
-        why = "its python3 could not store gpufleet's node program in ~/.gpufleet/objects"
-        lost = {r: why for r in missing if r != cluster.nodes[0].rank and results[r].get("agent") != AGENT_SHA}
-        if lost:
-            raise _fail(cluster, lost)
-        failed = _send(cluster, transport, request, missing, request.fanout, report)
-        results.update(round_([cluster.nodes[r] for r in sorted(missing)]))
-        still = {r: res["missing"] for r, res in results.items() if res["missing"]}
-        head = cluster.nodes[0].rank
-        if still and head not in still:  # node 0 holds it all: it sends the starved nodes theirs
-            report.resent = {r: failed.get(r, f"{len(m)} files did not arrive") for r, m in still.items()}
-            failed.update(_send(cluster, transport, request, still, len(cluster.nodes), report, again=True))
-            results.update(round_([cluster.nodes[r] for r in sorted(still)]))
-            still = {r: res["missing"] for r, res in results.items() if res["missing"]}
-        if still:
-            raise _fail(
-                cluster,
-                {
-                    r: f"could not receive the job's files ({failed[r]})"
-                    if r in failed
-                    else f"{len(m)} files did not arrive"
-                    for r, m in still.items()
-                },
-            )
+    _deliver(cluster, transport, request, results, round_, report)
     errors = {r: _build_error(request, res["error"]) for r, res in results.items() if res.get("error")}
     if errors:
         raise _fail(cluster, errors)
     report.built = sorted(r for r, res in results.items() if res.get("built"))
+    for r, res in sorted(results.items()):
+        if res.get("tools_error"):
+            log.warning(
+                "%s: py-spy could not be installed (%s); a hang there is reported without its stacks",
+                cluster.nodes[r].label,
+                res["tools_error"],
+            )
     homes = {res["home"] for res in results.values()}
     if len(homes) > 1:
         raise UserError(
@@ -241,6 +240,47 @@ def prepare(
             "and environment; use one user with one home on every node (--ssh-user)"
         )
     return _configured(config, request, homes.pop()), report
+
+
+def _deliver(
+    cluster: Cluster,
+    transport: Transport,
+    request: CodeRequest,
+    results: dict[int, dict],
+    round_: Callable[[list[Node]], dict[int, dict]],
+    report: PrepareReport,
+) -> None:
+    """Rounds 2 and 3: what the nodes lack sent down the tree, then every node that lacked it
+    asked again (`results` updated); a node still lacking it gets it from node 0 directly, and
+    one that lacks it after that fails the launch, named."""
+    missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    if not missing:
+        return
+    # Every node but node 0 receives through the relay key's forced command, which runs the
+    # copy of the node program each stored in round 1: without it nothing can reach the node.
+    why = "its python3 could not store gpufleet's node program in ~/.gpufleet/objects"
+    lost = {r: why for r in missing if r != cluster.nodes[0].rank and results[r].get("agent") != AGENT_SHA}
+    if lost:
+        raise _fail(cluster, lost)
+    failed = _send(cluster, transport, request, missing, request.fanout, report)
+    results.update(round_([cluster.nodes[r] for r in sorted(missing)]))
+    still = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    head = cluster.nodes[0].rank
+    if still and head not in still:  # node 0 holds it all: it sends the starved nodes theirs
+        report.resent = {r: failed.get(r, f"{len(m)} files did not arrive") for r, m in still.items()}
+        failed.update(_send(cluster, transport, request, still, len(cluster.nodes), report, again=True))
+        results.update(round_([cluster.nodes[r] for r in sorted(still)]))
+        still = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    if still:
+        raise _fail(
+            cluster,
+            {
+                r: f"could not receive the job's files ({failed[r]})"
+                if r in failed
+                else f"{len(m)} files did not arrive"
+                for r, m in still.items()
+            },
+        )
 
 
 def _build_error(request: CodeRequest, error: str) -> str:
@@ -322,7 +362,7 @@ def _send(
     report.object_bytes += sum(files[s].stat().st_size for s in objects)
     if not again:
         report.passed_on = len(others)
-    result, why = _run_agent(transport, head, agent_script("relay"), data, lambda n, t: None, report)
+    result, why = run_agent(transport, head, agent_script("relay"), data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
     parent = {child: p for p, children in tree.items() for child in children}

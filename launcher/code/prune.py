@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from launcher.code import node_prune
-from launcher.code.prepare import PrepareReport, _quote, _run_agent
+from launcher.code.prepare import PrepareReport, agent_script, run_agent
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, ControllerHost, Node, UserError
 
@@ -55,13 +54,12 @@ class HostPrune:
 
 def prune_script() -> str:
     """The node's command: the node side's source run by its own python3, no site-packages."""
-    source = Path(node_prune.__file__).read_text()
-    return f"exec python3 -S -c {_quote(source)} scan"
+    return agent_script("scan", node_prune)
 
 
 def _ask(transport: Transport, host: Node | ControllerHost, body: dict) -> HostPrune:
     data = json.dumps(body).encode()
-    result, why = _run_agent(transport, host, prune_script(), [data], lambda n, t: None, PrepareReport())
+    result, why = run_agent(transport, host, prune_script(), [data], lambda n, t: None, PrepareReport())
     if result is None:
         return HostPrune(host.label, error=why)
     return HostPrune(

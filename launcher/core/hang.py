@@ -17,6 +17,7 @@ quiet for long: give `--hang-timeout` there). NCCL jobs also get PyTorch's fligh
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ __all__ = [
     "parse_progress",
     "flight_recorder_prefix",
     "flight_recorder_env",
+    "flight_recorder_aliases",
+    "FR_ALIASES",
 ]
 
 # `launch train`'s default. PyTorch's own NCCL watchdog waits 10 min for a collective
@@ -112,21 +115,38 @@ def flight_recorder_prefix(job_id: str) -> str:
 
 
 def flight_recorder_env(job_id: str) -> dict[str, str]:
-    """PyTorch's NCCL flight recorder for the job's workers (names as torch 2.13 reads them:
-    torch/csrc/distributed/c10d/FlightRecorder.hpp and ProcessGroupNCCL.hpp; the older
-    TORCH_NCCL_* names are the aliases every torch since 2.4 reads):
-    - TORCH_NCCL_TRACE_BUFFER_SIZE: the ring buffer of the last 2000 collective events;
+    """PyTorch's NCCL flight recorder for the job's workers, by the names torch 2.8 and later
+    read (torch/csrc/distributed/c10d/FlightRecorder.hpp and ProcessGroupNCCL.hpp; they warn,
+    once per rank, when an older name is set):
+    - TORCH_FR_BUFFER_SIZE: the ring buffer of the last 2000 collective events;
     - TORCH_NCCL_DUMP_ON_TIMEOUT: dump it when NCCL's watchdog times out;
-    - TORCH_FR_DUMP_TEMP_FILE (and TORCH_NCCL_DEBUG_INFO_TEMP_FILE): where;
+    - TORCH_FR_DUMP_TEMP_FILE: where;
     - TORCH_NCCL_DEBUG_INFO_PIPE_FILE: each rank opens the named pipe `<prefix><rank>.pipe`, and
       a write to it makes that rank dump now (ProcessGroupNCCL.hpp, DumpPipe); the stack
       collection writes to it, so the dumps exist when gpufleet, not NCCL, saw the hang first.
+    A torch older than 2.8 reads only the older names (FR_ALIASES): `flight_recorder_aliases`
+    sets them on the node when its torch is one of those.
     Documented at https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html."""
     prefix = flight_recorder_prefix(job_id)
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix,
     }
+
+
+# The names torch 2.4-2.7 read for the two settings that torch 2.8 renamed (the alias lists in
+# torch 2.8's FlightRecorder.hpp: {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, ...).
+FR_ALIASES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
+
+
+def flight_recorder_aliases(python: str) -> str:
+    """The bash that also exports the older names when `python`'s torch is older than 2.8 (its
+    version read without importing torch, as the pre-start check reads it)."""
+    exports = " ".join(f'{old}="${new}"' for new, old in FR_ALIASES.items())
+    version = f"{shlex.quote(python)} -c 'import importlib.metadata as m; print(m.version(\"torch\"))' 2>/dev/null"
+    return f'case "$({version})" in 2.[4-7].*) export {exports};; esac'

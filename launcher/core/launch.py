@@ -39,7 +39,7 @@ from pathlib import Path
 from gpufleet import atomic
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
-from launcher.core.preflight import Probe, check_probes, check_timeout, handshake_limit
+from launcher.core.preflight import Probe, Verdict, check_probes, check_timeout, handshake_limit
 from launcher.core.program import attach_commands, env_stdin, node_commands, probe_script
 from launcher.core.session import NodeSession, Report
 from launcher.core.transport import Transport, make_transport
@@ -109,7 +109,9 @@ def _final_state(outcome: NodeOutcome) -> NodeState:
 class Launch:
     """One launch of `config` on `cluster`: `run()` checks, starts, streams, stops and returns
     the result; `probe()` runs the check alone. `stop` may be shared by launches running at
-    once (the bad-node finder's pairs): setting it stops all of them."""
+    once (the bad-node finder's pairs): setting it stops all of them. `verdict` judges what the
+    check asked about each node's GPUs and NICs (launcher.health.prestart.prestart_verdict; a
+    launch whose programs ask it must have one, launcher.core.preflight.check_probes)."""
 
     def __init__(
         self,
@@ -118,9 +120,11 @@ class Launch:
         on_event: OnEvent | None = None,
         stop: threading.Event | None = None,
         transport: Transport | None = None,
+        verdict: Verdict | None = None,
     ):
         self.cluster = cluster
         self.config = config
+        self.verdict = verdict
         self.transport = transport or make_transport(cluster, config.ssh, config.dry_run)
         self.stop_event = stop or threading.Event()
         self.signals: list[int] = []  # SIGINT/SIGTERM received, in order
@@ -285,7 +289,7 @@ class Launch:
         if self.stop_event.is_set():
             raise Interrupted(self.signals[0] if self.signals else signal.SIGINT)
         probes = {r: s.probe() for r, s in self._sessions.items()}
-        for warning in check_probes(self.cluster, probes, self.config):
+        for warning in check_probes(self.cluster, probes, self.config, self.verdict):
             log.warning(warning)
 
     def _make_run_dir(self) -> None:

@@ -1,19 +1,25 @@
 """The pre-start check's policy: how many handshakes at once, how long a node may take to
 answer, and what the answers (`Probe`s) allow: one `UserError` naming every node that cannot
-run, or warnings for the ones that can (clock skew, a stale host list)."""
+run, or warnings for the ones that can (clock skew, a stale host list).
+
+What the check asks about a node's hardware (launcher.core.prestart's statements) is judged above
+core, by a `Verdict` the launch is given (launcher.health.prestart.prestart_verdict): core renders
+the question into every node's program, and the package that judges the answers imports core,
+never the other way round."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from launcher.core.prestart import prestart_verdict
 from launcher.core.program import SPOT_GRACE_MAX_S, SPOT_NOTICE_S
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError
 
 __all__ = [
     "Probe",
+    "Verdict",
     "DIRECT_CONCURRENCY",
     "through_gateway",
     "handshake_limit",
@@ -33,6 +39,11 @@ class Probe:
     error: str = ""
     facts: dict[str, str] = field(default_factory=dict)
     skew_s: float | None = None  # how far the node's clock is outside the probe's time window
+
+
+# A judgement of the check's answers beyond core's own: raise UserError naming every node that
+# cannot run, or return warnings (launcher.health.prestart.prestart_verdict).
+Verdict = Callable[[Cluster, Mapping[int, Probe], LaunchConfig], list[str]]
 
 
 # Handshakes in flight when every connection goes to a different sshd (no bastion or proxy).
@@ -83,14 +94,21 @@ def clock_skew(facts: dict[str, str], t0: float, t1: float) -> float | None:
     return remote - min(max(remote, t0), t1)
 
 
-def check_probes(cluster: Cluster, probes: dict[int, Probe], config: LaunchConfig) -> list[str]:
-    """Raise one UserError naming every node that cannot run; return warnings for the rest."""
+def check_probes(
+    cluster: Cluster, probes: dict[int, Probe], config: LaunchConfig, verdict: Verdict | None = None
+) -> list[str]:
+    """Raise one UserError naming every node that cannot run; return warnings for the rest.
+    `verdict` judges what launcher.core.prestart's statements reported (a missing GPU or NIC
+    refuses, drift warns); a check whose nodes answered them must have one."""
     refuse_unreachable(cluster, probes)
     _refuse_busy_port(probes, config)
     _refuse_missing_workdir(probes, config)
     _refuse_torch(probes, config)
-    # What launcher.core.prestart's statements reported: a missing GPU or NIC refuses, drift warns.
-    drift = prestart_verdict(cluster, probes, config)
+    asked = any(p.ok and "smi_rc" in p.facts for p in probes.values())
+    if asked and verdict is None:
+        # A programming error, not the user's: the nodes' GPU answers would go unjudged.
+        raise RuntimeError("the check asked the nodes about their GPUs but no verdict judges the answers")
+    drift = verdict(cluster, probes, config) if verdict is not None else []
     return _clock_warnings(probes) + _hostname_warnings(cluster, probes) + drift + _spot_grace_warnings(probes, config)
 
 

@@ -78,6 +78,7 @@ from gpufleet.nccl_env import PREPEND_PATH_VARS
 from launcher.core import supervise
 from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
+from launcher.core.hang import flight_recorder_aliases
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
 from launcher.core.torchrun import torchrun_argvs
@@ -162,12 +163,18 @@ class NodeProgram:
             ("prologue", list(self.prologue)),
             # The environment first: the check must see what the run will (`--env PATH=...`
             # decides which `python3` has torch), so it is exported before the check's lines.
-            ("environment", _env_statements(self.cluster, self.node, self.env, [k for k, _ in stdin_env(self.config)])),
+            ("environment", self._environment()),
             ("checks", self._checks()),
             ("gate", _gate()),
             ("prepare", [*self._workdir_step(), *self.prepare]),
             ("run", self._run()),
         ]
+
+    def _environment(self) -> list[str]:
+        s = _env_statements(self.cluster, self.node, self.env, [k for k, _ in stdin_env(self.config)])
+        if "TORCH_FR_BUFFER_SIZE" in self.env and not self.config.image:  # an image's torch is its own
+            s.append(flight_recorder_aliases(self.config.python))
+        return s
 
     def render(self) -> str:
         return join([st for _, statements in self.sections() for st in statements])

@@ -9,6 +9,11 @@ worker forked from a rank inherits them). It dumps each with `py-spy dump` (ever
 node in parallel) and prints the dumps between marker lines, then any flight-recorder dumps of
 an NCCL job (launcher.core.hang.flight_recorder_env), which it first asks every rank to write.
 
+py-spy comes from beside the nodes' python (gpufleet[workloads] has it), else from the tools
+environment launcher.code builds on a node whose job environment lacks it (`PYSPY_TOOLS`, a
+user's --sync requirements), else from PATH. The launch's --env PATH, which decides the python,
+travels on the program's stdin (`collect_stdin`), as the run's --env values do: never in argv.
+
 A dump is Python frames only (about 0.1 s a process); a rank whose main thread is not in
 torch.distributed's Python is dumped again, in the same program, with `--native` (seconds: py-spy
 unwinds the C++ frames too), because a rank blocked in `work.wait()` shows no Python frame of
@@ -35,7 +40,7 @@ from pathlib import Path
 from launcher.core.hang import flight_recorder_prefix
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, Node
-from launcher.core.wire import run_token
+from launcher.core.wire import env_block, read_env_statements, run_token
 
 __all__ = [
     "STACK_MARKER",
@@ -43,7 +48,10 @@ __all__ = [
     "Place",
     "RankStack",
     "NodeStacks",
+    "PYSPY_VERSION",
+    "PYSPY_TOOLS",
     "collect_script",
+    "collect_stdin",
     "parse_node_output",
     "main_thread_frames",
     "classify",
@@ -60,6 +68,12 @@ _END = "__GPUFLEET_STACKS_END__"
 # How long one py-spy may take on a node, and the whole collection from the launcher's side.
 _DUMP_TIMEOUT_S = 30
 _COLLECT_TIMEOUT_S = 90
+# The py-spy a node gets when its job's environment has none (launcher.code.prepare asks the node
+# agent to build it, with uv, from the job's own package index), at $HOME/PYSPY_TOOLS/bin/py-spy:
+# one directory per pinned version, so it is built once per node. Its wheels are manylinux
+# binaries that need no particular Python (https://pypi.org/project/py-spy/#files).
+PYSPY_VERSION = "0.4.3"
+PYSPY_TOOLS = f".gpufleet/tools/py-spy-{PYSPY_VERSION}"
 
 
 # ---- the node-side program ----
@@ -82,17 +96,29 @@ def _find_workers(token: str) -> list[str]:
 
 
 def _find_pyspy(config: LaunchConfig) -> list[str]:
-    """`S`: the py-spy beside the nodes' python (pip puts it in the same bin), else on PATH."""
+    """`S`: the py-spy beside the nodes' python (pip puts it in the same bin), else the tools
+    environment's (`PYSPY_TOOLS`), else on PATH. A --env PATH is read from stdin (`collect_stdin`)."""
     py = shlex.quote(config.python)
     s = []
-    path = dict(config.env).get("PATH")
-    if path:  # --env PATH=... decides which python (and so which py-spy) the run uses
-        s.append(f"export PATH={shlex.quote(path)}${{PATH:+:$PATH}}")
+    if _path(config) is not None:  # --env PATH=... decides which python (and so which py-spy) the run uses
+        s += read_env_statements("PATH", prepend=True)
     return s + [
         f'S=; Y=$(command -v {py} 2>/dev/null); [ -n "$Y" ] && [ -x "${{Y%/*}}/py-spy" ] && S="${{Y%/*}}/py-spy"',
+        f'[ -n "$S" ] || {{ [ -x "$HOME/{PYSPY_TOOLS}/bin/py-spy" ] && S="$HOME/{PYSPY_TOOLS}/bin/py-spy"; }}',
         '[ -n "$S" ] || S=$(command -v py-spy 2>/dev/null)',
         f'[ -n "$S" ] || {{ echo {_NO_PYSPY}; exit 0; }}',
     ]
+
+
+def _path(config: LaunchConfig) -> str | None:
+    return dict(config.env).get("PATH")
+
+
+def collect_stdin(config: LaunchConfig) -> bytes:
+    """What `collect_script`'s program reads on stdin first: the launch's PATH, when it has one
+    (launcher.core.wire.env_block)."""
+    path = _path(config)
+    return env_block([("PATH", path)]) if path is not None else b""
 
 
 def _dump_all() -> list[str]:
@@ -137,8 +163,8 @@ def _flight_recorder(prefix: str) -> tuple[list[str], list[str]]:
 
 def collect_script(config: LaunchConfig, node: Node, fr: bool = False) -> str:
     """The node-side program (bash, one line) that prints the stacks of the job's workers on
-    `node` and, with `fr`, their flight-recorder dumps. Pure: every value that crosses the
-    shell is quoted."""
+    `node` and, with `fr`, their flight-recorder dumps; it reads `collect_stdin(config)` first.
+    Pure: every value that crosses the shell is quoted, and no --env value is in it."""
     s = ["T=$(mktemp -d) || exit 1", "trap 'rm -rf \"$T\"' EXIT"]
     s += _find_pyspy(config)
     s += _find_workers(run_token(config.job_id, node.rank))
@@ -196,7 +222,8 @@ def parse_node_output(node: Node, text: str) -> NodeStacks:
             out.flight_recorder[int(rank)] = base64.b64decode(data)
         elif head == _NO_PYSPY:
             out.error = (
-                "py-spy is not installed beside the nodes' python: pip install py-spy (gpufleet[workloads] has it)"
+                "py-spy is not installed beside the nodes' python, nor on PATH: pip install py-spy there (gpufleet "
+                "builds it on the nodes where it builds the job's environment)"
             )
         elif current is not None:
             lines.append(line)
@@ -364,27 +391,22 @@ def verdict(silent_s: float, nodes: list[NodeStacks], stacks_dir: str) -> tuple[
 # ---- collecting ----
 
 
-def _run(transport: Transport, node: Node, script: str) -> tuple[str, str]:
-    """(stdout, error) of one node's program."""
+def _run(transport: Transport, node: Node, script: str, stdin: bytes) -> tuple[str, str]:
+    """(stdout, error) of one node's program, `stdin` written to it."""
     try:
-        r = subprocess.run(
-            transport.argv(node, script),
-            capture_output=True,
-            text=True,
-            timeout=_COLLECT_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-        )
+        r = subprocess.run(transport.argv(node, script), capture_output=True, timeout=_COLLECT_TIMEOUT_S, input=stdin)
     except subprocess.TimeoutExpired:
         return "", f"no answer within {_COLLECT_TIMEOUT_S} s"
-    if _END not in r.stdout:
-        return r.stdout, (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return r.stdout, ""
+    out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+    if _END not in out:
+        return out, (err.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+    return out, ""
 
 
-def _gather(transport: Transport, scripts: dict[Node, str]) -> dict[Node, NodeStacks]:
-    """Every node's program at once; what each returned."""
+def _gather(transport: Transport, scripts: dict[Node, str], stdin: bytes) -> dict[Node, NodeStacks]:
+    """Every node's program at once (each reads `stdin` first); what each returned."""
     with ThreadPoolExecutor(max_workers=min(64, len(scripts)) or 1) as pool:
-        futures = {node: pool.submit(_run, transport, node, script) for node, script in scripts.items()}
+        futures = {node: pool.submit(_run, transport, node, script, stdin) for node, script in scripts.items()}
     out = {}
     for node, fut in futures.items():
         text, error = fut.result()
@@ -416,7 +438,8 @@ def collect(
     return the verdict."""
     chosen = [n for n in cluster.nodes if nodes is None or n.rank in nodes]
     t0 = time.monotonic()
-    got = _gather(transport, {n: collect_script(config, n, fr=flight_recorder) for n in chosen})
+    scripts = {n: collect_script(config, n, fr=flight_recorder) for n in chosen}
+    got = _gather(transport, scripts, collect_stdin(config))
     log.info(
         "stacks of %d ranks on %d nodes in %.1f s",
         sum(len(ns.ranks) for ns in got.values()),

@@ -145,6 +145,7 @@ class Controller:
             return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
         # Imported once the record is written: the hand-off waits for the record, not for these.
         from launcher.core.launch import Interrupted, Launch
+        from launcher.health.prestart import prestart_verdict
 
         home = Path(os.path.expanduser("~"))
         cluster, config = request_from_json(self.request, self.env, home, self.jobdir.parent)
@@ -152,7 +153,9 @@ class Controller:
 
         self.metrics = job_metrics.start(cluster, config, self.jobdir / SAMPLES_FILE)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
-            launch = Launch(cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop)
+            launch = Launch(
+                cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop, verdict=prestart_verdict
+            )
             self.launch = launch
             try:
                 result = launch.run(handle_signals=True)

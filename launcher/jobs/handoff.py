@@ -144,7 +144,7 @@ def _check(plan: LaunchPlan) -> dict[int, Probe]:
     probes = Launch(plan.cluster, plan.config, transport=plan.transport).ask(dict(plan.programs), plan.stdin)
     for p in probes.values():
         p.facts.pop("port", None)  # the queue, not the check, decides when the job takes the port
-    for warning in check_probes(plan.cluster, probes, plan.config):
+    for warning in check_probes(plan.cluster, probes, plan.config, plan.verdict):
         log.warning(warning)
     return probes
 

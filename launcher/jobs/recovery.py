@@ -340,6 +340,7 @@ class Recoverer:
         """Poll with the launch's own check until every node passes, then run: the attempt's
         result, or the job's exit status when it ended here (stopped, or a node not back)."""
         from launcher.core.launch import Interrupted, Launch
+        from launcher.health.prestart import prestart_verdict
 
         t0 = time.monotonic()
         while True:
@@ -348,7 +349,8 @@ class Recoverer:
             # (its GPUFLEET_RESTART_REASON=shrunk, an --env value, wins over the reason here).
             config = dataclasses.replace(self.config, attempt=len(self.c.record.recoveries), restart_reason=rec.reason)
             with open(self.c.jobdir / "output.log", "a", buffering=1) as out:
-                launch = Launch(self.cluster, config, on_event=self._on_event(out, t0), stop=self.c.stop)
+                on_event = self._on_event(out, t0)
+                launch = Launch(self.cluster, config, on_event=on_event, stop=self.c.stop, verdict=prestart_verdict)
                 self.c.launch = launch
                 try:
                     return launch.run(handle_signals=True)

@@ -48,6 +48,7 @@ from gpufleet.contracts import SweepRow
 from gpufleet.groups import format_rounds, group_documents
 from launcher.core.launch import Interrupted, Launch
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.health.prestart import prestart_verdict
 from launcher.jobs.busy import BusyCheck
 from launcher.nccl.judge import failures
 
@@ -311,7 +312,8 @@ class BadNodeSearch:
         )
         # A detached job holding the nodes refuses each launch as it refuses any attached one.
         busy = BusyCheck(self.cluster, config, self.stop)
-        launch = Launch(self.cluster, config, on_event=busy.gate(lambda event: None), stop=self.stop)
+        on_event = busy.gate(lambda event: None)
+        launch = Launch(self.cluster, config, on_event=on_event, stop=self.stop, verdict=prestart_verdict)
         try:
             result = launch.run()  # Launch handles SIGINT/SIGTERM while it runs
         except Interrupted as e:

@@ -1,5 +1,7 @@
 """A launch's plan: the cluster in the rank order the launch uses, the config, and each node's
-program, rendered once by launcher.core.program's builder, with the transport that carries it.
+program, rendered once by launcher.core.program's builder, with the transport that carries it
+and the verdict that judges what their check asks about each node's GPUs and NICs
+(launcher.health.prestart).
 
     plan(cluster, config)            ──> LaunchPlan ──> Launch.run(programs=...)   (attached)
     plan_detached(cluster, config)   ──> LaunchPlan ──> launcher.jobs.handoff.detach
@@ -18,9 +20,11 @@ from pathlib import Path
 from launcher.cluster.key import authorize_statements, ensure_key
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import launch_env
+from launcher.core.preflight import Verdict
 from launcher.core.program import ProgramBuilder, stdin_env
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError
+from launcher.health.prestart import prestart_verdict
 
 __all__ = ["LaunchPlan", "plan", "plan_detached"]
 
@@ -30,7 +34,8 @@ class LaunchPlan:
     """What a launch will do. `cluster`: its nodes in the launch's rank order; `order_message`:
     the line that says which order and why (empty for a plain command); `programs`: each node's
     program by rank, rendered; `steps`: the builder's added steps, by name; `key`: for a detached
-    job, the cluster key its check authorizes on every node."""
+    job, the cluster key its check authorizes on every node; `verdict`: what judges the check's
+    answers about the nodes' GPUs and NICs (the Launch that runs the plan takes it)."""
 
     cluster: Cluster
     config: LaunchConfig
@@ -41,6 +46,7 @@ class LaunchPlan:
     key: Path | None = field(default=None)
     # What each program reads on stdin before its check: the --env values (never in `programs`).
     stdin: bytes = b""
+    verdict: Verdict = prestart_verdict
 
     def dry_run(self) -> list[str]:
         """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""

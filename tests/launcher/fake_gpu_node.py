@@ -268,9 +268,10 @@ class GpuSimCluster:
     physical_host; None: its metadata server has none): the fakes at the front of each node's
     PATH, its own metadata server (GCE_METADATA_HOST), four GPU NICs eth1..eth4 made of real veth
     pairs with the catalog's MTU 8244 in the node's namespace, its own ready marker, and the TCPX
-    plugin in a directory `args()` points LD_LIBRARY_PATH at. Needs netns mode (root)."""
+    plugin in a directory `args()` points LD_LIBRARY_PATH at. `env`: more variables for a node's
+    sessions, by index (a HOME of its own, for a detached job's records). Needs netns mode (root)."""
 
-    def __init__(self, root: Path, places: list[str | None]):
+    def __init__(self, root: Path, places: list[str | None], env: dict[int, dict[str, str]] | None = None):
         self.root = root
         self.n = len(places)
         self.places = list(places)
@@ -288,6 +289,7 @@ class GpuSimCluster:
                 "GCE_METADATA_HOST": self.metadata[i].host,
                 "GPUFLEET_READY_MARKER": str(self.marker(i)),
                 "GPUFLEET_LOCAL_SSD_MOUNT": "/",
+                **(env or {}).get(i, {}),
             }
             for i in range(self.n)
         }

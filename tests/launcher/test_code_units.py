@@ -310,3 +310,48 @@ def test_with_an_image_nothing_is_built_and_the_sync_directory_still_goes(tmp_pa
     assert request.env is None and request.code is None and request.sync.hash == take_snapshot(d).hash
     with pytest.raises(UserError, match="--requirements builds an environment on the nodes, but the ranks run in"):
         code_request({"image": "localhost/py:1", "requirements": d / "requirements.txt"}, cluster, builtin=False)
+
+
+def test_a_launch_with_a_hang_timeout_asks_for_pinned_py_spy_from_the_jobs_own_index():
+    from launcher.code.prepare import CodeRequest, _request
+    from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
+
+    env = EnvSpec(
+        "requirements.txt",
+        {"requirements.txt": "torch\n"},
+        index_url="http://10.0.0.9:8080/simple/",
+        extra_index_urls=("http://10.0.0.8/simple/",),
+        find_links=("/wheels",),
+    )
+    tools = _request(CodeRequest(env=env), "j", stacks=True)["tools"]
+    # Where the node agent builds it (~/.gpufleet/tools/KEY) is where the stacks program looks.
+    assert f".gpufleet/tools/{tools['key']}" == PYSPY_TOOLS and tools["program"] == "py-spy"
+    assert tools["files"] == {"requirements.txt": f"py-spy=={PYSPY_VERSION}\n"}
+    assert (tools["index_url"], tools["extra_index_urls"], tools["find_links"]) == (
+        "http://10.0.0.9:8080/simple/",
+        ["http://10.0.0.8/simple/"],
+        ["/wheels"],
+    )
+    assert tools["torch_indexes"] == []  # py-spy's wheel is one binary: no CUDA index
+    assert _request(CodeRequest(env=env), "j", stacks=False)["tools"] is None
+    assert _request(CodeRequest(), "j", stacks=True)["tools"] is None  # nothing built: nothing to add
+
+
+def test_the_tools_environment_is_not_built_where_the_jobs_environment_has_py_spy(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "env" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "py-spy").write_text("#!/bin/sh\n")
+    (bin_dir / "py-spy").chmod(0o755)
+    built = []
+    monkeypatch.setattr(node_agent, "build_env", lambda *a, **k: built.append(a))
+    tools = {"key": "py-spy-0.4.3", "program": "py-spy"}
+    assert node_agent.build_tools(tools, str(bin_dir / "python")) is None and built == []
+    (bin_dir / "py-spy").unlink()
+    assert node_agent.build_tools(tools, str(bin_dir / "python")) is None
+    assert [b[:2] for b in built] == [(tools, "tools")]
+
+    def fail(*a, **k):
+        raise node_agent.BuildError("Because py-spy==0.4.3 was not found in the package registry")
+
+    monkeypatch.setattr(node_agent, "build_env", fail)
+    assert node_agent.build_tools(tools, str(bin_dir / "python")).startswith("Because py-spy")

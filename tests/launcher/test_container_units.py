@@ -26,8 +26,9 @@ from launcher.core.container import (
     parse_pull_line,
 )
 from launcher.core.preflight import Probe
-from launcher.core.prestart import prestart_statements, prestart_verdict
+from launcher.core.prestart import prestart_statements
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
+from launcher.health import prestart_verdict
 
 IMAGE = "us-docker.pkg.dev/proj/train/torch:2.13"
 

@@ -21,10 +21,10 @@ from gpufleet.health import (
     parse_xids,
 )
 from launcher.cluster.topology import launch_order, order, rank_order, spread_warning
-from launcher.core.prestart import CHECKS, Expectation, expectation
+from launcher.core.prestart import Expectation, expectation
 from launcher.core.types import Cluster, Node, UserError
 from launcher.core.wire import CHECKED_MARKER
-from launcher.doctor import judge, node_script
+from launcher.health import CHECKS, judge, node_script
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 
 # Its module fixture runs once: every test of the module on one xdist worker (--dist loadgroup).
@@ -475,8 +475,8 @@ class _Probe:
 
 
 def test_the_pre_start_check_refuses_a_node_missing_a_gpu_or_nic_and_warns_about_drift(healthy):
-    from launcher.core.prestart import prestart_verdict
     from launcher.core.types import LaunchConfig, Workload
+    from launcher.health import prestart_verdict
 
     cluster = Cluster("t", tuple(_nodes(3)), machine_type="a3-highgpu-8g")
     config = LaunchConfig(Workload("torchrun", ("x.py",)))
@@ -505,6 +505,32 @@ def test_the_pre_start_check_refuses_a_node_missing_a_gpu_or_nic_and_warns_about
     # A check without the statements (no machine type) has nothing to judge.
     plain = {r: _Probe(n, {"host": "x"}) for r, n in enumerate(cluster.nodes)}
     assert prestart_verdict(cluster, plain, config) == []
+
+
+def test_a_check_whose_nodes_answered_the_gpu_questions_is_judged_by_its_verdict_or_refused(healthy):
+    """core renders the GPU questions and launcher.health judges the answers: the launch's check
+    runs the verdict it is given, and refuses to go on without one rather than skip it."""
+    from launcher.core.preflight import Probe, check_probes
+    from launcher.core.types import LaunchConfig, Workload
+    from launcher.health import prestart_verdict
+    from launcher.runner import LaunchPlan
+
+    cluster = Cluster("t", tuple(_nodes(2)), machine_type="a3-highgpu-8g")
+    config = LaunchConfig(Workload("torchrun", ("x.py",)))
+    # What a launch's check prints about the hardware (launcher.core.prestart's statements).
+    asked = {k: v for k, v in healthy.items() if k == "smi_rc" or k.startswith(("gpu.", "nic.", "rxdm"))}
+    probes = {r: Probe(n, ok=True, facts={**asked, "host": n.name}) for r, n in enumerate(cluster.nodes)}
+    assert check_probes(cluster, probes, config, prestart_verdict) == []
+    probes[1] = Probe(cluster.nodes[1], ok=True, facts=_with(probes[1].facts, nic__eth3="missing"))
+    with pytest.raises(UserError, match=r"node 1 \(10.0.0.3\): gpu NIC eth3 is missing; nothing was started"):
+        check_probes(cluster, probes, config, prestart_verdict)
+    with pytest.raises(RuntimeError, match="no verdict judges the answers"):
+        check_probes(cluster, probes, config)
+    # Without the GPU questions (no machine type) there is nothing for a verdict to judge.
+    plain = {r: Probe(n, ok=True, facts={"host": n.name}) for r, n in enumerate(cluster.nodes)}
+    assert check_probes(cluster, plain, config) == []
+    # A launch plan carries the verdict to the Launch that runs it.
+    assert LaunchPlan.__dataclass_fields__["verdict"].default is prestart_verdict
 
 
 def test_the_fake_nvidia_smi_applies_any_query_and_refuses_what_would_change_a_gpu(tmp_path):

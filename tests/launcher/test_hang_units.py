@@ -15,13 +15,23 @@ from click.testing import CliRunner
 
 from launcher.cli import main
 from launcher.core.env import flight_recorder_on, node_env
-from launcher.core.hang import STARTUP_S, HangWatch, flight_recorder_env, flight_recorder_prefix
+from launcher.core.hang import (
+    FR_ALIASES,
+    STARTUP_S,
+    HangWatch,
+    flight_recorder_aliases,
+    flight_recorder_env,
+    flight_recorder_prefix,
+)
 from launcher.core.stacks import (
+    PYSPY_TOOLS,
     STACK_MARKER,
     NodeStacks,
     RankStack,
     classify,
+    collect,
     collect_script,
+    collect_stdin,
     main_thread_frames,
     parse_node_output,
     verdict,
@@ -283,8 +293,65 @@ def test_the_node_program_quotes_what_it_is_given():
     config = LaunchConfig(Workload("torchrun", ("x.py",)), job_id="j", python=hostile, env=(("PATH", hostile),))
     script = collect_script(config, Node(0, "h", "10.0.0.2"))
     assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["bash", "-c", script], input=collect_stdin(config), capture_output=True, timeout=60)
     assert not Path("/tmp/pwned-gpufleet").exists() and r.returncode == 0
+    assert b"__GPUFLEET_STACKS_END__" in r.stdout or b"__GPUFLEET_NO_PYSPY__" in r.stdout
+
+
+def test_the_ssh_line_of_the_stacks_program_holds_no_env_value():
+    path, token = "/opt/job-tools-7f3a/bin", "hf_s3cr3t-token-9b2"
+    config = LaunchConfig(
+        Workload("torchrun", ("x.py",)), job_id="j", env=(("PATH", path), ("HF_TOKEN", token)), python="python3"
+    )
+    node = Node(0, "h", "10.0.0.2")
+    transport = Transport(local=False, ssh_base=["ssh", "-o", "BatchMode=yes"])
+    argv = " ".join(transport.argv(node, collect_script(config, node, fr=True)))
+    assert path not in argv and token not in argv
+    # The PATH travels on stdin instead (one env_block line); the token is not needed there at all.
+    assert collect_stdin(config) == f"{path}\n".encode()
+    assert collect_stdin(LaunchConfig(Workload("torchrun", ("x.py",)), job_id="j")) == b""
+
+
+def test_the_stacks_program_finds_py_spy_beside_the_python_that_the_env_path_read_from_stdin_names(
+    fake_torchrun, tmp_path
+):
+    """`python` on the nodes is the one --env PATH puts first: its py-spy dumps the rank, though
+    neither the PATH nor the directory is on the command line."""
+    job, worker_pid = fake_torchrun
+    own = tmp_path / "own env" / "bin"  # a space: the value is read back byte for byte
+    own.mkdir(parents=True)
+    (own / "python").symlink_to(PY)
+    (own / "py-spy").symlink_to(Path(PY).parent / "py-spy")
+    config = LaunchConfig(
+        Workload("torchrun", ("x.py",)), job_id=job, python="python", env=(("PATH", str(own)),), runs_dir=tmp_path
+    )
+    cluster = Cluster("l", (Node(0, "localhost", "127.0.0.1"),), local=True)
+    hang = collect(cluster, config, Transport(local=True), 12)
+    text = (config.run_dir / "stacks" / "node-0-rank-3.txt").read_text()
+    assert f"Process {worker_pid}:" in text and "load_batch" in text, hang.verdict
+    assert "rank 3 is outside any collective at load_batch" in hang.verdict
+
+
+def test_the_stacks_program_takes_the_tools_environments_py_spy_where_the_python_has_none(fake_torchrun, tmp_path):
+    """A job environment without py-spy (a user's --sync requirements): the one the node
+    preparation built under $HOME/PYSPY_TOOLS is used, before any on PATH."""
+    job, worker_pid = fake_torchrun
+    home = tmp_path / "home"
+    tools = home / PYSPY_TOOLS / "bin"
+    tools.mkdir(parents=True)
+    (tools / "py-spy").symlink_to(Path(PY).parent / "py-spy")
+    bare = tmp_path / "bare"  # a python with nothing beside it, and no py-spy on PATH
+    bare.mkdir()
+    (bare / "python").symlink_to(PY)
+    config = LaunchConfig(Workload("torchrun", ("x.py",)), job_id=job, python=str(bare / "python"))
+    script = collect_script(config, Node(0, "localhost", "127.0.0.1"))
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["bash", "-c", script], input=b"", env=env, capture_output=True, timeout=120)
+    ns = parse_node_output(Node(0, "localhost", "127.0.0.1"), r.stdout.decode())
+    assert [(s.rank, s.pid, s.ok) for s in ns.ranks] == [(3, worker_pid, True)], r.stdout + r.stderr
+    (tools / "py-spy").unlink()
+    r = subprocess.run(["bash", "-c", script], input=b"", env=env, capture_output=True, timeout=120)
+    assert "py-spy is not installed" in parse_node_output(Node(0, "localhost", "127.0.0.1"), r.stdout.decode()).error
 
 
 # ---- the flight recorder's environment ----
@@ -296,15 +363,42 @@ def test_nccl_jobs_get_the_flight_recorder_and_cpu_jobs_do_not():
     env = node_env(gpu, config)
     prefix = "/tmp/gpufleet-20260101-000000-abcdef-nccl_trace_rank_"
     assert {k: env[k] for k in flight_recorder_env(config.job_id)} == {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix,
     }
     assert flight_recorder_on(gpu) and flight_recorder_on(Cluster("c", tuple(nodes(2))))  # unknown: maybe GPUs
     local = Cluster("l", tuple(nodes(2)), local=True)
     assert not flight_recorder_on(local) and "TORCH_FR_DUMP_TEMP_FILE" not in node_env(local, config)
+
+
+@pytest.mark.parametrize("version, aliased", [("2.7.1", True), ("2.4.0", True), ("2.8.0", False), ("2.13.0", False)])
+def test_a_torch_older_than_2_8_gets_the_flight_recorders_older_names_and_a_newer_one_only_the_new(
+    tmp_path, version, aliased
+):
+    # A real python reading a real dist-info (what pip or uv writes for an installed torch), so
+    # importlib.metadata answers the version as it would on the node.
+    site = tmp_path / "site"
+    (site / f"torch-{version}.dist-info").mkdir(parents=True)
+    (site / f"torch-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n"
+    )
+    config = LaunchConfig(Workload("torchrun", ("x.py",)), job_id="20260101-000000-abcdef", python=PY)
+    gpu = Cluster("c", tuple(nodes(2)), "a3-megagpu-8g")
+    env = node_env(gpu, config)
+    exports = " ".join(f"export {k}={v}" + ";" for k, v in env.items() if k in flight_recorder_env(config.job_id))
+    script = f"{exports} {flight_recorder_aliases(PY)}; env"
+    out = subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": os.environ["PATH"]},
+    ).stdout
+    got = dict(line.split("=", 1) for line in out.splitlines() if line.startswith("TORCH_"))
+    old = {o: env[n] for n, o in FR_ALIASES.items()}
+    assert (old.items() <= got.items()) is aliased, got
+    assert got["TORCH_FR_BUFFER_SIZE"] == "2000"
 
 
 # ---- the result, the record and a restart ----

@@ -1,6 +1,7 @@
 """The launcher's import contract, read from the source (every import, a function's lazy one too):
-its packages import one another without a cycle, and the terminal (click, rich) is cli/'s alone.
-An equivalent of import-linter's `independence`/`layers` contracts, without the dependency."""
+its packages sit in layers and import only downwards (so without a cycle), and the terminal
+(click, rich) is cli/'s alone. An equivalent of import-linter's `independence`/`layers`
+contracts, without the dependency."""
 
 from __future__ import annotations
 
@@ -19,8 +20,25 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# The layers, top to bottom (import-linter's `layers` contract): a package imports only packages
+# of the layers below its own; packages of one layer are independent of each other. `""` is
+# launcher/__init__.py and `__main__` launcher/__main__.py. health/ judges what core's node
+# programs ask (its package docstring says why core renders the questions and health the verdict),
+# so it sits above core and cluster, and everything that runs a launch's check passes its verdict.
+LAYERS = (
+    ("", "__main__"),
+    ("cli",),
+    ("nccl",),
+    ("jobs",),
+    ("runner", "observe"),
+    ("health", "code"),
+    ("cluster",),
+    ("core",),
+)
+
+
 def _package(module: str) -> str:
-    """launcher.core.launch -> "core"; a top-level module (launcher.doctor) is its own package."""
+    """launcher.core.launch -> "core"; a top-level module (launcher.__main__) is its own package."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -67,6 +85,31 @@ def test_the_launcher_packages_import_one_another_without_a_cycle():
         visit(pkg, (pkg,))
 
 
+def _layer(package: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if package in layer)
+
+
+def _upward_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    return sorted(
+        f"{graph[src][dst]} ({src}, layer {_layer(src)}) imports launcher.{dst} (layer {_layer(dst)})"
+        for src in graph
+        for dst in graph[src]
+        if _layer(dst) <= _layer(src)
+    )
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(m) for m in MODULES}
+    placed = {p for layer in LAYERS for p in layer}
+    assert packages <= placed, f"add {sorted(packages - placed)} to LAYERS"
+    assert {"health", "core", "cli"} <= packages
+
+
+def test_the_launcher_packages_import_only_the_layers_below_their_own():
+    bad = _upward_imports(_package_graph())
+    assert not bad, bad
+
+
 def test_only_cli_imports_click_and_rich():
     bad = sorted(
         f"{module} imports {name.split('.')[0]}"
@@ -87,9 +130,21 @@ def test_the_contract_sees_a_cycle_and_a_terminal_import_when_there_is_one(monke
     graph = _package_graph()
     assert "cli" in graph["nccl"] and "nccl" in graph["cli"]
     assert "jobs" in graph["observe"] and "observe" in graph["jobs"]
+    assert any(
+        "launcher.observe.job_metrics (observe, layer 4) imports launcher.jobs" in b for b in _upward_imports(graph)
+    )
     try:
         test_only_cli_imports_click_and_rich()
     except AssertionError as e:
         assert "launcher.nccl.from_files imports click" in str(e)
     else:
         raise AssertionError("a library importing click passed the contract")
+
+
+def test_the_layers_refuse_core_importing_health_and_health_importing_the_runner(monkeypatch):
+    """The cycle this layering keeps out: core rendering the verdict it is given (health imports core)."""
+    monkeypatch.setitem(MODULES, "launcher.core.preflight", {"launcher.health.prestart"})
+    monkeypatch.setitem(MODULES, "launcher.health.doctor", {"launcher.runner.plan"})
+    bad = _upward_imports(_package_graph())
+    assert "launcher.core.preflight (core, layer 7) imports launcher.health (layer 5)" in bad
+    assert "launcher.health.doctor (health, layer 5) imports launcher.runner (layer 4)" in bad

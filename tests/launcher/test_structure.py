@@ -36,7 +36,7 @@ COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "cli.nccl_fro
 # bad node, the mpirun command; nccl.report gathers their public names.
 REPORT = ["nccl.parse", "nccl.judge", "nccl.render", "nccl.badnodes", "nccl.mpirun", "nccl.report"]
 # Pure command builders may run long: each line is one statement of the node-side program.
-BUILDERS = {("doctor", "node_script")}
+BUILDERS = {("health.script", "node_script")}
 
 
 def _name(path: Path) -> str:
@@ -208,10 +208,11 @@ def _imported(name: str) -> tuple[set[str], set[str]]:
     return inner, outer
 
 
-@pytest.mark.parametrize("package", ["core", "jobs"])
+@pytest.mark.parametrize("package", ["core", "jobs", "health"])
 def test_core_and_jobs_import_neither_click_nor_rich(package):
-    """Node 0 runs core/ and jobs/ with `python -S` (no site-packages), and library code leaves
-    the display to the CLI: neither package reaches click or rich, through any launcher module."""
+    """Node 0 runs core/ and jobs/ with `python -S` (no site-packages), and with them the
+    pre-start verdict of health/ that the controller passes its launches; library code leaves the
+    display to the CLI: none of them reaches click or rich, through any launcher module."""
     start = [m for m in ALL if m == package or m.startswith(package + ".")]
     via = {m: (m,) for m in start}
     todo = list(start)

@@ -514,6 +514,9 @@ def relay():
     os.makedirs(OBJECTS, exist_ok=True)
     stream = sys.stdin.buffer
     work = os.path.join(G, "relay", str(os.getpid()))
+    for pid in os.listdir(os.path.dirname(work)) if os.path.isdir(os.path.dirname(work)) else []:
+        if not os.path.exists(f"/proc/{pid}"):  # a relay killed before it could remove its key
+            shutil.rmtree(os.path.join(os.path.dirname(work), pid), ignore_errors=True)
     paths = {"KEY": os.path.join(work, "id_ed25519"), "KNOWN": os.path.join(work, "known_hosts")}
     held = {}
     forwards, count, failures = [], 0, {}

@@ -120,9 +120,13 @@ def test_the_relay_key_can_write_no_file_of_its_choosing(tmp_path):
         assert r.returncode != 0 and b"unknown frame" in r.stderr, r.stderr
     assert not (tmp_path / ".ssh").exists() and not (tmp_path / ".bashrc").exists()
     key = b"PRIVATE"
+    stale = tmp_path / ".gpufleet" / "relay" / "999999999"  # a relay killed (no such process now)
+    stale.mkdir(parents=True)
+    (stale / "id_ed25519").write_bytes(key)
     r = _agent("relay", tmp_path, f"KEY {len(key)}\n".encode() + key + b"END\n")
     assert r.returncode == 0, r.stderr
-    assert list((tmp_path / ".gpufleet" / "relay").iterdir()) == []  # the key is gone when the relay ends
+    # The key is gone when the relay ends, and a killed relay's key with it.
+    assert list((tmp_path / ".gpufleet" / "relay").iterdir()) == []
 
 
 def test_a_child_that_looks_like_an_ssh_option_is_refused():

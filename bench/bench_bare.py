@@ -3,6 +3,7 @@ what a launch costs when gpufleet brings its own code, your --sync directory and
 environment (launcher.code).
 
     .venv/bin/python -m bench.bench_bare [--nodes 16] [--parts again,sync,change] [--sync-mb 100]
+        [--sync-fanouts 4,star]
 
 Bytes are counted on the launching machine's side of its link: the transmit counter of the
 cluster's bridge interface in this (the launching) namespace, which carries everything this
@@ -14,7 +15,8 @@ machine sends to the nodes and nothing the nodes fetch from the index or send ea
 - sync: `launch exec --sync DIR -- true` of a DIR of 100 MB (10 files of random bytes) to N bare
   nodes with this machine's link shaped to 100 Mbit/s (tc tbf on the bridge interface), against
   one copy of the same 100 MB to one node over ssh under the same shaping: time <= 1.5x, bytes
-  <= 1.5 x 100 MB.
+  <= 1.5 x 100 MB. Once per fan-out of --sync-fanouts (the tree's default 4, and `star`: node 0
+  sends to every node), each with content no node has yet.
 - change: after a one-package change to requirements.txt (six 1.16.0 -> 1.17.0 beside torch,
   uv's cache warm on every node from the first build), the time until every node has the new
   environment (the launch's preparation, `launch exec --sync DIR -- true`): <= 30 s.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,28 +103,42 @@ def _random_dir(root: Path, mb: int) -> Path:
     return root
 
 
-def part_sync(c: SimCluster, runs: Path, tmp: Path, mb: int) -> bool:
-    d = _random_dir(tmp / "sync", mb)
-    blob = tmp / "one.bin"
-    with open(blob, "wb") as out:
-        for f in sorted(d.iterdir()):
-            out.write(f.read_bytes())
+def part_sync(c: SimCluster, runs: Path, tmp: Path, mb: int, fanouts: list[str]) -> bool:
+    """For each fan-out (`star`: the number of nodes minus one, node 0 sends to all), one copy of
+    the 100 MB to one node, then `--sync` of a directory of the same size that no node has seen
+    (new random bytes), under the same shaping: the ratio pairs each with the copy just before."""
     tbf = ["tbf", "rate", "100mbit", "burst", "64kb", "latency", "100ms"]
     subprocess.run(["tc", "qdisc", "replace", "dev", c.bridge, "root", *tbf], check=True)
+    ok = True
     try:
-        tx0, t0 = _tx(c), time.perf_counter()
-        with open(blob, "rb") as f:
-            subprocess.run(["ssh", *c.ssh_options, c.addresses[0], "cat > /tmp/one.bin"], stdin=f, check=True)
-        one, one_sent = time.perf_counter() - t0, _tx(c) - tx0
-        limit = ["--sync-max", f"{mb * 2}MB"]
-        dt, sent, err = _launch(c, runs, "exec", "--sync", str(d), *limit, "--", "true")
+        for i, fanout in enumerate(fanouts):
+            k = c.n - 1 if fanout == "star" else int(fanout)
+            d = _random_dir(tmp / f"sync{i}", mb)
+            blob = tmp / "one.bin"
+            with open(blob, "wb") as out:
+                for f in sorted(d.iterdir()):
+                    out.write(f.read_bytes())
+            load = os.getloadavg()[0]
+            tx0, t0 = _tx(c), time.perf_counter()
+            with open(blob, "rb") as f:
+                subprocess.run(["ssh", *c.ssh_options, c.addresses[0], "cat > /tmp/one.bin"], stdin=f, check=True)
+            one, one_sent = time.perf_counter() - t0, _tx(c) - tx0
+            limit = ["--sync-max", f"{mb * 2}MB", "--sync-fanout", str(k)]
+            dt, sent, err = _launch(c, runs, "exec", "--sync", str(d), *limit, "--", "true")
+            ratio = dt / one
+            print(f"fan-out {k} ({fanout}), load average {load:.1f}:")
+            print(f"  one {mb} MB copy to one node (ssh cat): {one:.1f} s, {one_sent / 1e6:.1f} MB sent")
+            print(
+                f"  --sync {mb} MB to {c.n} nodes: {dt:.1f} s, {sent / 1e6:.1f} MB sent; ratio {ratio:.2f} "
+                "(target <= 1.5)"
+            )
+            print("  " + next((line for line in err.splitlines() if line.startswith("sent ")), "(nothing sent?)"))
+            ok &= ratio <= 1.5 and sent <= 1.5 * mb * 1e6
+            shutil.rmtree(d)
+            subprocess.run(["ssh", *c.ssh_options, c.addresses[0], "rm -f /tmp/one.bin"], check=True)
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", c.bridge, "root"], check=False)
-    ratio = dt / one
-    print(f"one {mb} MB copy to one node (ssh cat): {one:.1f} s, {one_sent / 1e6:.1f} MB sent")
-    print(f"--sync {mb} MB to {c.n} nodes: {dt:.1f} s, {sent / 1e6:.1f} MB sent; ratio {ratio:.2f} (target <= 1.5)")
-    print("  " + next((line for line in err.splitlines() if line.startswith("sent ")), "(nothing sent?)"))
-    return ratio <= 1.5 and sent <= 1.5 * mb * 1e6
+    return ok
 
 
 def part_change(c: SimCluster, runs: Path, tmp: Path) -> bool:
@@ -145,6 +162,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--parts", default="again,sync,change")
     p.add_argument("--sync-mb", type=int, default=100)
+    p.add_argument("--sync-fanouts", default="4,star", help="fan-outs to measure --sync with (star: N-1)")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     parts = a.parts.split(",")
@@ -156,7 +174,7 @@ def main() -> int:
             if "again" in parts:
                 ok &= part_again(c, runs, a.repeats)
             if "sync" in parts:
-                ok &= part_sync(c, runs, Path(tmp), a.sync_mb)
+                ok &= part_sync(c, runs, Path(tmp), a.sync_mb, a.sync_fanouts.split(","))
             if "change" in parts:
                 ok &= part_change(c, runs, Path(tmp))
     return 0 if ok else 1

@@ -15,6 +15,7 @@ from launcher.cli.render import err
 from launcher.code import CodeRequest, EnvSpec, code_snapshot, prepare, take_snapshot
 from launcher.code.pyenv import requirement_source, workloads_requirements
 from launcher.code.snapshot import DEFAULT_SYNC_MAX, human_size, parse_size
+from launcher.code.tree import DEFAULT_FANOUT
 from launcher.core.transport import state_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
@@ -35,6 +36,13 @@ SYNC_OPTIONS = [
         "--sync-max",
         metavar="SIZE",
         help=f"Send a --sync snapshot up to SIZE, e.g. 2GB [default: {DEFAULT_SYNC_MAX // 1000**2}MB].",
+    ),
+    click.option(
+        "--sync-fanout",
+        type=click.IntRange(min=1),
+        metavar="K",
+        help=f"Each node passes the content it receives on to at most K others (a tree from node 0; "
+        f"the number of nodes minus one: node 0 sends to all) [default: {DEFAULT_FANOUT}].",
     ),
 ]
 
@@ -122,7 +130,7 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
             raise UserError("--sync and --requirements send to nodes over SSH; --local runs here: drop them")
         return CodeRequest()
     if image:  # the image brings the environment (and gpufleet's code); --sync's directory is mounted
-        return CodeRequest(sync=sync, sync_root=sync_root)
+        return CodeRequest(sync=sync, sync_root=sync_root, fanout=o.get("sync_fanout") or DEFAULT_FANOUT)
     if builtin and not own_python:
         defined = ("requirements.txt", {"requirements.txt": workloads_requirements()})
     else:
@@ -145,7 +153,8 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
     import gpufleet
 
     code_root = Path(gpufleet.__file__).resolve().parent.parent if code is not None else None
-    return CodeRequest(code=code, code_root=code_root, sync=sync, sync_root=sync_root, env=env)
+    fanout = o.get("sync_fanout") or DEFAULT_FANOUT
+    return CodeRequest(code=code, code_root=code_root, sync=sync, sync_root=sync_root, env=env, fanout=fanout)
 
 
 def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) -> LaunchConfig:
@@ -172,9 +181,15 @@ def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) 
         config, report = prepare(cluster, config, request, progress)
     if report.objects_sent or report.passed_on:
         others = f"{report.passed_on} other node{'s' * (report.passed_on != 1)}"
+        how = f" ({report.levels} level{'s' * (report.levels != 1)} deep)" if report.passed_on else ""
         err.print(
             f"[dim]sent {report.objects_sent} files ({human_size(report.object_bytes)}) to "
-            f"{escape(cluster.nodes[0].label)}; it passed content on to {others}[/dim]"
+            f"{escape(cluster.nodes[0].label)}; it passed content on to {others}{how}[/dim]"
+        )
+    for rank, why in sorted(report.resent.items()):
+        err.print(
+            f"[yellow]{escape(cluster.nodes[rank].label)} did not get its content down the tree ({escape(why)}); "
+            f"{escape(cluster.nodes[0].label)} sent it directly[/yellow]"
         )
     if report.built:
         err.print(f"[dim]environment built on {len(report.built)} of {n} nodes[/dim]")

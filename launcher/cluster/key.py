@@ -44,12 +44,13 @@ __all__ = [
 NODE_KEY_DIR = ".gpufleet/clusters"
 
 
-def ensure_key(cluster: Cluster) -> Path:
+def ensure_key(cluster: Cluster, name: str = "id_ed25519") -> Path:
     """The cluster's private key on the client, made on first use (its directory mode 700, the
-    key mode 600, as ssh-keygen writes it)."""
+    key mode 600, as ssh-keygen writes it). `name`: another key of the cluster's (the relay key,
+    launcher.code.tree)."""
     d = state_dir() / cluster_slug(cluster)
-    key = d / "id_ed25519"
-    if key.exists() and key.with_name("id_ed25519.pub").exists():
+    key = d / name
+    if key.exists() and key.with_name(f"{name}.pub").exists():
         return key
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     d.chmod(0o700)

@@ -2,7 +2,9 @@
 sent as its source text (`python3 -S -c SOURCE COMMAND`), since a bare node has nothing of
 gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gpufleet:
 
-    objects/SHA256        every file's content, once per node (content-addressed)
+    objects/SHA256        every file's content, once per node (content-addressed); this
+                          program's own source too (the relay key's forced command runs it)
+    relay/PID/            the relay key and known_hosts while a relay passes content on
     snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
     work/JOB/             a job's working directory: its --sync snapshot, copied (writes allowed)
     envs/KEY/             a Python environment built with uv, KEY the hash of what defines it
@@ -15,11 +17,13 @@ Commands (stdin carries the request; every line this program prints starts with 
   time: a file lock), printing progress; then the request's `tools` environment when the job's
   environment lacks its program (a failure there is reported apart: the job can run without
   it). Ends with `PREFIX result JSON`.
-- `receive`: a stream of frames (`FILE PATH MODE SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
-  SIZE`, each followed by SIZE bytes; `END`): writes each file under the home, stores each
-  object (its hash checked) and passes it on at once to every plan target that lacks it, all
-  targets at the same time (node 0 forwards over the cluster's own network while its own
-  stream still arrives).
+- `relay`: a stream of frames (`KEY SIZE`, `KNOWN SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
+  SIZE`, each followed by SIZE bytes; `END`): stores each object (its hash checked) and passes
+  it on, chunk by chunk as it arrives, to each child in the plan that lacks it, over ssh with
+  the relay key to that child's own `relay` (a tree: node 0 gets one stream from the launching
+  machine, every node passes on to a few others; launcher.code.tree has the plan and why the
+  relay key, not the cluster key, travels). Ends with `PREFIX received JSON`: the objects it
+  stored and, per rank of its subtree that did not get its content, why.
 """
 
 import fcntl
@@ -27,6 +31,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -273,6 +278,7 @@ def gpu_driver():
 def prepare(req):
     os.makedirs(OBJECTS, exist_ok=True)
     result = {"home": os.path.expanduser("~"), "missing": [], "python": None, "built": False, "error": None}
+    result["agent"] = keep_own_source()
     pending = []
     for snap in req.get("snapshots", []):
         # Every object is reported, placed snapshot or not: node 0 passes them on to the others.
@@ -339,8 +345,10 @@ def read_exact(stream, n):
     return b"".join(chunks)
 
 
-def store(stream, sha, size):
-    """Write one object from `stream` into the store, its content checked against its name."""
+def store(stream, sha, size, forwards=()):
+    """Write one object from `stream` into the store, its content checked against its name;
+    each chunk also goes to `forwards` as it arrives (they pass it on before the object is whole:
+    each receiver checks the hash itself)."""
     tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")
     h, left = hashlib.sha256(), size
     with open(tmp, "wb") as f:
@@ -350,6 +358,8 @@ def store(stream, sha, size):
                 raise EOFError("the stream ended early")
             h.update(b)
             f.write(b)
+            for fwd in forwards:
+                fwd.data(b)
             left -= len(b)
     if h.hexdigest() != sha:
         os.unlink(tmp)
@@ -358,48 +368,143 @@ def store(stream, sha, size):
     os.rename(tmp, os.path.join(OBJECTS, sha))
 
 
+def keep_own_source():
+    """Store this program's own source (the `-c` argument) as an object, so the relay key's
+    forced command can run it by its hash; the hash, or None where it cannot be found. The
+    arguments: sys.orig_argv (Python 3.10+), else /proc/self/cmdline (Linux)."""
+    argv = [os.fsencode(a) for a in getattr(sys, "orig_argv", [])]
+    if b"-c" not in argv[:-1]:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return None
+    if b"-c" not in argv[:-1]:
+        return None
+    source = argv[argv.index(b"-c") + 1]
+    sha = hashlib.sha256(source).hexdigest()
+    if not has_object(sha):
+        tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")
+        with open(tmp, "wb") as f:
+            f.write(source)
+        os.chmod(tmp, 0o444)
+        os.rename(tmp, os.path.join(OBJECTS, sha))
+    os.utime(os.path.join(OBJECTS, sha))  # used now: `launch prune` keeps what launches use
+    return sha
+
+
+SHA = re.compile(r"[0-9a-f]{64}")
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:%-]*")  # a host or user: never an ssh option
+
+
+def relay_argv(child, key, known):
+    """ssh to a child node with the relay key (its authorized_keys entry forces `relay`), host
+    keys checked strictly against the known_hosts the launcher sent. Built here from a plain
+    host, port and user, never from an argv the stream carries: a holder of the relay key can
+    make a node pass content on, never run a command."""
+    host, user, port = child["host"], child.get("user"), int(child.get("port") or 22)
+    for value in (host, user or "u"):
+        if not NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a host or user name")
+    argv = ["ssh", "-i", key, "-p", str(port)] + (["-l", user] if user else [])
+    for opt in (
+        "IdentitiesOnly=yes",
+        "IdentityAgent=none",
+        "BatchMode=yes",
+        "StrictHostKeyChecking=yes",
+        f"UserKnownHostsFile={known}",
+        "GlobalKnownHostsFile=/dev/null",
+        "UpdateHostKeys=no",
+        "ControlMaster=no",
+        "ControlPath=none",
+        "ConnectTimeout=15",
+        "ServerAliveInterval=5",
+        "ServerAliveCountMax=3",
+        "LogLevel=ERROR",
+    ):
+        argv += ["-o", opt]
+    return argv + ["-T", "--", host, "relay"]
+
+
+def subtree(child):
+    return [child["rank"]] + [r for c in child.get("children", []) for r in subtree(c)]
+
+
 class Forward:
-    """Node 0 passing content on to one node (argv: ssh there, running `receive`), while its own
-    stream still arrives: each object goes as soon as this node holds it."""
+    """This node passing content on to one child node (ssh there, which runs `relay`), while its
+    own stream still arrives: an object it holds goes at once, one still arriving goes chunk by
+    chunk as it comes. The child gets the relay key only when it has children of its own."""
 
-    def __init__(self, target):
-        self.rank, self.wanted = target["rank"], set(target["objects"])
-        self.queue = queue.Queue()
-        self.error = None
-        self.thread = threading.Thread(target=self._run, args=(target["argv"],), daemon=True)
+    def __init__(self, child, key, known):
+        self.child = child
+        self.wanted = {sha for sha in child["objects"] if SHA.fullmatch(sha)}
+        self.queue = queue.Queue(maxsize=64)  # at most 64 chunks of 1 MB held for a slow child
+        self.error, self.report = None, None
+        self.held = sorted(sha for sha in self.wanted if has_object(sha))  # sent first, from the store
+        self.wanted.difference_update(self.held)
+        self.thread = threading.Thread(target=self._run, args=(key, known), daemon=True)
         self.thread.start()
-        for sha in sorted(self.wanted):
-            if has_object(sha):
-                self.offer(sha)
 
-    def offer(self, sha):
-        if sha in self.wanted:
-            self.wanted.discard(sha)
-            self.queue.put(sha)
+    def begin(self, sha, size):
+        """Whether the child wants the object now arriving (then its chunks follow, `data`)."""
+        if sha not in self.wanted:
+            return False
+        self.wanted.discard(sha)
+        self.queue.put(("head", sha, size))
+        return True
+
+    def data(self, chunk):
+        self.queue.put(("data", chunk))
 
     def close(self):
+        """Ranks of the subtree that did not get their content, and why."""
         self.queue.put(None)
         self.thread.join()
-        return self.error
+        if self.error is None:
+            return {int(r): why for r, why in (self.report or {}).get("failed", {}).items()}
+        rank = self.child["rank"]
+        failed = {rank: self.error}
+        why = f"not reached: node {rank}, which passes content on to it, failed"
+        failed.update({r: why for r in subtree(self.child)[1:]})
+        return failed
 
-    def _run(self, argv):
+    def _run(self, key, known):
+        children = self.child.get("children", [])
         try:
+            if key is None or known is None:
+                raise ValueError("no relay key arrived")
+            argv = relay_argv(self.child, key, known)
             p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             self.error = str(e)
             return self._drain()
         try:
-            for sha in iter(self.queue.get, None):
+            if children:
+                for kind, path in (("KEY", key), ("KNOWN", known)):
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    p.stdin.write(f"{kind} {len(data)}\n".encode() + data)
+                plan = json.dumps(children).encode()
+                p.stdin.write(f"FWD {len(plan)}\n".encode() + plan)
+            for sha in self.held:
                 path = os.path.join(OBJECTS, sha)
                 p.stdin.write(f"OBJ {sha} {os.path.getsize(path)}\n".encode())
                 with open(path, "rb") as f:
                     shutil.copyfileobj(f, p.stdin, 1 << 20)
+            for item in iter(self.queue.get, None):
+                if item[0] == "head":
+                    p.stdin.write(f"OBJ {item[1]} {item[2]}\n".encode())
+                else:
+                    p.stdin.write(item[1])
             p.stdin.write(b"END\n")
             out, err = p.communicate()
-        except (BrokenPipeError, ValueError):
+        except (BrokenPipeError, ValueError, OSError):
             self._drain()
             out, err = p.communicate()
-        if p.returncode != 0 or b" received " not in out:
+        for line in out.decode(errors="replace").splitlines():
+            if line.startswith(f"{PREFIX} received "):
+                self.report = json.loads(line.split(" received ", 1)[1])
+        if p.returncode != 0 or self.report is None:
             self.error = (err.decode(errors="replace").strip().splitlines() or [f"exit {p.returncode}"])[-1]
 
     def _drain(self):
@@ -407,41 +512,51 @@ class Forward:
             pass
 
 
-def receive():
-    """Frames in the order the launcher writes them: FILE (the cluster key, known_hosts), FWD
-    (whom to pass what on to), OBJ ..., END."""
+def relay():
+    """Frames in the order the sender writes them: KEY and KNOWN (the relay key and the
+    cluster's known_hosts, to a node that passes content on), FWD (its children, each with the
+    objects it lacks and its own children), OBJ ..., END. This is also the relay key's forced
+    command, so a frame only ever writes an object (checked against its hash) or the two files
+    at fixed places, removed when the relay ends."""
     os.makedirs(OBJECTS, exist_ok=True)
     stream = sys.stdin.buffer
-    forwards, count = [], 0
-    while True:
-        head = stream.readline().decode().split()
-        if not head or head[0] == "END":
-            break
-        if head[0] == "OBJ":
-            store(stream, head[1], int(head[2]))
-            count += 1
-            for fwd in forwards:
-                fwd.offer(head[1])
-        elif head[0] == "FILE":
-            path = os.path.join(os.path.expanduser("~"), head[1])
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            data = read_exact(stream, int(head[3]))
-            with open(path + ".tmp", "wb") as f:
-                f.write(data)
-            os.chmod(path + ".tmp", int(head[2], 8))
-            os.rename(path + ".tmp", path)
-        elif head[0] == "FWD":
-            forwards = [Forward(t) for t in json.loads(read_exact(stream, int(head[1])))]
-    failures = {}
-    for fwd in forwards:
-        why = fwd.close()
-        if why:
-            failures[fwd.rank] = why
+    work = os.path.join(G, "relay", str(os.getpid()))
+    for pid in os.listdir(os.path.dirname(work)) if os.path.isdir(os.path.dirname(work)) else []:
+        if not os.path.exists(f"/proc/{pid}"):  # a relay killed before it could remove its key
+            shutil.rmtree(os.path.join(os.path.dirname(work), pid), ignore_errors=True)
+    paths = {"KEY": os.path.join(work, "id_ed25519"), "KNOWN": os.path.join(work, "known_hosts")}
+    held = {}
+    forwards, count, failures = [], 0, {}
+    try:
+        while True:
+            head = stream.readline().decode().split()
+            if not head or head[0] == "END":
+                break
+            if head[0] == "OBJ" and SHA.fullmatch(head[1]):
+                to = [fwd for fwd in forwards if fwd.begin(head[1], int(head[2]))]
+                store(stream, head[1], int(head[2]), to)
+                count += 1
+            elif head[0] in paths:
+                data = read_exact(stream, int(head[1]))
+                os.makedirs(work, mode=0o700, exist_ok=True)
+                fd = os.open(paths[head[0]], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                held[head[0]] = paths[head[0]]
+            elif head[0] == "FWD":
+                plan = json.loads(read_exact(stream, int(head[1])))
+                forwards = [Forward(child, held.get("KEY"), held.get("KNOWN")) for child in plan]
+            else:
+                raise ValueError(f"unknown frame {head[0]!r}")
+        for fwd in forwards:
+            failures.update(fwd.close())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     say("received", json.dumps({"objects": count, "failed": failures, "at": time.time()}))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "prepare":
         prepare(json.loads(sys.stdin.read()))
-    elif sys.argv[1] == "receive":
-        receive()
+    elif sys.argv[1] == "relay":
+        relay()

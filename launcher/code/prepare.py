@@ -5,14 +5,16 @@ launch through its LaunchConfig: `python` the environment's interpreter, `workdi
 directory holding the snapshot, PYTHONPATH gpufleet's code, GPUFLEET_CODE the snapshot's hash.
 
 Rounds, each on every node at once:
-1. `prepare` on every node (the cluster key authorized first, so node 0 can reach the others):
-   each reports the objects it lacks, places what it has, builds the environment if missing
-   (progress lines while it builds). An unchanged re-run ends here: nothing sent but the request.
+1. `prepare` on every node (the relay key authorized first, launcher.code.tree): each reports
+   the objects it lacks, places what it has, builds the environment if missing (progress lines
+   while it builds). An unchanged re-run ends here: nothing sent but the request.
 2. When some node lacks content: one stream from this machine to node 0 with every object that
    node 0 lacks among those any node lacks (each file's content at most once per cluster from
-   here), and node 0 passes each other node what it lacks, all at once over the cluster's
-   network (a star from node 0; the cluster key and known_hosts go along, as --detach sends them).
-3. `prepare` again on the nodes that lacked content: they place their snapshots.
+   here), and the nodes pass each other what they lack down a tree from node 0 (fan-out
+   `CodeRequest.fanout`, launcher.code.tree), over the cluster's own network.
+3. `prepare` again on the nodes that lacked content: they place their snapshots. A node that
+   still lacks content (a node above it could not pass it on) gets it from node 0 directly,
+   nothing more from here; one that still lacks it after that fails the launch, named.
 """
 
 from __future__ import annotations
@@ -27,20 +29,11 @@ from pathlib import Path
 from types import ModuleType
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
-from launcher.cluster.key import (
-    NODE_KEY_DIR,
-    authorize_statements,
-    cluster_slug,
-    controller_ssh,
-    ensure_key,
-    known_hosts_text,
-    ssh_target,
-    verified_host_keys,
-)
+from launcher.cluster.key import ensure_key, known_hosts_text, ssh_target, verified_host_keys
 from launcher.code import node_agent
 from launcher.code.pyenv import EnvSpec
 from launcher.code.snapshot import Snapshot
-from launcher.core.ssh import remote_command, ssh_argv, ssh_base_argv
+from launcher.code.tree import AGENT_SHA, DEFAULT_FANOUT, authorize_relay, depth, forwarding_tree, relay_plan
 from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
@@ -51,6 +44,7 @@ log = logging.getLogger("launcher")
 
 Progress = Callable[[Node, str], None]
 PREFIX = node_agent.PREFIX
+RELAY_KEY = "relay_ed25519"  # the cluster's relay key, beside its cluster key (launcher.code.tree)
 
 
 @dataclass(frozen=True)
@@ -62,6 +56,7 @@ class CodeRequest:
     sync: Snapshot | None = None  # the --sync snapshot
     sync_root: Path | None = None
     env: EnvSpec | None = None
+    fanout: int = DEFAULT_FANOUT  # each node passes content on to at most this many (N-1: a star)
 
     @property
     def empty(self) -> bool:
@@ -76,7 +71,9 @@ class PrepareReport:
     bytes_sent: int = 0
     objects_sent: int = 0
     object_bytes: int = 0
-    passed_on: int = 0  # nodes node 0 passed content on to
+    passed_on: int = 0  # nodes that got content from other nodes (node 0 and the tree below it)
+    levels: int = 0  # the forwarding tree's depth below node 0 (1: a star)
+    resent: dict[int, str] = field(default_factory=dict)  # rank -> why node 0 sent it directly
     built: list[int] = field(default_factory=list)
 
 
@@ -176,11 +173,12 @@ def _each(nodes: list[Node], fn: Callable[[Node], object]) -> dict[int, object]:
     return out
 
 
-def _frames(objects: list[str], files: dict[str, Path], extra_files: dict[str, tuple[int, bytes]], plan: list):
-    """The `receive` stream (node_agent.receive), in chunks: files, the forwarding plan (first,
-    so node 0 passes each object on as it arrives), objects read from disk as they go, END."""
-    for rel, (mode, data) in extra_files.items():
-        yield f"FILE {rel} {mode:o} {len(data)}\n".encode() + data
+def _frames(objects: list[str], files: dict[str, Path], extra: dict[str, bytes], plan: list):
+    """The `relay` stream (node_agent.relay), in chunks: the relay key and known_hosts, the
+    forwarding plan (first, so node 0 passes each object on as it arrives), objects read from
+    disk as they go, END."""
+    for kind, data in extra.items():
+        yield f"{kind} {len(data)}\n".encode() + data
     if plan:
         text = json.dumps(plan).encode()
         yield f"FWD {len(text)}\n".encode() + text
@@ -210,10 +208,10 @@ def prepare(
     if request.empty or cluster.local or config.dry_run:
         return config, report
     transport = make_transport(cluster, config.ssh, config.dry_run)
-    key = ensure_key(cluster)
-    authorize = authorize_statements(key.with_name("id_ed25519.pub").read_text(), cluster)
+    key = ensure_key(cluster, RELAY_KEY)
+    authorize = authorize_relay(key.with_name(f"{RELAY_KEY}.pub").read_text(), cluster)
     body = json.dumps(_request(request, config.job_id, stacks=config.hang_timeout_s is not None)).encode()
-    script = "; ".join([*authorize, agent_script("prepare")])
+    script = "; ".join([authorize, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
         answers = _each(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
@@ -223,13 +221,7 @@ def prepare(
         return {r: res for r, (res, _) in answers.items()}
 
     results = round_(list(cluster.nodes))
-    missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
-    if missing:
-        _send(cluster, config, transport, request, missing, report)
-        results.update(round_([cluster.nodes[r] for r in sorted(missing)]))
-        still = {r: f"{len(res['missing'])} files did not arrive" for r, res in results.items() if res["missing"]}
-        if still:
-            raise _fail(cluster, still)
+    _deliver(cluster, transport, request, results, round_, report)
     errors = {r: _build_error(request, res["error"]) for r, res in results.items() if res.get("error")}
     if errors:
         raise _fail(cluster, errors)
@@ -248,6 +240,47 @@ def prepare(
             "and environment; use one user with one home on every node (--ssh-user)"
         )
     return _configured(config, request, homes.pop()), report
+
+
+def _deliver(
+    cluster: Cluster,
+    transport: Transport,
+    request: CodeRequest,
+    results: dict[int, dict],
+    round_: Callable[[list[Node]], dict[int, dict]],
+    report: PrepareReport,
+) -> None:
+    """Rounds 2 and 3: what the nodes lack sent down the tree, then every node that lacked it
+    asked again (`results` updated); a node still lacking it gets it from node 0 directly, and
+    one that lacks it after that fails the launch, named."""
+    missing = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    if not missing:
+        return
+    # Every node but node 0 receives through the relay key's forced command, which runs the
+    # copy of the node program each stored in round 1: without it nothing can reach the node.
+    why = "its python3 could not store gpufleet's node program in ~/.gpufleet/objects"
+    lost = {r: why for r in missing if r != cluster.nodes[0].rank and results[r].get("agent") != AGENT_SHA}
+    if lost:
+        raise _fail(cluster, lost)
+    failed = _send(cluster, transport, request, missing, request.fanout, report)
+    results.update(round_([cluster.nodes[r] for r in sorted(missing)]))
+    still = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    head = cluster.nodes[0].rank
+    if still and head not in still:  # node 0 holds it all: it sends the starved nodes theirs
+        report.resent = {r: failed.get(r, f"{len(m)} files did not arrive") for r, m in still.items()}
+        failed.update(_send(cluster, transport, request, still, len(cluster.nodes), report, again=True))
+        results.update(round_([cluster.nodes[r] for r in sorted(still)]))
+        still = {r: res["missing"] for r, res in results.items() if res["missing"]}
+    if still:
+        raise _fail(
+            cluster,
+            {
+                r: f"could not receive the job's files ({failed[r]})"
+                if r in failed
+                else f"{len(m)} files did not arrive"
+                for r, m in still.items()
+            },
+        )
 
 
 def _build_error(request: CodeRequest, error: str) -> str:
@@ -291,46 +324,51 @@ def _configured(config: LaunchConfig, request: CodeRequest, home: str) -> Launch
 
 def _send(
     cluster: Cluster,
-    config: LaunchConfig,
     transport: Transport,
     request: CodeRequest,
     missing: dict[int, list[str]],
+    fanout: int,
     report: PrepareReport,
-) -> None:
-    """Every object some node lacks, at most once from here (to node 0), and from node 0 on."""
+    again: bool = False,
+) -> dict[int, str]:
+    """Every object some node lacks, at most once from here (to node 0), and from node 0 down
+    the forwarding tree. The ranks that did not get their content, and why (as the tree saw it:
+    the launch checks every node again afterwards)."""
     files: dict[str, Path] = {}
     for snap, root in ((request.code, request.code_root), (request.sync, request.sync_root)):
         if snap is not None and root is not None:
             files.update({f.sha256: root / f.path for f in snap.files})
     head = cluster.nodes[0]
-    extra: dict[str, tuple[int, bytes]] = {}
-    plan = []
+    extra: dict[str, bytes] = {}
+    plan: list[dict] = []
+    tree: dict[int, list[int]] = {}
     others = {r: m for r, m in missing.items() if r != head.rank}
     if others:
-        key = ensure_key(cluster)
         target = ssh_target(transport, head)
-        slug = cluster_slug(cluster)
-        known_rel = f"{NODE_KEY_DIR}/{slug}/known_hosts"
-        known = known_hosts_text(cluster, verified_host_keys(target, cluster), target.port)
-        extra = {f"{NODE_KEY_DIR}/{slug}/id_ed25519": (0o600, key.read_bytes()), known_rel: (0o644, known.encode())}
-        # The controller's options (host keys checked strictly, no connection sharing): they come
-        # first, and OpenSSH keeps the first value of an option.
-        base = ssh_base_argv(controller_ssh(target.user, target.port, slug, known_rel), "/nonexistent", known_rel)
-        receive = remote_command(agent_script("receive"))
-        plan = [
-            {"rank": r, "argv": ssh_argv(base, cluster.nodes[r], receive), "objects": m}
-            for r, m in sorted(others.items())
-        ]
+        extra = {
+            "KEY": ensure_key(cluster, RELAY_KEY).read_bytes(),
+            "KNOWN": known_hosts_text(cluster, verified_host_keys(target, cluster), target.port).encode(),
+        }
+        tree = forwarding_tree(head.rank, others, fanout)
+        hosts = {n.rank: n.host for n in cluster.nodes}
+        plan = relay_plan(tree, head.rank, others, hosts, target.user, target.port)
+        if not again:
+            report.levels = depth(tree, head.rank)
     # Node 0's report covers every object of the request: what it lacks is all it needs from here
     # to place its own snapshots and to pass the others theirs.
     objects = sorted(missing.get(head.rank, []))
     data = _frames(objects, files, extra, plan)
     report.objects_sent += len(objects)
     report.object_bytes += sum(files[s].stat().st_size for s in objects)
-    report.passed_on = len(plan)
-    result, why = run_agent(transport, head, agent_script("receive"), data, lambda n, t: None, report)
+    if not again:
+        report.passed_on = len(others)
+    result, why = run_agent(transport, head, agent_script("relay"), data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
-    if result.get("failed"):
-        errors = {int(r): f"could not receive the job's files from node 0 ({w})" for r, w in result["failed"].items()}
-        raise _fail(cluster, errors)
+    parent = {child: p for p, children in tree.items() for child in children}
+    failed = {}
+    for r, why in result.get("failed", {}).items():
+        rank = int(r)
+        by = cluster.nodes[parent.get(rank, head.rank)].label
+        failed[rank] = why if why.startswith("not reached") else f"{by} could not pass it on: {why}"
+    return failed

@@ -8,6 +8,8 @@ depends on another having run first."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -274,4 +276,83 @@ def test_requirements_that_cannot_be_resolved_are_one_line_with_the_resolvers_re
     (error,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert "cannot build the environment from requirements.txt: Because no-such-package-gpufleet" in error, error
     assert error.startswith("error: node 0 (") and error.endswith("nothing was started")
+    c.assert_nothing_left()
+
+
+def _fresh(tmp_path: Path, name: str) -> Path:
+    """A directory no node has seen (random content) and no requirements: nothing to build."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "data.txt").write_text(f"content {os.urandom(8).hex()}\n")
+    (d / "big.bin").write_bytes(os.urandom(3 << 20))  # three chunks: passed on as they arrive
+    return d
+
+
+def test_a_chain_passes_content_node_to_node_and_leaves_no_key_behind(c, tmp_path):
+    d = _fresh(tmp_path, "chain")
+    want = (d / "data.txt").read_text().strip()
+    chain = ["--sync", str(d), "--sync-fanout", "1"]
+    r = launch(tmp_path, "exec", *source_args(c, tmp_path), *chain, "--", "cat", "data.txt")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count(want) == N, r.stdout
+    sent = SENT.search(r.stderr)
+    assert sent and sent.group(1) == "2" and int(sent.group(3)) == N - 1, r.stderr
+    assert f"({N - 1} levels deep)" in r.stderr, r.stderr  # 0 -> 1 -> 2
+    blob = (d / "big.bin").read_bytes()
+    for i in range(N):
+        assert c.node_path(i, f"/root/.gpufleet/objects/{hashlib.sha256(blob).hexdigest()}").read_bytes() == blob
+        relay = c.node_path(i, "/root/.gpufleet/relay")
+        assert not relay.exists() or not list(relay.iterdir()), f"node {i} kept {list(relay.iterdir())}"
+    # Node 1 passed content on with the relay key, never the cluster key.
+    assert not c.node_path(1, "/root/.gpufleet/clusters").exists()
+    keys = c.node_path(2, "/root/.ssh/authorized_keys").read_text()
+    (entry,) = [line for line in keys.splitlines() if "gpufleet-relay-" in line]
+    assert entry.startswith(f'from="{",".join(sorted(c.addresses))}",restrict,command="exec python3 -S .gpufleet/')
+    c.assert_nothing_left()
+
+
+def test_a_node_that_cannot_pass_content_on_does_not_starve_the_one_below_it(c, tmp_path):
+    """Node 1, in the middle of the chain 0 -> 1 -> 2, cannot reach node 2 (a route that
+    refuses it); node 2 still gets its content, from node 0 directly, and the launch says so."""
+    d = _fresh(tmp_path, "cut")
+    want = (d / "data.txt").read_text().strip()
+    route = ["ip", "route", "add", "prohibit", f"{c.addresses[2]}/32"]
+    assert c.exec(1, route).returncode == 0
+    try:
+        chain = ["--sync", str(d), "--sync-fanout", "1"]
+        r = launch(tmp_path, "exec", *source_args(c, tmp_path), *chain, "--", "cat", "data.txt")
+    finally:
+        c.exec(1, ["ip", "route", "del", "prohibit", f"{c.addresses[2]}/32"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count(want) == N, r.stdout
+    (line,) = [line for line in r.stderr.splitlines() if "did not get its content down the tree" in line]
+    why = f"node 2 ({c.addresses[2]}) did not get its content down the tree (node 1 ({c.addresses[1]}) could not pass"
+    assert line.startswith(f"{why} it on: ssh: connect to host {c.addresses[2]}"), line
+    assert line.endswith(f"node 0 ({c.addresses[0]}) sent it directly"), line
+    sent = SENT.search(r.stderr)
+    assert sent and sent.group(1) == "2", r.stderr  # still once from here: node 0 re-sent it
+    c.assert_nothing_left()
+
+
+def test_a_node_no_other_node_can_reach_fails_the_launch_with_one_line_naming_it(c, tmp_path):
+    """Neither node 1 (its parent in the chain) nor node 0 (the direct re-send) can reach node 2:
+    one line naming node 2 and why, exit 2, nothing started."""
+    d = _fresh(tmp_path, "unreachable")
+    route = ["ip", "route", "add", "prohibit", f"{c.addresses[2]}/32"]
+    for i in (0, 1):
+        assert c.exec(i, route).returncode == 0
+    try:
+        chain = ["--sync", str(d), "--sync-fanout", "1"]
+        r = launch(tmp_path, "exec", *source_args(c, tmp_path), *chain, "--", "cat", "data.txt")
+    finally:
+        for i in (0, 1):
+            c.exec(i, ["ip", "route", "del", "prohibit", f"{c.addresses[2]}/32"])
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    (error,) = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(
+        f"error: node 2 ({c.addresses[2]}): could not receive the job's files (node 0 ({c.addresses[0]}) could "
+        f"not pass it on: ssh: connect to host {c.addresses[2]}"
+    ), error
+    assert error.endswith("; nothing was started"), error
+    assert "started on" not in r.stderr and "data.txt" not in r.stdout
     c.assert_nothing_left()

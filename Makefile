@@ -47,7 +47,7 @@ test-image: sysdeps venv
 	$(PY) -m tests.containers.runtime
 
 test: sysdeps venv lint docs test-image
-	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
 
 test-failures: sysdeps venv
 	$(PY) -m pytest -q tests/failures $(PYTEST_ARGS)

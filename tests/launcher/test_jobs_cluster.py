@@ -204,7 +204,8 @@ def test_attach_follows_to_the_end_and_shows_the_summary_ctrl_c_on_logs_leaves_t
             "hello x2",
         )
         follow.send_signal(signal.SIGINT)  # Ctrl-C: stops following, never the job
-        out, errs = follow.communicate(timeout=30)
+        # A liveness bound, not a speed one: CI's loaded machine once took over 30 s here.
+        out, errs = follow.communicate(timeout=120)
     finally:
         if follow.poll() is None:
             follow.kill()

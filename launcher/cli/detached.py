@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -145,7 +146,17 @@ def reader_gone() -> None:
 
 
 def follow(n0: Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
-    """Print the job's stream as it grows until the job ends; Ctrl-C stops following only."""
+    """Print the job's stream as it grows until the job ends; Ctrl-C stops following only.
+    Ctrl-C is Python's KeyboardInterrupt here even where this process was started with SIGINT
+    ignored (a non-interactive shell's `&` does that), as a launch's own stop handler is."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _follow(n0, job_id, node, copy)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _follow(n0: Node0, job_id: str, node: int | None, copy: Path) -> JobRecord:
     proc = subprocess.Popen(
         n0.argv(logs_script(job_id, node, follow=True)),
         stdout=subprocess.PIPE,

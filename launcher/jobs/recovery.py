@@ -205,6 +205,11 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
         return Recovery(now, result.hang.node, result.hang.verdict, step, signature=result.hang.reason, reason="hang")
     rank = result.first_failure
     o = result.outcomes.get(rank) if rank is not None else None
+    # A node that vanished explains its peers' crashes (their collectives lost it), whichever of
+    # the two the launch heard of first: name the lost node.
+    lost = sorted(r for r, out in result.outcomes.items() if out.connection_lost)
+    if lost and (o is None or not o.connection_lost):
+        rank, o = lost[0], result.outcomes[lost[0]]
     if o is None:
         return Recovery(
             now,

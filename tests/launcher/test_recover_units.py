@@ -91,6 +91,17 @@ def test_which_results_call_for_a_recovery():
     assert crash.node == 1 and "exit 1: error: boom" in crash.cause and crash.signature == "exit 1 / error: boom"
 
 
+def test_a_lost_node_is_named_even_when_a_peer_it_took_down_was_heard_of_first():
+    # Node 1 powered off: node 0's rank crashes on the lost peer and the launch may hear of that
+    # crash before node 1's connection drops (seen in CI): the recovery names node 1.
+    r = LaunchResult("j", Path("/tmp/x"), {})
+    r.outcomes[0] = NodeOutcome(Node(0, "a", "a"), exit_code=1, error_lines=["RuntimeError: Connection closed by peer"])
+    r.outcomes[1] = NodeOutcome(Node(1, "b", "b"), connection_lost=True, error="Connection reset")
+    r.first_failure = 0
+    rec = failure_of(r, False, 30)
+    assert rec.node == 1 and rec.reason == "node-lost" and "unreachable (Connection reset)" in rec.cause
+
+
 def test_each_recovery_is_one_line_saying_when_which_node_why_and_how_long():
     from launcher.jobs.recovery import Recovery, recovery_lines
 

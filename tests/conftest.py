@@ -9,16 +9,15 @@ tests of what gpufleet must bring to a node itself."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.simcluster import SimCluster, netns_available
+from tests.simcluster import SimCluster
 from tests.simindex import wheel_cache
-from tests.support import BARE_NODES
+from tests.support import BARE_NODES, require_netns
 
 
 @pytest.fixture
@@ -39,12 +38,7 @@ def sim_cluster(tmp_path):
 
 
 def _bare_nodes_possible() -> None:
-    if not netns_available():
-        why = "bare nodes need root and ip netns (one mount and network namespace per node)"
-        # CI runs as root (.ci/run): there a missing netns is a broken machine, never a skip.
-        if os.environ.get("CI"):
-            pytest.fail(why + "; CI must run as root with iproute2 (make sysdeps)")
-        pytest.skip(why)
+    require_netns("bare nodes need root and ip netns (one mount and network namespace per node)")
 
 
 @pytest.fixture(scope="module")

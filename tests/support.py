@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.simcluster import SimCluster, _environ
+from tests.simcluster import SimCluster, _environ, netns_available
 
 __all__ = [
     "REPO",
@@ -198,3 +198,13 @@ def site_dir(tmp_path: Path, code: str) -> Path:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(textwrap.dedent(code))
     return site
+
+
+def require_netns(why: str) -> None:
+    """Skip a test that needs root and `ip netns` where the machine has neither (a developer's
+    run as a user); under CI (.ci/run runs as root) their absence is a broken machine: fail."""
+    if netns_available():
+        return
+    if os.environ.get("CI"):
+        pytest.fail(why + "; CI must run as root with iproute2 (make sysdeps)")
+    pytest.skip(why)

@@ -48,19 +48,20 @@ def last_used(path):
         return 0.0
 
 
-def size_of(path, shared_ok=True):
-    """Bytes the files under `path` hold; `shared_ok=False` counts only files with one link (a
-    snapshot's hard links free nothing until their objects go)."""
-    total = 0
+def file_stats(path):
+    """os.lstat of every file under `path` (one that vanished meanwhile is left out)."""
     for root, _dirs, files in os.walk(path):
         for name in files:
             try:
-                st = os.lstat(os.path.join(root, name))
+                yield os.lstat(os.path.join(root, name))
             except OSError:
                 continue
-            if shared_ok or st.st_nlink == 1:
-                total += st.st_size
-    return total
+
+
+def size_of(path, shared_ok=True):
+    """Bytes the files under `path` hold; `shared_ok=False` counts only files with one link (a
+    snapshot's hard links free nothing until their objects go)."""
+    return sum(st.st_size for st in file_stats(path) if shared_ok or st.st_nlink == 1)
 
 
 def candidates():
@@ -162,13 +163,8 @@ def prunable_objects(going, older_than_s, now):
         return []
     links = {}  # inode -> links held by the snapshots that go
     for path in going:
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                try:
-                    st = os.lstat(os.path.join(root, name))
-                except OSError:
-                    continue
-                links[st.st_ino] = links.get(st.st_ino, 0) + 1
+        for st in file_stats(path):
+            links[st.st_ino] = links.get(st.st_ino, 0) + 1
     out = []
     for name in sorted(os.listdir(objects)):
         p = os.path.join(objects, name)

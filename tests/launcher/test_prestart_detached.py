@@ -7,20 +7,19 @@ own, so the job's record and controller live on node 0 as on a real cluster."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.launcher.fake_gpu_node import GpuSimCluster
 from tests.launcher.test_jobs_cluster import launch, wait_state
+from tests.support import require_netns
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("prestart_detached")]
 
 
 def test_a_detached_jobs_controller_judges_the_gpus_it_asked_about_and_runs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("the simulated GPU cluster needs netns mode (root)")
+    require_netns("the simulated GPU cluster needs netns mode (root and ip netns)")
     homes = {i: {"HOME": str(tmp_path / f"home{i}")} for i in range(2)}
     gc = GpuSimCluster(tmp_path / "gpu", ["/clu/blk1/s1/h01", "/clu/blk1/s1/h02"], env=homes)
     try:

@@ -133,7 +133,8 @@ def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[st
         ]
     keys: dict[int, list[str]] = {}
     for node in cluster.nodes:
-        name = _known_name(target.alias or node.host, target.port)
+        # ssh records a host by its name or address alone: no `user@`, no IPv6 brackets at port 22.
+        name = _known_name(target.alias or node.host.rsplit("@", 1)[-1].strip("[]"), target.port)
         found = [f"{e[1]} {e[2]}" for e in entries if len(e) >= 3 and _host_matches(e[0], name)]
         keys[node.rank] = list(dict.fromkeys(found))
     return keys

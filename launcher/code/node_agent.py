@@ -1,5 +1,5 @@
 """The node side of a launch's preparation: one self-contained, standard-library-only program,
-sent as its source text (`python3 -S -c SOURCE COMMAND`), since a bare node has nothing of
+sent as its source text (`python3 -I -S -c SOURCE COMMAND`), since a bare node has nothing of
 gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gpufleet:
 
     objects/SHA256        every file's content, once per node (content-addressed); this
@@ -17,7 +17,7 @@ Commands (stdin carries the request; every line this program prints starts with 
   time: a file lock), printing progress; then the request's `tools` environment when the job's
   environment lacks its program (a failure there is reported apart: the job can run without
   it). Ends with `PREFIX result JSON`.
-- `relay`: a stream of frames (`KEY SIZE`, `KNOWN SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
+- `relay PORT PEERS`: a stream of frames (`KEY SIZE`, `KNOWN SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
   SIZE`, each followed by SIZE bytes; `END`): stores each object (its hash checked) and passes
   it on, chunk by chunk as it arrives, to each child in the plan that lacks it, over ssh with
   the relay key to that child's own `relay` (a tree: node 0 gets one stream from the launching
@@ -33,6 +33,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -348,24 +349,30 @@ def read_exact(stream, n):
 def store(stream, sha, size, forwards=()):
     """Write one object from `stream` into the store, its content checked against its name;
     each chunk also goes to `forwards` as it arrives (they pass it on before the object is whole:
-    each receiver checks the hash itself)."""
+    each receiver checks the hash itself). The partial file goes whatever ends the write."""
     tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")
     h, left = hashlib.sha256(), size
-    with open(tmp, "wb") as f:
-        while left:
-            b = stream.read(min(left, 1 << 20))
-            if not b:
-                raise EOFError("the stream ended early")
-            h.update(b)
-            f.write(b)
-            for fwd in forwards:
-                fwd.data(b)
-            left -= len(b)
-    if h.hexdigest() != sha:
-        os.unlink(tmp)
-        raise ValueError(f"object {sha[:12]} arrived corrupted")
-    os.chmod(tmp, 0o444)
-    os.rename(tmp, os.path.join(OBJECTS, sha))
+    try:
+        with open(tmp, "wb") as f:
+            while left:
+                b = stream.read(min(left, 1 << 20))
+                if not b:
+                    raise EOFError("the stream ended early")
+                h.update(b)
+                f.write(b)
+                for fwd in forwards:
+                    fwd.data(b)
+                left -= len(b)
+        if h.hexdigest() != sha:
+            raise ValueError(f"object {sha[:12]} arrived corrupted")
+        os.chmod(tmp, 0o444)
+        os.rename(tmp, os.path.join(OBJECTS, sha))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def keep_own_source():
@@ -395,6 +402,47 @@ def keep_own_source():
 
 SHA = re.compile(r"[0-9a-f]{64}")
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:%-]*")  # a host or user: never an ssh option
+SIZE = re.compile(r"[0-9]{1,15}")  # a frame's size: digits only, never negative
+MAX_HEADER = 256  # bytes in a frame's header line (`OBJ SHA256 SIZE` is 85)
+MAX_META = {"KEY": 1 << 16, "KNOWN": 1 << 24, "FWD": 1 << 28}  # the largest KEY, KNOWN and FWD body
+
+
+def destination(child):
+    """How a hop names the node it goes to: `USER@ADDRESS`, or `ADDRESS` where no user is given."""
+    user = child.get("user")
+    return f"{user}@{child['host']}" if user else str(child["host"])
+
+
+def check_plan(plan, peers, port):
+    """Refuse a FWD plan with a destination the forced command does not name (its `relay PORT
+    PEERS` arguments: the cluster's nodes), another port, a node twice, or a malformed entry, so
+    a holder of the relay key can make a node reach the cluster's own nodes and nothing else."""
+    seen = set()
+
+    def walk(children):
+        if not isinstance(children, list):
+            raise ValueError("the FWD plan is not a list of nodes")
+        for child in children:
+            if not isinstance(child, dict) or not isinstance(child.get("rank"), int):
+                raise ValueError("the FWD plan holds an entry that is not a node")
+            if not isinstance(child.get("host"), str) or not isinstance(child.get("user") or "", str):
+                raise ValueError(f"node {child['rank']}'s destination is not a host name or address")
+            dest = destination(child)
+            if dest not in peers:
+                raise ValueError(
+                    f"node {child['rank']}'s destination {dest!r} is not one of the cluster's nodes "
+                    "(the relay key reaches only those); refused"
+                )
+            if int(child.get("port") or 22) != port:
+                raise ValueError(f"node {child['rank']}'s port {child.get('port')} is not the cluster's ({port})")
+            if dest in seen:
+                raise ValueError(f"{dest!r} appears twice in the FWD plan")
+            seen.add(dest)
+            if not isinstance(child.get("objects", []), list):
+                raise ValueError(f"node {child['rank']}'s objects are not a list")
+            walk(child.get("children", []))
+
+    walk(plan)
 
 
 def relay_argv(child, key, known):
@@ -512,12 +560,31 @@ class Forward:
             pass
 
 
-def relay():
+def header(stream):
+    """One frame's header as its words; [] at the end of the stream. A line longer than
+    MAX_HEADER, or one that does not end in a newline, is refused."""
+    line = stream.readline(MAX_HEADER + 1)
+    if not line:
+        return []
+    if len(line) > MAX_HEADER or not line.endswith(b"\n"):
+        raise ValueError(f"a frame header over {MAX_HEADER} bytes, or cut short")
+    return line.decode("ascii", errors="replace").split()
+
+
+def size_of(word, kind):
+    """A frame's size: decimal digits (so never negative), at most MAX_META for KEY/KNOWN/FWD."""
+    if not SIZE.fullmatch(word) or int(word) > MAX_META.get(kind, 1 << 50):
+        raise ValueError(f"frame {kind}: size {word[:20]!r} is not allowed")
+    return int(word)
+
+
+def relay(port=22, peers=()):
     """Frames in the order the sender writes them: KEY and KNOWN (the relay key and the
     cluster's known_hosts, to a node that passes content on), FWD (its children, each with the
     objects it lacks and its own children), OBJ ..., END. This is also the relay key's forced
     command, so a frame only ever writes an object (checked against its hash) or the two files
-    at fixed places, removed when the relay ends."""
+    at fixed places, removed when the relay ends; its arguments (PORT and the cluster's nodes,
+    `USER@ADDRESS,...`) are the only destinations a FWD may name, once per session."""
     os.makedirs(OBJECTS, exist_ok=True)
     stream = sys.stdin.buffer
     work = os.path.join(G, "relay", str(os.getpid()))
@@ -526,37 +593,51 @@ def relay():
             shutil.rmtree(os.path.join(os.path.dirname(work), pid), ignore_errors=True)
     paths = {"KEY": os.path.join(work, "id_ed25519"), "KNOWN": os.path.join(work, "known_hosts")}
     held = {}
-    forwards, count, failures = [], 0, {}
+    forwards, count, failures = None, 0, {}
     try:
         while True:
-            head = stream.readline().decode().split()
-            if not head or head[0] == "END":
+            head = header(stream)
+            if not head:
+                raise EOFError("the stream ended before its END frame")
+            if head == ["END"]:
                 break
-            if head[0] == "OBJ" and SHA.fullmatch(head[1]):
-                to = [fwd for fwd in forwards if fwd.begin(head[1], int(head[2]))]
-                store(stream, head[1], int(head[2]), to)
+            if len(head) == 3 and head[0] == "OBJ" and SHA.fullmatch(head[1]):
+                size = size_of(head[2], "OBJ")
+                to = [fwd for fwd in forwards or [] if fwd.begin(head[1], size)]
+                store(stream, head[1], size, to)
                 count += 1
-            elif head[0] in paths:
-                data = read_exact(stream, int(head[1]))
+            elif len(head) == 2 and head[0] in paths and head[0] not in held and forwards is None:
+                data = read_exact(stream, size_of(head[1], head[0]))
                 os.makedirs(work, mode=0o700, exist_ok=True)
                 fd = os.open(paths[head[0]], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                 held[head[0]] = paths[head[0]]
-            elif head[0] == "FWD":
-                plan = json.loads(read_exact(stream, int(head[1])))
+            elif len(head) == 2 and head[0] == "FWD" and forwards is None:
+                plan = json.loads(read_exact(stream, size_of(head[1], "FWD")))
+                check_plan(plan, set(peers), port)
                 forwards = [Forward(child, held.get("KEY"), held.get("KNOWN")) for child in plan]
             else:
-                raise ValueError(f"unknown frame {head[0]!r}")
-        for fwd in forwards:
+                known = head[0] in MAX_META
+                raise ValueError(f"frame {head[0]} out of place" if known else f"unknown frame {head[0]!r}")
+        for fwd in forwards or []:
             failures.update(fwd.close())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     say("received", json.dumps({"objects": count, "failed": failures, "at": time.time()}))
 
 
+def hung_up(signum, frame):
+    """SIGHUP (ssh's session gone: Ctrl-C on the launching machine) and SIGTERM end the program
+    through its `finally`s, so no partial object or relay key stays behind."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "prepare":
         prepare(json.loads(sys.stdin.read()))
     elif sys.argv[1] == "relay":
-        relay()
+        signal.signal(signal.SIGHUP, hung_up)
+        signal.signal(signal.SIGTERM, hung_up)
+        port, peers = (int(sys.argv[2]), sys.argv[3].split(",")) if len(sys.argv) > 3 else (22, [])
+        relay(port, peers)

@@ -19,21 +19,32 @@ Rounds, each on every node at once:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
-from launcher.cluster.key import ensure_key, known_hosts_text, ssh_target, verified_host_keys
+from launcher.cluster.key import ensure_key, ssh_target, verified_host_keys
 from launcher.code import node_agent
 from launcher.code.pyenv import EnvSpec
 from launcher.code.snapshot import Snapshot
-from launcher.code.tree import AGENT_SHA, DEFAULT_FANOUT, authorize_relay, depth, forwarding_tree, relay_plan
+from launcher.code.tree import (
+    AGENT_SHA,
+    DEFAULT_FANOUT,
+    authorize_relay,
+    depth,
+    forwarding_tree,
+    hops,
+    peers_arg,
+    relay_known_hosts,
+    relay_plan,
+)
 from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
@@ -81,8 +92,9 @@ def agent_script(command: str, program: ModuleType = node_agent) -> str:
     """The node's command running `program` (a standard-library-only module of launcher.code,
     node_agent unless named) from its source text."""
     source = Path(program.__file__).read_text()
-    # The node's own python3, no site-packages: the program needs the standard library only.
-    return f"exec python3 -S -c {_quote(source)} {command}"
+    # The node's own python3, no site-packages (-S: the program needs the standard library only),
+    # isolated (-I: no PYTHON* variables, no user site, no script directory on sys.path).
+    return f"exec python3 -I -S -c {_quote(source)} {command}"
 
 
 def _quote(s: str) -> str:
@@ -123,7 +135,8 @@ def run_agent(
     transport: Transport, node: Node, script: str, data: Iterable[bytes], progress: Progress, report: PrepareReport
 ) -> tuple[dict | None, str]:
     """Run one agent session, `data` on its stdin; its result line's JSON (None if there was
-    none) and stderr's tail."""
+    none) and stderr's tail. A UserError the data raises (launcher.code.prepare.ChangedFile)
+    ends the stream where it is and is raised once the session has ended."""
     argv = transport.argv(node, script)
     report.bytes_sent += sum(len(a) for a in argv)
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -131,11 +144,18 @@ def run_agent(
     t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
     t.start()
 
+    failed: list[UserError] = []
+
     def feed() -> None:
         try:
             for chunk in data:
                 report.bytes_sent += len(chunk)
                 p.stdin.write(chunk)
+        except (BrokenPipeError, ValueError):
+            pass
+        except UserError as e:  # the data itself failed (a file changed while it was sent)
+            failed.append(e)
+        try:
             p.stdin.close()
         except (BrokenPipeError, ValueError):
             pass
@@ -155,6 +175,8 @@ def run_agent(
     p.wait()
     writer.join(timeout=5)
     t.join(timeout=5)
+    if failed:
+        raise failed[0]
     tail = b"".join(err).decode(errors="replace").strip().splitlines()
     return result, (tail[-1] if tail else f"exit {p.returncode}")
 
@@ -173,20 +195,50 @@ def _each(nodes: list[Node], fn: Callable[[Node], object]) -> dict[int, object]:
     return out
 
 
-def _frames(objects: list[str], files: dict[str, Path], extra: dict[str, bytes], plan: list):
+class ChangedFile(UserError):
+    """A file sent in a snapshot no longer holds the snapshot's bytes."""
+
+
+def _object_chunks(sha: str, path: Path, size: int) -> Iterator[bytes]:
+    """Exactly the snapshot's `size` bytes of `path`, hashed as they go: a file that changed
+    since the snapshot (other bytes, shorter, gone) raises ChangedFile after its last chunk,
+    before anything else is sent. A file that only grew past `size` sends its snapshot's
+    bytes, which is what the snapshot holds."""
+    h, left = hashlib.sha256(), size
+    why = "it changed"
+    try:
+        with open(path, "rb") as f:
+            while left:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    why = "it is shorter now"
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+                yield chunk
+    except OSError as e:
+        why = f"it cannot be read now: {e.strerror or e}"
+    if left or h.hexdigest() != sha:
+        raise ChangedFile(
+            f"{path} changed after the snapshot was taken, while it was being sent ({why}); stop what "
+            "writes it, or leave it out with .gpufleetignore, and launch again; nothing was started"
+        )
+
+
+def _frames(objects: list[str], files: dict[str, tuple[Path, int]], extra: dict[str, bytes], plan: list):
     """The `relay` stream (node_agent.relay), in chunks: the relay key and known_hosts, the
-    forwarding plan (first, so node 0 passes each object on as it arrives), objects read from
-    disk as they go, END."""
+    forwarding plan (first, so node 0 passes each object on as it arrives), each object's
+    snapshot bytes read from disk as they go (its header carries the snapshot's size, never a
+    fresh stat), END. A changed file stops the stream before END: the node drops the object."""
     for kind, data in extra.items():
         yield f"{kind} {len(data)}\n".encode() + data
     if plan:
         text = json.dumps(plan).encode()
         yield f"FWD {len(text)}\n".encode() + text
     for sha in objects:
-        path = files[sha]
-        yield f"OBJ {sha} {path.stat().st_size}\n".encode()
-        with open(path, "rb") as f:
-            yield from iter(lambda: f.read(1 << 20), b"")
+        path, size = files[sha]
+        yield f"OBJ {sha} {size}\n".encode()
+        yield from _object_chunks(sha, path, size)
     yield b"END\n"
 
 
@@ -209,7 +261,10 @@ def prepare(
         return config, report
     transport = make_transport(cluster, config.ssh, config.dry_run)
     key = ensure_key(cluster, RELAY_KEY)
-    authorize = authorize_relay(key.with_name(f"{RELAY_KEY}.pub").read_text(), cluster)
+    target = ssh_target(transport, cluster.nodes[0])
+    authorize = authorize_relay(
+        key.with_name(f"{RELAY_KEY}.pub").read_text(), cluster, hops(cluster, target.user), target.port
+    )
     body = json.dumps(_request(request, config.job_id, stacks=config.hang_timeout_s is not None)).encode()
     script = "; ".join([authorize, agent_script("prepare")])
 
@@ -334,24 +389,24 @@ def _send(
     """Every object some node lacks, at most once from here (to node 0), and from node 0 down
     the forwarding tree. The ranks that did not get their content, and why (as the tree saw it:
     the launch checks every node again afterwards)."""
-    files: dict[str, Path] = {}
+    files: dict[str, tuple[Path, int]] = {}
     for snap, root in ((request.code, request.code_root), (request.sync, request.sync_root)):
         if snap is not None and root is not None:
-            files.update({f.sha256: root / f.path for f in snap.files})
+            files.update({f.sha256: (root / f.path, f.size) for f in snap.files})
     head = cluster.nodes[0]
     extra: dict[str, bytes] = {}
     plan: list[dict] = []
     tree: dict[int, list[int]] = {}
     others = {r: m for r, m in missing.items() if r != head.rank}
+    target = ssh_target(transport, head)
+    targets = hops(cluster, target.user)
     if others:
-        target = ssh_target(transport, head)
         extra = {
             "KEY": ensure_key(cluster, RELAY_KEY).read_bytes(),
-            "KNOWN": known_hosts_text(cluster, verified_host_keys(target, cluster), target.port).encode(),
+            "KNOWN": relay_known_hosts(cluster, verified_host_keys(target, cluster), target.port).encode(),
         }
         tree = forwarding_tree(head.rank, others, fanout)
-        hosts = {n.rank: n.host for n in cluster.nodes}
-        plan = relay_plan(tree, head.rank, others, hosts, target.user, target.port)
+        plan = relay_plan(tree, head.rank, others, targets, target.port)
         if not again:
             report.levels = depth(tree, head.rank)
     # Node 0's report covers every object of the request: what it lacks is all it needs from here
@@ -359,10 +414,11 @@ def _send(
     objects = sorted(missing.get(head.rank, []))
     data = _frames(objects, files, extra, plan)
     report.objects_sent += len(objects)
-    report.object_bytes += sum(files[s].stat().st_size for s in objects)
+    report.object_bytes += sum(files[s][1] for s in objects)
     if not again:
         report.passed_on = len(others)
-    result, why = run_agent(transport, head, agent_script("relay"), data, lambda n, t: None, report)
+    script = agent_script(f"relay {target.port} {_quote(peers_arg(targets))}")
+    result, why = run_agent(transport, head, script, data, lambda n, t: None, report)
     if result is None:
         raise UserError(f"{head.label}: could not receive the job's files ({why}); nothing was started")
     parent = {child: p for p, children in tree.items() for child in children}

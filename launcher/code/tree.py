@@ -21,10 +21,13 @@ The relay key. A node deeper than node 0 has to authenticate to its children. Th
 So a key of its own per cluster, the relay key (`~/.cache/gpufleet/CLUSTER/relay_ed25519`),
 authorized on every node by the preparation's first round (which already runs there) with
 `restrict` (no forwarding, no pty, no ~/.ssh/rc), `from=` the cluster's addresses, and a
-forced command: this version of the node agent, by the hash it is stored under
-(`python3 -S .gpufleet/objects/SHA relay`; sshd(8), AUTHORIZED_KEYS FILE FORMAT). Whoever holds
-it can only hand a node objects (each checked against its hash) and ask it to pass objects on
-to cluster addresses; never run a command. The relay key travels only to node 0 and the
+forced command: this version of the node agent, by the hash it is stored under, with the
+cluster's nodes as its only destinations (`python3 -I -S .gpufleet/objects/SHA relay PORT
+USER@ADDRESS,...`; sshd(8), AUTHORIZED_KEYS FILE FORMAT; -I: no script directory, user site
+or PYTHON* variable on sys.path). Whoever holds it can only hand a node objects (each checked
+against its hash) and ask it to pass objects on to those nodes, by their internal addresses,
+on that port; never run a command, and never reach another host (the node refuses the plan
+before it opens any ssh). The relay key travels only to node 0 and the
 interior nodes, with the known_hosts the launching machine verified (host keys checked
 strictly: no first-use trust), and is removed when the relay ends.
 """
@@ -32,20 +35,33 @@ strictly: no first-use trust), and is removed when the relay ends.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import shlex
+import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from launcher.code import node_agent
 from launcher.core.transport import cluster_slug
-from launcher.core.types import Cluster
+from launcher.core.types import Cluster, UserError
 
-__all__ = ["DEFAULT_FANOUT", "AGENT_SHA", "forwarding_tree", "depth", "relay_plan", "authorize_relay"]
+__all__ = [
+    "DEFAULT_FANOUT",
+    "AGENT_SHA",
+    "forwarding_tree",
+    "depth",
+    "hops",
+    "peers_arg",
+    "relay_plan",
+    "relay_known_hosts",
+    "source_addresses",
+    "authorize_relay",
+]
 
 DEFAULT_FANOUT = 4
 
 # The hash the node agent stores its own source under (node_agent.keep_own_source): the exact
-# text `python3 -S -c` receives (launcher.code.prepare.agent_script).
+# text `python3 -I -S -c` receives (launcher.code.prepare.agent_script).
 AGENT_SHA = hashlib.sha256(Path(node_agent.__file__).read_text().encode()).hexdigest()
 
 
@@ -67,21 +83,37 @@ def depth(tree: Mapping[int, list[int]], root: int) -> int:
     return 1 + max(depth(tree, c) for c in below) if below else 0
 
 
+def hops(cluster: Cluster, user: str | None) -> dict[int, tuple[str | None, str]]:
+    """Each node's (user, address) as another node reaches it: its internal address, never the
+    name or external address this machine connects to, and its hostfile line's own user
+    (`user@10.0.0.3`), else `user` (this machine's ssh user for node 0)."""
+    out = {}
+    for node in cluster.nodes:
+        named, at, _ = node.host.rpartition("@")
+        out[node.rank] = (named if at else user, node.address)
+    return out
+
+
+def peers_arg(targets: Mapping[int, tuple[str | None, str]]) -> str:
+    """The destinations a relay may reach (node_agent.relay's PEERS): `USER@ADDRESS,...`."""
+    return ",".join(sorted({f"{u}@{a}" if u else a for u, a in targets.values()}))
+
+
 def relay_plan(
     tree: Mapping[int, list[int]],
     root: int,
     missing: Mapping[int, list[str]],
-    hosts: Mapping[int, str],
-    user: str | None,
+    targets: Mapping[int, tuple[str | None, str]],
     port: int,
 ) -> list[dict]:
     """The root's FWD frame (node_agent.relay): each child with the objects it lacks and its
     own children, nested."""
 
     def hop(rank: int) -> dict:
+        user, address = targets[rank]
         return {
             "rank": rank,
-            "host": hosts[rank],
+            "host": address,
             "port": port,
             "user": user,
             "objects": sorted(missing[rank]),
@@ -91,19 +123,69 @@ def relay_plan(
     return [hop(c) for c in tree[root]]
 
 
-def authorize_relay(public_key: str, cluster: Cluster) -> str:
+def relay_known_hosts(cluster: Cluster, keys: Mapping[int, list[str]], port: int) -> str:
+    """The known_hosts a relay checks its children with: each node's host keys as this machine
+    verified them (launcher.cluster.key.verified_host_keys), under the internal address the hop
+    goes to (`[ADDRESS]:PORT` off port 22, as ssh writes it: sshd(8), SSH_KNOWN_HOSTS FILE FORMAT)."""
+    lines, missing = [], []
+    for node in cluster.nodes:
+        name = node.address if port == 22 else f"[{node.address}]:{port}"
+        lines += [f"{name} {k}" for k in keys.get(node.rank, [])]
+        if not keys.get(node.rank):
+            missing.append(node.label)
+    if missing:
+        raise UserError(
+            f"the host key of {', '.join(missing)} is not in this machine's known_hosts files, so the node "
+            "passing content on to it could not check it; nothing was started. Connect to it once, or pass "
+            "--known-hosts"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def source_addresses(cluster: Cluster) -> list[str]:
+    """The nodes' addresses for `from=`: an address as it is, a host name resolved here, since
+    sshd matches `from=` host names only with `UseDNS yes`, which is not its default
+    (sshd_config(5), UseDNS)."""
+    out: set[str] = set()
+    for node in cluster.nodes:
+        try:
+            out.add(str(ipaddress.ip_address(node.address)))
+            continue
+        except ValueError:
+            pass
+        try:
+            infos = socket.getaddrinfo(node.address, None, proto=socket.IPPROTO_TCP)
+        except OSError:
+            raise UserError(
+                f"{node.label}: its address {node.address!r} does not resolve here, and the relay key is "
+                "authorized from addresses only; give the nodes' addresses in the hostfile"
+            ) from None
+        out.update(str(info[4][0]) for info in infos)
+    return sorted(out)
+
+
+def authorize_relay(
+    public_key: str, cluster: Cluster, targets: Mapping[int, tuple[str | None, str]], port: int = 22
+) -> str:
     """A node-side statement: authorize the relay key, its forced command this agent version's
-    `relay`. An entry for the same cluster that differs (another agent version, other addresses)
-    is replaced: sshd uses the first entry that matches a key."""
+    `relay PORT PEERS` (the cluster's nodes are all it can reach). The entry is keyed by the key
+    itself: an entry of the same key that differs (another agent version, other addresses) is
+    replaced, since sshd uses the first entry that matches a key, and another machine's relay
+    key (another laptop of the same account) is left alone. authorized_keys is edited in place
+    under flock(1), so concurrent launches neither lose each other's entries nor turn a
+    symlinked file into a plain one."""
     kind, b64 = public_key.split()[:2]
-    addresses = ",".join(sorted({n.address for n in cluster.nodes}))
+    addresses = ",".join(source_addresses(cluster))
     tag = f"gpufleet-relay-{cluster_slug(cluster)}"
-    entry = shlex.quote(
-        f'from="{addresses}",restrict,command="exec python3 -S .gpufleet/objects/{AGENT_SHA} relay" {kind} {b64} {tag}'
-    )
-    others = shlex.quote(f" {tag}")
+    command = f"exec python3 -I -S .gpufleet/objects/{AGENT_SHA} relay {port} {peers_arg(targets)}"
+    entry = shlex.quote(f'from="{addresses}",restrict,command="{command}" {kind} {b64} {tag}')
+    mine = shlex.quote(f" {kind} {b64} ")
+    # grep -v's status 1 means "no line left", which is fine; 2 is an error (the file is left as it is).
     return (
         '( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
-        f'{{ grep -qxF {entry} "$K" || {{ grep -vF {others} "$K" > "$K.gpufleet"; '
-        f'printf "%s\\n" {entry} >> "$K.gpufleet" && mv "$K.gpufleet" "$K"; }}; }} )'
+        'T=$(readlink -f -- "$K") && exec 9<"$T" && flock 9 || exit 1; '
+        f'[ "$(grep -cF {mine} "$T")" = 1 ] && grep -qxF {entry} "$T" && exit 0; '
+        'N=$(mktemp "$T.XXXXXX") || exit 1; '
+        f'grep -vF {mine} "$T" > "$N"; [ $? -le 1 ] && printf "%s\n" {entry} >> "$N" && cat "$N" > "$T"; '
+        'rc=$?; rm -f "$N"; exit $rc )'
     )

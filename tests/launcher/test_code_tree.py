@@ -14,9 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cluster.discovery import cluster_from_outputs, parse_hostfile
 from launcher.code import node_agent
-from launcher.code.tree import AGENT_SHA, authorize_relay, depth, forwarding_tree, relay_plan
-from launcher.core.types import Cluster, Node
+from launcher.code.tree import (
+    AGENT_SHA,
+    authorize_relay,
+    depth,
+    forwarding_tree,
+    hops,
+    peers_arg,
+    relay_known_hosts,
+    relay_plan,
+    source_addresses,
+)
+from launcher.core.types import Cluster, Node, UserError
 
 
 def test_sixteen_nodes_at_fanout_four_are_two_levels_and_node_0_sends_four_copies():
@@ -53,8 +64,8 @@ def test_each_edge_carries_exactly_what_its_child_lacks():
     a, b, c = "a" * 64, "b" * 64, "c" * 64
     missing = {1: [b, a], 2: [c], 3: [a, b, c]}
     tree = forwarding_tree(0, missing, 1)  # a chain 0 -> 1 -> 2 -> 3
-    hosts = {0: "n0", 1: "n1", 2: "n2", 3: "n3"}
-    (hop1,) = relay_plan(tree, 0, missing, hosts, "me", 2222)
+    hosts = {r: ("me", f"n{r}") for r in range(4)}
+    (hop1,) = relay_plan(tree, 0, missing, hosts, 2222)
     assert (hop1["rank"], hop1["host"], hop1["user"], hop1["port"], hop1["objects"]) == (1, "n1", "me", 2222, [a, b])
     (hop2,) = hop1["children"]
     # Node 2 lacks only c: node 1 sends it c (node 1 has a and b, which node 3 lacks, from its
@@ -166,17 +177,180 @@ def test_the_relay_key_is_authorized_once_restricted_and_replaced_when_the_agent
     keys = home / ".ssh" / "authorized_keys"
     keys.parent.mkdir()
     keys.write_text("ssh-ed25519 AAAAmine me@laptop\n")
-    statement = authorize_relay(public, CLUSTER)
+    statement = authorize_relay(public, CLUSTER, hops(CLUSTER, "me"), 22)
     for _ in range(2):
         subprocess.run(["bash", "-c", statement], env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
     lines = keys.read_text().splitlines()
     assert lines[0] == "ssh-ed25519 AAAAmine me@laptop" and len(lines) == 2
-    assert lines[1].startswith('from="10.0.0.2,10.0.0.3",restrict,command="exec python3 -S .gpufleet/objects/')
-    assert f"objects/{AGENT_SHA} relay" in lines[1] and public.split()[1] in lines[1]
+    assert lines[1].startswith('from="10.0.0.2,10.0.0.3",restrict,command="exec python3 -I -S .gpufleet/objects/')
+    assert f"objects/{AGENT_SHA} relay 22 me@10.0.0.2,me@10.0.0.3\"" in lines[1] and public.split()[1] in lines[1]
     # sshd's own parser (ssh-keygen reads authorized_keys lines, options and all) accepts it.
     assert subprocess.run(["ssh-keygen", "-l", "-f", str(keys)], capture_output=True).returncode == 0
     stale = lines[1].replace(AGENT_SHA, "0" * 64)
     keys.write_text(f"{lines[0]}\n{stale}\n")
     subprocess.run(["bash", "-c", statement], env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
     assert keys.read_text().splitlines() == lines  # the other version's entry replaced, mine kept
-    assert oct(keys.stat().st_mode & 0o777) == "0o600"
+    assert oct(keys.stat().st_mode & 0o777) == "0o644"  # edited in place: the file's own mode kept
+
+
+def test_hops_go_to_internal_addresses_with_each_hostfile_lines_own_user():
+    hostfile = parse_hostfile("10.0.0.2\nops@10.0.0.3\n[fd00::3]\n")
+    targets = hops(hostfile, "me")
+    assert targets == {0: ("me", "10.0.0.2"), 1: ("ops", "10.0.0.3"), 2: ("me", "fd00::3")}
+    assert peers_arg(targets) == "me@10.0.0.2,me@fd00::3,ops@10.0.0.3"
+    (one, two) = relay_plan({0: [1, 2], 1: [], 2: []}, 0, {1: [], 2: []}, targets, 22)
+    assert (one["host"], one["user"], two["host"], two["user"]) == ("10.0.0.3", "ops", "fd00::3", "me")
+    # --external-ip: this machine connects to the external address, the nodes to each other by the internal one.
+    outputs = {
+        "cluster": "c",
+        "project": "p",
+        "zone": "z",
+        "machineType": "a3-highgpu-8g",
+        "nodes": [
+            {"name": f"n{i}", "index": i, "internalIp": f"10.0.0.{i + 2}", "externalIp": f"34.1.1.{i}", "zone": "z"}
+            for i in range(2)
+        ],
+    }
+    stack = cluster_from_outputs(outputs, prefer_external=True)
+    assert stack.nodes[1].host == "34.1.1.1" and hops(stack, None) == {0: (None, "10.0.0.2"), 1: (None, "10.0.0.3")}
+    known = relay_known_hosts(stack, {0: ["ssh-ed25519 AAAA0"], 1: ["ssh-ed25519 AAAA1"]}, 2222)
+    assert known.splitlines() == ["[10.0.0.2]:2222 ssh-ed25519 AAAA0", "[10.0.0.3]:2222 ssh-ed25519 AAAA1"]
+    with pytest.raises(UserError, match=r"node 1 \(34.1.1.1\).*not in this machine's known_hosts"):
+        relay_known_hosts(stack, {0: ["ssh-ed25519 AAAA0"]}, 22)
+
+
+def test_from_lists_addresses_never_host_names():
+    named = Cluster(name="h", nodes=(Node(rank=0, host="localhost", address="localhost"),))
+    addresses = source_addresses(named)
+    assert "127.0.0.1" in addresses and "localhost" not in addresses
+    with pytest.raises(UserError, match=r"'no-such-node\.invalid' does not resolve"):
+        source_addresses(Cluster(name="h", nodes=(Node(rank=0, host="x", address="no-such-node.invalid"),)))
+
+
+def _fake_ssh(tmp_path: Path) -> tuple[Path, Path]:
+    """A PATH holding an `ssh` that only records it was run: the relay must not get that far."""
+    bin_dir, marker = tmp_path / "bin", tmp_path / "ssh-ran"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(f"#!/bin/sh\necho \"$@\" > {marker}\nexit 255\n")
+    (bin_dir / "ssh").chmod(0o755)
+    return bin_dir, marker
+
+
+def _relay(home: Path, stdin: bytes, *args: str, path: str = "/usr/bin:/bin") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", Path(node_agent.__file__).read_text(), "relay", *args],
+        input=stdin,
+        capture_output=True,
+        env={"HOME": str(home), "PATH": path},
+    )
+
+
+def _fwd(plan: list) -> bytes:
+    key, known = b"PRIVATE", b"10.0.0.3 ssh-ed25519 AAAA\n"
+    text = json.dumps(plan).encode()
+    return (
+        f"KEY {len(key)}\n".encode()
+        + key
+        + f"KNOWN {len(known)}\n".encode()
+        + known
+        + f"FWD {len(text)}\n".encode()
+        + text
+    )
+
+
+@pytest.mark.parametrize(
+    "child",
+    [
+        {"rank": 1, "host": "192.0.2.1", "user": "me", "port": 22},  # outside the cluster
+        {"rank": 1, "host": "10.0.0.3", "user": "root", "port": 22},  # another account
+        {"rank": 1, "host": "10.0.0.3", "user": "me", "port": 5432},  # another port
+    ],
+)
+def test_a_fwd_outside_the_forced_commands_peers_is_refused_without_opening_ssh(tmp_path, child):
+    bin_dir, marker = _fake_ssh(tmp_path)
+    plan = [{**child, "objects": [], "children": []}]
+    r = _relay(tmp_path, _fwd(plan) + b"END\n", "22", "me@10.0.0.2,me@10.0.0.3", path=f"{bin_dir}:/usr/bin:/bin")
+    assert r.returncode != 0 and b"refused" in r.stderr or b"is not the cluster's" in r.stderr, r.stderr
+    assert not marker.exists()
+    # A peer nested below a legitimate child is checked too, before anything is opened.
+    nested = [{"rank": 1, "host": "10.0.0.3", "user": "me", "port": 22, "objects": [], "children": plan}]
+    r = _relay(tmp_path, _fwd(nested) + b"END\n", "22", "me@10.0.0.2,me@10.0.0.3", path=f"{bin_dir}:/usr/bin:/bin")
+    assert r.returncode != 0 and not marker.exists(), r.stderr
+    # The forced command of an older entry names no peers: no FWD at all.
+    r = _relay(tmp_path, _fwd(nested) + b"END\n", path=f"{bin_dir}:/usr/bin:/bin")
+    assert r.returncode != 0 and b"not one of the cluster's nodes" in r.stderr and not marker.exists()
+
+
+def test_a_fwd_to_a_peer_opens_ssh_to_its_internal_address():
+    child = {"rank": 1, "host": "10.0.0.3", "user": "me", "port": 22, "objects": [], "children": []}
+    node_agent.check_plan([child], {"me@10.0.0.2", "me@10.0.0.3"}, 22)
+    argv = node_agent.relay_argv(child, "/k", "/kh")
+    assert argv[-4:] == ["-T", "--", "10.0.0.3", "relay"] and argv[argv.index("-l") + 1] == "me"
+
+
+@pytest.mark.parametrize(
+    ("frames", "why"),
+    [
+        (b"OBJ " + b"a" * 300 + b"\n", b"over 256 bytes"),
+        (b"OBJ " + b"a" * 64 + b" -3\n", b"size '-3' is not allowed"),
+        (b"KEY 99999999999\n", b"size '99999999999' is not allowed"),
+        (b"FWD 2\n[]FWD 2\n[]END\n", b"frame FWD out of place"),
+        (b"FWD 2\n[]KEY 1\nkEND\n", b"frame KEY out of place"),
+        (b"KEY 1\nkKEY 1\nkEND\n", b"frame KEY out of place"),
+        (b"OBJ " + b"a" * 64 + b" 3\nab", b"ended early"),
+        (b"", b"ended before its END frame"),
+    ],
+)
+def test_frames_are_bounded_and_a_stream_cut_short_leaves_no_partial_object(tmp_path, frames, why):
+    r = _relay(tmp_path, frames, "22", "me@10.0.0.2")
+    assert r.returncode != 0 and why in r.stderr, r.stderr
+    objects = tmp_path / ".gpufleet" / "objects"
+    assert not objects.exists() or list(objects.iterdir()) == []
+
+
+def test_two_machines_relay_keys_on_one_account_keep_each_others_entries_and_a_symlink_stays_one(tmp_path):
+    publics = []
+    for name in ("laptop", "desktop"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+        publics.append((tmp_path / f"{name}.pub").read_text())
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    real = tmp_path / "dotfiles" / "authorized_keys"
+    real.parent.mkdir()
+    real.write_text("ssh-ed25519 AAAAmine me@laptop\n")
+    real.chmod(0o600)
+    (home / ".ssh" / "authorized_keys").symlink_to(real)
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    statements = [authorize_relay(pub, CLUSTER, hops(CLUSTER, "me"), 22) for pub in publics]
+    # Both machines at once, several times over: every writer holds the lock, none loses an entry.
+    procs = [subprocess.Popen(["bash", "-c", s], env=env) for s in statements * 4]
+    assert [p.wait() for p in procs] == [0] * 8
+    assert (home / ".ssh" / "authorized_keys").is_symlink()
+    lines = real.read_text().splitlines()
+    assert lines[0] == "ssh-ed25519 AAAAmine me@laptop" and len(lines) == 3
+    assert all(any(pub.split()[1] in line for line in lines) for pub in publics)
+    assert sorted(p.name for p in real.parent.iterdir()) == ["authorized_keys"]  # no temporary file left
+    # A new agent version replaces this machine's own entry only.
+    other = authorize_relay(publics[0], CLUSTER, hops(CLUSTER, "ops"), 22)
+    subprocess.run(["bash", "-c", other], env=env, check=True)
+    after = real.read_text().splitlines()
+    assert len(after) == 3 and lines[2] in after or lines[1] in after
+    assert sum("relay 22 ops@10.0.0.2" in line for line in after) == 1
+
+
+def test_an_unreadable_authorized_keys_is_left_as_it_is_and_the_statement_fails(tmp_path):
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    keys = home / ".ssh" / "authorized_keys"
+    keys.write_text("ssh-ed25519 AAAAmine me@laptop\n")
+    statement = authorize_relay((tmp_path / "k.pub").read_text(), CLUSTER, hops(CLUSTER, "me"), 22)
+    # mktemp cannot create its file beside it: nothing is truncated.
+    (home / ".ssh").chmod(0o500)
+    try:
+        r = subprocess.run(["bash", "-c", statement], env={"HOME": str(home), "PATH": "/usr/bin:/bin"})
+    finally:
+        (home / ".ssh").chmod(0o700)
+    if os.geteuid() != 0:  # root writes anywhere
+        assert r.returncode != 0
+    assert keys.read_text().startswith("ssh-ed25519 AAAAmine me@laptop\n")

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from launcher.cli.render import err
 from launcher.code import CodeRequest, EnvSpec, code_snapshot, prepare, take_snapshot
+from launcher.code.node_agent import redact
 from launcher.code.pyenv import requirement_source, workloads_requirements
 from launcher.code.snapshot import DEFAULT_SYNC_MAX, human_size, parse_size
 from launcher.code.tree import DEFAULT_FANOUT
@@ -169,7 +170,8 @@ def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) 
             if snap
         ]
         if request.env is not None:
-            what.append(f"environment {request.env.key} from {request.env.kind} ({request.env.index_url or 'PyPI'})")
+            index = redact(request.env.index_url or "PyPI")  # never a URL's password on the screen
+            what.append(f"environment {request.env.key} from {request.env.kind} ({index})")
         err.print(f"[dim]before the run, each node gets: {escape('; '.join(what))}[/dim]")
         return config
 

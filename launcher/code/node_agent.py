@@ -26,6 +26,7 @@ Commands (stdin carries the request; every line this program prints starts with 
   stored and, per rank of its subtree that did not get its content, why.
 """
 
+import base64
 import fcntl
 import hashlib
 import json
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 PREFIX = "gpufleet-prepare:"
@@ -47,8 +49,19 @@ OBJECTS = os.path.join(G, "objects")
 DONE = ".gpufleet-complete"  # written last into a built environment (a snapshot is renamed into place whole)
 
 
+# A URL's user information (`://USER:PASSWORD@`, `://TOKEN@`), never shown: pip's own rule
+# (pip/_internal/utils/misc.py, redact_netloc): a password becomes ****, a lone user name too.
+USERINFO = re.compile(r"(?<=://)([^/@\s:\"']+)(:[^/@\s\"']*)?@")
+
+
+def redact(text):
+    """`text` with the credentials of every URL in it replaced by ****."""
+    return USERINFO.sub(lambda m: f"{m.group(1)}:****@" if m.group(2) else "****@", text)
+
+
 def say(kind, text):
-    sys.stdout.write(f"{PREFIX} {kind} {text}\n")
+    """One line for the launching machine, credentials redacted (it may be shown, or kept)."""
+    sys.stdout.write(f"{PREFIX} {kind} {redact(text)}\n")
     sys.stdout.flush()
 
 
@@ -82,19 +95,35 @@ def place(snap):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def without_userinfo(url):
+    """(`url` without its `USER:PASSWORD@`, a Basic Authorization header for it or None):
+    urllib takes no credentials in the host part."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, None
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    user = urllib.parse.unquote(parts.username)
+    password = urllib.parse.unquote(parts.password or "")
+    auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), auth
+
+
 def reachable(url):
     """None when `url` (an index or find-links URL) answers, else why not."""
     if not url.startswith(("http://", "https://")):
         return None if os.path.exists(url.removeprefix("file://")) else "no such directory on the node"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=15) as r:
+        bare, auth = without_userinfo(url)
+        req = urllib.request.Request(bare, method="GET", headers={"Authorization": auth} if auth else {})
+        with urllib.request.urlopen(req, timeout=15) as r:
             r.read(1)
         return None
     except urllib.error.HTTPError as e:
         return None if e.code < 500 and e.code != 404 else f"HTTP {e.code}"
     except Exception as e:  # noqa: BLE001 - any failure to connect is the answer
         reason = getattr(e, "reason", e)
-        return str(reason) or type(e).__name__
+        return redact(str(reason)) or type(e).__name__
 
 
 METADATA_TOKEN = "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
@@ -110,22 +139,32 @@ def metadata_token():
         return None
 
 
+def artifact_registry(url):
+    """Whether `url` is an Artifact Registry repository's over HTTPS: its host, as URL parsing
+    finds it, is a *.pkg.dev name (never a text match: `https://evil.example?.pkg.dev/` is not)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return False
+    return parts.scheme == "https" and host.endswith(".pkg.dev")
+
+
 def credentialed(url, token):
     """An Artifact Registry URL (*.pkg.dev) with the node's token as its password: the form
     Google documents for pip (https://cloud.google.com/artifact-registry/docs/python/authentication,
     user `oauth2accesstoken`). Any other URL, or one that names its own credentials, as it is."""
-    scheme, sep, rest = url.partition("://")
-    host = rest.split("/", 1)[0]
-    if not sep or not token or "@" in host or not host.split(":")[0].endswith(".pkg.dev"):
+    if not token or not artifact_registry(url) or urllib.parse.urlsplit(url).username is not None:
         return url
-    return f"{scheme}://oauth2accesstoken:{token}@{rest}"
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"oauth2accesstoken:{token}@{parts.netloc}"))
 
 
 def index_env(env, prefix, torch_index=None):
     """The package sources as environment variables (uv's UV_*, pip's PIP_*), never arguments:
     a URL may carry a token, and a process's arguments are world-readable in /proc."""
     urls = [env.get("index_url")] + env.get("extra_index_urls", []) + [torch_index]
-    token = metadata_token() if any(u and ".pkg.dev" in u for u in urls) else None
+    token = metadata_token() if any(u and artifact_registry(u) for u in urls) else None
     out = {}
     if env.get("index_url"):
         out[prefix + "INDEX_URL"] = credentialed(env["index_url"], token)
@@ -135,6 +174,13 @@ def index_env(env, prefix, torch_index=None):
     if env.get("find_links"):
         out[prefix + "FIND_LINKS"] = (" " if prefix == "PIP_" else ",").join(env["find_links"])
     return out
+
+
+def trusted_hosts(env):
+    """The hosts of the plain-HTTP indexes, for PIP_TRUSTED_HOST: the host alone, never a
+    URL's user name or password."""
+    urls = [env.get("index_url")] + env.get("extra_index_urls", [])
+    return [urllib.parse.urlsplit(u).hostname for u in urls if u and u.startswith("http://")]
 
 
 def find_uv(env):
@@ -157,11 +203,7 @@ def find_uv(env):
         shutil.rmtree(home, ignore_errors=True)
         run([sys.executable, "-m", "venv", home])
         pip_env = dict(os.environ, **index_env(env, "PIP_"))
-        trusted = [
-            u.split("/")[2].split(":")[0]
-            for u in [env.get("index_url")] + env.get("extra_index_urls", [])
-            if u and u.startswith("http://")
-        ]
+        trusted = trusted_hosts(env)
         if trusted:  # pip takes plain HTTP only from a host named trusted
             pip_env["PIP_TRUSTED_HOST"] = " ".join(trusted)
         req = os.path.join(home, "requirements.txt")
@@ -226,7 +268,7 @@ def build_env(env, base="envs", what=None):
         for url in urls + ([env["torch_index"]] if env.get("torch_index") else []):
             why = reachable(url)
             if why:
-                raise BuildError(f"the package index {url} cannot be reached ({why})")
+                raise BuildError(f"the package index {redact(url)} cannot be reached ({why})")
         uv = find_uv(env)
         say("progress", what or f"building environment {env['key'][:12]}")
         shutil.rmtree(d, ignore_errors=True)
@@ -299,7 +341,7 @@ def prepare(req):
         try:
             result["python"], result["built"] = build_env(env)
         except BuildError as e:
-            result["error"] = str(e)
+            result["error"] = redact(str(e))
     tools = req.get("tools")
     if tools and not result["error"]:
         result["tools_error"] = build_tools(tools, result["python"])

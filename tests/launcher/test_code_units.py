@@ -394,3 +394,83 @@ def test_the_tools_environment_is_not_built_where_the_jobs_environment_has_py_sp
 
     monkeypatch.setattr(node_agent, "build_env", fail)
     assert node_agent.build_tools(tools, str(bin_dir / "python")).startswith("Because py-spy")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://evil.example?.pkg.dev/simple/",
+        "https://evil.example#.pkg.dev/simple/",
+        "https://evil.example/.pkg.dev/simple/",
+        "https://us-python.pkg.dev.evil.example/p/r/simple/",
+        "http://us-python.pkg.dev/p/r/simple/",  # plain HTTP: the token would cross the network in clear
+    ],
+)
+def test_the_token_goes_only_to_a_host_that_is_artifact_registrys(url):
+    assert node_agent.credentialed(url, "T0K") == url
+    assert not node_agent.artifact_registry(url)
+
+
+def test_credentials_in_an_index_url_are_redacted_everywhere_they_could_be_shown(capsys):
+    assert node_agent.redact("from https://me:s3cret@idx.example/simple/ and http://tok@h/") == (
+        "from https://me:****@idx.example/simple/ and http://****@h/"
+    )
+    node_agent.say("progress", "installing uv (pip, from https://me:s3cret@idx.example/simple/)")
+    assert (
+        capsys.readouterr().out
+        == "gpufleet-prepare: progress installing uv (pip, from https://me:****@idx.example/simple/)\n"
+    )
+    env = {"index_url": "http://me:s3cret@10.0.0.9:8080/simple/", "extra_index_urls": ["https://x/simple/"]}
+    assert node_agent.trusted_hosts(env) == ["10.0.0.9"]
+
+
+def test_an_index_url_with_a_user_and_password_is_probed_with_them_as_a_header(tmp_path):
+    import http.server
+    import threading
+
+    seen: list[str | None] = []
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200 if seen[-1] else 404)
+            self.end_headers()
+            self.wfile.write(b"<html></html>")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://me:s%40cret@127.0.0.1:{server.server_port}/simple/"
+        assert node_agent.reachable(url) is None
+        assert seen == ["Basic bWU6c0BjcmV0"]  # base64 of me:s@cret
+    finally:
+        server.shutdown()
+    # Unreachable, the node's error names the index without its password.
+    env = {
+        "key": "k" * 16,
+        "kind": "requirements.txt",
+        "files": {},
+        "index_url": "http://me:s3cret@127.0.0.1:1/simple/",
+    }
+    r = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", Path(node_agent.__file__).read_text(), "prepare"],
+        input=json.dumps({"env": env}).encode(),
+        capture_output=True,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    result = json.loads(r.stdout.decode().splitlines()[-1].split(" ", 2)[2])
+    assert "http://me:****@127.0.0.1:1/simple/ cannot be reached" in result["error"]
+    assert b"s3cret" not in r.stdout + r.stderr
+
+
+def test_a_dry_run_shows_no_index_password(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n")
+    d = _tree(tmp_path / "proj", {"train.py": "x", "requirements.txt": "six\n"})
+    argv = ["run", "--hostfile", str(hf), "--dry-run", "--sync", str(d), "--index-url", "https://me:s3cret@idx/simple/"]
+    r = CliRunner().invoke(main, [*argv, "--", "train.py"])
+    assert r.exit_code == 0, r.output
+    assert "(https://me:****@idx/simple/)" in r.output and "s3cret" not in r.output

@@ -354,3 +354,57 @@ def test_an_unreadable_authorized_keys_is_left_as_it_is_and_the_statement_fails(
     if os.geteuid() != 0:  # root writes anywhere
         assert r.returncode != 0
     assert keys.read_text().startswith("ssh-ed25519 AAAAmine me@laptop\n")
+
+
+def _send_to_node(home: Path, root: Path, snap, monkeypatch) -> tuple[dict | None, str]:
+    """The launching machine's relay stream for `snap`, into a node agent here (HOME=`home`)."""
+    from launcher.code.prepare import PrepareReport, _frames, agent_script, run_agent
+    from launcher.core.transport import Transport
+
+    monkeypatch.setenv("HOME", str(home))
+    files = {f.sha256: (root / f.path, f.size) for f in snap.files}
+    node = Node(rank=0, host="n0", address="10.0.0.2")
+    stream = _frames(sorted(files), files, {}, [])
+    return run_agent(
+        Transport(local=True), node, agent_script("relay 22 me@10.0.0.2"), stream, lambda n, t: None, PrepareReport()
+    )
+
+
+def test_a_log_growing_during_the_send_goes_as_its_snapshot_and_is_never_read_as_frames(tmp_path, monkeypatch):
+    from launcher.code.snapshot import take_snapshot
+
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "train.log").write_text("step 0\n")
+    snap = take_snapshot(root)
+    with open(root / "train.log", "a") as f:  # the job of an earlier launch still writing it
+        f.write(f"step 1\nFWD 2\n[]OBJ {'a' * 64} 1\nx")
+    result, why = _send_to_node(tmp_path / "home", root, snap, monkeypatch)
+    assert result is not None and result["objects"] == 1, why
+    (entry,) = snap.files
+    assert (tmp_path / "home" / ".gpufleet" / "objects" / entry.sha256).read_bytes() == b"step 0\n"
+
+
+@pytest.mark.parametrize("change", ["rewritten", "shorter", "gone"])
+def test_a_file_changed_after_the_snapshot_fails_the_launch_naming_it_and_leaves_no_partial_object(
+    tmp_path, monkeypatch, change
+):
+    from launcher.code.prepare import ChangedFile
+    from launcher.code.snapshot import take_snapshot
+
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "a.txt").write_text("fine\n")
+    (root / "data.bin").write_bytes(b"x" * (3 << 20))
+    snap = take_snapshot(root)
+    if change == "rewritten":
+        (root / "data.bin").write_bytes(b"y" * (3 << 20))
+    elif change == "shorter":
+        (root / "data.bin").write_bytes(b"x" * 10)
+    else:
+        (root / "data.bin").unlink()
+    with pytest.raises(ChangedFile, match=rf"{root / 'data.bin'} changed after the snapshot was taken"):
+        _send_to_node(tmp_path / "home", root, snap, monkeypatch)
+    objects = tmp_path / "home" / ".gpufleet" / "objects"
+    assert not any(p.name.startswith(".tmp-") for p in objects.iterdir())
+    assert not (objects / next(f.sha256 for f in snap.files if f.path == "data.bin")).exists()

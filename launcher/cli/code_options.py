@@ -34,6 +34,12 @@ SYNC_OPTIONS = [
         "in its own copy of it (GPUFLEET_CODE: the snapshot's hash). A file already on a node is not sent again.",
     ),
     click.option(
+        "--sync-follow-links",
+        is_flag=True,
+        help="Send what a symbolic link in the --sync directory points to even when it leaves the directory "
+        "(by default such a link is refused, named: it may reach a key or a secret).",
+    ),
+    click.option(
         "--sync-max",
         metavar="SIZE",
         help=f"Send a --sync snapshot up to SIZE, e.g. 2GB [default: {DEFAULT_SYNC_MAX // 1000**2}MB].",
@@ -87,7 +93,7 @@ def _sync_snapshot(o: dict[str, Any]) -> tuple[Path | None, Any]:
     if not d.is_dir():
         raise UserError(f"--sync {d} is a file; give the directory that holds it")
     limit = parse_size(o["sync_max"]) if o.get("sync_max") else DEFAULT_SYNC_MAX
-    snap = take_snapshot(d, cache=state_dir() / "hashes.json")
+    snap = take_snapshot(d, cache=state_dir() / "hashes.json", follow_links=bool(o.get("sync_follow_links")))
     if snap.size > limit:
         largest = sorted(snap.files, key=lambda f: -f.size)[:5]
         names = ", ".join(f"{f.path} ({human_size(f.size)})" for f in largest)

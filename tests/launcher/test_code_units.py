@@ -4,7 +4,9 @@ line, and every refusal of bad input (one line, exit 2, nothing started)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -474,3 +476,117 @@ def test_a_dry_run_shows_no_index_password(tmp_path):
     r = CliRunner().invoke(main, [*argv, "--", "train.py"])
     assert r.exit_code == 0, r.output
     assert "(https://me:****@idx/simple/)" in r.output and "s3cret" not in r.output
+
+
+def test_a_snapshot_keeps_owner_only_modes_and_never_widens_one(tmp_path):
+    _tree(tmp_path, {"secret.env": "K=v\n", "run.sh": "#!/bin/sh\n", "shared.txt": "x", "group.txt": "y"})
+    (tmp_path / "secret.env").chmod(0o600)
+    (tmp_path / "run.sh").chmod(0o700)
+    (tmp_path / "shared.txt").chmod(0o644)
+    (tmp_path / "group.txt").chmod(0o664)
+    modes = {f.path: oct(f.mode) for f in take_snapshot(tmp_path).files}
+    assert modes == {"group.txt": "0o644", "run.sh": "0o700", "secret.env": "0o600", "shared.txt": "0o644"}
+
+
+def test_a_copied_snapshot_on_the_node_keeps_its_files_modes(tmp_path, monkeypatch):
+    store = tmp_path / ".gpufleet" / "objects"
+    store.mkdir(parents=True)
+    body = b"K=v\n"
+    sha = hashlib.sha256(body).hexdigest()
+    (store / sha).write_bytes(body)
+    monkeypatch.setattr(node_agent, "G", str(tmp_path / ".gpufleet"))
+    monkeypatch.setattr(node_agent, "OBJECTS", str(store))
+    node_agent.place({"dest": "work/j1", "files": [["secret.env", sha, 0o600]], "copy": True})
+    assert oct((tmp_path / ".gpufleet" / "work" / "j1" / "secret.env").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_link_leaving_the_directory_is_refused_naming_it_unless_followed(tmp_path):
+    outside = _tree(tmp_path / "outside", {"id_key": "PRIVATE\n"})
+    proj = _tree(tmp_path / "proj", {"train.py": "x", "data/inner.txt": "in\n"})
+    (proj / "inner-link").symlink_to(proj / "data" / "inner.txt")
+    assert "inner-link" in [f.path for f in take_snapshot(proj).files]  # a link inside DIR is fine
+    (proj / "key").symlink_to(Path("..") / "outside" / "id_key")
+    with pytest.raises(
+        UserError, match=r"key is a link to .*outside/id_key, outside the directory.*--sync-follow-links"
+    ):
+        take_snapshot(proj)
+    assert "key" in [f.path for f in take_snapshot(proj, follow_links=True).files]
+    hf = tmp_path / "hosts"
+    hf.write_text("192.0.2.10\n")  # TEST-NET-1: nothing is reached
+    r = CliRunner().invoke(main, ["run", "--hostfile", str(hf), "--dry-run", "--sync", str(proj), "--", "x"])
+    assert outside.is_dir() and r.exit_code == 2 and "outside the directory" in r.output, r.output
+
+
+def test_git_info_exclude_and_core_excludes_file_are_honoured_as_git_orders_them(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    _tree(
+        repo, {".gitignore": "!keep.tmp\n", "a.tmp": "", "keep.tmp": "", "b.key": "", "sub/c.key": "", "sub/x.py": ""}
+    )
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    (repo / ".git" / "info" / "exclude").write_text("*.tmp\n/sub/c.key\n")
+    home = tmp_path / "home"
+    (home / ".config" / "git").mkdir(parents=True)
+    (home / ".config" / "git" / "ignore").write_text("*.key\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    paths = [f.path for f in take_snapshot(repo).files]
+    # .gitignore's `!keep.tmp` outranks info/exclude's `*.tmp`, as in git.
+    assert paths == [".gitignore", "keep.tmp", "sub/x.py"]
+    git = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "--others", "--exclude-standard"], capture_output=True, text=True
+    )
+    assert sorted(git.stdout.split()) == paths
+    # A subdirectory of the repository: the rules anchored at its top still apply.
+    assert [f.path for f in take_snapshot(repo / "sub").files] == ["x.py"]
+    # core.excludesFile replaces the default file.
+    (tmp_path / "mine").write_text("x.py\n")
+    subprocess.run(["git", "-C", str(repo), "config", "core.excludesFile", str(tmp_path / "mine")], check=True)
+    paths = [f.path for f in take_snapshot(repo).files]
+    assert paths == [".gitignore", "b.key", "keep.tmp"]
+    git = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "--others", "--exclude-standard"], capture_output=True, text=True
+    )
+    assert sorted(git.stdout.split()) == paths
+
+
+def test_a_name_that_is_not_utf8_is_one_line(tmp_path):
+    _tree(tmp_path, {"ok.py": "x"})
+    (tmp_path / os.fsdecode(b"caf\xe9.txt")).write_text("latin-1 name")
+    with pytest.raises(UserError, match=r"the name b'caf\\xe9.txt' is not UTF-8; rename it"):
+        take_snapshot(tmp_path)
+    (tmp_path / ".gpufleetignore").write_text("caf*\n")
+    assert [f.path for f in take_snapshot(tmp_path).files] == [".gpufleetignore", "ok.py"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "ignored", "kept"),
+    [
+        ("[z-a]", ["z"], ["a", "m", "-"]),  # a reversed range: its first character alone, in git
+        ("[[:alpha:]]", ["a", "Z"], ["1", "_"]),
+        ("x[[:digit:]x]", ["x1", "xx"], ["xa"]),
+        ("[!a]", ["b"], ["a"]),
+        ("[^a]", ["b"], ["a"]),
+        ("[]]", ["]"], ["a"]),
+        ("[a-]", ["a", "-"], ["b"]),
+        ("[abc", [], ["[abc", "a"]),  # unclosed: git's wildmatch matches nothing
+    ],
+)
+def test_bracket_expressions_are_read_as_git_reads_them(tmp_path, pattern, ignored, kept):
+    from launcher.code.snapshot import _ignored
+
+    rules = parse_rules(pattern + "\n")
+    assert [n for n in ignored + kept if _ignored(rules, n, False)] == ignored
+    # git agrees (check-ignore exits 0 for an ignored path, 1 for one it keeps)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text(pattern + "\n")
+    for name in ignored + kept:
+        r = subprocess.run(["git", "-C", str(tmp_path), "check-ignore", "-q", "--no-index", name])
+        assert r.returncode == (0 if name in ignored else 1), name
+
+
+def test_an_unknown_character_class_is_one_line_naming_the_file_and_line(tmp_path):
+    _tree(tmp_path, {".gitignore": "*.log\n[[:vowel:]]\n", "a.py": ""})
+    with pytest.raises(UserError, match=r"\.gitignore line 2: the pattern '\[\[:vowel:\]\]' cannot be read"):
+        take_snapshot(tmp_path)

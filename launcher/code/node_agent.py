@@ -318,10 +318,48 @@ def gpu_driver():
     return out[0] if out else None
 
 
+def lease(path, how=fcntl.LOCK_SH):
+    """The lease on `path` (`PATH.lease`, flock(2)), held until this program ends: shared while a
+    launch uses the path, exclusive while `launch prune` removes it (node_prune.lease, the same
+    protocol). A lease file a prune removed while this waited is opened again."""
+    name = path + ".lease"
+    while True:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, how)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(name).st_ino
+        except OSError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def take_leases(req):
+    """Shared leases on everything this request uses (the object store, each snapshot's
+    directory, the environment), each marked used now where it exists: a prune that scanned
+    before checks its age again under its exclusive lease and keeps it."""
+    lease(OBJECTS)
+    used = [os.path.join(G, s["dest"]) for s in req.get("snapshots", [])]
+    used += [os.path.join(G, "envs", req["env"]["key"])] if req.get("env") else []
+    for path in used:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lease(path)
+    now = time.time()
+    for path in used + [
+        os.path.join(OBJECTS, sha) for s in req.get("snapshots", []) for _, sha, _ in s["files"] if SHA.fullmatch(sha)
+    ]:
+        try:
+            os.utime(path, (now, now))
+        except OSError:  # not there yet: its objects are still to come
+            pass
+
+
 def prepare(req):
     os.makedirs(OBJECTS, exist_ok=True)
     result = {"home": os.path.expanduser("~"), "missing": [], "python": None, "built": False, "error": None}
     result["agent"] = keep_own_source()
+    take_leases(req)
     pending = []
     for snap in req.get("snapshots", []):
         # Every object is reported, placed snapshot or not: node 0 passes them on to the others.
@@ -628,6 +666,7 @@ def relay(port=22, peers=()):
     at fixed places, removed when the relay ends; its arguments (PORT and the cluster's nodes,
     `USER@ADDRESS,...`) are the only destinations a FWD may name, once per session."""
     os.makedirs(OBJECTS, exist_ok=True)
+    lease(OBJECTS)  # what it passes on from the store stays there while it does
     stream = sys.stdin.buffer
     work = os.path.join(G, "relay", str(os.getpid()))
     for pid in os.listdir(os.path.dirname(work)) if os.path.isdir(os.path.dirname(work)) else []:

@@ -13,7 +13,7 @@ What may go, and what never does:
   store), and a detached job's leftover `node-runs/JOB/ATTEMPT.RANK/` whose supervisor ended
   (`rc` written) but whose output no controller came back to read;
 - then `objects/SHA256` no snapshot links any more (the store is only a cache of what was sent:
-  a later launch sends it again).
+  a later launch sends it again), and partial objects `objects/.tmp-PID-SHA` whose writer is gone.
 A candidate stays when it was used within `older_than_s` (a launch's preparation sets the
 mtime of what it uses: node_agent.prepare), when a running process of this account has its
 working directory, an argument or an environment value in it (ranks run in work/JOB with
@@ -24,7 +24,10 @@ clusters/ (keys), code/ (the controller's copy of launcher/), uv/.
 
 Removal renames first (a reader never sees half a directory), and an environment is removed
 under its build lock (node_agent.build_env's `KEY.lock`), so a launch building or checking it
-at that moment waits, then builds it again.
+at that moment waits, then builds it again. Each item is removed under its exclusive lease
+(`PATH.lease`, flock) with its age checked again there; a launch's preparation holds a shared
+lease on everything it uses (node_agent.prepare) and marks it used, so a prune never removes
+what a launch has just found in place.
 """
 
 import fcntl
@@ -80,6 +83,8 @@ def candidates():
     runs = os.path.join(G, "node-runs")
     if os.path.isdir(runs):
         for job in sorted(os.listdir(runs)):
+            if not os.path.isdir(os.path.join(runs, job)) or os.path.islink(os.path.join(runs, job)):
+                continue  # a stray file: nothing a launch left
             for attempt in sorted(os.listdir(os.path.join(runs, job))):
                 p = os.path.join(runs, job, attempt)
                 if os.path.isdir(p) and os.path.exists(os.path.join(p, "rc")):
@@ -139,6 +144,34 @@ def inside(path, others):
     return any(o == path or o.startswith(prefix) for o in others)
 
 
+def lease(path, how):
+    """The lease on `path` (`PATH.lease`, flock(2)): a launch holds it shared while it uses the
+    path (node_agent.lease, the same protocol), a prune exclusive while it removes it. An open
+    file descriptor, or None when `how` has LOCK_NB and another holds it. A lease file a prune
+    removed while this waited is opened again, so both always lock the same file."""
+    name = path + ".lease"
+    while True:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, how)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(name).st_ino
+        except OSError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def pid_alive(name):
+    """Whether the process that names a `.tmp-PID-...` file still runs."""
+    pid = name.split("-")[1] if name.count("-") >= 2 else ""
+    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
 def remove(kind, path):
     """Rename aside, then delete; an environment under its build lock."""
     trash = f"{path}.tmp-prune-{os.getpid()}"
@@ -157,7 +190,8 @@ def remove(kind, path):
 
 
 def prunable_objects(going, older_than_s, now):
-    """Objects no snapshot would link once `going` (snapshot directories) are gone."""
+    """Objects no snapshot would link once `going` (snapshot directories) are gone, and partial
+    objects (`.tmp-PID-SHA`) whose writer no longer runs."""
     objects = os.path.join(G, "objects")
     if not os.path.isdir(objects):
         return []
@@ -172,11 +206,72 @@ def prunable_objects(going, older_than_s, now):
             st = os.lstat(p)
         except OSError:
             continue
-        if name.startswith(".tmp-") or now - st.st_mtime < older_than_s:
+        if name.startswith(".tmp-"):
+            if not pid_alive(name):  # a transfer cut short (Ctrl-C, a lost connection, a kill)
+                out.append((p, st.st_size))
+            continue
+        if now - st.st_mtime < older_than_s:
             continue
         if st.st_nlink - links.get(st.st_ino, 0) <= 1:
             out.append((p, st.st_size))
     return out
+
+
+def remove_objects(objects, older_than_s):
+    """Unlink `objects` under the store's exclusive lease, each checked again there (a launch
+    holds the lease shared and marks the objects it uses as used now); how many went, or None
+    when a launch holds the store."""
+    fd = lease(os.path.join(G, "objects"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd is None:
+        return None
+    gone = 0
+    try:
+        now = time.time()
+        for p, _ in objects:
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            name = os.path.basename(p)
+            if name.startswith(".tmp-") and pid_alive(name):
+                continue
+            if not name.startswith(".tmp-") and (now - st.st_mtime < older_than_s or st.st_nlink > 1):
+                continue
+            try:
+                os.unlink(p)
+                gone += 1
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return gone
+
+
+def remove_unused(item, older_than_s):
+    """Remove one candidate under its exclusive lease, its age checked again there: a launch
+    that used it since the scan (node_agent.prepare marks what it uses under a shared lease)
+    keeps it. Sets `removed`, or `kept` with why."""
+    path = item["path"]
+    fd = lease(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd is None:
+        item["kept"] = "a launch is using it now"
+        return
+    try:
+        if time.time() - last_used(path) < older_than_s:
+            item["kept"] = "used recently"
+            return
+        remove(item["kind"], path)
+        item["removed"] = True
+    except OSError as e:
+        item["kept"] = f"could not remove it: {e.strerror or e}"
+        return
+    finally:
+        if item.get("removed"):
+            try:
+                os.unlink(path + ".lease")  # under the lock: a waiter opens the file again (lease)
+            except OSError:
+                pass
+        os.close(fd)
 
 
 def scan(req):
@@ -200,11 +295,7 @@ def scan(req):
             going.append(item)
     for item in going:
         if req.get("remove"):
-            try:
-                remove(item["kind"], item["path"])
-                item["removed"] = True
-            except OSError as e:
-                item["kept"] = f"could not remove it: {e.strerror or e}"
+            remove_unused(item, older)
     # Listing only: count the objects as if the snapshots that would go were gone.
     gone = [] if req.get("remove") else [i["path"] for i in going if i["kind"] == "code"]
     objects = prunable_objects(gone, older, now)
@@ -212,12 +303,12 @@ def scan(req):
         item = {"kind": "objects", "path": os.path.join(G, "objects"), "count": len(objects), "age_s": None}
         item["bytes"] = sum(size for _, size in objects)
         if req.get("remove"):
-            for p, _ in objects:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-            item["removed"] = True
+            gone = remove_objects(objects, older)
+            if gone is None:
+                item["kept"] = "a launch is using the store now"
+            else:
+                item["removed"] = True
+                item["count"] = gone
         items.append(item)
     os.makedirs(G, exist_ok=True)
     disk = shutil.disk_usage(G)

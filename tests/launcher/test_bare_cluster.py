@@ -9,6 +9,7 @@ depends on another having run first."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -288,6 +289,13 @@ def _fresh(tmp_path: Path, name: str) -> Path:
     return d
 
 
+def relay_public(tmp_path: Path) -> str:
+    """The base64 of the relay key this test's launching machine (its own HOME) made: its
+    authorized_keys entry, among those of every other machine (test) that launched as root."""
+    (pub,) = (tmp_path / "client").glob(".cache/gpufleet/*/relay_ed25519.pub")
+    return pub.read_text().split()[1]
+
+
 def test_a_chain_passes_content_node_to_node_and_leaves_no_key_behind(c, tmp_path):
     d = _fresh(tmp_path, "chain")
     want = (d / "data.txt").read_text().strip()
@@ -306,8 +314,8 @@ def test_a_chain_passes_content_node_to_node_and_leaves_no_key_behind(c, tmp_pat
     # Node 1 passed content on with the relay key, never the cluster key.
     assert not c.node_path(1, "/root/.gpufleet/clusters").exists()
     keys = c.node_path(2, "/root/.ssh/authorized_keys").read_text()
-    (entry,) = [line for line in keys.splitlines() if "gpufleet-relay-" in line]
-    assert entry.startswith(f'from="{",".join(sorted(c.addresses))}",restrict,command="exec python3 -S .gpufleet/')
+    (entry,) = [line for line in keys.splitlines() if relay_public(tmp_path) in line]
+    assert entry.startswith(f'from="{",".join(sorted(c.addresses))}",restrict,command="exec python3 -I -S .gpufleet/')
     c.assert_nothing_left()
 
 
@@ -355,4 +363,36 @@ def test_a_node_no_other_node_can_reach_fails_the_launch_with_one_line_naming_it
     ), error
     assert error.endswith("; nothing was started"), error
     assert "started on" not in r.stderr and "data.txt" not in r.stdout
+    c.assert_nothing_left()
+
+
+def test_a_relay_from_user_at_address_lines_reaches_every_node_and_its_key_reaches_nothing_else(c, tmp_path):
+    """A hostfile of `root@ADDRESS` lines: the hops go by address with that user. The relay key's
+    forced command names those nodes; asked (from node 0, where `from=` lets it in) to pass
+    content on to an address outside the cluster, node 1 refuses before opening any ssh."""
+    d = _fresh(tmp_path, "users")
+    want = (d / "data.txt").read_text().strip()
+    hostfile = tmp_path / "hosts-with-users"
+    hostfile.write_text("".join(f"root@{a}\n" for a in c.addresses))
+    chain = ["--sync", str(d), "--sync-fanout", "1"]
+    r = launch(tmp_path, "exec", *source_args(c, tmp_path, hostfile), *chain, "--", "cat", "data.txt")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count(want) == N and f"({N - 1} levels deep)" in r.stderr, r.stderr
+    peers = ",".join(sorted(f"root@{a}" for a in c.addresses))
+    keys = c.node_path(1, "/root/.ssh/authorized_keys").read_text()
+    (entry,) = [line for line in keys.splitlines() if relay_public(tmp_path) in line]  # this machine's key, once
+    assert f' relay 22 {peers}" ssh-ed25519 ' in entry, entry
+    (relay_key,) = (tmp_path / "client").glob(".cache/gpufleet/*/relay_ed25519")
+    there = c.node_path(0, "/root/relay-test")  # node 0's own disk: its namespace sees it
+    there.mkdir(mode=0o700, exist_ok=True)
+    shutil.copy(relay_key, there / "key")
+    shutil.copy(c.known_hosts, there / "known_hosts")
+    plan = [{"rank": 1, "host": "192.0.2.1", "user": "root", "port": 22, "objects": [], "children": []}]
+    frames = f"FWD {len(json.dumps(plan))}\n{json.dumps(plan)}END\n"
+    ssh = ["ssh", "-i", "/root/relay-test/key", "-o", "IdentitiesOnly=yes", "-o", "User=root", "-o", "BatchMode=yes"]
+    ssh += ["-o", "UserKnownHostsFile=/root/relay-test/known_hosts", "-o", "StrictHostKeyChecking=yes"]
+    ssh += [c.addresses[1], "sh"]
+    out = c.exec(0, ssh, input=frames, capture_output=True, text=True)
+    shutil.rmtree(there)
+    assert out.returncode != 0 and "'root@192.0.2.1' is not one of the cluster's nodes" in out.stderr, out.stderr
     c.assert_nothing_left()

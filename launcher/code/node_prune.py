@@ -1,5 +1,5 @@
 """The node side of `launch prune`: one self-contained, standard-library-only program, sent as
-its source text (`python3 -S -c SOURCE scan`) as launcher.code.node_agent is. It finds what
+its source text (`python3 -I -S -c SOURCE scan`) as launcher.code.node_agent is. It finds what
 launches left under ~/.gpufleet that nothing needs any more, and removes it when asked.
 
 Stdin carries a JSON request: `older_than_s` (how long unused before it may go), `remove`

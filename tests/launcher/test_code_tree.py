@@ -408,3 +408,29 @@ def test_a_file_changed_after_the_snapshot_fails_the_launch_naming_it_and_leaves
     objects = tmp_path / "home" / ".gpufleet" / "objects"
     assert not any(p.name.startswith(".tmp-") for p in objects.iterdir())
     assert not (objects / next(f.sha256 for f in snap.files if f.path == "data.bin")).exists()
+
+
+def test_a_transfer_cut_mid_object_leaves_no_partial_file(tmp_path):
+    """Ctrl-C on the launching machine: sshd hangs up on the node's relay (SIGHUP) while an
+    object is half written; the relay removes it on its way out."""
+    import signal
+    import time
+
+    objects = tmp_path / ".gpufleet" / "objects"
+    p = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", Path(node_agent.__file__).read_text(), "relay", "22", "me@10.0.0.2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    p.stdin.write(f"OBJ {'d' * 64} {4 << 20}\n".encode() + b"x" * (1 << 20))
+    p.stdin.flush()
+    for _ in range(600):  # until the relay has begun the object (a liveness bound, not a speed check)
+        if objects.is_dir() and any(f.name.startswith(".tmp-") for f in objects.iterdir()):
+            break
+        time.sleep(0.1)
+    assert any(f.name.startswith(".tmp-") for f in objects.iterdir())
+    p.send_signal(signal.SIGHUP)
+    p.communicate()
+    assert p.returncode != 0 and list(objects.iterdir()) == []

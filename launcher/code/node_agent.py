@@ -29,6 +29,7 @@ Commands (stdin carries the request; every line this program prints starts with 
 import base64
 import fcntl
 import hashlib
+import ipaddress
 import json
 import os
 import queue
@@ -487,6 +488,15 @@ MAX_HEADER = 256  # bytes in a frame's header line (`OBJ SHA256 SIZE` is 85)
 MAX_META = {"KEY": 1 << 16, "KNOWN": 1 << 24, "FWD": 1 << 28}  # the largest KEY, KNOWN and FWD body
 
 
+def is_address(text):
+    """Whether `text` is an IPv4 or IPv6 address (`::1` and `fd00::3` alike)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def destination(child):
     """How a hop names the node it goes to: `USER@ADDRESS`, or `ADDRESS` where no user is given."""
     user = child.get("user")
@@ -532,7 +542,7 @@ def relay_argv(child, key, known):
     make a node pass content on, never run a command."""
     host, user, port = child["host"], child.get("user"), int(child.get("port") or 22)
     for value in (host, user or "u"):
-        if not NAME.fullmatch(value):
+        if not NAME.fullmatch(value) and not (value is host and is_address(value)):
             raise ValueError(f"{value!r} is not a host or user name")
     argv = ["ssh", "-i", key, "-p", str(port)] + (["-l", user] if user else [])
     for opt in (

@@ -146,6 +146,7 @@ def test_a_child_that_looks_like_an_ssh_option_is_refused():
         node_agent.relay_argv(child, "/k", "/kh")
     with pytest.raises(ValueError, match="is not a host or user name"):
         node_agent.relay_argv({**child, "host": "10.0.0.3", "user": "-lroot"}, "/k", "/kh")
+    assert node_agent.relay_argv({**child, "host": "::ffff:10.0.0.3"}, "/k", "/kh")[-2] == "::ffff:10.0.0.3"
     argv = node_agent.relay_argv({**child, "host": "10.0.0.3", "user": "me", "port": 2222}, "/k", "/kh")
     assert argv[-3:] == ["--", "10.0.0.3", "relay"]
     assert "StrictHostKeyChecking=yes" in argv and "UserKnownHostsFile=/kh" in argv and "-i" in argv

@@ -319,11 +319,18 @@ def gpu_driver():
     return out[0] if out else None
 
 
+def lease_file(path):
+    """Where the lease on `path` (under ~/.gpufleet) is kept: the same relative path under
+    ~/.gpufleet/leases, so the directories a person looks into hold only what a launch left."""
+    return os.path.join(G, "leases", os.path.relpath(path, G))
+
+
 def lease(path, how=fcntl.LOCK_SH):
-    """The lease on `path` (`PATH.lease`, flock(2)), held until this program ends: shared while a
-    launch uses the path, exclusive while `launch prune` removes it (node_prune.lease, the same
-    protocol). A lease file a prune removed while this waited is opened again."""
-    name = path + ".lease"
+    """The lease on `path` (~/.gpufleet/leases/PATH, flock(2)), held until this program ends:
+    shared while a launch uses the path, exclusive while `launch prune` removes it
+    (node_prune.lease, the same protocol). A lease file a prune removed while this waited is opened again."""
+    name = lease_file(path)
+    os.makedirs(os.path.dirname(name), exist_ok=True)
     while True:
         fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, how)

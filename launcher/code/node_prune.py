@@ -20,13 +20,13 @@ working directory, an argument or an environment value in it (ranks run in work/
 VIRTUAL_ENV=envs/KEY and PYTHONPATH=snap/HASH), or when a job that has not ended pins it (`keep`,
 and the records under ~/.gpufleet/jobs on this host: PENDING, RUNNING and RECOVERING jobs, whose
 relaunch checks its prepared paths are still there). Never touched: jobs/ (the records),
-clusters/ (keys), code/ (the controller's copy of launcher/), uv/.
+clusters/ (keys), code/ (the controller's copy of launcher/), uv/, leases/.
 
 Removal renames first (a reader never sees half a directory), and an environment is removed
 under its build lock (node_agent.build_env's `KEY.lock`), so a launch building or checking it
 at that moment waits, then builds it again. Each item is removed under its exclusive lease
-(`PATH.lease`, flock) with its age checked again there; a launch's preparation holds a shared
-lease on everything it uses (node_agent.prepare) and marks it used, so a prune never removes
+(~/.gpufleet/leases/PATH, flock) with its age checked again there; a launch's preparation
+holds a shared lease on everything it uses (node_agent.prepare) and marks it used, so a prune never removes
 what a launch has just found in place.
 """
 
@@ -144,12 +144,19 @@ def inside(path, others):
     return any(o == path or o.startswith(prefix) for o in others)
 
 
+def lease_file(path):
+    """Where the lease on `path` (under ~/.gpufleet) is kept: the same relative path under
+    ~/.gpufleet/leases, so the directories a person looks into hold only what a launch left."""
+    return os.path.join(G, "leases", os.path.relpath(path, G))
+
+
 def lease(path, how):
-    """The lease on `path` (`PATH.lease`, flock(2)): a launch holds it shared while it uses the
-    path (node_agent.lease, the same protocol), a prune exclusive while it removes it. An open
+    """The lease on `path` (~/.gpufleet/leases/PATH, flock(2)): a launch holds it shared while
+    it uses the path (node_agent.lease, the same protocol), a prune exclusive while it removes it. An open
     file descriptor, or None when `how` has LOCK_NB and another holds it. A lease file a prune
     removed while this waited is opened again, so both always lock the same file."""
-    name = path + ".lease"
+    name = lease_file(path)
+    os.makedirs(os.path.dirname(name), exist_ok=True)
     while True:
         fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -268,7 +275,7 @@ def remove_unused(item, older_than_s):
     finally:
         if item.get("removed"):
             try:
-                os.unlink(path + ".lease")  # under the lock: a waiter opens the file again (lease)
+                os.unlink(lease_file(path))  # under the lock: a waiter opens the file again (lease)
             except OSError:
                 pass
         os.close(fd)

@@ -40,6 +40,7 @@ def test_a_launch_holding_a_directory_keeps_it_from_a_prune_that_found_it_old(tm
     g = tmp_path / ".gpufleet"
     work = _old_dir(g / "work" / "j1")
     idle = _old_dir(g / "work" / "j2")
+    monkeypatch.setattr(node_agent, "G", str(g))
     fd = node_agent.lease(str(work))  # a launch's preparation, using work/j1 right now
     try:
         items = {i["path"]: i for i in _scan(tmp_path, remove=True)["items"]}
@@ -73,12 +74,13 @@ def test_partial_objects_of_a_cut_transfer_go_and_a_live_writers_stay(tmp_path):
     assert not dead.exists() and live.exists()
 
 
-def test_objects_stay_while_a_launch_holds_the_store(tmp_path):
+def test_objects_stay_while_a_launch_holds_the_store(tmp_path, monkeypatch):
     objects = tmp_path / ".gpufleet" / "objects"
     objects.mkdir(parents=True)
     old = objects / ("c" * 64)
     old.write_bytes(b"unlinked")
     os.utime(old, (OLD, OLD))
+    monkeypatch.setattr(node_agent, "G", str(tmp_path / ".gpufleet"))
     fd = node_agent.lease(str(objects), fcntl.LOCK_SH)
     try:
         (obj,) = [i for i in _scan(tmp_path, remove=True)["items"] if i["kind"] == "objects"]

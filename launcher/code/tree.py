@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 import shlex
 import socket
 from collections.abc import Iterable, Mapping
@@ -94,9 +95,20 @@ def hops(cluster: Cluster, user: str | None) -> dict[int, tuple[str | None, str]
     return out
 
 
+_PEER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*")
+
+
 def peers_arg(targets: Mapping[int, tuple[str | None, str]]) -> str:
-    """The destinations a relay may reach (node_agent.relay's PEERS): `USER@ADDRESS,...`."""
-    return ",".join(sorted({f"{u}@{a}" if u else a for u, a in targets.values()}))
+    """The destinations a relay may reach (node_agent.relay's PEERS): `USER@ADDRESS,...`. Each
+    is a plain user and address: the list goes into the forced command's shell line unquoted."""
+    peers = sorted({f"{u}@{a}" if u else a for u, a in targets.values()})
+    for peer in peers:
+        if not _PEER.fullmatch(peer):
+            raise UserError(
+                f"{peer!r} is not a user and an address the relay key can be limited to; use plain user "
+                "names (letters, digits, '.', '_', '-') and addresses"
+            )
+    return ",".join(peers)
 
 
 def relay_plan(

@@ -199,6 +199,8 @@ def test_hops_go_to_internal_addresses_with_each_hostfile_lines_own_user():
     targets = hops(hostfile, "me")
     assert targets == {0: ("me", "10.0.0.2"), 1: ("ops", "10.0.0.3"), 2: ("me", "fd00::3")}
     assert peers_arg(targets) == "me@10.0.0.2,me@fd00::3,ops@10.0.0.3"
+    with pytest.raises(UserError, match=r"'a\"b@10.0.0.2' is not a user and an address"):
+        peers_arg({0: ('a"b', "10.0.0.2")})  # an ssh config's User that would break the forced command
     (one, two) = relay_plan({0: [1, 2], 1: [], 2: []}, 0, {1: [], 2: []}, targets, 22)
     assert (one["host"], one["user"], two["host"], two["user"]) == ("10.0.0.3", "ops", "fd00::3", "me")
     # --external-ip: this machine connects to the external address, the nodes to each other by the internal one.

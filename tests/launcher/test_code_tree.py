@@ -341,22 +341,25 @@ def test_two_machines_relay_keys_on_one_account_keep_each_others_entries_and_a_s
     assert sum("relay 22 ops@10.0.0.2" in line for line in after) == 1
 
 
-def test_an_unreadable_authorized_keys_is_left_as_it_is_and_the_statement_fails(tmp_path):
+def test_a_failed_read_of_authorized_keys_leaves_it_as_it_is_and_the_statement_fails(tmp_path):
+    """grep's status is checked: a read error (status 2, here a grep that fails as a disk error
+    would make it) must not truncate authorized_keys to the relay entry alone."""
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     keys = home / ".ssh" / "authorized_keys"
     keys.write_text("ssh-ed25519 AAAAmine me@laptop\n")
+    failing = tmp_path / "bin"
+    failing.mkdir()
+    (failing / "grep").write_text(
+        '#!/bin/sh\ncase "$1" in -vF) echo "grep: read error" >&2; exit 2;; esac\nexec /usr/bin/grep "$@"\n'
+    )
+    (failing / "grep").chmod(0o755)
     statement = authorize_relay((tmp_path / "k.pub").read_text(), CLUSTER, hops(CLUSTER, "me"), 22)
-    # mktemp cannot create its file beside it: nothing is truncated.
-    (home / ".ssh").chmod(0o500)
-    try:
-        r = subprocess.run(["bash", "-c", statement], env={"HOME": str(home), "PATH": "/usr/bin:/bin"})
-    finally:
-        (home / ".ssh").chmod(0o700)
-    if os.geteuid() != 0:  # root writes anywhere
-        assert r.returncode != 0
-    assert keys.read_text().startswith("ssh-ed25519 AAAAmine me@laptop\n")
+    r = subprocess.run(["bash", "-c", statement], env={"HOME": str(home), "PATH": f"{failing}:/usr/bin:/bin"})
+    assert r.returncode != 0
+    assert keys.read_text() == "ssh-ed25519 AAAAmine me@laptop\n"
+    assert sorted(p.name for p in keys.parent.iterdir()) == ["authorized_keys"]
 
 
 def _send_to_node(home: Path, root: Path, snap, monkeypatch) -> tuple[dict | None, str]:

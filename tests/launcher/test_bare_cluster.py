@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import textwrap
 import time
@@ -395,4 +396,39 @@ def test_a_relay_from_user_at_address_lines_reaches_every_node_and_its_key_reach
     out = c.exec(0, ssh, input=frames, capture_output=True, text=True)
     shutil.rmtree(there)
     assert out.returncode != 0 and "'root@192.0.2.1' is not one of the cluster's nodes" in out.stderr, out.stderr
+    c.assert_nothing_left()
+
+
+def test_ctrl_c_mid_transfer_leaves_no_partial_file_and_prune_still_scans(c, tmp_path):
+    """Ctrl-C while node 0 is receiving an object (its link slowed so the transfer lasts): node
+    0's relay, hung up on, removes the half-written object; `launch prune` then scans cleanly."""
+    d = _fresh(tmp_path, "cut-short")
+    (d / "big.bin").write_bytes(os.urandom(16 << 20))
+    objects = c.node_path(0, "/root/.gpufleet/objects")
+    link = c.nodes[0].host_link
+
+    def partial() -> list[Path]:
+        return [f for f in objects.iterdir() if f.name.startswith(".tmp-")] if objects.is_dir() else []
+
+    shape = ["tc", "qdisc", "replace", "dev", link, "root", "tbf", "rate", "4mbit", "burst", "64kb", "latency", "100ms"]
+    subprocess.run(shape, check=True)  # this machine -> node 0 only
+    try:
+        p = subprocess.Popen(
+            [LAUNCH, "exec", *source_args(c, tmp_path), "--sync", str(d), "--", "true"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=client_env(tmp_path),
+        )
+        wait_for(lambda: partial() or p.poll() is not None, 300, "a partial object on node 0")
+        assert partial(), p.communicate()
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=120)
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", link, "root"], check=False)
+    assert p.returncode != 0
+    wait_for(lambda: not partial(), 60, "node 0's relay to remove its partial object")
+    r = launch(tmp_path, "prune", *source_args(c, tmp_path), "--list", timeout=120)
+    assert r.returncode == 0, r.stderr
     c.assert_nothing_left()

@@ -22,6 +22,7 @@ from launcher.jobs.recovery import RecoverRequest, parse_duration
 
 __all__ = [
     "SOURCE_OPTIONS",
+    "DRY_RUN_JOB_ID",
     "ENV_OPTION",
     "ENV_FILE_OPTION",
     "IMAGE_OPTION",
@@ -45,6 +46,10 @@ __all__ = [
     "recover_request",
 ]
 
+
+# A dry run's job ID: a placeholder in the job ID's own format (launcher.core.types.new_job_id),
+# the same every time, so two dry runs of one launch can be compared byte for byte.
+DRY_RUN_JOB_ID = "00000000-000000-000000"
 
 SOURCE_OPTIONS = [
     click.option(
@@ -122,7 +127,18 @@ SOURCE_OPTIONS = [
     click.option("--python", help="The python on the nodes [default: python3; --local: this python]."),
     click.option("--workdir", help="Directory the command runs in on each node."),
     click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True),
-    click.option("--dry-run", is_flag=True, help="Print each node's host and command; connect to nothing."),
+    click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Print each node's host and the command a real launch runs there; connect to nothing.",
+    ),
+    click.option(
+        "--job-id",
+        "dry_run_job_id",
+        metavar="ID",
+        help=f"With --dry-run: the job ID the commands carry, like 20260101-120000-a1b2c3 [default: {DRY_RUN_JOB_ID}, "
+        "so two dry runs of one launch print the same bytes; a real launch makes a new one].",
+    ),
 ]
 
 ENV_OPTION = click.option(
@@ -470,7 +486,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.
         python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
-        job_id=new_job_id(),
+        job_id=_job_id(o),
         runs_dir=o.get("runs_dir") or Path("runs"),
         dry_run=o.get("dry_run", False),
         ssh=ssh,
@@ -481,6 +497,18 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
     return replace(config, ssh=trusted_ssh(o, cluster, config.ssh))
+
+
+def _job_id(o: dict[str, Any]) -> str:
+    """A new job ID; a dry run's placeholder (or --job-id)."""
+    given = o.get("dry_run_job_id")
+    if given and not o.get("dry_run"):
+        raise UserError("--job-id names the job ID a --dry-run shows; a real launch makes its own: drop --job-id")
+    if not o.get("dry_run"):
+        return new_job_id()
+    from launcher.jobs.record import check_job_id
+
+    return check_job_id(given) if given else DRY_RUN_JOB_ID
 
 
 def trusted_ssh(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConfig:

@@ -20,7 +20,10 @@ IAP_RANGE = "35.235.240.0/20"
 
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
-        re.compile(r"iap\.googleapis\.com.*(has not been used|disabled|SERVICE_DISABLED)|SERVICE_DISABLED.*iap", re.I),
+        re.compile(
+            r"(?s)(?=.*(iap\.googleapis\.com|Identity-Aware Proxy API))"
+            r"(?=.*(has not been used|is disabled|SERVICE_DISABLED))"
+        ),
         "IAP is not enabled in the nodes' project: `gcloud services enable iap.googleapis.com`, or --no-iap "
         "where this machine reaches their internal addresses",
     ),

@@ -186,8 +186,14 @@ FAILING_GCLOUD = textwrap.dedent(
 @pytest.mark.parametrize(
     ("code", "why", "names"),
     [
-        ("4033", "not authorized", "iap.tunnelInstances.accessViaIAP"),
-        ("4003", "failed to connect to backend", "35.235.240.0/20"),
+        ("Error while connecting [4033: ", "'not authorized'].", "iap.tunnelInstances.accessViaIAP"),
+        ("Error while connecting [4003: ", "'failed to connect to backend'].", "35.235.240.0/20"),
+        (
+            "",
+            "Cloud Identity-Aware Proxy API has not been used in project 123 before or it is disabled. Enable it by "
+            "visiting https://console.developers.google.com/apis/api/iap.googleapis.com/overview?project=123",
+            "gcloud services enable iap.googleapis.com",
+        ),
     ],
 )
 def test_a_tunnel_that_cannot_open_is_one_line_naming_what_is_missing(

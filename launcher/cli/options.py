@@ -423,6 +423,7 @@ def recover_request(o: dict[str, Any]) -> RecoverRequest:
 
 
 _SAID: set[str] = set()  # what this process said once already (the route to a cluster)
+_LOGINS: dict[tuple, str] = {}  # the OS Login user this process read, by what it asked
 
 
 def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
@@ -454,12 +455,13 @@ def oslogin_user(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConf
 
     if not oslogin.applies(cluster, ssh) or o.get("dry_run"):
         return ssh
-    login = oslogin.login_user(
-        cluster.project, ssh.key, register=bool(o.get("register_key")), endpoint=o.get("oslogin_endpoint")
-    )
-    if login.added is not None:
-        click.echo(f"added {login.added} to {login.account}'s OS Login profile", err=True)
-    return replace(ssh, user=login.user)
+    asked = (cluster.project, ssh.key, bool(o.get("register_key")), o.get("oslogin_endpoint"))
+    if asked not in _LOGINS:  # once per command, however many times it builds its ssh options
+        login = oslogin.login_user(asked[0], asked[1], register=asked[2], endpoint=asked[3])
+        if login.added is not None:
+            click.echo(f"added {login.added} to {login.account}'s OS Login profile", err=True)
+        _LOGINS[asked] = login.user
+    return replace(ssh, user=_LOGINS[asked])
 
 
 def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:

@@ -242,7 +242,15 @@ def account(tmp_path, monkeypatch):
     return home / ".ssh" / "id_ed25519.pub"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process():
+    """Each test as its own `launch` process: nothing said or read yet."""
+    options._SAID.clear()
+    options._LOGINS.clear()
+
+
 def _login(tmp_path, api, **o):
+    options._LOGINS.clear()
     cluster = _cluster(tmp_path)
     return options.oslogin_user({"oslogin_endpoint": api.endpoint, **o}, cluster, SshConfig())
 

@@ -250,3 +250,23 @@ def test_launch_nccl_tests_prints_the_expected_report_with_its_verdict_last(tmp_
     assert sum("below expected" in l for l in err[at + 1 :]) == 8
     assert not any("expected (" in l or "judged at" in l for l in err)
     assert (tmp_path / "j" / "busbw.png").exists()
+
+
+def test_the_sweep_without_matplotlib_writes_its_rows_and_says_the_plot_was_skipped(tmp_path, capsys, monkeypatch):
+    """The launcher-only install (`pip install -e .`): report_rows after a live sweep."""
+    import io
+    import sys
+
+    from rich.console import Console
+
+    from launcher.cli import cmd_nccl_tests as nccl_cmd
+    from launcher.core.types import Cluster, LaunchConfig, Node, Workload
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rows = _rows("09-a3mega-slurm-allreduce-2node.txt")
+    cluster = Cluster("c", (Node(0, "a", "10.0.0.1"), Node(1, "b", "10.0.0.2")), machine_type="a3-megagpu-8g")
+    config = LaunchConfig(Workload("exec", ("true",)), runs_dir=tmp_path, job_id="j")
+    code = nccl_cmd.report_rows(rows, cluster, config, nccl_cmd.NcclRequest(), Console(file=io.StringIO()))
+    assert code == 0
+    assert "plot skipped: matplotlib is not installed (pip install 'gpufleet[plot]')" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["rows.csv", "rows.json"]

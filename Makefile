@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # is marked xdist_group and runs on one worker, so the fixture runs once, not once per worker.
 PYTEST_JOBS ?= 3
 
-.PHONY: sysdeps venv lint docs test-image test test-failures demo bench clean
+.PHONY: sysdeps venv lint docs docs-serve test-image test test-failures demo bench clean
 
 # The system packages the tests need (sshd nodes, shellcheck, pdsh, libfaketime): installed when
 # run as root, else one line naming the apt-get command and exit 2 before anything runs.
@@ -39,6 +39,10 @@ $(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
 
 docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The site at http://127.0.0.1:8000 while you edit (installs the docs extra first, as `docs` does).
+docs-serve: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # The containers tests' Python image (~1 GB, tests/containers/build_image.sh from the venv), built
 # once per machine: podman keeps it under a tag keyed by its inputs (the script, the interpreter,

@@ -122,8 +122,8 @@ class ModelConfig:
     """Which model, and how it is built and computed."""
 
     model: str = "tiny"
-    """Named model size: a GPT size (MODEL_SIZES) or a Llama-3 size (llama3-debug, llama3-1b,
-    llama3-8b, llama3-70b)."""
+    """Named model size: a GPT-2 style size (124M, 350M, 1.3B; tiny, tiny-4l and small-test for
+    CPU tests) or a Llama-3 size (llama3-debug, llama3-1b, llama3-8b, llama3-70b)."""
     precision: str = "auto"
     """bf16 (autocast), fp16 (autocast + GradScaler), fp32; auto = bf16 on GPU, fp32 on CPU."""
     activation_checkpointing: bool = False

@@ -30,7 +30,7 @@ from gpufleet.bandwidth import SizeError, avg_busbw, parse_size, size_ladder
 from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
 from launcher.cli.code_options import INDEX_OPTIONS, code_request, prepare_nodes
-from launcher.cli.nccl_from import FROM_OPTIONS, from_request, show_report_from
+from launcher.cli.nccl_from import FROM_OPTIONS, REPORT_WIDTH, from_request, show_paths, show_report_from
 from launcher.cli.options import (
     DETACH_OPTION,
     SOURCE_OPTIONS,
@@ -60,8 +60,9 @@ _SPEC = SweepSpec()  # the defaults the options show
 
 
 def _out() -> Console:
-    # Tables go to stdout; when it is a file or pipe, do not squeeze them into 80 columns.
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    # Tables go to stdout; when it is a file or pipe, 120 columns rather than rich's 80 (the table
+    # fits 120, launcher.nccl.render.rich_table; rich wraps its cells on a narrower terminal).
+    return Console(highlight=False, width=None if sys.stdout.isatty() else REPORT_WIDTH)
 
 
 _SWEEP = build_sweep_parser()  # the sweep's own command line, whose words the forwarded options use
@@ -125,6 +126,7 @@ class NcclRequest:
     find_bad_nodes: bool = False
     search: SearchOptions = field(default_factory=SearchOptions)  # --threshold, --pair-budget
     allow_run_as_root: bool = True  # mpirun as root: --ssh-user is root or not given
+    explain: bool = False  # --explain: the expected-bandwidth model's terms after its verdict
 
     @property
     def env_vars(self) -> dict[str, str]:
@@ -166,6 +168,7 @@ def nccl_request(o: dict[str, Any]) -> NcclRequest:
         # Checked only where they apply: a bad --threshold alone changes nothing.
         search=SearchOptions(o["threshold"], o["pair_budget"]) if o["find_bad_nodes"] else SearchOptions(),
         allow_run_as_root=o.get("ssh_user") in (None, "root"),
+        explain=bool(o.get("explain")),
     )
 
 
@@ -202,12 +205,13 @@ def report_rows(
     mt = cluster.machine_type if not cluster.local else None
     paths = write_results(rows, config.run_dir, machine_type=mt, nranks=nranks, nnodes=nnodes)
     out.print(f"# Avg bus bandwidth    : {avg_busbw(rows):.4g} GB/s")
-    err.print(f"[dim]rows: {paths['json']}  {paths['csv']}  plot: {paths['png']}[/dim]")
+    show_paths(paths)
     lines = verdict([("", rows)], request.min_busbw)
     for line in lines:
         err.print(f"[red]{escape(line)}[/red]")
-    if mt:  # the expected-bandwidth report; its one-line verdict ends the output (NCCL_ALGO picks the model)
-        for style, line in expected_judgement(rows, mt, nranks, nnodes, env=request.env_vars).styled():
+    if mt:  # the expected-bandwidth verdict in words, then the short sizes (NCCL_ALGO picks the model)
+        judged = expected_judgement(rows, mt, nranks, nnodes, env=request.env_vars)
+        for style, line in judged.styled(request.explain):
             err.print(f"[{style}]{escape(line)}[/{style}]")
     return 1 if lines else 0
 

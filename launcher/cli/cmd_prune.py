@@ -62,7 +62,7 @@ def prune_(older_than: str, list_only: bool, **o: Any) -> None:
     """Free the nodes' disks: remove the job directories, environments and code that launches
     left under ~/.gpufleet and that no launch has used for --older-than. Kept whatever its age:
     what a running process uses, and what a detached job that has not ended still needs (its
-    records on the job host say which). Never removed: job records, keys. One line per item on
+    records on the controller host say which). Never removed: job records, keys. One line per item on
     stdout, one summary per node on stderr."""
     setup_logging()
     request = PruneRequest(parse_duration(older_than, "--older-than"), remove=not list_only)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,15 @@ from launcher.code.tree import DEFAULT_FANOUT
 from launcher.core.transport import state_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
-__all__ = ["SYNC_OPTIONS", "REQUIREMENTS_OPTION", "INDEX_OPTIONS", "code_request", "prepare_nodes"]
+__all__ = [
+    "SYNC_OPTIONS",
+    "REQUIREMENTS_OPTION",
+    "INDEX_OPTIONS",
+    "DRY_RUN_HOME",
+    "code_request",
+    "dry_run_configured",
+    "prepare_nodes",
+]
 
 log = logging.getLogger("launcher")
 
@@ -164,6 +173,41 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
     return CodeRequest(code=code, code_root=code_root, sync=sync, sync_root=sync_root, env=env, fanout=fanout)
 
 
+# What a dry run shows for the nodes' home directory (a real launch asks the nodes).
+DRY_RUN_HOME = "/home/USER"
+
+
+def dry_run_configured(config: LaunchConfig, request: CodeRequest, home: str) -> LaunchConfig:
+    """The launch's config as the preparation leaves it (launcher.code.prepare, whose result a
+    test holds this to): the environment's python, its bin first on PATH, PYTHONPATH to
+    gpufleet's code, the --sync directory as the working directory, each under `home`."""
+    env = dict(config.env)
+    add: dict[str, str] = {}
+    changes: dict[str, Any] = {}
+    prepared: list[str] = []
+    if request.code is not None:
+        add["PYTHONPATH"] = f"{home}/.gpufleet/snap/{request.code.hash}"
+        prepared.append(add["PYTHONPATH"])
+    snap = request.sync or request.code
+    if snap is not None:
+        add["GPUFLEET_CODE"] = snap.hash
+    if request.sync is not None:
+        changes["workdir"] = f"{home}/.gpufleet/work/{config.job_id}"
+        prepared.append(changes["workdir"])
+    if request.env is not None:
+        venv = f"{home}/.gpufleet/envs/{request.env.key}"
+        changes["python"] = f"{venv}/bin/python"
+        prepared.append(changes["python"])
+        add["VIRTUAL_ENV"] = venv
+        add["PATH"] = f"{venv}/bin"
+    for key in ("PATH", "PYTHONPATH"):
+        if key in add and env.get(key):
+            add[key] += f":{env[key]}"
+    changes["env"] = tuple((k, v) for k, v in config.env if k not in add) + tuple(add.items())
+    changes["prepared"] = (*config.prepared, *prepared)
+    return replace(config, **changes)
+
+
 def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) -> LaunchConfig:
     """Run the preparation (launcher.code.prepare) with one progress line per node on stderr; a
     dry run only says what it would bring."""
@@ -179,7 +223,18 @@ def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) 
             index = redact(request.env.index_url or "PyPI")  # never a URL's password on the screen
             what.append(f"environment {request.env.key} from {request.env.kind} ({index})")
         err.print(f"[dim]before the run, each node gets: {escape('; '.join(what))}[/dim]")
-        return config
+        # The commands as a real launch runs them once this is there: the environment's python,
+        # PYTHONPATH to gpufleet's code, the --sync directory; under the nodes' home, which a
+        # real launch asks the nodes for and a dry run writes as DRY_RUN_HOME.
+        ready = dry_run_configured(config, request, DRY_RUN_HOME)
+        added = dict(ready.env)
+        shown = [f"python {ready.python}"] if ready.python != config.python else []
+        shown += [f"{k}={added[k]}" for k in ("PYTHONPATH", "PATH") if added.get(k) != dict(config.env).get(k)]
+        err.print(
+            f"[dim]then the commands below run with {escape(', '.join(shown) or 'them')} (these variables reach "
+            f"the nodes on stdin); {DRY_RUN_HOME} stands for the nodes' home directory[/dim]"
+        )
+        return ready
 
     def progress(node: Node, text: str) -> None:
         err.print(f"[dim]{escape(node.label)}: {escape(text)}[/dim]")

@@ -20,7 +20,8 @@ WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
 
 
 def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = None, builtin: bool = False) -> None:
-    """Run attached (the live stream, then the summary), or with --detach hand off to the job host.
+    """Run attached (the live stream, then the summary), or with --detach hand off to the controller host
+    (node 0 where the cluster has none).
     `builtin`: the built-in workload (launch train), recovered with --resume, whose ranks import
     gpufleet's own code (sent to the nodes, with its environment: launcher.cli.code_options)."""
     keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes", "no_restart_exit_codes")

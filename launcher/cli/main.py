@@ -13,6 +13,7 @@ a job that made no progress.
 from __future__ import annotations
 
 import importlib
+import re
 
 import click
 from rich.markup import escape
@@ -20,7 +21,17 @@ from rich.markup import escape
 from launcher.cli.render import err
 from launcher.cli.workload_args import no_such_option, option_names
 
-__all__ = ["main"]
+__all__ = ["main", "summary"]
+
+# A sentence ends at a full stop before a space or the end, but not inside "e.g." or "i.e.".
+_SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.(?=\s|$)")
+
+
+def summary(help_text: str) -> str:
+    """A command's help as `launch --help` lists it: the first sentence of its first paragraph, whole."""
+    first = " ".join(help_text.strip().split("\n\n")[0].split())
+    m = _SENTENCE_END.search(first)
+    return first[: m.end()] if m else first
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -77,6 +88,18 @@ class _OneLineErrors(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(self._lazy)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command with its summary whole (its short_help, else its help's first sentence),
+        wrapped: click's own cuts it at the terminal's width, mid-sentence, with '...'."""
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.short_help or summary(cmd.help or "")))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self._lazy:

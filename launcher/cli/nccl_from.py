@@ -24,9 +24,12 @@ from rich.markup import escape
 from launcher.cli.render import err
 from launcher.core.types import UserError
 from launcher.nccl.from_files import FromRequest, report_from
-from launcher.nccl.render import rich_table
+from launcher.nccl.render import PLOT_SKIPPED, rich_table
 
-__all__ = ["FROM_OPTIONS", "from_request", "show_report_from"]
+__all__ = ["FROM_OPTIONS", "REPORT_WIDTH", "from_request", "show_paths", "show_report_from"]
+
+# The report's width where stdout is a file or pipe (rich's own default there is 80 columns).
+REPORT_WIDTH = 120
 
 FROM_OPTIONS = [
     click.option(
@@ -42,10 +45,16 @@ FROM_OPTIONS = [
         is_flag=True,
         help="With --from: each row as one JSON object per line on stdout, nothing else there.",
     ),
+    click.option(
+        "--explain",
+        is_flag=True,
+        help="After the expected-bandwidth verdict, the model behind it: each collective's formula, "
+        "where its constants come from, and which sizes were judged how (docs/expected-bandwidth.md).",
+    ),
 ]
 
 # The options that mean something for results that exist; the others run or place a sweep.
-_APPLIES = frozenset({"from_files", "as_json", "machine_type", "nodes", "min_busbw", "runs_dir", "ops"})
+_APPLIES = frozenset({"from_files", "as_json", "explain", "machine_type", "nodes", "min_busbw", "runs_dir", "ops"})
 
 
 def _refuse_what_does_not_apply(ctx: click.Context) -> None:
@@ -74,7 +83,14 @@ def from_request(o: dict[str, Any]) -> FromRequest:
         o.get("min_busbw"),
         Path(o.get("runs_dir") or "runs"),
         bool(o.get("as_json")),
+        bool(o.get("explain")),
     )
+
+
+def show_paths(paths: dict[str, Path | None]) -> None:
+    """Where the rows went, and the plot's path, or one line naming the extra that draws it."""
+    plot = paths["png"] if paths["png"] is not None else PLOT_SKIPPED
+    err.print(f"[dim]rows: {paths['json']}  {paths['csv']}  plot: {escape(str(plot))}[/dim]")
 
 
 def show_report_from(request: FromRequest, out: Console) -> int:
@@ -83,13 +99,12 @@ def show_report_from(request: FromRequest, out: Console) -> int:
     for line in report.summaries:
         err.print(f"[dim]{escape(line)}[/dim]")
     if request.as_json:
-        out = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
+        out = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else REPORT_WIDTH)
     out.print(rich_table(report.rows))
     if report.nodes_warning:
         err.print(f"[yellow]{escape(report.nodes_warning)}[/yellow]")
     out.print(f"# Avg bus bandwidth    : {report.avg_busbw:.4g} GB/s")
-    paths = report.paths
-    err.print(f"[dim]rows: {paths['json']}  {paths['csv']}  plot: {paths['png']}[/dim]")
+    show_paths(report.paths)
     if request.as_json:
         for r in report.rows:
             click.echo(json.dumps(dataclasses.asdict(r)))

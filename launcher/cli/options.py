@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from launcher.cluster import discovery
+from launcher.cluster.reach import decide_reach
 from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
@@ -21,6 +22,7 @@ from launcher.jobs.recovery import RecoverRequest, parse_duration
 
 __all__ = [
     "SOURCE_OPTIONS",
+    "DRY_RUN_JOB_ID",
     "ENV_OPTION",
     "ENV_FILE_OPTION",
     "IMAGE_OPTION",
@@ -45,8 +47,22 @@ __all__ = [
 ]
 
 
+# A dry run's job ID: a placeholder in the job ID's own format (launcher.core.types.new_job_id),
+# the same every time, so two dry runs of one launch can be compared byte for byte.
+DRY_RUN_JOB_ID = "00000000-000000-000000"
+
 SOURCE_OPTIONS = [
-    click.option("--stack", help="Infra stack name: read `pulumi stack output --json --stack NAME`."),
+    click.option(
+        "--stack",
+        help="Infra stack name: read `pulumi stack output --json --stack NAME` in the stack's Pulumi project "
+        "(see --stack-dir); works from any directory.",
+    ),
+    click.option(
+        "--stack-dir",
+        metavar="DIR",
+        help="The Pulumi project holding --stack (the gpufleet checkout you ran `pulumi up` in) "
+        "[default: $GPUFLEET_STACK_DIR, else the checkout this launcher runs from, else the current directory].",
+    ),
     click.option("--outputs", type=click.Path(path_type=Path), help="A saved stack-outputs JSON file."),
     click.option("--hostfile", type=click.Path(path_type=Path), help="One host per line, optional slots=N."),
     click.option(
@@ -57,7 +73,7 @@ SOURCE_OPTIONS = [
         help="Find instances by label through the Compute Engine API (repeatable).",
     ),
     click.option("--project", help="Project for --label."),
-    click.option("--zone", help="Zone for --label and --iap."),
+    click.option("--zone", help="Zone for --label and IAP [default: the stack's]."),
     click.option("--api-endpoint", hidden=True, help="Compute Engine API endpoint (tests)."),
     click.option("--local", is_flag=True, help="Run N nodes as process groups on this machine."),
     click.option("--nodes", type=int, help="Use the first N nodes in rank order."),
@@ -70,8 +86,26 @@ SOURCE_OPTIONS = [
     click.option("--exclude", default="", metavar="HOST,...", help="Leave these hosts out."),
     click.option("--machine-type", help="Machine type for a hostfile (from the outputs otherwise)."),
     click.option("--external-ip", is_flag=True, help="SSH to external IPs (from outside the VPC)."),
-    click.option("--ssh-user"),
-    click.option("--ssh-key", type=click.Path(path_type=Path)),
+    click.option(
+        "--ssh-user",
+        metavar="USER",
+        help="The account to log in as on every node [default: with OS Login (the stack's nodes), your "
+        "Google account's OS Login user name, e.g. alice_example_com; else ssh's own, ~/.ssh/config's User].",
+    ),
+    click.option(
+        "--ssh-key",
+        type=click.Path(path_type=Path),
+        metavar="FILE",
+        help="The private key ssh offers (its FILE.pub is what OS Login must hold; see --register-key) "
+        "[default: ssh's own, ~/.ssh/id_ed25519, id_ecdsa, id_rsa, google_compute_engine].",
+    ),
+    click.option(
+        "--register-key",
+        is_flag=True,
+        help="Add your public key to your OS Login profile first (as `gcloud compute os-login ssh-keys add "
+        "--key-file=KEY.pub` does) when it is not there.",
+    ),
+    click.option("--oslogin-endpoint", hidden=True, help="OS Login API endpoint (tests)."),
     click.option(
         "--ssh-option",
         "ssh_options",
@@ -84,11 +118,27 @@ SOURCE_OPTIONS = [
         type=click.Path(path_type=Path),
         help="known_hosts file (default: one per cluster under ~/.cache/gpufleet).",
     ),
-    click.option("--iap", is_flag=True, help="Reach nodes through an IAP tunnel (no external IP needed)."),
+    click.option(
+        "--iap/--no-iap",
+        default=None,
+        help="Reach the nodes through an IAP tunnel, or straight to their internal addresses (a VPN or peered "
+        "network) [default: IAP when the nodes have no external address and this machine is not in their VPC].",
+    ),
     click.option("--python", help="The python on the nodes [default: python3; --local: this python]."),
     click.option("--workdir", help="Directory the command runs in on each node."),
     click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True),
-    click.option("--dry-run", is_flag=True, help="Print each node's host and command; connect to nothing."),
+    click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Print each node's host and the command a real launch runs there; connect to nothing.",
+    ),
+    click.option(
+        "--job-id",
+        "dry_run_job_id",
+        metavar="ID",
+        help=f"With --dry-run: the job ID the commands carry, like 20260101-120000-a1b2c3 [default: {DRY_RUN_JOB_ID}, "
+        "so two dry runs of one launch print the same bytes; a real launch makes a new one].",
+    ),
 ]
 
 ENV_OPTION = click.option(
@@ -283,7 +333,7 @@ def find_cluster(o: dict[str, Any]) -> Cluster:
     elif src == "outputs":
         cluster = discovery.read_outputs_file(o["outputs"], prefer_external=ext)
     elif src == "stack":
-        cluster = discovery.read_stack(o["stack"], prefer_external=ext)
+        cluster = discovery.read_stack(o["stack"], prefer_external=ext, directory=o.get("stack_dir"))
     else:
         cluster = _label_cluster(o, ext)
     _check_machine_type(cluster, "--machine-type" if o.get("machine_type") else _SOURCE_NAME[src](o))
@@ -372,16 +422,46 @@ def recover_request(o: dict[str, Any]) -> RecoverRequest:
     )
 
 
+_SAID: set[str] = set()  # what this process said once already (the route to a cluster)
+_LOGINS: dict[tuple, str] = {}  # the OS Login user this process read, by what it asked
+
+
 def ssh_config(o: dict[str, Any], cluster: Cluster) -> SshConfig:
-    """The ssh options from the CLI options: all a command that only reaches node 0 needs."""
-    return SshConfig(
+    """The ssh options from the CLI options: all a command that only reaches node 0 needs. The
+    route (IAP or straight, launcher.cluster.reach) is said once; the user name comes from OS Login
+    where the nodes use it (launcher.cluster.oslogin), unless --ssh-user or User= names one."""
+    options = _ssh_options(o.get("ssh_options", ()))
+    reach = decide_reach(cluster, o.get("iap"), bool(o.get("external_ip")), options)
+    if reach.why and reach.why not in _SAID:
+        _SAID.add(reach.why)
+        click.echo(reach.why, err=True)
+    ssh = SshConfig(
         user=o.get("ssh_user"),
         key=o.get("ssh_key"),
-        options=_ssh_options(o.get("ssh_options", ())),
+        options=options,
         known_hosts=o.get("known_hosts"),
-        iap=o.get("iap", False),
+        iap=reach.iap,
         zone=o.get("zone") or cluster.zone,
     )
+    return oslogin_user(o, cluster, ssh)
+
+
+def oslogin_user(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConfig:
+    """`ssh` with the user OS Login knows this account by, and its key checked (or, with
+    --register-key, added): for a cluster of Compute Engine instances (the stack's nodes turn OS
+    Login on), when neither --ssh-user nor `--ssh-option User=` nor a `user@host` names the user.
+    A dry run asks nothing, and says what it would log in as."""
+    from launcher.cluster import oslogin
+
+    if not oslogin.applies(cluster, ssh) or o.get("dry_run"):
+        return ssh
+    asked = (cluster.project, ssh.key, bool(o.get("register_key")), o.get("oslogin_endpoint"))
+    if asked not in _LOGINS:  # once per command, however many times it builds its ssh options
+        login = oslogin.login_user(asked[0], asked[1], register=asked[2], endpoint=asked[3])
+        if login.added is not None:
+            click.echo(f"added {login.added} to {login.account}'s OS Login profile", err=True)
+        _LOGINS[asked] = login.user
+    return replace(ssh, user=_LOGINS[asked])
 
 
 def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
@@ -408,7 +488,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         image_os=o.get("image_os"),
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.
         python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
-        job_id=new_job_id(),
+        job_id=_job_id(o),
         runs_dir=o.get("runs_dir") or Path("runs"),
         dry_run=o.get("dry_run", False),
         ssh=ssh,
@@ -419,6 +499,18 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         **({"stop_grace_s": _term_grace(o["term_grace"])} if o.get("term_grace") is not None else {}),
     )
     return replace(config, ssh=trusted_ssh(o, cluster, config.ssh))
+
+
+def _job_id(o: dict[str, Any]) -> str:
+    """A new job ID; a dry run's placeholder (or --job-id)."""
+    given = o.get("dry_run_job_id")
+    if given and not o.get("dry_run"):
+        raise UserError("--job-id names the job ID a --dry-run shows; a real launch makes its own: drop --job-id")
+    if not o.get("dry_run"):
+        return new_job_id()
+    from launcher.jobs.record import check_job_id
+
+    return check_job_id(given) if given else DRY_RUN_JOB_ID
 
 
 def trusted_ssh(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConfig:

@@ -223,7 +223,8 @@ def pull_everywhere(cluster: Cluster, config: LaunchConfig) -> None:
 
 def print_plan(p: LaunchPlan) -> None:
     """--dry-run: the order's line and the --env names (their values hidden) on stderr, each
-    node's exact command on stdout."""
+    node's command on stdout, as a real launch sends it (the prepared environment's python, the
+    nodes' home as launcher.cli.code_options.DRY_RUN_HOME)."""
     if p.order_message:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
     if p.stdin_note():

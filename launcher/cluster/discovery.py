@@ -7,6 +7,7 @@ Sources: a hostfile (the MPI / DeepSpeed convention), the infra stack's outputs 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ __all__ = [
     "cluster_from_outputs",
     "read_outputs_file",
     "read_stack",
+    "stack_dir",
+    "STACK_DIR_ENV",
     "discover_by_label",
     "local_cluster",
     "address_of",
@@ -169,17 +172,50 @@ def read_outputs_file(path: Path, prefer_external: bool = False) -> Cluster:
     return cluster_from_outputs(data, source=str(path), prefer_external=prefer_external)
 
 
-def read_stack(stack: str, prefer_external: bool = False) -> Cluster:
-    """`pulumi stack output --json --stack NAME`, in the current directory's Pulumi project."""
+# Where `--stack NAME` looks for the Pulumi project that holds the stack, when --stack-dir is not given.
+STACK_DIR_ENV = "GPUFLEET_STACK_DIR"
+
+
+def _gpufleet_checkout() -> Path | None:
+    """The gpufleet Pulumi project this launcher was installed from (`pip install -e .` of a
+    checkout: its Pulumi.yaml sits beside launcher/), else None (a wheel has no Pulumi project)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "Pulumi.yaml").is_file() else None
+
+
+def stack_dir(given: str | Path | None = None) -> tuple[Path, str]:
+    """The Pulumi project directory `--stack` reads the stack's outputs in, and what named it:
+    `--stack-dir DIR`, else $GPUFLEET_STACK_DIR, else the gpufleet checkout the launcher runs
+    from (the project whose stacks `pulumi up` made), else the current directory. So `launch
+    ... --stack NAME` works from any directory, your own project's included. A directory without
+    a Pulumi.yaml is one line naming it."""
+    env = os.environ.get(STACK_DIR_ENV)
+    if given:
+        path, what = Path(given), "--stack-dir"
+    elif env:
+        path, what = Path(env), STACK_DIR_ENV
+    else:
+        checkout = _gpufleet_checkout()
+        path, what = (checkout, "the gpufleet checkout") if checkout else (Path.cwd(), "the current directory")
+    if not (path / "Pulumi.yaml").is_file():
+        raise UserError(
+            f"{what} {str(path)!r} is not a Pulumi project (no Pulumi.yaml there); pass --stack-dir with "
+            f"the gpufleet checkout you ran `pulumi up` in (or set {STACK_DIR_ENV})"
+        )
+    return path, what
+
+
+def read_stack(stack: str, prefer_external: bool = False, directory: str | Path | None = None) -> Cluster:
+    """`pulumi -C DIR stack output --json --stack NAME`, DIR from `stack_dir(directory)`."""
+    project, _ = stack_dir(directory)
     if shutil.which("pulumi") is None:
         raise UserError(
             "--stack needs the `pulumi` CLI on PATH; or save the outputs "
             "(`pulumi stack output --json > out.json`) and pass --outputs out.json"
         )
+    argv = ["pulumi", "-C", str(project), "stack", "output", "--json", "--stack", stack]
     try:
-        proc = subprocess.run(
-            ["pulumi", "stack", "output", "--json", "--stack", stack], capture_output=True, text=True, timeout=120
-        )
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         raise UserError(
             f"`pulumi stack output --stack {stack}` did not answer within 120 s (logged in? "
@@ -187,7 +223,7 @@ def read_stack(stack: str, prefer_external: bool = False) -> Cluster:
         ) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise UserError(f"`pulumi stack output --stack {stack}` failed: {last}")
+        raise UserError(f"`pulumi -C {project} stack output --stack {stack}` failed: {last}")
     try:
         data = json.loads(proc.stdout)
     except json.JSONDecodeError:

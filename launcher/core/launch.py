@@ -257,7 +257,11 @@ class Launch:
             while pending and len(deadlines) < limit:
                 node = pending.popleft()
                 self._sessions[node.rank] = NodeSession(
-                    node, self.transport.argv(node, scripts[node.rank]), self._reports, stdin
+                    node,
+                    self.transport.argv(node, scripts[node.rank]),
+                    self._reports,
+                    stdin,
+                    tunnel_log=self.transport.tunnel_log(node),
                 )
                 self._set_state(node.rank, NodeState.CONNECTING)
                 deadlines[node.rank] = time.monotonic() + timeout

@@ -39,6 +39,7 @@ class Probe:
     error: str = ""
     facts: dict[str, str] = field(default_factory=dict)
     skew_s: float | None = None  # how far the node's clock is outside the probe's time window
+    access: str | None = None  # why it would not let us in, when ssh's output says (launcher.core.access)
 
 
 # A judgement of the check's answers beyond core's own: raise UserError naming every node that
@@ -125,7 +126,13 @@ def _spot_grace_warnings(probes: dict[int, Probe], config: LaunchConfig) -> list
 
 
 def refuse_unreachable(cluster: Cluster, probes: dict[int, Probe]) -> None:
+    """One line naming every node that cannot be reached; where they all failed for one reason
+    of access (an IAP permission, its firewall rule, an unregistered key), that reason alone."""
     bad = [p for p in probes.values() if not p.ok]
+    reasons = {p.access for p in bad}
+    if bad and len(reasons) == 1 and None not in reasons:
+        who = "every node" if len(bad) == len(cluster.nodes) else ", ".join(p.node.label for p in bad)
+        raise UserError(f"{reasons.pop()} ({who}; nothing was started)")
     if bad:
         listed = "; ".join(f"{p.node.label}: {p.error}" for p in bad)
         raise UserError(

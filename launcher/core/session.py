@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from gpufleet.contracts import is_error_line
+from launcher.core.access import diagnose
 from launcher.core.output import Sorted, StreamSorter, shown_live
 from launcher.core.preflight import Probe, clock_skew
 from launcher.core.types import Node, NodeOutcome
@@ -44,8 +45,11 @@ class NodeSession:
     program reads first (its --env values: launcher.core.program.env_stdin), written at once;
     it fits a pipe's buffer (launcher.core.wire.ENV_BLOCK_MAX), so the write never waits."""
 
-    def __init__(self, node: Node, argv: list[str], reports: queue.Queue, stdin: bytes = b""):
+    def __init__(
+        self, node: Node, argv: list[str], reports: queue.Queue, stdin: bytes = b"", tunnel_log: Path | None = None
+    ):
         self.node = node
+        self.tunnel_log = tunnel_log  # where its IAP tunnel writes why it could not open (transport.tunnel_log)
         self.facts: dict[str, str] = {}
         self.asked_at = time.time()  # with checked_at, the window for the clock-skew bound
         self.checked_at: float | None = None
@@ -163,10 +167,16 @@ class NodeSession:
                 why = f"no answer within {self.timed_out:.0f} s"
             else:
                 why = self.err[-1] if self.err else f"exit {rc}" if rc is not None else "no answer"
-            return Probe(self.node, False, why)
+            return Probe(self.node, False, why, access=diagnose([*self.err, *self._tunnel_errors()]))
         return Probe(
             self.node, True, facts=dict(self.facts), skew_s=clock_skew(self.facts, self.asked_at, self.checked_at)
         )
+
+    def _tunnel_errors(self) -> list[str]:
+        try:
+            return self.tunnel_log.read_text(errors="replace").splitlines()[-5:] if self.tunnel_log else []
+        except OSError:
+            return []
 
     def go(self, logfile: Path, offset_file: Path | None = None, tag: int = 0, offset: int = 0) -> None:
         """Start the workload: the node has passed its check and every other node has too.

@@ -64,14 +64,18 @@ def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[st
     return argv
 
 
-def iap_tunnel(instance: str, zone: str, port: str = "%p") -> str:
+def iap_tunnel(instance: str, zone: str, port: str = "%p", errors: str | None = None) -> str:
     """The command that carries one SSH connection through Identity-Aware Proxy to `instance`:
     `gcloud compute start-iap-tunnel INSTANCE_NAME INSTANCE_PORT --listen-on-stdin --zone ZONE`
     (https://cloud.google.com/sdk/gcloud/reference/compute/start-iap-tunnel; it takes an instance
-    name, an IP address only with --network and --region). `%p`: ssh's own port token."""
-    return (
-        f"gcloud compute start-iap-tunnel {shlex.quote(instance)} {port} --listen-on-stdin --zone {shlex.quote(zone)}"
-    )
+    name, an IP address only with --network and --region). `%p`: ssh's own port token.
+
+    `errors`: a file for gcloud's stderr. With ControlPersist, ssh sends a ProxyCommand's stderr
+    to /dev/null (openssh-portable sshconnect.c, ssh_proxy_connect), and that is where IAP says
+    why a tunnel cannot open; ssh runs the command with `$SHELL -c "exec ..."`, so the
+    redirection is the shell's."""
+    cmd = f"gcloud compute start-iap-tunnel {shlex.quote(instance)} {port} --listen-on-stdin --zone {shlex.quote(zone)}"
+    return f"{cmd} 2>{shlex.quote(errors)}" if errors else cmd
 
 
 def ssh_argv(base: Sequence[str], node: Node, command: str, tunnel: str | None = None) -> list[str]:

@@ -115,15 +115,25 @@ class Transport:
     ssh_base: list[str] = field(default_factory=list)
     iap_zone: str | None = None
     port: int = 22
+    tunnel_dir: Path | None = None  # where each node's tunnel writes gcloud's errors (the control dir)
 
     def argv(self, node: Node, script: str) -> list[str]:
         if self.local:
             return ["bash", "--norc", "--noprofile", "-c", script]
-        return ssh_argv(self.ssh_base, node, remote_command(script), self.tunnel(node))
+        log = self.tunnel_log(node)
+        return ssh_argv(self.ssh_base, node, remote_command(script), self.tunnel(node, errors=log))
 
-    def tunnel(self, node: Node | ControllerHost, port: str = "%p") -> str | None:
+    def tunnel(self, node: Node | ControllerHost, port: str = "%p", errors: Path | None = None) -> str | None:
         """The node's ProxyCommand with --iap, else None."""
-        return iap_tunnel(iap_instance(node), self.iap_zone, port) if self.iap_zone else None
+        if not self.iap_zone:
+            return None
+        return iap_tunnel(iap_instance(node), self.iap_zone, port, str(errors) if errors else None)
+
+    def tunnel_log(self, node: Node | ControllerHost) -> Path | None:
+        """The file the node's IAP tunnel writes gcloud's errors to (why it could not open), or None."""
+        if not self.iap_zone or self.tunnel_dir is None:
+            return None
+        return self.tunnel_dir / f"iap-{re.sub(r'[^A-Za-z0-9_.-]', '_', iap_instance(node))}.err"
 
     def display(self, node: Node, script: str) -> str:
         """The exact command that would run over SSH (for --dry-run)."""
@@ -158,6 +168,7 @@ def make_transport(cluster: Cluster, ssh: SshConfig, dry_run: bool = False) -> T
         ssh_base=ssh_base_argv(ssh, str(control), str(known)),
         iap_zone=ssh.zone if ssh.iap else None,
         port=ports[0] if ports else 22,
+        tunnel_dir=None if dry_run else control,
     )
 
 

@@ -42,6 +42,7 @@ class FromRequest:
     min_busbw: float | None = None
     runs_dir: Path = Path("runs")
     as_json: bool = False
+    explain: bool = False  # the expected-bandwidth model's terms after its verdict
 
     def __post_init__(self) -> None:
         if self.files.count("-") > 1:
@@ -64,13 +65,13 @@ class FromReport:
     """What the report says, in the order it is shown: a summary per table read, the rows (and
     their average), a warning about the node count, where the rows were written, the lines naming
     wrong results (or an average below --min-busbw), and the expected-bandwidth lines as
-    (style, line), the verdict last. `exit_code`: 1 when there are verdict lines, else 0."""
+    (style, line), the verdict first. `exit_code`: 1 when there are verdict lines, else 0."""
 
     summaries: list[str]
     rows: list[SweepRow]
     avg_busbw: float
     nodes_warning: str | None
-    paths: dict[str, Path]
+    paths: dict[str, Path | None]  # "png": None where matplotlib is not installed
     verdict: list[str]
     expected: list[tuple[str, str]] = field(default_factory=list)
 
@@ -184,8 +185,11 @@ def _lacking(tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[str]:
     return lacking
 
 
-def _expected(mt: str, tests: list[tuple[str, ParsedTest]], nnodes: int) -> list[tuple[str, str]]:
-    """As a live run: the expected-bandwidth report, its one-line verdict last."""
+def _expected(
+    mt: str, tests: list[tuple[str, ParsedTest]], nnodes: int, explain: bool = False
+) -> list[tuple[str, str]]:
+    """As a live run: the expected-bandwidth verdict in words, the sizes that fell short, and
+    with `explain` the model's terms."""
     out = [("yellow", f"no expected bandwidth: {line}") for line in _lacking(tests, nnodes)]
     if not nnodes:
         return out
@@ -194,7 +198,7 @@ def _expected(mt: str, tests: list[tuple[str, ParsedTest]], nnodes: int) -> list
         if t.collective in COLLECTIVES and t.nranks:
             by_ranks.setdefault(t.nranks, []).extend(t.rows)
     for n, grp in by_ranks.items():
-        out += expected_judgement(grp, mt, n, nnodes).styled()
+        out += expected_judgement(grp, mt, n, nnodes).styled(explain)
     return out
 
 
@@ -215,5 +219,5 @@ def report_from(request: FromRequest) -> FromReport:
         nodes_warning=warning,
         paths=write_results(rows, run_dir, machine_type=plot_mt, nranks=nranks, nnodes=nnodes),
         verdict=verdict([(f"{label}: ", t.rows) for label, t in tests], request.min_busbw),
-        expected=_expected(mt, tests, nnodes) if mt else [],
+        expected=_expected(mt, tests, nnodes, request.explain) if mt else [],
     )

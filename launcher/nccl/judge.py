@@ -8,10 +8,12 @@
 ``expected_judgement(rows, machine_type, nranks, nnodes, *, margin=0.1, env=None) -> ExpectedReport``
     The rows against the calibrated model of ``gpufleet.expected``: per collective its basis
     and which sizes were judged how (busbw in the trusted range, time against a latency bound
-    below it, or not at all), one warning per size that falls short, and a one-line verdict
-    ("consistent with a healthy a3-megagpu-8g cluster of 2 nodes" / "below expected from
-    64 MiB up by 38-45%: the network is slow (see --find-bad-nodes)"). A slow network is a
-    warning, never a failure. ``expected_report(...)`` is its ``.lines``, the verdict last.
+    below it, or not at all), one warning per size that falls short, and a one-line verdict in
+    words ("consistent with a healthy a3-megagpu-8g cluster of 2 nodes" / "below a healthy
+    a3-megagpu-8g by 38-45% from 64 MiB up: the network is slow (see --find-bad-nodes)"). A slow
+    network is a warning, never a failure. ``expected_report(...)`` is its ``.lines``, the
+    verdict last; ``.styled(explain)`` is what the CLI shows: the verdict first, the model's
+    terms (its basis, what was judged how) only with ``--explain``.
 """
 
 from __future__ import annotations
@@ -136,11 +138,13 @@ class ExpectedReport:
     def lines(self) -> list[str]:
         return [*self.notes, *self.warnings, self.verdict]
 
-    def styled(self) -> list[tuple[str, str]]:
-        """(rich style, line) for the CLI: notes dim, warnings yellow, the verdict green when
-        healthy, bold yellow when not, plain when nothing could be judged."""
+    def styled(self, explain: bool = False) -> list[tuple[str, str]]:
+        """(rich style, line) for the CLI: the verdict first (green when healthy, bold yellow when
+        not, plain when nothing could be judged), then the sizes that fell short (yellow); the
+        model's terms (its basis and scope, dim) only when `explain` (--explain)."""
         style = {True: "green", False: "bold yellow", None: "default"}[self.healthy]
-        return [*(("dim", n) for n in self.notes), *(("yellow", w) for w in self.warnings), (style, self.verdict)]
+        notes = [("dim", n) for n in self.notes] if explain else []
+        return [(style, self.verdict), *(("yellow", w) for w in self.warnings), *notes]
 
 
 def _finding_line(label: str, f: Finding) -> str:
@@ -167,7 +171,7 @@ def _scope_line(label: str, j: Judgement) -> str:
     return f"{label}: " + "; ".join(parts)
 
 
-def _slow_line(slow: list[tuple[Judgement, list[Finding]]], judgements: list[Judgement]) -> str:
+def _slow_line(slow: list[tuple[Judgement, list[Finding]]], judgements: list[Judgement], machine_type: str) -> str:
     """The verdict when some sizes' busbw fell short: where, and by how much."""
     first = min(f.size for _, fs in slow for f in fs)
     flagged = {f.size for _, fs in slow for f in fs}
@@ -179,7 +183,7 @@ def _slow_line(slow: list[tuple[Judgement, list[Finding]]], judgements: list[Jud
         if all(s in flagged for s in judged_up)
         else f"at {len(flagged)} of {len(judged_up)} sizes from {human_size(first)} to {human_size(max(judged_up))}"
     )
-    return f"below expected {where}{by}: the network is slow (see --find-bad-nodes)"
+    return f"below a healthy {machine_type}{by} {where}: the network is slow (see --find-bad-nodes)"
 
 
 def _expected_verdict(judgements: list[Judgement], machine_type: str, nnodes: int) -> tuple[str, bool | None]:
@@ -194,7 +198,7 @@ def _expected_verdict(judgements: list[Judgement], machine_type: str, nnodes: in
         )
         return f"consistent with a healthy {machine_type} cluster of {nnodes} nodes{caveat}", True
     if slow:
-        line = _slow_line(slow, judgements)
+        line = _slow_line(slow, judgements, machine_type)
         if late:
             line += "; small messages are slower than the latency bound too"
         return line, False

@@ -2,18 +2,20 @@
 
 ``rich_table(rows) -> rich.table.Table``
     For the CLI to print; wrong results in red.
-``write_results(rows, run_dir, *, machine_type=None, nranks, nnodes) -> {"json","csv","png": Path}``
+``write_results(rows, run_dir, *, machine_type=None, nranks, nnodes) -> {"json","csv","png": Path | None}``
     rows.json, rows.csv and busbw.png (busbw against size on a log2 axis, one line per
     collective, the expected curve dashed when the machine type is known). An existing file is
     never overwritten: the next free name ``rows.1.json`` is used instead (like nccl-tests -J).
-    Each file is written whole or not at all (gpufleet.atomic). matplotlib is imported only
-    inside the plot.
+    Each file is written whole or not at all (gpufleet.atomic). matplotlib comes with the `plot`
+    extra and is imported only inside the plot: on the launcher-only install (`pip install -e .`)
+    the rows are written and "png" is None (``PLOT_SKIPPED`` says why, for the CLI to print).
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
@@ -24,7 +26,10 @@ from gpufleet.bandwidth import avg_busbw
 from gpufleet.contracts import SweepRow
 from launcher.nccl.judge import by_collective, expected_curve, failures, human_size
 
-__all__ = ["rich_table", "write_results"]
+__all__ = ["rich_table", "write_results", "plot_available", "PLOT_SKIPPED"]
+
+# The one line a report prints instead of the plot's path when matplotlib is not installed.
+PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install 'gpufleet[plot]')"
 
 _FIELDS = [f.name for f in dataclasses.fields(SweepRow)]
 
@@ -33,16 +38,25 @@ def _fmt(v: float | None, spec: str = ".2f") -> str:
     return "N/A" if v is None else format(v, spec)
 
 
+def plot_available() -> bool:
+    """Whether matplotlib (the `plot` extra) can be imported here."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a broken or shadowed matplotlib counts as missing
+        return False
+
+
 def rich_table(rows: list[SweepRow]) -> Table:
-    """The rows as a rich table: one line per row, wrong results in red."""
-    t = Table(title="collective sweep", caption=f"Avg bus bandwidth: {avg_busbw(rows):.3f} GB/s")
+    """The rows as a rich table, one line per row, wrong results in red; about 110 columns wide
+    (busbw and time per block: algbw is in rows.csv), and rich wraps its cells on a narrower
+    console. The average is the caller's one "# Avg bus bandwidth" line, not repeated here."""
+    t = Table(title="collective sweep")
     for name in ("collective", "size", "count", "type", "redop", "root"):
         t.add_column(name, justify="right" if name in ("size", "count", "root") else "left")
     for block in ("oop", "ip"):
-        t.add_column(f"{block} time (us)", justify="right")
-        t.add_column(f"{block} algbw (GB/s)", justify="right")
-        t.add_column(f"{block} busbw (GB/s)", justify="right")
-        t.add_column(f"{block} #wrong", justify="right")
+        t.add_column(f"{block} us", justify="right")
+        t.add_column(f"{block} busbw", justify="right")
+    t.add_column("#wrong", justify="right")
     bad = {id(r) for r in failures(rows)}
     for r in rows:
         t.add_row(
@@ -53,13 +67,10 @@ def rich_table(rows: list[SweepRow]) -> Table:
             r.redop,
             str(r.root),
             _fmt(r.oop_time_us),
-            _fmt(r.oop_algbw),
             _fmt(r.oop_busbw),
-            _fmt(r.oop_wrong, "g"),
             _fmt(r.ip_time_us),
-            _fmt(r.ip_algbw),
             _fmt(r.ip_busbw),
-            _fmt(r.ip_wrong, "g"),
+            f"{_fmt(r.oop_wrong, 'g')}/{_fmt(r.ip_wrong, 'g')}",
             style="red" if id(r) in bad else None,
         )
     return t
@@ -143,13 +154,14 @@ def write_results(
     nranks: int,
     nnodes: int,
 ) -> dict[str, Path]:
-    """Write rows.json, rows.csv and busbw.png into run_dir; returns their paths by kind."""
+    """Write rows.json, rows.csv and busbw.png into run_dir; returns their paths by kind ("png":
+    None when matplotlib is not installed)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         "json": _free_path(run_dir, "rows", ".json"),
         "csv": _free_path(run_dir, "rows", ".csv"),
-        "png": _free_path(run_dir, "busbw", ".png"),
+        "png": _free_path(run_dir, "busbw", ".png") if plot_available() else None,
     }
     doc = {
         "machine_type": machine_type,
@@ -160,5 +172,6 @@ def write_results(
     }
     atomic.write_text(paths["json"], json.dumps(doc, indent=1) + "\n")
     _write_csv(rows, paths["csv"])
-    _plot(rows, paths["png"], machine_type, nranks, nnodes)
+    if paths["png"] is not None:
+        _plot(rows, paths["png"], machine_type, nranks, nnodes)
     return paths

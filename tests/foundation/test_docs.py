@@ -125,3 +125,149 @@ def test_the_client_state_paths_are_the_ones_documented(tmp_path, monkeypatch):
     detached = " ".join((DOCS / "detached.md").read_text().split())
     assert "`~/.cache/gpufleet/known_hosts/<cluster>-<hash>`" in launch
     assert "`~/.cache/gpufleet/<cluster>-<hash>/id_ed25519`" in detached
+
+
+# ---- one voice: the names the pages share --------------------------------------------------------
+
+STACK = "llm-dev"  # the one stack name the examples use
+# Pages whose examples still name another stack; each is to name STACK, and then leaves this set.
+_STACK_NAMES_PENDING = {"preview.md"}
+
+
+def _prose(page: Path) -> str:
+    return " ".join(page.read_text().split())
+
+
+def test_every_example_names_the_same_stack():
+    """`--stack NAME`, `pulumi stack init NAME` and `Pulumi.NAME.yaml` in any page's examples name
+    one stack (placeholders in capitals, like `--stack NAME`, excepted)."""
+    forms = re.compile(r"--stack (\S+)|stack init (\S+)|Pulumi\.([a-z][\w-]*)\.yaml")
+    # The repository's own stack files (Pulumi.example.yaml, examples/Pulumi.a4.yaml, ...) are
+    # files, not stack names a reader picks.
+    files = {p.name.split(".")[1] for p in ROOT.glob("**/Pulumi.*.yaml") if ".venv" not in p.parts}
+    other = []
+    for page in _pages():
+        if page.name in _STACK_NAMES_PENDING:
+            continue
+        for m in forms.finditer(page.read_text()):
+            name = next(g for g in m.groups() if g).strip("`'\"),.")
+            if name not in (STACK, *files) and not name.isupper():
+                other.append(f"{page.relative_to(ROOT)}: {m.group(0)}")
+    assert other == []
+
+
+def test_the_controller_host_is_never_called_the_job_host():
+    from launcher.cli.main import main
+
+    pages = [str(p.relative_to(ROOT)) for p in _pages() if "job host" in _prose(p)]
+    assert pages == []
+    for name in main.list_commands(None):
+        out = CliRunner().invoke(main, [name, "--help"], terminal_width=200).output
+        assert "job host" not in " ".join(out.split()), name
+
+
+def test_the_bare_nodes_page_has_one_name():
+    """Its title, its nav entry and every link to it call it "Bare nodes"."""
+    title = (DOCS / "bare-nodes.md").read_text().splitlines()[0]
+    assert title.startswith("# Bare nodes")
+    nav = [ln.strip() for ln in (ROOT / "mkdocs.yml").read_text().splitlines() if ln.strip().endswith("bare-nodes.md")]
+    assert nav and all(ln.startswith("- Bare nodes") for ln in nav), nav
+    links = [
+        (str(p.relative_to(ROOT)), text)
+        for p in _pages()
+        for text in re.findall(r"\[([^\]]+)\]\((?:docs/)?bare-nodes\.md", p.read_text())
+    ]
+    assert links and [(p, t) for p, t in links if not t.lower().startswith("bare nodes")] == []
+
+
+def test_nothing_is_installed_on_the_nodes_by_hand():
+    """README says nothing goes on the nodes; no page tells you to pip install there."""
+    assert "nothing on the nodes" in _prose(ROOT / "README.md")
+    told = [
+        f"{p.relative_to(ROOT)}: {line}"
+        for p in _pages()
+        for line in _example_lines(p.read_text())
+        if "pip install" in line and "on the nodes" in line
+    ]
+    assert told == []
+
+
+def test_the_first_cluster_page_is_linked_and_in_the_nav():
+    assert "first-cluster.md" in (ROOT / "mkdocs.yml").read_text()
+    for page in (ROOT / "README.md", DOCS / "getting-started.md", DOCS / "index.md"):
+        assert "first-cluster.md" in page.read_text(), page
+
+
+def test_the_first_cluster_page_takes_a_reader_from_an_empty_project_to_teardown():
+    """Every step the road needs is on the page, in order, with the facts the code decides."""
+    from gpufleet.catalog import machine_price
+    from launcher.cluster.reach import decide_reach
+    from launcher.core.access import IAP_RANGE
+    from launcher.core.types import Cluster, Node
+
+    text = (DOCS / "first-cluster.md").read_text()
+    steps = [
+        "gcloud auth login",
+        "gcloud auth application-default login",
+        "gcloud services enable compute.googleapis.com iap.googleapis.com oslogin.googleapis.com",
+        "roles/iap.tunnelResourceAccessor",
+        "roles/compute.osLogin",
+        "roles/compute.osAdminLogin",
+        "roles/iam.serviceAccountUser",
+        "gcloud compute os-login ssh-keys add --key-file=",
+        "--register-key",
+        "--ssh-user",
+        "PULUMI_CONFIG_PASSPHRASE",
+        f"pulumi stack init {STACK}",
+        f"python -m infra.preview --stack {STACK}",
+        f"pulumi up --stack {STACK}",
+        f"launch hosts --stack {STACK}",
+        f"launch train --stack {STACK} --nodes 2",
+        f"launch nccl-tests --stack {STACK}",
+        f"pulumi destroy --stack {STACK}",
+    ]
+    at = [text.find(s) for s in steps]
+    assert -1 not in at, [s for s, i in zip(steps, at) if i < 0]
+    assert at == sorted(at), "the steps are out of order"
+    assert IAP_RANGE in text
+    # The price it quotes is the catalog's, for the two nodes it declares.
+    price = machine_price("a3-megagpu-8g")
+    assert f"about **${2 * price.on_demand_usd_per_hour:.0f} an hour**" in text
+    assert f"about ${2 * price.spot_usd_per_hour:.0f} on Spot" in text
+    # The line it says the launch prints is the one the launch prints.
+    cluster = Cluster(
+        STACK, tuple(Node(i, f"10.128.0.{i + 2}", f"10.128.0.{i + 2}", name=f"{STACK}-{i}") for i in (0, 1))
+    )
+    why = decide_reach(cluster, None, external_ip=False).why
+    assert why is None or why in text  # None here only where this machine is in 10.128.0.0's network
+    assert "the nodes have no external address and this machine is not in their VPC" in text
+
+
+def test_troubleshooting_ssh_covers_permission_denied_publickey():
+    text = (DOCS / "troubleshooting-ssh.md").read_text()
+    assert "## Permission denied (publickey)" in text
+    assert "gcloud compute os-login ssh-keys add --key-file=" in text and "--register-key" in text
+    assert "#permission-denied-publickey" in (DOCS / "first-cluster.md").read_text()
+
+
+def test_readme_first_launches_work_through_iap_by_themselves():
+    """The stack's nodes have no external address: the README's first launches need no --iap
+    (it is the default from outside the VPC), and the README says so."""
+    readme = (ROOT / "README.md").read_text()
+    launches = [ln for ln in _example_lines(readme) if ln.startswith("launch ") and "--stack" in ln]
+    assert launches and not any("--iap" in ln or "--external-ip" in ln for ln in launches)
+    assert "IAP tunnel by itself" in _prose(ROOT / "README.md")
+
+
+def test_make_docs_serve_installs_the_docs_extra_itself():
+    make = (ROOT / "Makefile").read_text()
+    rule = re.search(r"^docs-serve: (.*)$", make, re.M)
+    assert rule and "$(VENV)/.docs-installed" in rule.group(1)
+    assert "make docs-serve" in (ROOT / "README.md").read_text()
+    assert ".venv/bin/mkdocs serve" not in (ROOT / "README.md").read_text()
+
+
+def test_the_readme_says_where_the_built_cli_reference_is():
+    readme = _prose(ROOT / "README.md")
+    assert "(docs/reference/cli.md)" in readme and "http://127.0.0.1:8000/reference/cli/" in readme
+    assert "::: mkdocs-click" in (DOCS / "reference" / "cli.md").read_text()

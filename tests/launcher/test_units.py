@@ -917,3 +917,6 @@ class _BashHereSshToNode1:
         if node.rank == 0:
             return ["bash", "--norc", "--noprofile", "-c", script]
         return ssh_argv(self.ssh_base, node, remote_command(script))
+
+    def tunnel_log(self, node):
+        return None  # no IAP tunnel

@@ -285,8 +285,58 @@ def test_expected_bandwidth_as_a_live_run_gives_it(tmp_path):
     assert r.exit_code == 0, r.output
     rows = rep.parse_output(f09.read_text())
     report = rep.expected_judgement(rows, "a3-megagpu-8g", 16, 2)
-    assert all(line in r.stderr for line in report.lines)
-    assert r.stderr.rstrip().splitlines()[-1] == report.verdict
+    assert r.stderr.rstrip().splitlines()[-1] == report.verdict  # healthy: no size fell short
+    assert report.verdict == "consistent with a healthy a3-megagpu-8g cluster of 2 nodes"
+    # The model's terms only behind --explain, after the verdict.
+    assert not any(note in r.stderr for note in report.notes) and "A and φ" not in r.stderr
+    explained = _launch("--from", str(f09), "--machine-type", "a3-megagpu-8g", "--nodes", "2", "--explain")
+    err = explained.stderr.splitlines()
+    assert explained.exit_code == 0 and err.index(report.verdict) < err.index(report.notes[0])
+    assert all(note in explained.stderr for note in report.notes)
+
+
+def test_a_slow_cluster_gets_its_verdict_in_words_first(tmp_path):
+    """09 at 60% of its busbw: the first expected-bandwidth line says how far below a healthy
+    cluster and from which size, in words; 'Avg bus bandwidth' is printed once."""
+    lines = []
+    for line in _file("09").read_text().splitlines():
+        cols = line.split()
+        if len(cols) == 13 and cols[0].isdigit():  # a row: both blocks' algbw and busbw at 60%
+            for i in (6, 7, 10, 11):
+                cols[i] = f"{float(cols[i]) * 0.6:.2f}"
+            line = " ".join(cols)
+        lines.append(line)
+    text = "\n".join(lines) + "\n"
+    slow = tmp_path / "slow.txt"
+    slow.write_text(text)
+    args = ["--from", str(slow), "--ops", "all_reduce", "--machine-type", "a3-megagpu-8g", "--nodes", "2"]
+    r = _launch(*args, "--runs-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    err = r.stderr.splitlines()
+    first = next(i for i, line in enumerate(err) if "healthy" in line)
+    assert re.fullmatch(
+        r"below a healthy a3-megagpu-8g by \d+(-\d+)?% from \d+ MiB up: the network is slow \(see --find-bad-nodes\)",
+        err[first],
+    ), err[first]
+    assert "B = " not in r.stderr and "borrowed" not in r.stderr
+    assert (r.stdout + r.stderr).count("Avg bus bandwidth") == 1
+
+
+def test_the_table_fits_120_columns(tmp_path):
+    r = _launch("--from", str(_file("13")), "--runs-dir", str(tmp_path))
+    table = r.stdout.splitlines()
+    assert len(table) > 28 and max(len(line) for line in table) <= 120, max(map(len, table))
+
+
+def test_without_matplotlib_the_rows_are_written_and_the_plot_skipped_in_one_line(tmp_path, monkeypatch):
+    """The launcher-only install (`pip install -e .`) has no matplotlib (the `plot` extra)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    r = _launch("--from", str(_file("09")), "--runs-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert "plot: plot skipped: matplotlib is not installed (pip install 'gpufleet[plot]')" in r.stderr
+    run = _run_dir(tmp_path)
+    assert sorted(p.name for p in run.iterdir()) == ["rows.csv", "rows.json"]
+    assert len(json.loads((run / "rows.json").read_text())["rows"]) == 31
 
 
 def test_expected_bandwidth_says_what_it_lacks(tmp_path):

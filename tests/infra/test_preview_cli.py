@@ -425,19 +425,23 @@ def test_an_existing_account_shows_every_grant_and_open_ssh_warns(capsys, tmp_pa
     assert s["serviceAccount"]["created"] is False and len(s["serviceAccount"]["grants"]) == 4
 
 
-def test_every_bad_key_is_its_own_line_in_the_preview_as_in_the_config_check(capsys, tmp_path):
+def test_every_bad_key_is_its_own_line_in_the_preview_as_in_the_config_check(tmp_path):
     path = tmp_path / "Pulumi.dev.yaml"
     path.write_text(
         "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n"
         "  gpufleet:nodes: two\n  gpufleet:bootDiskSizeGb: big\n  gpufleet:externalIp: maybe\n"
     )
-    assert infra_config.main([str(path)]) == 2
-    expected = capsys.readouterr().err
-    rc, out, err = run_main(capsys, str(path))
-    assert (rc, out, err) == (2, "", expected)
-    lines = err.splitlines()
-    assert len(lines) == 3 and all(line.startswith("error: config gpufleet:") for line in lines)
-    assert [line.split()[2] for line in lines] == ["gpufleet:nodes", "gpufleet:bootDiskSizeGb", "gpufleet:externalIp"]
+    check = subprocess.run([sys.executable, "-m", "infra.config", str(path)], capture_output=True, text=True, cwd=ROOT)
+    preview = subprocess.run(
+        [sys.executable, "-m", "infra.preview", str(path)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert (check.returncode, check.stdout) == (2, "")
+    assert (preview.returncode, preview.stdout, preview.stderr) == (2, "", check.stderr)
+    assert check.stderr.splitlines() == [
+        "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)",
+        "error: config gpufleet:bootDiskSizeGb = 'big' is not allowed: a whole number from 50 to 65536 (e.g. 200)",
+        "error: config gpufleet:externalIp = 'maybe' is not allowed: true or false",
+    ]
 
 
 def test_the_default_stack_prices_its_gpu_nodes_beside_the_controller_and_says_what_they_boot(capsys, tmp_path):

@@ -52,6 +52,7 @@ __all__ = [
     "MachinePrice",
     "MACHINE_PRICES",
     "machine_price",
+    "COS_DEFAULT_CONTAINER_IMAGE",
 ]
 
 
@@ -215,6 +216,20 @@ UBUNTU_ACCEL = (
 # gpudirect) uses cos-105-lts; the Ubuntu path needs a private TCPX kernel PPA (CTK examples/
 # machine-learning/a3-highgpu-8g/README.md), so COS is the default a user can actually boot.
 COS_TCPX = "projects/cos-cloud/global/images/family/cos-105-lts"
+
+# What jobs run in on a COS node unless the stack or `launch --image` names another image: COS
+# has docker and the driver but no Python to build an environment with, so the ranks run in NVIDIA's
+# PyTorch container (torch 2.6, numpy: what gpufleet's workloads import), the image Google's A3 High
+# examples train in (github.com/GoogleCloudPlatform/cluster-toolkit examples/machine-learning/
+# a3-highgpu-8g/nccl-tests/import_pytorch_container.sh imports nvcr.io/nvidia/pytorch). Tag 25.01-py3
+# (https://catalog.ngc.nvidia.com/orgs/nvidia/containers/pytorch/tags) pinned by its manifest-list
+# digest: the one the registry's own cosign signature tag names (sha256-96990c82....sig, listed in
+# github.com/singularityhub/shpc-registry nvcr.io/nvidia/pytorch/container.yaml), and that unrelated
+# public projects pin for 25.01-py3. Pinned, every node runs the same bits and a node that holds
+# them asks no registry.
+COS_DEFAULT_CONTAINER_IMAGE = (
+    "nvcr.io/nvidia/pytorch:25.01-py3@sha256:96990c82825613c3bdeebb66675c7c91b0123f64a5895623316dc5b824e0d7a9"
+)
 
 _ALL_MODELS = frozenset({"standard", "spot", "flex-start"})
 # T-A3M note: "When provisioning a3-highgpu-1g, a3-highgpu-2g, or a3-highgpu-4g machine types,
@@ -482,7 +497,8 @@ def on_demand_price(machine_type: str) -> OnDemandPrice | None:
 # Spot prices are dynamic (https://cloud.google.com/spot-vms/pricing) and the file's later
 # snapshots differ, so a Spot cost is an estimate at this snapshot's price. That file
 # lists no a3-edgegpu-8g, a3-ultragpu-8g or a4-highgpu-8g: their price is unknown here (shown n/a),
-# never guessed.
+# never guessed. Flex-start VMs have their own price (https://cloud.google.com/products/dws/pricing),
+# which that file does not carry: unknown here too (None, shown n/a).
 _PRICING_SOURCE = (
     "https://cloud.google.com/compute/gpus-pricing (Cloud Billing Catalog via "
     "Cyclenerd/google-cloud-pricing-cost-calculator pricing.yml)"
@@ -492,7 +508,7 @@ _PRICING_DATE = "2025-03-06"
 
 @dataclass(frozen=True)
 class MachinePrice:
-    """A machine type's list prices per node-hour in one region: on-demand and Spot."""
+    """A machine type's list prices per node-hour in one region: on-demand, Spot, Flex-start."""
 
     machine_type: str
     region: str
@@ -500,6 +516,16 @@ class MachinePrice:
     spot_usd_per_hour: float
     source: str = _PRICING_SOURCE
     retrieved: str = _PRICING_DATE  # the date the source's figures were generated
+    flex_start_usd_per_hour: float | None = None
+    """None: the source has no Flex-start price for the type (shown n/a, never guessed)."""
+
+    def usd_per_hour(self, provisioning: str) -> float | None:
+        """The price per node-hour of a provisioning model ("standard", "spot", "flex-start")."""
+        return {
+            "standard": self.on_demand_usd_per_hour,
+            "spot": self.spot_usd_per_hour,
+            "flex-start": self.flex_start_usd_per_hour,
+        }[provisioning]
 
 
 def _prices(region: str, rows: dict[str, tuple[float, float]]) -> dict[str, MachinePrice]:

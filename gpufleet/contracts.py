@@ -48,6 +48,11 @@ __all__ = [
     "RXDM_SOCKET_DIR",
     "OUTPUT_KEYS",
     "NODE_KEYS",
+    "BOOT_IMAGE_KEYS",
+    "BOOT_OSES",
+    "boot_image_os",
+    "boot_image_output",
+    "StackBootImage",
     "CONTROLLER_KEYS",
     "OUTPUTS_SHAPE",
     "OutputsError",
@@ -145,12 +150,37 @@ OUTPUT_KEYS = (
     "packageIndex",
     "image",
     "imageRepository",
+    "bootImage",
 )
 # One entry of `nodes`. externalIp is null unless the stack asks for external IPs.
 NODE_KEYS = ("name", "index", "internalIp", "externalIp", "zone")
 # The `controller` output: the cluster's controller VM, as a node entry without an index.
 # Absent when the stack turns the controller off (`gpufleet:controller false`).
 CONTROLLER_KEYS = ("name", "internalIp", "externalIp", "zone")
+
+# The `bootImage` output: what every node boots. `os` ("ubuntu" or "cos") decides whether the
+# launcher can build a Python environment on the node (COS has no Python to build one with, so a
+# launch there needs a container image); `image` is the image path as the stack gave it, `family`
+# its family name when the path names one (Compute Engine then boots the family's newest image).
+# Outputs written before this key existed have none: the launcher then knows no OS.
+BOOT_IMAGE_KEYS = ("os", "image", "family")
+BOOT_OSES = ("ubuntu", "cos")
+
+
+def boot_image_os(image: str) -> str:
+    """ "cos" for a Container-Optimized OS image path (Google publishes them in the project
+    cos-cloud, families cos-*: https://cloud.google.com/container-optimized-os/docs/concepts/versioning),
+    "ubuntu" for any other: what picks the NIC names, the script's paths and whether a job needs a
+    container image."""
+    return "cos" if "cos-cloud" in image or "/cos-" in image or image.startswith("cos-") else "ubuntu"
+
+
+def boot_image_output(image: str) -> dict[str, Any]:
+    """The `bootImage` output for a boot disk image path (projects/P/global/images/family/F or
+    .../images/NAME)."""
+    _, sep, family = image.partition("/images/family/")
+    return dict(zip(BOOT_IMAGE_KEYS, (boot_image_os(image), image, family if sep else None)))
+
 
 # What a reader is told to expect when a document is not the stack outputs.
 OUTPUTS_SHAPE = (
@@ -184,6 +214,15 @@ class StackController:
 
 
 @dataclass(frozen=True)
+class StackBootImage:
+    """What the stack's nodes boot (the `bootImage` output)."""
+
+    os: str  # one of BOOT_OSES
+    image: str
+    family: str | None = None
+
+
+@dataclass(frozen=True)
 class StackOutputs:
     """The stack outputs the launcher uses; `nodes` in rank order, indexes exactly 0 .. N-1."""
 
@@ -198,6 +237,8 @@ class StackOutputs:
     """`packageIndex`: where the nodes get packages (launcher.code); None when the stack has none."""
     image: str | None = None
     """The container image the nodes run by default (`image`, from gpufleet:containerImage); None: none."""
+    boot_image: StackBootImage | None = None
+    """What the nodes boot (`bootImage`); None in outputs written before the key existed."""
 
 
 def node_output(*, name: Any, index: int, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
@@ -224,12 +265,14 @@ def stack_outputs(
     package_index: Any = None,
     image: Any = None,
     image_repository: Any = None,
+    boot_image: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every stack output by its key (OUTPUT_KEYS order): what infra/__main__.py exports.
     `controller` (a controller_output) is left out when None: a stack without one has no key.
     `packageIndex`: pip's index URL of the cluster's PyPI repository (null when the stack has none);
     `image`: the stack's default container image (gpufleet:containerImage; null when unset);
-    `imageRepository`: the docker repository the nodes can pull from (HOST/PROJECT/REPOSITORY)."""
+    `imageRepository`: the docker repository the nodes can pull from (HOST/PROJECT/REPOSITORY);
+    `bootImage`: boot_image_output(the nodes' boot disk image)."""
     values = (
         cluster,
         project,
@@ -243,6 +286,7 @@ def stack_outputs(
         package_index,
         image,
         image_repository,
+        boot_image,
     )
     return {k: v for k, v in zip(OUTPUT_KEYS, values) if k != "controller" or controller is not None}
 
@@ -308,6 +352,20 @@ def _stack_controller(raw: Any, nodes: list[StackNode]) -> StackController | Non
     )
 
 
+def _stack_boot_image(raw: Any) -> StackBootImage | None:
+    if raw is None:
+        return None
+    shape = f"expected bootImage: {{os: {' or '.join(BOOT_OSES)}, image, family}}, or no bootImage key"
+    if not isinstance(raw, dict):
+        raise OutputsError(f"'bootImage' is {type(raw).__name__}, not an object; {shape}")
+    os_, image = raw.get("os"), raw.get("image")
+    if os_ not in BOOT_OSES:
+        raise OutputsError(f"bootImage.os is {os_!r}; {shape}")
+    if not isinstance(image, str) or not image:
+        raise OutputsError(f"bootImage has no image; {shape}")
+    return StackBootImage(os=os_, image=image, family=_optional_str("bootImage.family", raw.get("family")))
+
+
 def _check_indexes(nodes: list[StackNode]) -> None:
     """Indexes are the ranks: exactly 0 .. N-1. A gap is not closed up (nodes 0, 1, 3 would
     silently become ranks 0, 1, 2, and `--exclude`, logs and labels would name the wrong node)."""
@@ -332,8 +390,9 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
     empty or not a list; a node without an internalIp or an integer index >= 0; a top-level
     string or a node's name/externalIp/zone of another type; a repeated index; a gap in the
     indexes (0, 1, 3 names index 2); a `controller` that is not an object with a name and an
-    internalIp (a node's address refused), or whose externalIp/zone is not a string. No
-    `controller` (or null) is a stack without a controller VM."""
+    internalIp (a node's address refused), or whose externalIp/zone is not a string; a
+    `bootImage` that is not an object with a known os and an image. No `controller` (or null) is
+    a stack without a controller VM; no `bootImage` (older outputs) is an unknown one."""
     if not isinstance(doc, Mapping):
         raise OutputsError(f"top level is {type(doc).__name__}, not an object; {OUTPUTS_SHAPE}")
     raw_nodes = doc.get("nodes")
@@ -356,6 +415,7 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         controller=controller,
         package_index=top["packageIndex"],
         image=top["image"] or None,
+        boot_image=_stack_boot_image(doc.get("bootImage")),
     )
 
 

@@ -18,9 +18,10 @@ if _ROOT not in sys.path:
 
 import pulumi  # noqa: E402
 
-from gpufleet.contracts import stack_outputs  # noqa: E402
+from gpufleet.contracts import boot_image_output, stack_outputs  # noqa: E402
+from infra.access import LoginAccess, LoginAccessArgs  # noqa: E402
 from infra.config import ConfigError, read_spec, spec_warnings  # noqa: E402
-from infra.controller import ControllerVm, ControllerVmArgs  # noqa: E402
+from infra.controller import ControllerVm, ControllerVmArgs, controller_name  # noqa: E402
 from infra.identity import NodeIdentity, NodeIdentityArgs  # noqa: E402
 from infra.networks import GpuNetworks, GpuNetworksArgs  # noqa: E402
 from infra.nodes import NodePool, NodePoolArgs  # noqa: E402
@@ -141,6 +142,26 @@ def main() -> None:
             ),
         )
 
+    # gpufleet:users: who may log in (OS Login) through IAP, on these VMs alone.
+    if spec.users:
+        instances = [(f"{spec.cluster}-{i}", inst) for i, inst in enumerate(pool.instances)]
+        accounts = [identity.email]
+        if controller is not None:
+            instances.append((controller_name(spec.cluster), controller.instance))
+            accounts.append(controller.email)
+        LoginAccess(
+            f"{spec.cluster}-login",
+            LoginAccessArgs(
+                cluster=spec.cluster,
+                project=spec.project,
+                zone=spec.zone,
+                members=spec.users,
+                instances=instances,
+                service_accounts=accounts,
+            ),
+            opts=pulumi.ResourceOptions(depends_on=identity.grants),
+        )
+
     outputs = stack_outputs(
         cluster=spec.cluster,
         project=spec.project,
@@ -154,6 +175,7 @@ def main() -> None:
         package_index=registries.package_index_url,
         image=spec.container_image,
         image_repository=registries.docker_url,
+        boot_image=boot_image_output(spec.image),
     )
     for key, value in outputs.items():
         pulumi.export(key, value)

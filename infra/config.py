@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.catalog import MachineType, UnknownMachineType, lookup
-from gpufleet.contracts import LABEL_CLUSTER, LABEL_NODE
+from gpufleet.catalog import COS_DEFAULT_CONTAINER_IMAGE, MachineType, UnknownMachineType, lookup
+from gpufleet.contracts import LABEL_CLUSTER, LABEL_NODE, boot_image_os
 
 __all__ = [
     "ConfigError",
@@ -96,6 +96,7 @@ KEYS = (
     "controllerSource",
     "packageIndex",
     "containerImage",
+    "users",
 )
 
 _PLACEMENTS = ("compact", "none")
@@ -132,7 +133,16 @@ _CONTAINER_IMAGE_RE = re.compile(
 
 
 class ConfigError(ValueError):
-    """A stack config value this program refuses. str() is one line: key, bad value, what is allowed."""
+    """Stack config values this program refuses: `.lines`, one per bad key (key, bad value, what is
+    allowed). str() is those lines joined; one line where one key is bad."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lines: list[str] = message.splitlines() or [message]
+
+    @classmethod
+    def of(cls, lines: list[str]) -> ConfigError:
+        return cls("\n".join(lines))
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,11 @@ class FleetSpec:
     package_index: bool = True
     """Declare the PyPI remote repository and export its URL as `packageIndex`."""
     container_image: str | None = None
-    """The jobs' default container image, exported as `image`; None: none."""
+    """The jobs' default container image, exported as `image`; None: none. On a Container-Optimized
+    OS boot image it defaults to the catalog's COS_DEFAULT_CONTAINER_IMAGE."""
+    users: tuple[str, ...] = ()
+    """IAM members (`user:EMAIL`, `group:EMAIL`, ...) who may log in to the nodes and the
+    controller through OS Login and IAP (infra/access.py grants it)."""
 
     @property
     def region(self) -> str:
@@ -184,7 +198,7 @@ class FleetSpec:
     @property
     def image_os(self) -> str:
         """ "cos" for Container-Optimized OS images, "ubuntu" otherwise: picks NIC names and script paths."""
-        return _image_os(self.image)
+        return boot_image_os(self.image)
 
     @property
     def cluster_labels(self) -> dict[str, str]:
@@ -193,10 +207,6 @@ class FleetSpec:
 
     def node_labels(self, index: int) -> dict[str, str]:
         return {**self.cluster_labels, LABEL_NODE: str(index)}
-
-
-def _image_os(image: str) -> str:
-    return "cos" if "cos-cloud" in image or "/cos-" in image or image.startswith("cos-") else "ubuntu"
 
 
 def _key(name: str) -> str:
@@ -291,6 +301,36 @@ def _labels(key: str, raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(value.items()))
 
 
+# IAM principals that can hold a role (https://cloud.google.com/iam/docs/principal-identifiers):
+# a Google account, a Google group, a service account, or every account of a Workspace domain.
+_MEMBER_RE = re.compile(
+    r"^(user|group|serviceAccount):[A-Za-z0-9._%+'-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$"
+    r"|^domain:[a-z0-9-]+(\.[a-z0-9-]+)+$"
+)
+
+
+def _members(key: str, raw: Any) -> tuple[str, ...]:
+    """A list of IAM members; every bad entry is its own line."""
+    value = _json(raw)
+    example = '["user:ana@example.com", "group:ml-team@example.com"]'
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _fail(_key(key), raw, f"a list of IAM members, e.g. {example}")
+    lines = [
+        str(
+            _fail(
+                f"{_key(key)}[{i}]",
+                v,
+                "an IAM member: user:EMAIL, group:EMAIL, serviceAccount:EMAIL or domain:DOMAIN",
+            )
+        )
+        for i, v in enumerate(value)
+        if not _MEMBER_RE.fullmatch(v)
+    ]
+    if lines:
+        raise ConfigError.of(lines)
+    return tuple(dict.fromkeys(value))
+
+
 def _bucket(key: str, raw: Any) -> str:
     allowed = (
         "a GCS bucket name: 3-63 lowercase letters, digits, '-', '_' or '.', starting and ending "
@@ -314,41 +354,73 @@ def _bucket(key: str, raw: Any) -> str:
     return name
 
 
+class _Errors:
+    """Every refused value of one config, one line each, in the order the keys are checked: a
+    user fixes the whole file in one go instead of one key per run."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, error: ConfigError) -> None:
+        self.lines.extend(error.lines)
+
+    def take(self, check: Any, *args: Any) -> Any:
+        """check(*args), or None (the error kept) when it refuses the value."""
+        try:
+            return check(*args)
+        except ConfigError as e:
+            self.add(e)
+            return None
+
+
 def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     """Validate raw config (full keys: "gpufleet:nodes", "gcp:project", ...) into a FleetSpec.
     Keys of other namespaces (other providers, gcp:region, ...) are ignored.
 
-    Raises ConfigError, naming the first bad key, before anything is declared.
+    Raises ConfigError naming every bad key, one line each (`.lines`), before anything is
+    declared. A rule that relates two keys is checked only when both values are good, so one
+    mistake is never reported twice.
     """
+    errors = _Errors()
     ours = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith(f"{NAMESPACE}:")}
-    unknown = sorted(set(ours) - set(KEYS))
-    if unknown:
-        raise ConfigError(f"config {_key(unknown[0])} is not a gpufleet setting; known: {', '.join(KEYS)}")
+    for name in sorted(set(ours) - set(KEYS)):
+        errors.add(ConfigError(f"config {_key(name)} is not a gpufleet setting; known: {', '.join(KEYS)}"))
 
     get = ours.get
 
     project = raw.get("gcp:project")
     if project is None:
-        raise ConfigError("config gcp:project is not set: run `pulumi config set gcp:project YOUR_PROJECT_ID`")
-    project = _string("gcp:project", project, _PROJECT_RE, "a project ID (6-30 lowercase letters, digits, '-')")
+        errors.add(ConfigError("config gcp:project is not set: run `pulumi config set gcp:project YOUR_PROJECT_ID`"))
+    else:
+        project = errors.take(
+            _string, "gcp:project", project, _PROJECT_RE, "a project ID (6-30 lowercase letters, digits, '-')"
+        )
     zone = raw.get("gcp:zone")
     if zone is None:
-        raise ConfigError(
-            "config gcp:zone is not set: run `pulumi config set gcp:zone us-central1-a` "
-            "(a zone that has your machine type)"
+        errors.add(
+            ConfigError(
+                "config gcp:zone is not set: run `pulumi config set gcp:zone us-central1-a` "
+                "(a zone that has your machine type)"
+            )
         )
-    zone = _string("gcp:zone", zone, _ZONE_RE, "a zone such as us-central1-a")
+    else:
+        zone = errors.take(_string, "gcp:zone", zone, _ZONE_RE, "a zone such as us-central1-a")
 
     mt_raw = get("machineType") if get("machineType") is not None else DEFAULTS["machineType"]
+    machine: MachineType | None = None
     try:
         machine = lookup(mt_raw if isinstance(mt_raw, str) else json.dumps(mt_raw))
     except UnknownMachineType as e:
-        raise ConfigError(f"config {_key('machineType')} = {mt_raw!r} is not allowed: {e}") from None
+        errors.add(ConfigError(f"config {_key('machineType')} = {mt_raw!r} is not allowed: {e}"))
 
-    nodes = DEFAULTS["nodes"] if get("nodes") is None else _int("nodes", get("nodes"), 1, SUBNET_MAX_NODES, 2)
+    nodes = (
+        DEFAULTS["nodes"] if get("nodes") is None else errors.take(_int, "nodes", get("nodes"), 1, SUBNET_MAX_NODES, 2)
+    )
 
+    cluster = None
     if get("name") is not None:
-        cluster = _string(
+        cluster = errors.take(
+            _string,
             "name",
             get("name"),
             _NAME_RE,
@@ -357,145 +429,179 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     elif _NAME_RE.fullmatch(stack):
         cluster = stack
     else:
-        raise ConfigError(
-            f"the stack name {stack!r} cannot name GCE resources (1-40 lowercase letters, digits or '-', "
-            f"starting with a letter); set a cluster name: `pulumi config set {_key('name')} my-cluster`"
+        errors.add(
+            ConfigError(
+                f"the stack name {stack!r} cannot name GCE resources (1-40 lowercase letters, digits or '-', "
+                f"starting with a letter); set a cluster name: `pulumi config set {_key('name')} my-cluster`"
+            )
         )
 
     provisioning = (
         DEFAULTS["provisioning"]
         if get("provisioning") is None
-        else _choice("provisioning", get("provisioning"), _PROVISIONING)
+        else errors.take(_choice, "provisioning", get("provisioning"), _PROVISIONING)
     )
-    if provisioning not in machine.provisioning:
+    if machine is not None and provisioning is not None and provisioning not in machine.provisioning:
         allowed = ", ".join(m for m in _PROVISIONING if m in machine.provisioning)
         # a3-highgpu-1g/2g/4g "must" be created as Spot or Flex-start VMs (A3 note in
         # https://cloud.google.com/compute/docs/accelerator-optimized-machines).
-        raise _fail(_key("provisioning"), provisioning, f"{machine.name} can only be provisioned as: {allowed}")
+        errors.add(_fail(_key("provisioning"), provisioning, f"{machine.name} can only be provisioned as: {allowed}"))
 
     reservation = None
     if get("reservation") is not None:
-        reservation = _string(
+        reservation = errors.take(
+            _string,
             "reservation",
             get("reservation"),
             _RESERVATION_RE,
             "a reservation name (or projects/PROJECT/reservations/NAME for a shared one)",
         )
-        if provisioning != "standard":
-            raise _fail(
-                _key("reservation"),
-                reservation,
-                f"no reservation with provisioning {provisioning!r}: a reservation is consumed by "
-                "standard VMs; drop gpufleet:reservation or set gpufleet:provisioning standard",
+        if reservation is not None and provisioning not in (None, "standard"):
+            errors.add(
+                _fail(
+                    _key("reservation"),
+                    reservation,
+                    f"no reservation with provisioning {provisioning!r}: a reservation is consumed by "
+                    "standard VMs; drop gpufleet:reservation or set gpufleet:provisioning standard",
+                )
             )
 
     max_run_hours = DEFAULTS["maxRunHours"]
     if get("maxRunHours") is not None:
-        max_run_hours = _int("maxRunHours", get("maxRunHours"), 1, 168, 24)
-        if provisioning != "flex-start":
-            raise _fail(_key("maxRunHours"), get("maxRunHours"), "only with gpufleet:provisioning flex-start")
+        max_run_hours = errors.take(_int, "maxRunHours", get("maxRunHours"), 1, 168, 24)
+        if max_run_hours is not None and provisioning not in (None, "flex-start"):
+            errors.add(_fail(_key("maxRunHours"), get("maxRunHours"), "only with gpufleet:provisioning flex-start"))
 
     # Compact placement is the default for a multi-node fleet. With a reservation the reservation's
     # own placement applies instead (github.com/dstackai/dstack GCP backend: "Cannot use our own
     # placement policies when provisioning in a reservation"), so the default there is none.
     if get("placement") is not None:
-        placement = _choice("placement", get("placement"), _PLACEMENTS)
+        placement = errors.take(_choice, "placement", get("placement"), _PLACEMENTS)
     else:
-        placement = "compact" if nodes > 1 and reservation is None else "none"
-    if placement == "compact":
+        placement = "compact" if (nodes or 0) > 1 and reservation is None else "none"
+    if placement == "compact" and nodes is not None:
         if nodes < 2:
-            raise _fail(
-                _key("placement"), placement, "compact needs gpufleet:nodes >= 2; set placement none for one node"
+            errors.add(
+                _fail(
+                    _key("placement"), placement, "compact needs gpufleet:nodes >= 2; set placement none for one node"
+                )
             )
         if reservation is not None:
-            raise _fail(
-                _key("placement"),
-                placement,
-                "none with a reservation: the reservation's own placement policy applies",
+            errors.add(
+                _fail(
+                    _key("placement"),
+                    placement,
+                    "none with a reservation: the reservation's own placement policy applies",
+                )
             )
         if nodes > COMPACT_PLACEMENT_MAX_VMS:
-            raise _fail(
-                _key("nodes"),
-                nodes,
-                f"at most {COMPACT_PLACEMENT_MAX_VMS} nodes in one compact placement policy "
-                "(Cluster Toolkit's Slurm resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
+            errors.add(
+                _fail(
+                    _key("nodes"),
+                    nodes,
+                    f"at most {COMPACT_PLACEMENT_MAX_VMS} nodes in one compact placement policy "
+                    "(Cluster Toolkit's Slurm resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
+                )
             )
 
     max_distance = None
     if get("maxDistance") is not None:
         # cluster-toolkit community/modules/compute/schedmd-slurm-gcp-v6-nodeset: valid values null,
         # 1, 2, 3; the catalog knows which types refuse 1.
-        max_distance = _int("maxDistance", get("maxDistance"), machine.min_placement_distance, 3, 2)
-        if placement != "compact":
-            raise _fail(_key("maxDistance"), get("maxDistance"), "only with gpufleet:placement compact")
+        lowest = machine.min_placement_distance if machine is not None else 1
+        max_distance = errors.take(_int, "maxDistance", get("maxDistance"), lowest, 3, 2)
+        if max_distance is not None and placement not in (None, "compact"):
+            errors.add(_fail(_key("maxDistance"), get("maxDistance"), "only with gpufleet:placement compact"))
 
-    image = machine.default_image
+    image = machine.default_image if machine is not None else None
     if get("image") is not None:
-        image = _string(
+        image = errors.take(
+            _string,
             "image",
             get("image"),
             _IMAGE_RE,
             "an image path such as projects/ubuntu-os-accelerator-images/global/images/family/NAME",
         )
-        if _image_os(image) not in machine.image_oses:
+        if image is not None and machine is not None and boot_image_os(image) not in machine.image_oses:
             # tcpxo.sh and rdma.sh install their plugin, DKMS module and gIB packages with apt;
             # COS has no package manager, so the node would fail at boot (catalog image_oses).
-            raise _fail(
-                _key("image"),
-                image,
-                f"an Ubuntu image: {machine.name} ({machine.net_stack.value}) installs its NCCL "
-                "plugin with apt, which Container-Optimized OS does not have",
+            errors.add(
+                _fail(
+                    _key("image"),
+                    image,
+                    f"an Ubuntu image: {machine.name} ({machine.net_stack.value}) installs its NCCL "
+                    "plugin with apt, which Container-Optimized OS does not have",
+                )
             )
 
     boot = (
         DEFAULTS["bootDiskSizeGb"]
         if get("bootDiskSizeGb") is None
-        else _int("bootDiskSizeGb", get("bootDiskSizeGb"), 50, 65536, 200)
+        else errors.take(_int, "bootDiskSizeGb", get("bootDiskSizeGb"), 50, 65536, 200)
     )
-    external_ip = DEFAULTS["externalIp"] if get("externalIp") is None else _bool("externalIp", get("externalIp"))
+    external_ip = (
+        DEFAULTS["externalIp"] if get("externalIp") is None else errors.take(_bool, "externalIp", get("externalIp"))
+    )
     ssh = (
         DEFAULTS["sshSourceRanges"]
         if get("sshSourceRanges") is None
-        else _cidrs("sshSourceRanges", get("sshSourceRanges"))
+        else errors.take(_cidrs, "sshSourceRanges", get("sshSourceRanges"))
     )
 
     service_account = None
     if get("serviceAccount") is not None:
-        service_account = _string(
+        service_account = errors.take(
+            _string,
             "serviceAccount",
             get("serviceAccount"),
             _SA_RE,
             "a service account email such as nodes@PROJECT.iam.gserviceaccount.com",
         )
-    bucket = None if get("checkpointBucket") is None else _bucket("checkpointBucket", get("checkpointBucket"))
-    labels = () if get("labels") is None else _labels("labels", get("labels"))
+    bucket = (
+        None if get("checkpointBucket") is None else errors.take(_bucket, "checkpointBucket", get("checkpointBucket"))
+    )
+    labels = () if get("labels") is None else errors.take(_labels, "labels", get("labels"))
 
-    controller = DEFAULTS["controller"] if get("controller") is None else _bool("controller", get("controller"))
+    controller = (
+        DEFAULTS["controller"] if get("controller") is None else errors.take(_bool, "controller", get("controller"))
+    )
     controller_source = DEFAULTS["controllerSource"]
     if get("controllerSource") is not None:
-        controller_source = _string(
+        controller_source = errors.take(
+            _string,
             "controllerSource",
             get("controllerSource"),
             _SOURCE_RE,
             "a pip source without credentials (it is kept in instance metadata): "
             "git+https://HOST/OWNER/REPO.git[@REF] or https://HOST/PATH.whl (.tar.gz, .zip)",
         )
-        if not controller:
-            raise _fail(_key("controllerSource"), controller_source, "only with gpufleet:controller true")
+        if controller_source is not None and controller is False:
+            errors.add(_fail(_key("controllerSource"), controller_source, "only with gpufleet:controller true"))
 
     package_index = (
-        DEFAULTS["packageIndex"] if get("packageIndex") is None else _bool("packageIndex", get("packageIndex"))
+        DEFAULTS["packageIndex"]
+        if get("packageIndex") is None
+        else errors.take(_bool, "packageIndex", get("packageIndex"))
     )
     container_image = None
     if get("containerImage") is not None:
-        container_image = _string(
+        container_image = errors.take(
+            _string,
             "containerImage",
             get("containerImage"),
             _CONTAINER_IMAGE_RE,
             "a container image such as us-central1-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE:TAG "
             "(or @sha256:DIGEST); gpufleet:image is the nodes' boot disk image",
         )
+    elif image is not None and boot_image_os(image) == "cos":
+        # COS has no Python to build the jobs' environment in: without an image of the user's,
+        # the ranks run in a pinned PyTorch image (docs/fleet.md, "Boot image").
+        container_image = COS_DEFAULT_CONTAINER_IMAGE
 
+    users = () if get("users") is None else errors.take(_members, "users", get("users"))
+
+    if errors.lines:
+        raise ConfigError.of(errors.lines)
     return FleetSpec(
         cluster=cluster,
         project=project,
@@ -518,6 +624,7 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         controller_source=controller_source,
         package_index=package_index,
         container_image=container_image,
+        users=users,
     )
 
 
@@ -613,7 +720,7 @@ def read_stack_config(path: str) -> tuple[dict[str, Any], str]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m infra.config Pulumi.<stack>.yaml`: check a stack's config before `pulumi up`.
-    Prints what the fleet would be, or one line naming the bad key; exit 0, or 2 (usage error)."""
+    Prints what the fleet would be, or one line per bad key; exit 0, or 2 (usage error)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -623,13 +730,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = read_stack_file(args[0])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in e.lines:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     for warning in spec_warnings(spec):
         print(f"warning: {warning}", file=sys.stderr)
     print(
         f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
-        f"placement {spec.placement}{', a controller VM' if spec.controller else ', no controller VM'})"
+        f"placement {spec.placement}{', a controller VM' if spec.controller else ', no controller VM'}); "
+        f"boots {spec.image}" + (f", jobs run in {spec.container_image}" if spec.container_image else "")
     )
     return 0
 

@@ -37,8 +37,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpufleet import atomic
-from gpufleet.catalog import on_demand_price
-from gpufleet.contracts import LABEL_CONTROLLER, LABEL_NODE
+from gpufleet.catalog import HOURS_PER_MONTH, machine_price, on_demand_price
+from gpufleet.contracts import LABEL_CONTROLLER, LABEL_NODE, boot_image_os
 from infra.config import ConfigError, parse_spec, read_stack_config, spec_warnings
 from infra.mocks import Declared, RecordingMocks, run_under_mocks
 from infra.registries import FREE_GB, PRICING_SOURCE, STORAGE_USD_PER_GB_MONTH
@@ -156,17 +156,50 @@ def _rank(inst: Declared) -> tuple[int, str]:
     return (int(index) if index.isdigit() else sys.maxsize, inst.inputs.get("name", inst.name))
 
 
+_PROVISIONING_MODELS = ("standard", "spot", "flex-start")
+
+
+def _node_cost(machine_type: str | None, count: int, provisioning: str | None) -> dict[str, Any]:
+    """What the GPU nodes cost per hour and per month under each provisioning model the catalog
+    prices (gpufleet.catalog.machine_price); a model it has no price for is None, never guessed."""
+    price = machine_price(machine_type)
+    cost: dict[str, Any] = {"machineType": machine_type, "nodes": count, "provisioning": provisioning}
+    if price is None:
+        return {
+            **cost,
+            "region": None,
+            "source": None,
+            "retrieved": None,
+            "models": dict.fromkeys(_PROVISIONING_MODELS),
+        }
+    models: dict[str, Any] = {}
+    for model in _PROVISIONING_MODELS:
+        per_node = price.usd_per_hour(model)
+        models[model] = (
+            None
+            if per_node is None
+            else {
+                "usdPerNodeHour": round(per_node, 4),
+                "usdPerHour": round(per_node * count, 2),
+                "usdPerMonth": round(per_node * count * HOURS_PER_MONTH, 2),
+            }
+        )
+    return {**cost, "region": price.region, "source": price.source, "retrieved": price.retrieved, "models": models}
+
+
 def _grants_to(preview: Preview, inputs: dict[int, dict[str, Any]], member: str) -> list[dict[str, str]]:
-    """Every IAM grant the program binds to `member`: on instances, buckets, repositories and the
-    project; instance grants first, then by what they are on."""
+    """Every IAM grant the program binds to `member`: on instances, IAP tunnels, service accounts,
+    buckets, repositories and the project; instance grants first, then by what they are on."""
     kinds = (
         ("InstanceIAMMember", "instance", "instanceName"),
+        ("TunnelInstanceIAMMember", "instance", "instance"),
+        ("gcp:serviceaccount/iAMMember:IAMMember", "service account", "serviceAccountId"),
         ("BucketIAMMember", "bucket", "bucket"),
         ("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember", "repository", "repository"),
         ("gcp:projects/iAMMember:IAMMember", "project", "project"),
     )
     grants = [
-        {"role": inputs[id(g)]["role"], "on": f"{kind} {inputs[id(g)][key]}"}
+        {"role": inputs[id(g)]["role"], "on": f"{kind} {_last(inputs[id(g)][key])}"}
         for token, kind, key in kinds
         for g in preview.of_type(token)
         if inputs[id(g)].get("member") == member
@@ -243,7 +276,12 @@ def summarize(preview: Preview, *, stack: str, warnings: list[str] | tuple[str, 
                 "reservation": (affinity.get("specificReservation") or {}).get("values", [None])[0],
                 "serviceAccount": (i.get("serviceAccount") or {}).get("email"),
                 "labels": dict(sorted((i.get("labels") or {}).items())),
-                "bootDisk": {"image": disk.get("image"), "type": disk.get("type"), "sizeGb": disk.get("size")},
+                "bootDisk": {
+                    "image": disk.get("image"),
+                    "os": boot_image_os(disk.get("image") or ""),
+                    "type": disk.get("type"),
+                    "sizeGb": disk.get("size"),
+                },
             }
         )
 
@@ -367,6 +405,16 @@ def summarize(preview: Preview, *, stack: str, warnings: list[str] | tuple[str, 
                 "retrieved": price.retrieved,
             },
         }
+    members = sorted(
+        {
+            inputs[id(g)]["member"]
+            for g in preview.of_type("gcp:iap/tunnelInstanceIAMMember:TunnelInstanceIAMMember")
+            if inputs[id(g)].get("role") == "roles/iap.tunnelResourceAccessor"
+        }
+    )
+    users = [{"member": m, "grants": _grants_to(preview, inputs, m)} for m in members]
+    sched = nodes[0]["scheduling"] if nodes else {}
+    node_cost = _node_cost(out.get("machineType"), len(nodes), _model(sched.get("provisioningModel")))
     return {
         "stack": stack,
         "cluster": out.get("cluster"),
@@ -380,12 +428,24 @@ def summarize(preview: Preview, *, stack: str, warnings: list[str] | tuple[str, 
         "placementPolicies": policies,
         "nodes": nodes,
         "controller": controller,
+        "nodeCost": node_cost,
+        "bootImage": out.get("bootImage"),
+        "containerImage": out.get("image"),
+        "users": users,
         "serviceAccount": account,
         "buckets": buckets,
         "registries": registries,
         "firewalls": firewalls,
         "outputs": out,
     }
+
+
+def _model(provisioning_model: str | None) -> str | None:
+    """The stack's provisioning setting from the instances' scheduling (SPOT, FLEX_START, STANDARD
+    or RESERVATION_BOUND, which is standard VMs consuming a reservation)."""
+    return {"SPOT": "spot", "FLEX_START": "flex-start", "STANDARD": "standard", "RESERVATION_BOUND": "standard"}.get(
+        provisioning_model or ""
+    )
 
 
 def outputs_document(preview: Preview) -> dict[str, Any]:
@@ -507,6 +567,25 @@ def _render(summary: dict[str, Any], console: Console) -> None:
             )
         console.print(t)
 
+    t = table("Boot disks", "node", "image", "OS", "type", "size (GB)")
+    for n in s["nodes"]:
+        d = n["bootDisk"]
+        t.add_row(n["name"], escape(str(d["image"])), d["os"], str(d["type"] or ""), str(d["sizeGb"] or ""))
+    console.print(t)
+    boot = s.get("bootImage") or {}
+    if boot:
+        runs = (
+            f"jobs run in {s['containerImage']} unless `launch --image` names another"
+            if s.get("containerImage")
+            else "jobs run on the node in an environment gpufleet builds with uv"
+        )
+        console.print(f"nodes boot [bold]{escape(_boot(boot))}[/bold]; {escape(runs)}")
+    _render_cost(s, console)
+    for u in s.get("users") or []:
+        console.print(
+            _grants_table(table("Who may log in (gpufleet:users)", "member", "role", "on"), u["member"], u["grants"])
+        )
+
     a = s["serviceAccount"]
     how = "created" if a["created"] else "existing: these grants are added to it"
     console.print(
@@ -583,6 +662,47 @@ def _render(summary: dict[str, Any], console: Console) -> None:
     console.print("[dim]Preview under Pulumi's mocks: no credentials used, nothing created.[/dim]")
 
 
+def _boot(disk: dict[str, Any]) -> str:
+    """A boot image as a person reads it: `projects/cos-cloud/global/images/family/cos-105-lts (cos)`."""
+    return f"{disk.get('image') or 'unknown'} ({disk.get('os')})"
+
+
+def _money(usd: float) -> str:
+    return f"${usd:,.2f}" if usd >= 1 else f"${usd:.4f}"
+
+
+def _render_cost(s: dict[str, Any], console: Console) -> None:
+    """The GPU nodes per hour and per month under each provisioning model, and the controller VM."""
+    cost = s["nodeCost"]
+    t = Table(title="Cost (list prices)", title_justify="left", title_style="bold")
+    for c in ("what", "provisioning", "per hour", "per month (730 h)"):
+        t.add_column(c, justify="right" if c.startswith("per") else "left")
+    what = f"{cost['nodes']} x {cost['machineType']}"
+    for model in _PROVISIONING_MODELS:
+        m = cost["models"][model]
+        mine = " (this stack)" if model == cost["provisioning"] else ""
+        if m is None:
+            t.add_row(what, f"{model}{mine}", "n/a", "n/a")
+        else:
+            t.add_row(what, f"{model}{mine}", _money(m["usdPerHour"]), _money(m["usdPerMonth"]))
+    c = s["controller"]
+    if c is not None:
+        cc = c["cost"]
+        t.add_row(
+            f"controller {c['machineType']}",
+            "standard",
+            _money(cc["usdPerHour"]) if cc else "n/a",
+            _money(cc["usdPerMonth"]) if cc else "n/a",
+        )
+    where = f"in {cost['region']}" if cost["region"] else "unknown"
+    src = f"; {cost['source']}, {cost['retrieved']}" if cost["source"] else "; the catalog has no price for this type"
+    t.caption = (
+        f"GPU node prices {where}{src}. n/a: no price in that source. Other regions differ; boot disks, "
+        "network and storage are not included; Spot prices change (an estimate at that date)."
+    )
+    console.print(t)
+
+
 def _check_outputs_place(path: Path) -> None:
     """Fail before the preview when `path` cannot be written (its directory missing or read-only,
     or `path` a directory): the atomic writer's own temporary file is created and removed."""
@@ -654,7 +774,9 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error: {escape(e.format_message())} (`python -m infra.preview -h` lists the options)[/red]")
         return 2
     except click.ClickException as e:
-        err.print(f"[red]error: {escape(e.format_message())}[/red]")
+        # A stack file with several bad keys: one `error:` line for each (infra.config.ConfigError).
+        for line in e.format_message().splitlines():
+            err.print(f"[red]error: {escape(line)}[/red]")
         return 2
     except click.Abort:
         err.print("[red]aborted[/red]")

@@ -104,7 +104,7 @@ def doctor(as_json: bool, min_free_gb: float, rank_order: str | None, **o: Any) 
     cluster = find_cluster(o)
     config = build_config(o, Workload("exec", ("true",)), cluster)
     if config.dry_run:
-        programs = doctor_programs(cluster, config, o.get("image_os"))
+        programs = doctor_programs(cluster, config, config.image_os)  # --image-os, else the stack's bootImage
         env = stdin_env(config)
         if env:
             err.print(f"[dim]each node reads on stdin: {' '.join(f'{k}=<from --env, hidden>' for k, _ in env)}[/dim]")
@@ -112,7 +112,7 @@ def doctor(as_json: bool, min_free_gb: float, rank_order: str | None, **o: Any) 
             click.echo(f"{n.host}\t{programs[n.rank]}")
         return
     with err.status(f"checking {len(cluster.nodes)} nodes…"):
-        found = run_doctor(cluster, config, o.get("image_os"), min_free_gb, rank_order)
+        found = run_doctor(cluster, config, config.image_os, min_free_gb, rank_order)
     if as_json:
         click.echo(json.dumps(to_json(found), indent=2))
     else:

@@ -145,8 +145,20 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
         if sync is not None or o.get("requirements"):
             raise UserError("--sync and --requirements send to nodes over SSH; --local runs here: drop them")
         return CodeRequest()
-    if image:  # the image brings the environment (and gpufleet's code); --sync's directory is mounted
-        return CodeRequest(sync=sync, sync_root=sync_root, fanout=o.get("sync_fanout") or DEFAULT_FANOUT)
+    if image:
+        # The image brings the environment; --sync's directory is mounted, and for launch train and
+        # nccl-tests gpufleet's own code too (launcher.core.container), so a stock PyTorch image
+        # (the stack's default on COS) runs them.
+        code = code_snapshot() if builtin and not own_python else None
+        import gpufleet
+
+        return CodeRequest(
+            code=code,
+            code_root=Path(gpufleet.__file__).resolve().parent.parent if code is not None else None,
+            sync=sync,
+            sync_root=sync_root,
+            fanout=o.get("sync_fanout") or DEFAULT_FANOUT,
+        )
     if builtin and not own_python:
         defined = ("requirements.txt", {"requirements.txt": workloads_requirements()})
     else:

@@ -468,6 +468,13 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
     """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
     ssh = ssh_config(o, cluster)
     image = o.get("image") or cluster.image
+    if not image and cluster.boot_os == "cos" and workload.kind == "torchrun":
+        # COS has no Python to build the job's environment with (the stack's `bootImage` says
+        # what the nodes boot): torchrun's ranks can only run in a container image.
+        raise UserError(
+            f"the nodes of {cluster.name} boot Container-Optimized OS, which has no Python for the job: "
+            "pass --image IMAGE (a container with torch), or set gpufleet:containerImage in the stack"
+        )
     if image and o.get("python"):
         raise UserError(
             f"--image runs the image's own python3, so --python {o['python']!r} does not apply; "
@@ -485,7 +492,8 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         workdir=o.get("workdir"),
         env=parse_env_pairs(o.get("env", ()), o.get("env_file", ())),
         nccl_debug=o.get("nccl_debug", False),
-        image_os=o.get("image_os"),
+        # The stack's bootImage names the OS; --image-os overrides it (None: the machine type's).
+        image_os=o.get("image_os") or cluster.boot_os,
         # --local runs on this machine: the launcher's own interpreter has torch if workloads do.
         python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
         job_id=_job_id(o),

@@ -124,6 +124,20 @@ def _mount(host: str, container: str, read_only: bool) -> str:
     return f"type=bind,src={host},dst={container}" + (",readonly" if read_only else "")
 
 
+# gpufleet's own code as launcher.code sent it (`~/.gpufleet/snap/HASH`, on PYTHONPATH): a stock
+# image (the stack's default PyTorch image on COS) has torch but not gpufleet's workloads, so the
+# snapshot goes in too, read-only, at the same path. Other PYTHONPATH entries are the image's own.
+_SNAPSHOT_RE = re.compile(r"/[^,]*/\.gpufleet/snap/[^/,]+")
+
+
+def _code_mounts(env: Mapping[str, str]) -> list[str]:
+    return [
+        _mount(d, d, read_only=True)
+        for d in dict.fromkeys(env.get("PYTHONPATH", "").split(":"))
+        if _SNAPSHOT_RE.fullmatch(d)
+    ]
+
+
 def container_argv(
     wiring: Wiring,
     image: str,
@@ -144,6 +158,8 @@ def container_argv(
         opts += ["--device", d]
     for m in wiring.mounts:
         opts += ["--mount", _mount(m.host, m.container, m.read_only)]
+    for m in _code_mounts(env):
+        opts += ["--mount", m]
     opts += ["-e", f"{RUN_VAR}={token_value}"]
     for key in dict.fromkeys([*env, *extra_env]):
         if key not in PREPEND_PATH_VARS and key != RUN_VAR:

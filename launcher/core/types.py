@@ -117,6 +117,7 @@ class Cluster:
     controller: ControllerHost | None = None  # None: node 0 runs detached jobs' controllers
     package_index: str | None = None  # the stack output packageIndex: where nodes get packages
     image: str | None = None  # the stack's default container image (its `image` output), if any
+    boot_os: str | None = None  # what the nodes boot ("ubuntu" | "cos", the `bootImage` output); None: unknown
 
     def __post_init__(self) -> None:
         if not self.nodes:

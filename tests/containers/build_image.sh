@@ -2,8 +2,8 @@
 # Builds the tests' Python image from this machine's own files, no registry or network needed:
 # a root filesystem of hard links (cp -al; copies where another filesystem) holding the
 # interpreter that runs the venv (its standard library, without its test suite and its own
-# site-packages), the venv's torch and its pure-Python dependencies in that interpreter's
-# site-packages, the shared libraries they link, and dash as /bin/sh; then
+# site-packages), the venv's torch and numpy (what a stock PyTorch image holds and gpufleet's
+# workloads import) and torch's pure-Python dependencies in that interpreter's site-packages, the shared libraries they link, and dash as /bin/sh; then
 # `podman import` of it as IMAGE (a tar stream on stdin, nothing written but the image).
 #   build_image.sh VENV IMAGE
 set -euo pipefail
@@ -24,11 +24,11 @@ for f in "$prefix/lib/python$ver"/*; do
 done
 dst="$prefix/lib/python$ver/site-packages"
 mkdir -p "$stage$dst"
-for p in torch torchgen functorch sympy mpmath networkx filelock fsspec jinja2 markupsafe typing_extensions.py; do
+for p in torch torchgen functorch numpy numpy.libs sympy mpmath networkx filelock fsspec jinja2 markupsafe typing_extensions.py; do
   [ -e "$site/$p" ] && link "$site/$p" "$dst/$p"
 done
 for d in "$site"/*.dist-info; do
-  case ${d##*/} in torch-* | sympy-* | mpmath-* | networkx-* | filelock-* | fsspec-* | jinja2-* | markupsafe-* | typing_extensions-*) link "$d" "$dst/${d##*/}" ;; esac
+  case ${d##*/} in torch-* | numpy-* | sympy-* | mpmath-* | networkx-* | filelock-* | fsspec-* | jinja2-* | markupsafe-* | typing_extensions-*) link "$d" "$dst/${d##*/}" ;; esac
 done
 rm -rf "$stage$dst/torch/include"
 mkdir -p "$stage/usr/local/bin" "$stage/bin" "$stage/tmp" "$stage/etc"

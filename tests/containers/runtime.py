@@ -48,7 +48,7 @@ def _podman(env: dict[str, str], *args: str, check: bool = True) -> subprocess.C
 
 # What build_image.sh copies from the venv: a change to any of them (or to the script, or to the
 # interpreter) is a new image.
-_IMAGE_PACKAGES = ("torch", "sympy", "mpmath", "networkx", "filelock", "fsspec", "jinja2", "markupsafe")
+_IMAGE_PACKAGES = ("torch", "numpy", "sympy", "mpmath", "networkx", "filelock", "fsspec", "jinja2", "markupsafe")
 
 
 def python_image_name() -> str:

@@ -108,3 +108,21 @@ def test_only_stacks_that_install_with_apt_refuse_container_optimized_os(name):
     apt = t.net_stack in (NetStack.TCPXO, NetStack.RDMA)
     assert t.image_oses == (("ubuntu",) if apt else ("ubuntu", "cos"))
     assert t.image_os in t.image_oses  # the default image boots
+
+
+def test_each_provisioning_model_has_its_price_or_none_and_flex_start_is_never_guessed():
+    from gpufleet.catalog import MACHINE_PRICES
+
+    for price in MACHINE_PRICES.values():
+        assert price.usd_per_hour("standard") == price.on_demand_usd_per_hour
+        assert price.usd_per_hour("spot") == price.spot_usd_per_hour < price.on_demand_usd_per_hour
+        # The cited source carries no Flex-start price for any type.
+        assert price.usd_per_hour("flex-start") is None
+
+
+def test_the_cos_default_container_image_is_pinned_by_digest():
+    import re
+
+    from gpufleet.catalog import COS_DEFAULT_CONTAINER_IMAGE
+
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:25\.01-py3@sha256:[0-9a-f]{64}", COS_DEFAULT_CONTAINER_IMAGE)

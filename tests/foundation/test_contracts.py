@@ -176,6 +176,9 @@ def test_a_gap_in_the_indexes_names_the_missing_index_and_the_fix(indexes, missi
         ({"nodes": [_node(0), _node(0, "10.0.0.9")]}, "node indexes repeat: [0, 0]"),
         ({"nodes": [_node(0)], "machineType": 8}, "machineType is 8, not a string"),
         ({"nodes": [_node(0)], "zone": {"z": 1}}, "zone is {'z': 1}, not a string"),
+        ({"nodes": [_node(0)], "bootImage": "cos"}, "'bootImage' is str, not an object"),
+        ({"nodes": [_node(0)], "bootImage": {"os": "windows", "image": "x"}}, "bootImage.os is 'windows'"),
+        ({"nodes": [_node(0)], "bootImage": {"os": "cos"}}, "bootImage has no image"),
     ],
 )
 def test_bad_outputs_are_one_line_naming_the_culprit(doc, culprit):
@@ -211,3 +214,41 @@ def test_the_sweep_json_line_carries_rows_that_read_back():
 )
 def test_a_node_programs_own_error_line_is_known_by_its_prefix(line, own):
     assert is_error_line(line) is own
+
+
+@pytest.mark.parametrize(
+    "image, os_, family",
+    [
+        ("projects/cos-cloud/global/images/family/cos-105-lts", "cos", "cos-105-lts"),
+        ("projects/cos-cloud/global/images/cos-105-17412-535-78", "cos", None),
+        (
+            "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accelerator-2404-amd64-with-nvidia-580",
+            "ubuntu",
+            "ubuntu-accelerator-2404-amd64-with-nvidia-580",
+        ),
+        ("projects/my-proj/global/images/my-tcpx-image", "ubuntu", None),
+    ],
+)
+def test_the_boot_image_output_says_os_image_and_family_and_reads_back(image, os_, family):
+    from gpufleet.contracts import BOOT_IMAGE_KEYS, StackBootImage, boot_image_output
+
+    out = boot_image_output(image)
+    assert tuple(out) == BOOT_IMAGE_KEYS and out == {"os": os_, "image": image, "family": family}
+    doc = stack_outputs(
+        cluster="demo",
+        project="proj-1",
+        zone="us-central1-a",
+        machine_type="a3-highgpu-8g",
+        nodes=[_node(0)],
+        placement_policy=None,
+        networks=[],
+        checkpoint_bucket=None,
+        boot_image=out,
+    )
+    assert parse_stack_outputs(json.loads(json.dumps(doc))).boot_image == StackBootImage(os_, image, family)
+
+
+def test_outputs_written_before_boot_image_existed_still_read():
+    doc = {"nodes": [_node(0)], "machineType": "a3-highgpu-8g"}
+    assert parse_stack_outputs(doc).boot_image is None
+    assert parse_stack_outputs({**doc, "bootImage": None}).boot_image is None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpufleet.catalog import known_types
+from gpufleet.catalog import COS_DEFAULT_CONTAINER_IMAGE, known_types
 from infra.config import (
     COMPACT_PLACEMENT_MAX_VMS,
     IAP_RANGE,
@@ -42,6 +42,9 @@ def test_defaults_describe_a_two_node_a3_high_fleet_reachable_only_through_iap()
     assert s.external_ip is False
     assert s.ssh_source_ranges == (IAP_RANGE,)
     assert s.image == "projects/cos-cloud/global/images/family/cos-105-lts" and s.image_os == "cos"
+    # COS has no Python for the job: the ranks run in the catalog's pinned PyTorch image.
+    assert s.container_image == COS_DEFAULT_CONTAINER_IMAGE and "@sha256:" in s.container_image
+    assert s.users == ()
     assert s.region == "us-central1"
     assert s.service_account is None and s.checkpoint_bucket is None
 
@@ -192,6 +195,7 @@ WRONG_TYPES = {
     "controllerSource": 3,
     "packageIndex": "maybe",
     "containerImage": ["train:v1"],
+    "users": "user:ana@example.com",
     "gcp:project": 42,
     "gcp:zone": ["us-central1-a"],
 }
@@ -330,7 +334,7 @@ def test_ssh_open_to_the_internet_on_public_addresses_warns_in_the_check(tmp_pat
 
 
 def test_the_package_index_is_on_by_default_and_a_container_image_is_optional():
-    s = spec()
+    s = spec(machineType="a3-megagpu-8g")  # Ubuntu: jobs run on the node unless an image is named
     assert s.package_index is True and s.container_image is None
     assert spec(packageIndex=False).package_index is False
     for image in (
@@ -346,3 +350,63 @@ def test_the_package_index_is_on_by_default_and_a_container_image_is_optional():
 def test_a_container_image_that_is_no_image_reference_is_one_line(image):
     with pytest.raises(ConfigError, match=r"^config gpufleet:containerImage = .* is not allowed: a container image"):
         spec(containerImage=image)
+
+
+# ---- every bad key at once -------------------------------------------------------------------------
+
+
+def test_three_bad_keys_give_three_lines_in_the_check(tmp_path, capsys):
+    from infra.config import main
+
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(
+        "config:\n  gcp:project: gpufleet-test\n  gcp:zone: us-central1-a\n"
+        "  gpufleet:nodes: two\n  gpufleet:bootDiskSizeGb: big\n  gpufleet:externalIp: maybe\n"
+    )
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == ""
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("error: config gpufleet:nodes = 'two' is not allowed: a whole number")
+    assert lines[1].startswith("error: config gpufleet:bootDiskSizeGb = 'big' is not allowed")
+    assert lines[2] == "error: config gpufleet:externalIp = 'maybe' is not allowed: true or false"
+
+
+def test_every_bad_key_is_its_own_line_and_a_rule_between_keys_waits_for_both():
+    with pytest.raises(ConfigError) as e:
+        spec(**{"gcp:zone": "nowhere"}, nodes=0, provisioning="cheap", maxRunHours=5, colour="red")
+    lines = e.value.lines
+    assert str(e.value) == "\n".join(lines)
+    # The misspelled key, the zone, nodes, provisioning; maxRunHours's rule (flex-start only) is
+    # not judged against a provisioning that is itself refused.
+    assert [line.split()[1] for line in lines] == [
+        "gpufleet:colour",
+        "gcp:zone",
+        "gpufleet:nodes",
+        "gpufleet:provisioning",
+    ], lines
+
+
+def test_missing_project_and_zone_are_both_named():
+    with pytest.raises(ConfigError) as e:
+        parse_spec({}, stack="dev")
+    assert [line.split()[1] for line in e.value.lines] == ["gcp:project", "gcp:zone"]
+
+
+# ---- gpufleet:users ----------------------------------------------------------------------------------
+
+
+def test_users_are_iam_members_kept_in_order_without_repeats():
+    members = ["user:ana@example.com", "group:ml-team@example.com", "user:ana@example.com", "domain:example.com"]
+    assert spec(users=members).users == ("user:ana@example.com", "group:ml-team@example.com", "domain:example.com")
+
+
+def test_each_bad_user_entry_is_its_own_line():
+    with pytest.raises(ConfigError) as e:
+        spec(users=["ana@example.com", "user:bob@example.com", "role:owner", "group:"])
+    lines = e.value.lines
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("config gpufleet:users[0] = 'ana@example.com' is not allowed: an IAM member: user:EMAIL")
+    assert lines[1].startswith("config gpufleet:users[2] = 'role:owner'")
+    assert lines[2].startswith("config gpufleet:users[3] = 'group:'")

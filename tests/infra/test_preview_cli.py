@@ -423,3 +423,78 @@ def test_an_existing_account_shows_every_grant_and_open_ssh_warns(capsys, tmp_pa
     s = json.loads(out)
     assert s["warnings"] and s["outputs"]["packageIndex"] is None
     assert s["serviceAccount"]["created"] is False and len(s["serviceAccount"]["grants"]) == 4
+
+
+def test_every_bad_key_is_its_own_line_in_the_preview_as_in_the_config_check(tmp_path):
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(
+        "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n"
+        "  gpufleet:nodes: two\n  gpufleet:bootDiskSizeGb: big\n  gpufleet:externalIp: maybe\n"
+    )
+    check = subprocess.run([sys.executable, "-m", "infra.config", str(path)], capture_output=True, text=True, cwd=ROOT)
+    preview = subprocess.run(
+        [sys.executable, "-m", "infra.preview", str(path)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert (check.returncode, check.stdout) == (2, "")
+    assert (preview.returncode, preview.stdout, preview.stderr) == (2, "", check.stderr)
+    assert check.stderr.splitlines() == [
+        "error: config gpufleet:nodes = 'two' is not allowed: a whole number from 1 to 4092 (e.g. 2)",
+        "error: config gpufleet:bootDiskSizeGb = 'big' is not allowed: a whole number from 50 to 65536 (e.g. 200)",
+        "error: config gpufleet:externalIp = 'maybe' is not allowed: true or false",
+    ]
+
+
+def test_the_default_stack_prices_its_gpu_nodes_beside_the_controller_and_says_what_they_boot(capsys, tmp_path):
+    from gpufleet.catalog import COS_DEFAULT_CONTAINER_IMAGE, HOURS_PER_MONTH, machine_price, on_demand_price
+
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text("config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n")
+    rc, out, _ = run_main(capsys, str(path), "--json")
+    assert rc == 0
+    s = json.loads(out)
+    price = machine_price("a3-highgpu-8g")
+    cost = s["nodeCost"]
+    assert (cost["machineType"], cost["nodes"], cost["provisioning"], cost["region"]) == (
+        "a3-highgpu-8g",
+        2,
+        "standard",
+        price.region,
+    )
+    standard, spot = cost["models"]["standard"], cost["models"]["spot"]
+    assert standard["usdPerHour"] == round(2 * price.on_demand_usd_per_hour, 2) == 176.98
+    assert standard["usdPerMonth"] == round(2 * price.on_demand_usd_per_hour * HOURS_PER_MONTH, 2)
+    assert spot["usdPerHour"] == round(2 * price.spot_usd_per_hour, 2)
+    assert cost["models"]["flex-start"] is None  # the source has no Flex-start price: n/a, not a guess
+    assert s["controller"]["cost"]["usdPerMonth"] == round(on_demand_price("e2-standard-2").usd_per_month, 2)
+    assert s["bootImage"] == {
+        "os": "cos",
+        "image": "projects/cos-cloud/global/images/family/cos-105-lts",
+        "family": "cos-105-lts",
+    }
+    assert s["containerImage"] == COS_DEFAULT_CONTAINER_IMAGE
+    assert {n["bootDisk"]["os"] for n in s["nodes"]} == {"cos"}
+
+    rc, out, _ = run_main(capsys, str(path))
+    assert rc == 0
+    assert re.search(r"│ 2 x a3-highgpu-8g\s+│ standard \(this stack\)\s+│\s+\$176\.98 │\s+\$129,195\.40 │", out), out
+    assert re.search(r"│ 2 x a3-highgpu-8g\s+│ flex-start\s+│\s+n/a │\s+n/a │", out)
+    assert re.search(r"│ controller e2-standard-2\s+│ standard\s+│\s+\$0\.0670 │\s+\$48\.92 │", out)
+    boot = "nodes boot projects/cos-cloud/global/images/family/cos-105-lts (cos); jobs run in "
+    assert f"{boot}{COS_DEFAULT_CONTAINER_IMAGE} unless" in out
+    assert re.search(r"│ dev-0\s+│ projects/cos-cloud/global/images/family/cos-105-lts\s+│ cos\s+│", out)
+
+
+def test_the_preview_lists_each_users_grants(capsys, tmp_path):
+    path = tmp_path / "Pulumi.dev.yaml"
+    path.write_text(
+        "config:\n  gcp:project: my-project-id\n  gcp:zone: us-central1-a\n  gpufleet:users: ['user:ana@example.com']\n"
+    )
+    rc, out, _ = run_main(capsys, str(path), "--json")
+    assert rc == 0
+    (user,) = json.loads(out)["users"]
+    assert user["member"] == "user:ana@example.com"
+    got = {(g["role"], g["on"]) for g in user["grants"]}
+    assert ("roles/compute.osLogin", "instance dev-0") in got
+    assert ("roles/iap.tunnelResourceAccessor", "instance dev-controller") in got
+    assert ("roles/iam.serviceAccountUser", "service account dev-nodes@my-project-id.iam.gserviceaccount.com") in got
+    assert len(got) == 3 * 2 + 2  # two roles on each of 3 VMs, one on each of 2 accounts

@@ -464,3 +464,48 @@ def test_pulumi_up_warns_when_ssh_is_open_to_the_internet(caplog):
     caplog.clear()
     preview_program({**config, "gpufleet:sshSourceRanges": ["203.0.113.0/24"]})
     assert "opens SSH" not in caplog.text
+
+
+# ---- what the nodes boot, and who may log in ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("machine", ["a3-highgpu-8g", "a3-megagpu-8g"])
+def test_the_boot_image_is_an_output_the_launcher_reads_and_cos_gets_a_pinned_default_image(fleet, machine):
+    from gpufleet.catalog import COS_DEFAULT_CONTAINER_IMAGE
+
+    out = run(fleet, machine, 2).outputs
+    image = lookup(machine).default_image
+    parsed = parse_stack_outputs(json.loads(json.dumps(out)))
+    assert parsed.boot_image is not None and parsed.boot_image.image == image
+    assert parsed.boot_image.family == image.rsplit("/", 1)[1]
+    cluster = cluster_from_outputs(out)
+    if machine == "a3-highgpu-8g":  # COS: no Python for the job, so a PyTorch image pinned by digest
+        assert (parsed.boot_image.os, out["image"], cluster.boot_os) == ("cos", COS_DEFAULT_CONTAINER_IMAGE, "cos")
+    else:
+        assert (parsed.boot_image.os, out["image"], cluster.boot_os) == ("ubuntu", None, "ubuntu")
+
+
+def test_users_get_os_login_and_the_iap_tunnel_on_each_vm_and_account_user_on_their_accounts(fleet):
+    users = ["user:ana@example.com", "group:ml@example.com"]
+    p = fleet(machineType="a3-megagpu-8g", nodes=2, users=users)
+    vms = {"dev-0", "dev-1", "dev-controller"}
+    logins = [g.inputs for g in p.of_type("InstanceIAMMember") if g.inputs["role"] == "roles/compute.osLogin"]
+    tunnels = [g.inputs for g in p.of_type("TunnelInstanceIAMMember")]
+    accounts = [g.inputs for g in p.of_type("gcp:serviceaccount/iAMMember:IAMMember")]
+    for member in users:
+        assert {g["instanceName"] for g in logins if g["member"] == member} == vms
+        assert {g["instance"] for g in tunnels if g["member"] == member} == vms
+        assert all(g["role"] == "roles/iap.tunnelResourceAccessor" for g in tunnels)
+        assert {g["serviceAccountId"].rsplit("/", 1)[1].split("@")[0] for g in accounts if g["member"] == member} == {
+            "dev-nodes",
+            "dev-controller",
+        }
+    assert all(g["role"] == "roles/iam.serviceAccountUser" for g in accounts)
+    # Least privilege: nothing for them on the project, and never the admin (sudo) login role.
+    project_members = {g.inputs["member"] for g in p.of_type("gcp:projects/iAMMember:IAMMember")}
+    assert not project_members & set(users)
+    assert not [d for d in p.declared if (d.inputs or {}).get("role") == "roles/compute.osAdminLogin"]
+    # Without gpufleet:users, no login grant at all.
+    bare = fleet(machineType="a3-megagpu-8g", nodes=2)
+    assert not bare.of_type("TunnelInstanceIAMMember")
+    assert not [g for g in bare.of_type("InstanceIAMMember") if g.inputs["role"] == "roles/compute.osLogin"]

@@ -308,8 +308,12 @@ def test_with_an_image_nothing_is_built_and_the_sync_directory_still_goes(tmp_pa
 
     cluster = parse_hostfile("10.0.0.2\n")
     d = _tree(tmp_path / "proj", {"train.py": "x", "requirements.txt": "six\n"})
-    request = code_request({"image": "localhost/py:1", "sync": d}, cluster, builtin=True)
+    request = code_request({"image": "localhost/py:1", "sync": d}, cluster, builtin=False)
     assert request.env is None and request.code is None and request.sync.hash == take_snapshot(d).hash
+    # launch train / nccl-tests: gpufleet's own code goes too (a stock PyTorch image lacks it).
+    builtin = code_request({"image": "localhost/py:1", "sync": d}, cluster, builtin=True)
+    assert builtin.env is None and builtin.code is not None and builtin.sync.hash == request.sync.hash
+    assert "workloads/train.py" in {f.path for f in builtin.code.files}
     with pytest.raises(UserError, match="--requirements builds an environment on the nodes, but the ranks run in"):
         code_request({"image": "localhost/py:1", "requirements": d / "requirements.txt"}, cluster, builtin=False)
 

@@ -308,3 +308,61 @@ def test_rxdm_down_on_a_node_refuses_the_launch_naming_that_node():
     no_docker = {**up, 0: _probe(nodes[0], rxdm_rc="127", rxdm="")}
     with pytest.raises(UserError, match=r"node 0 \(10.0.0.2\): docker is not installed"):
         prestart_verdict(c, no_docker, config)
+
+
+def test_gpufleets_code_snapshot_on_pythonpath_is_mounted_read_only_and_the_images_own_paths_are_not():
+    """A stock PyTorch image has torch but not gpufleet's workloads: the snapshot launcher.code
+    sent (~/.gpufleet/snap/HASH, on PYTHONPATH) goes in at the same path; /app is the image's."""
+    snap = "/home/ana/.gpufleet/snap/0123abcd"
+    env = {"PYTHONPATH": f"{snap}:/app"}
+    argv = container_argv(wiring(lookup("a3-highgpu-8g"), "cos"), IMAGE, "n", "t", env, ["python3", "-m", "x"])
+    opts = argv[: argv.index(IMAGE)]
+    mounts = [opts[i + 1] for i, o in enumerate(opts) if o == "--mount"]
+    assert f"type=bind,src={snap},dst={snap},readonly" in mounts
+    assert not any("/app" in m for m in mounts)
+    assert ["-e", "PYTHONPATH"] == opts[opts.index("PYTHONPATH") - 1 : opts.index("PYTHONPATH") + 1]
+    plain = container_argv(wiring(None), IMAGE, "n", "t", {"PYTHONPATH": "/app"}, ["true"])
+    assert not any(".gpufleet/snap" in a for a in plain)
+
+
+def _cos_outputs(tmp_path: Path, image: str | None) -> Path:
+    """A3 High outputs as infra exports them on its default boot image, with or without an image."""
+    from gpufleet.contracts import boot_image_output
+
+    f = _outputs(tmp_path, "a3-highgpu-8g", image=image)
+    doc = json.loads(f.read_text())
+    doc["bootImage"] = boot_image_output("projects/cos-cloud/global/images/family/cos-105-lts")
+    f.write_text(json.dumps(doc))
+    return f
+
+
+def test_a_cos_stack_without_an_image_refuses_the_launch_naming_image(tmp_path):
+    out = _cos_outputs(tmp_path, None)
+    runs = tmp_path / "runs"
+    r = CliRunner().invoke(main, ["run", "--outputs", str(out), "--runs-dir", str(runs), "--", "t.py"])
+    assert r.exit_code == 2, r.output
+    (line,) = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert line.startswith("error: the nodes of demo boot Container-Optimized OS") and "--image" in line
+    assert not runs.exists()  # nothing started, nothing recorded
+    # With the stack's default image (infra sets one on COS) or --image, it goes on; exec needs none.
+    _, lines = _dry(tmp_path, "--outputs", str(_cos_outputs(tmp_path, IMAGE)))
+    assert all("gpufleet-container" in ln for ln in lines)
+    _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
+    r = CliRunner().invoke(main, ["exec", "--outputs", str(out), "--dry-run", "--", "nvidia-smi"])
+    assert r.exit_code == 0, r.output
+
+
+def test_the_boot_image_output_names_the_nics_without_image_os(tmp_path):
+    """A3 High on Ubuntu (the stack's gpufleet:image): its bootImage output, not the catalog's
+    default (COS), picks the interface names."""
+    from gpufleet.contracts import boot_image_output
+
+    f = _outputs(tmp_path, "a3-highgpu-8g", image=IMAGE)
+    doc = json.loads(f.read_text())
+    doc["bootImage"] = boot_image_output(
+        "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accelerator-2404-amd64-with-nvidia-580"
+    )
+    f.write_text(json.dumps(doc))
+    r = CliRunner().invoke(main, ["run", "--outputs", str(f), "--dry-run", "--", "t.py"])
+    assert r.exit_code == 0, r.output
+    assert "enp0s12" in r.stdout and "NCCL_SOCKET_IFNAME=eth0" not in r.stdout

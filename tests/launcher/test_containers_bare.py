@@ -149,3 +149,55 @@ def test_a_detached_job_in_the_image_comes_back_after_a_node_is_lost(nodes, conf
     out = logs()
     assert f"step 39 attempt 1 world {N}" in out, out
     assert containers_named(env, f"gpufleet-{job_id}") == []
+
+
+def test_launch_train_runs_in_a_stock_torch_image_with_gpufleets_code_sent_to_the_nodes(nodes, conf, tmp_path):
+    """The default stack on COS: an image with torch and numpy but none of gpufleet (as NVIDIA's
+    PyTorch image), nodes without torch. The launcher sends gpufleet's code and mounts it
+    read-only in the container, so `launch train` with nothing else trains."""
+    from launcher.code.snapshot import code_snapshot
+    from tests.support import TRAIN
+
+    _, env = conf
+    image = python_image(env)
+    gone = subprocess.run(
+        ["podman", "run", "--rm", image, "python3", "-c", "import workloads"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert gone.returncode != 0 and "No module named 'workloads'" in gone.stderr  # the image has none
+    # A working directory of the test's own: the test image's interpreter lives under this
+    # machine's /root, which the default one (the node's home, /root) would hide in the container.
+    job = _job_dir(nodes, tmp_path, "README", "train here\n")
+    before = set(containers_named(env, "gpufleet-"))
+    r = subprocess.run(
+        [
+            LAUNCH,
+            "train",
+            *source_args(nodes, tmp_path, _hostfile(nodes, tmp_path)),
+            "--image",
+            image,
+            *env_flags(env),
+            "--workdir",
+            job,
+            "--nproc-per-node",
+            "1",
+            "--env",
+            "OMP_NUM_THREADS=1",
+            *TRAIN,
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"step 2/2\b", r.stdout), r.stdout
+    snap = code_snapshot().hash
+    for i in range(N):
+        assert nodes.node_path(i, f"/root/.gpufleet/snap/{snap}/workloads/train.py").is_file()
+    assert set(containers_named(env, "gpufleet-")) == before
+    nodes.assert_nothing_left()

@@ -130,8 +130,6 @@ def test_the_client_state_paths_are_the_ones_documented(tmp_path, monkeypatch):
 # ---- one voice: the names the pages share --------------------------------------------------------
 
 STACK = "llm-dev"  # the one stack name the examples use
-# Pages whose examples still name another stack; each is to name STACK, and then leaves this set.
-_STACK_NAMES_PENDING = {"preview.md"}
 
 
 def _prose(page: Path) -> str:
@@ -147,8 +145,6 @@ def test_every_example_names_the_same_stack():
     files = {p.name.split(".")[1] for p in ROOT.glob("**/Pulumi.*.yaml") if ".venv" not in p.parts}
     other = []
     for page in _pages():
-        if page.name in _STACK_NAMES_PENDING:
-            continue
         for m in forms.finditer(page.read_text()):
             name = next(g for g in m.groups() if g).strip("`'\"),.")
             if name not in (STACK, *files) and not name.isupper():

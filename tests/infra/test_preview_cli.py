@@ -386,7 +386,8 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         ip = f"10.0.0.{2 + rank}"
         assert host == ip
         script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT
-        (torchrun,) = re.findall(r"python3 -m torch\.distributed\.run [^)]*", script)
+        # The prepared environment's python, as a real launch runs it (not the node's python3).
+        (torchrun,) = re.findall(r"/\.gpufleet/envs/[0-9a-f]+/bin/python -m torch\.distributed\.run [^)]*", script)
         args = torchrun.split()
         assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=static"], torchrun
         assert "--master-addr=10.0.0.2" in args and "--master-port=29500" in args and f"--local-addr={ip}" in args

@@ -177,7 +177,7 @@ def test_the_exported_outputs_are_what_the_launcher_reads(fleet, tmp_path, machi
     r = CliRunner().invoke(launch, args)
     assert r.exit_code == 0, r.output
     host = "externalIp" if external else "internalIp"
-    assert r.output.splitlines() == [
+    assert r.stdout.splitlines() == [
         f"{k}\t{n[host]}\t{n['internalIp']}\t{n['name']}" for k, n in enumerate(out["nodes"])
     ]
 

@@ -67,6 +67,7 @@ def private_dir(path, fix_mode=True):
     the umask), then checked with lstat: a directory, not a link, owned by this account, writable
     by no other. One made by an older gpufleet under umask 022 (readable by others) is made
     private when `fix_mode`. PrivateError, in one line naming the path and the fix, otherwise."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

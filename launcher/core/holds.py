@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpufleet.contracts import HOLDS_DIR
 from launcher.core.types import UserError
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
     "refuse_held",
 ]
 
-HOLDS_DIRS = ("/run/gpufleet-holds", "/tmp")
+HOLDS_DIRS = (HOLDS_DIR, "/tmp")
 FILE_PREFIX = "gpufleet-hold."
 LIST_MARKER = "__GPUFLEET_HOLD__"
 

@@ -46,13 +46,16 @@ HOLDS_DIRS = (HOLDS_DIR, "/tmp")
 FILE_PREFIX = "gpufleet-hold."
 LIST_MARKER = "__GPUFLEET_HOLD__"
 
-# The registry's directory: the first of HOLDS_DIRS that is root's, 1777 and not a link (empty: none).
-_PICK = (
-    "HD=; for HX in "
-    + " ".join(HOLDS_DIRS)
-    + '; do if [ -d "$HX" ] && [ ! -L "$HX" ] && [ "$(stat -c %u:%a "$HX" 2>/dev/null)" = 0:1777 ]; then HD=$HX; '
-    "break; fi; done"
-)
+
+def _pick(dirs: tuple[str, ...]) -> str:
+    """The registry's directory: the first of `dirs` that is root's, 1777 and not a link (none: empty)."""
+    return (
+        f"HD=; for HX in {' '.join(shlex.quote(d) for d in dirs)}; do "
+        'if [ -d "$HX" ] && [ ! -L "$HX" ] && [ "$(stat -c %u:%a "$HX" 2>/dev/null)" = 0:1777 ]; then HD=$HX; '
+        "break; fi; done"
+    )
+
+
 # `hold_live F`: F's line in $HL, true when it is believed (its owner is the UID it names, its bash
 # runs with the start time it names); a function, so `set --` leaves the program's own arguments.
 _LIVE = (
@@ -86,13 +89,14 @@ class HeldError(UserError):
         self.holds = holds
 
 
-def hold_statements(job_id: str, hosts: list[str]) -> list[str]:
+def hold_statements(job_id: str, hosts: list[str], dirs: tuple[str, ...] = HOLDS_DIRS) -> list[str]:
     """The prologue that registers `job_id` on this node (removed when the program exits), and
-    prints the live holds of other accounts and this one's own SINCE as check facts."""
+    prints the live holds of other accounts and this one's own SINCE as check facts. `dirs`:
+    where the registry may be, in order (tests give their own)."""
     job = shlex.quote(job_id)
     nodes = shlex.quote(",".join(hosts) or "-")
     return [
-        _PICK,
+        _pick(dirs),
         _LIVE,
         _SAY,
         "HU=$(id -u); HS=; HN=0; HF=",
@@ -109,11 +113,11 @@ def hold_statements(job_id: str, hosts: list[str]) -> list[str]:
     ]
 
 
-def holds_script() -> str:
+def holds_script(dirs: tuple[str, ...] = HOLDS_DIRS) -> str:
     """Every live hold on a node, each line LIST_MARKER ACCOUNT JOB SINCE NODES (any account's)."""
     return "; ".join(
         [
-            _PICK,
+            _pick(dirs),
             _LIVE,
             _SAY,
             '[ -n "$HD" ] || exit 0',

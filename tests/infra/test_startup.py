@@ -173,6 +173,7 @@ def node(tmp_path):
             mount -t tmpfs none /var/lib
             mount -t tmpfs none /etc/security/limits.d
             mount -t tmpfs none /usr/local/bin
+            mount -t tmpfs none /run  # the holds registry (make_holds_dir): the boot's own, not this machine's
             mkdir -p {state}/lib && cp -a {state}/lib/. /var/lib/
             rc=0; PATH={bindir}:$PATH STUB_LOG={log} STUB_GPUS={gpus} STUB_GIT_HEAD={head} bash {script} || rc=$?
             readlink /usr/local/bin/uv >{state}/link || true

@@ -56,6 +56,7 @@ NAME_PREFIX = "gfs"  # every namespace, bridge and veth we create starts with th
 BARE_RUN = "/run/gpufleet-simnode"
 HOME = "/root"  # the sessions' user is root (User=root in ssh_options)
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's and Ubuntu's, with venv (python3-venv)
+HOLDS_DIR = "/run/gpufleet-holds"  # gpufleet.contracts.HOLDS_DIR (this module imports no gpufleet)
 LOCAL_SSD = "/mnt/localssd"  # an accounts cluster's local SSD (gpufleet.contracts.LOCAL_SSD_MOUNT, Ubuntu)
 INDEX_PORT = 8080
 
@@ -184,7 +185,8 @@ class SimCluster:
         `make_accounts`) who log in to every node as themselves, as OS Login's accounts do: each
         node's /home is its own, holding each account's home (mode 0755, Debian's default), and
         each node has its own local SSD at LOCAL_SSD (a tmpfs, root's, mode 1777, as the startup
-        script leaves the RAID; seen only from inside the node: `exec`). `account_flags(name)`:
+        script leaves the RAID) and its own /run, holding the holds registry HOLDS_DIR (both seen
+        only from inside the node: `exec`). `account_flags(name)`:
         `launch` flags that connect as that account."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
@@ -428,9 +430,17 @@ class SimCluster:
             os.chmod(home, 0o755)
         q = shlex.quote
         # The SSD a file system of its own (a tmpfs: a mount point, as the RAID is), seen only
-        # from inside the node (`exec`); a sim node's jobs build small environments.
-        ssd = f"mount -t tmpfs -o mode=1777,size=512m gfs-localssd {LOCAL_SSD}"
-        return [f"mount --bind {q(str(d / 'users'))} /home", ssd]
+        # from inside the node (`exec`); a sim node's jobs build small environments. /run too
+        # (sshd's directories made again in it), with the holds registry the startup script makes
+        # (infra/templates/base.sh, make_holds_dir): each node's own, not this machine's.
+        return [
+            f"mount --bind {q(str(d / 'users'))} /home",
+            f"mount -t tmpfs -o mode=1777,size=512m gfs-localssd {LOCAL_SSD}",
+            "mount -t tmpfs -o mode=755,size=16m gfs-run /run",
+            f"mkdir -p /run/sshd {BARE_RUN}",
+            f"mount --bind {q(str(d / 'sshd'))} {BARE_RUN}",
+            f"install -d -o root -g root -m 1777 {HOLDS_DIR}",
+        ]
 
     # ---- the package index --------------------------------------------------------------------
 

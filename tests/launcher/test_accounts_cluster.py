@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.contracts import HOLDS_DIR
 from tests.support import LAUNCH, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -63,8 +64,10 @@ def on_node(c, i: int, who: str, script: str) -> subprocess.CompletedProcess:
 
 
 def holds_of(c, who: str) -> list[list[str]]:
+    """Each node's holds of account `who` (the registry the node's startup made: /run/gpufleet-holds)."""
     uid = pwd.getpwnam(who).pw_uid
-    return [sorted(p.name for p in c.node_path(i, "/tmp").glob(f"gpufleet-hold.{uid}.*")) for i in range(N)]
+    listed = [c.exec(i, ["ls", HOLDS_DIR]).stdout.split() for i in range(N)]
+    return [sorted(name for name in names if name.startswith(f"gpufleet-hold.{uid}.")) for names in listed]
 
 
 def test_nothing_one_account_keeps_on_a_node_can_be_read_by_the_other_and_a_planted_cache_is_never_used(c, tmp_path):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpufleet.contracts import HOLDS_DIR
@@ -39,6 +39,7 @@ __all__ = [
     "holds_script",
     "parse_holds",
     "held_by_others",
+    "by_job",
     "refuse_held",
 ]
 
@@ -155,13 +156,20 @@ def held_by_others(facts: Mapping[str, str]) -> list[Hold]:
     return [h for h in holds if h.since <= mine]
 
 
+def by_job(found: Iterable[tuple[Hold, str]]) -> dict[Hold, list[str]]:
+    """(hold, node label) pairs as one Hold per job (each node registers at its own moment: the
+    earliest is the job's since) with the labels of its nodes, oldest job first."""
+    jobs: dict[tuple[str, str], tuple[Hold, list[str]]] = {}
+    for h, label in found:
+        first, labels = jobs.get((h.account, h.job), (h, []))
+        jobs[(h.account, h.job)] = (min(first, h, key=lambda x: x.since), [*labels, label])
+    return dict(sorted(jobs.values(), key=lambda kv: kv[0].since))
+
+
 def refuse_held(labels: Mapping[int, str], facts: Mapping[int, Mapping[str, str]]) -> None:
     """HeldError naming the account, the job, since when and the nodes of every job of another
     account that holds some of this launch's nodes (`labels`, `facts`: by rank)."""
-    held: dict[Hold, list[str]] = {}
-    for rank in sorted(facts):
-        for h in held_by_others(facts[rank]):
-            held.setdefault(h, []).append(labels[rank])
+    held = by_job((h, labels[rank]) for rank in sorted(facts) for h in held_by_others(facts[rank]))
     if not held:
         return
     lines = "; ".join(h.line(nodes) for h, nodes in held.items())

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher.core.holds import Hold, holds_script, parse_holds
+from launcher.core.holds import Hold, by_job, holds_script, parse_holds
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, UserError
 
@@ -37,11 +37,7 @@ def cluster_holds(cluster: Cluster, transport: Transport, timeout_s: float = 30.
         t.start()
     for t in threads:
         t.join()
-    out: dict[Hold, list[str]] = {}
-    for rank in sorted(found):
-        for h in found[rank]:
-            out.setdefault(h, []).append(cluster.nodes[rank].label)
-    return dict(sorted(out.items(), key=lambda kv: kv[0].since))
+    return by_job((h, cluster.nodes[rank].label) for rank in sorted(found) for h in found[rank])
 
 
 def holds_summary(holds: dict[Hold, list[str]]) -> str:

@@ -116,8 +116,10 @@ def test_only_holds_older_than_the_launchs_own_refuse_it_so_of_two_racing_launch
     younger = {"hold.1": "gfu2 J2 101.0 n0", "hold_since": "100.5"}
     assert [h.job for h in held_by_others(older)] == ["J1"] and held_by_others(younger) == []
     assert [h.job for h in held_by_others({"hold.1": "gfu1 J1 100.5 n0"})] == ["J1"]  # could not register
+    # Each node registered the job at its own moment: one job, since the earliest.
+    later = {**older, "hold.1": "gfu1 J1 100.7 n0"}
     with pytest.raises(HeldError) as e:
-        refuse_held({0: "node 0 (n0)", 1: "node 1 (n1)"}, {0: older, 1: older})
+        refuse_held({0: "node 0 (n0)", 1: "node 1 (n1)"}, {0: later, 1: older})
     at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(100.5))
     held = f"gfu1's job J1, since {at}, holds node 0 (n0), node 1 (n1)"
     assert str(e.value) == f"{held}; nothing was started. Add --wait to wait for the nodes"

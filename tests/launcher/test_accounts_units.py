@@ -20,8 +20,10 @@ import pytest
 
 from launcher.code import node_agent
 from launcher.core.holds import HeldError, Hold, held_by_others, hold_statements, holds_script, parse_holds, refuse_held
+from launcher.core.types import UserError
+from launcher.jobs.holds import HoldsWatch, holds_summary, refuse_others_job
 from tests.simcluster import make_accounts
-from tests.support import require_netns
+from tests.support import require_netns, wait_for
 
 A, B = "gfu1", "gfu2"
 JOB_A, JOB_B = "20261128-010000-aaaaaa", "20261128-010001-bbbbbb"
@@ -189,3 +191,20 @@ def test_the_local_ssd_cache_is_the_accounts_own_and_one_another_account_planted
         assert f"not using the local SSD's cache: {planted} belongs to uid {accounts[A].pw_uid}" in out[0]
     finally:
         subprocess.run(["umount", str(ssd)], check=True)
+
+
+def test_stopping_another_accounts_job_is_refused_naming_whose_it_is_and_tops_heading_names_the_holders():
+    h = Hold("gfu1", JOB_A, 100.0, ("n0", "n1"))
+    held = {h: ["node 0 (n0)", "node 1 (n1)"]}
+    with pytest.raises(
+        UserError, match=rf"^job {JOB_A} is gfu1's \(gfu1's job {JOB_A}, since .* holds node 0 \(n0\), "
+    ):
+        refuse_others_job(JOB_A, "gfu2", held)
+    refuse_others_job(JOB_A, "gfu1", held)  # one's own: the record says the rest
+    refuse_others_job(JOB_B, "gfu2", held)  # not held: `no job` comes from the record
+    assert holds_summary(held) == f"held: gfu1's job {JOB_A} (2 nodes)" and holds_summary({}) == "held by no job"
+    watch = HoldsWatch(lambda: held, every_s=0.01).start()
+    try:
+        wait_for(lambda: watch.summary() == f"  (held: gfu1's job {JOB_A} (2 nodes))", 60, "the first read")
+    finally:
+        watch.stop()

@@ -288,7 +288,7 @@ def build_env(env, base="envs", what=None):
     python = os.path.join(d, "bin", "python")
     done = os.path.join(d, DONE)
     os.makedirs(os.path.dirname(link), exist_ok=True)
-    with open(link + ".lock", "w") as lock:
+    with open(d + ".lock", "w") as lock:  # the lock `launch prune` takes to remove it (node_prune)
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(done):
             point(link, d)

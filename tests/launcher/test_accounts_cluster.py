@@ -50,7 +50,7 @@ def run_as(c, tmp_path: Path, who: str, *args: str, timeout: float = 300) -> sub
 
 def start_as(c, tmp_path: Path, who: str, *args: str) -> tuple[subprocess.Popen, Path]:
     """`launch ARGS` as `who` in the background; its output (stdout and stderr) goes to the path."""
-    log = tmp_path / f"{who}-background.out"
+    log = tmp_path / f"{who}-{args[0]}-{len(list(tmp_path.glob('*.out')))}.out"
     with open(log, "w") as out:
         p = subprocess.Popen(
             argv(c, tmp_path, who, *args), stdout=out, stderr=subprocess.STDOUT, text=True, env=client(tmp_path, who)
@@ -116,7 +116,10 @@ def test_nothing_one_account_keeps_on_a_node_can_be_read_by_the_other_and_a_plan
 
 
 def test_a_launch_onto_nodes_another_accounts_job_holds_is_refused_naming_it_and_wait_waits_for_them(c, tmp_path):
-    held, log = start_as(c, tmp_path, A, "exec", "--", "sh", "-c", "sleep 12; echo ended $(date +%s.%N)")
+    # A's job runs until the test lets it end: a file in each node's own /tmp.
+    release = "/tmp/release-gfu1"
+    work = f"while [ ! -e {release} ]; do sleep 0.2; done; echo job-ended $(date +%s.%N)"
+    held, log = start_as(c, tmp_path, A, "exec", "--", "sh", "-c", work)
     try:
         wait_for(lambda: all(holds_of(c, A)), 120, f"{A}'s job to hold every node")
         (name,) = holds_of(c, A)[0]
@@ -135,21 +138,24 @@ def test_a_launch_onto_nodes_another_accounts_job_holds_is_refused_naming_it_and
         listed = run_as(c, tmp_path, B, "jobs", "--all", "--json")
         assert f'"held": {{"account": "{A}", "id": "{job}"' in listed.stdout, listed.stdout + listed.stderr
         r = run_as(c, tmp_path, B, "stop", job)
-        assert r.returncode == 2 and f"job {job} is {A}'s" in r.stderr and f"only {A} can stop it" in r.stderr
-        waited = run_as(c, tmp_path, B, "exec", "--wait", "--", "sh", "-c", "echo started $(date +%s.%N)")
+        assert r.returncode == 2 and f"job {job} is {A}'s" in r.stderr and f"only {A} can stop it" in r.stderr, r.stderr
+        waiting, waited = start_as(c, tmp_path, B, "exec", "--wait", "--", "sh", "-c", "echo job-began $(date +%s.%N)")
+        wait_for(lambda: "waiting for the nodes" in waited.read_text(), 120, "B's progress line")
+        assert f"{A}'s job {job}" in waited.read_text() and waiting.poll() is None
     finally:
+        for i in range(N):
+            c.node_path(i, release).touch()
         held.wait(timeout=120)
-    out = log.read_text()
-    assert held.returncode == 0, out
-    assert waited.returncode == 0 and "waiting for the nodes" in waited.stderr, waited.stdout + waited.stderr
-    ended = max(float(t) for t in re.findall(r"ended (\S+)", out))
-    started = [float(t) for t in re.findall(r"started (\S+)", waited.stdout)]
-    assert len(started) == N and min(started) > ended, (out, waited.stdout)
+    assert held.returncode == 0, log.read_text()
+    assert waiting.wait(timeout=120) == 0, waited.read_text()
+    ended = max(float(t) for t in re.findall(r"job-ended (\S+)", log.read_text()))
+    started = [float(t) for t in re.findall(r"job-began (\S+)", waited.read_text())]
+    assert len(started) == N and min(started) > ended, (log.read_text(), waited.read_text())
 
 
 def test_two_accounts_launching_at_once_take_turns(c, tmp_path):
     """Both with --wait, onto the same nodes at the same moment: both run, never at once."""
-    work = "echo from $(date +%s.%N); sleep 2; echo to $(date +%s.%N)"
+    work = "echo job-from $(date +%s.%N); sleep 2; echo job-to $(date +%s.%N)"
     results: dict[str, subprocess.CompletedProcess] = {}
     go = threading.Barrier(2)
 
@@ -165,7 +171,7 @@ def test_two_accounts_launching_at_once_take_turns(c, tmp_path):
     spans = {}
     for who, r in results.items():
         assert r.returncode == 0, r.stdout + r.stderr
-        begin, end = re.findall(r"from (\S+)", r.stdout), re.findall(r"to (\S+)", r.stdout)
+        begin, end = re.findall(r"job-from (\S+)", r.stdout), re.findall(r"job-to (\S+)", r.stdout)
         assert len(begin) == len(end) == N, r.stdout
         spans[who] = (min(map(float, begin)), max(map(float, end)))
     (a0, a1), (b0, b1) = spans[A], spans[B]

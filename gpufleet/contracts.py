@@ -39,6 +39,7 @@ __all__ = [
     "READY_MARKER",
     "NCCL_TESTS_DIR",
     "LOCAL_SSD_MOUNT",
+    "HOLDS_DIR",
     "UV",
     "uv_requirement",
     "LABEL_CONTROLLER",
@@ -94,6 +95,10 @@ NCCL_TESTS_DIR = "/var/lib/gpufleet/nccl-tests/build"
 # github.com/GoogleCloudPlatform/cluster-toolkit modules/scripts/startup-script/files/setup-raid.yml
 # mounts it. COS keeps / read-only; /mnt/disks is its writable place for extra disks.
 LOCAL_SSD_MOUNT = {"ubuntu": "/mnt/localssd", "cos": "/mnt/disks/localssd"}
+
+# Who holds a node (launcher.core.holds): root's, mode 1777, made by the startup script at every
+# boot (infra/templates/base.sh, make_holds_dir); the launcher reads and writes it on the nodes.
+HOLDS_DIR = "/run/gpufleet-holds"
 
 # uv, which builds the jobs' environments on Ubuntu nodes: one wheel from PyPI, by version and by
 # the SHA-256 PyPI lists for it (https://pypi.org/project/uv/0.13.9/#files,

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers"]
+__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers", "make_accounts"]
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TAG = "GPUFLEET_SIMNODE"
@@ -56,6 +56,8 @@ NAME_PREFIX = "gfs"  # every namespace, bridge and veth we create starts with th
 BARE_RUN = "/run/gpufleet-simnode"
 HOME = "/root"  # the sessions' user is root (User=root in ssh_options)
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's and Ubuntu's, with venv (python3-venv)
+HOLDS_DIR = "/run/gpufleet-holds"  # gpufleet.contracts.HOLDS_DIR (this module imports no gpufleet)
+LOCAL_SSD = "/mnt/localssd"  # an accounts cluster's local SSD (gpufleet.contracts.LOCAL_SSD_MOUNT, Ubuntu)
 INDEX_PORT = 8080
 
 
@@ -161,6 +163,7 @@ class SimCluster:
         controller: bool = False,
         bare: bool = False,
         index: Path | None = None,
+        accounts: tuple[str, ...] = (),
     ):
         """`node_env` adds environment variables to every session of the given nodes (sshd
         SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock;
@@ -176,10 +179,23 @@ class SimCluster:
         it on a `controller HOST` line, so detached jobs' controllers run there.
 
         `bare`: nodes that share nothing with this machine but the system python (module
-        docstring); `index`: a directory of wheels served as the cluster's package index."""
+        docstring); `index`: a directory of wheels served as the cluster's package index.
+
+        `accounts` (bare only): users of this machine (made with useradd when missing:
+        `make_accounts`) who log in to every node as themselves, as OS Login's accounts do: each
+        node's /home is its own, holding each account's home (mode 0755, Debian's default), and
+        each node has its own local SSD at LOCAL_SSD (a tmpfs, root's, mode 1777, as the startup
+        script leaves the RAID) and its own /run, holding the holds registry HOLDS_DIR (both seen
+        only from inside the node: `exec`). `account_flags(name)`:
+        `launch` flags that connect as that account."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
         self.bare = bare
+        self.accounts = tuple(accounts)
+        if self.accounts and not bare:
+            raise RuntimeError("accounts need bare nodes (each node's own /home and local SSD)")
+        if self.accounts:
+            make_accounts(self.accounts)
         self.index_wheels = index
         self._index_proc: subprocess.Popen | None = None
         self._index_ns: str | None = None
@@ -227,6 +243,12 @@ class SimCluster:
             flag, value = opts.pop(0), opts.pop(0)
             out += ["--ssh-key", value] if flag == "-i" else ["--ssh-option", value]
         return out
+
+    def account_flags(self, name: str) -> list[str]:
+        """`launch_flags` for connecting as account `name` (SimCluster(..., accounts=...))."""
+        if name not in self.accounts:
+            raise ValueError(f"{name} is not one of this cluster's accounts {self.accounts}")
+        return [f"User={name}" if f == "User=root" else f for f in self.launch_flags]
 
     @property
     def ssh_options(self) -> list[str]:
@@ -359,11 +381,14 @@ class SimCluster:
         if not self.bare:
             return Path(path)
         d = self._node_dir(self.nodes[i])
-        for inside, outside in ((Path(HOME), d / "home"), (Path("/tmp"), d / "tmp")):
+        places = [(Path(HOME), d / "home"), (Path("/tmp"), d / "tmp")]
+        if self.accounts:
+            places.append((Path("/home"), d / "users"))
+        for inside, outside in places:
             p = Path(path)
             if p == inside or inside in p.parents:
                 return outside / p.relative_to(inside)
-        raise ValueError(f"{path} is not on node {i}'s own disk (/tmp or {HOME})")
+        raise ValueError(f"{path} is not on node {i}'s own disk (/tmp, {HOME}, or an account's /home)")
 
     def _bare_setup(self, node: SimNode) -> str:
         """The shell lines that make node's mount namespace (run as root inside it, before sshd)."""
@@ -379,6 +404,7 @@ class SimCluster:
             f"mount --bind {q(str(d / 'home'))} {HOME}",
             f"mount --bind {BARE_RUN}/hosts /etc/hosts",
             f"mount --bind {BARE_RUN}/resolv.conf /etc/resolv.conf",
+            *self._account_mounts(d),
             f"mount --bind {q(str(d / 'tmp'))} /tmp",  # last: d itself may lie under /tmp
         ]
         for hidden in hidden_paths():
@@ -387,6 +413,34 @@ class SimCluster:
             elif hidden.exists():
                 lines.append(f"mount --bind /dev/null {q(str(hidden))}")
         return "\n".join(lines) + "\n"
+
+    def _account_mounts(self, d: Path) -> list[str]:
+        """The node's own /home (each account's home in it, 0755) and local SSD (1777)."""
+        if not self.accounts:
+            return []
+        import pwd
+
+        (d / "users").mkdir(exist_ok=True)
+        Path(LOCAL_SSD).mkdir(parents=True, exist_ok=True)  # the mount point, empty outside
+        for name in self.accounts:
+            pw = pwd.getpwnam(name)
+            home = d / "users" / name
+            home.mkdir(exist_ok=True)
+            os.chown(home, pw.pw_uid, pw.pw_gid)
+            os.chmod(home, 0o755)
+        q = shlex.quote
+        # The SSD a file system of its own (a tmpfs: a mount point, as the RAID is), seen only
+        # from inside the node (`exec`); a sim node's jobs build small environments. /run too
+        # (sshd's directories made again in it), with the holds registry the startup script makes
+        # (infra/templates/base.sh, make_holds_dir): each node's own, not this machine's.
+        return [
+            f"mount --bind {q(str(d / 'users'))} /home",
+            f"mount -t tmpfs -o mode=1777,size=512m gfs-localssd {LOCAL_SSD}",
+            "mount -t tmpfs -o mode=755,size=16m gfs-run /run",
+            f"mkdir -p /run/sshd {BARE_RUN}",
+            f"mount --bind {q(str(d / 'sshd'))} {BARE_RUN}",
+            f"install -d -o root -g root -m 1777 {HOLDS_DIR}",
+        ]
 
     # ---- the package index --------------------------------------------------------------------
 
@@ -708,6 +762,19 @@ class SimCluster:
         if self.mode == "netns":
             return f"{self.subnet}.250"
         return "127.0.0.250"
+
+
+def make_accounts(names: tuple[str, ...]) -> None:
+    """Users of this machine for SimCluster(..., accounts=...), made when missing: home
+    /home/NAME (made on each node, not here), bash, no password but not locked (`*`: sshd, with
+    UsePAM no, refuses an account whose password starts with `!`)."""
+    import pwd
+
+    for name in names:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            _run("useradd", "--no-create-home", "--home-dir", f"/home/{name}", "--shell", "/bin/bash", "-p", "*", name)
 
 
 def _environ(pid: int) -> bytes:

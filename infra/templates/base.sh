@@ -28,6 +28,8 @@ readonly UV_HOME=/var/lib/gpufleet/uv
 readonly UV_LINK=/usr/local/bin/uv
 readonly UV_CONFIG=/etc/uv/uv.toml
 readonly STATE_DIR=/var/lib/gpufleet
+# Who holds this node, one file per job (launcher/core/holds.py, gpufleet.contracts.HOLDS_DIR).
+readonly HOLDS_DIR=/run/gpufleet-holds
 readonly ERROR_FILE="$STATE_DIR/startup-error.txt"
 
 DRIVER_VERSION=unknown
@@ -337,18 +339,21 @@ prepare_python_build() {
     mkdir -p "$(dirname "$UV_LINK")"
     ln -sfn "$UV_HOME/bin/uv" "$UV_LINK"
   fi
-  local want=""
-  if ((LOCAL_SSD_COUNT > 0)) && mountpoint -q "$LOCAL_SSD_MOUNT"; then
-    mkdir -p "$LOCAL_SSD_MOUNT/uv-cache"
-    chmod 1777 "$LOCAL_SSD_MOUNT/uv-cache"
-    want="cache-dir = \"$LOCAL_SSD_MOUNT/uv-cache\""
+  # No shared cache: every account keeps uv's cache in its own directory (on the local SSD when
+  # there is one, LOCAL_SSD_MOUNT/gpufleet-UID, made by the launcher's node agent), since entries
+  # one account plants in a shared cache are installed into another's environment. A config an
+  # older startup script wrote, pointing every account at one cache, goes.
+  if [[ "$(cat "$UV_CONFIG" 2>/dev/null)" == "cache-dir = \"$LOCAL_SSD_MOUNT/uv-cache\"" ]]; then
+    rm -f "$UV_CONFIG"
   fi
-  if [[ -n "$want" && "$(cat "$UV_CONFIG" 2>/dev/null)" != "$want" ]]; then
-    mkdir -p "$(dirname "$UV_CONFIG")"
-    printf '%s\n' "$want" >"$UV_CONFIG"
-  elif [[ -z "$want" && "$(cat "$UV_CONFIG" 2>/dev/null)" == "cache-dir = \"$LOCAL_SSD_MOUNT/uv-cache\"" ]]; then
-    rm -f "$UV_CONFIG"  # ours, and no local SSD this boot: uv's own default cache
-  fi
+}
+
+# The registry of who holds this node (launcher/core/holds.py): every account reads it and each
+# writes only its own files in it, so root's and sticky, like /tmp. Made at every boot (/run is a
+# tmpfs: the holds of jobs from before a reboot are gone with them) where no account can make it
+# first (/run is root's, 0755).
+make_holds_dir() {
+  install -d -o root -g root -m 1777 "$HOLDS_DIR"
 }
 
 write_ready_marker() {
@@ -364,6 +369,7 @@ write_ready_marker() {
 
 main() {
   prepare
+  make_holds_dir
   wait_for_gpu_nics
   ensure_driver
   set_ulimits

@@ -19,6 +19,7 @@ from launcher.cli.options import (
     RECOVER_OPTIONS,
     SOURCE_OPTIONS,
     TERM_GRACE_OPTION,
+    WAIT_OPTION,
     apply_options,
 )
 from launcher.cli.render import user_errors
@@ -39,6 +40,7 @@ __all__ = ["exec_"]
         IMAGE_OPTION,
         TERM_GRACE_OPTION,
         DETACH_OPTION,
+        WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,
         *RECOVER_OPTIONS,
         EXEC_RESTARTS_OPTION,

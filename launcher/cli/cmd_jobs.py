@@ -1,6 +1,8 @@
 """`launch jobs`: the cluster's detached jobs, newest first, as a table or JSON lines, each with its
 goodput, node-hours and cost so far (launcher.jobs.goodput). A job whose controller died while its
-nodes still wait for one gets its controller started again (launcher.jobs.adopt)."""
+nodes still wait for one gets its controller started again (launcher.jobs.adopt). `--all` adds
+every account's jobs on the nodes, attached ones too, as the nodes' holds say (launcher.jobs.holds):
+who, which job, since when, on which nodes."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from rich.table import Table
 from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import user_errors
+from launcher.core.holds import holds_script
 from launcher.jobs.goodput import format_cost, goodput_of
+from launcher.jobs.holds import cluster_holds
 from launcher.jobs.record import JobRecord, list_script
 
 __all__ = ["jobs"]
@@ -56,22 +60,42 @@ def _recoveries(r: JobRecord) -> str:
 @click.command(name="jobs")
 @apply_options(SOURCE_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job per line.")
+@click.option(
+    "--all",
+    "every_account",
+    is_flag=True,
+    help="Also every account's jobs on the nodes (attached ones too): who, which job, since when, which nodes.",
+)
 @user_errors
-def jobs(as_json: bool, **o: Any) -> None:
+def jobs(as_json: bool, every_account: bool, **o: Any) -> None:
     """List the cluster's detached jobs, newest first, with each one's goodput (productive share
     of its time on the nodes), node-hours and cost so far at on-demand / Spot list prices."""
-    n0 = node0(o)[1]
-    if dry_run(o, n0, [("list the jobs (and start again any dead controller)", list_script())]):
+    cluster, n0 = node0(o)
+    steps = [("list the jobs (and start again any dead controller)", list_script())]
+    if every_account:
+        steps.append(("list every account's holds (on each node)", holds_script()))
+    if dry_run(o, n0, steps):
         return
     records = n0.records()
     restart_orphans(n0, records)
+    held = cluster_holds(cluster, n0.transport) if every_account else {}
     if as_json:
         for r in records:
             click.echo(json.dumps({**r.to_json(), "goodput": goodput_of(r).to_json()}))
+        for h, nodes in held.items():
+            click.echo(json.dumps({"held": {"account": h.account, "id": h.job, "since": h.since, "nodes": nodes}}))
         return
     table = Table()
     for col in ("id", "what", "state", "nodes", "started", "duration", "goodput", "node-h", "cost", "exit", "why"):
         table.add_column(col)
     for r in records:
         table.add_row(*_row(r))
-    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    out.print(table)
+    if every_account:
+        on = Table(title="every account's jobs on the nodes")
+        for col in ("account", "id", "since", "nodes"):
+            on.add_column(col)
+        for h, nodes in held.items():
+            on.add_row(escape(h.account), escape(h.job), _when(h.since), escape(", ".join(nodes)))
+        out.print(on)

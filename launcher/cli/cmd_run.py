@@ -17,6 +17,7 @@ from launcher.cli.options import (
     SOURCE_OPTIONS,
     TERM_GRACE_OPTION,
     TORCHRUN_OPTIONS,
+    WAIT_OPTION,
     apply_options,
 )
 from launcher.cli.render import user_errors
@@ -36,6 +37,7 @@ __all__ = ["run"]
         *HANG_OPTIONS_RUN,
         TERM_GRACE_OPTION,
         DETACH_OPTION,
+        WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,
         *RECOVER_OPTIONS,
     ]

@@ -1,4 +1,5 @@
-"""`launch stop JOB_ID`: stop a detached job on every node (a pending one leaves the queue)."""
+"""`launch stop JOB_ID`: stop a detached job on every node (a pending one leaves the queue). Another
+account's job (the nodes' holds name it: launcher.jobs.holds) is refused in one line naming it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.core.types import LaunchConfig, UserError
+from launcher.jobs.holds import cluster_holds, refuse_others_job
 from launcher.jobs.node0 import Node0
 from launcher.jobs.record import JobRecord, check_job_id, list_script, stop_script
 from launcher.jobs.recovery import parse_duration
@@ -43,6 +45,11 @@ def _job_term_grace(n0: Node0, job_id: str) -> tuple[float, bool]:
         return LaunchConfig.stop_grace_s, False
 
 
+def _account(n0: Node0) -> str:
+    """This account's name on the job host (as a hold names its account)."""
+    return n0.run("id -un").strip().splitlines()[-1]
+
+
 @click.command(name="stop")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id")
@@ -58,7 +65,7 @@ def stop(job_id: str, grace: str | None, **o: Any) -> None:
     SIGTERM, then SIGKILL after the grace; the job's log says which exited by themselves."""
     check_job_id(job_id)
     grace_s = parse_duration(grace, "--grace") if grace is not None else None
-    _, n0 = node0(o)
+    cluster, n0 = node0(o)
     steps = [
         (f"read job {job_id}'s record", list_script(job_id)),
         (f"read job {job_id}'s --term-grace", _request_script(job_id)),
@@ -66,6 +73,9 @@ def stop(job_id: str, grace: str | None, **o: Any) -> None:
     ]
     if dry_run(o, n0, steps):
         return
+    found = n0.records(job_id)
+    if not found:  # not this account's: another's (its hold names it), or none
+        refuse_others_job(job_id, _account(n0), cluster_holds(cluster, n0.transport))
     # Names a job that is not there; a job whose controller died gets one again, which stops it.
     restart_orphans(n0, [n0.record(job_id)])
     term_s, torchrun = _job_term_grace(n0, job_id)

@@ -34,6 +34,7 @@ from launcher.cli.options import SOURCE_OPTIONS, apply_options, find_cluster, ss
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Node, SshConfig, UserError, new_job_id
+from launcher.jobs.holds import HoldsWatch, cluster_holds
 from launcher.jobs.node0 import job_host
 from launcher.jobs.record import check_job_id
 from launcher.jobs.watch import JobWatch, copy_samples, job_nodes
@@ -414,14 +415,17 @@ def top(
     )
     exporter = _cloud_exporter(o, cluster, sampler)
     watch = JobWatch(transport, head, job_id).start() if job_id else None
+    # Whose jobs hold the nodes, any account's (launcher.jobs.holds), read again every 10 s.
+    holds = HoldsWatch(lambda: cluster_holds(cluster, transport)).start()
     sampler.start()
     if exporter:
         exporter.start()
     try:
         title = _title(cluster, job_id)
-        heading = (lambda: title + watch.goodput()) if watch else (lambda: title)
+        heading = (lambda: title + watch.goodput() + holds.summary()) if watch else (lambda: title + holds.summary())
         stats = _view(sampler, duration, heading, watch.ended if watch else None)
     finally:
+        holds.stop()
         if watch:
             watch.stop()
         answered, connecting = _stop_all(sampler, exporter, recorder)

@@ -20,6 +20,7 @@ from launcher.cli.options import (
     SOURCE_OPTIONS,
     TERM_GRACE_OPTION,
     TORCHRUN_OPTIONS,
+    WAIT_OPTION,
     apply_options,
 )
 from launcher.cli.render import err, user_errors
@@ -48,6 +49,7 @@ _SOURCES = ("stack", "outputs", "hostfile", "labels", "local")
         *HANG_OPTIONS_TRAIN,
         TERM_GRACE_OPTION,
         DETACH_OPTION,
+        WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,
         *RECOVER_OPTIONS,
     ]

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from rich.markup import escape
 from launcher.cli.render import err
 from launcher.code import CodeRequest, EnvSpec, code_snapshot, prepare, take_snapshot
 from launcher.code.node_agent import redact
+from launcher.code.prepare import configured
 from launcher.code.pyenv import requirement_source, workloads_requirements
 from launcher.code.snapshot import DEFAULT_SYNC_MAX, human_size, parse_size
 from launcher.code.tree import DEFAULT_FANOUT
@@ -190,34 +190,10 @@ DRY_RUN_HOME = "/home/USER"
 
 
 def dry_run_configured(config: LaunchConfig, request: CodeRequest, home: str) -> LaunchConfig:
-    """The launch's config as the preparation leaves it (launcher.code.prepare, whose result a
-    test holds this to): the environment's python, its bin first on PATH, PYTHONPATH to
-    gpufleet's code, the --sync directory as the working directory, each under `home`."""
-    env = dict(config.env)
-    add: dict[str, str] = {}
-    changes: dict[str, Any] = {}
-    prepared: list[str] = []
-    if request.code is not None:
-        add["PYTHONPATH"] = f"{home}/.gpufleet/snap/{request.code.hash}"
-        prepared.append(add["PYTHONPATH"])
-    snap = request.sync or request.code
-    if snap is not None:
-        add["GPUFLEET_CODE"] = snap.hash
-    if request.sync is not None:
-        changes["workdir"] = f"{home}/.gpufleet/work/{config.job_id}"
-        prepared.append(changes["workdir"])
-    if request.env is not None:
-        venv = f"{home}/.gpufleet/envs/{request.env.key}"
-        changes["python"] = f"{venv}/bin/python"
-        prepared.append(changes["python"])
-        add["VIRTUAL_ENV"] = venv
-        add["PATH"] = f"{venv}/bin"
-    for key in ("PATH", "PYTHONPATH"):
-        if key in add and env.get(key):
-            add[key] += f":{env[key]}"
-    changes["env"] = tuple((k, v) for k, v in config.env if k not in add) + tuple(add.items())
-    changes["prepared"] = (*config.prepared, *prepared)
-    return replace(config, **changes)
+    """The launch's config as the preparation leaves it (launcher.code.prepare.configured, with no
+    node's own environment directory known yet: the envs/KEY link every node points at its own),
+    under `home`."""
+    return configured(config, request, home)
 
 
 def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) -> LaunchConfig:

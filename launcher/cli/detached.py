@@ -31,6 +31,7 @@ from launcher.cli.options import (
     trusted_ssh,
 )
 from launcher.cli.render import err, pull_everywhere, setup_logging
+from launcher.cli.waiting import waiting
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
@@ -100,7 +101,7 @@ def start_detached(
     if p.order_message:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to its controller…"):
-        job_id = detach(p, policy.to_json() if policy else None)
+        job_id = waiting(lambda: detach(p, policy.to_json() if policy else None), o.get("wait_nodes", False))
     click.echo(f"job {job_id}")
     err.print(
         f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop {job_id}[/dim]"

@@ -10,6 +10,7 @@ from typing import Any
 from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import build_config, find_cluster, recover_request
 from launcher.cli.render import execute, finish, setup_logging
+from launcher.cli.waiting import waiting
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
 from launcher.runner import plan
 
@@ -54,4 +55,5 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
     if check is not None:
         check(cluster, config)
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
-    return execute(plan(cluster, config))
+    p = plan(cluster, config)
+    return waiting(lambda: execute(p), o.get("wait_nodes", False))

@@ -28,6 +28,7 @@ __all__ = [
     "IMAGE_OPTION",
     "TORCHRUN_OPTIONS",
     "DETACH_OPTION",
+    "WAIT_OPTION",
     "CONTROLLER_GRACE_OPTION",
     "DEFAULT_CONTROLLER_GRACE",
     "RECOVER_OPTIONS",
@@ -172,6 +173,15 @@ DETACH_OPTION = click.option(
     is_flag=True,
     help="Check every node, hand the job to a controller on the controller host (see --controller; "
     "node 0 only when the cluster has none), print `job ID` and return; see `launch jobs/logs/stop/attach`.",
+)
+
+# Another account's job holding the nodes (launcher.core.holds): wait for them instead of refusing.
+WAIT_OPTION = click.option(
+    "--wait",
+    "wait_nodes",
+    is_flag=True,
+    help="When another account's job holds some of the nodes, wait for them (a progress line says whose "
+    "job) instead of refusing.",
 )
 
 # A detached job's nodes keep training without their controller this long (launcher.core.supervise).

@@ -7,9 +7,19 @@ gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gp
     relay/PID/            the relay key and known_hosts while a relay passes content on
     snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
     work/JOB/             a job's working directory: its --sync snapshot, copied (writes allowed)
-    envs/KEY/             a Python environment built with uv, KEY the hash of what defines it
+    envs/KEY              a link to envs/KEY-MARK/, the Python environment built with uv, KEY the
+                          hash of what defines it, MARK of what the node chose (its torch index,
+                          its Python): a changed MARK builds a new directory beside the old one,
+                          which a running job goes on using, and the link is swapped by rename
+    uv-cache/, pip-cache/ the caches of uv and pip, where the node has no local SSD
     tools/NAME-VERSION/   a tool the job's environment lacks (py-spy, for hang stacks), built the same way
     uv/                   uv itself, where the node had none (pip-installed from the job's index)
+
+~/.gpufleet is made 0700 whatever the umask, and checked before each use: this account's own
+directory, not a link, not open to others (the one-line refusal names it and the fix). Where the
+node has a local SSD, uv's cache is on it in a directory of this account's own,
+MOUNT/gpufleet-UID (0700, checked the same way): never a directory another account could have
+made first, whose cache entries uv would install into this account's environment.
 
 Commands (stdin carries the request; every line this program prints starts with PREFIX):
 - `prepare`: a JSON request. Reports the objects the node lacks; places every snapshot whose
@@ -27,6 +37,7 @@ Commands (stdin carries the request; every line this program prints starts with 
 """
 
 import base64
+import contextlib
 import fcntl
 import hashlib
 import ipaddress
@@ -36,6 +47,7 @@ import queue
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -58,6 +70,62 @@ USERINFO = re.compile(r"(?<=://)([^/@\s:\"']+)(:[^/@\s\"']*)?@")
 def redact(text):
     """`text` with the credentials of every URL in it replaced by ****."""
     return USERINFO.sub(lambda m: f"{m.group(1)}:****@" if m.group(2) else "****@", text)
+
+
+class PrivateError(Exception):
+    pass
+
+
+def private_dir(path, fix_mode=True):
+    """`path` as a directory of this account's own: made 0700 (the mode given to mkdir, whatever
+    the umask), then checked with lstat: a directory, not a link, owned by this account, writable
+    by no other. One made by an older gpufleet under umask 022 (readable by others) is made
+    private when `fix_mode`. PrivateError, in one line naming the path and the fix, otherwise."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PrivateError(f"{path} is not a directory but a link or file; remove it (gpufleet makes its own)")
+    if st.st_uid != os.geteuid():
+        raise PrivateError(
+            f"{path} belongs to uid {st.st_uid}, not to this account (uid {os.geteuid()}); another account made it "
+            "first: have it removed (its content is not to be trusted)"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022 or (mode & 0o077 and not fix_mode):
+        raise PrivateError(
+            f"{path} has mode {mode:04o}, open to other accounts; remove what you did not put there and chmod 700 it"
+        )
+    if mode != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def own_state():
+    """~/.gpufleet and its object store, checked (private_dir); everything this program writes is
+    private (umask 077): a snapshot's own modes are set on what it places, inside the 0700 tree."""
+    os.umask(0o077)
+    private_dir(G)
+    os.makedirs(OBJECTS, exist_ok=True)
+
+
+def local_cache(mounts):
+    """uv's cache on the first of `mounts` (the local SSD) that is mounted and writable, in a
+    directory of this account's own (MOUNT/gpufleet-UID/uv-cache), else ~/.gpufleet/uv-cache.
+    A MOUNT/gpufleet-UID that is wrong (another account's, a link, open to others) is never
+    used: one progress line says why, and the cache is the home one."""
+    for mount in mounts or []:
+        if os.path.ismount(mount) and os.access(mount, os.W_OK):
+            try:
+                base = private_dir(os.path.join(mount, f"gpufleet-{os.geteuid()}"), fix_mode=False)
+            except (PrivateError, OSError) as e:
+                say("progress", f"not using the local SSD's cache: {e}")
+                break
+            return os.path.join(base, "uv-cache")
+    return os.path.join(G, "uv-cache")
 
 
 def say(kind, text):
@@ -194,7 +262,7 @@ def find_uv(env):
         return on_path
     home = os.path.join(G, "uv")
     uv = os.path.join(home, "bin", "uv")
-    os.makedirs(G, exist_ok=True)
+    private_dir(G)
     with open(os.path.join(G, "uv.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = os.path.join(home, DONE)
@@ -203,7 +271,7 @@ def find_uv(env):
         say("progress", "installing uv (pip, from " + (env.get("index_url") or "PyPI") + ")")
         shutil.rmtree(home, ignore_errors=True)
         run([sys.executable, "-m", "venv", home])
-        pip_env = dict(os.environ, **index_env(env, "PIP_"))
+        pip_env = dict(os.environ, PIP_CACHE_DIR=os.path.join(G, "pip-cache"), **index_env(env, "PIP_"))
         trusted = trusted_hosts(env)
         if trusted:  # pip takes plain HTTP only from a host named trusted
             pip_env["PIP_TRUSTED_HOST"] = " ".join(trusted)
@@ -255,15 +323,19 @@ def torch_marker(env):
 
 
 def build_env(env, base="envs", what=None):
-    """The environment at ~/.gpufleet/BASE/KEY, built with uv unless it is there already; `what`:
-    its progress line."""
-    d = os.path.join(G, base, env["key"])
+    """The environment ~/.gpufleet/BASE/KEY-MARK, built with uv unless it is there already, and
+    the link BASE/KEY pointed at it; `what`: its progress line. MARK is what the node chose
+    (torch_marker): a changed MARK is a new directory, so a job running the old one keeps it
+    (`launch prune` removes it once unused). A lock file installs with its hashes, as locked."""
+    link = os.path.join(G, base, env["key"])
+    d = f"{link}-{hashlib.sha256(torch_marker(env).encode()).hexdigest()[:12]}"
     python = os.path.join(d, "bin", "python")
     done = os.path.join(d, DONE)
-    os.makedirs(os.path.dirname(d), exist_ok=True)
-    with open(d + ".lock", "w") as lock:
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    with open(d + ".lock", "w") as lock:  # the lock `launch prune` takes to remove it (node_prune)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(done) and open(done).read() == torch_marker(env):
+        if os.path.exists(done):
+            point(link, d)
             return python, False
         urls = [u for u in [env.get("index_url")] + env.get("extra_index_urls", []) + env.get("find_links", []) if u]
         for url in urls + ([env["torch_index"]] if env.get("torch_index") else []):
@@ -272,14 +344,10 @@ def build_env(env, base="envs", what=None):
                 raise BuildError(f"the package index {redact(url)} cannot be reached ({why})")
         uv = find_uv(env)
         say("progress", what or f"building environment {env['key'][:12]}")
-        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)  # half-built (DONE is written last): no job ever ran it
         os.makedirs(d)
         uv_env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_PROGRESS="1")
-        for cache in env.get("uv_cache") or []:  # the local SSD, where the node has one mounted
-            mount = os.path.dirname(cache)
-            if os.path.ismount(mount) and os.access(mount, os.W_OK):
-                uv_env["UV_CACHE_DIR"] = cache
-                break
+        uv_env["UV_CACHE_DIR"] = local_cache(env.get("local_ssd"))  # never uv's shared or default one
         run([uv, "venv", "-q", "--python", sys.executable, d], env=uv_env)
         spec_dir = os.path.join(d, ".gpufleet-spec")
         os.makedirs(spec_dir)
@@ -287,20 +355,39 @@ def build_env(env, base="envs", what=None):
             with open(os.path.join(spec_dir, name), "w") as f:
                 f.write(text)
         req = os.path.join(spec_dir, env["kind"])
-        if env["kind"] == "uv.lock":
+        hashes = []
+        if env["kind"] == "uv.lock":  # exported with the lock's hashes, which uv then requires
             req = os.path.join(spec_dir, "requirements.txt")
             run(
-                [uv, "export", "-q", "--frozen", "--no-hashes", "--no-emit-project", "--format", "requirements-txt"]
+                [uv, "export", "-q", "--frozen", "--no-emit-project", "--format", "requirements-txt"]
                 + ["--directory", spec_dir, "-o", req],
                 env=uv_env,
             )
+            hashes = ["--require-hashes"]
         uv_env.update(index_env(env, "UV_", env.get("torch_index")))
-        argv = [uv, "pip", "install", "--python", python, "-r", req]
+        argv = [uv, "pip", "install", "--python", python, *hashes, "-r", req]
         keep = ("Resolved", "Prepared", "Installed", "Downloading", "Audited")
         run(argv, env=uv_env, on_line=lambda line: line.lstrip().startswith(keep) and say("progress", line.strip()))
         with open(done, "w") as f:
             f.write(torch_marker(env))
+        point(link, d)
         return python, True
+
+
+def point(link, target):
+    """`link` made to name `target` (a sibling), swapped by rename: a reader sees the old link or
+    the new one, never none. A real directory there (built in place by an older gpufleet) is
+    left as it is: a job may run it."""
+    if os.path.islink(link) and os.readlink(link) == os.path.basename(target):
+        return
+    tmp = f"{link}.link-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(os.path.basename(target), tmp)
+    try:
+        os.rename(tmp, link)
+    except OSError:
+        os.unlink(tmp)
 
 
 def gpu_driver():
@@ -364,7 +451,7 @@ def take_leases(req):
 
 
 def prepare(req):
-    os.makedirs(OBJECTS, exist_ok=True)
+    own_state()
     result = {"home": os.path.expanduser("~"), "missing": [], "python": None, "built": False, "error": None}
     result["agent"] = keep_own_source()
     take_leases(req)
@@ -382,7 +469,7 @@ def prepare(req):
     if env:
         driver = gpu_driver()
         result["driver"] = driver
-        if driver and env.get("torch_indexes"):
+        if driver and env.get("torch_indexes") and env["kind"] != "uv.lock":  # a lock names its own torch
             env["torch_index"] = pick_torch_index(driver, env["torch_indexes"])
         try:
             result["python"], result["built"] = build_env(env)
@@ -394,7 +481,7 @@ def prepare(req):
     # What this launch uses, marked used now: `launch prune` (launcher.code.node_prune) removes
     # only what no launch has used for its --older-than.
     used = [os.path.join(G, s["dest"]) for s in req.get("snapshots", [])]
-    for path in used + ([os.path.join(G, "envs", env["key"])] if env and result["python"] else []):
+    for path in used + ([os.path.dirname(os.path.dirname(result["python"]))] if env and result["python"] else []):
         try:
             os.utime(path)
         except OSError:  # not placed yet: its objects are still to come
@@ -682,7 +769,7 @@ def relay(port=22, peers=()):
     command, so a frame only ever writes an object (checked against its hash) or the two files
     at fixed places, removed when the relay ends; its arguments (PORT and the cluster's nodes,
     `USER@ADDRESS,...`) are the only destinations a FWD may name, once per session."""
-    os.makedirs(OBJECTS, exist_ok=True)
+    own_state()
     lease(OBJECTS)  # what it passes on from the store stays there while it does
     stream = sys.stdin.buffer
     work = os.path.join(G, "relay", str(os.getpid()))
@@ -732,10 +819,13 @@ def hung_up(signum, frame):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "prepare":
-        prepare(json.loads(sys.stdin.read()))
-    elif sys.argv[1] == "relay":
-        signal.signal(signal.SIGHUP, hung_up)
-        signal.signal(signal.SIGTERM, hung_up)
-        port, peers = (int(sys.argv[2]), sys.argv[3].split(",")) if len(sys.argv) > 3 else (22, [])
-        relay(port, peers)
+    try:
+        if sys.argv[1] == "prepare":
+            prepare(json.loads(sys.stdin.read()))
+        elif sys.argv[1] == "relay":
+            signal.signal(signal.SIGHUP, hung_up)
+            signal.signal(signal.SIGTERM, hung_up)
+            port, peers = (int(sys.argv[2]), sys.argv[3].split(",")) if len(sys.argv) > 3 else (22, [])
+            relay(port, peers)
+    except PrivateError as e:  # one line, the launcher's reason for this node
+        sys.exit(str(e))

@@ -49,7 +49,7 @@ from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "agent_script", "run_agent"]
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "configured", "agent_script", "run_agent"]
 
 log = logging.getLogger("launcher")
 
@@ -115,10 +115,10 @@ def _request(request: CodeRequest, job_id: str, stacks: bool = False) -> dict:
         )
     env = tools = None
     if request.env is not None:
-        caches = [f"{m}/uv-cache" for m in LOCAL_SSD_MOUNT.values()]
-        env = request.env.request(caches)
+        mounts = list(LOCAL_SSD_MOUNT.values())
+        env = request.env.request(mounts)
         if stacks:
-            tools = _pyspy_tools(request.env).request(caches)
+            tools = _pyspy_tools(request.env).request(mounts)
             tools.update(key=PYSPY_TOOLS.rsplit("/", 1)[-1], program="py-spy")
     return {"snapshots": snaps, "env": env, "tools": tools}
 
@@ -294,7 +294,8 @@ def prepare(
             f"the nodes' home directories differ ({', '.join(sorted(homes))}), where gpufleet keeps a job's code "
             "and environment; use one user with one home on every node (--ssh-user)"
         )
-    return _configured(config, request, homes.pop()), report
+    pythons = {res["python"] for res in results.values()}
+    return configured(config, request, homes.pop(), pythons.pop() if len(pythons) == 1 else None), report
 
 
 def _deliver(
@@ -346,9 +347,11 @@ def _build_error(request: CodeRequest, error: str) -> str:
     return f"cannot build the environment from {what}: {error}"
 
 
-def _configured(config: LaunchConfig, request: CodeRequest, home: str) -> LaunchConfig:
+def configured(config: LaunchConfig, request: CodeRequest, home: str, python: str | None = None) -> LaunchConfig:
     """The launch's config with what was prepared: every node holds it at the same place (their
-    homes are the same, checked above). PATH and PYTHONPATH go before what --env gave (and PATH
+    homes are the same, checked above). `python`: the environment's interpreter where every node
+    built the same one (envs/KEY-MARK: a later change of MARK never changes what this job runs),
+    else the link envs/KEY each node points at its own. PATH and PYTHONPATH go before what --env gave (and PATH
     before the node's own: launcher.core.command prepends it)."""
     env = dict(config.env)
     add: dict[str, str] = {}
@@ -364,7 +367,7 @@ def _configured(config: LaunchConfig, request: CodeRequest, home: str) -> Launch
         changes["workdir"] = f"{home}/.gpufleet/work/{config.job_id}"
         prepared.append(changes["workdir"])
     if request.env is not None:
-        venv = f"{home}/.gpufleet/envs/{request.env.key}"
+        venv = python.rsplit("/bin/", 1)[0] if python else f"{home}/.gpufleet/envs/{request.env.key}"
         changes["python"] = f"{venv}/bin/python"
         prepared.append(changes["python"])
         add["VIRTUAL_ENV"] = venv

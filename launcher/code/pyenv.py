@@ -3,8 +3,10 @@
 the --sync directory's uv.lock, else its pyproject.toml, else its requirements.txt) and where
 packages come from (--index-url, --extra-index-url, --find-links as pip has them, else the
 stack output `packageIndex`, else PyPI). Each node builds it with uv into
-~/.gpufleet/envs/KEY (launcher.code.node_agent), KEY the hash of all of that: a launch whose
-environment exists builds nothing, and a changed requirement is a new environment.
+~/.gpufleet/envs/KEY-MARK (launcher.code.node_agent), KEY the hash of all of that and MARK of
+what the node chose (its torch index, its Python): a launch whose environment exists builds
+nothing, and a changed requirement is a new environment. A uv.lock installs with its hashes
+(`uv pip install --require-hashes`), torch included: the lock, not the driver, names its wheel.
 
 On a GPU node torch comes from the PyTorch index of the newest CUDA its driver runs
 (`TORCH_INDEXES`), as an extra index, which uv prefers over the main one
@@ -108,8 +110,9 @@ class EnvSpec:
     def main_index(self) -> str:
         return self.index_url or PYPI
 
-    def request(self, uv_cache: str | None) -> dict[str, Any]:
-        """The node agent's `env` request."""
+    def request(self, local_ssd: list[str] | None) -> dict[str, Any]:
+        """The node agent's `env` request; `local_ssd`: where a node's local SSD may be mounted
+        (uv's cache goes in this account's own directory there)."""
         return {
             "key": self.key,
             "kind": self.kind,
@@ -118,6 +121,6 @@ class EnvSpec:
             "extra_index_urls": list(self.extra_index_urls),
             "find_links": list(self.find_links),
             "torch_indexes": [list(t) for t in self.torch_indexes],
-            "uv_cache": uv_cache,
+            "local_ssd": local_ssd,
             "uv": uv_requirement(),  # what a node without uv installs (gpufleet.contracts.UV)
         }

@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from launcher.core.holds import refuse_held
 from launcher.core.program import SPOT_GRACE_MAX_S, SPOT_NOTICE_S
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError
@@ -101,6 +102,8 @@ def check_probes(
     """Raise one UserError naming every node that cannot run; return warnings for the rest.
     `verdict` judges what launcher.core.prestart's statements reported (a missing GPU or NIC
     refuses, drift warns); a check whose nodes answered them must have one."""
+    # Another account's job on some of the nodes comes first: it is why they may not answer well.
+    refuse_held({r: p.node.label for r, p in probes.items()}, {r: p.facts for r, p in probes.items() if p.ok})
     refuse_unreachable(cluster, probes)
     _refuse_busy_port(probes, config)
     _refuse_missing_workdir(probes, config)

@@ -10,8 +10,9 @@ Everything that crosses a shell goes through `shlex.quote`, so an argument such 
 A node's program is one bash line (so `--dry-run` prints it on one line), in sections, in order
 (`NodeProgram.sections`):
 
-1. prologue: statements before anything else (the detach check's authorization of the cluster
-   key, `ProgramBuilder.add_prologue`);
+1. prologue: statements before anything else (on SSH nodes the job's hold on the node,
+   launcher.core.holds; the detach check's authorization of the cluster key,
+   `ProgramBuilder.add_prologue`);
 2. environment: the launch's `export`s (resolving the host NIC on the node when the catalog
    cannot name it), first, so the check sees what the run will. The user's --env values are
    not in the program: it reads them from stdin, where the launcher writes them first
@@ -79,6 +80,7 @@ from launcher.core import supervise
 from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.hang import flight_recorder_aliases
+from launcher.core.holds import hold_statements
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
 from launcher.core.torchrun import torchrun_argvs
@@ -187,13 +189,14 @@ class NodeProgram:
         if self.check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
             s += prestart_statements(self.cluster, config.image_os)
         if self.lock_port is not None:
-            lock = shlex.quote(rdzv_lock_path(self.node.address, self.lock_port))
+            lock = '"$HOME"/' + shlex.quote(rdzv_lock_path(self.node.address, self.lock_port))
             # Held from the check to the end of the run (torchrun inherits fd 9), so there is no
             # moment between "free" and "taken" for another launch to slip into. The file is
             # private (umask 077), and the user's own umask is back for the workload.
             s += [
                 "O=$(umask)",
                 "umask 077",
+                'mkdir -p "$HOME/.gpufleet"',
                 f"exec 9>>{lock}",
                 f"if flock -n 9; then echo {shlex.quote(config.job_id)} > {lock}.job; echo port=free; else "
                 f"echo port=busy:$(cat {lock}.job 2>/dev/null); echo {CHECKED_MARKER}; exit 75; fi",
@@ -305,6 +308,8 @@ class ProgramBuilder:
             self.add_prepare("prepared", _prepared_step)
         if config.image:  # the ranks in a container (launcher.core.container)
             self.wrap_run("container", _container)
+        if not cluster.local:  # accounts share the nodes: each job says it holds them
+            self.add_prologue("hold the nodes", hold_statements(config.job_id, [n.host for n in cluster.nodes]))
 
     def add_prologue(self, name: str, statements: Sequence[str]) -> ProgramBuilder:
         self._prologue.append((name, tuple(statements)))

@@ -57,9 +57,12 @@ NNODES_VAR = "GPUFLEET_NNODES"
 
 
 def rdzv_lock_path(address: str, port: int) -> str:
-    # Keyed by address too: nodes that share a /tmp (the simulated cluster, --local) but not a
-    # network namespace can each hold the same port.
-    return f"/tmp/gpufleet-rdzv-{address}-{port}.lock"
+    """Relative to the node's $HOME: in the account's own ~/.gpufleet, never /tmp, where the first
+    account's file (mode 600) would refuse every other account's launch on that port for good.
+    Another account's job on the port is refused by its hold (launcher.core.holds). Keyed by
+    address too: nodes that share a home (the simulated cluster, --local) but not a network
+    namespace can each hold the same port."""
+    return f".gpufleet/rdzv-{address}-{port}.lock"
 
 
 def run_token(job_id: str, node_rank: int) -> str:

@@ -1,5 +1,6 @@
 """Detached jobs: the record on node 0 (record), the client's hand-off (handoff), the client's
-SSH to node 0 (node0), the refusal of an attached launch on nodes a detached job holds (busy), the
+SSH to node 0 (node0), the refusal of an attached launch on nodes a detached job holds (busy),
+every account's jobs on the nodes as their holds say (holds, over launcher.core.holds), the
 controller that runs the job on node 0 (`python -m launcher.jobs.controller JOBDIR`, not imported
 here), its re-adoption of a job whose controller died (adopt), its recovery (recovery) and, for a
 user's own program, the restart reasons and budget (restarts). No click, no rich: node 0 runs this

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from gpufleet.catalog import MACHINE_TYPES, NetStack, lookup
-from gpufleet.contracts import CONTROLLER_READY_MARKER, CONTROLLER_VENV, READY_MARKER, RXDM_CONTAINER, RXDM_SOCKET_DIR
+from gpufleet.contracts import (
+    CONTROLLER_READY_MARKER,
+    CONTROLLER_VENV,
+    HOLDS_DIR,
+    READY_MARKER,
+    RXDM_CONTAINER,
+    RXDM_SOCKET_DIR,
+)
 from infra import pins
 from infra.pins import NCCL_TESTS, UV
 from infra.startup import (
@@ -166,6 +173,7 @@ def node(tmp_path):
             mount -t tmpfs none /var/lib
             mount -t tmpfs none /etc/security/limits.d
             mount -t tmpfs none /usr/local/bin
+            mount -t tmpfs none /run  # the holds registry (make_holds_dir): the boot's own, not this machine's
             mkdir -p {state}/lib && cp -a {state}/lib/. /var/lib/
             rc=0; PATH={bindir}:$PATH STUB_LOG={log} STUB_GPUS={gpus} STUB_GIT_HEAD={head} bash {script} || rc=$?
             readlink /usr/local/bin/uv >{state}/link || true
@@ -655,9 +663,13 @@ def test_docker_gets_the_vms_credentials_for_the_registries_as_google_documents(
     assert main.index("configure_registry_auth") < main.index("net_stack_setup")
 
 
-def test_uvs_cache_goes_on_the_local_ssd_when_there_is_one(tmp_path):
+def test_no_shared_uv_cache_is_made_and_an_older_scripts_config_goes(tmp_path):
+    """One cache for every account lets one plant what uv installs into another's environment:
+    the node agent keeps each account's own (launcher.code.node_agent.local_cache)."""
     ssd, config = tmp_path / "localssd", tmp_path / "etc-uv" / "uv.toml"
     ssd.mkdir()
+    config.parent.mkdir()
+    config.write_text(f'cache-dir = "{ssd}/uv-cache"\n')  # what the startup script wrote before
     script = render_startup_script(lookup("a3-megagpu-8g"), cluster="demo", image_os="ubuntu")
     script = script.replace("readonly LOCAL_SSD_MOUNT=/mnt/localssd", f"readonly LOCAL_SSD_MOUNT={ssd}")
     script = script.replace("readonly UV_CONFIG=/etc/uv/uv.toml", f"readonly UV_CONFIG={config}")
@@ -669,11 +681,18 @@ def test_uvs_cache_goes_on_the_local_ssd_when_there_is_one(tmp_path):
     stubs = {"dpkg-query": 'echo "install ok installed"\n', "mountpoint": f'[[ "$2" == {ssd} ]]\n'}
     r = _run(script, "prepare_python_build", tmp_path, stubs)
     assert r.returncode == 0, r.stderr
-    assert config.read_text() == f'cache-dir = "{ssd}/uv-cache"\n'
-    assert (ssd / "uv-cache").stat().st_mode & 0o7777 == 0o1777
+    assert not config.exists() and not (ssd / "uv-cache").exists()
     assert os.readlink(tmp_path / "bin-uv") == str(tmp_path / "uv" / "bin" / "uv")
-    # A boot without the SSD mounted: our config goes, uv keeps its own default cache.
-    stubs["mountpoint"] = "exit 1\n"
-    r = _run(script, "prepare_python_build", tmp_path, stubs)
+
+
+def test_the_holds_registry_is_roots_and_sticky_and_made_before_anything_else(tmp_path):
+    script = render_startup_script(lookup("a3-megagpu-8g"), cluster="demo", image_os="ubuntu")
+    assert f"readonly HOLDS_DIR={HOLDS_DIR}\n" in script  # the launcher's (gpufleet.contracts)
+    holds = tmp_path / "run" / "gpufleet-holds"
+    script = script.replace(f"readonly HOLDS_DIR={HOLDS_DIR}", f"readonly HOLDS_DIR={holds}")
+    r = _run(script, "make_holds_dir", tmp_path, {})
     assert r.returncode == 0, r.stderr
-    assert not config.exists()
+    st = holds.stat()
+    assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o1777)
+    main = script.split("\nmain() {", 1)[1]
+    assert main.split()[:2] == ["prepare", "make_holds_dir"]

@@ -83,21 +83,3 @@ def test_the_dry_run_shows_the_environments_python_as_a_real_launch_runs_it(tmp_
     assert env_python and "-m torch.distributed.run" in r.stdout
     assert "exec setsid -- python3 " not in r.stdout  # not the bare python3 a real launch replaces
     assert "PYTHONPATH=/home/USER/.gpufleet/snap/" in r.stderr and "stands for the nodes' home directory" in r.stderr
-
-
-def test_the_dry_runs_config_is_the_one_the_preparation_leaves(tmp_path):
-    """launcher.cli.code_options.dry_run_configured says what launcher.code.prepare does."""
-    from launcher.cli.code_options import code_request, dry_run_configured
-    from launcher.code.prepare import _configured
-    from launcher.core.types import Cluster, LaunchConfig, Node, Workload
-
-    (tmp_path / "app").mkdir()
-    (tmp_path / "app" / "requirements.txt").write_text("six\n")
-    (tmp_path / "app" / "main.py").write_text("print(1)\n")
-    cluster = Cluster("c", (Node(0, "10.0.0.2", "10.0.0.2"),))
-    config = LaunchConfig(
-        Workload("torchrun", ("main.py",)), job_id=DRY_RUN_JOB_ID, env=(("PYTHONPATH", "/opt/x"), ("A", "1"))
-    )
-    for o, builtin in (({"sync": tmp_path / "app"}, False), ({}, True)):
-        request = code_request(o, cluster, builtin=builtin)
-        assert dry_run_configured(config, request, "/home/u") == _configured(config, request, "/home/u")

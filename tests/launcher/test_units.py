@@ -250,7 +250,7 @@ def test_node_commands_follow_a_reordered_cluster():
     cmds = node_commands(ordered, _cfg())
     assert "--node-rank=1" in cmds[1] and "GPUFLEET_NODE_RANK=1 " in cmds[1] and "--local-addr=10.0.0.4" in cmds[1]
     assert "--node-rank=2" in cmds[2] and "--local-addr=10.0.0.3" in cmds[2]
-    assert "gpufleet-rdzv-10.0.0.2-29500.lock" in cmds[0]
+    assert ".gpufleet/rdzv-10.0.0.2-29500.lock" in cmds[0]
     assert not any("rdzv-" + "10.0.0.4" in cmds[r] for r in (1, 2))
 
 

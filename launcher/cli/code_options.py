@@ -113,9 +113,9 @@ def _sync_snapshot(o: dict[str, Any]) -> tuple[Path | None, Any]:
     return d.resolve(), snap
 
 
-def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequest:
-    """What to bring to the nodes for this launch. `builtin`: launch train or nccl-tests, whose
-    ranks import gpufleet's own workloads (sent, with its requirements, unless --python)."""
+def _refuse_conflicting_flags(o: dict[str, Any], image: str | None) -> None:
+    """--python builds nothing and an image brings its own python3: neither takes the flags that
+    build an environment. One line naming both flags otherwise."""
     own_python = o.get("python") is not None
     index_flags = [
         f
@@ -133,13 +133,20 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
         )
     if own_python and index_flags:
         raise UserError(f"{index_flags[0]} has no use with --python (nothing is built); drop one of them")
-    image = o.get("image") or cluster.image
     if image and (o.get("requirements") or index_flags):
         flag = "--requirements" if o.get("requirements") else index_flags[0]
         raise UserError(
             f"{flag} builds an environment on the nodes, but the ranks run in the image {image} with its own "
             "python3; put the packages in the image, or drop --image"
         )
+
+
+def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequest:
+    """What to bring to the nodes for this launch. `builtin`: launch train or nccl-tests, whose
+    ranks import gpufleet's own workloads (sent, with its requirements, unless --python)."""
+    own_python = o.get("python") is not None
+    image = o.get("image") or cluster.image
+    _refuse_conflicting_flags(o, image)
     sync_root, sync = _sync_snapshot(o)
     if cluster.local:
         if sync is not None or o.get("requirements"):

@@ -475,8 +475,8 @@ def oslogin_user(o: dict[str, Any], cluster: Cluster, ssh: SshConfig) -> SshConf
 
 
 def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> LaunchConfig:
-    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses)."""
-    ssh = ssh_config(o, cluster)
+    """Map the CLI options into a LaunchConfig (validation happens in the dataclasses). What can
+    be refused offline is, before ssh_config asks OS Login anything."""
     image = o.get("image") or cluster.image
     if not image and cluster.boot_os == "cos" and workload.kind == "torchrun":
         # COS has no Python to build the job's environment with (the stack's `bootImage` says
@@ -490,6 +490,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
             f"--image runs the image's own python3, so --python {o['python']!r} does not apply; "
             "drop --python (or drop --image to run it on the nodes themselves)"
         )
+    ssh = ssh_config(o, cluster)
     hang = o.get("hang_timeout")  # a duration as --recover-timeout takes it, or off
     hang_timeout_s = None if hang in (None, HANG_OFF) else parse_duration(hang, "--hang-timeout")
     config = LaunchConfig(

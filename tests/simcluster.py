@@ -47,23 +47,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers"]
+__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers", "hidden_paths", "bare_node_setup"]
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TAG = "GPUFLEET_SIMNODE"
 NAME_PREFIX = "gfs"  # every namespace, bridge and veth we create starts with this
 # A bare node's own sshd files, mounted here inside its namespace (an empty directory outside).
 BARE_RUN = "/run/gpufleet-simnode"
+# Where a bare node's whole disk is bound while its namespace is built (nothing there afterwards).
+BARE_DISK = "/run/gpufleet-simnode-disk"
 HOME = "/root"  # the sessions' user is root (User=root in ssh_options)
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's and Ubuntu's, with venv (python3-venv)
 INDEX_PORT = 8080
+REPO = Path(__file__).resolve().parent.parent
 
 
-def hidden_paths() -> list[Path]:
-    """What a bare node must not see: this checkout, every venv and python this process knows of
-    (sys.prefix, sys.base_prefix), pip's configuration files and the local wheel stores they
-    name (find-links and file:// indexes, from `pip config list`)."""
-    repo = Path(__file__).resolve().parent.parent
+def hidden_paths(repo: Path = REPO) -> list[Path]:
+    """What a bare node must not see: the checkout (this one unless told), every venv and python
+    this process knows of (sys.prefix, sys.base_prefix), pip's configuration files and the local
+    wheel stores they name (find-links and file:// indexes, from `pip config list`)."""
     out = {repo, Path(sys.prefix), Path(sys.base_prefix)}
     out |= {Path(p) for p in ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more")}
     r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
@@ -83,6 +85,37 @@ def hidden_paths() -> list[Path]:
         for p in out
         if Path(HOME) not in [p, *p.parents] and not str(p).startswith("/usr") and not out & set(p.parents)
     )
+
+
+def bare_node_setup(node_dir: Path, hidden: list[Path]) -> str:
+    """Make node_dir a bare node's disk (its home, its /tmp, its sshd files) and return the shell
+    lines that build its mount namespace from it, run as root inside that namespace.
+
+    Order matters wherever the checkout and node_dir lie (a clone under /tmp, a cluster's workdir
+    inside the checkout): node_dir is first bound at BARE_DISK, so what is hidden next cannot take
+    it away; every hidden path is covered while this machine's /tmp and home are still in place,
+    so each exists to be mounted over; only then do the node's own /tmp and home go over this
+    machine's (covering whatever of the hidden lay there), and BARE_DISK is let go."""
+    for sub in ("home/.ssh", "tmp", "sshd"):
+        (node_dir / sub).mkdir(parents=True, exist_ok=True)
+    os.chmod(node_dir / "tmp", 0o1777)
+    for mount_point in (BARE_DISK, BARE_RUN):
+        Path(mount_point).mkdir(parents=True, exist_ok=True)
+    q = shlex.quote
+    lines = ["set -e", f"mount --bind {q(str(node_dir))} {BARE_DISK}", f"mount --bind {BARE_DISK}/sshd {BARE_RUN}"]
+    for path in hidden:
+        if path.is_dir():
+            lines.append(f"mount -t tmpfs -o ro,size=4k gfs-hidden {q(str(path))}")
+        elif path.exists():
+            lines.append(f"mount --bind /dev/null {q(str(path))}")
+    lines += [
+        f"mount --bind {BARE_DISK}/home {HOME}",
+        f"mount --bind {BARE_DISK}/tmp /tmp",
+        f"mount --bind {BARE_RUN}/hosts /etc/hosts",
+        f"mount --bind {BARE_RUN}/resolv.conf /etc/resolv.conf",
+        f"umount {BARE_DISK}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def netns_available() -> bool:
@@ -367,26 +400,7 @@ class SimCluster:
 
     def _bare_setup(self, node: SimNode) -> str:
         """The shell lines that make node's mount namespace (run as root inside it, before sshd)."""
-        d = self._node_dir(node)
-        for sub in ("home/.ssh", "tmp"):
-            (d / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(d / "tmp", 0o1777)
-        Path(BARE_RUN).mkdir(parents=True, exist_ok=True)
-        q = shlex.quote
-        lines = [
-            "set -e",
-            f"mount --bind {q(str(d / 'sshd'))} {BARE_RUN}",
-            f"mount --bind {q(str(d / 'home'))} {HOME}",
-            f"mount --bind {BARE_RUN}/hosts /etc/hosts",
-            f"mount --bind {BARE_RUN}/resolv.conf /etc/resolv.conf",
-            f"mount --bind {q(str(d / 'tmp'))} /tmp",  # last: d itself may lie under /tmp
-        ]
-        for hidden in hidden_paths():
-            if hidden.is_dir():
-                lines.append(f"mount -t tmpfs -o ro,size=4k gfs-hidden {q(str(hidden))}")
-            elif hidden.exists():
-                lines.append(f"mount --bind /dev/null {q(str(hidden))}")
-        return "\n".join(lines) + "\n"
+        return bare_node_setup(self._node_dir(node), hidden_paths())
 
     # ---- the package index --------------------------------------------------------------------
 

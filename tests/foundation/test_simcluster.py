@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.simcluster import SimCluster, leftovers, netns_available
+from tests.simcluster import (
+    BARE_DISK,
+    BARE_RUN,
+    HOME,
+    SimCluster,
+    bare_node_setup,
+    hidden_paths,
+    leftovers,
+    netns_available,
+)
+from tests.support import require_netns
 
 
 def _ssh(cluster: SimCluster, address: str, command: str) -> subprocess.CompletedProcess:
@@ -81,6 +96,41 @@ def test_a_killed_node_loses_its_sessions(sim_cluster):
         time.sleep(0.05)
     assert not cluster.processes(0)
     assert _ssh(cluster, cluster.addresses[0], "true").returncode == 0  # sshd itself still serves
+
+
+@pytest.mark.parametrize("where", ["/tmp", HOME, "/var/tmp", "workdir inside the checkout"])
+def test_a_bare_nodes_namespace_hides_a_checkout_wherever_it_lies(where, tmp_path):
+    """The node setup's mounts, run in a mount namespace of their own (no network, no sshd), with
+    a checkout under each directory the node gets its own of (/tmp, root's home), under one it
+    does not (/var/tmp), and with the cluster's workdir inside the checkout: the setup succeeds,
+    the checkout is hidden, and /tmp, the home and the sshd files are the node's."""
+    require_netns("a bare node's mount namespace needs root")
+    parent = tempfile.mkdtemp(prefix="gfs-clone-", dir="/tmp" if where.startswith("workdir") else where)
+    try:
+        checkout = Path(parent) / "gpufleet"
+        (checkout / "tests").mkdir(parents=True)
+        (checkout / "pyproject.toml").write_text("[project]\n")
+        node = (checkout / "runs" / "sim" if where.startswith("workdir") else tmp_path) / "node0"
+        (node / "sshd").mkdir(parents=True)
+        for name, text in (("host_key", "node key\n"), ("hosts", "10.9.9.2 simnode0\n"), ("resolv.conf", "")):
+            (node / "sshd" / name).write_text(text)
+        hidden = hidden_paths(checkout)
+        assert checkout in hidden or where == HOME  # under the home, the node's own home covers it
+        script = bare_node_setup(node, hidden)
+        (node / "tmp" / "on-the-node").write_text("node tmp\n")
+        (node / "home" / "on-the-node").write_text("node home\n")
+        probe = (
+            f"ls -A {shlex.quote(str(checkout))} 2>/dev/null || true; echo ---; "
+            f"cat /tmp/on-the-node ~/on-the-node {BARE_RUN}/host_key; grep simnode0 /etc/hosts; ls -A {BARE_DISK}"
+        )
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script + probe]
+        r = subprocess.run(argv, capture_output=True, text=True, env={"HOME": HOME, "PATH": os.environ["PATH"]})
+        assert r.returncode == 0, r.stderr
+        assert (checkout / "pyproject.toml").exists()  # here the checkout is whole; there, empty or absent,
+        # /tmp, the home and the sshd files the node's own, and the staging mount gone
+        assert r.stdout.splitlines() == ["---", "node tmp", "node home", "node key", "10.9.9.2 simnode0"], r.stdout
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,17 @@ def test_a_job_host_that_cannot_be_asked_means_nothing_is_removed_anywhere(c, tm
     assert "then remove it" in dry.stdout
     c.block(0)
     try:
-        r = launch(tmp_path, "prune", *source(c, tmp_path), "--older-than", "1d", timeout=180)
+        # The blocked node's handshake ends at ConnectTimeout: 3 s proves what the default 10 s does.
+        r = launch(
+            tmp_path,
+            "prune",
+            *source(c, tmp_path),
+            "--ssh-option",
+            "ConnectTimeout=3",
+            "--older-than",
+            "1d",
+            timeout=180,
+        )
     finally:
         c.unblock(0)
     assert r.returncode == 2, r.stdout + r.stderr

@@ -17,7 +17,7 @@ import pytest
 
 from tests.simcluster import SimCluster
 from tests.simindex import wheel_cache
-from tests.support import BARE_NODES, require_netns
+from tests.support import BARE_NODE_ENV, BARE_NODES, require_netns
 
 
 @pytest.fixture
@@ -69,10 +69,18 @@ def bare_nodes(tmp_path_factory):
     itself `BARE_GROUP` (tests/support.py) so xdist runs all of them on one worker (a session
     fixture is per worker). Its tests must not depend on each other's order: each works in
     directories of its own (its job id, its own paths on the nodes), asserts what it did from
-    what was there before it, and leaves every node up and nothing running. Torn down at the
-    end of the session."""
+    what was there before it, and leaves every node up, nothing running and nothing it planted.
+    A test that needs fewer nodes, or a controller host, names them in a hostfile of its own
+    (tests/support.py `hostfile_of`). Every session on the nodes has BARE_NODE_ENV. Torn down at
+    the end of the session."""
     _bare_nodes_possible()
-    cluster = SimCluster(BARE_NODES, workdir=tmp_path_factory.mktemp("bare-shared"), bare=True, index=wheel_cache())
+    cluster = SimCluster(
+        BARE_NODES,
+        workdir=tmp_path_factory.mktemp("bare-shared"),
+        bare=True,
+        index=wheel_cache(),
+        node_env={i: dict(BARE_NODE_ENV) for i in range(BARE_NODES)},
+    )
     cluster.start()
     try:
         yield cluster

@@ -47,25 +47,27 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers", "make_accounts"]
+__all__ = ["SimCluster", "SimNode", "netns_available", "leftovers", "hidden_paths", "bare_node_setup", "make_accounts"]
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TAG = "GPUFLEET_SIMNODE"
 NAME_PREFIX = "gfs"  # every namespace, bridge and veth we create starts with this
 # A bare node's own sshd files, mounted here inside its namespace (an empty directory outside).
 BARE_RUN = "/run/gpufleet-simnode"
+# Where a bare node's whole disk is bound while its namespace is built (nothing there afterwards).
+BARE_DISK = "/run/gpufleet-simnode-disk"
 HOME = "/root"  # the sessions' user is root (User=root in ssh_options)
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's and Ubuntu's, with venv (python3-venv)
 HOLDS_DIR = "/run/gpufleet-holds"  # gpufleet.contracts.HOLDS_DIR (this module imports no gpufleet)
 LOCAL_SSD = "/mnt/localssd"  # an accounts cluster's local SSD (gpufleet.contracts.LOCAL_SSD_MOUNT, Ubuntu)
 INDEX_PORT = 8080
+REPO = Path(__file__).resolve().parent.parent
 
 
-def hidden_paths() -> list[Path]:
-    """What a bare node must not see: this checkout, every venv and python this process knows of
-    (sys.prefix, sys.base_prefix), pip's configuration files and the local wheel stores they
-    name (find-links and file:// indexes, from `pip config list`)."""
-    repo = Path(__file__).resolve().parent.parent
+def hidden_paths(repo: Path = REPO) -> list[Path]:
+    """What a bare node must not see: the checkout (this one unless told), every venv and python
+    this process knows of (sys.prefix, sys.base_prefix), pip's configuration files and the local
+    wheel stores they name (find-links and file:// indexes, from `pip config list`)."""
     out = {repo, Path(sys.prefix), Path(sys.base_prefix)}
     out |= {Path(p) for p in ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more")}
     r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
@@ -85,6 +87,47 @@ def hidden_paths() -> list[Path]:
         for p in out
         if Path(HOME) not in [p, *p.parents] and not str(p).startswith("/usr") and not out & set(p.parents)
     )
+
+
+def bare_node_setup(
+    node_dir: Path, hidden: list[Path], first: tuple[str, ...] | list[str] = (), last: tuple[str, ...] | list[str] = ()
+) -> str:
+    """Make node_dir a bare node's disk (its home, its /tmp, its sshd files) and return the shell
+    lines that build its mount namespace from it, run as root inside that namespace.
+
+    Order matters wherever the checkout and node_dir lie (a clone under /tmp, a cluster's workdir
+    inside the checkout): node_dir is first bound at BARE_DISK, so what is hidden next cannot take
+    it away; every hidden path is covered while this machine's /tmp and home are still in place,
+    so each exists to be mounted over; only then do the node's own /tmp and home go over this
+    machine's (covering whatever of the hidden lay there), and BARE_DISK is let go. `first`: lines
+    run before all that (a /run of the node's own, in which the mount points are made again);
+    `last`: lines run while BARE_DISK is still there (mounts of more of the node's disk)."""
+    for sub in ("home/.ssh", "tmp", "sshd"):
+        (node_dir / sub).mkdir(parents=True, exist_ok=True)
+    os.chmod(node_dir / "tmp", 0o1777)
+    for mount_point in (BARE_DISK, BARE_RUN):
+        Path(mount_point).mkdir(parents=True, exist_ok=True)
+    q = shlex.quote
+    lines = [
+        "set -e",
+        *first,
+        f"mount --bind {q(str(node_dir))} {BARE_DISK}",
+        f"mount --bind {BARE_DISK}/sshd {BARE_RUN}",
+    ]
+    for path in hidden:
+        if path.is_dir():
+            lines.append(f"mount -t tmpfs -o ro,size=4k gfs-hidden {q(str(path))}")
+        elif path.exists():
+            lines.append(f"mount --bind /dev/null {q(str(path))}")
+    lines += [
+        f"mount --bind {BARE_DISK}/home {HOME}",
+        f"mount --bind {BARE_DISK}/tmp /tmp",
+        f"mount --bind {BARE_RUN}/hosts /etc/hosts",
+        f"mount --bind {BARE_RUN}/resolv.conf /etc/resolv.conf",
+        *last,
+        f"umount {BARE_DISK}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def netns_available() -> bool:
@@ -393,31 +436,14 @@ class SimCluster:
     def _bare_setup(self, node: SimNode) -> str:
         """The shell lines that make node's mount namespace (run as root inside it, before sshd)."""
         d = self._node_dir(node)
-        for sub in ("home/.ssh", "tmp"):
-            (d / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(d / "tmp", 0o1777)
-        Path(BARE_RUN).mkdir(parents=True, exist_ok=True)
-        q = shlex.quote
-        lines = [
-            "set -e",
-            f"mount --bind {q(str(d / 'sshd'))} {BARE_RUN}",
-            f"mount --bind {q(str(d / 'home'))} {HOME}",
-            f"mount --bind {BARE_RUN}/hosts /etc/hosts",
-            f"mount --bind {BARE_RUN}/resolv.conf /etc/resolv.conf",
-            *self._account_mounts(d),
-            f"mount --bind {q(str(d / 'tmp'))} /tmp",  # last: d itself may lie under /tmp
-        ]
-        for hidden in hidden_paths():
-            if hidden.is_dir():
-                lines.append(f"mount -t tmpfs -o ro,size=4k gfs-hidden {q(str(hidden))}")
-            elif hidden.exists():
-                lines.append(f"mount --bind /dev/null {q(str(hidden))}")
-        return "\n".join(lines) + "\n"
+        first, last = self._account_mounts(d)
+        return bare_node_setup(d, hidden_paths(), first=first, last=last)
 
-    def _account_mounts(self, d: Path) -> list[str]:
-        """The node's own /home (each account's home in it, 0755) and local SSD (1777)."""
+    def _account_mounts(self, d: Path) -> tuple[list[str], list[str]]:
+        """The node's own /run (first, as bare_node_setup takes it), /home (each account's home in
+        it, 0755) and local SSD (1777; last, from the node's disk at BARE_DISK)."""
         if not self.accounts:
-            return []
+            return [], []
         import pwd
 
         (d / "users").mkdir(exist_ok=True)
@@ -428,19 +454,20 @@ class SimCluster:
             home.mkdir(exist_ok=True)
             os.chown(home, pw.pw_uid, pw.pw_gid)
             os.chmod(home, 0o755)
-        q = shlex.quote
         # The SSD a file system of its own (a tmpfs: a mount point, as the RAID is), seen only
         # from inside the node (`exec`); a sim node's jobs build small environments. /run too
         # (sshd's directories made again in it), with the holds registry the startup script makes
         # (infra/templates/base.sh, make_holds_dir): each node's own, not this machine's.
-        return [
-            f"mount --bind {q(str(d / 'users'))} /home",
-            f"mount -t tmpfs -o mode=1777,size=512m gfs-localssd {LOCAL_SSD}",
+        first = [
             "mount -t tmpfs -o mode=755,size=16m gfs-run /run",
-            f"mkdir -p /run/sshd {BARE_RUN}",
-            f"mount --bind {q(str(d / 'sshd'))} {BARE_RUN}",
+            f"mkdir -p /run/sshd {BARE_RUN} {BARE_DISK}",
             f"install -d -o root -g root -m 1777 {HOLDS_DIR}",
         ]
+        last = [
+            f"mount --bind {BARE_DISK}/users /home",
+            f"mount -t tmpfs -o mode=1777,size=512m gfs-localssd {LOCAL_SSD}",
+        ]
+        return first, last
 
     # ---- the package index --------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launcher.fake_gpu_node import SYSTEM_PATH
 from tests.simcluster import SimCluster, _environ, netns_available
 
 __all__ = [
@@ -32,6 +33,10 @@ __all__ = [
     "site_dir",
     "BARE_NODES",
     "BARE_GROUP",
+    "BARE_FAKE_BIN",
+    "BARE_READY_MARKER",
+    "BARE_NODE_ENV",
+    "hostfile_of",
     "IMAGE_DDP",
     "env_flags",
 ]
@@ -42,9 +47,16 @@ PY = str(REPO / ".venv" / "bin" / "python")
 LAUNCH = str(REPO / ".venv" / "bin" / "launch")
 
 # The bare-node modules share one cluster (tests/conftest.py `bare_nodes`) of BARE_NODES nodes,
-# on one xdist worker: each such module carries BARE_GROUP in its pytestmark.
+# on one xdist worker: each such module (or test) carries BARE_GROUP in its pytestmark.
 BARE_NODES = 3
 BARE_GROUP = pytest.mark.xdist_group("bare_nodes")
+# Every shared bare node's sessions look for nvidia-smi first in BARE_FAKE_BIN, on the node's own
+# disk, and read the ready marker at BARE_READY_MARKER there (the health script's
+# GPUFLEET_READY_MARKER): what `launch doctor` and `launch top` need of a node. Neither exists
+# unless a test puts it there, and that test removes it again (the cluster is shared).
+BARE_FAKE_BIN = "/root/fake-gpu-bin"
+BARE_READY_MARKER = "/root/ready.json"
+BARE_NODE_ENV = {"PATH": f"{BARE_FAKE_BIN}:{SYSTEM_PATH}", "GPUFLEET_READY_MARKER": BARE_READY_MARKER}
 
 # A plain DDP script for the --image tests: one all-reduce over gloo, then the rank's line with
 # the /etc/passwd it sees (the image's, not this machine's); with FOREVER set it then ticks until
@@ -83,6 +95,18 @@ TRAIN = [
     "--lr-decay-steps",
     "1000",
 ]
+
+
+def hostfile_of(c: SimCluster, tmp_path: Path, n: int, controller: int | None = None) -> Path:
+    """A hostfile of a test's own naming the cluster's first `n` nodes, and node `controller` on
+    a `controller HOST` line (a host the jobs' controllers run on: a node's sshd, namespace and
+    disk are all a controller host has): how a test uses part of a shared cluster."""
+    lines = [f"{a}\n" for a in c.addresses[:n]]
+    if controller is not None:
+        lines.append(f"controller {c.addresses[controller]}\n")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(lines))
+    return hostfile
 
 
 def source_args(c: SimCluster, tmp_path: Path, hostfile: Path | None = None) -> list[str]:

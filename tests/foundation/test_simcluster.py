@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.simcluster import SimCluster, leftovers, netns_available
+from tests.simcluster import (
+    BARE_DISK,
+    BARE_RUN,
+    HOME,
+    SimCluster,
+    bare_node_setup,
+    hidden_paths,
+    leftovers,
+    netns_available,
+)
+from tests.support import BARE_GROUP, require_netns
 
 
 def _ssh(cluster: SimCluster, address: str, command: str) -> subprocess.CompletedProcess:
@@ -83,45 +98,95 @@ def test_a_killed_node_loses_its_sessions(sim_cluster):
     assert _ssh(cluster, cluster.addresses[0], "true").returncode == 0  # sshd itself still serves
 
 
-@pytest.fixture(scope="module")
-def bare(bare_cluster):
-    return bare_cluster(2)
+@pytest.mark.parametrize("where", ["/tmp", HOME, "/var/tmp", "workdir inside the checkout"])
+def test_a_bare_nodes_namespace_hides_a_checkout_wherever_it_lies(where, tmp_path):
+    """The node setup's mounts, run in a mount namespace of their own (no network, no sshd), with
+    a checkout under each directory the node gets its own of (/tmp, root's home), under one it
+    does not (/var/tmp), and with the cluster's workdir inside the checkout: the setup succeeds,
+    the checkout is hidden, and /tmp, the home and the sshd files are the node's."""
+    require_netns("a bare node's mount namespace needs root")
+    parent = tempfile.mkdtemp(prefix="gfs-clone-", dir="/tmp" if where.startswith("workdir") else where)
+    try:
+        checkout = Path(parent) / "gpufleet"
+        (checkout / "tests").mkdir(parents=True)
+        (checkout / "pyproject.toml").write_text("[project]\n")
+        node = (checkout / "runs" / "sim" if where.startswith("workdir") else tmp_path) / "node0"
+        (node / "sshd").mkdir(parents=True)
+        for name, text in (("host_key", "node key\n"), ("hosts", "10.9.9.2 simnode0\n"), ("resolv.conf", "")):
+            (node / "sshd" / name).write_text(text)
+        hidden = hidden_paths(checkout)
+        assert checkout in hidden or where == HOME  # under the home, the node's own home covers it
+        script = bare_node_setup(node, hidden)
+        (node / "tmp" / "on-the-node").write_text("node tmp\n")
+        (node / "home" / "on-the-node").write_text("node home\n")
+        probe = (
+            f"ls -A {shlex.quote(str(checkout))} 2>/dev/null || true; echo ---; "
+            f"cat /tmp/on-the-node ~/on-the-node {BARE_RUN}/host_key; grep simnode0 /etc/hosts; ls -A {BARE_DISK}"
+        )
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script + probe]
+        r = subprocess.run(argv, capture_output=True, text=True, env={"HOME": HOME, "PATH": os.environ["PATH"]})
+        assert r.returncode == 0, r.stderr
+        assert (checkout / "pyproject.toml").exists()  # here the checkout is whole; there, empty or absent,
+        # /tmp, the home and the sshd files the node's own, and the staging mount gone
+        assert r.stdout.splitlines() == ["---", "node tmp", "node home", "node key", "10.9.9.2 simnode0"], r.stdout
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
-def test_a_bare_node_sees_nothing_of_this_machine_but_the_system_python(bare):
-    """No checkout, no venv, no pip configuration or local wheel store, an empty /tmp and a home
-    of its own; the system python3 with venv; PIP_* unset (sshd's own environment)."""
-    import os
-    from pathlib import Path
-
-    from tests.simcluster import hidden_paths
-
+@BARE_GROUP
+def test_a_bare_node_sees_nothing_of_this_machine_but_the_system_python(bare_nodes, tmp_path):
+    """No checkout, no venv, no pip configuration or local wheel store, a /tmp and a home of its
+    own (not this machine's); the system python3 with venv; PIP_* unset (sshd's own environment).
+    The node is one of the session's shared bare cluster: what this test puts there it removes."""
+    bare = bare_nodes
     repo = Path(__file__).resolve().parents[2]
-    probe = (
-        f"ls -A /tmp; ls -A ~ ; ls -A {repo} /opt/wheels /etc/xdg/pip; cat /etc/pip.conf; env | grep ^PIP_; "
-        "python3 -c 'import sys; print(sys.executable, sys.version_info >= (3, 10))'; "
-        "python3 -c 'import torch' 2>&1 | tail -n 1; "
-        "python3 -m venv /tmp/v && /tmp/v/bin/python -c 'print(\"venv ok\")'"
-    )
-    r = _ssh(bare, bare.addresses[1], probe)
-    lines = r.stdout.splitlines()
-    assert (repo / "pyproject.toml").exists() and os.listdir("/opt/wheels")  # here they exist...
-    assert lines[0] == ".ssh"  # ...there, an empty /tmp and a home holding only its ssh keys
-    assert f"{repo}:" in lines and "/opt/wheels:" in lines and not any(l.endswith(".whl") for l in lines)
-    assert not any(l.startswith("PIP_") or l.startswith("[global]") for l in lines), r.stdout
-    assert "/usr/bin/python3 True" in lines
-    assert "ModuleNotFoundError: No module named 'torch'" in lines
-    assert lines[-1] == "venv ok", r.stdout + r.stderr
-    assert Path("/etc/xdg/pip") in hidden_paths() and repo in hidden_paths()
-    # The node's disk is its own: what it wrote is under node_path, not this machine's /tmp.
-    assert bare.node_path(1, "/tmp/v/bin/python").exists() and not Path("/tmp/v/bin/python").exists()
+    here = [Path(tempfile.mkdtemp(prefix="gfs-here-", dir=d)) for d in ("/tmp", HOME)]  # this machine's
+    mine = f"gfs-node-{tmp_path.name}"
+    try:
+        for d in ("/tmp", HOME):
+            bare.node_path(1, f"{d}/{mine}").write_text("the node's own\n")
+        probe = (
+            "".join(f"test -e {p} && echo seen {p}; " for p in here)
+            + f"cat /tmp/{mine} ~/{mine}; "
+            # What lies there (an empty mount, or nothing where the checkout is under /tmp or ~).
+            + "".join(
+                f"echo {q} holds $(ls -A {q} 2>/dev/null | wc -l); "
+                for q in map(shlex.quote, (str(repo), "/opt/wheels", "/etc/xdg/pip"))
+            )
+            + "cat /etc/pip.conf; env | grep ^PIP_; "
+            "python3 -c 'import sys; print(sys.executable, sys.version_info >= (3, 10))'; "
+            "python3 -c 'import torch' 2>&1 | tail -n 1; "
+            f"python3 -m venv /tmp/{mine}-v && /tmp/{mine}-v/bin/python -c 'print(\"venv ok\")'"
+        )
+        r = _ssh(bare, bare.addresses[1], probe)
+        lines = r.stdout.splitlines()
+        assert (repo / "pyproject.toml").exists() and os.listdir("/opt/wheels")  # here they exist...
+        assert lines[:2] == ["the node's own"] * 2, r.stdout  # ...there, its own /tmp and home
+        assert lines[2:5] == [f"{d} holds 0" for d in (repo, "/opt/wheels", "/etc/xdg/pip")], r.stdout
+        assert not any(line.startswith("PIP_") or line.startswith("[global]") for line in lines), r.stdout
+        assert "/usr/bin/python3 True" in lines
+        assert "ModuleNotFoundError: No module named 'torch'" in lines
+        assert lines[-1] == "venv ok", r.stdout + r.stderr
+        assert Path("/etc/xdg/pip") in hidden_paths() and repo in hidden_paths()
+        # The node's disk is its own: what it wrote is under node_path, not this machine's /tmp.
+        assert bare.node_path(1, f"/tmp/{mine}-v/bin/python").exists()
+        assert not Path(f"/tmp/{mine}-v/bin/python").exists()
+    finally:
+        for p in here:
+            shutil.rmtree(p)
+        for d in ("/tmp", HOME):
+            bare.node_path(1, f"{d}/{mine}").unlink(missing_ok=True)
+        shutil.rmtree(bare.node_path(1, f"/tmp/{mine}-v"), ignore_errors=True)
 
 
-def test_a_bare_node_installs_from_the_cluster_index_and_only_from_it(bare):
+@BARE_GROUP
+def test_a_bare_node_installs_from_the_cluster_index_and_only_from_it(bare_nodes, tmp_path):
     """The index on the bridge answers every node; pip in a fresh venv installs from it."""
+    bare = bare_nodes
+    venv_dir = f"/tmp/gfs-pipv-{tmp_path.name}"  # the node is shared: a venv of this test's own
     # Plain HTTP on the cluster's own network: pip wants the host named trusted.
-    pip = "/tmp/pipv/bin/pip install -q --no-cache-dir"
-    venv = f"python3 -m venv /tmp/pipv && {pip} --trusted-host {bare.index_address}"
+    pip = f"{venv_dir}/bin/pip install -q --no-cache-dir"
+    venv = f"rm -rf {venv_dir} && python3 -m venv {venv_dir} && {pip} --trusted-host {bare.index_address}"
     r = _ssh(bare, bare.addresses[0], f"{venv} --index-url {bare.package_index} six==1.17.0 && echo installed")
     assert r.stdout.strip().endswith("installed"), r.stderr
     # Without the index there is nothing to install from: no config points at this machine's wheels.
@@ -131,3 +196,4 @@ def test_a_bare_node_installs_from_the_cluster_index_and_only_from_it(bare):
         f"{venv} --retries 0 --timeout 2 --index-url http://{bare.unused_address()}:1/simple tomli",
     )
     assert r.returncode != 0
+    shutil.rmtree(bare.node_path(0, venv_dir), ignore_errors=True)

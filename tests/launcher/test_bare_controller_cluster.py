@@ -1,19 +1,22 @@
 """A stack's default for detached jobs on bare hosts: the controller runs on a controller host
-that is as bare as the nodes (tests/simcluster.py, `bare=True, controller=True`: the system
-python3 only, a home of its own). gpufleet ships the controller its launcher code and the nodes
-the --sync snapshot; the controller's relaunch runs the same snapshot in the same directory."""
+that is as bare as the nodes (tests/simcluster.py, `bare=True`: the system python3 only, a home
+of its own). gpufleet ships the controller its launcher code and the nodes the --sync snapshot;
+the controller's relaunch runs the same snapshot in the same directory. The hosts are the
+session's shared bare cluster (tests/conftest.py `bare_nodes`): nodes 0 and 1, and node 2 as the
+controller host (a hostfile's `controller HOST` line is all that makes a host one)."""
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 
 import pytest
 
-from tests.launcher.test_jobs_cluster import detach, launch, wait_state
-from tests.support import source_args
+from tests.launcher.test_jobs_cluster import launch
+from tests.support import BARE_GROUP, hostfile_of, source_args, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_cluster"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, BARE_GROUP, pytest.mark.timeout(600)]
 
 FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -31,26 +34,25 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_detached_job_controlled_from_a_bare_controller_host_relaunches_the_same_snapshot(bare_cluster, tmp_path):
-    c = bare_cluster(2, controller=True)
+def test_a_detached_job_controlled_from_a_bare_controller_host_relaunches_the_same_snapshot(bare_nodes, tmp_path):
+    c = bare_nodes
+    src = source_args(c, tmp_path, hostfile_of(c, tmp_path, 2, controller=2))
     project = tmp_path / "project"
     project.mkdir()
     (project / "job.py").write_text(SCRIPT)
-    job_id = detach(
-        c,
-        tmp_path,
-        "exec",
-        "--sync",
-        str(project),
-        "--recover",
-        "--max-restarts",
-        "3",
-        "--",
-        "python3",
-        "job.py",
-    )
-    done = wait_state(c, tmp_path, job_id, FINAL, timeout=300)
-    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
+    args = ["--sync", str(project), "--recover", "--max-restarts", "3", "--", "python3", "job.py"]
+    (line,) = launch(tmp_path, "exec", *src, "--detach", *args, check=True).stdout.splitlines()
+    job_id = line.split()[1]
+    done: dict = {}
+
+    def ended() -> bool:
+        listed = launch(tmp_path, "jobs", *src, "--json", check=True).stdout.splitlines()
+        (found,) = [j for j in map(json.loads, listed) if j["id"] == job_id]
+        done.update(found)
+        return found["state"] in FINAL
+
+    wait_for(ended, 300, f"job {job_id} to end", interval=0.5)
+    out = launch(tmp_path, "logs", *src, job_id, check=True).stdout
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, (done, out)
     assert done["recoveries"], done  # the first attempt failed, and the controller relaunched it
     runs = set(re.findall(r"\[node (\d)\] code (\w+) cwd (\S+)", out))

@@ -5,29 +5,40 @@ command may need more: doctor's checks are bash with the node's own `python3` fo
 
 nvidia-smi is faked as the other doctor and top tests fake it (tests/launcher/fake_gpu_node.py's
 `FakeGpuNode` for doctor's queries, test_top_units' loop-mode stand-in for top's `-lms` stream),
-in a directory on each node's own disk at the front of its sessions' PATH (sshd SetEnv)."""
+in a directory on each node's own disk at the front of its sessions' PATH (BARE_NODE_ENV, sshd
+SetEnv). The nodes are two of the session's shared bare cluster (tests/conftest.py
+`bare_nodes`): each test removes its stand-ins and marker after, so no other test meets a GPU."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
-from tests.launcher.fake_gpu_node import SYSTEM_PATH, FakeGpuNode
+from tests.launcher.fake_gpu_node import FakeGpuNode
 from tests.launcher.test_jobs_cluster import launch
 from tests.launcher.test_top_units import FAKE_SMI_LOOP
-from tests.support import source_args
+from tests.support import BARE_FAKE_BIN, BARE_GROUP, BARE_READY_MARKER, hostfile_of, source_args
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_doctor_top")]
+pytestmark = [pytest.mark.cluster, BARE_GROUP]
 
 N = 2
-FAKE_BIN = "/root/fake-gpu-bin"  # on each node's own disk (its home)
+FAKE_BIN = BARE_FAKE_BIN  # on each node's own disk (its home)
+HIDDEN = "/root/.gpufleet-away"  # where what launches left on a shared node waits out a doctor test
 
 
-@pytest.fixture(scope="module")
-def c(bare_cluster):
-    env = {"PATH": f"{FAKE_BIN}:{SYSTEM_PATH}", "GPUFLEET_READY_MARKER": "/root/ready.json"}
-    return bare_cluster(N, node_env={i: dict(env) for i in range(N)})
+@pytest.fixture
+def c(bare_nodes):
+    yield bare_nodes
+    for i in range(N):
+        shutil.rmtree(bare_nodes.node_path(i, FAKE_BIN), ignore_errors=True)
+        bare_nodes.node_path(i, BARE_READY_MARKER).unlink(missing_ok=True)
+
+
+def src(c, tmp_path: Path) -> list[str]:
+    return source_args(c, tmp_path, hostfile_of(c, tmp_path, N))
 
 
 def _system_python(c, i: int) -> str:
@@ -36,14 +47,32 @@ def _system_python(c, i: int) -> str:
     return r.stdout.strip()
 
 
-def test_doctor_on_bare_nodes_checks_every_node_with_the_system_python_and_no_torch(c, tmp_path):
+@pytest.fixture
+def without_gpufleet(c):
+    """Nothing of gpufleet on the nodes while the test runs: what launches on the shared nodes
+    left (their code, environments, jobs) is moved aside, and put back after."""
+    moved = []
+    for i in range(N):
+        there, away = c.node_path(i, "/root/.gpufleet"), c.node_path(i, HIDDEN)
+        if there.exists():
+            there.rename(away)
+            moved.append((there, away))
+    try:
+        yield
+    finally:
+        for there, away in moved:
+            shutil.rmtree(there, ignore_errors=True)  # what the test's own commands left
+            away.rename(there)
+
+
+def test_doctor_on_bare_nodes_checks_every_node_with_the_system_python_and_no_torch(c, without_gpufleet, tmp_path):
     for i in range(N):
         FakeGpuNode().write(c.node_path(i, FAKE_BIN))
-        c.node_path(i, "/root/ready.json").write_text(json.dumps({"cluster": "bare", "node": f"n{i}"}))
-        # Nothing of gpufleet or torch on the node: what a launch brings is not there yet.
+        c.node_path(i, BARE_READY_MARKER).write_text(json.dumps({"cluster": "bare", "node": f"n{i}"}))
+        # Nothing of gpufleet or torch on the node: what a launch brings is not there.
         assert not c.node_path(i, "/root/.gpufleet").exists()
         assert c.exec(i, ["python3", "-c", "import torch"]).returncode != 0
-    r = launch(tmp_path, "doctor", *source_args(c, tmp_path), "--json", timeout=180)
+    r = launch(tmp_path, "doctor", *src(c, tmp_path), "--json", timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["healthy"] is True and doc["exclude"] == [], doc
@@ -54,7 +83,7 @@ def test_doctor_on_bare_nodes_checks_every_node_with_the_system_python_and_no_to
         assert node["versions"]["torch"] == "missing"
         assert node["checks"]["versions"]["status"] == "ok", node["checks"]["versions"]
     # The table too, as a user reads it.
-    t = launch(tmp_path, "doctor", *source_args(c, tmp_path), timeout=180)
+    t = launch(tmp_path, "doctor", *src(c, tmp_path), timeout=180)
     assert t.returncode == 0 and t.stdout.count("8 x H100 80GB HBM3") == N, t.stdout + t.stderr
     assert f"all {N} nodes healthy" in t.stdout
     c.assert_nothing_left()
@@ -67,7 +96,7 @@ def test_top_on_bare_nodes_streams_every_nodes_gpus_and_cpu(c, tmp_path):
         smi.write_text(FAKE_SMI_LOOP)
         smi.chmod(0o755)
     rec = tmp_path / "top.jsonl"
-    r = launch(tmp_path, "top", *source_args(c, tmp_path), "--duration", "4", "--interval", "0.5", "--record", str(rec))
+    r = launch(tmp_path, "top", *src(c, tmp_path), "--duration", "4", "--interval", "0.5", "--record", str(rec))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"{N}/{N} nodes answering at the end" in r.stdout + r.stderr
     recs = [json.loads(line) for line in rec.read_text().splitlines()]

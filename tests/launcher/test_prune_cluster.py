@@ -1,13 +1,16 @@
 """`launch prune` on bare nodes (tests/simcluster.py, `bare=True`: each node's home is its own
 disk, as on a real fleet): a real `--sync` launch leaves its directory and stored files, and
 prune removes what no launch used for --older-than, keeping what a running process uses and
-what a detached job that has not ended still needs."""
+what a detached job that has not ended still needs. The nodes are two of the session's shared
+bare cluster (tests/conftest.py `bare_nodes`): what other tests left there is recent, so prune
+keeps it, and what these tests plant they remove after."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -16,17 +19,31 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.test_jobs_cluster import client_env, launch
-from tests.support import LAUNCH, source_args, wait_for
+from tests.support import BARE_GROUP, LAUNCH, hostfile_of, source_args, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("bare_cluster"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, BARE_GROUP, pytest.mark.timeout(600)]
 
 G = "/root/.gpufleet"
 OLD = time.time() - 10 * 86400  # ten days ago
+PLANTED = ("envs/oldkey", "work/pinned-job", "jobs/pinned-job", "work/busy-job", "work/stale-job")
 
 
-@pytest.fixture(scope="module")
-def c(bare_cluster):
-    return bare_cluster(2)
+@pytest.fixture
+def c(bare_nodes):
+    yield bare_nodes
+    for i in range(2):
+        for name in PLANTED:
+            shutil.rmtree(bare_nodes.node_path(i, f"{G}/{name}"), ignore_errors=True)
+
+
+def source(c, tmp_path: Path) -> list[str]:
+    """The shared cluster's first two nodes."""
+    return source_args(c, tmp_path, hostfile_of(c, tmp_path, 2))
+
+
+def work_dirs(c, i: int) -> set[Path]:
+    d = c.node_path(i, f"{G}/work")
+    return set(d.iterdir()) if d.is_dir() else set()
 
 
 def backdate(c, i: int, path: str) -> None:
@@ -51,10 +68,11 @@ def test_prune_lists_then_removes_only_what_nothing_uses_or_needs(c, tmp_path):
     project.mkdir()
     (project / "main.py").write_bytes(b"print('hello')\n" + os.urandom(2000))
     sha = hashlib.sha256((project / "main.py").read_bytes()).hexdigest()
-    src = source_args(c, tmp_path)
+    src = source(c, tmp_path)
+    before = {i: work_dirs(c, i) for i in range(2)}
     r = launch(tmp_path, "exec", *src, "--sync", str(project), "--", "true", timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    works = {i: sorted(c.node_path(i, f"{G}/work").iterdir()) for i in range(2)}
+    works = {i: sorted(work_dirs(c, i) - before[i]) for i in range(2)}
     (old_work,) = works[0]
     assert [p.name for p in works[1]] == [old_work.name]
     for i in range(2):
@@ -120,12 +138,22 @@ def test_prune_lists_then_removes_only_what_nothing_uses_or_needs(c, tmp_path):
 def test_a_job_host_that_cannot_be_asked_means_nothing_is_removed_anywhere(c, tmp_path):
     plant(c, 1, f"{G}/work/stale-job", {"x": b"x"})
     backdate(c, 1, f"{G}/work/stale-job")
-    dry = launch(tmp_path, "prune", *source_args(c, tmp_path), "--dry-run", timeout=60)
+    dry = launch(tmp_path, "prune", *source(c, tmp_path), "--dry-run", timeout=60)
     assert dry.returncode == 0 and len(dry.stdout.splitlines()) == 2, dry.stdout + dry.stderr
     assert "then remove it" in dry.stdout
     c.block(0)
     try:
-        r = launch(tmp_path, "prune", *source_args(c, tmp_path), "--older-than", "1d", timeout=180)
+        # The blocked node's handshake ends at ConnectTimeout: 3 s proves what the default 10 s does.
+        r = launch(
+            tmp_path,
+            "prune",
+            *source(c, tmp_path),
+            "--ssh-option",
+            "ConnectTimeout=3",
+            "--older-than",
+            "1d",
+            timeout=180,
+        )
     finally:
         c.unblock(0)
     assert r.returncode == 2, r.stdout + r.stderr

@@ -58,11 +58,14 @@ def _pick(dirs: tuple[str, ...]) -> str:
 
 
 # `hold_live F`: F's line in $HL, true when it is believed (its owner is the UID it names, its bash
-# runs with the start time it names); a function, so `set --` leaves the program's own arguments.
+# runs with the start time it names and is not a zombie: a job killed before its cleanup whose
+# parent has not reaped it yet holds nothing); a function, so `set --` leaves the program's own
+# arguments. /proc/PID/stat is read after its `(comm) `, which may hold spaces.
 _LIVE = (
     'hold_live() { HL=; read -r HL 2>/dev/null <"$1"; HO=$(stat -c %u "$1" 2>/dev/null); set -- $HL; '
     '[ "$1" = v1 ] && [ $# -ge 8 ] && [ "$HO" = "$3" ] && '
-    '[ "$(cut -d" " -f22 "/proc/$6/stat" 2>/dev/null)" = "$7" ]; }'
+    'HT=$7 && HT2=$(sed "s/.*) //" "/proc/$6/stat" 2>/dev/null) && set -- $HT2 && [ "$1" != Z ] && '
+    '[ "${20}" = "$HT" ]; }'
 )
 # `hold_say PREFIX`: PREFIX ACCOUNT JOB SINCE NODES, of the line in $HL.
 _SAY = 'hold_say() { set -- "$1" $HL; echo "$1$3 $5 $6 $9"; }'
@@ -105,7 +108,7 @@ def hold_statements(job_id: str, hosts: list[str], dirs: tuple[str, ...] = HOLDS
         # This account's own holds whose program is gone (killed before its cleanup) go first.
         f'for HX in "$HD"/{FILE_PREFIX}"$HU".*; do [ -f "$HX" ] && ! hold_live "$HX" && rm -f "$HX"; done; '
         f'HF="$HD"/{FILE_PREFIX}"$HU".{job}; HS=$(date +%s.%N); '
-        'HP=$(cut -d" " -f22 /proc/$$/stat); '
+        'HP=$(sed "s/.*) //" /proc/$$/stat | cut -d" " -f20); '
         f'if ( set -C; umask 022; printf "v1 %s %s %s %s %s %s %s\\n" "$(id -un)" "$HU" {job} "$HS" "$$" "$HP" {nodes} '
         '>"$HF" ) 2>/dev/null; then trap \'rm -f "$HF"\' EXIT; echo "hold_since=$HS"; fi; '
         f'for HX in "$HD"/{FILE_PREFIX}*; do [ "$HX" = "$HF" ] && continue; hold_live "$HX" || continue; '

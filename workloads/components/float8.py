@@ -226,7 +226,7 @@ def high_precision_state(state: Any) -> Any:
             return type(value)(plain(v) for v in value)
         if isinstance(value, DTensor) and isinstance(value._local_tensor, Wrapped):
             return DTensor.from_local(
-                value._local_tensor._tensor,
+                value._local_tensor._tensor.detach(),
                 value.device_mesh,
                 value.placements,
                 run_check=False,
@@ -234,7 +234,7 @@ def high_precision_state(state: Any) -> Any:
                 stride=value.stride(),
             )
         if isinstance(value, Wrapped):
-            return value._tensor
+            return value._tensor.detach()
         return value
 
     return plain(state)

@@ -45,12 +45,14 @@ def _losses(stdout: str) -> dict[int, float]:
 
 def test_fsdp_and_tp_train_in_fp8_and_checkpoints_cross_between_fp8_and_bf16(tmp_path):
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    # bf16 under FSDP2 to step 2; its checkpoint resumes an fp8 tensorwise run, which trains to step 5.
+    # bf16 under FSDP2 to step 2; its checkpoint resumes an fp8 tensorwise run, which trains to step 5
+    # (built on the meta device, as a GPU run of a sharded layout is: converted there, then sharded
+    # and materialized).
     _ok(train([*ARGS, *ckpt, "--parallelism", "fsdp", "--precision", "bf16", "--steps", "2"]))
     fp8 = _ok(
         train(
             [*ARGS, *ckpt, "--parallelism", "fsdp", "--precision", "fp8", "--fp8-recipe", "tensorwise"]
-            + ["--steps", "5", "--resume", "--save-params", str(tmp_path / "fp8.pt")]
+            + ["--init-device", "meta", "--steps", "5", "--resume", "--save-params", str(tmp_path / "fp8.pt")]
         ),
         "resumed from ",
         "FSDP2 all-gathers the converted weights in fp8, their scales precomputed after each step",

@@ -92,6 +92,16 @@ For a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
   pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
   (p - 1)/(pm)) layers' worth with m = 2 stages a rank). The last rank holds one micro-batch and
   the head under 1F1B, all n under GPipe.
+- fp8 (--precision fp8, workloads.components.float8) is bf16 with the converted Linear layers'
+  matmuls in float8, and always compiled (pp 1 only). It changes two buffers: under FSDP2 with
+  the tensorwise recipe a layer's matmul weights are all-gathered in fp8 (1 byte, not 2; the
+  embedding, output projection and norms stay bf16), and without FSDP the converted layers cast
+  their fp32 weights to fp8 themselves instead of through autocast's bf16 cache, counted at one
+  byte each (an upper bound: torchao saves the fp32 weight and may recast it in backward).
+  Activations stay bf16's: torchao's matmul saves its high-precision inputs
+  (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args). Scales (one fp32 number per
+  tensor, or per row) are under 0.1% and not counted. Not yet checked on a GPU
+  (bench/gpu_checks.sh fp8 compares the peak).
 - a reserve of RESERVED_GIB for what torch's allocator does not count: the CUDA context, NCCL's
   buffers, fragmentation.
 

@@ -126,11 +126,14 @@ def _train_here(argv: list[str]) -> str:
     from workloads.train import main
 
     out, term = io.StringIO(), signal.getsignal(signal.SIGTERM)  # main ignores SIGTERM while it runs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the suite's torchrun ranks run (conftest.child_env): no oversubscription
     try:
         with contextlib.redirect_stdout(out):
             rc = main(argv)
     finally:
         signal.signal(signal.SIGTERM, term)
+        torch.set_num_threads(threads)
     assert rc == 0, out.getvalue()
     return out.getvalue()
 

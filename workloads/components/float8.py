@@ -163,6 +163,8 @@ def _torchao_config(recipe: str, *, emulate: bool, shard: bool) -> Any:
 def convert_to_fp8(model: nn.Module, recipe: str, *, emulate: bool, shard: bool) -> Float8Summary:
     """Swap `model`'s eligible Linear layers for Float8Linear in place (before TP and FSDP);
     `shard`: FSDP2 will shard the model (dp_shard > 1). `emulate`: no FP8 hardware (CPU)."""
+    if emulate:
+        _import_quietly()
     from torchao.float8 import convert_to_float8_training
 
     config = _torchao_config(recipe, emulate=emulate, shard=shard)
@@ -184,6 +186,20 @@ def convert_to_fp8(model: nn.Module, recipe: str, *, emulate: bool, shard: bool)
         torch._inductor.config.emulate_precision_casts = True
     convert_to_float8_training(model, config=config, module_filter_fn=eligible)
     return summary
+
+
+def _import_quietly() -> None:
+    """Import torchao without its import-time warnings that its CUDA kernels (.so files) do not
+    load: on a CPU build of torch they cannot, and the emulation needs none of them."""
+    import logging
+
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        log.setLevel(level)
 
 
 def precompute_scales(model: nn.Module) -> None:

@@ -12,6 +12,8 @@ import pytest
 from tests.workloads.conftest import assert_same_params, params, train
 
 pytest.importorskip("torchao")
+# Four torchrun launches in a row (each a few seconds alone, more on a loaded machine).
+pytestmark = pytest.mark.timeout(600)
 
 # One global batch for both layouts: FSDP's 2 data-parallel ranks, TP's one with 2 accumulation steps.
 ARGS = [

@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DDPConfig",
+    "FP8_RECIPES",
     "LRSchedulerConfig",
     "MetricsConfig",
     "ModelConfig",
@@ -77,7 +78,11 @@ MODEL_SIZES: dict[str, ModelSize] = {
 # Every --model: the GPT sizes above and the Llama-3 sizes (workloads.llama_sizes).
 MODELS: dict[str, ModelSize | LlamaSize] = {**MODEL_SIZES, **LLAMA_SIZES}
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8")
+# torchao.float8's recipes (Float8LinearRecipeName): tensorwise scales a tensor by one number and
+# lets FSDP2 all-gather the weights in fp8; rowwise scales each row, which holds accuracy better
+# (its communication stays in bf16). pytorch/ao torchao/float8/README.md.
+FP8_RECIPES = ("rowwise", "tensorwise")
 PARALLELISMS = ("ddp", "fsdp")
 PP_SCHEDULE_NAMES = tuple(PP_SCHEDULES)
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
@@ -125,7 +130,12 @@ class ModelConfig:
     """Named model size: a GPT-2 style size (124M, 350M, 1.3B; tiny, tiny-4l and small-test for
     CPU tests) or a Llama-3 size (llama3-debug, llama3-1b, llama3-8b, llama3-70b)."""
     precision: str = "auto"
-    """bf16 (autocast), fp16 (autocast + GradScaler), fp32; auto = bf16 on GPU, fp32 on CPU."""
+    """bf16 (autocast), fp16 (autocast + GradScaler), fp32, fp8 (the Linear layers' matmuls in
+    float8 through torchao.float8, bf16 elsewhere; needs an SM 8.9+ GPU: H100, H200, and is
+    compiled; on CPU torchao's emulation, for tests only); auto = bf16 on GPU, fp32 on CPU."""
+    fp8_recipe: str = "rowwise"
+    """--precision fp8's scaling: rowwise (a scale per row: closer to bf16) or tensorwise (one
+    scale per tensor: faster, and FSDP2 all-gathers the weights in fp8)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -146,6 +156,7 @@ class ModelConfig:
         if size.n_embd % size.n_head:
             raise ConfigError(f"model {self.model}: n_embd {size.n_embd} % n_head {size.n_head} != 0")
         _one_of("precision", self.precision, PRECISIONS)
+        _one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         _one_of("init_device", self.init_device, INIT_DEVICES)
 
 
@@ -471,6 +482,11 @@ class TrainConfig:
                         f"{flag} is not supported with --pp {dims.pp} (each rank holds only its stages); "
                         f"drop {flag} (a checkpoint holds the whole model: workloads.checkpoint.store.load_checkpoint)"
                     )
+        if self.precision == "fp8" and dims.pp > 1:
+            raise ConfigError(
+                f"--precision fp8 runs compiled (torch.compile fuses its float8 casts), and --pp {dims.pp} "
+                "runs uncompiled; use --precision bf16 with a pipeline, or fp8 without --pp"
+            )
         if not dims.is_ddp and self.precision == "fp16" and (dims.tp > 1 or dims.pp > 1):
             raise ConfigError("--precision fp16 (GradScaler) is not supported with --tp/--pp; use bf16 or fp32")
         if not dims.is_ddp and self.parallelism != "fsdp" and self.compression != "none":

@@ -45,8 +45,11 @@ def format_log_line(
     tokens_per_s: float,
     mfu: float | None,
     peak_mem_gib: float | None,
+    tflops: float | None = None,
 ) -> str:
-    """`step 10/100 | loss 3.2145 | lr 6.00e-04 | 123.4 ms/step | 12,345 tok/s | MFU 43.2% | mem 1.2 GiB`."""
+    """`step 10/100 | loss 3.2145 | lr 6.00e-04 | 123.4 ms/step | 12,345 tok/s | MFU 43.2% | 427.3 TFLOP/s
+    | mem 1.2 GiB`. MFU is against the GPU's bf16 peak in every precision, so fp8 and bf16 runs
+    compare; `tflops` is the model FLOP/s each GPU achieved (the same count), its effective rate."""
     parts = [
         f"step {step}/{steps}",
         f"loss {loss:.4f}",
@@ -55,6 +58,8 @@ def format_log_line(
         f"{tokens_per_s:,.0f} tok/s",
         "MFU n/a" if mfu is None else f"MFU {mfu * 100:.1f}%",
     ]
+    if tflops is not None:
+        parts.append(f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops:.2g} TFLOP/s")
     if peak_mem_gib is not None:
         parts.append(f"mem {peak_mem_gib:.2f} GiB")
     return " | ".join(parts)

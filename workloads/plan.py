@@ -92,6 +92,16 @@ For a model of N parameters on a layout dp_replicate x dp_shard x tp x pp:
   pp + (pp - 1)/2 (Korthikanti et al. section 4.2.3 after Narayanan et al. 2021: L(1 +
   (p - 1)/(pm)) layers' worth with m = 2 stages a rank). The last rank holds one micro-batch and
   the head under 1F1B, all n under GPipe.
+- fp8 (--precision fp8, workloads.components.float8) is bf16 with the converted Linear layers'
+  matmuls in float8, and always compiled (pp 1 only). It changes two buffers: under FSDP2 with
+  the tensorwise recipe a layer's matmul weights are all-gathered in fp8 (1 byte, not 2; the
+  embedding, output projection and norms stay bf16), and without FSDP the converted layers cast
+  their fp32 weights to fp8 themselves instead of through autocast's bf16 cache, counted at one
+  byte each (an upper bound: torchao saves the fp32 weight and may recast it in backward).
+  Activations stay bf16's: torchao's matmul saves its high-precision inputs
+  (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args). Scales (one fp32 number per
+  tensor, or per row) are under 0.1% and not counted. Not yet checked on a GPU
+  (bench/gpu_checks.sh fp8 compares the peak).
 - a reserve of RESERVED_GIB for what torch's allocator does not count: the CUDA context, NCCL's
   buffers, fragmentation.
 
@@ -136,7 +146,11 @@ __all__ = [
 
 GiB = 1024**3
 RESERVED_GIB = 2.0
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8")
+FP8_RECIPES = ("rowwise", "tensorwise")
+# The GPUs whose machine types the smallest change may move to fp8: FP8 tensor cores (SM 9.0,
+# Hopper), the A3 family's; workloads.components.float8 refuses anything older than SM 8.9.
+_FP8_GPUS = ("H100", "H200")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: tp innermost, as torchtitan
 _MAX_NODE_DOUBLINGS = 8
@@ -282,7 +296,7 @@ class MemoryPlan:
     gpu: str
     micro_batch: int
     seq_len: int
-    precision: str  # "bf16" or "fp32"
+    precision: str  # "bf16" or "fp32"; fp8 runs are "bf16" with `fp8` set
     compiled: bool
     """The run is compiled (--compile; workloads.train compiles only without a pipeline)."""
     activation_checkpointing: bool
@@ -310,6 +324,8 @@ class MemoryPlan:
     within the search does)."""
     init_device: str = "meta"
     """How the run builds the model (--init-device resolved for GPUs): "meta" or "full"."""
+    fp8: str = ""
+    """The fp8 recipe (rowwise or tensorwise) of a --precision fp8 run; "" for any other."""
 
     @property
     def mode(self) -> str:
@@ -371,6 +387,7 @@ def plan(
     grad_accum: int = 1,
     gpus_per_node: int | None = None,
     init_device: str = "auto",
+    fp8_recipe: str = "rowwise",
 ) -> MemoryPlan:
     """The memory plan of `model` at `layout` on `nodes` x `machine_type`, with the smallest change
     that fits when it does not. `layout.dp_shard` -1 takes the ranks the other dimensions leave.
@@ -380,6 +397,8 @@ def plan(
     (ignored under a pipeline, which workloads.train does not compile).
     `sequence_parallel` and `loss_parallel` (the logits stay split by vocabulary across tp for the
     loss, torch.distributed.tensor.parallel.loss_parallel) change what tp splits.
+    `precision` fp8 (with `fp8_recipe`) is bf16 with the Linear matmuls in float8
+    (workloads.components.float8), always compiled: what changes is in `_fp8_words`.
     Raises PlanError (a ConfigError: exit 2) for a layout that cannot run at all."""
     shape = _shape(model)
     try:
@@ -398,6 +417,10 @@ def plan(
             raise PlanError(f"--{name} must be at least 1, got {value}")
     if precision not in PRECISIONS:
         raise PlanError(f"--precision {precision!r} is unknown; one of: {', '.join(PRECISIONS)}")
+    if precision == "fp8" and fp8_recipe not in FP8_RECIPES:
+        raise PlanError(f"--fp8-recipe {fp8_recipe!r} is unknown; one of: {', '.join(FP8_RECIPES)}")
+    if precision == "fp8" and layout.pp > 1:
+        raise PlanError("--precision fp8 runs compiled and a pipeline uncompiled; use bf16 with --pp")
     if pp_schedule not in PP_SCHEDULES:
         raise PlanError(f"--pp-schedule {pp_schedule!r} is unknown; one of: {', '.join(PP_SCHEDULES)}")
     if pp_microbatches < 0:
@@ -418,20 +441,22 @@ def plan(
         pp_schedule=pp_schedule,
         pp_microbatches=pp_microbatches,
         grad_accum=grad_accum,
+        fp8_ok=machine.gpu.model.startswith(_FP8_GPUS) and precision in ("auto", "bf16"),
     )
-    compiled = compile and layout.pp == 1
-    result = ask.estimate(layout, nodes, activation_checkpointing, compiled)
+    fp8 = fp8_recipe if precision == "fp8" else ""
+    compiled = (compile or bool(fp8)) and layout.pp == 1  # an fp8 run compiles on a GPU by itself
+    result = ask.estimate(layout, nodes, activation_checkpointing, compiled, fp8)
     modes = tuple(
-        (mode_of(c, a), ask.estimate(layout, nodes, a, c).total)
+        (mode_of(c, a), ask.estimate(layout, nodes, a, c, fp8).total)
         for a in (False, True)
-        for c in ((False, True) if layout.pp == 1 else (False,))
+        for c in ((False, True) if layout.pp == 1 and not fp8 else (compiled,))
     )
     sharded = layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1
     built, _ = pick_init_device(init_device, sharded=sharded, cuda=True, whole_bytes_per_node=0, host_available=None)
     result = replace(result, init_device=built, by_mode=modes)
     if result.fits:
         return result
-    return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing, compiled))
+    return replace(result, suggestion=ask.smallest_fix(layout, nodes, activation_checkpointing, compiled, fp8))
 
 
 def plan_for(cfg: TrainConfig, *, machine_type: str, nodes: int, gpus_per_node: int | None = None) -> MemoryPlan:
@@ -458,6 +483,7 @@ def plan_for(cfg: TrainConfig, *, machine_type: str, nodes: int, gpus_per_node: 
         grad_accum=cfg.grad_accum if dims.pp == 1 else 1,
         gpus_per_node=gpus_per_node,
         init_device=cfg.init_device,
+        fp8_recipe=cfg.fp8_recipe,
     )
 
 
@@ -594,6 +620,8 @@ class _Ask:
     pp_schedule: str
     pp_microbatches: int
     grad_accum: int
+    fp8_ok: bool = False
+    """The smallest change may move this run to fp8 (an H100/H200 machine type, a bf16 run)."""
 
     def _in_flight(self, pp: int) -> tuple[float, int]:
         """Micro-batches in flight on the first and on the last pipeline rank."""
@@ -604,10 +632,13 @@ class _Ask:
             return min(n, pp + (pp - 1) / 2), 1
         return min(n, pp), 1
 
-    def estimate(self, layout: Layout, nodes: int, ac: bool, compiled: bool = False) -> MemoryPlan:
+    def estimate(self, layout: Layout, nodes: int, ac: bool, compiled: bool = False, fp8: str = "") -> MemoryPlan:
         m, tp, pp = self.shape, layout.tp, layout.pp
         compiled = compiled and pp == 1
         e = 4 if self.precision == "fp32" else 2
+        # FSDP2 gathers a converted layer's matmul weights in fp8 under tensorwise (1 byte); the
+        # embedding, the output projection and the norms stay bf16.
+        gathered = 1 if fp8 == "tensorwise" else e
         mixed = _mixed_precision_params(layout, self.precision)
         layers = math.ceil(m.n_layers / pp)
         # A pipeline's last stage holds its own copy of a tied table, as the output projection.
@@ -615,18 +646,23 @@ class _Ask:
         stage_params = m.n_params if pp == 1 else layers * m.layer_params + max(m.first_params, last)
         shard = stage_params / (tp * layout.dp_shard)
         if layout.dp_shard > 1:
-            unit = max(m.layer_params, m.first_params, m.last_params + (m.vocab * m.dim if m.tied else 0)) / tp
-            buffers = unit * (2 * e + 4)  # two gathered units + one fp32 gradient
+            head = max(m.first_params, m.last_params + (m.vocab * m.dim if m.tied else 0))
+            unit = max(m.layer_params, head) / tp
+            layer_bytes = (m.layer_params - m.norm_params) * gathered + m.norm_params * e
+            buffers = 2 * max(layer_bytes, head * e) / tp + 4 * unit  # two gathered units + one fp32 gradient
         else:
             buffers = stage_params / tp * (4 if layout.dp_replicate > 1 else 0)  # DDP's fp32 buckets
             if self.precision == "bf16" and not mixed:
                 # autocast's bf16 copies of the matmul weights, cached through forward and kept by
                 # backward (compiled too: the partitioner saves them, their users in backward being
                 # matmuls); a checkpointed layer keeps none, the one being recomputed aside.
+                # Under fp8 the converted layers cast their fp32 weights to fp8 themselves, not
+                # through autocast: at most one 1-byte copy of each is kept (torchao saves the fp32
+                # weight and recasts; the partitioner may keep the cast instead), counted in full.
                 head_weights = m.vocab * m.dim
                 layer_weights = m.layer_params - m.norm_params
-                casts = (layer_weights if ac else layers * layer_weights) + head_weights
-                buffers += 2 * casts / tp
+                kept_layers = layer_weights if ac else layers * layer_weights
+                buffers += ((1 if fp8 else 2) * kept_layers + 2 * head_weights) / tp
 
         b, s = self.micro_batch, self.seq_len
         layer = sum(v for _, v in _layer_tensors(m, b, s, self.precision, compiled, layout, self.sequence_parallel))
@@ -669,64 +705,79 @@ class _Ask:
             layer=layer,
             reserved=RESERVED_GIB * GiB,
             capacity=self.capacity,
+            fp8=fp8,
         )
 
-    def _moves(self, layout: Layout, ac: bool, compiled: bool) -> list[tuple[Layout, bool, bool]]:
+    def _moves(self, layout: Layout, ac: bool, compiled: bool, fp8: str) -> list[_State]:
         """One step each, cheapest first: compile (on CUDA it keeps fewer activations and runs
-        faster; not under a pipeline, which workloads.train does not compile); checkpointing on
-        (slower); shard more (a replica's factor 2 to dp_shard); double tp within a node; double
-        pp. tp and pp take their factor 2 from dp_shard, else dp_replicate."""
-        out: list[tuple[Layout, bool, bool]] = []
+        faster; not under a pipeline, which workloads.train does not compile); fp8 tensorwise on an
+        H100/H200 (compiled; under FSDP2 its weights are all-gathered in 1 byte, not 2);
+        checkpointing on (slower); shard more (a replica's factor 2 to dp_shard); double tp within
+        a node; double pp. tp and pp take their factor 2 from dp_shard, else dp_replicate."""
+        out: list[_State] = []
         if not compiled and layout.pp == 1:
-            out.append((layout, ac, True))
+            out.append((layout, ac, True, fp8))
+        if self.fp8_ok and not fp8 and layout.pp == 1:
+            out.append((layout, ac, True, "tensorwise"))
         if not ac:
-            out.append((layout, True, compiled))
+            out.append((layout, True, compiled, fp8))
         if layout.dp_replicate % 2 == 0:
             grown = replace(layout, dp_replicate=layout.dp_replicate // 2, dp_shard=layout.dp_shard * 2)
-            out.append((grown, ac, compiled))
+            out.append((grown, ac, compiled, fp8))
         for dim, limit in (("tp", self.gpus), ("pp", self.shape.n_layers)):
             grown_n = getattr(layout, dim) * 2
             if grown_n > limit:
                 continue
             if dim == "tp" and (self.shape.n_heads % grown_n or self.shape.n_kv_heads % grown_n):
                 continue
+            if dim == "pp" and fp8:
+                continue  # fp8 runs compiled, a pipeline does not
             for source in ("dp_shard", "dp_replicate"):
                 if getattr(layout, source) % 2 == 0:
                     moved = replace(layout, **{dim: grown_n, source: getattr(layout, source) // 2})
-                    out.append((moved, ac, compiled and moved.pp == 1))
+                    out.append((moved, ac, compiled and moved.pp == 1, fp8))
                     break
         return out
 
-    def _search(self, start: Layout, nodes: int, ac: bool, compiled: bool) -> MemoryPlan | None:
+    def _search(self, start: Layout, nodes: int, ac: bool, compiled: bool, fp8: str) -> MemoryPlan | None:
         """Breadth first over the moves: the fitting layout fewest steps away (ties go to the
         move listed first in `_moves`)."""
-        seen = {(start, ac, compiled)}
-        queue = deque([(start, ac, compiled)])
+        seen: set[_State] = {(start, ac, compiled, fp8)}
+        queue = deque([(start, ac, compiled, fp8)])
         while queue:
-            layout, on, comp = queue.popleft()
-            candidate = self.estimate(layout, nodes, on, comp)
+            layout, on, comp, f8 = queue.popleft()
+            candidate = self.estimate(layout, nodes, on, comp, f8)
             if candidate.fits:
                 return candidate
-            for nxt in self._moves(layout, on, comp):
+            for nxt in self._moves(layout, on, comp, f8):
                 if nxt not in seen:
                     seen.add(nxt)
                     queue.append(nxt)
         return None
 
-    def smallest_fix(self, layout: Layout, nodes: int, ac: bool, compiled: bool = False) -> Suggestion | None:
+    def smallest_fix(
+        self, layout: Layout, nodes: int, ac: bool, compiled: bool = False, fp8: str = ""
+    ) -> Suggestion | None:
         """The same nodes at another layout or mode; failing that, the fewest doublings of the
         node count (the new ranks added to dp_shard)."""
         for doublings in range(_MAX_NODE_DOUBLINGS + 1):
             factor = 2**doublings
-            found = self._search(replace(layout, dp_shard=layout.dp_shard * factor), nodes * factor, ac, compiled)
+            grown = replace(layout, dp_shard=layout.dp_shard * factor)
+            found = self._search(grown, nodes * factor, ac, compiled, fp8)
             if found is not None:
                 return Suggestion(
-                    _change(layout, nodes, ac, compiled, found), found, _cost(layout, nodes, ac, compiled, found)
+                    _change(layout, nodes, ac, compiled, found, fp8),
+                    found,
+                    _cost(layout, nodes, ac, compiled, found, fp8),
                 )
         return None
 
 
-def _change(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan) -> str:
+_State = tuple[Layout, bool, bool, str]
+"""A point of the search: layout, checkpointing, compiled, fp8 recipe ("" for none)."""
+
+
+def _change(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan, fp8: str = "") -> str:
     flags = []
     if now.nodes != nodes:
         flags.append(f"--nodes {now.nodes}")
@@ -737,15 +788,19 @@ def _change(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan) 
     ]
     if now.compiled and not compiled:
         flags.append("--compile")
+    if now.fp8 and not fp8:
+        flags.append(f"--precision fp8 --fp8-recipe {now.fp8}")
     if now.activation_checkpointing and not ac:
         flags.append("--activation-checkpointing")
     return " ".join(flags)
 
 
-def _cost(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan) -> str:
+def _cost(was: Layout, nodes: int, ac: bool, compiled: bool, now: MemoryPlan, fp8: str = "") -> str:
     """The step time the change costs: the modes' measured ratio; a layout change adds
     communication the plan does not estimate."""
     parts = []
+    if now.fp8 and not fp8:
+        parts.append(f"fp8 {now.fp8}: step time not measured yet (bench/gpu_checks.sh fp8); numerics change")
     before = mode_of(compiled, ac)
     if now.mode != before:
         parts.append(f"{now.mode}: {step_cost(before, now.mode)}")
@@ -803,6 +858,23 @@ _MODE_WORDS = {
 }
 
 
+def _fp8_words(p: MemoryPlan) -> str:
+    """What --precision fp8 changes in the plan (workloads.components.float8)."""
+    fsdp = p.layout.dp_shard > 1
+    if fsdp and p.fp8 == "tensorwise":
+        gather = "FSDP2 all-gathers the converted weights in fp8 (1 byte, not 2: working buffers)"
+    elif fsdp:
+        gather = "FSDP2 all-gathers in bf16 (torchao's fp8 all-gather is tensorwise only)"
+    else:
+        gather = "the converted weights' fp8 casts (at most 1 byte each) replace autocast's bf16 copies"
+    tensorwise = p.fp8 == "tensorwise"
+    scales = "one fp32 scale per weight, precomputed after each step" if tensorwise else "fp32 per-row scales"
+    return (
+        f"fp8: {gather}; {scales} (under 0.1%: not counted); activations as bf16 (torchao saves the "
+        "matmuls' bf16 inputs); weights, gradients, AdamW states and checkpoints stay fp32"
+    )
+
+
 def format_plan(p: MemoryPlan) -> list[str]:
     """The plan as lines of text for a person."""
 
@@ -810,12 +882,16 @@ def format_plan(p: MemoryPlan) -> list[str]:
         return f"{x / GiB:8.2f} GiB"
 
     mp = "bf16 compute, fp32 weights, gradients and AdamW states" if p.precision == "bf16" else "fp32"
+    if p.fp8:
+        mp = f"fp8 {p.fp8} Linear matmuls (torchao.float8; output projection bf16), bf16 elsewhere, " + mp[14:]
     pipeline = ""
     if p.layout.pp > 1:
         pipeline = f"; pipeline {p.pp_schedule}, {p.pp_microbatches or p.layout.pp} micro-batches a step"
     mode = f"mode: {_MODE_WORDS[p.mode]}"
     if p.layout.pp > 1:
         mode += "; a pipeline runs uncompiled"
+    if p.fp8:
+        mode += f"; fp8 {p.fp8}, compiled on GPUs with or without --compile"
     if p.grads_at_peak:
         held = "held at the peak: earlier micro-batches of the step made them"
     else:
@@ -824,6 +900,7 @@ def format_plan(p: MemoryPlan) -> list[str]:
         f"model {p.model}: {p.n_params / 1e9:.2f}B parameters; micro-batch {p.micro_batch} x seq {p.seq_len}; "
         f"{mp}{pipeline}",
         mode,
+        *([_fp8_words(p)] if p.fp8 else []),
         *mesh_lines(p.layout, p.nodes, p.gpus_per_node),
         _build_line(p),
         f"per GPU ({p.nodes} x {p.machine_type}, {p.gpu}), at the start of backward:",

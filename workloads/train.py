@@ -49,6 +49,13 @@ from workloads.components import (
     check_writable_file,
     trace_range,
 )
+from workloads.components.float8 import (
+    device_capability,
+    fp8_refusal,
+    high_precision_state,
+    precompute_scales,
+    torchao_version,
+)
 from workloads.config import EXIT_BAD_ARGS, ConfigError, TrainConfig, config_from_args
 from workloads.data import BatchStream, SyntheticTokens, TokenFile
 from workloads.llama import flops_per_token as llama_flops_per_token
@@ -115,7 +122,19 @@ class Trainer:
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         asked = cfg.model_spec.precision
         self.precision = asked if asked != "auto" else ("bf16" if self.cuda else "fp32")
-        self.ptdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        # fp8: the converted Linear layers compute in float8 (workloads.components.float8), the
+        # rest under bf16 autocast, as torchtitan pairs float8 with bf16 mixed precision.
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+        self.ptdtype = dtypes[self.precision]
+        if self.precision == "fp8":
+            why = fp8_refusal(
+                torch_version=torch.__version__,
+                torchao_version=torchao_version(),
+                capability=device_capability(self.device),
+                device_name=torch.cuda.get_device_name(self.device) if self.cuda else None,
+            )
+            if why:
+                raise every_rank(ConfigError(why))
         if cfg.ddp.compression == "bf16" and not self.cuda:
             raise every_rank(
                 ConfigError(
@@ -272,6 +291,8 @@ class Trainer:
     def _optimizer_step(self) -> None:
         with self._range("optimizer"):
             self.optimizers.step(self._clip_grads if self.cfg.optimizer.grad_clip else None)
+            if self.built.fp8 is not None and self.built.fp8.precompute:
+                precompute_scales(self.raw_model)
         self.step += 1
 
     def _clip_grads(self) -> None:
@@ -290,6 +311,8 @@ class Trainer:
             self.checkpoint.load()
         self.log(self._banner())
         self.log(build_line(self.built, not self.dims.is_ddp, self.build_growths))
+        if self.built.fp8 is not None:
+            self.log(self.built.fp8.describe())
         try:
             with self.preemption.watching(), self.profiler.running(self.step):
                 if self._train_loop():
@@ -335,7 +358,7 @@ class Trainer:
 
     def save_params(self, path: str) -> None:
         """Rank 0 writes the final parameters (full state_dict) for comparison between runs."""
-        sd = get_model_state_dict(self.model, options=_SAVE)
+        sd = high_precision_state(get_model_state_dict(self.model, options=_SAVE))
 
         def write() -> None:
             try:

@@ -50,6 +50,7 @@ from workloads.checkpoint.store import (
     open_store,
 )
 from workloads.collective import Ranks, every_rank
+from workloads.components.float8 import high_precision_state
 from workloads.config import ConfigError, TrainConfig
 from workloads.metrics import RankInfo, format_bytes, preemption_report
 
@@ -200,7 +201,9 @@ class CheckpointManager:
         if name == self._latest_name:  # e.g. --resume at the last step: nothing new to save
             return None
         started = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # Plain high-precision tensors whatever the run computes in: an fp8 run's checkpoint
+        # resumes a bf16 run and the reverse.
+        model_sd, optim_sd = high_precision_state(get_state_dict(self.model, self.optimizer))
         state = {"model": model_sd, "optimizer": optim_sd, "trainer": encode_state(self._trainer_state())}
         token = self.ranks.on_rank0(lambda: store.begin(name))
         writer = store.storage_writer(name, token)

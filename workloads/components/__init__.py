@@ -6,6 +6,7 @@ torchtitan/components/): the Trainer builds them and calls them at named points 
 - `metrics`: rank 0's step line (loss, lr, step time, tokens/s, MFU, memory) and --metrics-file.
 - `profiler`: the torch.profiler trace of --profile-steps and the named NVTX/profiler ranges.
 - `optimizer`, `lr_scheduler`: AdamW, its warmup-cosine schedule, the loss scaler, the step.
+- `float8`: --precision fp8, the Linear layers converted by torchao.float8 (imported on use only).
 
 Checkpoints have a package of their own: `workloads.checkpoint` (CheckpointManager).
 """

@@ -19,7 +19,8 @@ __all__ = ["MetricsLogger", "check_writable_file", "unwritable"]
 
 class MetricsLogger:
     """Rank 0's step lines: step, loss, lr, step time, tokens/s, MFU against `peak_flops` (the
-    GPU's dense bf16 peak from gpufleet.catalog, None off GPUs) and peak memory; each also as one
+    GPU's dense bf16 peak from gpufleet.catalog, None off GPUs; bf16's under fp8 too, so runs
+    compare), the effective model TFLOP/s per GPU and peak memory; each also as one
     JSON line in --metrics-file, opened for the whole run so a bad path fails before step 1.
     `flops_token` and `peak_flops` are set once the model is built."""
 
@@ -42,9 +43,11 @@ class MetricsLogger:
 
     def log_step(self, step: int, steps: int, loss: float, lr: float, step_s: float, tokens_per_s: float) -> None:
         per_gpu_mfu = mfu(self.flops_token, tokens_per_s / self.comms.world, self.peak_flops)
+        # The model FLOP/s one GPU achieved: what fp8 raises beyond MFU's bf16 peak.
+        tflops = self.flops_token * tokens_per_s / self.comms.world / 1e12
         cuda = self.device.type == "cuda"
         mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
-        self.log(format_log_line(step, steps, loss, lr, step_s, tokens_per_s, per_gpu_mfu, mem))
+        self.log(format_log_line(step, steps, loss, lr, step_s, tokens_per_s, per_gpu_mfu, mem, tflops))
         if self.out:  # rank 0
             record = {
                 "step": step,
@@ -53,6 +56,7 @@ class MetricsLogger:
                 "step_s": step_s,
                 "tokens_per_s": tokens_per_s,
                 "mfu": per_gpu_mfu,
+                "tflops_per_gpu": tflops,
                 "peak_mem_gib": mem,
                 "time": time.time(),
             }

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from workloads.components.float8 import Float8Summary, convert_to_fp8
 from workloads.config import TrainConfig, pick_init_device
 from workloads.llama import Llama
 from workloads.model import GPT, cross_entropy
@@ -60,6 +61,8 @@ class BuiltModel:
     """This rank's copies of the tied embedding: their gradients are summed over `tied_group`."""
     clip_skip: set[int] = field(default_factory=set)
     """Parameters (by id) the gradient norm counts on another stage: the tied copy on the last."""
+    fp8: Float8Summary | None = None
+    """What --precision fp8 converted and kept (None in other precisions)."""
 
 
 class ModelBuilder:
@@ -78,6 +81,11 @@ class ModelBuilder:
         self.cfg, self.dims, self.mesh, self.coords = cfg, dims, mesh, coords
         self.device, self.world, self.ptdtype = device, world, ptdtype
         self.cuda = device.type == "cuda"
+        self.fp8 = cfg.model_spec.precision == "fp8"
+        # fp8 is compiled on a GPU even without --compile (torch.compile fuses the float8 casts;
+        # eager they cost more than the fp8 matmuls save), and eager on CPU, where torchao
+        # emulates it (torchtitan float8.py: emulation "is not compatible with torch.compile").
+        self.compile = (cfg.model_spec.compile or self.fp8) if self.cuda else (cfg.model_spec.compile and not self.fp8)
 
     def build(self) -> BuiltModel:
         cfg = self.cfg
@@ -91,6 +99,8 @@ class ModelBuilder:
         built = BuiltModel(raw, raw, raw.num_params(), whole_bytes, init_device, init_why)
         if init_device == "full":
             raw = self._new_model().to(self.device)
+        if self.fp8:  # before TP and FSDP, as torchtitan applies its converters
+            built.fp8 = self._convert_fp8(raw)
         try:
             if not self.dims.is_ddp:
                 self._parallelize(raw, built)
@@ -105,6 +115,18 @@ class ModelBuilder:
     def _new_model(self) -> torch.nn.Module:
         kind = Llama if self.cfg.is_llama else GPT
         return kind(self.cfg.size, activation_checkpointing=self.cfg.model_spec.activation_checkpointing)
+
+    def _convert_fp8(self, raw: torch.nn.Module) -> Float8Summary:
+        """The Linear layers to Float8Linear (workloads.components.float8), and how it compiles."""
+        shard = not self.dims.is_ddp and self.dims.dp_shard > 1
+        summary = convert_to_fp8(raw, self.cfg.model_spec.fp8_recipe, emulate=not self.cuda, shard=shard)
+        asked = self.cfg.model_spec.compile
+        if self.cuda:
+            summary.compiled = "compiled" + ("" if asked else ": fp8 turns torch.compile on (it fuses the casts)")
+        else:
+            dropped = ": --compile dropped (the emulation is not for torch.compile)"
+            summary.compiled = "eager" + (dropped if asked else "")
+        return summary
 
     def _pick_init_device(self, whole_bytes: int) -> tuple[str, str]:
         """--init-device resolved (config.pick_init_device): meta or full, and why."""
@@ -144,7 +166,7 @@ class ModelBuilder:
                 static_graph=cfg.ddp.static_graph,
             )
             self._register_comm_hook(model)
-        return torch.compile(model) if cfg.model_spec.compile else model
+        return torch.compile(model) if self.compile else model
 
     def _register_comm_hook(self, ddp: torch.nn.Module) -> None:
         """Gradient compression through PyTorch's own DDP comm hooks."""
@@ -171,7 +193,8 @@ class ModelBuilder:
 
         dims, mesh = self.dims, self.mesh
         parts = ModelParts(*raw.PP_PARTS)
-        # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy).
+        # bf16/fp16 compute with fp32 gradient reduction (torchtitan's default policy); fp8 runs
+        # its converted matmuls in fp8 and the rest in bf16.
         mp = (
             MixedPrecisionPolicy(param_dtype=self.ptdtype, reduce_dtype=torch.float32)
             if self.ptdtype in (torch.bfloat16, torch.float16)
@@ -189,7 +212,7 @@ class ModelBuilder:
         whole = merge_stages([m for _, m in stages], parts)
         built.model = built.raw = whole
         if dims.pp == 1:
-            if self.cfg.model_spec.compile:
+            if self.compile:
                 built.model = torch.compile(whole)
             return
         self._pipeline(stages, parts, built)

@@ -8,7 +8,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from workloads.parallel.dims import ParallelDims
 
@@ -26,6 +25,11 @@ def build_schedule(
     """The schedule that runs this rank's stages. The loss_fn gives each microbatch's mean
     loss and the schedule divides the gradients by the number of microbatches (scale_grads),
     so one step's gradients are the mean over the rank's whole batch, as without a pipeline."""
+    # Imported here, not at the top: torch.distributed.pipelining pulls in dynamo (~0.8 s per rank
+    # measured with `python -X importtime -c "import workloads.train"`), which a run without
+    # pipeline stages never uses.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
     group = pp_mesh.get_group()
     built = [PipelineStage(m, s, dims.num_stages, device, group=group) for s, m in stages]
     if dims.pp_schedule == "interleaved-1f1b":

@@ -154,6 +154,22 @@ def _registered(profile: dict[str, Any], key: str) -> bool:
     return any(" ".join(str(k.get("key", "")).split()[:2]) == key for k in keys)
 
 
+def _call(method: Any, url: str, **kwargs: Any) -> Any:
+    """One request to the OS Login API; a network failure or credentials that cannot be refreshed
+    are one line naming the API and the way around it, not a traceback."""
+    import requests
+    from google.auth import exceptions as gauth
+
+    try:
+        return method(url, timeout=60, **kwargs)
+    except (requests.RequestException, gauth.GoogleAuthError) as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise UserError(
+            f"the OS Login API ({url.split('/v1/')[0]}) did not answer: {reason}; check this machine's network "
+            "and `gcloud auth application-default login`, or pass --ssh-user"
+        ) from None
+
+
 def login_user(project: str | None, key: Path | None, register: bool = False, endpoint: str | None = None) -> Login:
     """This account's OS Login user name in `project`, once its public key is known to be in the
     profile (added first with `register`); one UserError line for each way it is not."""
@@ -163,7 +179,7 @@ def login_user(project: str | None, key: Path | None, register: bool = False, en
     base = (endpoint or API).rstrip("/")
     user = urllib.parse.quote(who, safe="@")
     query = f"?projectId={urllib.parse.quote(project)}" if project else ""
-    resp = session.get(f"{base}/v1/users/{user}/loginProfile{query}", timeout=60)
+    resp = _call(session.get, f"{base}/v1/users/{user}/loginProfile{query}")
     if resp.status_code != 200:
         raise _error(resp, who, project)
     profile = resp.json()
@@ -174,7 +190,7 @@ def login_user(project: str | None, key: Path | None, register: bool = False, en
                 f"your key {pub} is not in {who}'s OS Login profile, so the nodes would answer Permission denied "
                 f"(publickey): run `gcloud compute os-login ssh-keys add --key-file={pub}`, or pass --register-key"
             )
-        resp = session.post(f"{base}/v1/users/{user}:importSshPublicKey{query}", json={"key": key_text}, timeout=60)
+        resp = _call(session.post, f"{base}/v1/users/{user}:importSshPublicKey{query}", json={"key": key_text})
         if resp.status_code != 200:
             raise _error(resp, who, project)
         profile = resp.json().get("loginProfile") or profile

@@ -339,3 +339,16 @@ def test_os_login_refusals_are_one_line_exit_2(tmp_path, account, users, disable
         )
     assert r.exit_code == 2, r.output
     assert r.output.startswith(says) and len(r.output.splitlines()) == 1, r.output
+
+
+def test_an_os_login_api_that_does_not_answer_is_one_line_exit_2(tmp_path, account):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    argv = ["exec", "--outputs", str(_outputs(tmp_path)), "--no-iap", "--oslogin-endpoint", endpoint, "--", "true"]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(f"error: the OS Login API ({endpoint}) did not answer: ") and "--ssh-user" in r.output
+    assert len(r.output.splitlines()) == 1, r.output

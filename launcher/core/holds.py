@@ -112,7 +112,9 @@ def hold_statements(job_id: str, hosts: list[str], dirs: tuple[str, ...] = HOLDS
         f'if ( set -C; umask 022; printf "v1 %s %s %s %s %s %s %s\\n" "$(id -un)" "$HU" {job} "$HS" "$$" "$HP" {nodes} '
         '>"$HF" ) 2>/dev/null; then trap \'rm -f "$HF"\' EXIT; echo "hold_since=$HS"; fi; '
         f'for HX in "$HD"/{FILE_PREFIX}*; do [ "$HX" = "$HF" ] && continue; hold_live "$HX" || continue; '
-        '[ "$(stat -c %u "$HX")" = "$HU" ] && continue; HN=$((HN+1)); hold_say "hold.$HN="; done; '
+        # $HO: the owner hold_live read with the line; a second stat could find the file gone
+        # (its job just ended) and count this account's own hold as another's.
+        '[ "$HO" = "$HU" ] && continue; HN=$((HN+1)); hold_say "hold.$HN="; done; '
         "fi",
     ]
 

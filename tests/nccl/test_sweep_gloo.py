@@ -179,24 +179,38 @@ def test_write_results_from_the_sweep_writes_the_png(three_node_sweep, tmp_path)
     assert len(json.loads(paths["json"].read_text())["rows"]) == len(rows)
 
 
-def test_bad_arguments_exit_2_with_one_line():
-    for argv, needle in [
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
         (["-b", "8T"], "size '8T' is not understood"),
         (["--ops", "allreduce"], "collective 'allreduce' is unknown"),
         (["-b", "1M", "-e", "8"], "swap -b and -e"),
         (["-d", "uint32"], "datatype 'uint32' is not supported"),
         (["-o", "avg", "-d", "int32"], "avg' needs a floating datatype"),
-    ]:
-        r = subprocess.run(
-            [sys.executable, "-m", "workloads.sweep", *argv],
-            cwd=REPO,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert r.returncode == 2, (argv, r.stderr)
-        assert r.stderr.count("\n") == 1 and needle in r.stderr, (argv, r.stderr)
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
+    """The parse every rank does first, in this process (a subprocess per case only re-imports
+    torch); the whole path, from `python -m`, is the test below."""
+    from workloads.sweep.config import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, (argv, err)
+    assert err.count("\n") == 1 and needle in err, (argv, err)
+
+
+def test_python_m_sweep_exits_2_with_one_line_on_a_bad_argument_and_outside_torchrun():
+    r = subprocess.run(
+        [sys.executable, "-m", "workloads.sweep", "-b", "8T"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "size '8T' is not understood" in r.stderr, r.stderr
     r = subprocess.run(
         [sys.executable, "-m", "workloads.sweep"],
         cwd=REPO,

@@ -6,7 +6,9 @@ was preempted (its workers got SIGTERM, saved a checkpoint and exited: workloads
 logs `PREEMPTED_TEXT` and exits 0 on every rank) or because a worker crashed, is relaunched by
 its controller with `--resume` once every node passes the launch's own check again. It gives up
 after `max_recoveries`, when a node is not back within `timeout_s`, or when a crash repeats at
-the same step with the same error (a bug does not heal by restarting).
+the same step with the same error (a bug does not heal by restarting). With `--spares K`
+(launcher.jobs.spares) a node lost, a hang's culprit, or a node its relaunch's check finds bad is
+replaced by a spare at once instead of waited for; with no spare left, as above.
 
 The policy and the reading of a failure are pure functions; `Recoverer` is the one stateful part:
 it does the waiting and the relaunching for the controller, through the same `Launch`.
@@ -49,6 +51,8 @@ __all__ = [
     "step_of",
     "failure_of",
     "recovery_lines",
+    "judged_bad",
+    "bad_at_check",
     "Recoverer",
 ]
 
@@ -248,6 +252,23 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
     )
 
 
+def judged_bad(rec: Recovery) -> dict[int, str]:
+    """{rank: why} of the node a failure has judged bad already, which a spare replaces before
+    any check (--spares): a node lost (unreachable) or a hang's culprit; {} for anything else (a
+    worker crash on a node that may be sound, a preemption that names no node yet)."""
+    if rec.node is None:
+        return {}
+    if rec.reason == "hang":
+        return {rec.node: "hang"}
+    return {rec.node: "unreachable"} if rec.cause.startswith("unreachable") else {}
+
+
+def bad_at_check(states: dict[int, str]) -> dict[int, str]:
+    """{rank: why} of the nodes a relaunch's check found bad (launcher.core.launch.NodeState
+    values by rank): unreachable, or its program refused after answering (`check failed`)."""
+    return {r: _SWAP_WHY[v] for r, v in states.items() if v in _SWAP_WHY}
+
+
 def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
     """A job record's recoveries, one line each: when, which node, why, how long until the relaunch."""
     out = []
@@ -373,9 +394,9 @@ class Recoverer:
         from launcher.health.prestart import prestart_verdict
 
         t0 = time.monotonic()
-        lost = rec.node is not None and (rec.reason == "hang" or rec.cause.startswith("unreachable"))
-        if lost and self.policy.spares:  # judged bad already: no check waits for it
-            self._swap(rec, {rec.node: "hang" if rec.reason == "hang" else "unreachable"})
+        judged = judged_bad(rec)
+        if judged and self.policy.spares:  # judged bad already: no check waits for it
+            self._swap(rec, judged)
         while True:
             self.c.reset_attempt()
             # Built each try: --min-nodes may have shrunk the cluster and the config meanwhile
@@ -397,7 +418,7 @@ class Recoverer:
                 self.c.record.why = self._why(rec)
                 self._note(node=bad)
             self._restart_stopped(launch, rec)
-            bad_now = {r: _SWAP_WHY[s.value] for r, s in launch.states.items() if s.value in _SWAP_WHY}
+            bad_now = bad_at_check({r: s.value for r, s in launch.states.items()})
             if bad_now and self.policy.spares and self._swap(rec, bad_now):
                 continue  # at once: the spare's own check comes with the relaunch
             self._follow_moved(launch)

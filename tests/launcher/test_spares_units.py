@@ -14,7 +14,14 @@ from launcher.cli.main import main as cli
 from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError, Workload
 from launcher.jobs.goodput import MarkKeeper, failure_lines, failures, goodput_of, restored_from
 from launcher.jobs.record import JobRecord, JobState, request_json
-from launcher.jobs.recovery import RecoverRequest, Recovery, recover_policy, recovery_lines
+from launcher.jobs.recovery import (
+    RecoverRequest,
+    Recovery,
+    bad_at_check,
+    judged_bad,
+    recover_policy,
+    recovery_lines,
+)
 from launcher.jobs.spares import Swap, check_spares, split_spares, swap_in
 
 TRAIN_ARGV = ("-m", "workloads.train", "--steps", "10", "--checkpoint-dir", "/ckpt")
@@ -197,3 +204,25 @@ def test_a_failure_never_trained_again_says_so_and_idle_spares_count_in_node_hou
     assert goodput_of(with_spare).node_hours == pytest.approx(
         4 * goodput_of(_record(started=100.0, ended=200.0)).node_hours / 3
     )
+
+
+def test_a_lost_node_or_a_hangs_culprit_is_swapped_at_once_and_a_crash_is_not():
+    assert judged_bad(Recovery(1.0, 2, "unreachable (connection lost)", reason="node-lost")) == {2: "unreachable"}
+    assert judged_bad(Recovery(1.0, 1, "unreachable (x)", reason="preempted")) == {1: "unreachable"}
+    assert judged_bad(Recovery(1.0, 0, "hang: rank 0 waits in allreduce", reason="hang")) == {0: "hang"}
+    assert judged_bad(Recovery(1.0, 1, "worker crash: exit 1", reason="worker-failed")) == {}
+    assert judged_bad(Recovery(1.0, None, "preempted: ...", reason="preempted")) == {}
+
+
+def test_a_relaunch_check_names_the_unreachable_and_refusing_nodes_only():
+    states = {0: "stopped", 1: "unreachable", 2: "failed", 3: "checked"}
+    assert bad_at_check(states) == {1: "unreachable", 2: "check failed"}
+    assert bad_at_check({0: "stopped", 1: "stopped"}) == {}
+
+
+def test_launch_jobs_shows_a_jobs_spares_beside_its_nodes():
+    from launcher.cli.cmd_jobs import _row
+
+    assert _row(_record(spares=["e"]))[3] == "3 (+1 spare)"
+    assert _row(_record(spares=["e", "f"]))[3] == "3 (+2 spares)"
+    assert _row(_record())[3] == "3"

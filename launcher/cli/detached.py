@@ -79,6 +79,9 @@ def start_detached(
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(recover_request(o), workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
+    if policy is not None and o.get("spares") is None and cluster.spares:  # the stack's gpufleet:spares
+        policy = dataclasses.replace(policy, spares=cluster.spares)
+        err.print(f"[dim]the stack keeps its last {cluster.spares} nodes as spares (--spares 0 uses them all)[/dim]")
     spares = policy.spares if policy else 0
     check_spares(spares, len(cluster.nodes))
     trains = len(cluster.nodes) - spares  # the job's world: the spares wait (launcher.jobs.spares)

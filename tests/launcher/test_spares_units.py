@@ -226,3 +226,15 @@ def test_launch_jobs_shows_a_jobs_spares_beside_its_nodes():
     assert _row(_record(spares=["e"]))[3] == "3 (+1 spare)"
     assert _row(_record(spares=["e", "f"]))[3] == "3 (+2 spares)"
     assert _row(_record())[3] == "3"
+
+
+def test_a_stacks_spares_are_the_default_of_a_detached_recover_job(tmp_path):
+    nodes_doc = [{"index": i, "internalIp": f"192.0.2.{i + 1}", "name": f"dev-{i}"} for i in range(3)]
+    outputs = tmp_path / "o.json"
+    outputs.write_text(json.dumps({"cluster": "dev", "nodes": nodes_doc, "spares": 1}))
+    base = ["run", "--outputs", str(outputs), "--runs-dir", str(tmp_path / "runs"), "--detach", "--recover"]
+    # Refused before any contact, and only because the stack's spare is left out of the world.
+    r = CliRunner().invoke(cli, [*base, "--min-nodes", "3", "--", "job.py"])
+    assert r.exit_code == 2 and "--min-nodes 3 is more than the job's 2 nodes" in r.output, r.output
+    r = CliRunner().invoke(cli, [*base, "--spares", "0", "--min-nodes", "4", "--", "job.py"])
+    assert r.exit_code == 2 and "--min-nodes 4 is more than the job's 3 nodes" in r.output, r.output

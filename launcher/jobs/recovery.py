@@ -459,6 +459,8 @@ class Recoverer:
             line = swap_line(s.to_json())
             self.c.say(f"swapped {line}; {len(left)} spare{'s' * (len(left) != 1)} left; relaunching at once")
             log.warning("job %s: swapped %s", r.id, line)
+        # A stopped VM (a Spot preemption) swapped out is started again, so it may rejoin the spares.
+        self._start_instances(rec, [self.known[s.out].name for s in swaps])
         return True
 
     def _rejoin(self) -> None:
@@ -493,12 +495,16 @@ class Recoverer:
     def _restart_stopped(self, launch: Launch, rec: Recovery) -> None:
         """Start the unreachable nodes' instances that Compute Engine stopped (once each per
         recovery), when the request knows where they are and --restart-stopped is on."""
+        by_rank = {n.rank: n for n in self.cluster.nodes}
+        self._start_instances(rec, [by_rank[r].name for r, s in launch.states.items() if s.value == "unreachable"])
+
+    def _start_instances(self, rec: Recovery, names: list[str]) -> None:
+        """Compute Engine `instances.start` on the named instances it stopped, once each per
+        recovery, when the request knows where they are and --restart-stopped is on."""
         c = self.cluster
         if not (self.policy.restart_stopped and c.project and c.zone):
             return
-        by_rank = {n.rank: n for n in c.nodes}
-        names = [by_rank[r].name for r, s in launch.states.items() if s.value == "unreachable" and by_rank[r].name]
-        names = [n for n in names if n not in rec.restarted]
+        names = [n for n in names if n and n not in rec.restarted]
         if not names:
             return
         from launcher.cluster.restart_vms import instances_client, start_terminated

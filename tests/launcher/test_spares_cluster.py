@@ -24,9 +24,11 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_and_the_job_succeeds_with
     c = cluster(sim_cluster, tmp_path, 4)
     a = [n.address for n in c.nodes]
     ckpt = tmp_path / "ckpt"
-    # A long --recover-timeout: only the spare, never a wait for node 1, can end this job in time.
+    # A long --recover-timeout: only the spare, never a wait for node 1, can end this job in time. A
+    # short --term-grace: the survivors of a lost node cannot finish a collective save anyway.
     job_id = detach(
-        c, tmp_path, "train", *torch_args(), "--recover", "--recover-timeout", "30m", "--spares", "1", "--",
+        c, tmp_path, "train", *torch_args(), "--term-grace", "3s", "--recover", "--recover-timeout", "30m",
+        "--spares", "1", "--",
         *train_job(3, 300, ckpt, 10, 10),
     )  # fmt: skip
     running = job(c, tmp_path, job_id)

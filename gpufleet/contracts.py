@@ -148,6 +148,7 @@ OUTPUT_KEYS = (
     "zone",
     "machineType",
     "nodes",
+    "spares",
     "controller",
     "placementPolicy",
     "networks",
@@ -244,6 +245,9 @@ class StackOutputs:
     """The container image the nodes run by default (`image`, from gpufleet:containerImage); None: none."""
     boot_image: StackBootImage | None = None
     """What the nodes boot (`bootImage`); None in outputs written before the key existed."""
+    spares: int = 0
+    """`spares` (gpufleet:spares): how many of the last nodes are a detached --recover job's
+    spares by default; 0 in outputs written before the key existed."""
 
 
 def node_output(*, name: Any, index: int, internal_ip: Any, external_ip: Any, zone: Any) -> dict[str, Any]:
@@ -264,6 +268,7 @@ def stack_outputs(
     machine_type: Any,
     nodes: list[dict[str, Any]],
     placement_policy: Any,
+    spares: int = 0,
     networks: Any,
     checkpoint_bucket: Any,
     controller: dict[str, Any] | None = None,
@@ -277,13 +282,15 @@ def stack_outputs(
     `packageIndex`: pip's index URL of the cluster's PyPI repository (null when the stack has none);
     `image`: the stack's default container image (gpufleet:containerImage; null when unset);
     `imageRepository`: the docker repository the nodes can pull from (HOST/PROJECT/REPOSITORY);
-    `bootImage`: boot_image_output(the nodes' boot disk image)."""
+    `bootImage`: boot_image_output(the nodes' boot disk image); `spares`: how many of the last
+    `nodes` are spares (gpufleet:spares)."""
     values = (
         cluster,
         project,
         zone,
         machine_type,
         nodes,
+        spares,
         controller,
         placement_policy,
         networks,
@@ -421,7 +428,17 @@ def parse_stack_outputs(doc: Any) -> StackOutputs:
         package_index=top["packageIndex"],
         image=top["image"] or None,
         boot_image=_stack_boot_image(doc.get("bootImage")),
+        spares=_stack_spares(doc.get("spares"), len(nodes)),
     )
+
+
+def _stack_spares(value: Any, n: int) -> int:
+    """The `spares` output: an integer from 0 to n-1 (absent or null: 0)."""
+    if value is None:
+        return 0
+    if not _is_int(value) or not 0 <= value < n:
+        raise OutputsError(f"'spares' is {value!r}, not a count from 0 to {n - 1} (the nodes less one)")
+    return value
 
 
 # ---- the sweep's JSON line -----------------------------------------------------------------------

@@ -60,7 +60,7 @@ def main() -> None:
                 cluster=spec.cluster,
                 project=spec.project,
                 region=spec.region,
-                nodes=spec.nodes,
+                nodes=spec.vm_count,
                 max_distance=spec.max_distance,
             ),
         )
@@ -168,6 +168,7 @@ def main() -> None:
         zone=spec.zone,
         machine_type=spec.machine_type,
         nodes=pool.nodes,
+        spares=spec.spares,
         placement_policy=placement.policy.name if placement else None,
         networks=networks.summary,
         checkpoint_bucket=identity.bucket_name,

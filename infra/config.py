@@ -55,6 +55,8 @@ SUBNET_MAX_NODES = 4092
 DEFAULTS: dict[str, Any] = {
     "machineType": "a3-highgpu-8g",
     "nodes": 2,
+    # Idle nodes beyond gpufleet:nodes for detached --recover jobs' --spares (launcher.jobs.spares).
+    "spares": 0,
     "provisioning": "standard",
     # 200 GB holds the image, CUDA toolkit, containers and nccl-tests with room for logs.
     "bootDiskSizeGb": 200,
@@ -79,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
 KEYS = (
     "machineType",
     "nodes",
+    "spares",
     "name",
     "placement",
     "maxDistance",
@@ -183,9 +186,17 @@ class FleetSpec:
     container_image: str | None = None
     """The jobs' default container image, exported as `image`; None: none. On a Container-Optimized
     OS boot image it defaults to the catalog's COS_DEFAULT_CONTAINER_IMAGE."""
+    spares: int = 0
+    """K more nodes after the `nodes` (indexes nodes .. nodes+K-1), exported as the `spares` output:
+    a detached --recover job's --spares default, so they wait idle and replace a lost node."""
     users: tuple[str, ...] = ()
     """IAM members (`user:EMAIL`, `group:EMAIL`, ...) who may log in to the nodes and the
     controller through OS Login and IAP (infra/access.py grants it)."""
+
+    @property
+    def vm_count(self) -> int:
+        """Every node VM the stack declares: the nodes and the spares."""
+        return self.nodes + self.spares
 
     @property
     def region(self) -> str:
@@ -417,6 +428,11 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         DEFAULTS["nodes"] if get("nodes") is None else errors.take(_int, "nodes", get("nodes"), 1, SUBNET_MAX_NODES, 2)
     )
 
+    spares = 0
+    if get("spares") is not None:
+        spares = errors.take(_int, "spares", get("spares"), 0, SUBNET_MAX_NODES - (nodes or 1), 1)
+    vms = (nodes or 0) + (spares or 0)
+
     cluster = None
     if get("name") is not None:
         cluster = errors.take(
@@ -478,9 +494,9 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
     if get("placement") is not None:
         placement = errors.take(_choice, "placement", get("placement"), _PLACEMENTS)
     else:
-        placement = "compact" if (nodes or 0) > 1 and reservation is None else "none"
+        placement = "compact" if vms > 1 and reservation is None else "none"
     if placement == "compact" and nodes is not None:
-        if nodes < 2:
+        if vms < 2:
             errors.add(
                 _fail(
                     _key("placement"), placement, "compact needs gpufleet:nodes >= 2; set placement none for one node"
@@ -494,11 +510,11 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
                     "none with a reservation: the reservation's own placement policy applies",
                 )
             )
-        if nodes > COMPACT_PLACEMENT_MAX_VMS:
+        if vms > COMPACT_PLACEMENT_MAX_VMS:
             errors.add(
                 _fail(
                     _key("nodes"),
-                    nodes,
+                    f"{nodes} (+{spares} spares)" if spares else nodes,
                     f"at most {COMPACT_PLACEMENT_MAX_VMS} nodes in one compact placement policy "
                     "(Cluster Toolkit's Slurm resume.py PLACEMENT_MAX_CNT); set placement none or split the fleet",
                 )
@@ -608,6 +624,7 @@ def parse_spec(raw: Mapping[str, Any], *, stack: str) -> FleetSpec:
         zone=zone,
         machine=machine,
         nodes=nodes,
+        spares=spares or 0,
         placement=placement,
         max_distance=max_distance,
         provisioning=provisioning,
@@ -736,7 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     for warning in spec_warnings(spec):
         print(f"warning: {warning}", file=sys.stderr)
     print(
-        f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type} in {spec.zone} ({spec.provisioning}, "
+        f"ok: {spec.cluster}: {spec.nodes} x {spec.machine_type}"
+        + (f" (+{spec.spares} spare{'s' * (spec.spares != 1)})" if spec.spares else "")
+        + f" in {spec.zone} ({spec.provisioning}, "
         f"placement {spec.placement}{', a controller VM' if spec.controller else ', no controller VM'}); "
         f"boots {spec.image}" + (f", jobs run in {spec.container_image}" if spec.container_image else "")
     )

@@ -118,7 +118,7 @@ class NodePool(pulumi.ComponentResource):
         ]
 
         self.instances: list[gcp.compute.Instance] = []
-        for i in range(spec.nodes):
+        for i in range(spec.vm_count):  # the spares (gpufleet:spares) are the last ones
             # Guest accelerators are bundled with A2/A3/A4 types and are not declared (dstack's
             # GCP backend get_accelerators returns [] for them, github.com/dstackai/dstack). So
             # are their local SSDs:

@@ -1,5 +1,7 @@
 """`launch jobs`: the cluster's detached jobs, newest first, as a table or JSON lines, each with its
-goodput, node-hours and cost so far (launcher.jobs.goodput). A job whose controller died while its
+goodput, node-hours and cost so far (launcher.jobs.goodput), its idle spares (--spares), and below
+the table one line per recovered failure: its time to train again, where the restore came from and
+the spare swapped in. A job whose controller died while its
 nodes still wait for one gets its controller started again (launcher.jobs.adopt). `--all` adds
 every account's jobs on the nodes, attached ones too, as the nodes' holds say (launcher.jobs.holds):
 who, which job, since when, on which nodes."""
@@ -20,7 +22,7 @@ from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
 from launcher.cli.options import SOURCE_OPTIONS, apply_options
 from launcher.cli.render import user_errors
 from launcher.core.holds import holds_script
-from launcher.jobs.goodput import format_cost, goodput_of
+from launcher.jobs.goodput import failure_lines, format_cost, goodput_of
 from launcher.jobs.holds import cluster_holds
 from launcher.jobs.record import JobRecord, list_script
 
@@ -39,7 +41,7 @@ def _row(r: JobRecord) -> list[str]:
         r.id,
         escape(what),
         f"[{STATE_STYLE[r.state.value]}]{r.state.value}[/]",
-        str(len(r.nodes)),
+        str(len(r.nodes)) + (f" (+{len(r.spares)} spare{'s' * (len(r.spares) != 1)})" if r.spares else ""),
         _when(r.started),
         "-" if dur is None else f"{dur:.0f} s",
         "-" if g.goodput_pct is None else f"{g.goodput_pct:.1f}%",
@@ -92,6 +94,9 @@ def jobs(as_json: bool, every_account: bool, **o: Any) -> None:
         table.add_row(*_row(r))
     out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     out.print(table)
+    for r in records:  # each recovered failure's account, and the spares swapped in for it
+        for line in failure_lines(goodput_of(r)):
+            out.print(f"job {r.id} {escape(line)}", soft_wrap=True)
     if every_account:
         on = Table(title="every account's jobs on the nodes")
         for col in ("account", "id", "since", "nodes"):

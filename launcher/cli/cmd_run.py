@@ -15,6 +15,7 @@ from launcher.cli.options import (
     PROGRAM_AFTER,
     RECOVER_OPTIONS,
     SOURCE_OPTIONS,
+    SPARES_OPTION,
     TERM_GRACE_OPTION,
     TORCHRUN_OPTIONS,
     WAIT_OPTION,
@@ -40,6 +41,7 @@ __all__ = ["run"]
         WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,
         *RECOVER_OPTIONS,
+        SPARES_OPTION,
     ]
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)

@@ -18,6 +18,7 @@ from launcher.cli.options import (
     PASS_THROUGH,
     RECOVER_OPTIONS,
     SOURCE_OPTIONS,
+    SPARES_OPTION,
     TERM_GRACE_OPTION,
     TORCHRUN_OPTIONS,
     WAIT_OPTION,
@@ -52,6 +53,7 @@ _SOURCES = ("stack", "outputs", "hostfile", "labels", "local")
         WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,
         *RECOVER_OPTIONS,
+        SPARES_OPTION,
     ]
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)

@@ -38,6 +38,7 @@ from launcher.jobs.handoff import detach
 from launcher.jobs.node0 import Node0, job_host
 from launcher.jobs.record import JobRecord, logs_script
 from launcher.jobs.recovery import parse_duration, recover_policy
+from launcher.jobs.spares import check_spares
 from launcher.runner import plan_detached
 
 __all__ = [
@@ -78,19 +79,22 @@ def start_detached(
         raise UserError("--detach and --dry-run: a dry run starts nothing to hand off; drop one of them")
     policy = recover_policy(recover_request(o), workload.argv, detach=True, builtin=builtin)
     cluster = find_cluster(o)
-    if policy and policy.min_nodes is not None and policy.min_nodes > len(cluster.nodes):
-        raise UserError(
-            f"--min-nodes {policy.min_nodes} is more than the job's {len(cluster.nodes)} nodes; give at most "
-            f"{len(cluster.nodes)}"
-        )
+    if policy is not None and o.get("spares") is None and cluster.spares:  # the stack's gpufleet:spares
+        policy = dataclasses.replace(policy, spares=cluster.spares)
+        err.print(f"[dim]the stack keeps its last {cluster.spares} nodes as spares (--spares 0 uses them all)[/dim]")
+    spares = policy.spares if policy else 0
+    check_spares(spares, len(cluster.nodes))
+    trains = len(cluster.nodes) - spares  # the job's world: the spares wait (launcher.jobs.spares)
+    if policy and policy.min_nodes is not None and policy.min_nodes > trains:
+        raise UserError(f"--min-nodes {policy.min_nodes} is more than the job's {trains} nodes; give at most {trains}")
     config = build_config(o, workload, cluster)
     grace = parse_duration(o.get("controller_grace") or DEFAULT_CONTROLLER_GRACE, "--controller-grace")
     config = dataclasses.replace(config, controller_grace_s=math.ceil(grace))
     if policy is not None and policy.max_restarts is not None:
         # The controller relaunches a failed program (with GPUFLEET_ATTEMPT), not torchrun in place.
         config = dataclasses.replace(config, max_restarts=0)
-    if check is not None:
-        check(cluster, config)
+    if check is not None:  # against the world it trains on (its size is what the arguments must fit)
+        check(dataclasses.replace(cluster, nodes=cluster.nodes[:trains]), config)
     request = code_request(o, cluster, builtin if own_code is None else own_code)
     config = prepare_nodes(cluster, config, request)
     pull_everywhere(cluster, config)
@@ -100,6 +104,9 @@ def start_detached(
     p = plan_detached(cluster, config)
     if p.order_message:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
+    if spares:
+        kept = ", ".join(node.label for node in p.cluster.nodes[trains:])
+        err.print(f"[dim]spare{'s' * (spares != 1)}, prepared and idle: {escape(kept)} (--spares {spares})[/dim]")
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to its controller…"):
         job_id = waiting(lambda: detach(p, policy.to_json() if policy else None), o.get("wait_nodes", False))
     click.echo(f"job {job_id}")

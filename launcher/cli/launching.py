@@ -25,7 +25,15 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
     (node 0 where the cluster has none).
     `builtin`: the built-in workload (launch train), recovered with --resume, whose ranks import
     gpufleet's own code (sent to the nodes, with its environment: launcher.cli.code_options)."""
-    keys = ("recover", "max_recoveries", "recover_timeout", "restart_stopped", "min_nodes", "no_restart_exit_codes")
+    keys = (
+        "recover",
+        "max_recoveries",
+        "recover_timeout",
+        "restart_stopped",
+        "min_nodes",
+        "no_restart_exit_codes",
+        "spares",
+    )
     given = [k for k in keys if o.get(k) is not None]
     if not o.get("detach") and [k for k in given if o[k] is not False or k == "restart_stopped"]:
         from launcher.jobs.recovery import recover_policy

@@ -32,6 +32,7 @@ __all__ = [
     "CONTROLLER_GRACE_OPTION",
     "DEFAULT_CONTROLLER_GRACE",
     "RECOVER_OPTIONS",
+    "SPARES_OPTION",
     "TERM_GRACE_OPTION",
     "EXEC_RESTARTS_OPTION",
     "hang_options",
@@ -233,6 +234,15 @@ RECOVER_OPTIONS = [
     ),
 ]
 
+# Idle nodes that take a lost node's place at once (launcher.jobs.spares): launch train and run.
+SPARES_OPTION = click.option(
+    "--spares",
+    type=int,
+    metavar="K",
+    help="With --detach --recover: keep the last K nodes (in rank order) prepared and idle; one takes a lost "
+    "or bad node's place at once, same world size; with none left, --recover waits (or --min-nodes) [default: 0].",
+)
+
 _MAX_RESTARTS_HELP = (
     "torchrun's in-place restarts of the workers; with --recover on launch run/exec, the controller's "
     "relaunches after a failed worker or a hang instead."
@@ -429,6 +439,7 @@ def recover_request(o: dict[str, Any]) -> RecoverRequest:
         min_nodes=o.get("min_nodes"),
         api_endpoint=o.get("api_endpoint"),
         max_restarts=o.get("max_restarts"),
+        spares=o.get("spares"),
     )
 
 

@@ -155,6 +155,7 @@ def cluster_from_outputs(outputs: Any, source: str = "stack outputs", prefer_ext
         package_index=parsed.package_index,
         image=image or None,
         boot_os=parsed.boot_image.os if parsed.boot_image is not None else None,
+        spares=parsed.spares,
     )
 
 

@@ -118,6 +118,7 @@ class Cluster:
     package_index: str | None = None  # the stack output packageIndex: where nodes get packages
     image: str | None = None  # the stack's default container image (its `image` output), if any
     boot_os: str | None = None  # what the nodes boot ("ubuntu" | "cos", the `bootImage` output); None: unknown
+    spares: int = 0  # the stack's `spares` output: --spares' default for a detached --recover job
 
     def __post_init__(self) -> None:
         if not self.nodes:

@@ -89,6 +89,7 @@ class Controller:
             pid_start=process_start(pid) or "",
             machine_type=self.request["cluster"].get("machine_type"),
             controller_grace_s=self.request["config"].get("controller_grace_s"),
+            spares=[n["host"] for n in self.request.get("spares") or []],
         )
         # A record already there: an earlier controller of this job died; this one re-adopts it.
         self.previous: JobRecord | None = None
@@ -266,14 +267,14 @@ class Controller:
         return False
 
     def ahead(self) -> list[JobRecord]:
-        mine = set(self.record.nodes)
+        mine = set(self.record.nodes) | set(self.record.spares)  # a job holds its spares too
         out = []
         for f in self.jobdir.parent.glob("*/state.json"):
             try:
                 other = JobRecord.from_json(json.loads(f.read_text()))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if other.id == self.record.id or other.state.final or not set(other.nodes) & mine:
+            if other.id == self.record.id or other.state.final or not set(other.nodes + other.spares) & mine:
                 continue
             earlier = (other.submitted, other.id) < (self.record.submitted, self.record.id)
             holds = other.state in (JobState.RUNNING, JobState.RECOVERING)

@@ -18,10 +18,18 @@ job's productive time over its total time, where the total starts when the job s
     recovering  from the failure to the relaunch: detection, VM restart, every node's check
                 (INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION)
 
-goodput % = productive / (wall - queued); node-hours = nodes x (wall - queued); cost = node-hours x
-the machine type's price per node-hour (gpufleet.catalog.machine_price), on-demand and Spot: the
-record does not say how the nodes were provisioned, so both are given. A stopped instance is not
-billed while it is down, so during a recovery the cost is an upper bound.
+goodput % = productive / (wall - queued); node-hours = nodes x (wall - queued), where the nodes
+are the job's world and its idle spares (--spares: launcher.jobs.spares; a spare is billed while it
+waits); cost = node-hours x the machine type's price per node-hour (gpufleet.catalog.machine_price),
+on-demand and Spot: the record does not say how the nodes were provisioned, so both are given. A
+stopped instance is not billed while it is down, so during a recovery the cost is an upper bound.
+
+Each failure that was recovered (`record.recoveries`) gets its own account (`FailureCost`): its
+time to train again, from the failure (the first node failure the controller saw in that attempt,
+else the recovery's own time) to the first progress mark of the relaunch after it; where the
+restore came from; and the spares swapped in for it. The restore's source is read from one line
+of the job's output, `restored step N from local|peer|durable` (RESTORED_RE; a checkpoint helper
+prints it as it restores); without such a line it is "unknown".
 
 What the controller writes for this (`MarkKeeper`, `note_state`): `record.states`, each state
 change with its time, and `record.marks`, at most four per attempt: its first progress mark, its
@@ -41,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufleet.catalog import MachinePrice, machine_price
+from launcher.jobs.spares import swap_line
 
 __all__ = [
     "CATEGORIES",
@@ -53,6 +62,11 @@ __all__ = [
     "goodput_of",
     "progress_step",
     "checkpoint_step",
+    "restored_from",
+    "RESTORED_RE",
+    "FailureCost",
+    "failures",
+    "failure_lines",
     "format_cost",
     "summary",
 ]
@@ -62,6 +76,8 @@ CATEGORIES = ("queued", "starting", "productive", "lost", "recovering")
 # workloads.metrics.format_log_line and workloads.train's save line (`checkpoint step 8 -> DIR (...)`).
 _STEP_RE = re.compile(r"\bstep (\d+)/\d+ \|")
 _CHECKPOINT_RE = re.compile(r"\bcheckpoint step (\d+) -> ")
+# Where a relaunch's restore came from, as a checkpoint helper says it: `restored step 40 from peer`.
+RESTORED_RE = re.compile(r"\brestored step (\d+) from (local|peer|durable)\b")
 _FAILED_STATES = ("failed", "unreachable")  # launcher.core.launch.NodeState values of a node failure
 # Steps whose line times are kept for the next checkpoint's mark: a save follows its step closely.
 _SEEN_MAX = 1024
@@ -75,6 +91,39 @@ def progress_step(line: str) -> int | None:
 def checkpoint_step(line: str) -> int | None:
     m = _CHECKPOINT_RE.search(line)
     return int(m.group(1)) if m else None
+
+
+def restored_from(line: str) -> tuple[int, str] | None:
+    """(step, source) of a `restored step N from local|peer|durable` line, else None."""
+    m = RESTORED_RE.search(line)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+@dataclass(frozen=True)
+class FailureCost:
+    """One recovered failure's account: when, which node, how long until the job trained again,
+    where the restore came from, and the spares swapped in (launcher.jobs.spares.Swap, as saved)."""
+
+    number: int  # 1 for the job's first recovery
+    at: float  # the failure (node 0's clock)
+    node: int | None
+    reason: str
+    to_train_s: float | None  # failure -> first progress of the relaunch; None: it never trained again
+    restored_from: str  # local, peer, durable, or unknown
+    restored_step: int | None
+    swaps: tuple[dict[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "at": self.at,
+            "node": self.node,
+            "reason": self.reason,
+            "to_train_s": None if self.to_train_s is None else round(self.to_train_s, 3),
+            "restored_from": self.restored_from,
+            "restored_step": self.restored_step,
+            "swaps": list(self.swaps),
+        }
 
 
 @dataclass(frozen=True)
@@ -101,10 +150,12 @@ class Goodput:
     price: MachinePrice | None
     cost_on_demand_usd: float | None  # None: the machine type's price is unknown
     cost_spot_usd: float | None
+    failures: tuple[FailureCost, ...] = ()  # each recovered failure's own account
 
     def to_json(self) -> dict[str, Any]:
         p = self.price
         return {
+            "failures": [f.to_json() for f in self.failures],
             "goodput_pct": None if self.goodput_pct is None else round(self.goodput_pct, 3),
             "wall_s": round(self.wall_s, 3),
             "run_s": round(self.run_s, 3),
@@ -167,6 +218,9 @@ class MarkKeeper:
         self._seen.clear()
 
     def line(self, text: str, now: float) -> bool:
+        restored = restored_from(text)
+        if restored is not None:
+            return self._put("restore", now, restored[0], source=restored[1])
         saved = checkpoint_step(text)
         if saved is not None:
             # The checkpoint holds the work up to its step's line (an async save commits later).
@@ -198,12 +252,12 @@ class MarkKeeper:
                 return m
         return None
 
-    def _put(self, kind: str, at: float, step: int | None) -> bool:
+    def _put(self, kind: str, at: float, step: int | None, **more: Any) -> bool:
         m = self._mine(kind)
         if m is None:
-            self.record.marks.append({"at": at, "kind": kind, "step": step})
+            self.record.marks.append({"at": at, "kind": kind, "step": step, **more})
         else:
-            m.update(at=at, step=step)
+            m.update(at=at, step=step, **more)
         return True
 
 
@@ -314,7 +368,7 @@ def goodput_of(record: Any, now: float | None = None) -> Goodput:
         seconds[s.category] += s.seconds
     wall = segs[-1].end - segs[0].start if segs else 0.0
     run = wall - seconds["queued"]
-    node_hours = len(record.nodes) * run / 3600.0
+    node_hours = (len(record.nodes) + len(getattr(record, "spares", None) or [])) * run / 3600.0
     price = machine_price(getattr(record, "machine_type", None))
     return Goodput(
         segments=tuple(segs),
@@ -326,7 +380,54 @@ def goodput_of(record: Any, now: float | None = None) -> Goodput:
         price=price,
         cost_on_demand_usd=node_hours * price.on_demand_usd_per_hour if price else None,
         cost_spot_usd=node_hours * price.spot_usd_per_hour if price else None,
+        failures=tuple(failures(record)),
     )
+
+
+def failures(record: Any) -> list[FailureCost]:
+    """Each recovery of the record as a FailureCost (see the module's docstring)."""
+    recoveries = list(getattr(record, "recoveries", None) or [])
+    marks = sorted(record.marks, key=lambda m: m["at"])
+    out = []
+    for k, r in enumerate(recoveries):
+        since = recoveries[k - 1]["at"] if k else float("-inf")
+        until = recoveries[k + 1]["at"] if k + 1 < len(recoveries) else float("inf")
+        # The first node failure seen after the previous recovery, up to this one's notice.
+        seen = [m["at"] for m in marks if m["kind"] == "failure" and since < m["at"] <= r["at"]]
+        at = min(seen) if seen else r["at"]
+        firsts = [m["at"] for m in marks if m["kind"] == "first" and r["at"] < m["at"] <= until]
+        back = firsts[0] if firsts else None
+        restores = [m for m in marks if m["kind"] == "restore" and r["at"] < m["at"] <= (back or until)]
+        restore = restores[-1] if restores else None
+        out.append(
+            FailureCost(
+                number=k + 1,
+                at=at,
+                node=r.get("node"),
+                reason=r.get("reason", ""),
+                to_train_s=None if back is None else back - at,
+                restored_from=restore.get("source", "unknown") if restore else "unknown",
+                restored_step=restore["step"] if restore else None,
+                swaps=tuple(r.get("swaps") or ()),
+            )
+        )
+    return out
+
+
+def failure_lines(g: Goodput) -> list[str]:
+    """Each failure's account, one line: `failure 1 (node 1, node-lost): trained again after
+    14.2 s, restored from peer at step 40; swapped node 1 (10.0.0.2) → spare 10.0.0.4 (unreachable)`."""
+    out = []
+    for f in g.failures:
+        who = ", ".join(x for x in (f"node {f.node}" if f.node is not None else "", f.reason) if x)
+        again = "not trained again" if f.to_train_s is None else f"trained again after {f.to_train_s:.1f} s"
+        at = f" at step {f.restored_step}" if f.restored_step is not None else ""
+        swapped = "".join(f"; swapped {swap_line(s)}" for s in f.swaps)
+        out.append(
+            f"failure {f.number}" + (f" ({who})" if who else "") + f": {again}, restored from "
+            f"{f.restored_from}{at}{swapped}"
+        )
+    return out
 
 
 def format_cost(g: Goodput) -> str:

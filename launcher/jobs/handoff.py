@@ -25,6 +25,7 @@ hostfile's `controller HOST` line), else node 0; "node 0" below means that host.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -51,6 +52,7 @@ from launcher.core.transport import Transport
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, UserError
 from launcher.jobs.node0 import job_host
 from launcher.jobs.record import CONTROLLER_SH, JOBS_DIR, request_json
+from launcher.jobs.spares import split_spares
 from launcher.runner.plan import LaunchPlan
 
 __all__ = ["detach", "controller_sh", "STARTED_MARKER", "NODE0_WARNING"]
@@ -72,7 +74,9 @@ _SHIPPED = (("launcher", "**/*.py"), ("gpufleet", "**/*.py"))
 def detach(plan: LaunchPlan, recover: dict[str, Any] | None = None) -> str:
     """Check every node with the plan's programs (launcher.runner.plan_detached), hand the job
     to the job host's controller, return the job id. `recover`: --recover's settings
-    (launcher.jobs.recovery.RecoverPolicy.to_json), carried in the request."""
+    (launcher.jobs.recovery.RecoverPolicy.to_json), carried in the request. With its `spares`
+    (--spares K), every node is checked and prepared alike, and the request's cluster is the
+    plan's first N-K nodes; the last K travel as the job's spares (launcher.jobs.spares)."""
     cluster, config, transport, key = plan.cluster, plan.config, plan.transport, plan.key
     if key is None:
         raise ValueError("detach takes a detached job's plan (launcher.runner.plan_detached)")
@@ -82,15 +86,17 @@ def detach(plan: LaunchPlan, recover: dict[str, Any] | None = None) -> str:
     # After the check: a first contact has just recorded its key (StrictHostKeyChecking=accept-new).
     known = known_hosts_text(cluster, verified_host_keys(target, cluster), target.port)
     slug = cluster_slug(cluster)
+    world, spares = split_spares(cluster.nodes, int((recover or {}).get("spares") or 0))
     files = {
         f"{NODE_KEY_DIR}/{slug}/id_ed25519": key.read_bytes(),
         f"{JOBS_DIR}/{config.job_id}/known_hosts": known.encode(),
         f"{JOBS_DIR}/{config.job_id}/request.json": json.dumps(
             request_json(
-                cluster,
+                dataclasses.replace(cluster, nodes=world),
                 config,
                 controller_ssh(target.user, target.port, slug, f"{JOBS_DIR}/{config.job_id}/known_hosts"),
                 recover,
+                spares,
             ),
             indent=1,
         ).encode(),

@@ -138,6 +138,10 @@ class JobRecord:
     # nodes: [{rank, host, address, slots, name}]} (the nodes as this attempt ranked them).
     run: dict[str, Any] | None = None
     adoptions: list[dict[str, Any]] = field(default_factory=list)  # {at, pid, attached_s}: each re-adoption
+    # --spares (launcher.jobs.spares): the idle nodes, prepared and checked, that take a lost
+    # node's place; and the nodes swapped out since, until their check passes again. Hosts.
+    spares: list[str] = field(default_factory=list)
+    out: list[str] = field(default_factory=list)
     orphaned: bool = False  # as read: the controller is gone, the nodes wait for one (never saved True)
 
     def to_json(self) -> dict[str, Any]:
@@ -211,22 +215,25 @@ def controller_alive(record: JobRecord) -> bool:
 
 
 def request_json(
-    cluster: Cluster, config: LaunchConfig, ssh: SshConfig, recover: dict[str, Any] | None = None
+    cluster: Cluster,
+    config: LaunchConfig,
+    ssh: SshConfig,
+    recover: dict[str, Any] | None = None,
+    spares: tuple[Node, ...] = (),
 ) -> dict[str, Any]:
     """The request without secrets: --env values are left out (they go to env.json); `ssh` names
     the key and known_hosts by their paths relative to node 0's home; `recover`: --recover's
-    settings (launcher.jobs.recovery.RecoverPolicy), None without it."""
+    settings (launcher.jobs.recovery.RecoverPolicy), None without it; `spares`: --spares' nodes,
+    after the cluster's in the launch's order (launcher.jobs.spares)."""
     return {
         "recover": recover,
+        "spares": [_node_json(n) for n in spares],
         "cluster": {
             "name": cluster.name,
             "machine_type": cluster.machine_type,
             "zone": cluster.zone,
             "project": cluster.project,
-            "nodes": [
-                {"rank": n.rank, "host": n.host, "address": n.address, "slots": n.slots, "name": n.name}
-                for n in cluster.nodes
-            ],
+            "nodes": [_node_json(n) for n in cluster.nodes],
         },
         "workload": {"kind": config.workload.kind, "argv": list(config.workload.argv)},
         "config": {
@@ -254,6 +261,10 @@ def request_json(
             "known_hosts": str(ssh.known_hosts),
         },
     }
+
+
+def _node_json(n: Node) -> dict[str, Any]:
+    return {"rank": n.rank, "host": n.host, "address": n.address, "slots": n.slots, "name": n.name}
 
 
 def request_from_json(

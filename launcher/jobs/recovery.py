@@ -6,7 +6,9 @@ was preempted (its workers got SIGTERM, saved a checkpoint and exited: workloads
 logs `PREEMPTED_TEXT` and exits 0 on every rank) or because a worker crashed, is relaunched by
 its controller with `--resume` once every node passes the launch's own check again. It gives up
 after `max_recoveries`, when a node is not back within `timeout_s`, or when a crash repeats at
-the same step with the same error (a bug does not heal by restarting).
+the same step with the same error (a bug does not heal by restarting). With `--spares K`
+(launcher.jobs.spares) a node lost, a hang's culprit, or a node its relaunch's check finds bad is
+replaced by a spare at once instead of waited for; with no spare left, as above.
 
 The policy and the reading of a failure are pure functions; `Recoverer` is the one stateful part:
 it does the waiting and the relaunching for the controller, through the same `Launch`.
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from launcher.core.types import Cluster, LaunchConfig, LaunchResult, UserError, Workload
+from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, UserError, Workload
 from launcher.jobs.owner import JobOwner
 from launcher.jobs.record import JobState
 from launcher.jobs.restarts import (
@@ -32,6 +34,7 @@ from launcher.jobs.restarts import (
     restart_refusal,
     worker_exit_codes,
 )
+from launcher.jobs.spares import check_spares, swap_in, swap_line
 
 if TYPE_CHECKING:  # imported where it runs: the controller's start stays light
     from launcher.core.launch import Launch, NodeEvent
@@ -48,6 +51,8 @@ __all__ = [
     "step_of",
     "failure_of",
     "recovery_lines",
+    "judged_bad",
+    "bad_at_check",
     "Recoverer",
 ]
 
@@ -57,6 +62,8 @@ log = logging.getLogger("launcher")
 PREEMPTED_TEXT = "rerun with --resume to continue"
 # What a relaunch on fewer nodes (--min-nodes) tells the workload, beside torchrun's new WORLD_SIZE.
 RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
+# A launch's node state after a failed check -> why a spare takes that node's place (--spares).
+_SWAP_WHY = {"unreachable": "unreachable", "failed": "check failed"}
 # A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
 _STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
 _DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
@@ -76,6 +83,7 @@ class RecoverPolicy:
     no_restart_exit_codes: tuple[int, ...] = (2,)  # a worker exit status never restarted
     resume: bool = True  # relaunch with workloads.train's --resume (the built-in workload)
     min_nodes: int | None = None  # go on with this many nodes or more when a lost one is not back in time
+    spares: int = 0  # --spares: idle nodes that take a lost one's place at once (launcher.jobs.spares)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,9 +102,15 @@ class Recovery:
     restarted: dict[str, str] = dataclasses.field(default_factory=dict)  # instance -> what start did
     reason: str = ""  # GPUFLEET_RESTART_REASON of the relaunch (launcher.jobs.restarts.REASONS)
     shrunk_to: int | None = None  # --min-nodes: the nodes it went on with, when some were not back
+    swaps: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # --spares: launcher.jobs.spares.Swap
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Recovery":
+        """A record's recovery; a field this version does not know (a newer controller's) is left out."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 def parse_duration(text: str, flag: str = "--recover-timeout") -> float:
@@ -119,6 +133,7 @@ class RecoverRequest:
     min_nodes: int | None = None
     api_endpoint: str | None = None  # the Compute Engine API's, when not the default (tests)
     max_restarts: int | None = None  # a user's own program's restarts (launch run/exec)
+    spares: int | None = None  # --spares K (launcher.jobs.spares)
 
     def given(self) -> list[str]:
         """The recovery settings given, as their flags."""
@@ -128,6 +143,7 @@ class RecoverRequest:
             ("--restart-stopped/--no-restart-stopped", self.restart_stopped),
             ("--no-restart-exit-codes", self.no_restart_exit_codes),
             ("--min-nodes", self.min_nodes),
+            ("--spares", self.spares),
         )
         return [flag for flag, value in flags if value is not None]
 
@@ -164,6 +180,7 @@ def recover_policy(
     m = asked.min_nodes
     if m is not None and m < 1:
         raise UserError(f"--min-nodes {m} must be at least 1")
+    check_spares(asked.spares)
     timeout = parse_duration(asked.recover_timeout) if asked.recover_timeout is not None else 1800.0
     restart = asked.restart_stopped is not False  # on by default with --recover
     return RecoverPolicy(
@@ -175,6 +192,7 @@ def recover_policy(
         no_restart_exit_codes=no_restart,
         resume=builtin,
         min_nodes=m,
+        spares=asked.spares or 0,
     )
 
 
@@ -234,11 +252,28 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
     )
 
 
+def judged_bad(rec: Recovery) -> dict[int, str]:
+    """{rank: why} of the node a failure has judged bad already, which a spare replaces before
+    any check (--spares): a node lost (unreachable) or a hang's culprit; {} for anything else (a
+    worker crash on a node that may be sound, a preemption that names no node yet)."""
+    if rec.node is None:
+        return {}
+    if rec.reason == "hang":
+        return {rec.node: "hang"}
+    return {rec.node: "unreachable"} if rec.cause.startswith("unreachable") else {}
+
+
+def bad_at_check(states: dict[int, str]) -> dict[int, str]:
+    """{rank: why} of the nodes a relaunch's check found bad (launcher.core.launch.NodeState
+    values by rank): unreachable, or its program refused after answering (`check failed`)."""
+    return {r: _SWAP_WHY[v] for r, v in states.items() if v in _SWAP_WHY}
+
+
 def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
     """A job record's recoveries, one line each: when, which node, why, how long until the relaunch."""
     out = []
     for k, d in enumerate(recoveries, 1):
-        r = Recovery(**d)
+        r = Recovery.from_json(d)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at))
         node = f"node {r.node}" if r.node is not None else "a node"
         node += f" ({r.reason})" if r.reason else ""
@@ -246,7 +281,8 @@ def recovery_lines(recoveries: list[dict[str, Any]]) -> list[str]:
         back = f"relaunched after {r.waited_s:.1f} s" if r.waited_s is not None else "not relaunched"
         started = "".join(f"; instance {name} {what}" for name, what in r.restarted.items())
         shrunk = f"; went on with {r.shrunk_to} nodes (--min-nodes)" if r.shrunk_to is not None else ""
-        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}{shrunk}")
+        swapped = "".join(f"; swapped {swap_line(s)}" for s in r.swaps)
+        out.append(f"recovery {k}: {when} {node}{step}: {r.cause}; {back}{started}{shrunk}{swapped}")
     return out
 
 
@@ -266,6 +302,16 @@ class Recoverer:
         self.policy = policy
         argv = resume_argv(config.workload.argv) if policy.resume else config.workload.argv
         self.config = dataclasses.replace(config, workload=Workload(config.workload.kind, argv))
+        # --spares (launcher.jobs.spares): every node of the job in the launch's order, the world
+        # first; which are spares now, and which were swapped out, the record keeps (a controller
+        # that re-adopts the job reads them there).
+        every = [*cluster.nodes, *(Node(**n) for n in controller.request.get("spares") or [])]
+        self.order = [n.host for n in every]
+        self.known = {n.host: n for n in every}
+
+    @property
+    def spares(self) -> tuple[Node, ...]:
+        return tuple(self.known[h] for h in self.c.record.spares if h in self.known)
 
     def run(self, result: LaunchResult) -> int:
         """From a finished attempt's result to the job's exit status (the record says the rest)."""
@@ -288,7 +334,7 @@ class Recoverer:
         """Go on with the recovery the record says was under way when the job's controller died
         (launcher.jobs.adopt): wait for every node again, then relaunch."""
         if self.c.record.recoveries:
-            rec = Recovery(**self.c.record.recoveries[-1])
+            rec = Recovery.from_json(self.c.record.recoveries[-1])
         else:
             rec = Recovery(time.time(), None, "the controller died as the job started", reason="node-lost")
         attempt = self._relaunch(rec)
@@ -298,7 +344,7 @@ class Recoverer:
         if self.policy.max_restarts is not None:  # a user's own program
             codes = worker_exit_codes(result, self.config.workload.kind == "torchrun")
             return restart_refusal(rec.reason, codes, self.c.record.recoveries, self.policy)
-        done = [Recovery(**r) for r in self.c.record.recoveries]
+        done = [Recovery.from_json(r) for r in self.c.record.recoveries]
         if rec.signature and any(d.signature == rec.signature and d.step == rec.step for d in done):
             return (
                 f"the same error at step {rec.step} as the last recovery's: not retried (a bug does not heal by "
@@ -348,6 +394,9 @@ class Recoverer:
         from launcher.health.prestart import prestart_verdict
 
         t0 = time.monotonic()
+        judged = judged_bad(rec)
+        if judged and self.policy.spares:  # judged bad already: no check waits for it
+            self._swap(rec, judged)
         while True:
             self.c.reset_attempt()
             # Built each try: --min-nodes may have shrunk the cluster and the config meanwhile
@@ -369,6 +418,9 @@ class Recoverer:
                 self.c.record.why = self._why(rec)
                 self._note(node=bad)
             self._restart_stopped(launch, rec)
+            bad_now = bad_at_check({r: s.value for r, s in launch.states.items()})
+            if bad_now and self.policy.spares and self._swap(rec, bad_now):
+                continue  # at once: the spare's own check comes with the relaunch
             self._follow_moved(launch)
             waited = time.monotonic() - t0
             if waited > self.policy.timeout_s and self._shrink(launch, rec):
@@ -386,15 +438,73 @@ class Recoverer:
             if self.c.stop.wait(0.5):  # a node still down refuses at once (or after ConnectTimeout)
                 return self.c.end(JobState.STOPPED, 128 + 15, why="stopped while recovering")
 
+    def _swap(self, rec: Recovery, lost: dict[int, str]) -> bool:
+        """--spares: put a spare in place of each lost rank while spares last (when none is
+        left, the nodes swapped out earlier are checked again first: one that passes is a spare
+        again). The world keeps its size; ranks follow the job's order (launcher.jobs.spares).
+        False: no spare to swap in."""
+        if not self.spares:
+            self._rejoin()
+        world, left, swaps = swap_in(self.order, self.cluster.nodes, lost, self.spares)
+        if not swaps:
+            return False
+        r = self.c.record
+        self.cluster = dataclasses.replace(self.cluster, nodes=world)
+        r.nodes = [n.host for n in world]
+        r.spares = [n.host for n in left]
+        r.out = [*r.out, *(s.out for s in swaps)]
+        rec.swaps.extend(s.to_json() for s in swaps)
+        self._note(swaps=list(rec.swaps))
+        for s in swaps:
+            line = swap_line(s.to_json())
+            self.c.say(f"swapped {line}; {len(left)} spare{'s' * (len(left) != 1)} left; relaunching at once")
+            log.warning("job %s: swapped %s", r.id, line)
+        # A stopped VM (a Spot preemption) swapped out is started again, so it may rejoin the spares.
+        self._start_instances(rec, [self.known[s.out].name for s in swaps])
+        return True
+
+    def _rejoin(self) -> None:
+        """Check each node swapped out with the launch's own check, one at a time; each that
+        passes joins the spares (the record says so, and the job's log)."""
+        from launcher.core.launch import Launch
+        from launcher.core.preflight import check_probes
+        from launcher.core.program import env_stdin, node_commands
+        from launcher.health.prestart import prestart_verdict
+
+        r = self.c.record
+        for host in list(r.out):
+            node = self.known.get(host)
+            if node is None or self.c.stop.is_set():
+                continue
+            one = dataclasses.replace(self.cluster, nodes=(dataclasses.replace(node, rank=0),))
+            try:
+                probes = Launch(one, self.config, stop=self.c.stop).ask(
+                    node_commands(one, self.config), env_stdin(self.config)
+                )
+                for p in probes.values():
+                    p.facts.pop("port", None)  # alone it would be the rendezvous; the job's is elsewhere
+                check_probes(one, probes, self.config, prestart_verdict)
+            except Exception as e:  # not back, or not healthy: it stays out
+                log.info("job %s: node %s is still out of service: %s", r.id, host, e)
+                continue
+            r.out = [h for h in r.out if h != host]
+            r.spares = [*r.spares, host]
+            self.c.save()
+            self.c.say(f"node {host} passes its check again: it is a spare again")
+
     def _restart_stopped(self, launch: Launch, rec: Recovery) -> None:
         """Start the unreachable nodes' instances that Compute Engine stopped (once each per
         recovery), when the request knows where they are and --restart-stopped is on."""
+        by_rank = {n.rank: n for n in self.cluster.nodes}
+        self._start_instances(rec, [by_rank[r].name for r, s in launch.states.items() if s.value == "unreachable"])
+
+    def _start_instances(self, rec: Recovery, names: list[str]) -> None:
+        """Compute Engine `instances.start` on the named instances it stopped, once each per
+        recovery, when the request knows where they are and --restart-stopped is on."""
         c = self.cluster
         if not (self.policy.restart_stopped and c.project and c.zone):
             return
-        by_rank = {n.rank: n for n in c.nodes}
-        names = [by_rank[r].name for r, s in launch.states.items() if s.value == "unreachable" and by_rank[r].name]
-        names = [n for n in names if n not in rec.restarted]
+        names = [n for n in names if n and n not in rec.restarted]
         if not names:
             return
         from launcher.cluster.restart_vms import instances_client, start_terminated

@@ -178,6 +178,7 @@ def test_a_stack_name_gce_cannot_use_asks_for_a_cluster_name():
 WRONG_TYPES = {
     "machineType": 5,
     "nodes": "two",
+    "spares": "one",
     "name": ["a", "b"],
     "placement": True,
     "maxDistance": "far",

@@ -39,6 +39,7 @@ __all__ = [
     "HANG_OPTIONS_RUN",
     "PASS_THROUGH",
     "PROGRAM_AFTER",
+    "DRY_RUN_FORMATS",
     "apply_options",
     "find_cluster",
     "build_config",
@@ -51,6 +52,17 @@ __all__ = [
 # A dry run's job ID: a placeholder in the job ID's own format (launcher.core.types.new_job_id),
 # the same every time, so two dry runs of one launch can be compared byte for byte.
 DRY_RUN_JOB_ID = "00000000-000000-000000"
+# --dry-run prints a person's reading of the plan; --dry-run=json the plans whole (launch run, train
+# and exec: the commands that start a launch; the others print the steps they would take).
+DRY_RUN_FORMATS = ("text", "json")
+_DRY_RUN_JSON = ("run", "train", "exec")
+
+
+def _dry_run_format(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value == "json" and ctx.command.name not in _DRY_RUN_JSON:
+        raise click.BadParameter(f"json is for launch {', '.join(_DRY_RUN_JSON)}; use --dry-run here")
+    return value
+
 
 SOURCE_OPTIONS = [
     click.option(
@@ -130,8 +142,14 @@ SOURCE_OPTIONS = [
     click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True),
     click.option(
         "--dry-run",
-        is_flag=True,
-        help="Print each node's host and the command a real launch runs there; connect to nothing.",
+        type=click.Choice(DRY_RUN_FORMATS),
+        is_flag=False,
+        flag_value="text",
+        default=None,
+        callback=_dry_run_format,
+        help="Print what a real launch does on each node and connect to nothing: per node, its ranks, command, "
+        "environment (--env values hidden), checks, mounts and prepare steps. --dry-run=json prints every node's "
+        "whole plan as JSON (launch run, train and exec).",
     ),
     click.option(
         "--job-id",
@@ -509,7 +527,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
         job_id=_job_id(o),
         runs_dir=o.get("runs_dir") or Path("runs"),
-        dry_run=o.get("dry_run", False),
+        dry_run=bool(o.get("dry_run")),
         ssh=ssh,
         rank_order=o.get("rank_order"),
         hang_timeout_s=hang_timeout_s,

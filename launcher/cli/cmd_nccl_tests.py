@@ -248,10 +248,10 @@ def nccl_tests(**o: Any) -> None:
         config = prepare_nodes(cluster, config, code_request(o, cluster, builtin=True))
         raise SystemExit(_find_bad_nodes(cluster, config, request))
     if request.impl == "nccl-tests":
-        raise SystemExit(_run_nccl_tests_binary(cluster, config, request))
+        raise SystemExit(_run_nccl_tests_binary(cluster, config, request, o.get("dry_run") or "text"))
     # The sweep's ranks import gpufleet's own workloads.sweep: sent, with its environment.
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin=True))
-    result = execute(plan(cluster, config))
+    result = execute(plan(cluster, config), o.get("dry_run") or "text")
     if result is None:  # --dry-run
         return
     lost = result.first_failure is not None and result.outcomes[result.first_failure].connection_lost
@@ -275,9 +275,12 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
     start_detached({**o, "env": request.env}, workload, own_code=True)
 
 
-def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:
+def _run_nccl_tests_binary(
+    cluster: Cluster, config: LaunchConfig, request: NcclRequest, dry_run_format: str = "text"
+) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
-    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
+    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order.
+    A dry run prints each launch's plan as `dry_run_format`."""
     # The environment first: bad input is refused before the order asks any node.
     env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     order = order_for_launch(cluster, config)
@@ -305,7 +308,7 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
             allow_run_as_root=request.allow_run_as_root,
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())
-        result = execute(plan(head, op_config))
+        result = execute(plan(head, op_config), dry_run_format)
         if result is None:  # --dry-run: the mpirun command on node 0, for each collective
             continue
         if result.exit_code != 0:

@@ -41,7 +41,7 @@ def text(p: LaunchPlan) -> list[str]:
 
 
 def as_json(p: LaunchPlan) -> str:
-    """--dry-run=json: every node's whole plan (gpufleet.node_plan), in rank order, with the
+    """--dry-run=json, one line: every node's whole plan (gpufleet.node_plan), in rank order, with the
     program each node runs today. The program is bash rendered from the same parts as the plan
     (launcher.core.program); it goes in the JSON until the node agent executes the plan itself,
     and then only the plan will travel."""
@@ -55,7 +55,7 @@ def as_json(p: LaunchPlan) -> str:
             for n, remote in zip(p.cluster.nodes, p.remote_commands())
         ],
     }
-    return json.dumps(doc, indent=1)
+    return json.dumps(doc)
 
 
 def _stdin_names(p: LaunchPlan) -> list[tuple[str, str]]:

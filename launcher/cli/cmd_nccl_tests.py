@@ -31,6 +31,7 @@ from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
 from launcher.cli.code_options import INDEX_OPTIONS, code_request, prepare_nodes
 from launcher.cli.nccl_from import FROM_OPTIONS, REPORT_WIDTH, from_request, show_paths, show_report_from
+from launcher.cli.nccl_table import rich_table
 from launcher.cli.options import (
     DETACH_OPTION,
     SOURCE_OPTIONS,
@@ -50,7 +51,7 @@ from launcher.nccl.badnodes import BadNodeSearch, GroupResult, SearchFailed, Sea
 from launcher.nccl.judge import expected_judgement, verdict
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
-from launcher.nccl.render import rich_table, write_results
+from launcher.nccl.render import write_results
 from launcher.runner import plan
 from workloads.sweep_args import build_parser as build_sweep_parser
 
@@ -61,7 +62,7 @@ _SPEC = SweepSpec()  # the defaults the options show
 
 def _out() -> Console:
     # Tables go to stdout; when it is a file or pipe, 120 columns rather than rich's 80 (the table
-    # fits 120, launcher.nccl.render.rich_table; rich wraps its cells on a narrower terminal).
+    # fits 120, launcher.cli.nccl_table.rich_table; rich wraps its cells on a narrower terminal).
     return Console(highlight=False, width=None if sys.stdout.isatty() else REPORT_WIDTH)
 
 

@@ -115,7 +115,7 @@ def container_of(argv: Sequence[str]) -> tuple[Container | None, list[str]]:
         i += 2
     mounts = tuple(_mount(v) for f, v in options if f == "--mount")
     devices = tuple(v for f, v in options if f == "--device")
-    names = tuple(v for f, v in options if f == "-e")
+    names = tuple(v.partition("=")[0] for f, v in options if f == "-e")  # the run token's value is in `env`
     rest = tuple((f, v) for f, v in options if f not in ("--mount", "--device", "-e"))
     return Container(argv[i], name, gpus, mounts, devices, names, rest), list(argv[i + 1 :])
 

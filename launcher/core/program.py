@@ -7,8 +7,10 @@ a detached job's supervised run launcher.core.supervise.
 Everything that crosses a shell goes through `shlex.quote`, so an argument such as
 `"; rm -rf ~` reaches the program as one literal argument.
 
-A node's program is one bash line (so `--dry-run` prints it on one line), in sections, in order
-(`NodeProgram.sections`):
+A node's program is one bash line (as `--dry-run=json` shows it), in sections, in order
+(`NodeProgram.sections`). Its environment and its checks are rendered from typed pieces
+(launcher.core.node_plan), the same ones `NodeProgram.plan()` gathers into the node's typed plan
+(gpufleet.node_plan), which `--dry-run` shows: the plan and the program cannot drift.
 
 1. prologue: statements before anything else (on SSH nodes the job's hold on the node,
    launcher.core.holds; the detach check's authorization of the cluster key,

@@ -72,7 +72,8 @@ def node_block(q: NodePlan) -> list[str]:
     rows.append(("run", shlex.join(q.command)))
     c = q.container
     if c is not None:
-        rows.append(("image", f"{c.image} as container {c.name} (docker, else podman; GPUs: {c.gpus})"))
+        gpus = "all, through the runtime" if c.gpus == "all" else "the devices below" if c.devices else "none"
+        rows.append(("image", f"{c.image} as container {c.name} (docker, else podman; GPUs: {gpus})"))
         rows.append(("options", " ".join(f"{f} {v}" for f, v in c.options) or "-"))
         if c.mounts:
             rows.append(("mounts", "; ".join(_mount(m.host, m.container, m.read_only) for m in c.mounts)))

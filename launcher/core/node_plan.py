@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from gpufleet.contracts import RXDM_CONTAINER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from gpufleet.node_plan import Check, CheckKind, Container, EnvSource, EnvVar, Mount, PrepareKind, PrepareStep
 from launcher.core.env import HOST_IFACE_ON_NODE
 from launcher.core.prestart import expectation
-from launcher.core.torchrun import nproc_for
-from launcher.core.types import Cluster, LaunchConfig
+from launcher.core.types import Cluster
 
 __all__ = ["env_vars", "fact_checks", "hardware_checks", "prepare_steps", "rank_ranges", "container_of"]
 
@@ -56,24 +56,24 @@ def hardware_checks(cluster: Cluster, image_os: str | None) -> list[Check]:
     out = [Check(CheckKind.GPUS, expect=f"{e.gpu_count} x {e.gpu_model}")]
     out += [Check(CheckKind.NIC, name, f"{role}, up" + (f", mtu {mtu}" if mtu else "")) for name, role, mtu in e.nics]
     if e.rxdm:
-        from gpufleet.contracts import RXDM_CONTAINER
-
         out.append(Check(CheckKind.RXDM, RXDM_CONTAINER, f"running ({e.net_stack} needs it)"))
     return out
 
 
-def prepare_steps(config: LaunchConfig, env: Mapping[str, str], added: Sequence[str] = ()) -> list[PrepareStep]:
-    """After `go`: `cd --workdir`, then each path launcher.code prepared checked (named by what
-    it is: gpufleet's code on PYTHONPATH, the --sync directory, the environment's python), then
-    the steps a caller `added` by name."""
-    out = [PrepareStep(PrepareKind.WORKDIR, config.workdir)] if config.workdir else []
+def prepare_steps(
+    workdir: str | None, python: str, prepared: Sequence[str], env: Mapping[str, str], added: Sequence[str] = ()
+) -> list[PrepareStep]:
+    """After `go`: `cd workdir` (--workdir), then each path launcher.code `prepared` checked (named
+    by what it is: gpufleet's code on PYTHONPATH, the --sync directory, the environment's
+    `python`), then the steps a caller `added` by name."""
+    out = [PrepareStep(PrepareKind.WORKDIR, workdir)] if workdir else []
     code = set(env.get("PYTHONPATH", "").split(":"))
-    for path in config.prepared:
+    for path in prepared:
         if path in code:
             kind = PrepareKind.CODE
-        elif path == config.workdir:
+        elif path == workdir:
             kind = PrepareKind.DIRECTORY
-        elif path == config.python:
+        elif path == python:
             kind = PrepareKind.ENVIRONMENT
         else:
             kind = PrepareKind.PREPARED
@@ -81,18 +81,20 @@ def prepare_steps(config: LaunchConfig, env: Mapping[str, str], added: Sequence[
     return out + [PrepareStep(PrepareKind.STEP, name) for name in added]
 
 
-def rank_ranges(cluster: Cluster, config: LaunchConfig) -> dict[int, tuple[int, tuple[int, int] | None]]:
-    """By node rank: (processes, (first, last) global rank). A static rendezvous numbers the
-    ranks in node order (torchrun: RANK = the sum of the nodes before it plus LOCAL_RANK); c10d
-    (--max-restarts) assigns them at the rendezvous, and a plain command has one process and no
-    RANK: None."""
-    if config.workload.kind != "torchrun":
-        return {n.rank: (1, None) for n in cluster.nodes}
-    gpus = cluster.gpus_per_node
+def rank_ranges(
+    commands: Mapping[int, Sequence[str]], torchrun: bool, static: bool
+) -> dict[int, tuple[int, tuple[int, int] | None]]:
+    """By node rank: (processes, (first, last) global rank), read from each node's rank command
+    (`commands`, in rank order): torchrun's --nproc-per-node. A `static` rendezvous numbers the
+    ranks in node order (RANK = the processes of the nodes before it plus LOCAL_RANK); c10d
+    (--max-restarts) assigns them at the rendezvous, and a plain command (not `torchrun`) has one
+    process and no RANK: None."""
+    if not torchrun:
+        return {rank: (1, None) for rank in commands}
     out, first = {}, 0
-    for n in cluster.nodes:
-        procs = nproc_for(n, gpus, config)
-        out[n.rank] = (procs, (first, first + procs - 1) if config.max_restarts == 0 else None)
+    for rank, argv in commands.items():
+        procs = next(int(a.partition("=")[2]) for a in argv if a.startswith("--nproc-per-node="))
+        out[rank] = (procs, (first, first + procs - 1) if static else None)
         first += procs
     return out
 

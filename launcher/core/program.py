@@ -409,7 +409,7 @@ class ProgramBuilder:
         ]
 
     def program(self, node: Node) -> NodeProgram:
-        return self._program(node, self._rank_commands()[node.rank], rank_ranges(self.cluster, self.config))
+        return self.programs()[node.rank]
 
     def _rank_commands(self) -> dict[int, list[str]]:
         """Each node's rank command, unwrapped: torchrun's (launcher.core.torchrun), or the plain
@@ -441,13 +441,14 @@ class ProgramBuilder:
             command=command,
             procs=ranks[node.rank][0],
             ranks=ranks[node.rank][1],
-            steps=prepare_steps(config, self.env, added),
+            steps=prepare_steps(config.workdir, config.python, config.prepared, self.env, added),
             prologue_names=[name for name, _ in self._prologue],
         )
 
     def programs(self) -> dict[int, NodeProgram]:
         """Every node's program, in its parts, by rank."""
-        argvs, ranks = self._rank_commands(), rank_ranges(self.cluster, self.config)
+        argvs = self._rank_commands()
+        ranks = rank_ranges(argvs, self.torchrun, static=self.config.max_restarts == 0)
         return {node.rank: self._program(node, argvs[node.rank], ranks) for node in self.cluster.nodes}
 
     def build(self) -> dict[int, str]:

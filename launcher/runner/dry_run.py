@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpufleet.node_plan import SCHEMA_VERSION, Check, CheckKind, EnvSource, EnvVar, NodePlan, PrepareKind, PrepareStep
+from launcher.core.program import stdin_env
 from launcher.runner.plan import LaunchPlan
 
 __all__ = ["text", "as_json", "node_block", "fold"]
@@ -49,19 +50,13 @@ def as_json(p: LaunchPlan) -> str:
         "schema": SCHEMA_VERSION,
         "job_id": p.config.job_id,
         "order": p.order_message,
-        "stdin": [k for k, _ in _stdin_names(p)],
+        "stdin": [k for k, _ in stdin_env(p.config)],
         "nodes": [
             {"plan": p.plans[n.rank].to_dict(), "program": p.programs[n.rank], "remote": remote}
             for n, remote in zip(p.cluster.nodes, p.remote_commands())
         ],
     }
     return json.dumps(doc)
-
-
-def _stdin_names(p: LaunchPlan) -> list[tuple[str, str]]:
-    from launcher.core.program import stdin_env
-
-    return stdin_env(p.config)
 
 
 def node_block(q: NodePlan) -> list[str]:

@@ -31,6 +31,7 @@ from gpufleet.collectives import SWEEP_FLAGS, SWEEP_MODULE, SweepSpec
 from gpufleet.contracts import NCCL_TESTS_DIR, SweepRow
 from launcher.cli.code_options import INDEX_OPTIONS, code_request, prepare_nodes
 from launcher.cli.nccl_from import FROM_OPTIONS, REPORT_WIDTH, from_request, show_paths, show_report_from
+from launcher.cli.nccl_table import rich_table
 from launcher.cli.options import (
     DETACH_OPTION,
     SOURCE_OPTIONS,
@@ -50,7 +51,7 @@ from launcher.nccl.badnodes import BadNodeSearch, GroupResult, SearchFailed, Sea
 from launcher.nccl.judge import expected_judgement, verdict
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
-from launcher.nccl.render import rich_table, write_results
+from launcher.nccl.render import write_results
 from launcher.runner import plan
 from workloads.sweep_args import build_parser as build_sweep_parser
 
@@ -61,7 +62,7 @@ _SPEC = SweepSpec()  # the defaults the options show
 
 def _out() -> Console:
     # Tables go to stdout; when it is a file or pipe, 120 columns rather than rich's 80 (the table
-    # fits 120, launcher.nccl.render.rich_table; rich wraps its cells on a narrower terminal).
+    # fits 120, launcher.cli.nccl_table.rich_table; rich wraps its cells on a narrower terminal).
     return Console(highlight=False, width=None if sys.stdout.isatty() else REPORT_WIDTH)
 
 
@@ -248,10 +249,10 @@ def nccl_tests(**o: Any) -> None:
         config = prepare_nodes(cluster, config, code_request(o, cluster, builtin=True))
         raise SystemExit(_find_bad_nodes(cluster, config, request))
     if request.impl == "nccl-tests":
-        raise SystemExit(_run_nccl_tests_binary(cluster, config, request))
+        raise SystemExit(_run_nccl_tests_binary(cluster, config, request, o.get("dry_run") or "text"))
     # The sweep's ranks import gpufleet's own workloads.sweep: sent, with its environment.
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin=True))
-    result = execute(plan(cluster, config))
+    result = execute(plan(cluster, config), o.get("dry_run") or "text")
     if result is None:  # --dry-run
         return
     lost = result.first_failure is not None and result.outcomes[result.first_failure].connection_lost
@@ -275,9 +276,12 @@ def _detach(o: dict[str, Any], request: NcclRequest, workload: Workload) -> None
     start_detached({**o, "env": request.env}, workload, own_code=True)
 
 
-def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: NcclRequest) -> int:
+def _run_nccl_tests_binary(
+    cluster: Cluster, config: LaunchConfig, request: NcclRequest, dry_run_format: str = "text"
+) -> int:
     """NVIDIA's binaries: mpirun on node 0 over every node, with the same NCCL environment; one
-    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order."""
+    launch on node 0 per collective. mpirun's ranks follow its host list: the launch's rank order.
+    A dry run prints each launch's plan as `dry_run_format`."""
     # The environment first: bad input is refused before the order asks any node.
     env = {k: v for k, v in node_env(cluster, config).items() if not v.startswith("@")}
     order = order_for_launch(cluster, config)
@@ -305,7 +309,7 @@ def _run_nccl_tests_binary(cluster: Cluster, config: LaunchConfig, request: Nccl
             allow_run_as_root=request.allow_run_as_root,
         )
         op_config = dataclasses.replace(config, workload=Workload("exec", tuple(argv)), job_id=new_job_id())
-        result = execute(plan(head, op_config))
+        result = execute(plan(head, op_config), dry_run_format)
         if result is None:  # --dry-run: the mpirun command on node 0, for each collective
             continue
         if result.exit_code != 0:

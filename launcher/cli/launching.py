@@ -64,4 +64,4 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
         check(cluster, config)
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     p = plan(cluster, config)
-    return waiting(lambda: execute(p), o.get("wait_nodes", False))
+    return waiting(lambda: execute(p, o.get("dry_run") or "text"), o.get("wait_nodes", False))

@@ -21,10 +21,11 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
 
+from launcher.cli.nccl_table import rich_table
 from launcher.cli.render import err
 from launcher.core.types import UserError
 from launcher.nccl.from_files import FromRequest, report_from
-from launcher.nccl.render import PLOT_SKIPPED, rich_table
+from launcher.nccl.render import PLOT_SKIPPED
 
 __all__ = ["FROM_OPTIONS", "REPORT_WIDTH", "from_request", "show_paths", "show_report_from"]
 

@@ -40,6 +40,7 @@ __all__ = [
     "HANG_OPTIONS_RUN",
     "PASS_THROUGH",
     "PROGRAM_AFTER",
+    "DRY_RUN_FORMATS",
     "apply_options",
     "find_cluster",
     "build_config",
@@ -52,6 +53,38 @@ __all__ = [
 # A dry run's job ID: a placeholder in the job ID's own format (launcher.core.types.new_job_id),
 # the same every time, so two dry runs of one launch can be compared byte for byte.
 DRY_RUN_JOB_ID = "00000000-000000-000000"
+# --dry-run prints a person's reading of the plan; --dry-run=json the plans whole (the commands that
+# start a launch: run, train, exec, nccl-tests; the others print the steps they would take).
+DRY_RUN_FORMATS = ("text", "json")
+_DRY_RUN_JSON = ("run", "train", "exec", "nccl-tests")
+
+
+class _DryRunOption(click.Option):
+    """--dry-run: a flag that also takes a format attached (`--dry-run=json`), and never the next
+    word, so `launch logs --dry-run JOB` keeps JOB its argument (click's optional value would take
+    it: https://click.palletsprojects.com/en/stable/options/#optional-value). Hence a hook on the
+    parser's match of a long option, for this option's attached value alone."""
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        match = parser._match_long_opt
+
+        def match_long(opt: str, explicit_value: str | None, state: Any) -> None:
+            if explicit_value is None or opt not in self.opts:
+                return match(opt, explicit_value, state)
+            state.opts[self.name] = explicit_value
+            state.order.append(self)
+
+        parser._match_long_opt = match_long
+
+
+def _dry_run_format(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value not in (None, *DRY_RUN_FORMATS):
+        raise click.BadParameter(f"{value!r} is not a dry run's format; one of: {', '.join(DRY_RUN_FORMATS)}")
+    if value == "json" and ctx.command.name not in _DRY_RUN_JSON:
+        raise click.BadParameter(f"json is for launch {', '.join(_DRY_RUN_JSON)}; use --dry-run here")
+    return value
+
 
 SOURCE_OPTIONS = [
     click.option(
@@ -131,8 +164,14 @@ SOURCE_OPTIONS = [
     click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True),
     click.option(
         "--dry-run",
+        cls=_DryRunOption,
         is_flag=True,
-        help="Print each node's host and the command a real launch runs there; connect to nothing.",
+        flag_value="text",
+        default=None,
+        callback=_dry_run_format,
+        help="Print what a real launch does on each node and connect to nothing: per node, its ranks, command, "
+        "environment (--env values hidden), checks, mounts and prepare steps. --dry-run=json prints every node's "
+        "whole plan as JSON, one document per launch on one line (launch run, train, exec, nccl-tests).",
     ),
     click.option(
         "--job-id",
@@ -520,7 +559,7 @@ def build_config(o: dict[str, Any], workload: Workload, cluster: Cluster) -> Lau
         python=o.get("python") or (sys.executable if cluster.local and not image else "python3"),
         job_id=_job_id(o),
         runs_dir=o.get("runs_dir") or Path("runs"),
-        dry_run=o.get("dry_run", False),
+        dry_run=bool(o.get("dry_run")),
         ssh=ssh,
         rank_order=o.get("rank_order"),
         hang_timeout_s=hang_timeout_s,

@@ -25,7 +25,7 @@ from launcher.core.pull import PullFailed, pull_image, refusal
 from launcher.core.transport import make_transport
 from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
 from launcher.jobs.busy import BusyCheck
-from launcher.runner import LaunchPlan
+from launcher.runner import LaunchPlan, dry_run
 
 __all__ = [
     "err",
@@ -142,15 +142,16 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
-def execute(p: LaunchPlan) -> LaunchResult | None:
+def execute(p: LaunchPlan, dry_run_format: str = "text") -> LaunchResult | None:
     """Every attached launch's one path: run the plan with the live display and the summary
-    table, or, for --dry-run, print the plan and connect to nothing (returns None). On SSH nodes
-    a detached job holding them refuses the launch: one line, nothing started."""
+    table, or, for --dry-run, print the plan (as `dry_run_format`: "text" or "json") and connect
+    to nothing (returns None). On SSH nodes a detached job holding them refuses the launch: one
+    line, nothing started."""
     cluster, config = p.cluster, p.config
     if config.dry_run:
         if config.image:
             err.print(f"[dim]{escape(container_summary(cluster, config))}[/dim]")
-        print_plan(p)
+        print_plan(p, dry_run_format)
         return None
     pull_everywhere(cluster, config)
     stop = threading.Event()
@@ -221,18 +222,20 @@ def pull_everywhere(cluster: Cluster, config: LaunchConfig) -> None:
     )
 
 
-def print_plan(p: LaunchPlan) -> None:
-    """--dry-run: the order's line and the --env names (their values hidden) on stderr, each
-    node's command on stdout, as a real launch sends it (the prepared environment's python, the
-    nodes' home as launcher.cli.code_options.DRY_RUN_HOME)."""
+def print_plan(p: LaunchPlan, fmt: str = "text") -> None:
+    """--dry-run: the order's line, the --env names (their values hidden) and, with --iap, each
+    node's tunnel on stderr; on stdout each node's plan (launcher.runner.dry_run) as a real launch
+    runs it (the prepared environment's python, the nodes' home as
+    launcher.cli.code_options.DRY_RUN_HOME): a block per node to read, or with `fmt` "json" the
+    whole plans."""
     if p.order_message:
         err.print(f"[dim]{escape(p.order_message)}[/dim]")
     if p.stdin_note():
         err.print(f"[dim]{escape(p.stdin_note())}[/dim]")
-    for node, line in zip(p.cluster.nodes, p.dry_run()):
+    for node in p.cluster.nodes:
         if p.transport.route(node):  # --iap: the tunnel each node's connection would take
             err.print(f"[dim]{escape(node.label)}: {escape(p.transport.route(node))}[/dim]")
-        click.echo(line)
+    click.echo(dry_run.as_json(p) if fmt == "json" else "\n".join(dry_run.text(p)))
 
 
 def finish(result: LaunchResult | None) -> None:

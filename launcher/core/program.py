@@ -7,8 +7,10 @@ a detached job's supervised run launcher.core.supervise.
 Everything that crosses a shell goes through `shlex.quote`, so an argument such as
 `"; rm -rf ~` reaches the program as one literal argument.
 
-A node's program is one bash line (so `--dry-run` prints it on one line), in sections, in order
-(`NodeProgram.sections`):
+A node's program is one bash line (as `--dry-run=json` shows it), in sections, in order
+(`NodeProgram.sections`). Its environment and its checks are rendered from typed pieces
+(launcher.core.node_plan), the same ones `NodeProgram.plan()` gathers into the node's typed plan
+(gpufleet.node_plan), which `--dry-run` shows: the plan and the program cannot drift.
 
 1. prologue: statements before anything else (on SSH nodes the job's hold on the node,
    launcher.core.holds; the detach check's authorization of the cluster key,
@@ -75,12 +77,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
-from gpufleet.nccl_env import PREPEND_PATH_VARS
+from gpufleet.node_plan import Check, CheckKind, EnvSource, EnvVar, Limits, NodePlan
+from gpufleet.node_plan import PrepareStep as PlannedStep
 from launcher.core import supervise
 from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.hang import flight_recorder_aliases
 from launcher.core.holds import hold_statements
+from launcher.core.node_plan import container_of, env_vars, fact_checks, hardware_checks, prepare_steps, rank_ranges
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
 from launcher.core.torchrun import torchrun_argvs
@@ -93,6 +97,7 @@ from launcher.core.wire import (
     JOB_ID_VAR,
     NNODES_VAR,
     NODE_RANK_VAR,
+    RUN_VAR,
     env_block,
     join,
     rdzv_lock_path,
@@ -129,6 +134,8 @@ class NodeContext:
 
 # Bash statements run after `go` and before the run (see the module docstring).
 PrepareStep = Callable[[NodeContext], Sequence[str]]
+# A node's processes and the first and last global rank they run (None: not known before the start).
+RankSpan = tuple[int, tuple[int, int] | None]
 # The rank command to run instead of `argv` (see the module docstring).
 RunWrapper = Callable[[NodeContext, Sequence[str]], Sequence[str]]
 
@@ -140,7 +147,10 @@ class NodeProgram:
     clock and ready-marker lines (and the torch version with `check_torch`) a torchrun launch
     compares across nodes; `lock_port` takes the rendezvous-port lock (node 0 of a torchrun
     launch); `watch_preemption` starts the Spot preemption watcher (a Compute Engine node);
-    `prologue` and `prepare`: the builder's steps, rendered for this node."""
+    `prologue` and `prepare`: the builder's steps, rendered for this node. For the node's typed
+    plan (`plan()`): `command`, the rank command before its wrappers; `procs` and `ranks`, the
+    processes and global ranks it runs (launcher.core.node_plan.rank_ranges); `steps`, the
+    prepare steps as data; `prologue_names`, the prologue's steps by name."""
 
     cluster: Cluster
     node: Node
@@ -153,6 +163,11 @@ class NodeProgram:
     watch_preemption: bool = False
     prologue: Sequence[str] = ()
     prepare: Sequence[str] = ()
+    command: Sequence[str] = ()
+    procs: int = 1
+    ranks: tuple[int, int] | None = None
+    steps: Sequence[PlannedStep] = ()
+    prologue_names: Sequence[str] = ()
 
     @property
     def token(self) -> str:
@@ -172,8 +187,60 @@ class NodeProgram:
             ("run", self._run()),
         ]
 
+    def env_vars(self) -> list[EnvVar]:
+        """The variables the launch sets before the check, in order (its --env values hidden)."""
+        return env_vars(self.env, [k for k, _ in stdin_env(self.config)])
+
+    def run_vars(self) -> list[EnvVar]:
+        """The job's variables, set before the run: its ID, the node's rank, the node count."""
+        return [
+            EnvVar(JOB_ID_VAR, self.config.job_id),
+            EnvVar(NODE_RANK_VAR, str(self.node.rank)),
+            EnvVar(NNODES_VAR, str(len(self.cluster.nodes))),
+        ]
+
+    def checks(self) -> list[Check]:
+        """What the node answers before `go`, as named checks, in the order it answers them."""
+        config = self.config
+        out = fact_checks(config.python, config.workdir, facts=self.check, torch=self.check and self.check_torch)
+        if self.watch_preemption and config.stop_grace_s > SPOT_GRACE_MAX_S:
+            why = f"--term-grace {config.stop_grace_s:g} s is too long for a Spot VM's {SPOT_NOTICE_S} s notice"
+            out.append(Check(CheckKind.PREEMPTIBLE, expect=f"not a Spot VM ({why})"))
+        if self.check:
+            out += hardware_checks(self.cluster, config.image_os)
+        if self.lock_port is not None:
+            out.append(Check(CheckKind.RDZV_PORT, str(self.lock_port), "free; held for this job until it ends"))
+        return out
+
+    def plan(self) -> NodePlan:
+        """This node's typed plan (gpufleet.node_plan), from the same parts `render()` writes."""
+        config, node = self.config, self.node
+        return NodePlan(
+            job_id=config.job_id,
+            attempt=config.attempt,
+            node_rank=node.rank,
+            nnodes=len(self.cluster.nodes),
+            host=node.host,
+            address=node.address,
+            procs=self.procs,
+            ranks=self.ranks,
+            command=tuple(self.command or self.argv),
+            argv=tuple(self.argv),
+            workload=config.workload.kind,
+            env=(
+                *self.env_vars(),
+                *self.run_vars(),
+                EnvVar(RUN_VAR, run_token(config.job_id, node.rank).partition("=")[2]),
+            ),
+            checks=tuple(self.checks()),
+            prepare=tuple(self.steps),
+            limits=Limits(config.stop_grace_s, self.watch_preemption, config.controller_grace_s),
+            container=container_of(self.argv)[0],
+            prologue=tuple(self.prologue_names),
+        )
+
     def _environment(self) -> list[str]:
-        s = _env_statements(self.cluster, self.node, self.env, [k for k, _ in stdin_env(self.config)])
+        s = _env_statements(self.cluster, self.node, self.env_vars())
         if "TORCH_FR_BUFFER_SIZE" in self.env and not self.config.image:  # an image's torch is its own
             s.append(flight_recorder_aliases(self.config.python))
         return s
@@ -182,27 +249,38 @@ class NodeProgram:
         return join([st for _, statements in self.sections() for st in statements])
 
     def _checks(self) -> list[str]:
-        config = self.config
-        s = _check_statements(config.python, config.workdir, facts=self.check, torch=self.check and self.check_torch)
-        if self.watch_preemption and config.stop_grace_s > SPOT_GRACE_MAX_S:
-            s.append(_preemptible_statement())
-        if self.check:  # the cheap part of `launch doctor`: GPUs and NICs, when the machine type is known
-            s += prestart_statements(self.cluster, config.image_os)
-        if self.lock_port is not None:
-            lock = '"$HOME"/' + shlex.quote(rdzv_lock_path(self.node.address, self.lock_port))
-            # Held from the check to the end of the run (torchrun inherits fd 9), so there is no
-            # moment between "free" and "taken" for another launch to slip into. The file is
-            # private (umask 077), and the user's own umask is back for the workload.
-            s += [
-                "O=$(umask)",
-                "umask 077",
-                'mkdir -p "$HOME/.gpufleet"',
-                f"exec 9>>{lock}",
-                f"if flock -n 9; then echo {shlex.quote(config.job_id)} > {lock}.job; echo port=free; else "
-                f"echo port=busy:$(cat {lock}.job 2>/dev/null); echo {CHECKED_MARKER}; exit 75; fi",
-                'umask "$O"',
-            ]
+        """The check's statements, rendered from `checks()`, in its order."""
+        s: list[str] = []
+        hardware = (CheckKind.GPUS, CheckKind.NIC, CheckKind.RXDM)
+        asked = False
+        for check in self.checks():
+            if check.kind is CheckKind.PREEMPTIBLE:
+                s.append(_preemptible_statement())
+            elif check.kind in hardware:
+                # The cheap part of `launch doctor`, asked once for all of them (from the same
+                # expectation the checks were named from), ending with `wait`.
+                s += [] if asked else prestart_statements(self.cluster, self.config.image_os)
+                asked = True
+            elif check.kind is CheckKind.RDZV_PORT:
+                s += self._lock_statements(int(check.target))
+            else:
+                s += _check_statements([check])
         return s
+
+    def _lock_statements(self, port: int) -> list[str]:
+        lock = '"$HOME"/' + shlex.quote(rdzv_lock_path(self.node.address, port))
+        # Held from the check to the end of the run (torchrun inherits fd 9), so there is no
+        # moment between "free" and "taken" for another launch to slip into. The file is
+        # private (umask 077), and the user's own umask is back for the workload.
+        return [
+            "O=$(umask)",
+            "umask 077",
+            'mkdir -p "$HOME/.gpufleet"',
+            f"exec 9>>{lock}",
+            f"if flock -n 9; then echo {shlex.quote(self.config.job_id)} > {lock}.job; echo port=free; else "
+            f"echo port=busy:$(cat {lock}.job 2>/dev/null); echo {CHECKED_MARKER}; exit 75; fi",
+            'umask "$O"',
+        ]
 
     def _workdir_step(self) -> list[str]:
         wd = self.config.workdir
@@ -217,8 +295,7 @@ class NodeProgram:
     def _run(self) -> list[str]:
         config, node = self.config, self.node
         s = [
-            f"export {JOB_ID_VAR}={shlex.quote(config.job_id)} {NODE_RANK_VAR}={node.rank} "
-            f"{NNODES_VAR}={len(self.cluster.nodes)}",
+            "export " + " ".join(f"{v.name}={shlex.quote(v.value or '')}" for v in self.run_vars()),
             # Keep the launcher's end of stdin on fd 3 for the watchdog: a background list's stdin is
             # /dev/null in a non-interactive shell (POSIX, "Asynchronous Lists").
             "exec 3<&0",
@@ -332,7 +409,7 @@ class ProgramBuilder:
         ]
 
     def program(self, node: Node) -> NodeProgram:
-        return self._program(node, self._rank_commands()[node.rank])
+        return self.programs()[node.rank]
 
     def _rank_commands(self) -> dict[int, list[str]]:
         """Each node's rank command, unwrapped: torchrun's (launcher.core.torchrun), or the plain
@@ -341,11 +418,13 @@ class ProgramBuilder:
             return torchrun_argvs(self.cluster, self.config)
         return {n.rank: list(self.config.workload.argv) for n in self.cluster.nodes}
 
-    def _program(self, node: Node, argv: list[str]) -> NodeProgram:
+    def _program(self, node: Node, command: list[str], ranks: Mapping[int, RankSpan]) -> NodeProgram:
         config = self.config
         ctx = NodeContext(self.cluster, node, config, self.env, run_token(config.job_id, node.rank))
+        argv = command
         for _, wrapper in self._wrappers:
             argv = list(wrapper(ctx, argv))
+        added = [name for name, step in self._prepare if step is not _prepared_step]
         return NodeProgram(
             self.cluster,
             node,
@@ -359,12 +438,26 @@ class ProgramBuilder:
             watch_preemption=not self.cluster.local,
             prologue=[st for _, statements in self._prologue for st in statements],
             prepare=[st for _, step in self._prepare for st in step(ctx)],
+            command=command,
+            procs=ranks[node.rank][0],
+            ranks=ranks[node.rank][1],
+            steps=prepare_steps(config.workdir, config.python, config.prepared, self.env, added),
+            prologue_names=[name for name, _ in self._prologue],
         )
 
-    def build(self) -> dict[int, str]:
-        """Every node's program, rendered, by rank (what --dry-run prints)."""
+    def programs(self) -> dict[int, NodeProgram]:
+        """Every node's program, in its parts, by rank."""
         argvs = self._rank_commands()
-        return {node.rank: self._program(node, argvs[node.rank]).render() for node in self.cluster.nodes}
+        ranks = rank_ranges(argvs, self.torchrun, static=self.config.max_restarts == 0)
+        return {node.rank: self._program(node, argvs[node.rank], ranks) for node in self.cluster.nodes}
+
+    def build(self) -> dict[int, str]:
+        """Every node's program, rendered, by rank (what runs on it)."""
+        return {rank: p.render() for rank, p in self.programs().items()}
+
+    def plans(self) -> dict[int, NodePlan]:
+        """Every node's typed plan (gpufleet.node_plan), by rank: what --dry-run shows."""
+        return {rank: p.plan() for rank, p in self.programs().items()}
 
 
 def _container(ctx: NodeContext, argv: Sequence[str]) -> list[str]:
@@ -396,7 +489,7 @@ def probe_script(python: str, workdir: str | None, check_torch: bool, extra: Seq
     CHECKED_MARKER, then it waits for end of input, as a launch's node does before `go`."""
     return join(
         [
-            *_check_statements(python, workdir, facts=True, torch=check_torch),
+            *_check_statements(fact_checks(python, workdir, facts=True, torch=check_torch)),
             *extra,
             f"echo {CHECKED_MARKER}",
             "IFS= read -r G",
@@ -418,24 +511,28 @@ def _resolve_iface(address: str, head_address: str) -> str:
     )
 
 
-def _check_statements(python: str, workdir: str | None, facts: bool, torch: bool) -> list[str]:
-    """`key=value` lines about the node: hostname, clock and ready marker (`facts`), the torch
-    version (`torch`), and whether --workdir exists."""
+def _check_statements(checks: Sequence[Check]) -> list[str]:
+    """`key=value` lines about the node (launcher.core.node_plan.fact_checks): hostname, clock
+    and ready marker (NODE_FACTS), the torch version of a python (TORCH_VERSION), whether
+    --workdir exists (WORKDIR)."""
     s = []
-    if facts:
-        s += [
-            "echo host=$(hostname)",
-            "echo time=$(date +%s.%N)",
-            f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
-        ]
-    if torch:
-        # importlib.metadata reads the version without importing torch (seconds on a busy node).
-        s.append(
-            f"echo torch=$({shlex.quote(python)} -c 'import importlib.metadata as m; "
-            "print(m.version(\"torch\"))' 2>/dev/null || echo missing)"
-        )
-    if workdir:
-        s.append(f"if [ -d {_workdir(workdir)} ]; then echo workdir=ok; else echo workdir=missing; fi")
+    for check in checks:
+        if check.kind is CheckKind.NODE_FACTS:
+            s += [
+                "echo host=$(hostname)",
+                "echo time=$(date +%s.%N)",
+                f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
+            ]
+        elif check.kind is CheckKind.TORCH_VERSION:
+            # importlib.metadata reads the version without importing torch (seconds on a busy node).
+            s.append(
+                f"echo torch=$({shlex.quote(check.target)} -c 'import importlib.metadata as m; "
+                "print(m.version(\"torch\"))' 2>/dev/null || echo missing)"
+            )
+        elif check.kind is CheckKind.WORKDIR:
+            s.append(f"if [ -d {_workdir(check.target)} ]; then echo workdir=ok; else echo workdir=missing; fi")
+        else:
+            raise ValueError(f"{check.kind.value} is not a check of the node's facts")
     return s
 
 
@@ -472,22 +569,19 @@ def env_stdin(config: LaunchConfig) -> bytes:
     return env_block(stdin_env(config))
 
 
-def _env_statements(cluster: Cluster, node: Node, env: Mapping[str, str], from_stdin: Sequence[str] = ()) -> list[str]:
-    """`export` lines for `env`; PATH-like variables are prepended to the node's value, and a
-    HOST_IFACE_ON_NODE value is resolved on the node. The keys `from_stdin` (the user's --env,
-    `stdin_env`) are read from stdin, after the others, in that order: their values are not in
-    the program."""
+def _env_statements(cluster: Cluster, node: Node, variables: Sequence[EnvVar]) -> list[str]:
+    """The statements that set `variables` (launcher.core.node_plan.env_vars), in order: an
+    `export` of the launch's own values (a PATH-like one prepended to the node's value), a read
+    from stdin of each --env value (`stdin_env`: its value is not in the program), and the host
+    NIC resolved on the node for those that need it (HOST_IFACE_ON_NODE)."""
     s = []
-    unresolved = [k for k, v in env.items() if v == HOST_IFACE_ON_NODE]
-    for key, value in env.items():
-        if value == HOST_IFACE_ON_NODE or key in from_stdin:
-            continue
-        if key in PREPEND_PATH_VARS:
-            s.append(f"export {key}={shlex.quote(value)}${{{key}:+:${key}}}")
-        else:
-            s.append(f"export {key}={shlex.quote(value)}")
-    for key in from_stdin:
-        s += read_env_statements(key, prepend=key in PREPEND_PATH_VARS)
+    unresolved = [v.name for v in variables if v.source is EnvSource.NODE]
+    for v in variables:
+        if v.source is EnvSource.STDIN:
+            s += read_env_statements(v.name, prepend=v.prepend)
+        elif v.source is EnvSource.LAUNCH:
+            tail = f"${{{v.name}:+:${v.name}}}" if v.prepend else ""
+            s.append(f"export {v.name}={shlex.quote(v.value or '')}{tail}")
     if unresolved:
         s.append(_resolve_iface(node.address, cluster.nodes[0].address))
         s.append('if [ -n "$I" ]; then export ' + " ".join(f'{k}="$I"' for k in unresolved) + "; fi")

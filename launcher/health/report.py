@@ -16,12 +16,23 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from gpufleet.contracts import READY_MARKER, RXDM_CONTAINER
+from gpufleet.contracts import READY_MARKER
 from gpufleet.health import parse_physical_host, parse_xids
 from launcher.cluster.topology import spread_warning
 from launcher.core.prestart import Expectation
 from launcher.core.types import Node
-from launcher.health.checks import CHECKS, FAIL, WARN, Check, NodeReport, judge_drift, judge_gpus, kib, nic_problems
+from launcher.health.checks import (
+    CHECKS,
+    FAIL,
+    WARN,
+    Check,
+    NodeReport,
+    judge_drift,
+    judge_gpus,
+    kib,
+    nic_problems,
+    rxdm_problem,
+)
 
 __all__ = ["CLOCK_WARN_S", "Report", "judge"]
 
@@ -118,13 +129,10 @@ def _net(r: NodeReport, facts: Mapping[str, str], expect: Expectation) -> None:
     c = r.checks["net"]
     parts = []
     if expect.rxdm:
-        rc, rxdm = facts.get("rxdm_rc", ""), facts.get("rxdm", "")
-        if rc == "127":
-            c.add(FAIL, f"docker is not installed, so {RXDM_CONTAINER} cannot run ({expect.net_stack} needs it)")
-        elif rc != "0":
-            c.add(FAIL, f"cannot ask docker whether {RXDM_CONTAINER} runs: {rxdm or 'exit ' + rc}")
-        elif not rxdm:
-            c.add(FAIL, f"{RXDM_CONTAINER} is not running ({expect.net_stack} needs it; the startup script starts it)")
+        # The pre-start check's words too (launcher.health.prestart): one verdict on RxDM.
+        problem = rxdm_problem(facts, expect.net_stack)
+        if problem is not None:
+            c.add(FAIL, problem)
         else:
             parts.append("rxdm up")
     if expect.plugin_dir:

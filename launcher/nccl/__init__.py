@@ -8,7 +8,7 @@ from launcher.nccl.badnodes import BadNodeSearch
 from launcher.nccl.judge import expected_judgement, failures, verdict
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
-from launcher.nccl.render import rich_table, write_results
+from launcher.nccl.render import table_rows, write_results
 
 __all__ = [
     "BadNodeSearch",
@@ -16,7 +16,7 @@ __all__ = [
     "failures",
     "nccl_tests_command",
     "parse_output",
-    "rich_table",
+    "table_rows",
     "verdict",
     "write_results",
 ]

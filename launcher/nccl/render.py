@@ -1,7 +1,9 @@
-"""Show and store a sweep's rows: the rich table, and rows.json, rows.csv and busbw.png.
+"""Show and store a sweep's rows: the table as data, and rows.json, rows.csv and busbw.png.
+No terminal here: the CLI draws the table (launcher.cli.nccl_table).
 
-``rich_table(rows) -> rich.table.Table``
-    For the CLI to print; wrong results in red.
+``TABLE_COLUMNS`` and ``table_rows(rows) -> [(cells, wrong)]``
+    The table a person reads: its columns (name, right-aligned), and each row's cells as text
+    with whether its results are wrong.
 ``write_results(rows, run_dir, *, machine_type=None, nranks, nnodes) -> {"json","csv","png": Path | None}``
     rows.json, rows.csv and busbw.png (busbw against size on a log2 axis, one line per
     collective, the expected curve dashed when the machine type is known). An existing file is
@@ -19,14 +21,12 @@ import importlib.util
 import json
 from pathlib import Path
 
-from rich.table import Table
-
 from gpufleet import atomic
 from gpufleet.bandwidth import avg_busbw
 from gpufleet.contracts import SweepRow
 from launcher.nccl.judge import by_collective, expected_curve, failures, human_size
 
-__all__ = ["rich_table", "write_results", "plot_available", "PLOT_SKIPPED"]
+__all__ = ["TABLE_COLUMNS", "table_rows", "write_results", "plot_available", "PLOT_SKIPPED"]
 
 # The one line a report prints instead of the plot's path when matplotlib is not installed.
 PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install 'gpufleet[plot]')"
@@ -46,34 +46,45 @@ def plot_available() -> bool:
         return False
 
 
-def rich_table(rows: list[SweepRow]) -> Table:
-    """The rows as a rich table, one line per row, wrong results in red; about 110 columns wide
-    (busbw and time per block: algbw is in rows.csv), and rich wraps its cells on a narrower
-    console. The average is the caller's one "# Avg bus bandwidth" line, not repeated here."""
-    t = Table(title="collective sweep")
-    for name in ("collective", "size", "count", "type", "redop", "root"):
-        t.add_column(name, justify="right" if name in ("size", "count", "root") else "left")
-    for block in ("oop", "ip"):
-        t.add_column(f"{block} us", justify="right")
-        t.add_column(f"{block} busbw", justify="right")
-    t.add_column("#wrong", justify="right")
+# The table's columns, (name, right-aligned): busbw and time per block (algbw is in rows.csv).
+TABLE_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("collective", False),
+    ("size", True),
+    ("count", True),
+    ("type", False),
+    ("redop", False),
+    ("root", True),
+    ("oop us", True),
+    ("oop busbw", True),
+    ("ip us", True),
+    ("ip busbw", True),
+    ("#wrong", True),
+)
+
+
+def table_rows(rows: list[SweepRow]) -> list[tuple[list[str], bool]]:
+    """Each row's cells under TABLE_COLUMNS, and whether its results are wrong (for the CLI to
+    show in red). The average is the caller's one "# Avg bus bandwidth" line, not a row here."""
     bad = {id(r) for r in failures(rows)}
-    for r in rows:
-        t.add_row(
-            r.collective,
-            human_size(r.size),
-            str(r.count),
-            r.type,
-            r.redop,
-            str(r.root),
-            _fmt(r.oop_time_us),
-            _fmt(r.oop_busbw),
-            _fmt(r.ip_time_us),
-            _fmt(r.ip_busbw),
-            f"{_fmt(r.oop_wrong, 'g')}/{_fmt(r.ip_wrong, 'g')}",
-            style="red" if id(r) in bad else None,
+    return [
+        (
+            [
+                r.collective,
+                human_size(r.size),
+                str(r.count),
+                r.type,
+                r.redop,
+                str(r.root),
+                _fmt(r.oop_time_us),
+                _fmt(r.oop_busbw),
+                _fmt(r.ip_time_us),
+                _fmt(r.ip_busbw),
+                f"{_fmt(r.oop_wrong, 'g')}/{_fmt(r.ip_wrong, 'g')}",
+            ],
+            id(r) in bad,
         )
-    return t
+        for r in rows
+    ]
 
 
 # ---- the files -------------------------------------------------------------------------------

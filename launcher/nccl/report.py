@@ -11,7 +11,8 @@ want the whole API (docs/reference/nccl-api.md):
   ``expected_judgement(rows, machine_type, nranks, nnodes, *, margin=0.1, env=None)`` ->
   ``ExpectedReport`` (``.notes``, ``.warnings``, ``.verdict``, ``.healthy``) and
   ``expected_report(...)``, its lines.
-- render and store (``launcher.nccl.render``): ``rich_table(rows)``,
+- render and store (``launcher.nccl.render``): ``table_rows(rows)`` (the table as data; the
+  CLI draws it, ``launcher.cli.nccl_table``),
   ``write_results(rows, run_dir, *, machine_type=None, nranks, nnodes)`` -> rows.json,
   rows.csv and busbw.png, never overwriting.
 - find a bad node (``launcher.nccl.badnodes``): ``pair_schedule(hosts)``,
@@ -30,7 +31,7 @@ from launcher.nccl.badnodes import BadNodeReport, confirm_halves, confirm_suspec
 from launcher.nccl.judge import ExpectedReport, expected_curve, expected_judgement, expected_report, failures
 from launcher.nccl.mpirun import nccl_tests_command
 from launcher.nccl.parse import parse_output
-from launcher.nccl.render import rich_table, write_results
+from launcher.nccl.render import TABLE_COLUMNS, table_rows, write_results
 
 __all__ = [
     "JSON_MARKER",
@@ -39,7 +40,8 @@ __all__ = [
     "parse_output",
     "avg_busbw",
     "failures",
-    "rich_table",
+    "TABLE_COLUMNS",
+    "table_rows",
     "write_results",
     "ExpectedReport",
     "expected_curve",

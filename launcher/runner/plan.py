@@ -5,7 +5,7 @@ and the verdict that judges what their check asks about each node's GPUs and NIC
 
     plan(cluster, config)            ──> LaunchPlan ──> Launch.run(programs=...)   (attached)
     plan_detached(cluster, config)   ──> LaunchPlan ──> launcher.jobs.handoff.detach
-                                         LaunchPlan.dry_run()                     (--dry-run)
+                                         launcher.runner.dry_run                  (--dry-run)
 
 Bad input (an unknown machine type, an image the profile does not know) is refused when the
 nodes' environment is computed, before the order is decided, so before any node is contacted. Deciding the order may ask
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpufleet.node_plan import NodePlan
 from launcher.cluster.key import authorize_statements, ensure_key
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import launch_env
@@ -33,7 +34,8 @@ __all__ = ["LaunchPlan", "plan", "plan_detached"]
 class LaunchPlan:
     """What a launch will do. `cluster`: its nodes in the launch's rank order; `order_message`:
     the line that says which order and why (empty for a plain command); `programs`: each node's
-    program by rank, rendered; `steps`: the builder's added steps, by name; `key`: for a detached
+    program by rank, rendered; `plans`: each node's typed plan by rank (gpufleet.node_plan), from
+    the same parts as its program; `steps`: the builder's added steps, by name; `key`: for a detached
     job, the cluster key its check authorizes on every node; `verdict`: what judges the check's
     answers about the nodes' GPUs and NICs (the Launch that runs the plan takes it)."""
 
@@ -44,13 +46,15 @@ class LaunchPlan:
     transport: Transport
     steps: tuple[str, ...] = ()
     key: Path | None = field(default=None)
+    plans: Mapping[int, NodePlan] = field(default_factory=dict)
     # What each program reads on stdin before its check: the --env values (never in `programs`).
     stdin: bytes = b""
     verdict: Verdict = prestart_verdict
 
-    def dry_run(self) -> list[str]:
-        """What --dry-run prints on stdout: one line per node, `HOST<TAB>the exact command`."""
-        return [f"{n.host}\t{self.transport.display(n, self.programs[n.rank])}" for n in self.cluster.nodes]
+    def remote_commands(self) -> list[str]:
+        """Each node's exact command line, in rank order: the transport's (ssh, or bash for
+        --local) around its program."""
+        return [self.transport.display(n, self.programs[n.rank]) for n in self.cluster.nodes]
 
     def stdin_note(self) -> str:
         """What --dry-run says (on stderr) each node reads on stdin before its check: the --env
@@ -89,11 +93,13 @@ def _plan(cluster: Cluster, config: LaunchConfig, detached: bool = False) -> Lau
     if key is not None:  # from the nodes' and the controller's addresses
         public = key.with_name("id_ed25519.pub").read_text()
         builder.add_prologue("authorize the cluster key", authorize_statements(public, order.cluster))
+    programs = builder.programs()
     return LaunchPlan(
         cluster=order.cluster,
         config=config,
         order_message=order.message,
-        programs=builder.build(),
+        programs={rank: p.render() for rank, p in programs.items()},
+        plans={rank: p.plan() for rank, p in programs.items()},
         transport=make_transport(order.cluster, config.ssh, config.dry_run),
         steps=tuple(builder.steps()),
         key=key,

@@ -22,6 +22,7 @@ from infra.mocks import run_under_mocks
 from infra.preview import NOTE_KEY, OUTPUTS_NOTE, main, preview_program
 from infra.restart_grant import restart_role_id
 from tests.infra.conftest import BASE
+from tests.launcher import dry_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "Pulumi.example.yaml"
@@ -371,7 +372,7 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
     json.loads(preview.stdout)  # a real process prints nothing else on stdout (no warnings, no status)
     launch = Path(sys.executable).with_name("launch")  # .venv/bin/launch, the console script
     dry = subprocess.run(
-        [str(launch), "train", "--outputs", "o.json", "--dry-run"],
+        [str(launch), "train", "--outputs", "o.json", "--dry-run=json"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -379,10 +380,9 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         timeout=120,
     )
     assert dry.returncode == 0, dry.stderr
-    lines = dry.stdout.splitlines()
+    lines = dry_runs.remote_lines(dry.stdout)
     assert len(lines) == 2, dry.stdout
-    for rank, line in enumerate(lines):
-        host, command = line.split("\t", 1)
+    for rank, (host, command) in enumerate(lines):
         ip = f"10.0.0.{2 + rank}"
         assert host == ip
         script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT

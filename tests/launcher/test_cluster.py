@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from gpufleet.contracts import LABEL_NODE
 from launcher.cli.main import main
+from tests.launcher import dry_runs
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.support import LAUNCH, REPO, source_args, torch_args, wait_for
 
@@ -214,7 +215,7 @@ def test_rank_0_runs_on_the_hostfiles_first_node_when_that_is_not_address_order(
     args = ["run", *source_args(c, tmp_path, hf), *torch_args(), "--", str(script)]
     dry = CliRunner().invoke(main, [*args[:1], "--dry-run", *args[1:]])
     assert dry.exit_code == 0, dry.output
-    assert [l.split("\t")[0] for l in dry.stdout.splitlines()] == order
+    assert dry_runs.headers(dry.stdout) == list(enumerate(order)), dry.stdout
     assert "rank order: given here (--dry-run asks no node for its physical_host" in dry.stderr, dry.output
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output

@@ -29,6 +29,7 @@ from launcher.core.preflight import Probe
 from launcher.core.prestart import prestart_statements
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.health import prestart_verdict
+from tests.launcher import dry_runs
 
 IMAGE = "us-docker.pkg.dev/proj/train/torch:2.13"
 
@@ -165,12 +166,17 @@ def _outputs(tmp_path: Path, machine_type: str, image: str | None = None) -> Pat
     return f
 
 
-def _dry(tmp_path, *args):
-    r = CliRunner().invoke(main, ["run", *args, "--dry-run", "--runs-dir", str(tmp_path / "runs"), "--", "t.py"])
+def _dry(tmp_path, *args, command="run"):
+    """The JSON dry run of a launch on the two nodes: (its result, each node's program as bash
+    gets it, in rank order)."""
+    argv = [command, *args, "--dry-run=json", "--runs-dir", str(tmp_path / "runs"), "--"]
+    r = CliRunner().invoke(main, [*argv, "t.py"] if command == "run" else [*argv, "nvidia-smi"])
     assert r.exit_code == 0, r.output
-    lines = r.stdout.strip().splitlines()
+    lines = dry_runs.remote_lines(r.stdout)
     assert len(lines) == 2
-    return r, lines
+    programs = dry_runs.programs(r.stdout)
+    assert [shlex.split(remote)[-1] for _, remote in lines] == programs
+    return r, programs
 
 
 @pytest.mark.parametrize(
@@ -210,10 +216,13 @@ def test_dry_run_prints_each_nodes_container_command_with_its_familys_wiring(
     tmp_path, machine_type, image_os, want, absent
 ):
     extra = ["--image-os", image_os] if image_os else []
-    r, lines = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, machine_type)), "--image", IMAGE, *extra)
-    for rank, line in enumerate(lines):
-        cmd = line.split("\t", 1)[1]
-        inner = shlex.split(cmd)[-1]  # the node program, as bash gets it
+    r, programs = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, machine_type)), "--image", IMAGE, *extra)
+    for rank, (inner, plan) in enumerate(zip(programs, dry_runs.plans(r.stdout))):
+        # The typed plan names the container the program runs: its image, name and mounts.
+        c = plan.container
+        assert c is not None and c.image == IMAGE and c.name.endswith(f"-{rank}") and shlex.join(plan.argv) in inner
+        assert c.mounts and all(f"src={m.host},dst={m.container}" in inner for m in c.mounts)
+        assert plan.command[:3] == ("python3", "-m", "torch.distributed.run") and plan.command[-1] == "t.py"
         assert f" {IMAGE} " in inner and "--network host --ipc host --pid host" in inner
         assert "gpufleet-container gpufleet-" in inner and f"-{rank} " in inner.split("gpufleet-container ")[1][:40]
         assert "-m torch.distributed.run" in inner and "python3" in inner
@@ -228,12 +237,13 @@ def test_dry_run_prints_each_nodes_container_command_with_its_familys_wiring(
 
 def test_the_stacks_image_output_is_the_default_and_image_overrides_it(tmp_path):
     out = _outputs(tmp_path, "a3-megagpu-8g", image="us-docker.pkg.dev/p/r/default:1")
-    _, lines = _dry(tmp_path, "--outputs", str(out))
-    assert all(" us-docker.pkg.dev/p/r/default:1 " in shlex.split(ln.split("\t")[1])[-1] for ln in lines)
-    _, lines = _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
-    assert all("default:1" not in ln and IMAGE in ln for ln in lines)
-    _, plain = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, "a3-megagpu-8g")))
-    assert all("gpufleet-container" not in ln for ln in plain)
+    _, programs = _dry(tmp_path, "--outputs", str(out))
+    assert all(" us-docker.pkg.dev/p/r/default:1 " in p for p in programs)
+    _, programs = _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
+    assert all("default:1" not in p and IMAGE in p for p in programs)
+    r, plain = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, "a3-megagpu-8g")))
+    assert all("gpufleet-container" not in p for p in plain)
+    assert all(plan.container is None for plan in dry_runs.plans(r.stdout))
 
 
 @pytest.mark.parametrize(
@@ -260,21 +270,11 @@ def test_a_bad_image_output_names_the_stack_config(tmp_path):
 
 
 def test_exec_takes_image_too(tmp_path):
-    r = CliRunner().invoke(
-        main,
-        [
-            "exec",
-            "--outputs",
-            str(_outputs(tmp_path, "a2-highgpu-8g")),
-            "--image",
-            IMAGE,
-            "--dry-run",
-            "--",
-            "nvidia-smi",
-        ],
+    r, programs = _dry(
+        tmp_path, "--outputs", str(_outputs(tmp_path, "a2-highgpu-8g")), "--image", IMAGE, command="exec"
     )
-    assert r.exit_code == 0, r.output
-    assert all(f"{IMAGE} nvidia-smi" in shlex.split(ln.split("\t")[1])[-1] for ln in r.stdout.strip().splitlines())
+    assert all(f"{IMAGE} nvidia-smi" in p for p in programs)
+    assert [(q.command, q.container.image) for q in dry_runs.plans(r.stdout)] == [(("nvidia-smi",), IMAGE)] * 2
 
 
 # ---- RxDM before a job on A3 High / Mega -------------------------------------------------------
@@ -345,8 +345,8 @@ def test_a_cos_stack_without_an_image_refuses_the_launch_naming_image(tmp_path):
     assert line.startswith("error: the nodes of demo boot Container-Optimized OS") and "--image" in line
     assert not runs.exists()  # nothing started, nothing recorded
     # With the stack's default image (infra sets one on COS) or --image, it goes on; exec needs none.
-    _, lines = _dry(tmp_path, "--outputs", str(_cos_outputs(tmp_path, IMAGE)))
-    assert all("gpufleet-container" in ln for ln in lines)
+    _, programs = _dry(tmp_path, "--outputs", str(_cos_outputs(tmp_path, IMAGE)))
+    assert all("gpufleet-container" in p for p in programs)
     _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
     r = CliRunner().invoke(main, ["exec", "--outputs", str(out), "--dry-run", "--", "nvidia-smi"])
     assert r.exit_code == 0, r.output

@@ -21,10 +21,12 @@ from gpufleet.health import (
     parse_xids,
 )
 from launcher.cluster.topology import launch_order, order, rank_order, spread_warning
+from launcher.core.preflight import Probe
 from launcher.core.prestart import Expectation, expectation
-from launcher.core.types import Cluster, Node, UserError
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.core.wire import CHECKED_MARKER
-from launcher.health import CHECKS, judge, node_script
+from launcher.health import CHECKS, judge, node_script, prestart_verdict
+from launcher.health.checks import rxdm_problem
 from tests.launcher.fake_gpu_node import FakeGpuNode, healthy_gpus
 
 # Its module fixture runs once: every test of the module on one xdist worker (--dist loadgroup).
@@ -251,8 +253,26 @@ def test_nics_down_with_the_wrong_mtu_or_missing_and_no_rxdm(healthy):
     ]
     assert r.nodes[1].checks["nics"].value.startswith("2/5 up")
     assert r.nodes[1].checks["net"].problems == [
-        "receive-datapath-manager is not running (gpudirect-tcpx needs it; the startup script starts it)"
+        "receive-datapath-manager (RxDM) is not running (gpudirect-tcpx needs it; the startup script starts it: "
+        "reboot the node, or run its startup script again)"
     ]
+
+
+@pytest.mark.parametrize(
+    "rc, rxdm", [("0", ""), ("127", ""), ("1", "permission denied while trying to connect to the docker daemon")]
+)
+def test_doctor_and_the_pre_start_check_say_the_same_of_rxdm(healthy, rc, rxdm):
+    """One verdict on RxDM (launcher.health.checks.rxdm_problem), in `launch doctor`'s table and in
+    the line that refuses a launch before it starts."""
+    facts = _with(healthy, rxdm_rc=rc, rxdm=rxdm)
+    r = judge(_nodes(1), {0: facts}, EXPECT, min_free_gb=0)
+    said = rxdm_problem(facts, "gpudirect-tcpx")
+    assert said and r.nodes[0].checks["net"].problems == [said]
+    node = _nodes(1)[0]
+    config = LaunchConfig(Workload("torchrun", ("t.py",)), job_id="j")
+    with pytest.raises(UserError) as e:
+        prestart_verdict(Cluster("c", (node,), "a3-highgpu-8g"), {0: Probe(node, ok=True, facts=facts)}, config)
+    assert f"{node.label}: {said}" in str(e.value)
 
 
 def test_a_hardware_xid_fails_and_a_programs_xid_warns(healthy):

@@ -10,10 +10,6 @@ from pathlib import Path
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 
-# The one exception to "rich only in cli/": launcher.nccl's documented library API hands out the
-# sweep's table as a rich Table (`launcher.nccl.render.rich_table`, docs/reference/nccl-api.md).
-RICH_OUTSIDE_CLI = {"launcher.nccl.render"}
-
 
 def _module(path: Path) -> str:
     parts = path.relative_to(LAUNCHER.parent).with_suffix("").parts
@@ -115,9 +111,7 @@ def test_only_cli_imports_click_and_rich():
         f"{module} imports {name.split('.')[0]}"
         for module, imported in MODULES.items()
         for name in imported
-        if name.split(".")[0] in ("click", "rich")
-        and _package(module) != "cli"
-        and not (name.split(".")[0] == "rich" and module in RICH_OUTSIDE_CLI)
+        if name.split(".")[0] in ("click", "rich") and _package(module) != "cli"
     )
     assert not bad, bad
 

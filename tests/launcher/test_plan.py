@@ -17,6 +17,7 @@ from launcher.core import program
 from launcher.core.program import ProgramBuilder
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.runner import plan, plan_detached
+from tests.launcher import dry_runs
 from tests.launcher.test_jobs_cluster import cluster as detached_cluster
 from tests.support import source_args, torch_args
 
@@ -71,23 +72,41 @@ def test_a_dry_run_prints_the_plan_and_connects_to_nothing(tmp_path, ssh_spy, re
     kind, rest = args[0], args[1:]
     r = CliRunner().invoke(main, [kind, "--hostfile", str(_hostfile(tmp_path)), "--dry-run", *rest])
     assert r.exit_code == 0, r.output
-    lines = [line for line in r.stdout.splitlines() if "\t" in line]
-    assert [line.split("\t")[0] for line in lines] == HOSTS
-    assert all(line.split("\t")[1].startswith("exec bash --norc --noprofile -c ") for line in lines)
+    # A block per node, or a line for each node folded under node 0's.
+    assert dry_runs.headers(r.stdout) == list(enumerate(HOSTS)), r.stdout
     assert not ssh_spy.exists(), ssh_spy.read_text()
     assert render_count[0] == len(HOSTS)  # each node's program rendered once
     # Nothing written for a connection: no known_hosts file was made.
     assert not (tmp_path / "state" / "known_hosts").exists()
 
 
-def test_the_plan_holds_the_order_the_programs_and_the_dry_run_lines(tmp_path):
+@pytest.mark.parametrize(
+    "args", [["train", "--steps", "2"], ["run", "--", "train.py"], ["exec", "--", "hostname"]], ids=str
+)
+def test_a_json_dry_run_holds_each_nodes_remote_command_and_connects_to_nothing(tmp_path, ssh_spy, args):
+    kind, rest = args[0], args[1:]
+    r = CliRunner().invoke(main, [kind, "--hostfile", str(_hostfile(tmp_path)), "--dry-run=json", *rest])
+    assert r.exit_code == 0, r.output
+    lines = dry_runs.remote_lines(r.stdout)
+    assert [host for host, _ in lines] == HOSTS
+    assert all(remote.startswith("exec bash --norc --noprofile -c ") for _, remote in lines)
+    assert not ssh_spy.exists(), ssh_spy.read_text()
+
+
+def test_json_is_only_for_the_commands_that_launch(tmp_path):
+    r = CliRunner().invoke(main, ["hosts", "--hostfile", str(_hostfile(tmp_path)), "--dry-run=json"])
+    assert r.exit_code == 2 and "json is for launch run, train, exec, nccl-tests; use --dry-run here" in r.output
+
+
+def test_the_plan_holds_the_order_the_programs_and_the_typed_plans(tmp_path):
     nodes = tuple(Node(i, h, h) for i, h in enumerate(HOSTS))
     cluster = Cluster("c", nodes)
     config = LaunchConfig(Workload("torchrun", ("train.py",)), job_id="plan1", dry_run=True)
     p = plan(cluster, config)
     assert p.cluster.nodes == nodes and "given" in p.order_message
     assert dict(p.programs) == ProgramBuilder(cluster, config).build()
-    assert p.dry_run() == [f"{n.host}\t{p.transport.display(n, p.programs[n.rank])}" for n in nodes]
+    assert dict(p.plans) == ProgramBuilder(cluster, config).plans()
+    assert p.remote_commands() == [p.transport.display(n, p.programs[n.rank]) for n in nodes]
 
 
 def test_bad_input_is_refused_before_any_node_is_asked(tmp_path, ssh_spy):

@@ -19,6 +19,7 @@ from launcher.core.program import ProgramBuilder, env_stdin
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, env_block, read_env_statements
 from launcher.nccl.mpirun import nccl_tests_command
+from tests.launcher import dry_runs
 from tests.support import LAUNCH
 
 LOCAL = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"), Node(1, "127.0.0.1", "127.0.0.1")), local=True)
@@ -184,10 +185,19 @@ def test_the_cli_takes_env_key_and_env_file_and_a_bad_one_is_one_line_exit_2(tmp
         env=env,
     )
     assert r.returncode == 0, r.stderr
-    # The dry run: the exact commands, with neither value; the names, hidden, on stderr.
+    # The dry run: each node's plan with neither value, the names hidden; the names on stderr.
     assert SECRET not in r.stdout + r.stderr and "also-secret-1234" not in r.stdout + r.stderr
-    assert len(r.stdout.splitlines()) == 2 and all("HF_TOKEN" in line for line in r.stdout.splitlines())
+    assert len(dry_runs.headers(r.stdout)) == 2
+    assert "FROM_FILE=<hidden: --env, on stdin>" in r.stdout and "HF_TOKEN=<hidden: --env, on stdin>" in r.stdout
     assert "FROM_FILE=<from --env, hidden> HF_TOKEN=<from --env, hidden>" in r.stderr  # the file first
+    # Whole, as JSON: the exact programs (each reads the values from stdin) and the plans, by name.
+    argv = ["exec", "--hostfile", str(hosts), "--env", "HF_TOKEN", "--env-file", str(envf), "--dry-run=json"]
+    j = _cli(*argv, "--", "true", env=env)
+    assert j.returncode == 0 and SECRET not in j.stdout and "also-secret-1234" not in j.stdout, j.stderr
+    assert dry_runs.doc(j.stdout)["stdin"] == ["FROM_FILE", "HF_TOKEN"]
+    for plan, program in zip(dry_runs.plans(j.stdout), dry_runs.programs(j.stdout)):
+        hidden = [(v.name, v.value) for v in plan.env if v.hidden]
+        assert hidden == [("FROM_FILE", None), ("HF_TOKEN", None)] and "HF_TOKEN" in program
     del env["HF_TOKEN"]
     r = _cli("exec", "--hostfile", str(hosts), "--env", "HF_TOKEN", "--dry-run", "--", "true", env=env)
     assert (r.returncode, r.stdout) == (2, "")

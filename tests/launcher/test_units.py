@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from launcher.core.ssh import remote_command
 from launcher.core.torchrun import join_timeout_s, torchrun_argv
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
 from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
+from tests.launcher import dry_runs
 from tests.support import LAUNCH, REPO
 
 HOSTILE = '"; rm -rf ~'
@@ -409,18 +411,28 @@ def test_result_exit_code_is_the_first_failure_and_signals_win():
 # ---- the CLI edge -------------------------------------------------------------------------------
 
 
-def test_dry_run_prints_host_tab_command_per_node_and_connects_to_nothing(tmp_path):
+def test_dry_run_prints_each_nodes_plan_and_connects_to_nothing(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("192.0.2.10\n192.0.2.11 slots=2\n")  # TEST-NET-1: nothing answers there
-    r = CliRunner().invoke(
-        main,
-        ["run", "--hostfile", str(hf), "--dry-run", "--runs-dir", str(tmp_path / "runs"), "--", "train.py", HOSTILE],
-    )
+    argv = ["run", "--hostfile", str(hf), "--runs-dir", str(tmp_path / "runs"), "--", "train.py", HOSTILE]
+    r = CliRunner().invoke(main, [*argv[:1], "--dry-run=json", *argv[1:]])
     assert r.exit_code == 0, r.output
-    lines = r.stdout.strip().splitlines()
-    assert [l.split("\t")[0] for l in lines] == ["192.0.2.10", "192.0.2.11"]
-    assert all(l.split("\t")[1].startswith("exec bash --norc --noprofile -c ") for l in lines)
-    assert "--nproc-per-node=2" in lines[1] and "--nproc-per-node=1" in lines[0]
+    lines = dry_runs.remote_lines(r.stdout)
+    assert [host for host, _ in lines] == ["192.0.2.10", "192.0.2.11"]
+    assert all(remote.startswith("exec bash --norc --noprofile -c ") for _, remote in lines)
+    plans, programs = dry_runs.plans(r.stdout), dry_runs.programs(r.stdout)
+    assert "--nproc-per-node=2" in plans[1].command and "--nproc-per-node=1" in plans[0].command
+    assert (plans[0].ranks, plans[1].ranks) == ((0, 0), (1, 2))  # slots=2: two ranks on node 1
+    # The hostile argument is one literal argument: last of the rank command, quoted whole in the
+    # program, and the program is one argument of bash -c on the remote line.
+    for plan, program, (_, remote) in zip(plans, programs, lines):
+        assert plan.command[-1] == HOSTILE and shlex.join(plan.argv) in program
+        assert shlex.split(remote)[-1] == program
+    # The readable form says the same per node, the argument quoted as a shell would need it.
+    text = CliRunner().invoke(main, [*argv[:1], "--dry-run", *argv[1:]])
+    assert text.exit_code == 0, text.output
+    assert dry_runs.headers(text.stdout) == [(0, "192.0.2.10"), (1, "192.0.2.11")]
+    assert "ranks 1-2 (2 processes)" in text.stdout and shlex.quote(HOSTILE) in text.stdout
     assert not (tmp_path / "runs").exists()
 
 
@@ -434,9 +446,8 @@ def test_dry_run_says_which_rank_order_and_why(tmp_path):
         "rank order: given here (--dry-run asks no node for its physical_host; a launch orders by "
         "topology if every node reports one)" in r.stderr
     ), r.output
-    hosts = [l.split("\t")[0] for l in r.stdout.splitlines()]
-    assert hosts == ["192.0.2.11", "192.0.2.10"]
-    assert "--node-rank=0" in r.stdout.splitlines()[0] and "--master-addr=192.0.2.11" in r.stdout
+    assert dry_runs.headers(r.stdout) == [(0, "192.0.2.11"), (1, "192.0.2.10")]
+    assert "--node-rank=0" in r.stdout.split("node 1", 1)[0] and "--master-addr=192.0.2.11" in r.stdout
     r = CliRunner().invoke(main, [*base, "--rank-order", "given", "--", "train.py"])
     assert r.exit_code == 0 and "rank order: given (--rank-order given)" in r.stderr, r.output
     r = CliRunner().invoke(main, ["train", "--local", "--nodes", "2", "--dry-run"])
@@ -522,10 +533,16 @@ def test_nccl_tests_dry_runs_connect_to_nothing_and_bad_flags_are_refused(tmp_pa
     r = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert r.stderr.count("rank order: given here (--dry-run asks no node") == 1, r.output  # mpirun's host order
-    lines = r.stdout.strip().splitlines()
     # One command per collective, run on node 0, which starts mpirun over the 3 nodes.
-    assert len(lines) == 2 and all(l.startswith("192.0.2.10\t") for l in lines)
-    assert "all_reduce_perf" in lines[0] and "all_gather_perf" in lines[1] and "mpirun" in lines[0]
+    assert dry_runs.headers(r.stdout) == [(0, "192.0.2.10"), (0, "192.0.2.10")], r.stdout
+    first, second = r.stdout.split("node 0  ")[1:]
+    assert "all_reduce_perf" in first and "all_gather_perf" in second and "mpirun" in first
+    j = CliRunner().invoke(main, [*base, "--impl", "nccl-tests", "--ops", "all_reduce,all_gather", "--dry-run=json"])
+    assert j.exit_code == 0, j.output
+    docs = [dry_runs.doc(line) for line in j.stdout.splitlines()]  # one JSON document per launch
+    assert [[n["plan"]["host"] for n in d["nodes"]] for d in docs] == [["192.0.2.10"], ["192.0.2.10"]]
+    assert docs[0]["nodes"][0]["plan"]["command"][0] == "mpirun"
+    assert any(a.endswith("/all_reduce_perf") for a in docs[0]["nodes"][0]["plan"]["command"])
     r = CliRunner().invoke(main, [*base, "--find-bad-nodes", "--dry-run"])
     assert r.exit_code == 2 and "error: --find-bad-nodes" in r.output and "--dry-run" in r.output
     r = CliRunner().invoke(main, [*base, "--bogus"])

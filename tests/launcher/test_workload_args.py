@@ -15,6 +15,7 @@ from launcher.cli import main
 from launcher.cli.cmd_train import train
 from launcher.cli.workload_args import TrainArgs, no_such_option, option_names, world_size
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload, new_job_id
+from tests.launcher import dry_runs
 from tests.support import LAUNCH, REPO
 
 
@@ -204,7 +205,7 @@ def test_a_dry_run_on_known_nodes_prints_their_commands_and_the_plan(tmp_path):
     args = ["--", "--model", "llama3-8b", "--tp", "8", "--dp-shard", "2", "--micro-batch", "1", "--seq-len", "8192"]
     r = CliRunner().invoke(main, ["train", *source, "--runs-dir", str(tmp_path / "runs"), "--dry-run", *args])
     assert r.exit_code == 0, r.output
-    assert [line.split("\t")[0] for line in r.stdout.splitlines()] == ["192.0.2.10", "192.0.2.11"]
+    assert dry_runs.headers(r.stdout) == [(0, "192.0.2.10"), (1, "192.0.2.11")], r.stdout
     assert "dp_shard 2: ranks 0,8 form one group, across 2 nodes" in r.stderr
     assert "verdict: fits (32.1 of 80 GiB)" in r.stderr.splitlines()
     # The layout is checked against the world the nodes give: 16 ranks, not 128.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 from click.testing import CliRunner
 
@@ -9,6 +11,7 @@ from gpufleet import atomic
 from gpufleet.bandwidth import COLLECTIVES
 from gpufleet.collectives import SWEEP_FLAGS, SweepSpec, collective_list
 from launcher.cli.main import main
+from tests.launcher import dry_runs
 
 # ---- the sweep's flags ---------------------------------------------------------------------------
 
@@ -106,9 +109,11 @@ def test_an_unknown_collective_is_one_line_before_any_node_is_contacted(tmp_path
 def test_the_commands_defaults_are_the_requests(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("192.0.2.10\n192.0.2.11\n")
-    r = CliRunner().invoke(main, ["nccl-tests", "--hostfile", str(hf), "--dry-run"])
+    r = CliRunner().invoke(main, ["nccl-tests", "--hostfile", str(hf), "--dry-run=json"])
     assert r.exit_code == 0, r.output
-    assert "-m workloads.sweep " + " ".join(SweepSpec().sweep_argv()) + " )" in r.output
+    sweep = ("-m", "workloads.sweep", *SweepSpec().sweep_argv())
+    for plan, program in zip(dry_runs.plans(r.stdout), dry_runs.programs(r.stdout)):
+        assert plan.command[-len(sweep) :] == sweep and shlex.join(plan.argv) + " )" in program
 
 
 # ---- writing a file whole ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ judging, storing, bad-node ranking, the mpirun argv (each owned by its own modul
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from gpufleet.bandwidth import bus_factor
 from gpufleet.catalog import lookup
 from gpufleet.expected import model_busbw, plateau_busbw
+from launcher.cli.nccl_table import rich_table
 from launcher.nccl import report as rep
 from tests.nccl import samples
 
@@ -90,13 +92,24 @@ def test_nothing_parsable_gives_no_rows():
     assert rep.parse_output("bash: all_reduce_perf: command not found\n") == []
 
 
-def test_rich_table_renders_every_row():
+def test_the_table_has_every_row_and_the_cli_draws_it():
     rows = rep.parse_output(samples.MODERN_ALL_GATHER)
+    cells = rep.table_rows(rows)
+    assert len(cells) == len(rows) and all(len(c) == len(rep.TABLE_COLUMNS) for c, _ in cells)
+    assert [bad for _, bad in cells] == [False, False, True]  # the sample's last row has 3 wrong in place
+    assert ["188.73" in c for c, _ in cells].count(True) >= 1 and any(c[1] == "8 GiB" for c, _ in cells)
     console = Console(width=250, record=True)
-    console.print(rep.rich_table(rows))
+    console.print(rich_table(rows))
     text = console.export_text()
     assert "188.73" in text and "8 GiB" in text
     assert "Avg bus bandwidth" not in text  # the report's own "# Avg bus bandwidth" line says it, once
+
+
+def test_a_wrong_row_is_marked_for_the_cli_to_show_red():
+    rows = rep.parse_output(samples.MODERN_ALL_GATHER)
+    wrong = [dataclasses.replace(rows[0], oop_wrong=3.0), *rows[1:]]
+    assert [bad for _, bad in rep.table_rows(wrong)] == [True, False, True]
+    assert rep.table_rows(wrong)[0][0][-1].startswith("3/")
 
 
 # ---- expected bandwidth --------------------------------------------------------------------
@@ -249,7 +262,7 @@ def test_the_report_api_is_the_owning_modules_names():
             "expected_judgement",
             "expected_report",
         ],
-        "launcher.nccl.render": ["rich_table", "write_results"],
+        "launcher.nccl.render": ["TABLE_COLUMNS", "table_rows", "write_results"],
         "launcher.nccl.badnodes": [
             "BadNodeReport",
             "pair_schedule",

@@ -197,15 +197,19 @@ def test_launch_train_fp8_on_16_a3_mega_nodes_plans_and_dry_runs(tmp_path):
             {"cluster": "mega", "project": "p", "zone": "us-central1-a", "machineType": "a3-megagpu-8g", "nodes": nodes}
         )
     )
-    argv = ["train", "--outputs", str(outputs), "--runs-dir", str(tmp_path / "runs"), "--dry-run", "--"]
+    argv = ["train", "--outputs", str(outputs), "--runs-dir", str(tmp_path / "runs"), "--dry-run=json", "--"]
     argv += ["--model", "llama3-8b", "--precision", "fp8", "--compile", "--parallelism", "fsdp"]
     r = CliRunner().invoke(main, argv, env={"GPUFLEET_STATE_DIR": str(tmp_path / "state")})
     assert r.exit_code == 0, r.output
-    commands = r.stdout.splitlines()
-    assert [c.split("\t")[0] for c in commands] == [f"10.0.0.{10 + i}" for i in range(16)]
-    for i, c in enumerate(commands):
+    from tests.launcher import dry_runs
+
+    plans = dry_runs.plans(r.stdout)
+    assert [p.host for p in plans] == [f"10.0.0.{10 + i}" for i in range(16)]
+    for i, (p, program) in enumerate(zip(plans, dry_runs.programs(r.stdout))):
+        c = p.command
         assert "--nnodes=16" in c and f"--node-rank={i}" in c and "--nproc-per-node=8" in c, c
-        assert "workloads.train --model llama3-8b --precision fp8 --compile --parallelism fsdp" in c
+        assert c[-7:] == ("--model", "llama3-8b", "--precision", "fp8", "--compile", "--parallelism", "fsdp")
+        assert "workloads.train --model llama3-8b --precision fp8 --compile --parallelism fsdp" in program
     # The plan, after the one line that says how the launch would reach the nodes (IAP here).
     plan_lines = [line for line in r.stderr.splitlines() if "IAP tunnel" not in line]
     assert plan_lines[0].startswith("model llama3-8b: 8.03B parameters; micro-batch 4 x seq 8192; fp8 rowwise")

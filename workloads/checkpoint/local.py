@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from gpufleet.contracts import LOCAL_SSD_MOUNT
 from gpufleet.local_tier import (
     ENV_VAR,
     MANIFEST,
@@ -47,7 +49,7 @@ from workloads.collective import Ranks, every_rank
 from workloads.config import ConfigError
 from workloads.metrics import format_bytes
 
-__all__ = ["LocalTier", "JOB_VAR", "local_root"]
+__all__ = ["LocalTier", "JOB_VAR", "local_root", "on_local_ssd"]
 
 JOB_VAR = "GPUFLEET_JOB_ID"  # launcher.core.wire.JOB_ID_VAR: the same on every attempt of a job
 _NO_JOB = "run"  # the job directory of a run not started by gpufleet's launch
@@ -93,6 +95,7 @@ class LocalTier:
         # Each node checks its own directory: a bad one stops every rank before the model is built.
         self.root = ranks.on_every_rank(lambda: local_root(given))
         self.job = os.environ.get(JOB_VAR) or _NO_JOB
+        self._warn_boot_disk()
         # DCP needs a CPU group even for a save without collectives (async_save checks it).
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
         self.stager = BlockingAsyncStager(cache_staged_state_dict=ranks.device.type == "cuda")
@@ -102,6 +105,23 @@ class LocalTier:
     @property
     def where(self) -> Path:
         return self.root / self.job
+
+    def _warn_boot_disk(self) -> None:
+        """Collective: one warning line when some node has no local SSD under the tier, with
+        the free space of the boot disk that holds it instead."""
+        free = shutil.disk_usage(self.root).free
+        here = (socket.gethostname(), on_local_ssd(self.root), free)
+        said: list[Any] = [None] * self.ranks.world
+        dist.all_gather_object(said, here)
+        boot = {host: size for host, ssd, size in said if not ssd}
+        if boot:
+            host, size = min(boot.items(), key=lambda kv: kv[1])
+            nodes = len({host for host, _, _ in said})
+            self.ranks.log(
+                f"warning: no local SSD under the local checkpoint tier on {len(boot)} of {nodes} nodes: it is on "
+                f"the boot disk ({host}: {self.root}, {format_bytes(size)} free)",
+                stream=sys.stderr,
+            )
 
     # ---- save ---------------------------------------------------------------------------------
 
@@ -226,6 +246,19 @@ class LocalTier:
     def load(self, state: dict[str, Any], where: Path) -> None:
         """This rank alone: read its own checkpoint at `where` into `state` (in place)."""
         dcp.load(state, storage_reader=FileSystemReader(where), no_dist=True)
+
+
+def on_local_ssd(path: Path, environ: dict[str, str] | None = None) -> bool:
+    """Whether `path` is on a local SSD: the mount that holds it is one of the image's local-SSD
+    mount points (gpufleet.contracts.LOCAL_SSD_MOUNT; GPUFLEET_LOCAL_SSD_MOUNT, the test hook of
+    launch doctor's node script, in their place when set)."""
+    env = os.environ if environ is None else environ
+    hook = env.get("GPUFLEET_LOCAL_SSD_MOUNT")
+    mounts = {hook} if hook else set(LOCAL_SSD_MOUNT.values())
+    p = path.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return str(p) in mounts
 
 
 def _step_of(name: str) -> int | None:

@@ -65,30 +65,24 @@ def test_ranks_with_different_local_steps_restore_one_step_from_own_and_peer_cop
     root = tmp_path / "local"
     root.mkdir(mode=0o700)
     args = ["--global-batch", "8", "--micro-batch", "2", "--straggler-every", "0", "--local-checkpoint-every", "4"]
-    assert train(args + ["--steps", "8"], env=_env(root)).returncode == 0
-    pristine = tmp_path / "pristine"
-    shutil.copytree(root, pristine)
+    durable = ["--checkpoint-dir", str(tmp_path / "durable")]
+    assert train(args + durable + ["--steps", "8", "--checkpoint-every", "4"], env=_env(root)).returncode == 0
 
-    def resume() -> tuple[int, str, list[str]]:
-        run = train(args + ["--steps", "8", "--resume"], env=_env(root))
+    def resume(*more: str) -> tuple[int, str, list[str]]:
+        run = train(args + ["--steps", "8", "--resume", *more], env=_env(root))
         assert run.returncode == 0, run.stderr
         return (*_resumed_at(run.stdout), [ln for ln in run.stderr.splitlines() if ln.startswith("warning: rank")])
 
-    # Rank 1 lost its step 8 (a node's disk, say): both ranks go back to step 4, which both have.
-    shutil.rmtree(rank_dir(root, JOB, "own", 8, 1))
-    step, source, warnings = resume()
-    assert (step, source, warnings) == (4, "the local tier (own copies on 2 ranks, peer copies on 0)", [])
-
-    # A peer holds rank 1's step 8 (as a replicator leaves it): step 8 again, rank 1 from the peer copy.
-    shutil.rmtree(root)
-    shutil.copytree(pristine, root)
+    # Rank 1 lost its own step 8 (a node's disk, say) and a peer holds a copy, as a replicator
+    # leaves it: step 8 for both, rank 1 from the peer copy.
     peer = rank_dir(root, JOB, "peer", 8, 1)
     peer.parent.mkdir(parents=True)
     os.rename(rank_dir(root, JOB, "own", 8, 1), peer)
     step, source, warnings = resume()
     assert (step, source, warnings) == (8, "the local tier (own copies on 1 ranks, peer copies on 1)", [])
 
-    # The peer copy is damaged: skipped with one line naming it, and the next tier (step 4) is used.
+    # The peer copy is damaged: skipped with one line naming it. Rank 1 now has step 4 alone and
+    # rank 0 steps 4 and 8: both go back to step 4, the newest that both have.
     shard = next(p for p in peer.iterdir() if p.name.endswith(".distcp"))
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -99,6 +93,11 @@ def test_ranks_with_different_local_steps_restore_one_step_from_own_and_peer_cop
         f"warning: rank 1: skipping the peer copy {peer}: {shard.name} does not match its sha256 in "
         f"{MANIFEST}; using the next tier"
     ]
+    # That run saved step 8 again; without rank 1's own copy, and with the durable tier, the
+    # next tier after the damaged peer copy holds step 8 for every rank: read from there.
+    shutil.rmtree(rank_dir(root, JOB, "own", 8, 1))
+    step, source, warnings = resume(*durable)
+    assert (step, source, len(warnings)) == (8, str(tmp_path / "durable"), 1)
 
 
 def test_a_sigterm_saves_its_step_to_the_local_tier(tmp_path):

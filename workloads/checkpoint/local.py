@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -87,6 +88,24 @@ class _Save:
     nbytes: int = 0  # this rank's files
 
 
+class _ReusedHostCopy(BlockingAsyncStager):
+    """BlockingAsyncStager's cached host copy (torch/distributed/checkpoint/staging.py), on CPU
+    runs too, where torch's pins it and so needs an accelerator: one copy of the state made at
+    the first save and refilled in place at each later one. Fresh memory at every save costs a
+    page fault per 4 KiB page of the state, seconds for GBs on the step that waits for it. Safe to
+    reuse: a save starts only after the previous one finished writing (LocalTier.wait)."""
+
+    def __init__(self, pin: bool) -> None:
+        super().__init__(cache_staged_state_dict=True)
+        self.pin = pin
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self.pin)
+        # Tensors are copied into the cache; other values (the trainer's bytes) are this save's own.
+        return _copy_state_dict(state_dict, self.state_dict_cache, type_check=False)
+
+
 class LocalTier:
     """This rank's part of the local tier. Collective where said: every rank calls it alike."""
 
@@ -98,7 +117,7 @@ class LocalTier:
         self._warn_boot_disk()
         # DCP needs a CPU group even for a save without collectives (async_save checks it).
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
-        self.stager = BlockingAsyncStager(cache_staged_state_dict=ranks.device.type == "cuda")
+        self.stager = _ReusedHostCopy(pin=ranks.device.type == "cuda")
         self._pending: _Save | None = None
         self.saved_step: int | None = None  # the step of this run's newest save, done or under way
 

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if blocked:
         mean, worst = statistics.mean(blocked), max(blocked)
         print(f"blocked per save: mean {mean:.3f} s, max {worst:.3f} s ({len(blocked)} saves)")
+        # The part of the cost that is the save's own wait, apart from the background writer's
+        # and hasher's share of the CPU (which a GPU node's spare cores absorb).
+        print(f"blocked share of the steps: {mean / (args.every * none):.3f}")
     met = "met" if ratio <= TARGET else "MISSED"
     print(f"ratio local/none: {ratio:.3f} (target <= {TARGET}: {met})")
     return 0 if ratio <= TARGET else 1

@@ -292,15 +292,28 @@ class CheckpointConfig:
     so a torchrun restart with --max-restarts and a first launch use the same command)."""
     save_params: str | None = None
     """Rank 0 writes the final model parameters (a torch.save'd state_dict) to this path."""
+    local_checkpoint_every: int = 0
+    """Every K steps each rank also writes its own checkpoint to the node-local tier (the local
+    SSD): training waits only for the copy off the device; the write runs in the background
+    (docs/checkpoints.md). 0 = no local tier."""
+    local_checkpoint_dir: str | None = None
+    """The node-local tier's directory, this account's own (0700); default: the node's
+    $GPUFLEET_LOCAL_CHECKPOINT_DIR, which gpufleet's launch sets."""
+    keep_local_checkpoints: int = 2
+    """Keep each rank's newest N local checkpoints (never fewer than the newest complete one)."""
     budget_s: float = field(default=30.0, init=False, repr=False)
     """--preemption-budget in seconds."""
 
     def __post_init__(self) -> None:
         _at_least_1(self, "keep_checkpoints")
+        _at_least_1(self, "keep_local_checkpoints")
         _not_negative(self, "checkpoint_every")
+        _not_negative(self, "local_checkpoint_every")
         self.budget_s = _parse_seconds("--preemption-budget", self.preemption_budget)
-        if self.resume and not self.checkpoint_dir:
-            raise ConfigError("--resume needs --checkpoint-dir (where the checkpoints are)")
+        if self.resume and not (self.checkpoint_dir or self.local_checkpoint_every):
+            raise ConfigError("--resume needs --checkpoint-dir or --local-checkpoint-every (where the checkpoints are)")
+        if self.local_checkpoint_dir and not self.local_checkpoint_every:
+            raise ConfigError("--local-checkpoint-dir needs --local-checkpoint-every K (how often to save there)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if self.async_checkpoint and not self.checkpoint_every:

@@ -308,7 +308,7 @@ class Trainer:
         ends it early with a checkpoint of the last whole step."""
         cfg = self.cfg
         if cfg.checkpoint.resume:
-            self.checkpoint.load()
+            self.checkpoint.restore()
         self.log(self._banner())
         self.log(build_line(self.built, not self.dims.is_ddp, self.build_growths))
         if self.built.fp8 is not None:
@@ -319,6 +319,7 @@ class Trainer:
                     return
         finally:
             self.metrics.close()
+        self.checkpoint.wait_local()
         if self.checkpoint.enabled:
             self.checkpoint.save()
         if cfg.checkpoint.save_params:
@@ -337,9 +338,16 @@ class Trainer:
             self.stragglers.check(self.step, lambda line: self.log(line, stream=sys.stderr))
             if self._preempted():
                 return True
+            if self._local_checkpoint_due():
+                self.checkpoint.save_local()
             if self._checkpoint_due():
                 self.checkpoint.save(asynchronous=cfg.checkpoint.async_checkpoint)
         return False
+
+    def _local_checkpoint_due(self) -> bool:
+        """A node-local save (--local-checkpoint-every) after this step, the last one included."""
+        every = self.cfg.checkpoint.local_checkpoint_every
+        return bool(every) and self.step % every == 0
 
     def _checkpoint_due(self) -> bool:
         """A periodic save (--checkpoint-every) after this step; the last step's is fit's own."""
@@ -352,6 +360,9 @@ class Trainer:
         if notice_s is None:
             return False
         self.log(f"SIGTERM: saving a checkpoint at step {self.step} and exiting; rerun with --resume to continue")
+        if self.checkpoint.local is not None:
+            # The node's own disk first: the fastest copy to write inside the notice.
+            self.checkpoint.save_local(wait=True)
         if self.checkpoint.enabled:
             self.checkpoint.save_on_preemption(notice_s)
         return True

@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from gpufleet.local_tier import OWN, common_step
+from workloads.checkpoint.local import LocalTier
 from workloads.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
@@ -48,6 +50,7 @@ from workloads.checkpoint.store import (
     has_os_error,
     is_full_state,
     open_store,
+    step_of,
 )
 from workloads.collective import Ranks, every_rank
 from workloads.components.float8 import high_precision_state
@@ -112,6 +115,10 @@ class CheckpointManager:
         self.optimizer: torch.optim.Optimizer | None = None
         self.train_state: TrainState | None = None
         self.meta: dict[str, Any] = {}
+        # The node-local tier (--local-checkpoint-every): each node checks its own directory now.
+        self.local: LocalTier | None = None
+        if cfg.checkpoint.local_checkpoint_every:
+            self.local = LocalTier(cfg.checkpoint.local_checkpoint_dir, cfg.checkpoint.keep_local_checkpoints, ranks)
         if not cfg.checkpoint.checkpoint_dir:
             return
         self.url = ranks.on_rank0(lambda: self._open_store().url)
@@ -187,6 +194,26 @@ class CheckpointManager:
         dist.all_gather_object(rngs, rng_state(self.ranks.device))
         return {**self.train_state.state_dict(), "rng": rngs, "meta": self.meta}
 
+    def _state(self) -> dict[str, Any]:
+        """Collective: what a checkpoint holds, as DCP saves it. Plain high-precision tensors
+        whatever the run computes in: an fp8 run's checkpoint resumes a bf16 run and the reverse."""
+        model_sd, optim_sd = high_precision_state(get_state_dict(self.model, self.optimizer))
+        return {"model": model_sd, "optimizer": optim_sd, "trainer": encode_state(self._trainer_state())}
+
+    def save_local(self, wait: bool = False) -> None:
+        """Collective: this step to the node-local tier (in the background unless `wait`)."""
+        assert self.local is not None and self.train_state is not None
+        if self.local.saved_step == self.train_state.step:  # e.g. a SIGTERM right after a periodic save
+            if wait:
+                self.local.wait()
+            return
+        self.local.save(self._state(), self.train_state.step, wait=wait)
+
+    def wait_local(self) -> None:
+        """Collective: the local save under way, finished (before the process exits)."""
+        if self.local is not None:
+            self.local.wait()
+
     def save(self, asynchronous: bool = False) -> tuple[str, int] | None:
         """Collective: every rank writes its own shards (DCP); rank 0 publishes the checkpoint as
         `latest` once all are written. Asynchronous: returns once the state is copied to host
@@ -201,10 +228,7 @@ class CheckpointManager:
         if name == self._latest_name:  # e.g. --resume at the last step: nothing new to save
             return None
         started = time.perf_counter()
-        # Plain high-precision tensors whatever the run computes in: an fp8 run's checkpoint
-        # resumes a bf16 run and the reverse.
-        model_sd, optim_sd = high_precision_state(get_state_dict(self.model, self.optimizer))
-        state = {"model": model_sd, "optimizer": optim_sd, "trainer": encode_state(self._trainer_state())}
+        state = self._state()
         token = self.ranks.on_rank0(lambda: store.begin(name))
         writer = store.storage_writer(name, token)
         if asynchronous:
@@ -309,12 +333,68 @@ class CheckpointManager:
 
     # ---- load ---------------------------------------------------------------------------------
 
-    def load(self) -> None:
-        """Continue from the latest checkpoint, if there is one: every rank reads the pieces of
-        its own shards, wherever and by however many ranks they were written (DCP reshards)."""
+    def restore(self) -> None:
+        """Collective (--resume): continue from the newest step that every rank can restore,
+        from the fastest tier that holds it: the node's own local copies, a verified peer copy
+        in the local directory's peer area, then --checkpoint-dir. Every rank restores the same
+        step: the newest in every rank's set, so a rank with fewer local steps takes the others
+        back to one it has (gpufleet.local_tier.common_step)."""
+        ranks = self.ranks
+        local = self.local.restorable() if self.local is not None else {}
+        durable = ranks.on_rank0(self.store.latest) if self.store is not None else None
+        durable_step = step_of(durable) if durable is not None else None
+        mine = set(local) | ({durable_step} if durable_step is not None else set())
+        sets: list[Any] = [None] * ranks.world
+        dist.all_gather_object(sets, (sorted(mine), sorted(local)))
+        step = common_step([s for s, _ in sets])
+        if step is None:
+            where = " or ".join(x for x in (self.local and str(self.local.where), self.url) if x)
+            ranks.log(f"resume: no checkpoint in {where} yet; starting at step 0")
+            return
+        if not all(step in set(lo) for _, lo in sets):
+            self.load(durable)  # the durable tier holds it for everyone (it is in every set)
+            return
+        tier, path = local[step]
+        tiers: list[Any] = [None] * ranks.world
+        dist.all_gather_object(tiers, tier)
+        self._load_local(path, step, tiers)
+
+    def _load_local(self, path: Any, step: int, tiers: list[str]) -> None:
+        """Collective: every rank reads its own local or peer copy of `step`, alone (no_dist)."""
+        assert self.local is not None and self.train_state is not None
+        ranks = self.ranks
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd, "trainer": b""}
+        error, trainer = None, None
+        try:
+            self.local.load(state, path)
+            trainer = decode_state(state["trainer"], str(path))
+            self._check_trainer_state(trainer, str(path))
+        except (CheckpointException, Exception) as e:  # noqa: BLE001 - every rank must hear of it
+            error = f"{path} is not a readable checkpoint ({failure_line(e)})"
+        said: list[Any] = [None] * ranks.world
+        dist.all_gather_object(said, error)
+        failed = [(r, e) for r, e in enumerate(said) if e]
+        if failed:
+            raise every_rank(
+                CheckpointError(
+                    f"rank {failed[0][0]}: {failed[0][1]}; remove it (the next tier is used) or resume without it"
+                )
+            )
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        own = sum(t == OWN for t in tiers)
+        source = f"the local tier (own copies on {own} ranks, peer copies on {len(tiers) - own})"
+        assert trainer is not None
+        self._apply(trainer, source)
+
+    def load(self, name: str | None = None) -> None:
+        """Continue from the latest checkpoint of --checkpoint-dir (`name`, when the caller read
+        it), if there is one: every rank reads the pieces of its own shards, wherever and by
+        however many ranks they were written (DCP reshards)."""
         store, ranks = self.store, self.ranks
         assert store is not None and self.train_state is not None
-        name = ranks.on_rank0(store.latest)
+        if name is None:
+            name = ranks.on_rank0(store.latest)
         if name is None:
             ranks.log(f"resume: no checkpoint in {self.url} yet; starting at step 0")
             return
@@ -335,6 +415,12 @@ class CheckpointManager:
                 self.model, self.optimizer, model_state_dict=body["model"], optim_state_dict=body["optimizer"]
             )
         self._latest_name = name
+        self._apply(trainer, str(self.url))
+
+    def _apply(self, trainer: dict[str, Any], source: str) -> None:
+        """The trainer's part of a loaded checkpoint: train state, this rank's RNG, the line."""
+        assert self.train_state is not None
+        ranks = self.ranks
         self.train_state.load_state_dict(trainer)
         rngs = trainer["rng"]
         mine = rngs[ranks.rank] if len(rngs) == ranks.world else rngs[0]
@@ -349,7 +435,7 @@ class CheckpointManager:
         if layout and mine and layout != mine and not plain:
             resharded += f"; saved as {layout}, read as {mine}"
         ranks.log(
-            f"resumed from {self.url} at step {self.train_state.step} "
+            f"resumed from {source} at step {self.train_state.step} "
             f"(epoch {trainer['data']['epoch']}, {trainer['data']['samples_seen']} samples seen{resharded})"
         )
 

@@ -54,6 +54,7 @@ __all__ = [
     "GCSStore",
     "open_store",
     "checkpoint_name",
+    "step_of",
     "is_full_state",
     "load_file",
     "load_checkpoint",
@@ -89,6 +90,12 @@ def is_full_state(name: str) -> bool:
 def _step_of(name: str) -> int:
     m = _NAME.match(name) or _PT_NAME.match(name)
     return int(m.group(1)) if m else -1
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint name (`step_00000010` or `step_00000010.pt`), or None."""
+    step = _step_of(name)
+    return step if step >= 0 else None
 
 
 def _first_line(err: BaseException, limit: int = 160) -> str:

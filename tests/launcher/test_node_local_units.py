@@ -1,0 +1,73 @@
+"""The node's per-account local directory (launcher.core.env.node_local_statements), run for real
+in bash: where the local checkpoint tier and the compile caches go, and what is never used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from launcher.core.env import compile_cache_key, node_local_statements
+from launcher.core.types import LaunchConfig, Workload
+
+VARS = ("GPUFLEET_LOCAL_DIR", "GPUFLEET_LOCAL_CHECKPOINT_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def _config(**kw) -> LaunchConfig:
+    return LaunchConfig(workload=Workload("exec", ("true",)), job_id="j", **kw)
+
+
+def _run(config: LaunchConfig, home: Path, env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """The node statements in bash, then the variables they exported; and stderr."""
+    script = "; ".join([*node_local_statements(config), *(f'echo "{v}=${{{v}-unset}}"' for v in VARS)])
+    base = {k: v for k, v in os.environ.items() if k not in VARS}
+    base.update(HOME=str(home), GPUFLEET_LOCAL_SSD_MOUNT=str(home / "no-ssd"), **(env or {}))
+    p = subprocess.run(["bash", "-c", script], env=base, capture_output=True, text=True, check=True)
+    return dict(line.split("=", 1) for line in p.stdout.splitlines()), p.stderr
+
+
+def test_without_a_local_ssd_everything_goes_under_a_private_home_directory(tmp_path):
+    config = _config(python="/h/.gpufleet/envs/k/bin/python")
+    out, err = _run(config, tmp_path)
+    local = tmp_path / ".gpufleet" / "local"
+    key = compile_cache_key(config)
+    assert out == {
+        "GPUFLEET_LOCAL_DIR": str(local),
+        "GPUFLEET_LOCAL_CHECKPOINT_DIR": f"{local}/checkpoints",
+        "TORCHINDUCTOR_CACHE_DIR": f"{local}/compile/{key}/inductor",
+        "TRITON_CACHE_DIR": f"{local}/compile/{key}/triton",
+    }
+    for p in (tmp_path / ".gpufleet", local, local / "compile", local / "compile" / key):
+        assert p.stat().st_mode & 0o777 == 0o700, p
+    assert err == ""
+
+
+def test_the_compile_caches_are_keyed_by_the_environment_not_by_the_job():
+    a = _config(python="/e/1/bin/python", env=(("VIRTUAL_ENV", "/e/1"),))
+    assert compile_cache_key(a) == compile_cache_key(
+        LaunchConfig(workload=Workload("exec", ("x",)), job_id="other", python="/e/1/bin/python", env=a.env)
+    )
+    assert compile_cache_key(a) != compile_cache_key(_config(python="/e/2/bin/python", env=(("VIRTUAL_ENV", "/e/2"),)))
+    assert compile_cache_key(a) != compile_cache_key(_config(python="/e/1/bin/python", env=a.env, image="img:1"))
+
+
+def test_the_users_own_values_win(tmp_path):
+    out, _ = _run(_config(), tmp_path, {"TRITON_CACHE_DIR": "/mine", "GPUFLEET_LOCAL_CHECKPOINT_DIR": "/ckpt"})
+    assert out["TRITON_CACHE_DIR"] == "/mine" and out["GPUFLEET_LOCAL_CHECKPOINT_DIR"] == "/ckpt"
+    assert out["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / ".gpufleet" / "local"))
+
+
+def test_a_local_directory_open_to_other_accounts_is_never_used(tmp_path):
+    local = tmp_path / ".gpufleet" / "local"
+    local.mkdir(parents=True, mode=0o700)
+    local.chmod(0o777)  # another account could have put caches here for us to load
+    out, _ = _run(_config(), tmp_path)
+    assert set(out.values()) == {"unset"}
+
+
+def test_a_link_in_place_of_the_local_directory_is_never_followed(tmp_path):
+    (tmp_path / ".gpufleet").mkdir(mode=0o700)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / ".gpufleet" / "local").symlink_to(tmp_path / "elsewhere")
+    out, _ = _run(_config(), tmp_path)
+    assert set(out.values()) == {"unset"}

@@ -1,0 +1,142 @@
+"""The node-local checkpoint tier under real torchrun over gloo: a killed run resumes from its
+last local step (not 0) with the parameters of an uninterrupted run; ranks whose local steps
+differ agree on one; a peer copy fills in for a missing own copy, and one whose hash does not
+match is skipped with one line; a SIGTERM saves once more; a bad local directory is one line,
+exit 2, before anything starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+
+import pytest
+
+from gpufleet.local_tier import MANIFEST, complete_steps, rank_dir
+from tests.workloads.conftest import (
+    REF_ARGS,
+    REF_STEPS,
+    assert_same_params,
+    kill_tree,
+    last_step,
+    one_line_exit_2,
+    params,
+    start,
+    train,
+    wait_for,
+    workers,
+)
+
+JOB = "job-42"
+
+
+def _env(root) -> dict[str, str]:
+    return {"GPUFLEET_LOCAL_CHECKPOINT_DIR": str(root), "GPUFLEET_JOB_ID": JOB}
+
+
+def _resumed_at(stdout: str) -> tuple[int, str]:
+    m = re.search(r"^resumed from (.*) at step (\d+) ", stdout, re.M)
+    assert m, stdout
+    return int(m.group(2)), m.group(1)
+
+
+def test_a_killed_run_resumes_from_its_last_local_step_with_the_uninterrupted_runs_parameters(tmp_path, reference):
+    root, metrics, out = tmp_path / "local", tmp_path / "m.jsonl", tmp_path / "out.pt"
+    root.mkdir(mode=0o700)
+    args = REF_ARGS + ["--steps", str(REF_STEPS), "--local-checkpoint-every", "4"]
+    proc = start(args + ["--metrics-file", str(metrics)], env=_env(root))
+    try:
+        wait_for(lambda: complete_steps(root, JOB, "own", 1) and last_step(metrics) >= 10, timeout=240, proc=proc)
+    finally:
+        kill_tree(proc)  # kill -9, every process at once: a save under way is cut wherever it is
+    saved = set(complete_steps(root, JOB, "own", 0)) & set(complete_steps(root, JOB, "own", 1))
+    assert saved and max(saved) >= 8
+    run = train(args + ["--resume", "--save-params", str(out)], env=_env(root))
+    assert run.returncode == 0, run.stderr
+    step, source = _resumed_at(run.stdout)
+    assert step == max(saved) and source == "the local tier (own copies on 2 ranks, peer copies on 0)"
+    assert_same_params(reference, params(out))
+    # Two local steps kept per rank, the newest complete one among them.
+    assert complete_steps(root, JOB, "own", 0)[-2:] == [16, 20] and len(complete_steps(root, JOB, "own", 0)) == 2
+
+
+def test_ranks_with_different_local_steps_restore_one_step_from_own_and_peer_copies(tmp_path):
+    root = tmp_path / "local"
+    root.mkdir(mode=0o700)
+    args = ["--global-batch", "8", "--micro-batch", "2", "--straggler-every", "0", "--local-checkpoint-every", "4"]
+    durable = ["--checkpoint-dir", str(tmp_path / "durable")]
+    assert train(args + durable + ["--steps", "8", "--checkpoint-every", "4"], env=_env(root)).returncode == 0
+
+    def resume(*more: str) -> tuple[int, str, list[str]]:
+        run = train(args + ["--steps", "8", "--resume", *more], env=_env(root))
+        assert run.returncode == 0, run.stderr
+        return (*_resumed_at(run.stdout), [ln for ln in run.stderr.splitlines() if ln.startswith("warning: rank")])
+
+    # Rank 1 lost its own step 8 (a node's disk, say) and a peer holds a copy, as a replicator
+    # leaves it: step 8 for both, rank 1 from the peer copy.
+    peer = rank_dir(root, JOB, "peer", 8, 1)
+    peer.parent.mkdir(parents=True)
+    os.rename(rank_dir(root, JOB, "own", 8, 1), peer)
+    step, source, warnings = resume()
+    assert (step, source, warnings) == (8, "the local tier (own copies on 1 ranks, peer copies on 1)", [])
+
+    # The peer copy is damaged: skipped with one line naming it. Rank 1 now has step 4 alone and
+    # rank 0 steps 4 and 8: both go back to step 4, the newest that both have.
+    shard = next(p for p in peer.iterdir() if p.name.endswith(".distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    step, source, warnings = resume()
+    assert step == 4
+    assert warnings == [
+        f"warning: rank 1: skipping the peer copy {peer}: {shard.name} does not match its sha256 in "
+        f"{MANIFEST}; using the next tier"
+    ]
+    # That run saved step 8 again; without rank 1's own copy, and with the durable tier, the
+    # next tier after the damaged peer copy holds step 8 for every rank: read from there.
+    shutil.rmtree(rank_dir(root, JOB, "own", 8, 1))
+    step, source, warnings = resume(*durable)
+    assert (step, source, len(warnings)) == (8, str(tmp_path / "durable"), 1)
+
+
+def test_a_sigterm_saves_its_step_to_the_local_tier(tmp_path):
+    root, metrics = tmp_path / "local", tmp_path / "m.jsonl"
+    root.mkdir(mode=0o700)
+    args = ["--global-batch", "8", "--micro-batch", "2", "--straggler-every", "0", "--local-checkpoint-every", "1000"]
+    proc = start(args + ["--steps", "100000", "--metrics-file", str(metrics)], env=_env(root))
+    try:
+        wait_for(lambda: last_step(metrics) >= 3, timeout=180, interval=0.01, proc=proc)
+        for pid in workers(proc.pid).values():
+            os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, err
+    step = int(re.search(r"SIGTERM: saving a checkpoint at step (\d+)", out).group(1))
+    assert complete_steps(root, JOB, "own", 0) == complete_steps(root, JOB, "own", 1) == [step]
+
+
+def test_local_checkpoints_without_a_local_directory_are_one_line_exit_2(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUFLEET_LOCAL_CHECKPOINT_DIR", raising=False)
+    line = one_line_exit_2(["--steps", "2", "--local-checkpoint-every", "1"])
+    assert line.startswith("error: --local-checkpoint-every needs a node-local directory: pass --local-checkpoint-dir")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    line = one_line_exit_2(["--steps", "2", "--local-checkpoint-every", "1"], env=_env(open_dir))
+    assert (
+        line
+        == f"error: GPUFLEET_LOCAL_CHECKPOINT_DIR {open_dir} has mode 0777, writable by other accounts; chmod 700 it"
+    )
+    line = one_line_exit_2(["--steps", "2", "--local-checkpoint-dir", str(tmp_path / "d")])
+    assert line == "error: --local-checkpoint-dir needs --local-checkpoint-every K (how often to save there)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another uid needs root")
+def test_a_local_directory_of_another_account_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    line = one_line_exit_2(["--steps", "2", "--local-checkpoint-every", "1", "--local-checkpoint-dir", str(theirs)])
+    assert line.startswith(f"error: --local-checkpoint-dir {theirs} belongs to uid 65534, not to this account")

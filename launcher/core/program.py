@@ -84,6 +84,7 @@ from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.hang import flight_recorder_aliases
 from launcher.core.holds import hold_statements
+from launcher.core.node_local import compile_cache_key, node_local_statements
 from launcher.core.node_plan import container_of, env_vars, fact_checks, hardware_checks, prepare_steps, rank_ranges
 from launcher.core.prestart import prestart_statements
 from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
@@ -383,6 +384,10 @@ class ProgramBuilder:
         # Steps that come with the request are added here, from `config` (see the module docstring).
         if config.prepared:
             self.add_prepare("prepared", _prepared_step)
+        # The account's own local directory: the local checkpoint tier and the compile caches.
+        # The same on every node: computed once (no per-node re-entry into launcher.core.env).
+        node_local = node_local_statements(compile_cache_key(config.python, config.env, config.image))
+        self.add_prepare("node-local", lambda ctx: node_local)
         if config.image:  # the ranks in a container (launcher.core.container)
             self.wrap_run("container", _container)
         if not cluster.local:  # accounts share the nodes: each job says it holds them

@@ -1,4 +1,4 @@
-"""The node's per-account local directory (launcher.core.env.node_local_statements), run for real
+"""The node's per-account local directory (launcher.core.node_local.node_local_statements), run for real
 in bash: where the local checkpoint tier and the compile caches go, and what is never used."""
 
 from __future__ import annotations
@@ -7,10 +7,14 @@ import os
 import subprocess
 from pathlib import Path
 
-from launcher.core.env import compile_cache_key, node_local_statements
+from launcher.core.node_local import compile_cache_key, node_local_statements
 from launcher.core.types import LaunchConfig, Workload
 
 VARS = ("GPUFLEET_LOCAL_DIR", "GPUFLEET_LOCAL_CHECKPOINT_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def _key(config) -> str:
+    return compile_cache_key(config.python, config.env, config.image)
 
 
 def _config(**kw) -> LaunchConfig:
@@ -19,7 +23,7 @@ def _config(**kw) -> LaunchConfig:
 
 def _run(config: LaunchConfig, home: Path, env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
     """The node statements in bash, then the variables they exported; and stderr."""
-    script = "; ".join([*node_local_statements(config), *(f'echo "{v}=${{{v}-unset}}"' for v in VARS)])
+    script = "; ".join([*node_local_statements(_key(config)), *(f'echo "{v}=${{{v}-unset}}"' for v in VARS)])
     base = {k: v for k, v in os.environ.items() if k not in VARS}
     base.update(HOME=str(home), GPUFLEET_LOCAL_SSD_MOUNT=str(home / "no-ssd"), **(env or {}))
     p = subprocess.run(["bash", "-c", script], env=base, capture_output=True, text=True, check=True)
@@ -30,7 +34,7 @@ def test_without_a_local_ssd_everything_goes_under_a_private_home_directory(tmp_
     config = _config(python="/h/.gpufleet/envs/k/bin/python")
     out, err = _run(config, tmp_path)
     local = tmp_path / ".gpufleet" / "local"
-    key = compile_cache_key(config)
+    key = _key(config)
     assert out == {
         "GPUFLEET_LOCAL_DIR": str(local),
         "GPUFLEET_LOCAL_CHECKPOINT_DIR": f"{local}/checkpoints",
@@ -44,11 +48,11 @@ def test_without_a_local_ssd_everything_goes_under_a_private_home_directory(tmp_
 
 def test_the_compile_caches_are_keyed_by_the_environment_not_by_the_job():
     a = _config(python="/e/1/bin/python", env=(("VIRTUAL_ENV", "/e/1"),))
-    assert compile_cache_key(a) == compile_cache_key(
+    assert _key(a) == _key(
         LaunchConfig(workload=Workload("exec", ("x",)), job_id="other", python="/e/1/bin/python", env=a.env)
     )
-    assert compile_cache_key(a) != compile_cache_key(_config(python="/e/2/bin/python", env=(("VIRTUAL_ENV", "/e/2"),)))
-    assert compile_cache_key(a) != compile_cache_key(_config(python="/e/1/bin/python", env=a.env, image="img:1"))
+    assert _key(a) != _key(_config(python="/e/2/bin/python", env=(("VIRTUAL_ENV", "/e/2"),)))
+    assert _key(a) != _key(_config(python="/e/1/bin/python", env=a.env, image="img:1"))
 
 
 def test_the_users_own_values_win(tmp_path):

@@ -102,8 +102,10 @@ def test_the_plan_agrees_with_the_program_it_was_rendered_with():
             (PrepareKind.DIRECTORY, "/home/USER/job"),
             (PrepareKind.ENVIRONMENT, "/home/USER/env/bin/python"),
             (PrepareKind.PREPARED, "/home/USER/.gpufleet/snap/abc"),
+            (PrepareKind.STEP, "node-local"),
         ]
-        assert all(shlex.quote(s.path) in program for s in p.prepare)
+        assert all(shlex.quote(s.path) in program for s in p.prepare if s.kind is not PrepareKind.STEP)
+        assert "GPUFLEET_LOCAL_CHECKPOINT_DIR" in program  # the node-local step's exports
         assert f"G={stop_ticks(p.limits.term_grace_s)}; S=25" in program and p.limits.watch_preemption
 
 

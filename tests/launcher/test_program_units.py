@@ -100,7 +100,7 @@ def test_wrappers_apply_in_order_the_last_added_outermost(tmp_path):
         .wrap_run("outer", lambda ctx, argv: ["outer", *argv])
     )
     assert list(builder.program(LOCAL.nodes[0]).argv) == ["outer", "inner", "true"]
-    assert builder.steps() == ["wrap:inner", "wrap:outer"]
+    assert builder.steps() == ["prepare:node-local", "wrap:inner", "wrap:outer"]
 
 
 def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_path):
@@ -115,8 +115,10 @@ def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_
     named = dict(sections)
     # The user's --env is read from stdin (its value is on no command line).
     assert named["prologue"] == ["echo first"] and read_env_statements("A")[0] in named["environment"]
-    # --workdir's cd is the first prepare step; the added step follows it.
-    assert named["prepare"][0].startswith("cd ") and named["prepare"][1] == "echo mine"
+    # --workdir's cd is the first prepare step; the added step comes last, after the builder's own
+    # (the node's per-account local directory).
+    assert named["prepare"][0].startswith("cd ") and named["prepare"][-1] == "echo mine"
+    assert any("GPUFLEET_LOCAL_DIR" in s for s in named["prepare"][1:-1])
 
 
 def test_bad_input_is_refused_when_the_builder_is_made(tmp_path):

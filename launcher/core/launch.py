@@ -106,6 +106,10 @@ def _final_state(outcome: NodeOutcome) -> NodeState:
     return NodeState.STOPPED if outcome.stopped else NodeState.FAILED
 
 
+# SIGTERM to SIGKILL for the other nodes when one is lost (its connection dropped): see _on_exit.
+LOST_NODE_GRACE_S = 5.0
+
+
 class Launch:
     """One launch of `config` on `cluster`: `run()` checks, starts, streams, stops and returns
     the result; `probe()` runs the check alone. `stop` may be shared by launches running at
@@ -447,8 +451,16 @@ class Launch:
             self._failing = True
             # Which node failed first is decided once every node has ended (root_cause): the
             # first to end is often a peer of the cause, so none is named here.
+            if outcome.connection_lost and self.stop_grace_s > LOST_NODE_GRACE_S:
+                # The survivors of a lost node cannot finish anything collective (a checkpoint
+                # save waits on the lost peer until the grace ends): a short grace, so the job
+                # trains again sooner. What a rank saves alone in seconds still gets written.
+                self.stop_grace_s = LOST_NODE_GRACE_S
             if self.in_state(NodeState.RUNNING):
-                log.warning("a node failed; stopping the other nodes")
+                log.warning(
+                    "a node failed; stopping the other nodes (SIGKILL after %g s)",
+                    self.stop_grace_s,
+                )
             self._stop_running()
 
 

@@ -937,3 +937,56 @@ class _BashHereSshToNode1:
 
     def tunnel_log(self, node):
         return None  # no IAP tunnel
+
+
+class _Node1LostAfterItsCheck:
+    """Both nodes run in bash here (as --local does), but node 1's "connection" drops 3 s into
+    its program, with ssh's status for it (255) and no exit marker: a node lost mid-run."""
+
+    local = True
+
+    def __init__(self, told: Path):
+        self.told = told  # what node 0's program read on stdin
+
+    def argv(self, node, script):
+        if node.rank == 0:
+            return [
+                "bash",
+                "--norc",
+                "--noprofile",
+                "-c",
+                'tee "$2" | bash --norc --noprofile -c "$1"',
+                "n0",
+                script,
+                str(self.told),
+            ]
+        # Through a `cat` that dies with the "connection": the program's processes left behind
+        # keep only that pipe open, not the launcher's.
+        lost = 'bash --norc --noprofile -c "$1" 0<&0 2>&1 | cat & sleep 3; kill -9 $!; exit 255'
+        return ["bash", "--norc", "--noprofile", "-c", lost, "node1", script]
+
+    def tunnel_log(self, node):
+        return None
+
+
+def test_the_survivors_of_a_lost_node_are_stopped_with_the_short_grace_not_term_grace(tmp_path, caplog):
+    """Their collective save cannot finish without the lost peer: waiting out --term-grace (25 s)
+    only delays the next attempt: node 0's watchdog is told the short grace (it ignores SIGTERM, so
+    it is killed once that grace is over)."""
+    from launcher.core.launch import LOST_NODE_GRACE_S, Launch, NodeState
+    from launcher.core.wire import grace_line
+
+    cmd = "trap '' TERM; sleep 97.25"  # a time of its own, to find what node 1 left behind
+    cfg = LaunchConfig(workload=Workload("exec", ("sh", "-c", cmd)), job_id=new_job_id(), runs_dir=tmp_path)
+    assert cfg.stop_grace_s > LOST_NODE_GRACE_S
+    events = []
+    launch = Launch(local_cluster(2), cfg, transport=_Node1LostAfterItsCheck(tmp_path / "told"), on_event=events.append)
+    try:
+        with caplog.at_level("WARNING"):
+            result = launch.run(handle_signals=False)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", "sleep 97.25"], check=False)
+    assert result.outcomes[1].connection_lost and launch.states[0] is NodeState.STOPPED
+    assert f"stopping the other nodes (SIGKILL after {LOST_NODE_GRACE_S:g} s)" in caplog.text
+    assert (tmp_path / "told").read_bytes().endswith(b"go\n" + grace_line(LOST_NODE_GRACE_S))
+    assert result.outcomes[0].stopped

@@ -241,8 +241,8 @@ RECOVER_OPTIONS = [
         is_flag=True,
         help="With --detach: when a node is lost or preempted (or a worker fails, see --max-restarts), wait "
         "for every node to pass its check again and relaunch the same command on the same nodes "
-        "(launch train: with --resume, needs --checkpoint-dir; your own program: GPUFLEET_ATTEMPT and "
-        "GPUFLEET_RESTART_REASON tell it, it resumes from its own checkpoint).",
+        "(launch train: with --resume, needs --checkpoint-dir or --local-checkpoint-every; your own "
+        "program: GPUFLEET_ATTEMPT and GPUFLEET_RESTART_REASON tell it, it resumes from its own checkpoint).",
     ),
     click.option(
         "--max-recoveries",

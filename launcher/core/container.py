@@ -30,6 +30,9 @@ environment, so no value is on a command line); a PATH-like variable (LD_LIBRARY
 prepended to the image's own value inside the container instead of replacing it, as Google's
 A3 Mega container does (cluster-toolkit examples/machine-learning/a3-megagpu-8g/nccl-tests/
 run-nccl-tests.sh: `export LD_LIBRARY_PATH=/var/lib/tcpxo/lib64:...:$LD_LIBRARY_PATH`).
+The account's node-local directory (launcher.core.node_local: the local checkpoint tier, the
+compile caches) exists only where the node found one, so the wrapper itself, on the node, mounts
+it at the same path (read-write) and passes its variables (`NODE_LOCAL_VARS`) when they are set.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ from gpufleet.catalog import lookup
 from gpufleet.containers import GPUS_ALL, Wiring, wiring
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
 from gpufleet.nccl_env import PREPEND_PATH_VARS
+from launcher.core.node_local import COMPILE_CACHE_VARS, LOCAL_CHECKPOINT_VAR, LOCAL_DIR_VAR
 from launcher.core.wire import JOB_ID_VAR, NNODES_VAR, NODE_RANK_VAR, RUN_VAR, read_env_statements
 
 __all__ = [
     "IMAGE_LINE",
     "in_image",
     "RUNTIME_ENV",
+    "NODE_LOCAL_VARS",
     "check_image_ref",
     "container_name",
     "container_argv",
@@ -99,6 +104,11 @@ def runtime_statement() -> str:
     )
 
 
+# What the node-local prepare step (launcher.core.node_local) exports on the node, only when it
+# found the account's own directory: the container gets them by name, and that directory at the
+# same path, read-write, only then, so the wrapper decides on the node.
+NODE_LOCAL_VARS = (LOCAL_DIR_VAR, LOCAL_CHECKPOINT_VAR, *COMPILE_CACHE_VARS)
+
 # The wrapper: $1 the container's name, $2 the GPU mode, the rest the runtime's `run` options,
 # the image and the command.
 _WRAPPER = "; ".join(
@@ -107,6 +117,9 @@ _WRAPPER = "; ".join(
         runtime_statement(),
         'case $G in all) case $R in *docker*) set -- --gpus all "$@";; *) set -- --device nvidia.com/gpu=all "$@";; '
         "esac;; esac",
+        f'for V in {" ".join(NODE_LOCAL_VARS)}; do if [ -n "${{!V:-}}" ]; then set -- -e "$V" "$@"; fi; done',
+        f'if [ -n "${{{LOCAL_DIR_VAR}:-}}" ]; then '
+        f'set -- --mount "type=bind,src=${LOCAL_DIR_VAR},dst=${LOCAL_DIR_VAR}" "$@"; fi',
         "trap 'T=1' TERM INT HUP",
         '$R run --rm --name "$N" --user "$(id -u):$(id -g)" --mount "type=bind,src=$PWD,dst=$PWD" -w "$PWD" "$@" '
         "</dev/null & C=$!",
@@ -162,7 +175,8 @@ def container_argv(
         opts += ["--mount", m]
     opts += ["-e", f"{RUN_VAR}={token_value}"]
     for key in dict.fromkeys([*env, *extra_env]):
-        if key not in PREPEND_PATH_VARS and key != RUN_VAR:
+        # NODE_LOCAL_VARS: the wrapper passes those set on the node, a user's --env value included.
+        if key not in PREPEND_PATH_VARS and key != RUN_VAR and key not in NODE_LOCAL_VARS:
             opts += ["-e", key]
     command = list(argv)
     prepend: dict[str, list[str]] = {}

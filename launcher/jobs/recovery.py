@@ -48,6 +48,7 @@ __all__ = [
     "RecoverRequest",
     "recover_policy",
     "resume_argv",
+    "checkpoint_tiers",
     "step_of",
     "failure_of",
     "recovery_lines",
@@ -153,8 +154,8 @@ def recover_policy(
 ) -> RecoverPolicy | None:
     """`--recover` and its settings, refused (one line, nothing started) where there is nothing
     to resume from or no controller to do it. `builtin`: the built-in workload (`launch train`),
-    which needs --checkpoint-dir and is relaunched with --resume; a user's own program resumes
-    from its own checkpoint (launcher.jobs.restarts)."""
+    which needs a checkpoint tier (`checkpoint_tiers`) and is relaunched with --resume; a user's
+    own program resumes from its own checkpoint (launcher.jobs.restarts)."""
     given = asked.given()
     if not asked.recover:
         if given:
@@ -169,10 +170,11 @@ def recover_policy(
             "--no-restart-exit-codes is for your own program (launch run/exec); launch train recovers "
             "the built-in workload by --max-recoveries: drop --no-restart-exit-codes"
         )
-    if builtin and not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in train_argv):
+    if builtin and not checkpoint_tiers(train_argv):
         raise UserError(
-            "--recover needs --checkpoint-dir among the training arguments (nothing to resume from "
-            "otherwise); nothing was started. Add -- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K"
+            "--recover needs checkpoints to resume from among the training arguments: the durable tier "
+            "(-- --checkpoint-dir DIR_OR_BUCKET --checkpoint-every K) or each node's own disk "
+            "(-- --local-checkpoint-every N), or both; nothing was started"
         )
     n = asked.max_recoveries
     if n is not None and n < 1:
@@ -196,8 +198,40 @@ def recover_policy(
     )
 
 
+def _flag_value(argv: tuple[str, ...], flag: str) -> str | None:
+    """The value the last `flag V` or `flag=V` of `argv` gives (as argparse keeps the last), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif a.startswith(f"{flag}="):
+            value = a.partition("=")[2]
+    return value
+
+
+def checkpoint_tiers(train_argv: tuple[str, ...]) -> list[str]:
+    """The checkpoint tiers workloads.train's arguments write, which a relaunch with --resume
+    restores from (workloads.checkpoint.manager restore: the node's own local copies, a peer's,
+    then --checkpoint-dir): `durable` for --checkpoint-dir, `local` for --local-checkpoint-every
+    N other than 0 (0 turns the tier off; a value that is not a number is workloads.train's to refuse)."""
+    tiers = []
+    if _flag_value(train_argv, "--checkpoint-dir"):
+        tiers.append("durable")
+    every = _flag_value(train_argv, "--local-checkpoint-every")
+    if every is not None:
+        try:
+            on = int(every) != 0
+        except ValueError:
+            on = True
+        if on:
+            tiers.append("local")
+    return tiers
+
+
 def resume_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
-    """The training arguments with `--resume` (workloads.train's flag) added once."""
+    """The training arguments with `--resume` (workloads.train's flag) added once: the relaunch
+    restores the newest step its tiers hold (`checkpoint_tiers`), the local tier's included, since
+    every attempt of a job writes under the same GPUFLEET_JOB_ID on each node."""
     return argv if "--resume" in argv else (*argv, "--resume")
 
 

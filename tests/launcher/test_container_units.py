@@ -124,6 +124,39 @@ def test_the_wrapper_outlives_sigterm_and_removes_its_container_after_the_run_en
     assert "GPUFLEET_RUN" not in argv[argv.index("-c") + 1].split("--name")[0]
 
 
+def test_the_node_local_directory_and_its_variables_reach_the_container_only_where_the_node_has_them(tmp_path):
+    log, rt = tmp_path / "calls", tmp_path / "rt"
+    rt.write_text(f"#!/bin/bash\nprintf '[%s]' \"$@\" >> {shlex.quote(str(log))}; echo >> {shlex.quote(str(log))}\n")
+    rt.chmod(0o755)  # records each word of each call in brackets
+    # A user's --env value of one of them travels as the node exports it: by the wrapper, once.
+    argv = container_argv(wiring(None), "IMAGE", "gpufleet-j-0", "j-0", {"TRITON_CACHE_DIR": "/t"}, ["true"])
+    assert "TRITON_CACHE_DIR" not in argv
+    wrapper = tmp_path / "wrapper.sh"
+    wrapper.write_text("#!/bin/bash\n" + argv[argv.index("-c") + 1] + "\n")
+    sc = subprocess.run(["shellcheck", "-s", "bash", str(wrapper)], capture_output=True, text=True, timeout=60)
+    assert sc.returncode == 0, sc.stdout
+    local = tmp_path / "home with space" / ".gpufleet" / "local"  # as node_local exports it
+    local.mkdir(parents=True)
+    exported = {
+        "GPUFLEET_LOCAL_DIR": str(local),
+        "GPUFLEET_LOCAL_CHECKPOINT_DIR": f"{local}/checkpoints",
+        "TORCHINDUCTOR_CACHE_DIR": f"{local}/compile/k/inductor",
+        "TRITON_CACHE_DIR": f"{local}/compile/k/triton",
+    }
+    base = {k: v for k, v in os.environ.items() if k not in exported}
+    base["GPUFLEET_CONTAINER_RUNTIME"] = str(rt)
+    assert subprocess.run(argv, cwd=tmp_path, env={**base, **exported}).returncode == 0
+    (run,) = log.read_text().splitlines()
+    assert f"[--mount][type=bind,src={local},dst={local}]" in run  # one word, spaces and all, read-write
+    assert all(f"[-e][{name}]" in run for name in exported) and run.count("TRITON_CACHE_DIR") == 1
+    assert run.index(str(local)) < run.index("[IMAGE]")  # run options, before the image
+    log.unlink()
+    # No directory found on the node (nothing exported): no mount, no variable.
+    assert subprocess.run(argv, cwd=tmp_path, env=base).returncode == 0
+    (run,) = log.read_text().splitlines()
+    assert str(local) not in run and not any(name in run for name in exported)
+
+
 def test_no_runtime_on_the_node_is_one_error_line(tmp_path):
     argv = container_argv(wiring(None), "IMAGE", "n", "t", {}, ["true"])
     for tool in ("env", "bash", "hostname"):  # a PATH with neither docker nor podman

@@ -6,11 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from launcher.cli import main as cli
 from launcher.core.types import LaunchResult, Node, NodeOutcome, UserError
 from launcher.jobs.recovery import (
     RecoverPolicy,
     RecoverRequest,
+    checkpoint_tiers,
     failure_of,
     parse_duration,
     recover_policy,
@@ -46,6 +49,7 @@ def test_recover_policy_defaults_and_settings():
     "o, argv, detach, words",
     [
         ({"recover": True}, ("-m", "workloads.train", "--steps", "10"), True, "--checkpoint-dir"),
+        ({"recover": True}, ("-m", "workloads.train", "--local-checkpoint-every", "0"), True, "--checkpoint-dir"),
         ({"recover": True}, TRAIN_ARGV, False, "--detach"),
         ({"max_recoveries": 2}, TRAIN_ARGV, True, "--max-recoveries needs --recover"),
         ({"recover_timeout": "5m"}, TRAIN_ARGV, True, "--recover-timeout needs --recover"),
@@ -57,6 +61,48 @@ def test_recover_without_what_it_needs_is_one_line_naming_it(o, argv, detach, wo
     with pytest.raises(UserError) as e:
         recover_policy(RecoverRequest(**o), argv, detach)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+LOCAL_ONLY = ("-m", "workloads.train", "--steps", "10", "--local-checkpoint-every", "2")
+
+
+def test_the_local_tier_alone_is_something_to_resume_from_and_the_relaunch_resumes_from_it():
+    assert checkpoint_tiers(TRAIN_ARGV) == ["durable"] and checkpoint_tiers(LOCAL_ONLY) == ["local"]
+    assert checkpoint_tiers(("--local-checkpoint-every=5", "--checkpoint-dir=gs://b/r")) == ["durable", "local"]
+    assert checkpoint_tiers(("--local-checkpoint-every", "5", "--local-checkpoint-every", "0")) == []  # argparse's last
+    policy = recover_policy(RecoverRequest(recover=True), LOCAL_ONLY, detach=True)
+    assert policy is not None and policy.resume
+    # The relaunch's arguments, as workloads.train reads them: --resume over the local tier alone.
+    from workloads.config import config_from_args
+
+    cfg = config_from_args(list(resume_argv(LOCAL_ONLY)[2:]), world_size=1)
+    assert cfg.checkpoint.resume and cfg.checkpoint.local_checkpoint_every == 2 and not cfg.checkpoint.checkpoint_dir
+
+
+def test_the_refusal_names_both_tiers_in_one_line():
+    with pytest.raises(UserError) as e:
+        recover_policy(RecoverRequest(recover=True), ("-m", "workloads.train", "--steps", "10"), detach=True)
+    line = str(e.value)
+    assert "--checkpoint-dir" in line and "--local-checkpoint-every" in line and "\n" not in line
+
+
+def _train(tmp_path: Path, *args: str):
+    # TEST-NET-1 addresses (RFC 5737): nothing answers there, so whatever ends the launch comes before any contact.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"192.0.2.{i + 1}\n" for i in range(3)))
+    base = ["train", "--hostfile", str(hosts), "--runs-dir", str(tmp_path / "runs"), "--detach", "--recover"]
+    r = CliRunner().invoke(cli, [*base, *args])
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and not (tmp_path / "runs").exists(), r.output
+    return lines[0]
+
+
+def test_launch_train_detach_recover_takes_the_local_tier_alone_and_refuses_no_tier(tmp_path):
+    # Accepted: the launch goes on past --recover's check to the next one (--min-nodes above the nodes).
+    line = _train(tmp_path, "--min-nodes", "9", "--", "--steps", "10", "--local-checkpoint-every", "2")
+    assert "--min-nodes 9 is more than the job's 3 nodes" in line
+    line = _train(tmp_path, "--", "--steps", "10")
+    assert "--recover needs checkpoints" in line and "--local-checkpoint-every N" in line and "--checkpoint-dir" in line
 
 
 def test_resume_is_added_once():

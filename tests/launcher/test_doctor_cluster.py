@@ -151,8 +151,8 @@ def test_a_nic_down_no_rxdm_and_a_hardware_xid_each_fail_their_node(cluster, tmp
     assert r.exit_code == 1, r.output
     assert f"node 1 ({hosts[1]}): gpu NIC eth2 is down, not up" in r.output
     assert (
-        f"node 2 ({hosts[2]}): receive-datapath-manager is not running (gpudirect-tcpx needs it; the startup "
-        "script starts it)"
+        f"node 2 ({hosts[2]}): receive-datapath-manager (RxDM) is not running (gpudirect-tcpx needs it; the "
+        "startup script starts it: reboot the node, or run its startup script again)"
     ) in r.output
     assert f"node 3 ({hosts[3]}): XID 79 on GPU 0000:08:00 since boot (a hardware fault;" in r.output
     assert r.output.rstrip().splitlines()[-1] == f"--exclude {hosts[1]},{hosts[2]},{hosts[3]}"

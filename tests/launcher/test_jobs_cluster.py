@@ -309,8 +309,11 @@ def test_the_cluster_key_is_on_node_0_only_authorized_from_the_cluster_and_a_cha
     # The private key: node 0 only, mode 600; the same key, by its public half.
     (node_key,) = (tmp_path / "home0" / ".gpufleet" / "clusters").glob("*/id_ed25519")
     assert stat.S_IMODE(node_key.stat().st_mode) == 0o600 and node_key.read_bytes() == client_key.read_bytes()
-    # (The other nodes hold only their runs' output, in .gpufleet/node-runs: no key, no record.)
-    assert not [p for i in (1, 2) for p in (tmp_path / f"home{i}" / ".gpufleet").glob("*") if p.name != "node-runs"]
+    # (The other nodes hold only their runs' output, in .gpufleet/node-runs, and the account's
+    # node-local directory, .gpufleet/local (checkpoint tier, compile caches): no key, no record.)
+    others = [tmp_path / f"home{i}" / ".gpufleet" for i in (1, 2)]
+    assert not [p for d in others for p in d.glob("*") if p.name not in ("node-runs", "local")]
+    assert not [p for d in others for p in d.rglob("*") if p.name.startswith("id_") or p.suffix == ".json"]
     public = client_key.with_name("id_ed25519.pub").read_text().split()[1]
     frm = 'from="' + ",".join(sorted(c.addresses)) + '"'
     for i in range(3):

@@ -16,6 +16,7 @@ from tests.launcher.fake_gpu_node import SYSTEM_PATH
 from tests.simcluster import SimCluster, _environ, netns_available
 
 __all__ = [
+    "require_root",
     "REPO",
     "PY",
     "LAUNCH",
@@ -222,6 +223,16 @@ def site_dir(tmp_path: Path, code: str) -> Path:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(textwrap.dedent(code))
     return site
+
+
+def require_root(why: str) -> None:
+    """Skip a test that needs root where this run is not root (a developer's run as a user);
+    under CI (.ci/run runs as root) not being root is a broken setup: fail."""
+    if os.geteuid() == 0:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(why + "; CI must run as root")
+    pytest.skip(why)
 
 
 def require_netns(why: str) -> None:

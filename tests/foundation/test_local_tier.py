@@ -21,6 +21,7 @@ from gpufleet.local_tier import (
     verify,
     write_manifest,
 )
+from tests.support import require_root
 
 
 def _rank_copy(root, area: str, step: int, rank: int, world: int = 2, manifest: bool = True):
@@ -118,8 +119,7 @@ def test_a_directory_that_is_not_this_accounts_own_is_refused_in_one_line(tmp_pa
 
 
 def test_a_directory_of_another_account_is_refused(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("making a directory of another uid needs root")
+    require_root("making a directory of another uid needs root")
     p = tmp_path / "local"
     p.mkdir(mode=0o700)
     os.chown(p, 65534, 65534)

@@ -11,9 +11,8 @@ import re
 import shutil
 import signal
 
-import pytest
-
 from gpufleet.local_tier import MANIFEST, complete_steps, rank_dir
+from tests.support import require_root
 from tests.workloads.conftest import (
     REF_ARGS,
     REF_STEPS,
@@ -133,8 +132,8 @@ def test_local_checkpoints_without_a_local_directory_are_one_line_exit_2(tmp_pat
     assert line == "error: --local-checkpoint-dir needs --local-checkpoint-every K (how often to save there)"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another uid needs root")
 def test_a_local_directory_of_another_account_is_refused(tmp_path):
+    require_root("making a directory of another uid needs root")
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 65534, 65534)

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["replacing", "temp_path", "write_text"]
+__all__ = ["fsync_dir", "replacing", "temp_path", "write_text"]
 
 
 def temp_path(path: str | Path) -> Path:
@@ -49,3 +49,12 @@ def write_text(path: str | Path, text: str) -> None:
     """`path` holds `text`, whole, or keeps what it held."""
     with replacing(path) as tmp:
         tmp.write_text(text)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries (a rename into it, a new file) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

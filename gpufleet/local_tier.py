@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.atomic import fsync_dir
+
 __all__ = [
     "ENV_VAR",
     "OWN",
@@ -114,14 +116,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(directory: str | os.PathLike[str], step: int, rank: int, world_size: int) -> Manifest:
     """Hash every file of `directory` and write MANIFEST.json into it, last: temporary name,
     fsync, rename, fsync of the directory. From then on the directory is a complete checkpoint."""
@@ -138,7 +132,7 @@ def write_manifest(directory: str | os.PathLike[str], step: int, rank: int, worl
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, d / MANIFEST)
-    _fsync_dir(d)
+    fsync_dir(d)
     return manifest
 
 

@@ -47,6 +47,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from gpufleet.atomic import fsync_dir
+
 __all__ = [
     "CheckpointError",
     "CheckpointStore",
@@ -251,14 +253,6 @@ def open_store(url: str) -> CheckpointStore:
     return GCSStore(url) if url.startswith("gs://") else LocalStore(url)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class LocalStore:
     def __init__(self, path: str) -> None:
         self.root = Path(path)
@@ -327,7 +321,7 @@ class LocalStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise self._fail("write", final, e) from None
@@ -338,7 +332,7 @@ class LocalStore:
             if final.exists():  # a whole save that never became latest (cut before the pointer)
                 shutil.rmtree(final)
             os.rename(self._staging(name, token), final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as e:
             raise self._fail("publish", final, e) from None
         self._write_pointer(name)

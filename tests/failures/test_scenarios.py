@@ -163,6 +163,11 @@ def test_sigterm_to_the_workers_saves_a_checkpoint_and_resume_continues_from_it(
     assert "SIGTERM: saving a checkpoint at step" in run.out
     step = checkpoint_step(ckpt)
     assert step >= 10
+    # The save is timed and checked against the notice (the default 30 s --preemption-budget).
+    (line,) = [ln for ln in run.out.splitlines() if f"SIGTERM: checkpoint step {step} saved in " in ln]
+    seconds = float(line.split(" saved in ")[1].split(" s ")[0])
+    assert 0 < seconds < 30 and f"-> {ckpt / f'step_{step:08d}'};" in line, line
+    assert line.endswith("within the 30 s --preemption-budget"), line
     again = train(c, tmp_path, *common, "--steps", str(step + 5), "--resume", name="resume")
     assert again.wait(120) == 0, again.out
     assert f"resumed from {ckpt} at step {step}" in again.out
@@ -340,8 +345,10 @@ def test_a_full_checkpoint_disk_names_the_path_and_keeps_the_previous_checkpoint
     assert errors and errors[0].startswith(f"[node {node}] error: "), out
     assert f"{disk / 'step_00000002'}" in errors[0] and out.count(errors[0]) == 1, out
     assert "[rank" not in errors[0]
+    assert len({ln.split("] ", 1)[-1] for ln in out.splitlines() if "error: " in ln}) == 1, out  # one line
     assert (disk / "latest").read_text().strip() == "step_00000001"
     assert checkpoint_step(disk) == 1
+    assert not [p for p in disk.iterdir() if ".tmp-" in p.name]  # the partial file is removed
     c.assert_nothing_left(within=2)
 
 

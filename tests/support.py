@@ -152,6 +152,12 @@ class Launch:
         self._fh.close()
 
 
+# How often a test polls through `launch` (`launch jobs`, `launch logs`): each poll is a Python
+# start of the CLI and an ssh session to node 0, about 0.4 s of CPU in all, and the suite is
+# CPU-bound on 2 cores; once a second is plenty for a job's state.
+LAUNCH_POLL_S = 1.0
+
+
 def wait_for(pred, timeout: float, what: str, launch: Launch | None = None, interval: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.contracts import HOLDS_DIR
-from tests.support import LAUNCH, wait_for
+from tests.support import LAUNCH, LAUNCH_POLL_S, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -98,7 +98,7 @@ def test_nothing_one_account_keeps_on_a_node_can_be_read_by_the_other_and_a_plan
         listed = run_as(c, tmp_path, A, "jobs", "--json").stdout
         return re.search(rf'"id": "{job}".*"state": "SUCCEEDED"', listed) is not None
 
-    wait_for(ended, 300, f"job {job} SUCCEEDED")
+    wait_for(ended, 300, f"job {job} SUCCEEDED", interval=LAUNCH_POLL_S)
     # Node 0 kept A's cache on its SSD, in A's own directory; node 1 in A's home. Nothing of A's
     # is in what B planted.
     assert on_node(c, 0, A, f"stat -c %U:%a {planted}").stdout.strip() == f"{A}:700"

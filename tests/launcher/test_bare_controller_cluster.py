@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from tests.launcher.test_jobs_cluster import launch
-from tests.support import BARE_GROUP, hostfile_of, source_args, wait_for
+from tests.support import BARE_GROUP, LAUNCH_POLL_S, hostfile_of, source_args, wait_for
 
 pytestmark = [pytest.mark.cluster, BARE_GROUP, pytest.mark.timeout(600)]
 
@@ -51,7 +51,7 @@ def test_a_detached_job_controlled_from_a_bare_controller_host_relaunches_the_sa
         done.update(found)
         return found["state"] in FINAL
 
-    wait_for(ended, 300, f"job {job_id} to end", interval=0.5)
+    wait_for(ended, 300, f"job {job_id} to end", interval=LAUNCH_POLL_S)
     out = launch(tmp_path, "logs", *src, job_id, check=True).stdout
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, (done, out)
     assert done["recoveries"], done  # the first attempt failed, and the controller relaunched it

@@ -16,7 +16,7 @@ import pytest
 
 from tests.launcher.test_controller_host_cluster import FINAL, with_controller
 from tests.launcher.test_jobs_cluster import detach, job, launch, wait_state
-from tests.support import TRAIN, source_args, torch_args, wait_for
+from tests.support import LAUNCH_POLL_S, TRAIN, source_args, torch_args, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -78,7 +78,12 @@ def test_a_killed_controller_is_restarted_by_launch_jobs_and_the_job_ends_with_n
     assert seen["state"] == "RUNNING" and not seen["orphaned"], seen
     # Once it has re-adopted the nodes, it is killed too; this time `launch attach` starts it again
     # and follows the job to its end.
-    wait_for(lambda: job(c, tmp_path, job_id)["adoptions"][-1]["attached_s"] is not None, 60, "the re-adoption")
+    wait_for(
+        lambda: job(c, tmp_path, job_id)["adoptions"][-1]["attached_s"] is not None,
+        60,
+        "the re-adoption",
+        interval=LAUNCH_POLL_S,
+    )
     again = kill_controller(c, tmp_path, job_id)
     assert last_step(out0) < steps, "the job ended before its second controller was killed: make it longer"
     attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id, timeout=180)

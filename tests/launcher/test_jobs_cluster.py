@@ -23,6 +23,7 @@ import torch
 from tests.simcluster import SimCluster
 from tests.support import (
     LAUNCH,
+    LAUNCH_POLL_S,
     TRAIN,
     checkpoint_step,
     params,
@@ -88,7 +89,7 @@ def wait_state(c: SimCluster, tmp_path: Path, job_id: str, states: set[str], tim
         seen.update(job(c, tmp_path, job_id))
         return seen["state"] in states
 
-    wait_for(reached, timeout, f"job {job_id} in {states} (last: {seen})", interval=0.5)
+    wait_for(reached, timeout, f"job {job_id} in {states} (last: {seen})", interval=LAUNCH_POLL_S)
     return seen
 
 

@@ -13,6 +13,7 @@ from gpufleet.contracts import LABEL_NODE
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
 from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
 from tests.support import (
+    LAUNCH_POLL_S,
     TRAIN,
     checkpoint_step,
     params,
@@ -65,7 +66,7 @@ def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_un
     c.preempt(1)
     t_gone = time.monotonic()
     seen = wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
-    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["node"] == 1, 20, "node 1 named", interval=0.5)
+    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["node"] == 1, 20, "node 1 named", interval=LAUNCH_POLL_S)
     assert checkpoint_step(ckpt) < 300, "the preemption came after the end: make the run longer"
     time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
     recovering = job(c, tmp_path, job_id)
@@ -306,7 +307,12 @@ def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_li
     c.preempt(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
     c.restart_sshd(1)
-    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None, 60, "relaunched", interval=0.5)
+    wait_for(
+        lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None,
+        60,
+        "relaunched",
+        interval=LAUNCH_POLL_S,
+    )
     first = checkpoint_step(ckpt)
     wait_for(lambda: checkpoint_step(ckpt) >= first + 10, 120, "progress after the resume")
     c.preempt(1)

@@ -19,7 +19,7 @@ from launcher.core.wire import PREEMPTION_NOTICE
 from tests.launcher.fake_gpu_node import FakeMetadata
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
 from tests.simcluster import _environ
-from tests.support import PY, REPO, source_args, wait_for
+from tests.support import LAUNCH_POLL_S, PY, REPO, source_args, wait_for
 from tests.workloads.conftest import start_gcs_emulator
 
 pytestmark = pytest.mark.cluster
@@ -265,7 +265,7 @@ IGNORES_SIGTERM = """
 
 
 def _stop_after_start(c, tmp_path: Path, job_id: str, *stop_args: str) -> tuple[dict, str]:
-    wait_for(lambda: logs(c, tmp_path, job_id).count("training") == 2, 60, "both ranks started", interval=0.5)
+    wait_for(lambda: logs(c, tmp_path, job_id).count("training") == 2, 60, "both ranks started", interval=LAUNCH_POLL_S)
     r = launch(tmp_path, "stop", *source_args(c, tmp_path), *stop_args, job_id, timeout=120)
     assert r.returncode == 0 and "STOPPED" in r.stderr, r.stderr
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=30)

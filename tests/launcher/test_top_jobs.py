@@ -28,7 +28,7 @@ from launcher.observe import job_metrics
 from launcher.observe.top import SCHEMA
 from tests.launcher.test_jobs_cluster import cluster, job, launch
 from tests.simcluster import SimCluster
-from tests.support import source_args, wait_for
+from tests.support import LAUNCH_POLL_S, source_args, wait_for
 
 FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 JOB = "20260101-120000-a1b2c3"
@@ -156,7 +156,7 @@ def test_top_job_id_views_the_jobs_3_nodes_and_its_controller_samples_them_until
     view = _records(rec)
     assert {(x["node"], x["host"]) for x in view} == set(enumerate(c.addresses[:3]))
     assert c.addresses[3] not in r.stdout
-    wait_for(lambda: _state(c, tmp_path, job_id) in FINAL, 60, f"job {job_id} to end", interval=0.5)
+    wait_for(lambda: _state(c, tmp_path, job_id) in FINAL, 60, f"job {job_id} to end", interval=LAUNCH_POLL_S)
     assert _state(c, tmp_path, job_id) == "SUCCEEDED"
     c.assert_nothing_left()
     # The controller's samples: every node of the job (and no other), about every second.

@@ -91,7 +91,11 @@ def _worker(argv: list[str]) -> None:
 
     config.MODELS.update(SIZES)
     llama_sizes.LLAMA_SIZES.update(SIZES)
-    cfg = config.config_from_args(argv)
+    # --build-only (this worker's own flag): print how the model was built and stop before the
+    # first step, for a test about the build alone (a step of a 1.4 GB model costs each rank
+    # seconds of CPU; the meta builds that train are the tests above).
+    build_only = "--build-only" in argv
+    cfg = config.config_from_args([a for a in argv if a != "--build-only"])
     _init_distributed()
     trainer = None
     try:
@@ -114,7 +118,12 @@ def _worker(argv: list[str]) -> None:
                     f"shards_differ={not torch.equal(first, beside)}",
                     flush=True,
                 )
-        trainer.fit()
+        if build_only:
+            from workloads.parallel.build import build_line
+
+            trainer.log(build_line(trainer.built, not trainer.dims.is_ddp, trainer.build_growths))
+        else:
+            trainer.fit()
         dist.barrier()
     finally:
         del trainer
@@ -165,7 +174,7 @@ def test_a_tied_gpt_under_tp2xpp2_keeps_its_tie_through_tensor_parallelism_and_t
 def test_no_rank_of_a_meta_build_ever_holds_the_whole_model():
     # 1.40 GB of fp32 weights under tp 2 x dp_shard 2: each rank's shards are a quarter of it.
     whole = 4 * SIZES["llama3-meta-test"].n_params
-    args = ["--model", "llama3-meta-test", "--tp", "2", "--dp-shard", "2", "--init-device", "meta", "--steps", "1"]
+    args = ["--model", "llama3-meta-test", "--tp", "2", "--dp-shard", "2", "--init-device", "meta", "--build-only"]
     args += ["--seq-len", "16", "--global-batch", "2", "--micro-batch", "1", "--straggler-every", "0"]
     run = run_worker(args, nproc=4, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -179,7 +188,6 @@ def test_no_rank_of_a_meta_build_ever_holds_the_whole_model():
     # before): its quarter of the weights and the temporaries of the one tensor being filled,
     # well below the whole model, which a whole copy anywhere would reach by itself.
     assert 0.2 * whole < grew < 0.5 * whole, (grew / whole, run.stdout)
-    assert math.isfinite(losses(run.stdout)[0])
 
 
 def test_auto_picks_meta_for_a_sharded_layout_on_cuda_or_a_host_too_small_and_full_otherwise():

@@ -363,20 +363,24 @@ def _collective_part(waiting: list[tuple[RankStack, Place]], everyone: bool) -> 
 def verdict(silent_s: float, nodes: list[NodeStacks], stacks_dir: str) -> tuple[str, list[RankStack]]:
     """The one line that names the culprit, and the ranks it names: ranks outside every
     collective first (up to 3, with where they are), then what the others wait in, then the
-    ranks or nodes that gave no stack."""
+    ranks or nodes that gave no stack. Named, in that order: the ranks outside any collective,
+    the ranks whose stack could not be read (a stopped, dying or unreadable process: the others
+    wait for it), and only when every rank's stack was read, the one in another collective."""
     placed = [(s, classify(s.text)) for n in nodes for s in n.ranks if s.ok]
+    failed = sorted((s for n in nodes for s in n.ranks if not s.ok), key=lambda s: s.rank)
     outside = sorted(((s, p) for s, p in placed if not p.in_collective), key=lambda sp: sp[0].rank)
     waiting = sorted(((s, p) for s, p in placed if p.in_collective), key=lambda sp: sp[0].rank)
-    parts, named = [], [s for s, _ in outside]
+    parts, named = [], [s for s, _ in outside] + failed
     for s, p in outside[:3]:
         parts.append(f"{_who(s)} is outside any collective at {p.at()}")
     if len(outside) > 3:
         parts.append(f"{len(outside) - 3} more ranks are outside any collective")
     if waiting:
-        text, odd = _collective_part(waiting, everyone=not outside)
+        # A rank whose stack is missing may be the one the others wait for: then "every rank
+        # waits" is not known, and a waiting rank at another call site is not the culprit.
+        text, odd = _collective_part(waiting, everyone=not outside and not failed)
         parts.append(text)
         named += odd
-    failed = [s for n in nodes for s in n.ranks if not s.ok]
     for s in failed[:3]:
         why = (s.text.strip().splitlines() or [f"py-spy exit {s.status}"])[-1]
         parts.append(f"no stack from {_who(s)}: {why}")

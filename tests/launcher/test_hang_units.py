@@ -202,6 +202,21 @@ def test_verdict_reports_ranks_and_nodes_that_gave_no_stack():
     assert "node 1 (10.0.0.12): could not collect stacks: Connection refused" in line
 
 
+def test_a_rank_that_gives_no_stack_is_named_before_a_waiting_rank_at_another_call_site():
+    # A stopped rank (SIGSTOP, a process in D state) gives no stack while the others wait for it
+    # in a collective, some at another call site: the rank without a stack is the culprit.
+    n0, n1 = nodes(2)
+    stopped = RankStack(n1, 2, 102, False, "Error: Failed to suspend process\n", 1)
+    got = [
+        NodeStacks(n0, [rank(n0, 0, "gloo-barrier-wait.txt"), rank(n0, 1, "gloo-all_reduce-wait-rank1.txt")]),
+        NodeStacks(n1, [stopped]),
+    ]
+    line, named = verdict(30, got, "s")
+    assert [(s.node.rank, s.rank) for s in named] == [(1, 2)]
+    assert "2 ranks wait in collectives" in line and "every rank" not in line, line
+    assert "no stack from node 1 (10.0.0.12) rank 2: Error: Failed to suspend process" in line
+
+
 def test_node_output_is_split_into_ranks_and_flight_recorder_dumps():
     (n0,) = nodes(1)
     text = (

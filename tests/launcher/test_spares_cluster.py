@@ -61,7 +61,7 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_and_the_job_succeeds_with
     # launch jobs: the job's failure, its time to train again and the swap, one line below the table.
     table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
     (line,) = [l for l in table.splitlines() if l.startswith(f"job {job_id} failure 1 (node 1")]
-    assert "trained again after " in line and "restored from unknown" in line, line
+    assert "trained again after " in line and "restored from durable" in line, line
     assert line.endswith(f"swapped node 1 ({a[1]}) → spare {a[3]} (unreachable)"), line
     failure, _ = job(c, tmp_path, job_id)["goodput"]["failures"]
     assert failure["to_train_s"] > 0 and failure["swaps"] == [swap], failure

@@ -155,6 +155,9 @@ def test_a_record_with_swaps_round_trips_and_an_old_record_still_reads():
 def test_a_restore_line_names_its_step_and_source_and_nothing_else_does():
     assert restored_from("[rank0] restored step 40 from peer (12 shards)") == (40, "peer")
     assert restored_from("restored step 7 from durable") == (7, "durable")
+    # workloads.train's resume line ends with it (workloads/checkpoint/manager.py, `_apply`).
+    line = "[node 0] resumed from /ckpt at step 10 (epoch 0, 20 samples seen); restored step 10 from durable"
+    assert restored_from(line) == (10, "durable")
     assert restored_from("restored step 7 from gcs") is None and restored_from("step 7/10 | loss 1") is None
 
 

@@ -35,8 +35,12 @@ def _env(root) -> dict[str, str]:
 
 
 def _resumed_at(stdout: str) -> tuple[int, str]:
-    m = re.search(r"^resumed from (.*) at step (\d+) ", stdout, re.M)
+    """(step, source) of the resume line, whose end names the tier for `launch jobs`: local
+    when every rank read its own copy, peer when any read a peer's, durable for --checkpoint-dir."""
+    m = re.search(r"^resumed from (.*) at step (\d+) .*; restored step (\d+) from (\w+)$", stdout, re.M)
     assert m, stdout
+    tier = "durable" if not m[1].startswith("the local tier") else "local" if "peer copies on 0)" in m[1] else "peer"
+    assert (m[3], m[4]) == (m[2], tier), m[0]
     return int(m.group(2)), m.group(1)
 
 

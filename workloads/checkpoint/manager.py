@@ -385,7 +385,7 @@ class CheckpointManager:
         own = sum(t == OWN for t in tiers)
         source = f"the local tier (own copies on {own} ranks, peer copies on {len(tiers) - own})"
         assert trainer is not None
-        self._apply(trainer, source)
+        self._apply(trainer, source, "local" if own == len(tiers) else "peer")
 
     def load(self, name: str | None = None) -> None:
         """Continue from the latest checkpoint of --checkpoint-dir (`name`, when the caller read
@@ -415,10 +415,12 @@ class CheckpointManager:
                 self.model, self.optimizer, model_state_dict=body["model"], optim_state_dict=body["optimizer"]
             )
         self._latest_name = name
-        self._apply(trainer, str(self.url))
+        self._apply(trainer, str(self.url), "durable")
 
-    def _apply(self, trainer: dict[str, Any], source: str) -> None:
-        """The trainer's part of a loaded checkpoint: train state, this rank's RNG, the line."""
+    def _apply(self, trainer: dict[str, Any], source: str, tier: str) -> None:
+        """The trainer's part of a loaded checkpoint: train state, this rank's RNG, the line. The
+        line ends `restored step N from local|peer|durable` (`tier`: peer when any rank read a
+        peer's copy), which `launch jobs` reads for each relaunch (launcher.jobs.goodput.RESTORED_RE)."""
         assert self.train_state is not None
         ranks = self.ranks
         self.train_state.load_state_dict(trainer)
@@ -436,7 +438,8 @@ class CheckpointManager:
             resharded += f"; saved as {layout}, read as {mine}"
         ranks.log(
             f"resumed from {source} at step {self.train_state.step} "
-            f"(epoch {trainer['data']['epoch']}, {trainer['data']['samples_seen']} samples seen{resharded})"
+            f"(epoch {trainer['data']['epoch']}, {trainer['data']['samples_seen']} samples seen{resharded}); "
+            f"restored step {self.train_state.step} from {tier}"
         )
 
     def _dcp_load(self, state: dict[str, Any], name: str, where: str) -> None:

@@ -201,6 +201,7 @@ def run(b: Bench, work: Path, a: argparse.Namespace) -> dict:
     ckpt = work / "ckpt"
     argv = [
         *("train", *b.flags, *b.torch, "--detach", "--recover", "--spares", "1", "--hang-timeout", f"{HANG_S}s"),
+        *("--max-recoveries", str(2 * len(KINDS))),  # the default 3 is fewer than the schedule's faults
         *("--", *_train(a.local_every, a.durable_every), "--global-batch", "3", "--checkpoint-dir", str(ckpt)),
     ]
     job = b.launch(*argv).split()[1]

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from bench.bench_recover import LAUNCH, Bench
 
-__all__ = ["KINDS", "Fault", "schedule", "restores", "lost_steps", "main"]
+__all__ = ["KINDS", "Fault", "schedule", "restores", "tier", "lost_steps", "main"]
 
 KINDS = ("rank killed", "node lost for good", "hang", "node lost for 10 s", "preemption notice")
 AWAY_S = 10.0  # the node lost for 10 s, and the preempted node, are back after this
@@ -94,6 +94,11 @@ def restores(output: str) -> list[tuple[int, int, str]]:
         else:
             found.append((m.end(), step, src))
     return found
+
+
+def tier(source: str) -> str:
+    """The tier a `resumed from SOURCE` names: `the local tier (...)`, or the durable directory."""
+    return next((t for t in ("local", "peer", "durable") if source.startswith((t, f"the {t}"))), "durable")
 
 
 def lost_steps(output: str) -> list[tuple[int, int, str, int]]:
@@ -273,7 +278,7 @@ def report(r: dict, anchor_s: float, a: argparse.Namespace) -> bool:
         if f is not None and f["restored_from"] != "unknown":
             src = f"{f['restored_from']} step {f['restored_step']}"
         else:  # the record names no tier: the output's own line, `resumed from SOURCE`
-            src = "-" if ls is None else f"? step {ls[1]}"
+            src = "-" if ls is None else f"{tier(ls[2])}? step {ls[1]}"
         met = tta is not None and tta <= 30 and ls is not None and ls[3] <= a.local_every
         ok &= met
         print(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.bench_faults import KINDS, lost_steps, schedule
+from bench.bench_faults import KINDS, lost_steps, schedule, tier
 
 
 def test_schedule_spaces_the_five_faults_from_half_an_interval_on():
@@ -44,3 +44,9 @@ def test_todays_resume_line_counts_and_a_tier_line_of_the_same_restore_counts_on
         ]
     )
     assert lost_steps(out) == [(34, 30, "durable", 4), (42, 40, "local tier", 2)]
+
+
+def test_a_resume_line_names_its_tier():
+    assert tier("the local tier (own copies on 3 ranks, peer copies on 0)") == "local"
+    assert tier("/tmp/ckpt") == "durable"
+    assert tier("local") == "local"

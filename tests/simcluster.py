@@ -756,7 +756,10 @@ class SimCluster:
         victims = set(self.processes(i))
         if node.sshd:
             victims |= set(_descendants(node.sshd.pid)) | {node.sshd.pid}
-        for pid in victims:
+        # sshd first (the listener and each session's sshd), then the rest: a VM that goes away
+        # takes its connections with it, so no client hears an exit status from a session whose
+        # shell saw its job's processes die a moment before the network did.
+        for pid in sorted(victims, key=lambda p: not _comm(p).startswith("sshd")):  # sshd-session too
             self._kill(pid)
         if node.sshd:
             node.sshd.wait(timeout=10)
@@ -838,6 +841,14 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
+
+
+def _comm(pid: int) -> str:
+    """The process's command name, "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _descendants(pid: int) -> list[int]:

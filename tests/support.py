@@ -234,18 +234,20 @@ def site_dir(tmp_path: Path, code: str) -> Path:
 def require_root(why: str) -> None:
     """Skip a test that needs root where this run is not root (a developer's run as a user);
     under CI (.ci/run runs as root) not being root is a broken setup: fail."""
-    if os.geteuid() == 0:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(why + "; CI must run as root")
-    pytest.skip(why)
+    _needed(os.geteuid() == 0, why, "CI must run as root")
 
 
 def require_netns(why: str) -> None:
     """Skip a test that needs root and `ip netns` where the machine has neither (a developer's
     run as a user); under CI (.ci/run runs as root) their absence is a broken machine: fail."""
-    if netns_available():
+    _needed(netns_available(), why, "CI must run as root with iproute2 (make sysdeps)")
+
+
+def _needed(present: bool, why: str, ci_fix: str) -> None:
+    """Nothing when `present`; else a skip on a developer's run, a failure naming `ci_fix` under
+    CI, where a missing root or tool is a broken machine, never a reason to run less."""
+    if present:
         return
     if os.environ.get("CI"):
-        pytest.fail(why + "; CI must run as root with iproute2 (make sysdeps)")
+        pytest.fail(f"{why}; {ci_fix}")
     pytest.skip(why)

@@ -130,10 +130,12 @@ class Transport:
         return iap_tunnel(iap_instance(node), self.iap_zone, port, str(errors) if errors else None)
 
     def tunnel_log(self, node: Node | ControllerHost) -> Path | None:
-        """The file the node's IAP tunnel writes gcloud's errors to (why it could not open), or None."""
+        """The file the node's IAP tunnel writes gcloud's errors to (why it could not open), or None.
+        One per launching process: two launches on one cluster at once share the control directory,
+        and must not read each other's errors."""
         if not self.iap_zone or self.tunnel_dir is None:
             return None
-        return self.tunnel_dir / f"iap-{re.sub(r'[^A-Za-z0-9_.-]', '_', iap_instance(node))}.err"
+        return self.tunnel_dir / f"iap-{re.sub(r'[^A-Za-z0-9_.-]', '_', iap_instance(node))}-{os.getpid()}.err"
 
     def display(self, node: Node, script: str) -> str:
         """The exact command that would run over SSH (for --dry-run)."""

@@ -32,6 +32,7 @@ Pure standard library: imported by the launcher, by workloads on the nodes, and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,6 +61,7 @@ __all__ = [
     "verify",
     "check_private",
     "common_step",
+    "default_root",
 ]
 
 ENV_VAR = "GPUFLEET_LOCAL_CHECKPOINT_DIR"
@@ -223,3 +225,28 @@ def common_step(restorable: Sequence[Iterable[int]]) -> int | None:
         return None
     both = set.intersection(*sets)
     return max(both) if both else None
+
+
+def default_root(home: str | None = None, mounts: Iterable[str] | None = None) -> Path:
+    """The tier's root a node program gives its ranks when --env does not set ENV_VAR: the node's
+    per-account local directory (launcher.core.node_local, the same rule in bash) and
+    `checkpoints` in it. That directory is MOUNT/gpufleet-UID on the first local SSD mount that is
+    mounted and writable, when it is a 0700 directory of this account's own; otherwise (no local
+    SSD, or a wrong directory there) ~/.gpufleet/local. The peer tier's receiver writes here: it
+    runs under sshd's forced command, with no job environment to read the root from."""
+    from gpufleet.contracts import LOCAL_SSD_MOUNT
+
+    home = home or os.path.expanduser("~")
+    for mount in dict.fromkeys(LOCAL_SSD_MOUNT.values()) if mounts is None else mounts:
+        if os.path.ismount(mount) and os.access(mount, os.W_OK):
+            mine = Path(mount) / f"gpufleet-{os.geteuid()}"
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(mine, 0o700)  # as the node program makes it (a spare has run none yet)
+                st = os.lstat(mine)
+            except OSError:
+                break
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o022:
+                return mine / "checkpoints"
+            break
+    return Path(home) / ".gpufleet" / "local" / "checkpoints"

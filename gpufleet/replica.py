@@ -30,7 +30,11 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -41,17 +45,38 @@ from gpufleet.local_tier import (
     OWN,
     PEER,
     Manifest,
+    check_private,
     complete_steps,
+    default_root,
     rank_dir,
     read_manifest,
+    step_name,
 )
 
-__all__ = ["ReplicaError", "ring_peer", "check_job", "check_file_name", "pack", "receive", "prune"]
+__all__ = [
+    "ReplicaError",
+    "ring_peer",
+    "check_job",
+    "check_file_name",
+    "pack",
+    "receive",
+    "prune",
+    "Sender",
+    "sidecar",
+    "main",
+]
 
 _FILE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MAX_MANIFEST = 1 << 20
 _CHUNK = 1 << 22
+_PEER = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*$")
+# The peer copies kept per rank: the newest two, as the writer keeps its own (--keep-local-checkpoints' default).
+KEEP = 2
+# How often the sender looks for a newly completed step, and how long a peer that could not be
+# reached is passed over (the next one in the ring takes its copies meanwhile).
+POLL_S = 2.0
+UNREACHABLE_S = 60.0
 
 
 class ReplicaError(ValueError):
@@ -161,3 +186,210 @@ def prune(root: str | os.PathLike[str], job: str, area: str, rank: int, keep: in
     for step in gone:
         shutil.rmtree(rank_dir(root, job, area, step, rank), ignore_errors=True)
     return gone
+
+
+def _say(text: str) -> None:
+    print(f"replica: {text}", file=sys.stderr, flush=True)
+
+
+class Sender:
+    """The sending side on one node: each rank of this node's own area (ROOT/JOB/own) whose
+    newest complete step has not gone out yet is streamed (`pack`) to the first peer of `peers`
+    that answers, over ssh with the cluster's replica key, whose authorized entry on every node
+    forces `receive` (launcher.code.tree.authorize_replica). `peers`: the nodes after this one in
+    the job's order, spares included, wrapping round: the first is the ring's next node; one that
+    cannot be reached (a node lost) is passed over for UNREACHABLE_S, so its successor holds the
+    copies meanwhile. Host keys are checked strictly against the known_hosts the launcher
+    verified and sent at preparation (no first-use trust)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        job: str,
+        peers: Sequence[str],
+        port: int,
+        key: str | os.PathLike[str],
+        known: str | os.PathLike[str],
+        say: Callable[[str], None] = _say,
+    ):
+        self.root, self.job, self.port = Path(root), check_job(job), int(port)
+        for peer in peers:
+            if not _PEER.match(peer):
+                raise ReplicaError(f"peer {peer!r} is not a plain user@address")
+        self.peers, self.key, self.known, self.say = list(peers), str(key), str(known), say
+        self.sent: dict[int, int] = {}  # rank -> the newest step copied out
+        self.down: dict[str, float] = {}  # peer -> when it last could not be reached
+
+    def argv(self, peer: str) -> list[str]:
+        user, _, host = peer.rpartition("@")
+        argv = ["ssh", "-i", self.key, "-p", str(self.port), *(["-l", user] if user else [])]
+        for opt in (
+            "IdentitiesOnly=yes",
+            "IdentityAgent=none",
+            "BatchMode=yes",
+            "StrictHostKeyChecking=yes",
+            f"UserKnownHostsFile={self.known}",
+            "GlobalKnownHostsFile=/dev/null",
+            "UpdateHostKeys=no",
+            "ControlMaster=no",
+            "ControlPath=none",
+            "ConnectTimeout=5",
+            "ServerAliveInterval=5",
+            "ServerAliveCountMax=3",
+            "LogLevel=ERROR",
+        ):
+            argv += ["-o", opt]
+        return argv + ["-T", "--", host, self.job]
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(rank, step) of each rank of this node whose newest complete step is not out yet."""
+        base = self.root / self.job / OWN
+        ranks: set[int] = set()
+        try:
+            for step_dir in base.iterdir():
+                for d in step_dir.iterdir() if step_dir.is_dir() else ():
+                    if d.name.startswith("rank_") and d.name[5:].isdigit():
+                        ranks.add(int(d.name[5:]))
+        except OSError:
+            return []
+        out = []
+        for rank in sorted(ranks):
+            steps = complete_steps(self.root, self.job, OWN, rank)
+            if steps and self.sent.get(rank, -1) < steps[-1]:
+                out.append((rank, steps[-1]))
+        return out
+
+    def _send_one(self, peer: str, d: Path) -> tuple[int, str]:
+        """ssh's exit status and its last line of stderr; -1 when the directory could not be read
+        whole (pruned while it went out): the copy is cut short and the peer keeps no manifest."""
+        p = subprocess.Popen(self.argv(peer), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        failed = None
+        try:
+            for chunk in pack(d):
+                p.stdin.write(chunk)
+        except BrokenPipeError:
+            pass
+        except (OSError, ReplicaError) as e:
+            failed = str(e)
+            p.kill()
+        finally:
+            try:
+                p.stdin.close()
+            except BrokenPipeError:
+                pass
+        err = p.stderr.read().decode(errors="replace").strip().splitlines()
+        rc = p.wait()
+        if failed:
+            return -1, failed
+        return rc, (err[-1] if err else f"exit {rc}")
+
+    def once(self) -> int:
+        """One pass: send what is pending; the number of rank directories copied."""
+        copied = 0
+        for rank, step in self.pending():
+            d = rank_dir(self.root, self.job, OWN, step, rank)
+            now = time.monotonic()
+            for peer in self.peers:
+                if now - self.down.get(peer, -UNREACHABLE_S) < UNREACHABLE_S:
+                    continue
+                t0 = time.monotonic()
+                rc, why = self._send_one(peer, d)
+                if rc == 0:
+                    self.sent[rank] = step
+                    copied += 1
+                    self.say(f"copied {step_name(step)} of rank {rank} to {peer} in {time.monotonic() - t0:.1f} s")
+                    break
+                if rc == 255:  # ssh's own failure: the peer cannot be reached, try the next one
+                    self.down[peer] = time.monotonic()
+                    self.say(f"peer {peer} cannot be reached ({why}); copying to the next node for now")
+                    continue
+                self.say(f"peer {peer} refused {step_name(step)} of rank {rank}: {why}")
+                break
+        return copied
+
+
+def _exit_status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def sidecar(argv: Sequence[str], make_sender: Callable[[], Sender | None], poll_s: float = POLL_S) -> int:
+    """Run the rank command `argv` as a child, and copy each newly completed local step to the
+    peer while it runs; once it has ended (a stop's or a preemption's SIGTERM reaches it as it
+    reaches the ranks: this process only waits for it), one last pass copies what its last save
+    wrote. The child's exit status is the sidecar's (128+N for a signal, as a shell reports it)."""
+    child = subprocess.Popen(list(argv))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: None)  # the ranks get it too; this one waits for them
+    sender = None
+    try:
+        sender = make_sender()
+    except (ReplicaError, OSError) as e:
+        _say(f"not copying checkpoints to a peer: {e}")
+    while True:
+        try:
+            rc = child.wait(timeout=poll_s)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if sender is not None:
+            sender.once()
+    if sender is not None:
+        sender.once()
+    return _exit_status(rc)
+
+
+def _sender_from_env(peers: Sequence[str], port: int, state: str) -> Sender | None:
+    """The sender for this node's job, from what the node program exported: None (after one line)
+    when the job writes its local tier elsewhere than where peers receive it."""
+    from gpufleet.local_tier import ENV_VAR
+
+    root, job = os.environ.get(ENV_VAR), os.environ.get("GPUFLEET_JOB_ID")
+    if not root or not job:
+        return None
+    if Path(root).resolve() != default_root().resolve():
+        _say(
+            f"{ENV_VAR}={root} is not the node's default local directory ({default_root()}), where peers "
+            "receive copies: its checkpoints stay on this node only"
+        )
+        return None
+    return Sender(root, job, peers, port, Path(state) / "key", Path(state) / "known_hosts")
+
+
+def _receive_main() -> int:
+    """The replica key's forced command: one rank directory from stdin into this node's peer
+    area; the job is the one word the sender asked for (SSH_ORIGINAL_COMMAND)."""
+    try:
+        job = check_job(os.environ.get("SSH_ORIGINAL_COMMAND", "").strip())
+        root = default_root()
+        gpufleet_dir = Path(os.path.expanduser("~")) / ".gpufleet"
+        # Each directory from the account's own down to the root: one open to others lets another
+        # account put a link in place of what is below it.
+        for d in ([gpufleet_dir] if root.parent.parent == gpufleet_dir else []) + [root.parent, root]:
+            check_private(d, flag="the peer tier's directory")
+        d = receive(root, job, sys.stdin.buffer)
+        prune(root, job, PEER, int(d.name[5:]), KEEP)
+    except (ReplicaError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """`receive` (the forced command), or `sidecar --state DIR --port P --peers A,B,... -- CMD...`."""
+    args = list(sys.argv[1:] if args is None else args)
+    if args[:1] == ["receive"]:
+        return _receive_main()
+    if args[:1] == ["sidecar"] and "--" in args:
+        cut = args.index("--")
+        opts, argv = args[1:cut], args[cut + 1 :]
+        named = dict(zip(opts[::2], opts[1::2], strict=False))
+        peers = [p for p in named.get("--peers", "").split(",") if p]
+        port, state = int(named.get("--port", "22")), named.get("--state", "")
+        return sidecar(argv, lambda: _sender_from_env(peers, port, state) if peers and state else None)
+    usage = "receive | sidecar --state DIR --port P --peers A,B -- CMD..."
+    print(f"usage: python -m gpufleet.replica {usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -96,6 +96,10 @@ def start_detached(
     if check is not None:  # against the world it trains on (its size is what the arguments must fit)
         check(dataclasses.replace(cluster, nodes=cluster.nodes[:trains]), config)
     request = code_request(o, cluster, builtin if own_code is None else own_code)
+    if policy is not None and request.code is not None and not config.image:
+        # A --recover job's local checkpoints are copied to a peer node (gpufleet.replica), so a
+        # node lost for good leaves its ranks' last local step on another node (a spare's peer).
+        request = dataclasses.replace(request, replicate=True)
     config = prepare_nodes(cluster, config, request)
     pull_everywhere(cluster, config)
     n = len(cluster.nodes)

@@ -5,6 +5,8 @@ gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gp
     objects/SHA256        every file's content, once per node (content-addressed); this
                           program's own source too (the relay key's forced command runs it)
     relay/PID/            the relay key and known_hosts while a relay passes content on
+    replica/CLUSTER/      the cluster's replica key and known_hosts, for a --recover job's
+                          checkpoint copies to a peer node (gpufleet.replica; launcher.code.tree)
     snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
     work/JOB/             a job's working directory: its --sync snapshot, copied (writes allowed)
     envs/KEY              a link to envs/KEY-MARK/, the Python environment built with uv, KEY the
@@ -465,6 +467,8 @@ def prepare(req):
     result["missing"] = sorted(set(result["missing"]))
     for snap in pending:
         place(snap)
+    if req.get("replica"):
+        keep_replica_key(req["replica"])
     env = req.get("env")
     if env:
         driver = gpu_driver()
@@ -487,6 +491,19 @@ def prepare(req):
         except OSError:  # not placed yet: its objects are still to come
             pass
     say("result", json.dumps(result))
+
+
+def keep_replica_key(rep):
+    """The cluster's replica key and the host keys it checks peers with, in replica/CLUSTER/
+    (private: 0700, the key 0600), each replaced whole (written beside, then renamed)."""
+    if not NAME.fullmatch(rep["slug"]):
+        raise ValueError(f"cluster {rep['slug']!r} is not a plain name")
+    d = private_dir(os.path.join(G, "replica", rep["slug"]))
+    for name, text in (("key", rep["key"]), ("known_hosts", rep["known"])):
+        tmp = os.path.join(d, f".{name}.{os.getpid()}")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(d, name))
 
 
 def build_tools(tools, python):

@@ -38,6 +38,7 @@ from launcher.code.tree import (
     AGENT_SHA,
     DEFAULT_FANOUT,
     authorize_relay,
+    authorize_replica,
     depth,
     forwarding_tree,
     hops,
@@ -46,8 +47,8 @@ from launcher.code.tree import (
     relay_plan,
 )
 from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
-from launcher.core.transport import Transport, make_transport
-from launcher.core.types import Cluster, LaunchConfig, Node, UserError
+from launcher.core.transport import Transport, cluster_slug, make_transport
+from launcher.core.types import Cluster, LaunchConfig, Node, Replication, UserError
 
 __all__ = ["CodeRequest", "PrepareReport", "prepare", "configured", "agent_script", "run_agent"]
 
@@ -56,6 +57,9 @@ log = logging.getLogger("launcher")
 Progress = Callable[[Node, str], None]
 PREFIX = node_agent.PREFIX
 RELAY_KEY = "relay_ed25519"  # the cluster's relay key, beside its cluster key (launcher.code.tree)
+# The cluster's replica key (launcher.code.tree.authorize_replica): a --recover job's nodes copy
+# their local checkpoints to each other with it (gpufleet.replica).
+REPLICA_KEY = "replica_ed25519"
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class CodeRequest:
     sync_root: Path | None = None
     env: EnvSpec | None = None
     fanout: int = DEFAULT_FANOUT  # each node passes content on to at most this many (N-1: a star)
+    # A --recover job's nodes copy their local checkpoints to a peer (gpufleet.replica): every node
+    # gets the cluster's replica key, authorized with a forced command that runs gpufleet's code.
+    replicate: bool = False
 
     @property
     def empty(self) -> bool:
@@ -265,8 +272,11 @@ def prepare(
     authorize = authorize_relay(
         key.with_name(f"{RELAY_KEY}.pub").read_text(), cluster, hops(cluster, target.user), target.port
     )
-    body = json.dumps(_request(request, config.job_id, stacks=config.hang_timeout_s is not None)).encode()
-    script = "; ".join([authorize, agent_script("prepare")])
+    req = _request(request, config.job_id, stacks=config.hang_timeout_s is not None)
+    steps = [authorize]
+    replication = _replica(cluster, request, target, req, steps) if request.replicate else None
+    body = json.dumps(req).encode()
+    script = "; ".join([*steps, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
         answers = _each(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
@@ -295,7 +305,40 @@ def prepare(
             "and environment; use one user with one home on every node (--ssh-user)"
         )
     pythons = {res["python"] for res in results.values()}
-    return configured(config, request, homes.pop(), pythons.pop() if len(pythons) == 1 else None), report
+    home = homes.pop()
+    config = configured(config, request, home, pythons.pop() if len(pythons) == 1 else None)
+    if replication is not None:
+        at_home = replace(replication, code=f"{home}/{replication.code}", state=f"{home}/{replication.state}")
+        config = replace(config, replication=at_home)
+    return config, report
+
+
+def _replica(cluster: Cluster, request: CodeRequest, target, req: dict, steps: list[str]) -> Replication | None:
+    """The cluster's replica key for a --recover job: the job's Replication (its paths still
+    relative to the nodes' home), with the statement authorizing the key on a node added to
+    `steps` and what the node agent keeps added to `req`: the private key and the host keys the
+    nodes check each other with, as this machine verified them. None (after a warning) when
+    those host keys are not known yet (a first contact trusted on first use)."""
+    if request.code is None:
+        return None
+    try:
+        rep, statement, req["replica"] = _replica_parts(cluster, request, target, hops(cluster, target.user))
+    except UserError as e:
+        log.warning("the local checkpoints are not copied to peer nodes this time: %s", e)
+        return None
+    steps.append(statement)
+    return rep
+
+
+def _replica_parts(cluster: Cluster, request: CodeRequest, target, targets) -> tuple[Replication, str, dict]:
+    key = ensure_key(cluster, REPLICA_KEY)
+    code = f".gpufleet/snap/{request.code.hash}"
+    statement = authorize_replica(key.with_name(f"{REPLICA_KEY}.pub").read_text(), cluster, code)
+    known = relay_known_hosts(cluster, verified_host_keys(target, cluster), target.port)
+    slug = cluster_slug(cluster)
+    ring = tuple((n.host, peers_arg({n.rank: targets[n.rank]})) for n in cluster.nodes)
+    rep = Replication(ring=ring, port=target.port, state=f".gpufleet/replica/{slug}", code=code)
+    return rep, statement, {"slug": slug, "key": key.read_text(), "known": known}
 
 
 def _deliver(

@@ -57,6 +57,8 @@ __all__ = [
     "relay_known_hosts",
     "source_addresses",
     "authorize_relay",
+    "authorize_replica",
+    "replica_command",
 ]
 
 DEFAULT_FANOUT = 4
@@ -186,11 +188,47 @@ def authorize_relay(
     key (another laptop of the same account) is left alone. authorized_keys is edited in place
     under flock(1), so concurrent launches neither lose each other's entries nor turn a
     symlinked file into a plain one."""
-    kind, b64 = public_key.split()[:2]
     addresses = ",".join(source_addresses(cluster))
-    tag = f"gpufleet-relay-{cluster_slug(cluster)}"
     command = f"exec python3 -I -S .gpufleet/objects/{AGENT_SHA} relay {port} {peers_arg(targets)}"
-    entry = shlex.quote(f'from="{addresses}",restrict,command="{command}" {kind} {b64} {tag}')
+    return _authorize(
+        public_key, f'from="{addresses}",restrict,command="{command}"', f"gpufleet-relay-{cluster_slug(cluster)}"
+    )
+
+
+def replica_command(code: str) -> str:
+    """The replica key's forced command: gpufleet.replica's `receive` from gpufleet's code as the
+    preparation placed it (`code`: .gpufleet/snap/HASH, from the home directory sshd runs it in),
+    in the node's python3,
+    isolated (-I -S: the standard library and that directory only on sys.path)."""
+    if not _PATH.fullmatch(code):
+        raise UserError(f"{code!r} is not a plain path gpufleet's code can be run from on the nodes")
+    run = (
+        "import os, sys; sys.path.insert(0, os.path.abspath(sys.argv.pop(1))); "
+        "from gpufleet.replica import main; sys.exit(main())"
+    )
+    return f"exec python3 -I -S -c '{run}' {code} receive"
+
+
+def authorize_replica(public_key: str, cluster: Cluster, code: str) -> str:
+    """A node-side statement: authorize the cluster's replica key (launcher.code.prepare
+    REPLICA_KEY), `restrict`ed, `from=` the cluster's addresses, its forced command
+    `replica_command`: whoever holds it can hand this node one checkpoint rank directory for its
+    peer area (gpufleet.replica.receive checks every name and hash), and nothing else: no shell,
+    no forwarding, no other path. Every node holds the private key (each one sends its own
+    ranks' copies to the next), so it gives no node more than that over another."""
+    addresses = ",".join(source_addresses(cluster))
+    options = f'from="{addresses}",restrict,command="{replica_command(code)}"'
+    return _authorize(public_key, options, f"gpufleet-replica-{cluster_slug(cluster)}")
+
+
+_PATH = re.compile(r"(?!.*\.\.)[A-Za-z0-9._/-]+")
+
+
+def _authorize(public_key: str, options: str, tag: str) -> str:
+    """The statement that puts `options KEY tag` in authorized_keys in place of any entry of the
+    same key (see authorize_relay)."""
+    kind, b64 = public_key.split()[:2]
+    entry = shlex.quote(f"{options} {kind} {b64} {tag}")
     mine = shlex.quote(f" {kind} {b64} ")
     # grep -v's status 1 means "no line left", which is fine; 2 is an error (the file is left as it is).
     return (

@@ -390,6 +390,8 @@ class ProgramBuilder:
         self.add_prepare("node-local", lambda ctx: node_local)
         if config.image:  # the ranks in a container (launcher.core.container)
             self.wrap_run("container", _container)
+        elif config.replication is not None:  # a --recover job's checkpoint copies (gpufleet.replica)
+            self.wrap_run("replicate", _replicate)
         if not cluster.local:  # accounts share the nodes: each job says it holds them
             self.add_prologue("hold the nodes", hold_statements(config.job_id, [n.host for n in cluster.nodes]))
 
@@ -463,6 +465,22 @@ class ProgramBuilder:
     def plans(self) -> dict[int, NodePlan]:
         """Every node's typed plan (gpufleet.node_plan), by rank: what --dry-run shows."""
         return {rank: p.plan() for rank, p in self.programs().items()}
+
+
+def _replicate(ctx: NodeContext, argv: Sequence[str]) -> list[str]:
+    """The run wrapper of a --recover job with replication: gpufleet.replica's sidecar runs the rank
+    command and copies each local checkpoint it completes to the node's peer (the next node of the
+    job's order, spares included), with one last copy once the ranks have ended."""
+    rep = ctx.config.replication
+    assert rep is not None
+    peers = rep.peers(ctx.node.host)
+    if not peers:
+        return list(argv)
+    run = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gpufleet.replica import main; sys.exit(main())"
+    return [
+        "python3", "-I", "-S", "-c", run, rep.code, "sidecar",
+        "--state", rep.state, "--port", str(rep.port), "--peers", ",".join(peers), "--", *argv,
+    ]  # fmt: skip
 
 
 def _container(ctx: NodeContext, argv: Sequence[str]) -> list[str]:

@@ -212,6 +212,43 @@ def new_job_id() -> str:
 
 
 @dataclass(frozen=True)
+class Replication:
+    """How a --recover job's nodes copy their local checkpoints to each other (gpufleet.replica),
+    set by the preparation (launcher.code.prepare) that gave every node the cluster's replica key.
+    `ring`: each node of the job (spares included) as (host, `user@address` another node reaches
+    it at), in the job's order once the launch's plan has fixed it (`in_order`); each node sends
+    its own ranks to the next, the last to the first. `state`: where the key and known_hosts are
+    on the nodes; `code`: gpufleet's code there."""
+
+    ring: tuple[tuple[str, str], ...]
+    port: int
+    state: str
+    code: str
+
+    def in_order(self, nodes: "tuple[Node, ...]") -> "Replication":
+        """The ring in `nodes`' order (the plan's), any node not among them after them."""
+        hop = dict(self.ring)
+        first = tuple((n.host, hop[n.host]) for n in nodes if n.host in hop)
+        rest = tuple(r for r in self.ring if r[0] not in {n.host for n in nodes})
+        return replace(self, ring=first + rest)
+
+    def peers(self, host: str) -> tuple[str, ...]:
+        """The nodes `host` sends to, in the order it tries them: the ring's next node first."""
+        hosts = [h for h, _ in self.ring]
+        if host not in hosts or len(hosts) < 2:
+            return ()
+        i = hosts.index(host)
+        return tuple(hop for _, hop in (self.ring[i + 1 :] + self.ring[:i]))
+
+    def to_json(self) -> dict:
+        return {"ring": [list(r) for r in self.ring], "port": self.port, "state": self.state, "code": self.code}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Replication":
+        return cls(tuple((str(h), str(p)) for h, p in d["ring"]), int(d["port"]), str(d["state"]), str(d["code"]))
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """What the user asked for (the typed request), built by the CLI and handed to a
     `launcher.core.launch.Launch`."""
@@ -251,6 +288,8 @@ class LaunchConfig:
     # --image: every node runs the ranks inside this container image (launcher.core.container);
     # None: on the node itself.
     image: str | None = None
+    # A --recover job's peer copies of its local checkpoints (gpufleet.replica); None: none.
+    replication: Replication | None = None
 
     def __post_init__(self) -> None:
         if self.image is not None:

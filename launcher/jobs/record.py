@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.core.types import Cluster, LaunchConfig, Node, SshConfig, UserError, Workload
+from launcher.core.types import Cluster, LaunchConfig, Node, Replication, SshConfig, UserError, Workload
 
 # How the controller's own lines in a job's output.log begin (launcher.jobs.controller.Controller.say).
 CONTROLLER_PREFIX = "[controller]"
@@ -253,6 +253,7 @@ def request_json(
             "image": config.image,
             "env_keys": [k for k, _ in config.env],
             "prepared": list(config.prepared),
+            "replication": config.replication.to_json() if config.replication else None,
         },
         "ssh": {
             "user": ssh.user,
@@ -280,6 +281,7 @@ def request_from_json(
     )
     cfg = {k: v for k, v in d["config"].items() if k != "env_keys"}
     cfg["prepared"] = tuple(cfg.get("prepared", ()))
+    cfg["replication"] = Replication.from_json(cfg["replication"]) if cfg.get("replication") else None
     config = LaunchConfig(
         workload=Workload(d["workload"]["kind"], tuple(d["workload"]["argv"])),
         env=tuple((k, v) for k, v in env),

@@ -14,7 +14,7 @@ the nodes where they sit (launcher.cluster.ordering), except on a dry run."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpufleet.node_plan import NodePlan
@@ -89,6 +89,8 @@ def _plan(cluster: Cluster, config: LaunchConfig, detached: bool = False) -> Lau
     env = launch_env(cluster, config)
     key = ensure_key(cluster) if detached else None
     order = order_for_launch(cluster, config)
+    if config.replication is not None:  # the peer ring follows the job's order (gpufleet.replica)
+        config = replace(config, replication=config.replication.in_order(order.cluster.nodes))
     builder = ProgramBuilder(order.cluster, config, env)
     if key is not None:  # from the nodes' and the controller's addresses
         public = key.with_name("id_ed25519.pub").read_text()

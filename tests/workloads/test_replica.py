@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from gpufleet import local_tier as lt
-from gpufleet.replica import ReplicaError, pack, prune, receive, ring_peer
+from gpufleet.replica import ReplicaError, Sender, pack, prune, receive, ring_peer, sidecar
 from launcher.core.types import Node
 from launcher.jobs.spares import split_spares, swap_in
+from tests.support import REPO
 
 
 def _own(tmp_path, step=10, rank=3, files=None):
@@ -112,3 +116,125 @@ def test_after_one_swap_every_rank_finds_its_shards_on_its_node_through_the_ring
     assert swaps and swaps[0].into == "s0"
     for node in new:
         assert node.rank in held[node.host], f"{node.host} has rank {node.rank} but holds {held[node.host]}"
+
+
+# ---- the sending side (gpufleet.replica.Sender, sidecar) and the receiver's forced command ----
+
+RECEIVE = [sys.executable, "-I", "-S", "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+           "from gpufleet.replica import main; sys.exit(main())", str(REPO), "receive"]  # fmt: skip
+
+
+class LocalSender(Sender):
+    """The sender with `receive` run here as the forced command runs it on a peer (python3 -I -S,
+    SSH_ORIGINAL_COMMAND the job, HOME the peer's), in place of ssh: the stream, the receiver's
+    checks and its exit status are the real ones. A peer named `down` is one ssh cannot reach."""
+
+    def __init__(self, *a, homes, **kw):
+        super().__init__(*a, **kw)
+        self.homes = homes
+
+    def argv(self, peer):
+        if peer == "down":
+            return [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(255)"]
+        env = {"HOME": str(self.homes[peer]), "SSH_ORIGINAL_COMMAND": self.job, "PATH": os.environ["PATH"]}
+        return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *RECEIVE]
+
+
+def _sender(tmp_path, peers, said=None):
+    homes = {p: tmp_path / f"home-{p}" for p in peers}
+    for h in homes.values():
+        h.mkdir()
+    out = said if said is not None else []
+    root = tmp_path / "src"
+    return LocalSender(root, "job1", peers, 22, "key", "known", say=out.append, homes=homes), homes
+
+
+def _peer_root(home):
+    return lt.default_root(str(home), mounts=())
+
+
+def test_the_sender_copies_each_ranks_newest_complete_step_once_to_the_next_peer(tmp_path):
+    said: list[str] = []
+    sender, homes = _sender(tmp_path, ["n1", "n2"], said)
+    _own(tmp_path, step=10, rank=2)
+    _own(tmp_path, step=20, rank=2)
+    _own(tmp_path, step=20, rank=3)
+    d = lt.rank_dir(tmp_path / "src", "job1", lt.OWN, 30, 3)
+    d.mkdir(parents=True)  # a save under way: no manifest yet, not sent
+    assert sender.once() == 2
+    root = _peer_root(homes["n1"])
+    assert [lt.complete_steps(root, "job1", lt.PEER, r) for r in (2, 3)] == [[20], [20]]
+    assert not (homes["n2"] / ".gpufleet").exists()
+    assert sender.once() == 0  # nothing new: nothing sent again
+    lt.write_manifest(d, 30, 3, 4)
+    assert sender.once() == 1 and lt.complete_steps(root, "job1", lt.PEER, 3) == [20, 30]
+    assert any(s.startswith("copied step_00000030 of rank 3 to n1") for s in said), said
+
+
+def test_a_peer_that_cannot_be_reached_is_passed_over_for_the_next_one(tmp_path):
+    said: list[str] = []
+    sender, homes = _sender(tmp_path, ["down", "n2"], said)
+    _own(tmp_path, step=10, rank=1)
+    assert sender.once() == 1
+    assert lt.complete_steps(_peer_root(homes["n2"]), "job1", lt.PEER, 1) == [10]
+    assert any("peer down cannot be reached" in s for s in said), said
+    _own(tmp_path, step=20, rank=1)
+    assert sender.once() == 1  # `down` is not tried again for a while: no second line about it
+    assert sum("cannot be reached" in s for s in said) == 1, said
+
+
+def test_the_peer_keeps_only_the_newest_two_steps_of_each_rank(tmp_path):
+    sender, homes = _sender(tmp_path, ["n1"])
+    for step in (10, 20, 30):
+        _own(tmp_path, step=step, rank=0)
+        sender.once()
+    assert lt.complete_steps(_peer_root(homes["n1"]), "job1", lt.PEER, 0) == [20, 30]
+
+
+def test_the_receiver_refuses_a_job_name_and_a_root_that_is_not_this_accounts_own(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir()
+    stream = b"".join(pack(_own(tmp_path)))
+
+    def run(job):
+        env = {"HOME": str(home), "SSH_ORIGINAL_COMMAND": job, "PATH": os.environ["PATH"]}
+        return subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *RECEIVE], input=stream,
+                              capture_output=True)  # fmt: skip
+
+    bad = run("../x")
+    assert bad.returncode == 2 and b"is not a plain name" in bad.stderr, bad.stderr
+    (home / ".gpufleet").mkdir(mode=0o755)
+    (home / ".gpufleet" / "local").mkdir(mode=0o777)
+    os.chmod(home / ".gpufleet" / "local", 0o777)
+    open_dir = run("job1")
+    assert open_dir.returncode == 2 and b"writable by other accounts" in open_dir.stderr, open_dir.stderr
+    os.chmod(home / ".gpufleet" / "local", 0o700)
+    ok = run("job1")
+    assert ok.returncode == 0, ok.stderr
+    assert lt.complete_steps(_peer_root(home), "job1", lt.PEER, 3) == [10]
+
+
+def test_the_sidecar_exits_as_its_command_did_after_a_last_copy_of_what_the_command_saved_last(tmp_path):
+    """The command writes a complete step just before it exits (as a rank's last save on a
+    preemption notice does): the sidecar's last pass copies it, then exits with its status."""
+    sender, homes = _sender(tmp_path, ["n1"])
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from gpufleet import local_tier as lt; "
+        "d = lt.rank_dir(sys.argv[2], 'job1', lt.OWN, 40, 0); d.mkdir(parents=True); "
+        "(d / 'x').write_bytes(b'1'); lt.write_manifest(d, 40, 0, 1); sys.exit(7)"
+    )
+    rc = sidecar([sys.executable, "-c", script, str(REPO), str(tmp_path / "src")], lambda: sender, poll_s=30)
+    assert rc == 7
+    assert lt.complete_steps(_peer_root(homes["n1"]), "job1", lt.PEER, 0) == [40]
+
+
+def test_the_sidecar_reports_a_signal_as_a_shell_does_and_runs_its_command_without_a_sender(tmp_path):
+    rc = sidecar([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], lambda: None)
+    assert rc == 128 + 9
+
+
+def test_the_default_root_is_the_boot_disk_without_a_local_ssd_and_the_ssd_when_it_is_this_accounts(tmp_path):
+    assert lt.default_root(str(tmp_path), mounts=()) == tmp_path / ".gpufleet" / "local" / "checkpoints"
+    assert lt.default_root(str(tmp_path), mounts=[str(tmp_path / "not-mounted")]) == (
+        tmp_path / ".gpufleet" / "local" / "checkpoints"
+    )

@@ -146,6 +146,21 @@ class Transport:
         return f"through IAP: {self.tunnel(node, str(self.port))}" if self.iap_zone else ""
 
 
+def _sweep_tunnel_logs(control: Path) -> None:
+    """Remove the IAP error files (Transport.tunnel_log) of launching processes that have ended:
+    one is written per node and process, and only a live process reads its own."""
+    for f in control.glob("iap-*-*.err"):
+        pid = f.stem.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+        except OSError:  # alive, another account's process: not ours to judge
+            pass
+
+
 def make_transport(cluster: Cluster, ssh: SshConfig, dry_run: bool = False) -> Transport:
     """The transport for `cluster` with the ssh options `ssh`; creates its known_hosts and
     ControlPath directories unless this is a dry run."""
@@ -164,6 +179,8 @@ def make_transport(cluster: Cluster, ssh: SshConfig, dry_run: bool = False) -> T
         Path(known).parent.mkdir(parents=True, exist_ok=True)
         control.mkdir(exist_ok=True, mode=0o700)
         _say_trust_on_first_use(cluster, ssh, Path(known))
+        if ssh.iap:
+            _sweep_tunnel_logs(control)
     ports = [int(o.split("=", 1)[1]) for o in ssh.options if o.lower().startswith("port=")]
     return Transport(
         local=False,

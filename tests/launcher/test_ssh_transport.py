@@ -224,3 +224,18 @@ def test_a_control_directory_someone_else_could_use_is_refused_in_one_line(short
     assert not (tmp_path / "runs").exists()
     # A dry run makes nothing and checks nothing: it connects nowhere.
     assert CliRunner().invoke(main, ["exec", "--hostfile", str(hosts), "--dry-run", "--", "true"]).exit_code == 0
+
+
+def test_the_iap_error_files_of_ended_launches_are_removed_and_live_ones_kept(tmp_path):
+    import subprocess as sp
+
+    from launcher.core.transport import _sweep_tunnel_logs
+
+    ended = sp.Popen(["true"])
+    ended.wait()
+    gone, mine = tmp_path / f"iap-llm-dev-1-{ended.pid}.err", tmp_path / f"iap-llm-dev-1-{os.getpid()}.err"
+    alive = tmp_path / "iap-llm-dev-0-1.err"  # pid 1 is always there
+    for f in (gone, mine, alive):
+        f.write_text("ERROR: ...\n")
+    _sweep_tunnel_logs(tmp_path)
+    assert not gone.exists() and mine.exists() and alive.exists()

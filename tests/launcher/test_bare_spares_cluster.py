@@ -46,7 +46,8 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
     args = [
         "--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1", "--term-grace", "3s",
         "--recover", "--recover-timeout", "30m", "--spares", "1", "--",
-        *TRAIN, "--global-batch", "2", "--steps", "600", "--log-every", "10", "--local-checkpoint-every", "20", "--keep-local-checkpoints", "4",
+        *TRAIN, "--global-batch", "2", "--steps", "600", "--log-every", "10",
+        "--local-checkpoint-every", "20", "--keep-local-checkpoints", "4",
     ]  # fmt: skip
     r = launch(tmp_path, "train", *src(c, tmp_path), "--detach", *args, timeout=900, check=True)
     (line,) = r.stdout.splitlines()

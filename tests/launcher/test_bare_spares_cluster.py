@@ -31,7 +31,7 @@ def src(c, tmp_path: Path) -> list[str]:
 
 
 def job(c, tmp_path: Path, job_id: str) -> dict:
-    listed = launch(tmp_path, "jobs", *src(c, tmp_path), "--json", check=True).stdout.splitlines()
+    listed = launch(tmp_path, "jobs", *source_args(c, tmp_path), "--json", check=True).stdout.splitlines()
     (found,) = [j for j in map(json.loads, listed) if j["id"] == job_id]
     return found
 
@@ -52,6 +52,8 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
     r = launch(tmp_path, "train", *src(c, tmp_path), "--detach", *args, timeout=900, check=True)
     (line,) = r.stdout.splitlines()
     job_id = line.split()[1]
+    lost = False
+    done: dict = {}
     try:
         running = job(c, tmp_path, job_id)
         assert running["nodes"] == a[:2] and running["spares"] == [a[2]], running
@@ -60,7 +62,7 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
         wait_for(lambda: copied_steps(c, 1, job_id, 0), 60, "node 0's rank copied to node 1", interval=0.5)
         before = max(copied_steps(c, 2, job_id, 1))
         c.power_off(1)
-        done: dict = {}
+        lost = True
 
         def ended() -> bool:
             done.update(job(c, tmp_path, job_id))
@@ -68,8 +70,11 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
 
         wait_for(ended, 600, f"job {job_id} to end", interval=LAUNCH_POLL_S)
     finally:
-        c.restart_sshd(1)
-    out = launch(tmp_path, "logs", *src(c, tmp_path), job_id, check=True).stdout
+        if lost:
+            c.restart_sshd(1)  # the shared cluster's node 1 is back for the next test
+        if done.get("state") not in FINAL:
+            launch(tmp_path, "stop", *source_args(c, tmp_path), job_id)
+    out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, (done, out[-4000:])
     (rec,) = done["recoveries"]
     (swap,) = rec["swaps"]

@@ -32,6 +32,7 @@ from launcher.cli.options import (
 )
 from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.cli.waiting import waiting
+from launcher.code import CodeRequest, code_snapshot
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
@@ -96,10 +97,8 @@ def start_detached(
     if check is not None:  # against the world it trains on (its size is what the arguments must fit)
         check(dataclasses.replace(cluster, nodes=cluster.nodes[:trains]), config)
     request = code_request(o, cluster, builtin if own_code is None else own_code)
-    if policy is not None and request.code is not None and not config.image:
-        # A --recover job's local checkpoints are copied to a peer node (gpufleet.replica), so a
-        # node lost for good leaves its ranks' last local step on another node (a spare's peer).
-        request = dataclasses.replace(request, replicate=True)
+    if policy is not None and not config.image and not request.empty:
+        request = _replicated(request)
     config = prepare_nodes(cluster, config, request)
     pull_everywhere(cluster, config)
     n = len(cluster.nodes)
@@ -117,6 +116,19 @@ def start_detached(
     err.print(
         f"[dim]follow it: launch logs {job_id} -f (with the same node flags); stop it: launch stop {job_id}[/dim]"
     )
+
+
+def _replicated(request: CodeRequest) -> CodeRequest:
+    """A --recover job's request with its local checkpoints copied to a peer node
+    (gpufleet.replica), so a node lost for good leaves its ranks' last local step on another node
+    (a spare's peer). gpufleet's code runs the copies: a script of the user's own gets it too,
+    off its PYTHONPATH."""
+    if request.code is None:
+        import gpufleet
+
+        root = Path(gpufleet.__file__).resolve().parent.parent
+        request = dataclasses.replace(request, code=code_snapshot(), code_root=root, code_on_path=False)
+    return dataclasses.replace(request, replicate=True)
 
 
 def node0(o: dict[str, Any]) -> tuple[Cluster, Node0]:

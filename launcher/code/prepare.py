@@ -75,6 +75,9 @@ class CodeRequest:
     # A --recover job's nodes copy their local checkpoints to a peer (gpufleet.replica): every node
     # gets the cluster's replica key, authorized with a forced command that runs gpufleet's code.
     replicate: bool = False
+    # gpufleet's code on the ranks' PYTHONPATH (launch train's workloads import it); False: it is
+    # sent only for gpufleet's own processes there (the replicator round a script of the user's).
+    code_on_path: bool = True
 
     @property
     def empty(self) -> bool:
@@ -401,9 +404,10 @@ def configured(config: LaunchConfig, request: CodeRequest, home: str, python: st
     changes: dict = {}
     prepared: list[str] = []
     if request.code is not None:
-        add["PYTHONPATH"] = f"{home}/.gpufleet/snap/{request.code.hash}"
-        prepared.append(add["PYTHONPATH"])
-    snap = request.sync or request.code
+        prepared.append(f"{home}/.gpufleet/snap/{request.code.hash}")
+        if request.code_on_path:
+            add["PYTHONPATH"] = prepared[-1]
+    snap = request.sync or (request.code if request.code_on_path else None)
     if snap is not None:
         add["GPUFLEET_CODE"] = snap.hash
     if request.sync is not None:

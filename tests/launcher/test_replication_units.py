@@ -123,3 +123,20 @@ def test_the_node_agent_keeps_the_key_private_and_replaces_it_whole(tmp_path, mo
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and sorted(p.name for p in d.iterdir()) == ["key", "known_hosts"]
     with pytest.raises(ValueError, match="not a plain name"):
         node_agent.keep_replica_key({"slug": "../x", "key": "k", "known": ""})
+
+
+def test_gpufleets_code_sent_only_for_the_replicator_stays_off_the_ranks_pythonpath(tmp_path):
+    """A script of the user's own (`launch run --detach --recover`) gets gpufleet's code for the
+    replicator, not on its PYTHONPATH, where gpufleet's `workloads` could shadow a package of the
+    user's; launch train's ranks import it from there."""
+    from launcher.code import code_snapshot
+    from launcher.code.prepare import CodeRequest, configured
+
+    config = LaunchConfig(workload=Workload("exec", ("python3", "job.py")), job_id="j1")
+    snap = code_snapshot()
+    off = configured(config, CodeRequest(code=snap, code_root=REPO, code_on_path=False), "/h")
+    on = configured(config, CodeRequest(code=snap, code_root=REPO), "/h")
+    assert "PYTHONPATH" not in dict(off.env) and "GPUFLEET_CODE" not in dict(off.env)
+    assert dict(on.env)["PYTHONPATH"] == f"/h/.gpufleet/snap/{snap.hash}"
+    # Either way the node program checks the code is there before it runs (the `prepared` step).
+    assert f"/h/.gpufleet/snap/{snap.hash}" in off.prepared and f"/h/.gpufleet/snap/{snap.hash}" in on.prepared

@@ -9,8 +9,10 @@ each with a HOME of its own, the client with another): the world is nodes 0-2, n
 the spare. Its checkpoints: the node-local tier every `--local-every` steps
 (`--local-checkpoint-every`, workloads/checkpoint/local.py) and the durable tier every
 `--durable-every` steps in a shared directory (`--checkpoint-every`/`--checkpoint-dir`). The peer
-replicator is not here yet: a node lost for good restores from the durable tier, which the
-report shows as each restore's source.
+replicator (gpufleet.replica) does not run here: it comes with gpufleet's code, which a launch sends
+to nodes it brings content to (bare nodes; tests/launcher/test_bare_spares_cluster.py), while these
+nodes share this machine's Python and the job runs with `--python`. So a node lost for good
+restores from the durable tier, which the report shows as each restore's source.
 
 From the job's first step, one fault every `--every` seconds (the first half an interval in), in
 this order, each on a node of the job's world other than node 0 (which hosts the controller):

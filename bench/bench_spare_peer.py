@@ -1,0 +1,165 @@
+"""A node lost for good with `--spares 1`, on bare nodes, its checkpoints only in the node-local
+tier: how soon the spare trains again, and where its restore came from (issue 42).
+
+    .venv/bin/python -m bench.bench_spare_peer [--steps 1500] [--local-every 20]
+
+Three bare simulated nodes (tests/simcluster.py, `bare=True`: the system python3 and a package
+index only), so the launch brings gpufleet's code and the environment, and with them the peer
+replicator (gpufleet.replica): each node copies its local steps to the next node of the job's
+order. Nodes 0 and 1 train the tiny model; node 2 is the spare.
+
+1. The anchor: an attached `launch train` on nodes 0 and 1, prepared by a first launch (the
+   environment built, the code there), from its start to its first step line, as the client sees it.
+2. The case: a detached `launch train --recover --spares 1` with `--local-checkpoint-every`
+   and no `--checkpoint-dir`. Once node 1's rank has a copy on node 2, node 1 is lost for good
+   (SimCluster.power_off). `launch jobs --json` then gives the failure's time to train again
+   (failure -> first step of the relaunch, launcher.jobs.goodput) and the restore's source;
+   the job's output gives the steps thrown away.
+
+Targets (issue 42): the first productive step within 1.5x the anchor; the restore from `peer`
+(nothing from a durable tier: the job has none); the work thrown away at most the local interval
+(the lost node's last copied step against the last step seen before the loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gpufleet import local_tier as lt
+from tests.simcluster import SimCluster
+from tests.simindex import wheel_cache
+from tests.support import TRAIN
+
+LAUNCH = [sys.executable, "-m", "launcher"]
+ROOT = "/root/.gpufleet/local/checkpoints"  # the tier's root on a bare node (no local SSD)
+_STEP = re.compile(r"\] step (\d+)/\d+ \|")
+ONE = ["--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1"]
+
+
+def _flags(c: SimCluster, runs: Path, hostfile: Path | None = None) -> list[str]:
+    return ["--hostfile", str(hostfile or c.hostfile), *c.launch_flags, "--runs-dir", str(runs)]
+
+
+def _launch(c: SimCluster, runs: Path, *args: str, hostfile: Path | None = None, index: bool = False) -> str:
+    extra = ["--index-url", c.package_index] if index else []
+    r = subprocess.run(
+        [*LAUNCH, args[0], *_flags(c, runs, hostfile), *extra, *args[1:]], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"launch {args[0]} exited {r.returncode}: {r.stderr[-3000:]}")
+    return r.stdout
+
+
+def anchor(c: SimCluster, runs: Path, two: Path) -> float:
+    """An attached start on prepared nodes 0 and 1: launch to the first step line."""
+    train = ["train", *ONE, "--", *TRAIN, "--global-batch", "2", "--steps", "5", "--log-every", "1"]
+    _launch(c, runs, *train, hostfile=two, index=True)  # prepares: code and environment
+    argv = [*LAUNCH, train[0], *_flags(c, runs, two), "--index-url", c.package_index, *train[1:]]
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = None
+    for line in p.stdout:
+        if first is None and _STEP.search(line):
+            first = time.monotonic() - t0
+    p.wait()
+    if first is None or p.returncode != 0:
+        raise RuntimeError(f"the attached run exited {p.returncode} without a step line")
+    return first
+
+
+def _job(c: SimCluster, runs: Path, job_id: str) -> dict:
+    (found,) = [j for j in map(json.loads, _launch(c, runs, "jobs", "--json").splitlines()) if j["id"] == job_id]
+    return found
+
+
+def _wait(what: str, fn, timeout: float, interval: float = 0.5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = fn()
+        if got:
+            return got
+        time.sleep(interval)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def case(c: SimCluster, runs: Path, steps: int, every: int) -> dict:
+    args = [
+        "train", *ONE, "--term-grace", "3s", "--detach", "--recover", "--recover-timeout", "30m", "--spares", "1",
+        "--", *TRAIN, "--global-batch", "2", "--steps", str(steps), "--log-every", "1",
+        "--local-checkpoint-every", str(every), "--keep-local-checkpoints", "4",
+    ]  # fmt: skip
+    job_id = _launch(c, runs, *args, index=True).split()[1]
+    copied = lambda: lt.complete_steps(c.node_path(2, ROOT), job_id, lt.PEER, 1)  # noqa: E731
+    _wait("node 1's rank copied to the spare", copied, 600)
+    time.sleep(2 * every * 0.05 + 3)  # a few more saves and copies: the loss comes mid-interval
+    before = max(copied())
+    c.power_off(1)
+    lost_at = time.time()
+    try:
+        done = _wait(
+            "the job to end", lambda: (j := _job(c, runs, job_id))["state"] in ("SUCCEEDED", "FAILED", "STOPPED") and j,
+            1800, interval=2,
+        )  # fmt: skip
+    finally:
+        c.restart_sshd(1)
+    out = _launch(c, runs, "logs", job_id)
+    return {"job": done, "out": out, "copied_before": before, "lost_at": lost_at}
+
+
+def report(anchor_s: float, r: dict, every: int) -> bool:
+    job, out = r["job"], r["out"]
+    failures = job.get("goodput", {}).get("failures") or []
+    print(f"anchor: an attached start on 2 prepared bare nodes reaches its first step in {anchor_s:.1f} s")
+    swaps = [(s["rank"], s["out"], s["into"]) for rec in job["recoveries"] for s in rec["swaps"]]
+    print(f"job {job['id']}: {job['state']}, swaps (rank, out, into): {swaps}")
+    if not failures or failures[0]["to_train_s"] is None:
+        print("no failure with a time to train again in `launch jobs`: MISSED")
+        return False
+    f = failures[0]
+    ratio = f["to_train_s"] / anchor_s
+    # The last step any rank logged before the relaunch's first resume line: the work thrown away.
+    head = out.split("resumed from", 1)[0]
+    last_seen = max((int(m) for m in _STEP.findall(head)), default=0)
+    lost = last_seen - (f["restored_step"] or 0)
+    ok_time, ok_src, ok_lost = ratio <= 1.5, f["restored_from"] == "peer", lost <= every
+    print(
+        f"node lost for good -> the spare's first step: {f['to_train_s']:.1f} s, {ratio:.2f}x the anchor "
+        f"(target <= 1.5x: {'met' if ok_time else 'MISSED'})"
+    )
+    print(
+        f"restored step {f['restored_step']} from {f['restored_from']} (target peer: {'met' if ok_src else 'MISSED'}); "
+        f"node 1's newest copy on the spare before the loss: step {r['copied_before']}"
+    )
+    print(
+        f"steps thrown away: {lost} (last step seen {last_seen}; target <= {every}: {'met' if ok_lost else 'MISSED'})"
+    )
+    return job["state"] == "SUCCEEDED" and ok_time and ok_src and ok_lost
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--local-every", type=int, default=20)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-spare-") as tmp:
+        os.environ["GPUFLEET_STATE_DIR"] = f"{tmp}/state"
+        with SimCluster(3, bare=True, index=wheel_cache(), workdir=Path(tmp) / "sim") as c:
+            runs = Path(tmp) / "runs"
+            two = Path(tmp) / "two"
+            two.write_text("".join(f"{x}\n" for x in c.addresses[:2]))
+            anchor_s = anchor(c, runs, two)
+            r = case(c, runs, a.steps, a.local_every)
+            ok = report(anchor_s, r, a.local_every)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

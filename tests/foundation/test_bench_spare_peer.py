@@ -1,0 +1,38 @@
+"""bench/bench_spare_peer.py's verdict from a job's record and output: the ratio to the anchor,
+the restore's source and the steps thrown away, each against its target."""
+
+from __future__ import annotations
+
+from bench.bench_spare_peer import report
+
+
+def _run(to_train_s=12.0, source="peer", restored=120, last_seen=135, state="SUCCEEDED"):
+    swap = {"rank": 1, "out": "10.0.0.3", "into": "10.0.0.4"}
+    job = {
+        "id": "j1",
+        "state": state,
+        "recoveries": [{"swaps": [swap]}],
+        "goodput": {
+            "failures": [{"to_train_s": to_train_s, "restored_from": source, "restored_step": restored}],
+        },
+    }
+    out = (
+        "".join(f"[node 0] step {s}/1500 | loss 1.0\n" for s in range(last_seen - 2, last_seen + 1))
+        + f"[node 0] resumed from the local tier ... restored step {restored} from {source}\n"
+        + "[node 0] step 1500/1500 | loss 0.5\n"
+    )
+    return {"job": job, "out": out, "copied_before": restored}
+
+
+def test_every_target_met(capsys):
+    assert report(10.0, _run(), 20)
+    said = capsys.readouterr().out
+    assert "1.20x the anchor (target <= 1.5x: met)" in said and "steps thrown away: 15" in said
+
+
+def test_a_slow_relaunch_a_durable_restore_or_too_much_work_lost_misses(capsys):
+    assert not report(10.0, _run(to_train_s=16.0), 20)
+    assert not report(10.0, _run(source="durable"), 20)
+    assert not report(10.0, _run(restored=100, last_seen=135), 20)  # 35 steps thrown away
+    assert not report(10.0, _run(state="FAILED"), 20)
+    assert capsys.readouterr().out.count("MISSED") == 3

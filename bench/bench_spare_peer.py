@@ -1,7 +1,7 @@
 """A node lost for good with `--spares 1`, on bare nodes, its checkpoints only in the node-local
 tier: how soon the spare trains again, and where its restore came from (issue 42).
 
-    .venv/bin/python -m bench.bench_spare_peer [--steps 1500] [--local-every 20]
+    .venv/bin/python -m bench.bench_spare_peer [--steps 1500] [--local-every 100]
 
 Three bare simulated nodes (tests/simcluster.py, `bare=True`: the system python3 and a package
 index only), so the launch brings gpufleet's code and the environment, and with them the peer
@@ -118,6 +118,10 @@ def report(anchor_s: float, r: dict, every: int) -> bool:
     job, out = r["job"], r["out"]
     failures = job.get("goodput", {}).get("failures") or []
     print(f"anchor: an attached start on 2 prepared bare nodes reaches its first step in {anchor_s:.1f} s")
+    print("what the controller did (the job's log):")
+    for line in out.splitlines():
+        if line.startswith("[controller] "):
+            print(f"  {line.removeprefix('[controller] ')[:160]}")
     swaps = [(s["rank"], s["out"], s["into"]) for rec in job["recoveries"] for s in rec["swaps"]]
     print(f"job {job['id']}: {job['state']}, swaps (rank, out, into): {swaps}")
     if not failures or failures[0]["to_train_s"] is None:
@@ -147,7 +151,9 @@ def report(anchor_s: float, r: dict, every: int) -> bool:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--local-every", type=int, default=20)
+    # Every 100 steps of the tiny model is about 3 s here: an interval longer than one copy (an ssh
+    # session and the receiver's start, about 0.5 s on this machine), as a real job's is.
+    p.add_argument("--local-every", type=int, default=100)
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-spare-") as tmp:
         os.environ["GPUFLEET_STATE_DIR"] = f"{tmp}/state"

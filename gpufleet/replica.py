@@ -64,13 +64,17 @@ __all__ = [
     "Sender",
     "sidecar",
     "main",
+    "python_argv",
+    "PEER_NAME",
 ]
 
 _FILE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MAX_MANIFEST = 1 << 20
 _CHUNK = 1 << 22
-_PEER = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*$")
+# A peer as ssh is given it: `user@address` or `address`, plain (no option, no shell character);
+# the relay's destinations too (launcher.code.tree.peers_arg).
+PEER_NAME = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*")
 # The peer copies kept per rank: the newest two, as the writer keeps its own (--keep-local-checkpoints' default).
 KEEP = 2
 # How often the sender looks for a newly completed step, and how long a peer that could not be
@@ -188,6 +192,18 @@ def prune(root: str | os.PathLike[str], job: str, area: str, rank: int, keep: in
     return gone
 
 
+def python_argv(code: str) -> list[str]:
+    """How a node runs this module from gpufleet's code as the preparation placed it (`code`, its
+    directory, absolute or from the home directory): the node's python3, isolated (-I -S: the
+    standard library and that directory alone on sys.path). The sidecar round the ranks and the
+    replica key's forced command both start so."""
+    run = (
+        "import os, sys; sys.path.insert(0, os.path.abspath(sys.argv.pop(1))); "
+        "from gpufleet.replica import main; sys.exit(main())"
+    )
+    return ["python3", "-I", "-S", "-c", run, code]
+
+
 def _say(text: str) -> None:
     print(f"replica: {text}", file=sys.stderr, flush=True)
 
@@ -214,13 +230,15 @@ class Sender:
     ):
         self.root, self.job, self.port = Path(root), check_job(job), int(port)
         for peer in peers:
-            if not _PEER.match(peer):
+            if not PEER_NAME.fullmatch(peer):
                 raise ReplicaError(f"peer {peer!r} is not a plain user@address")
         self.peers, self.key, self.known, self.say = list(peers), str(key), str(known), say
         self.sent: dict[int, int] = {}  # rank -> the newest step copied out
         self.down: dict[str, float] = {}  # peer -> when it last could not be reached
 
     def argv(self, peer: str) -> list[str]:
+        """ssh to `peer` with the replica key: the options of the relay's hop
+        (launcher.code.node_agent.relay_argv, which cannot import gpufleet: it runs alone)."""
         user, _, host = peer.rpartition("@")
         argv = ["ssh", "-i", self.key, "-p", str(self.port), *(["-l", user] if user else [])]
         for opt in (

@@ -12,7 +12,7 @@ import click
 from rich.markup import escape
 
 from launcher.cli.render import err
-from launcher.code import CodeRequest, EnvSpec, code_snapshot, prepare, take_snapshot
+from launcher.code import CodeRequest, EnvSpec, code_root, code_snapshot, prepare, take_snapshot
 from launcher.code.node_agent import redact
 from launcher.code.prepare import configured
 from launcher.code.pyenv import requirement_source, workloads_requirements
@@ -157,11 +157,9 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
         # nccl-tests gpufleet's own code too (launcher.core.container), so a stock PyTorch image
         # (the stack's default on COS) runs them.
         code = code_snapshot() if builtin and not own_python else None
-        import gpufleet
-
         return CodeRequest(
             code=code,
-            code_root=Path(gpufleet.__file__).resolve().parent.parent if code is not None else None,
+            code_root=code_root() if code is not None else None,
             sync=sync,
             sync_root=sync_root,
             fanout=o.get("sync_fanout") or DEFAULT_FANOUT,
@@ -185,11 +183,9 @@ def code_request(o: dict[str, Any], cluster: Cluster, builtin: bool) -> CodeRequ
             find_links=tuple(o.get("find_links") or ()),
         )
     code = code_snapshot() if builtin and not own_python else None
-    import gpufleet
-
-    code_root = Path(gpufleet.__file__).resolve().parent.parent if code is not None else None
     fanout = o.get("sync_fanout") or DEFAULT_FANOUT
-    return CodeRequest(code=code, code_root=code_root, sync=sync, sync_root=sync_root, env=env, fanout=fanout)
+    root = code_root() if code is not None else None
+    return CodeRequest(code=code, code_root=root, sync=sync, sync_root=sync_root, env=env, fanout=fanout)
 
 
 # What a dry run shows for the nodes' home directory (a real launch asks the nodes).

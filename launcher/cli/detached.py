@@ -32,7 +32,7 @@ from launcher.cli.options import (
 )
 from launcher.cli.render import err, pull_everywhere, setup_logging
 from launcher.cli.waiting import waiting
-from launcher.code import CodeRequest, code_snapshot
+from launcher.code import CodeRequest, code_root, code_snapshot
 from launcher.core.transport import make_transport
 from launcher.core.types import Cluster, LaunchConfig, UserError, Workload
 from launcher.jobs.handoff import detach
@@ -124,10 +124,7 @@ def _replicated(request: CodeRequest) -> CodeRequest:
     (a spare's peer). gpufleet's code runs the copies: a script of the user's own gets it too,
     off its PYTHONPATH."""
     if request.code is None:
-        import gpufleet
-
-        root = Path(gpufleet.__file__).resolve().parent.parent
-        request = dataclasses.replace(request, code=code_snapshot(), code_root=root, code_on_path=False)
+        request = dataclasses.replace(request, code=code_snapshot(), code_root=code_root(), code_on_path=False)
     return dataclasses.replace(request, replicate=True)
 
 

@@ -5,6 +5,15 @@ launcher.code.node_agent)."""
 
 from launcher.code.prepare import CodeRequest, PrepareReport, prepare
 from launcher.code.pyenv import EnvSpec
-from launcher.code.snapshot import Snapshot, code_snapshot, take_snapshot
+from launcher.code.snapshot import Snapshot, code_root, code_snapshot, take_snapshot
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "EnvSpec", "Snapshot", "code_snapshot", "take_snapshot"]
+__all__ = [
+    "CodeRequest",
+    "PrepareReport",
+    "prepare",
+    "EnvSpec",
+    "Snapshot",
+    "code_root",
+    "code_snapshot",
+    "take_snapshot",
+]

@@ -373,13 +373,17 @@ def _check_name(root: Path, rel: str) -> None:
         ) from None
 
 
+def code_root() -> Path:
+    """The directory holding the installed gpufleet/ and workloads/ packages."""
+    import gpufleet
+
+    return Path(gpufleet.__file__).resolve().parent.parent
+
+
 def code_snapshot() -> Snapshot:
     """gpufleet's own code the nodes run (gpufleet/ and workloads/, no bytecode), from the
     installed packages' directory."""
-    import gpufleet
-
-    root = Path(gpufleet.__file__).resolve().parent.parent
-    snap = take_snapshot(root, only=("gpufleet", "workloads"), git_excludes=False)
+    snap = take_snapshot(code_root(), only=("gpufleet", "workloads"), git_excludes=False)
     return Snapshot(tuple(f for f in snap.files if "__pycache__/" not in f.path and not f.path.endswith(".pyc")))
 
 

@@ -42,6 +42,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from gpufleet.replica import PEER_NAME, python_argv
 from launcher.code import node_agent
 from launcher.core.transport import cluster_slug
 from launcher.core.types import Cluster, UserError
@@ -97,15 +98,12 @@ def hops(cluster: Cluster, user: str | None) -> dict[int, tuple[str | None, str]
     return out
 
 
-_PEER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*")
-
-
 def peers_arg(targets: Mapping[int, tuple[str | None, str]]) -> str:
     """The destinations a relay may reach (node_agent.relay's PEERS): `USER@ADDRESS,...`. Each
     is a plain user and address: the list goes into the forced command's shell line unquoted."""
     peers = sorted({f"{u}@{a}" if u else a for u, a in targets.values()})
     for peer in peers:
-        if not _PEER.fullmatch(peer):
+        if not PEER_NAME.fullmatch(peer):
             raise UserError(
                 f"{peer!r} is not a user and an address the relay key can be limited to; use plain user "
                 "names (letters, digits, '.', '_', '-') and addresses"
@@ -202,11 +200,7 @@ def replica_command(code: str) -> str:
     isolated (-I -S: the standard library and that directory only on sys.path)."""
     if not _PATH.fullmatch(code):
         raise UserError(f"{code!r} is not a plain path gpufleet's code can be run from on the nodes")
-    run = (
-        "import os, sys; sys.path.insert(0, os.path.abspath(sys.argv.pop(1))); "
-        "from gpufleet.replica import main; sys.exit(main())"
-    )
-    return f"exec python3 -I -S -c '{run}' {code} receive"
+    return "exec " + shlex.join([*python_argv(code), "receive"])
 
 
 def authorize_replica(public_key: str, cluster: Cluster, code: str) -> str:

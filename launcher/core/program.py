@@ -79,6 +79,7 @@ from dataclasses import dataclass
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.node_plan import Check, CheckKind, EnvSource, EnvVar, Limits, NodePlan
 from gpufleet.node_plan import PrepareStep as PlannedStep
+from gpufleet.replica import python_argv
 from launcher.core import supervise
 from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
@@ -476,9 +477,8 @@ def _replicate(ctx: NodeContext, argv: Sequence[str]) -> list[str]:
     peers = rep.peers(ctx.node.host)
     if not peers:
         return list(argv)
-    run = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gpufleet.replica import main; sys.exit(main())"
     return [
-        "python3", "-I", "-S", "-c", run, rep.code, "sidecar",
+        *python_argv(rep.code), "sidecar",
         "--state", rep.state, "--port", str(rep.port), "--peers", ",".join(peers), "--", *argv,
     ]  # fmt: skip
 

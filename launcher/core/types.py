@@ -227,9 +227,9 @@ class Replication:
 
     def in_order(self, nodes: "tuple[Node, ...]") -> "Replication":
         """The ring in `nodes`' order (the plan's), any node not among them after them."""
-        hop = dict(self.ring)
+        hop, given = dict(self.ring), {n.host for n in nodes}
         first = tuple((n.host, hop[n.host]) for n in nodes if n.host in hop)
-        rest = tuple(r for r in self.ring if r[0] not in {n.host for n in nodes})
+        rest = tuple(r for r in self.ring if r[0] not in given)
         return replace(self, ring=first + rest)
 
     def peers(self, host: str) -> tuple[str, ...]:

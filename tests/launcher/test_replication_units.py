@@ -115,9 +115,12 @@ def test_a_code_path_that_is_not_plain_is_refused(code):
 
 def test_the_node_agent_keeps_the_key_private_and_replaces_it_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(node_agent, "G", str(tmp_path / ".gpufleet"))
-    os.umask(0o077)
-    for text in ("first", "second"):
-        node_agent.keep_replica_key({"slug": "c1", "key": text, "known": "10.0.0.2 ssh-ed25519 AAAA\n"})
+    before = os.umask(0o077)  # the node agent's own (own_state); this process's is put back below
+    try:
+        for text in ("first", "second"):
+            node_agent.keep_replica_key({"slug": "c1", "key": text, "known": "10.0.0.2 ssh-ed25519 AAAA\n"})
+    finally:
+        os.umask(before)
     d = tmp_path / ".gpufleet" / "replica" / "c1"
     assert (d / "key").read_text() == "second" and stat.S_IMODE((d / "key").stat().st_mode) == 0o600
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and sorted(p.name for p in d.iterdir()) == ["key", "known_hosts"]

@@ -238,3 +238,27 @@ def test_the_default_root_is_the_boot_disk_without_a_local_ssd_and_the_ssd_when_
     assert lt.default_root(str(tmp_path), mounts=[str(tmp_path / "not-mounted")]) == (
         tmp_path / ".gpufleet" / "local" / "checkpoints"
     )
+
+
+@pytest.mark.parametrize("made_by_other", [True, False])
+def test_the_receiver_never_uses_a_local_ssd_directory_another_account_made_or_can_write(
+    tmp_path, small_tmpfs, made_by_other
+):
+    """Two accounts on one node: MOUNT/gpufleet-UID made first by another account (uid 4242), or
+    this account's own but open to others, is never the peer tier's root; the boot disk's is (the
+    node program's rule, launcher.core.node_local)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a mount, and a directory of another uid")
+    mount = small_tmpfs(1 << 20)
+    os.chmod(mount, 0o1777)  # a shared SSD: every account may make its own directory there
+    mine = mount / f"gpufleet-{os.geteuid()}"
+    mine.mkdir(mode=0o700)
+    if made_by_other:
+        os.chown(mine, 4242, 4242)
+    else:
+        os.chmod(mine, 0o777)
+    home = tmp_path / "home"
+    assert lt.default_root(str(home), mounts=[str(mount)]) == home / ".gpufleet" / "local" / "checkpoints"
+    os.chown(mine, os.geteuid(), os.getegid())
+    os.chmod(mine, 0o700)
+    assert lt.default_root(str(home), mounts=[str(mount)]) == mine / "checkpoints"

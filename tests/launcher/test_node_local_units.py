@@ -25,7 +25,8 @@ def _run(config: LaunchConfig, home: Path, env: dict[str, str] | None = None) ->
     """The node statements in bash, then the variables they exported; and stderr."""
     script = "; ".join([*node_local_statements(_key(config)), *(f'echo "{v}=${{{v}-unset}}"' for v in VARS)])
     base = {k: v for k, v in os.environ.items() if k not in VARS}
-    base.update(HOME=str(home), GPUFLEET_LOCAL_SSD_MOUNT=str(home / "no-ssd"), **(env or {}))
+    base.update(HOME=str(home), GPUFLEET_LOCAL_SSD_MOUNT=str(home / "no-ssd"))
+    base.update(env or {})
     p = subprocess.run(["bash", "-c", script], env=base, capture_output=True, text=True, check=True)
     return dict(line.split("=", 1) for line in p.stdout.splitlines()), p.stderr
 
@@ -75,3 +76,27 @@ def test_a_link_in_place_of_the_local_directory_is_never_followed(tmp_path):
     (tmp_path / ".gpufleet" / "local").symlink_to(tmp_path / "elsewhere")
     out, _ = _run(_config(), tmp_path)
     assert set(out.values()) == {"unset"}
+
+
+def test_the_peer_tiers_receiver_finds_the_root_the_node_program_gives_the_ranks(tmp_path, small_tmpfs):
+    """The receiver of peer copies (gpufleet.local_tier.default_root, in Python: it runs under
+    sshd's forced command, with no node program around it) and the node program (bash) follow one
+    rule: without a local SSD, with one, and with one whose directory another account made."""
+    from gpufleet.local_tier import default_root
+
+    if os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("needs root: a mount, and a directory of another uid")
+    mount = small_tmpfs(1 << 20)
+    os.chmod(mount, 0o1777)
+    for case in ("no ssd", "ssd", "ssd of another account"):
+        home = tmp_path / case.replace(" ", "-")
+        home.mkdir()
+        mounts = [] if case == "no ssd" else [str(mount)]
+        if case == "ssd of another account":
+            other = mount / f"gpufleet-{os.geteuid()}"
+            other.chmod(0o700)
+            os.chown(other, 4242, 4242)
+        out, _ = _run(_config(), home, env={"GPUFLEET_LOCAL_SSD_MOUNT": mounts[0] if mounts else str(home / "x")})
+        assert out["GPUFLEET_LOCAL_CHECKPOINT_DIR"] == str(default_root(str(home), mounts=mounts)), case

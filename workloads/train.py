@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     # interpreter finalizes, and a notice landing then still killed the worker. Bounded: torchrun
     # and the launcher follow SIGTERM with SIGKILL after their grace period.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    trainer = None
+    trainer, done = None, False
     try:
         trainer = Trainer(cfg)
         trainer.fit()
@@ -502,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         # in the last collective can abort in C++ at exit ("terminate called without an active
         # exception", seen with torch 2.13 on CPU).
         dist.barrier()
+        done = True
         return 0
     except ConfigError as e:
         error(e)
@@ -510,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         error(e)
         return 1
     finally:
+        if not done:
+            # Failed (a peer lost, an error): nothing is left to save, and tearing down a group
+            # whose peer is gone takes seconds. A stop's SIGTERM ends this rank at once instead
+            # of after its grace, so the job trains again sooner (issue 42: time to train again).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # Free the model (DDP's reducer, FSDP's state: they hold the process group and its
         # threads) before the group goes, not during interpreter shutdown, where a C++ thread
         # still joinable aborts the process with that same message.

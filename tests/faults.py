@@ -24,3 +24,18 @@ HALF_WRITTEN_SAVE = """
         return _save(obj, f, *a, **k)
     torch.save = save
 """
+
+# Every training step of a worker takes SLOW_STEP_S longer, asleep (no CPU): a run of few steps
+# still lasts long enough for a test to lose a node before its end, and the steps' arithmetic is
+# unchanged (a run without it ends with the same parameters).
+SLOW_STEP_S = 0.1
+SLOW_STEPS = f"""
+    import os
+    if "LOCAL_RANK" in os.environ:
+        import time, torch
+        _step = torch.optim.AdamW.step
+        def step(self, *a, **k):
+            time.sleep({SLOW_STEP_S})
+            return _step(self, *a, **k)
+        torch.optim.AdamW.step = step
+"""

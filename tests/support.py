@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import SLOW_STEPS
 from tests.launcher.fake_gpu_node import SYSTEM_PATH
 from tests.simcluster import SimCluster, _environ, netns_available
 
@@ -29,9 +30,11 @@ __all__ = [
     "params",
     "checkpoint_step",
     "wait_saved",
+    "named_step",
     "train_job",
     "sigkill",
     "site_dir",
+    "slow_steps",
     "BARE_NODES",
     "BARE_GROUP",
     "BARE_FAKE_BIN",
@@ -203,9 +206,23 @@ def checkpoint_step(ckpt: Path) -> int:
     return load_checkpoint(ckpt / (ckpt / "latest").read_text().strip())["step"]
 
 
+def named_step(ckpt: Path) -> int:
+    """The step in the name `latest` holds ("step_00000010"), -1 while there is none: cheap to
+    poll, where loading the checkpoint costs ~0.2 s of CPU."""
+    try:
+        return int((ckpt / "latest").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return -1
+
+
 def wait_saved(ckpt: Path, step: int, launch: Launch | None = None) -> None:
-    """Until the checkpoint `latest` names is at `step` or later (a hang fails after 120 s)."""
-    wait_for(lambda: (ckpt / "latest").exists() and checkpoint_step(ckpt) >= step, 120, f"step {step} saved", launch)
+    """Until the checkpoint `latest` names is at `step` or later and loads in full (a hang fails
+    after 120 s)."""
+
+    def saved() -> bool:
+        return named_step(ckpt) >= step and checkpoint_step(ckpt) >= step
+
+    wait_for(saved, 120, f"step {step} saved", launch)
 
 
 def train_job(batch: int, steps: int, ckpt: Path, every: int, log_every: int | None = None) -> list[str]:
@@ -229,6 +246,13 @@ def site_dir(tmp_path: Path, code: str) -> Path:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(textwrap.dedent(code))
     return site
+
+
+def slow_steps(tmp_path: Path, code: str = "") -> list[str]:
+    """`--env` that makes each training step SLOW_STEP_S longer, asleep (tests/faults.py), after
+    running `code` (more fault injection): 100 steps outlast a node lost after step 20 without
+    the CPU of 300."""
+    return ["--env", f"PYTHONPATH={site_dir(tmp_path, code + SLOW_STEPS)}"]
 
 
 def require_root(why: str) -> None:

@@ -11,17 +11,16 @@ import pytest
 
 from gpufleet.contracts import LABEL_NODE
 from tests.launcher.fake_compute import FakeCompute, FakeInstance
-from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
+from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_job, wait_state
 from tests.support import (
-    LAUNCH_POLL_S,
     TRAIN,
     checkpoint_step,
     params,
     site_dir,
+    slow_steps,
     source_args,
     torch_args,
     train_job,
-    wait_for,
     wait_saved,
 )
 
@@ -46,12 +45,13 @@ def by_labels(c, api: FakeCompute, tmp_path) -> list[str]:
 def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_uninterrupted_one(sim_cluster, tmp_path):
     c = cluster(sim_cluster, tmp_path, NODES)
     ckpt = tmp_path / "ckpt"
-    common = [*TRAIN, "--global-batch", str(NODES), "--steps", "300", "--log-every", "10", "--checkpoint-every", "10"]
+    common = [*TRAIN, "--global-batch", str(NODES), "--steps", "100", "--log-every", "10", "--checkpoint-every", "10"]
     job_id = detach(
         c,
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--recover-timeout",
         "2m",
@@ -66,8 +66,8 @@ def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_un
     c.preempt(1)
     t_gone = time.monotonic()
     seen = wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
-    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["node"] == 1, 20, "node 1 named", interval=LAUNCH_POLL_S)
-    assert checkpoint_step(ckpt) < 300, "the preemption came after the end: make the run longer"
+    wait_job(c, tmp_path, job_id, lambda j: j["recoveries"][0]["node"] == 1, 20, "node 1 named")
+    assert checkpoint_step(ckpt) < 100, "the preemption came after the end: make the run longer"
     time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
     recovering = job(c, tmp_path, job_id)
     assert recovering["state"] == "RECOVERING" and "recovery 1 of 3: node 1" in recovering["why"], recovering
@@ -81,7 +81,7 @@ def test_a_preempted_node_back_10_s_later_is_recovered_and_the_run_ends_as_an_un
     assert rec["node"] == 1 and rec["at"] + rec["waited_s"] >= back, (rec, back)
     assert "preempted" in rec["cause"] or "unreachable" in rec["cause"], rec
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
-    assert "resumed from" in out and "] step 300/300 |" in out, seen
+    assert "resumed from" in out and "] step 100/100 |" in out, seen
     c.assert_nothing_left()
     # The same run, uninterrupted and attached, ends with the same parameters.
     launch(
@@ -114,6 +114,7 @@ def test_a_node_that_never_comes_back_fails_the_job_after_the_timeout_naming_it_
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--recover-timeout",
         "6s",
@@ -232,19 +233,20 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
             "train",
             *by_labels(c, api, tmp_path),
             *torch_args(),
+            *slow_steps(tmp_path),
             "--detach",
             "--recover",
             "--recover-timeout",
             "2m",
             "--",
-            *train_job(2, 300, ckpt, 10, 10),
+            *train_job(2, 100, ckpt, 10, 10),
             check=True,
         )
         job_id = r.stdout.split()[1]
         wait_saved(ckpt, 20)
         c.preempt(1)
         instances[1].status = "TERMINATED"  # a Spot VM stops (instanceTerminationAction STOP)
-        assert checkpoint_step(ckpt) < 300, "the preemption came after the end: make the run longer"
+        assert checkpoint_step(ckpt) < 100, "the preemption came after the end: make the run longer"
         done = wait_state(c, tmp_path, job_id, FINAL, timeout=180)
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, done
     (rec,) = done["recoveries"]
@@ -255,7 +257,7 @@ def test_a_preempted_spot_node_that_compute_engine_stopped_is_started_again_thro
     assert starts == ["gpu-1"] and gets == {"gpu-1"}, api.requests
     assert instances[1].status == "RUNNING"
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
-    assert "resumed from" in out and "] step 300/300 |" in out
+    assert "resumed from" in out and "] step 100/100 |" in out
     c.assert_nothing_left()
 
 
@@ -269,6 +271,7 @@ def test_no_restart_stopped_leaves_a_stopped_vm_alone_and_the_job_fails_after_th
             "train",
             *by_labels(c, api, tmp_path),
             *torch_args(),
+            *slow_steps(tmp_path),
             "--detach",
             "--recover",
             "--no-restart-stopped",
@@ -297,6 +300,7 @@ def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_li
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--max-recoveries",
         "1",
@@ -307,14 +311,9 @@ def test_max_recoveries_1_with_two_preemptions_ends_the_job_at_the_second_and_li
     c.preempt(1)
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
     c.restart_sshd(1)
-    wait_for(
-        lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None,
-        60,
-        "relaunched",
-        interval=LAUNCH_POLL_S,
-    )
+    wait_job(c, tmp_path, job_id, lambda j: j["recoveries"][0]["waited_s"] is not None, 60, "relaunched")
     first = checkpoint_step(ckpt)
-    wait_for(lambda: checkpoint_step(ckpt) >= first + 10, 120, "progress after the resume")
+    wait_saved(ckpt, first + 10)  # progress after the resume
     c.preempt(1)
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=60)
     assert done["state"] == "FAILED" and "gave up after 1 recoveries (--max-recoveries 1)" in done["why"], done
@@ -333,6 +332,7 @@ def test_stop_while_recovering_ends_the_job_stopped_and_relaunches_nothing(sim_c
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--",
         *train_job(2, 100000, ckpt, 5),

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.test_controller_host_cluster import FINAL, with_controller
-from tests.launcher.test_jobs_cluster import detach, job, launch, wait_state
-from tests.support import LAUNCH_POLL_S, TRAIN, source_args, torch_args, wait_for
+from tests.launcher.test_jobs_cluster import detach, job, launch, wait_job, wait_state
+from tests.support import TRAIN, slow_steps, source_args, torch_args, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -44,12 +44,15 @@ def kill_controller(c, tmp_path: Path, job_id: str) -> int:
 
 def test_a_killed_controller_is_restarted_by_launch_jobs_and_the_job_ends_with_no_step_lost(sim_cluster, tmp_path):
     c = with_controller(sim_cluster, tmp_path, 2)
-    steps, every = 1500, 10
+    # Slow steps: the run outlasts two controller deaths and a re-adoption on a loaded machine,
+    # asleep rather than training 1500 steps.
+    steps, every = 500, 10
     job_id = detach(
         c,
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--",
         *TRAIN,
@@ -78,12 +81,7 @@ def test_a_killed_controller_is_restarted_by_launch_jobs_and_the_job_ends_with_n
     assert seen["state"] == "RUNNING" and not seen["orphaned"], seen
     # Once it has re-adopted the nodes, it is killed too; this time `launch attach` starts it again
     # and follows the job to its end.
-    wait_for(
-        lambda: job(c, tmp_path, job_id)["adoptions"][-1]["attached_s"] is not None,
-        60,
-        "the re-adoption",
-        interval=LAUNCH_POLL_S,
-    )
+    wait_job(c, tmp_path, job_id, lambda j: j["adoptions"][-1]["attached_s"] is not None, 60, "the re-adoption")
     again = kill_controller(c, tmp_path, job_id)
     assert last_step(out0) < steps, "the job ended before its second controller was killed: make it longer"
     attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id, timeout=180)
@@ -111,6 +109,7 @@ def test_with_no_controller_back_within_the_grace_the_nodes_stop_their_workers_a
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--controller-grace",
         "3s",
         "--term-grace",

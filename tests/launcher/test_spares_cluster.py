@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_state
-from tests.support import checkpoint_step, source_args, torch_args, train_job, wait_for, wait_saved
+from tests.launcher.test_jobs_cluster import cluster, detach, job, launch, wait_job, wait_state
+from tests.support import checkpoint_step, slow_steps, source_args, torch_args, train_job, wait_saved
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -27,20 +27,20 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_and_the_job_succeeds_with
     # A long --recover-timeout: only the spare, never a wait for node 1, can end this job in time. A
     # short --term-grace: the survivors of a lost node cannot finish a collective save anyway.
     job_id = detach(
-        c, tmp_path, "train", *torch_args(), "--term-grace", "3s", "--recover", "--recover-timeout", "30m",
-        "--spares", "1", "--",
-        *train_job(3, 300, ckpt, 10, 10),
+        c, tmp_path, "train", *torch_args(), *slow_steps(tmp_path), "--term-grace", "3s", "--recover",
+        "--recover-timeout", "30m", "--spares", "1", "--",
+        *train_job(3, 100, ckpt, 10, 10),
     )  # fmt: skip
     running = job(c, tmp_path, job_id)
     assert running["nodes"] == a[:3] and running["spares"] == [a[3]], running
     wait_saved(ckpt, 10)
     c.power_off(1)
-    wait_for(lambda: job(c, tmp_path, job_id)["out"] == [a[1]], 90, "node 1 swapped out", interval=0.5)
-    wait_for(lambda: job(c, tmp_path, job_id)["recoveries"][0]["waited_s"] is not None, 90, "relaunched", interval=0.5)
+    wait_job(c, tmp_path, job_id, lambda j: j["out"] == [a[1]], 90, "node 1 swapped out")
+    wait_job(c, tmp_path, job_id, lambda j: j["recoveries"][0]["waited_s"] is not None, 90, "relaunched")
     first = checkpoint_step(ckpt)
-    wait_for(lambda: checkpoint_step(ckpt) >= first + 10, 120, "progress on the spare")
+    wait_saved(ckpt, first + 10)  # progress on the spare
     c.restart_sshd(1)  # node 1 is back, and healthy: it rejoins when a spare is next needed
-    assert checkpoint_step(ckpt) < 280, "the second loss came near the end: make the run longer"
+    assert checkpoint_step(ckpt) < 80, "the second loss came near the end: make the run longer"
     c.power_off(3)
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=240)
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
@@ -53,7 +53,7 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_and_the_job_succeeds_with
     # a[3] held rank 2 of [a0, a2, a3]; node 1 (a[1]) rejoined the spares and took its place.
     assert [(s["rank"], s["out"], s["into"]) for s in two["swaps"]] == [(2, a[3], a[1])], two
     assert one["waited_s"] is not None and two["waited_s"] is not None, done["recoveries"]
-    assert "resumed from" in out and "] step 300/300 |" in out, out
+    assert "resumed from" in out and "] step 100/100 |" in out, out
     said = [line.split(" ", 3)[3] for line in out.splitlines() if line.startswith("[controller] ")]
     assert any(s.startswith(f"swapped node 1 ({a[1]}) → spare {a[3]} (unreachable); 0 spares left") for s in said), said
     assert f"node {a[1]} passes its check again: it is a spare again" in said, said

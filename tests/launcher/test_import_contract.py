@@ -6,7 +6,11 @@ contracts, without the dependency."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launcher"
 
@@ -114,6 +118,44 @@ def test_only_cli_imports_click_and_rich():
         if name.split(".")[0] in ("click", "rich") and _package(module) != "cli"
     )
     assert not bad, bad
+
+
+# Every package but cli/: the library, which logs and returns data and leaves the terminal to cli/.
+LIBRARY = sorted(p for layer in LAYERS for p in layer if p not in ("", "__main__", "cli"))
+
+# Imports a package and every module under it in a fresh interpreter, then names the terminal's
+# packages that came with them.
+_LOADED_TERMINAL = """
+import importlib, pkgutil, sys
+pkg = importlib.import_module(sys.argv[1])
+for m in pkgutil.walk_packages(getattr(pkg, "__path__", []), pkg.__name__ + "."):
+    importlib.import_module(m.name)
+print(" ".join(sorted({name.split(".")[0] for name in sys.modules} & {"click", "rich"})))
+"""
+
+
+def _terminal_loaded_by(package: str) -> list[str]:
+    r = subprocess.run(
+        [sys.executable, "-c", _LOADED_TERMINAL, package],
+        cwd=LAUNCHER.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize("package", LIBRARY)
+def test_importing_a_library_package_loads_no_terminal(package):
+    """What the source check above cannot see: click or rich arriving through another module's
+    import (gpufleet's, a library's). launcher.nccl renders its sweep's table as data for cli/ to
+    draw (launcher.cli.nccl_table)."""
+    assert _terminal_loaded_by(f"launcher.{package}") == [], f"importing launcher.{package} loads the terminal"
+
+
+def test_the_import_probe_sees_the_terminal_where_it_is_loaded():
+    assert "rich" in _terminal_loaded_by("launcher.cli.nccl_table")
 
 
 def test_the_contract_sees_a_cycle_and_a_terminal_import_when_there_is_one(monkeypatch):

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.cli.detached import copy_path, dry_run, follow, node0, restart_orphans
-from launcher.cli.options import SOURCE_OPTIONS, apply_options
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.jobs.node0 import Node0
 from launcher.jobs.record import JobRecord, check_job_id, list_script, logs_script
@@ -50,7 +50,7 @@ def render_summary(record: JobRecord, summary: dict[str, Any] | None) -> None:
         err.print(f"[magenta]{escape(line)}[/magenta]")
 
 
-@click.command(name="attach")
+@click.command(cls=DryRunCommand, name="attach")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id")
 @user_errors

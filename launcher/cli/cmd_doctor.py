@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from launcher.cli.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options, build_config, find_cluster
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.program import stdin_env
@@ -73,7 +73,7 @@ def render(found: Doctor, console: Console) -> None:
         console.print(f"--exclude {','.join(bad)}", markup=False)
 
 
-@click.command()
+@click.command(cls=DryRunCommand)
 @apply_options(SOURCE_OPTIONS)
 @click.option(
     "--env",

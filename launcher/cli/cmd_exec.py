@@ -20,6 +20,7 @@ from launcher.cli.options import (
     SOURCE_OPTIONS,
     TERM_GRACE_OPTION,
     WAIT_OPTION,
+    DryRunCommand,
     apply_options,
 )
 from launcher.cli.render import user_errors
@@ -28,7 +29,7 @@ from launcher.core.types import UserError, Workload
 __all__ = ["exec_"]
 
 
-@click.command(name="exec", context_settings=PROGRAM_AFTER)
+@click.command(cls=DryRunCommand, name="exec", context_settings=PROGRAM_AFTER)
 @apply_options(
     [
         *SOURCE_OPTIONS,

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpufleet.contracts import READY_MARKER
-from launcher.cli.options import SOURCE_OPTIONS, apply_options, build_config, find_cluster
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options, build_config, find_cluster
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.cluster.topology import metadata_statement, node_physical_hosts, spread_warning
 from launcher.core.launch import Launch
@@ -21,7 +21,7 @@ from launcher.core.types import Workload
 __all__ = ["hosts"]
 
 
-@click.command(name="hosts")
+@click.command(cls=DryRunCommand, name="hosts")
 @apply_options(SOURCE_OPTIONS)
 @user_errors
 def hosts(**o: Any) -> None:

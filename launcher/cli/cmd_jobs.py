@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
-from launcher.cli.options import SOURCE_OPTIONS, apply_options
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options
 from launcher.cli.render import user_errors
 from launcher.core.holds import holds_script
 from launcher.jobs.goodput import failure_lines, format_cost, goodput_of
@@ -59,7 +59,7 @@ def _recoveries(r: JobRecord) -> str:
     return f" ({n} recover{'y' if n == 1 else 'ies'}; --json lists them)"
 
 
-@click.command(name="jobs")
+@click.command(cls=DryRunCommand, name="jobs")
 @apply_options(SOURCE_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job per line.")
 @click.option(

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from launcher.cli.detached import copy_path, dry_run, follow, node0, reader_gone
-from launcher.cli.options import SOURCE_OPTIONS, apply_options
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options
 from launcher.cli.render import user_errors
 from launcher.core.types import UserError
 from launcher.jobs.record import check_job_id, logs_script
@@ -17,7 +17,7 @@ from launcher.jobs.record import check_job_id, logs_script
 __all__ = ["logs"]
 
 
-@click.command(name="logs")
+@click.command(cls=DryRunCommand, name="logs")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id")
 @click.option("--node", type=int, help="Only this node's log (by rank).")

@@ -7,7 +7,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.options import SOURCE_OPTIONS, apply_options, find_cluster, ssh_config, trusted_ssh
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options, find_cluster, ssh_config, trusted_ssh
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.code.prune import HostPrune, PruneRequest, prune
 from launcher.code.snapshot import human_size
@@ -47,7 +47,7 @@ def _summary(rank: int, a: HostPrune, removing: bool) -> str:
     )
 
 
-@click.command(name="prune")
+@click.command(cls=DryRunCommand, name="prune")
 @apply_options(SOURCE_OPTIONS)
 @click.option(
     "--older-than",

@@ -19,6 +19,7 @@ from launcher.cli.options import (
     TERM_GRACE_OPTION,
     TORCHRUN_OPTIONS,
     WAIT_OPTION,
+    DryRunCommand,
     apply_options,
 )
 from launcher.cli.render import user_errors
@@ -27,7 +28,7 @@ from launcher.core.types import UserError, Workload
 __all__ = ["run"]
 
 
-@click.command(name="run", context_settings=PROGRAM_AFTER)
+@click.command(cls=DryRunCommand, name="run", context_settings=PROGRAM_AFTER)
 @apply_options(
     [
         *SOURCE_OPTIONS,

@@ -11,7 +11,7 @@ import click
 from rich.markup import escape
 
 from launcher.cli.detached import STATE_STYLE, dry_run, node0, restart_orphans
-from launcher.cli.options import SOURCE_OPTIONS, apply_options
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options
 from launcher.cli.render import err, user_errors
 from launcher.core.types import LaunchConfig, UserError
 from launcher.jobs.holds import cluster_holds, refuse_others_job
@@ -50,7 +50,7 @@ def _account(n0: Node0) -> str:
     return n0.run("id -un").strip().splitlines()[-1]
 
 
-@click.command(name="stop")
+@click.command(cls=DryRunCommand, name="stop")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id")
 @click.option(

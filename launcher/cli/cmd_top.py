@@ -30,7 +30,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
-from launcher.cli.options import SOURCE_OPTIONS, apply_options, find_cluster, ssh_config
+from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options, find_cluster, ssh_config
 from launcher.cli.render import err, setup_logging, user_errors
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Node, SshConfig, UserError, new_job_id
@@ -341,7 +341,7 @@ def _stop_all(sampler: TopSampler, exporter, recorder: Recorder | None) -> tuple
     return answered, connecting
 
 
-@click.command(name="top")
+@click.command(cls=DryRunCommand, name="top")
 @apply_options(SOURCE_OPTIONS)
 @click.argument("job_id", required=False, metavar="[JOB_ID]")
 @click.option("--image-os", type=click.Choice(["ubuntu", "cos"]), help="Interface naming of the image (NIC roles).")

@@ -41,6 +41,7 @@ __all__ = [
     "PASS_THROUGH",
     "PROGRAM_AFTER",
     "DRY_RUN_FORMATS",
+    "DryRunCommand",
     "apply_options",
     "find_cluster",
     "build_config",
@@ -57,28 +58,34 @@ DRY_RUN_JOB_ID = "00000000-000000-000000"
 # start a launch: run, train, exec, nccl-tests; the others print the steps they would take).
 DRY_RUN_FORMATS = ("text", "json")
 _DRY_RUN_JSON = ("run", "train", "exec", "nccl-tests")
+# Where DryRunCommand leaves an attached format for --dry-run's callback (click's ctx.meta: keys are
+# dotted names unique to their user).
+_ATTACHED_FORMAT = "gpufleet.dry_run_format"
 
 
-class _DryRunOption(click.Option):
-    """--dry-run: a flag that also takes a format attached (`--dry-run=json`), and never the next
+class DryRunCommand(click.Command):
+    """A command with --dry-run, which takes a format attached (`--dry-run=json`) and never the next
     word, so `launch logs --dry-run JOB` keeps JOB its argument (click's optional value would take
-    it: https://click.palletsprojects.com/en/stable/options/#optional-value). Hence a hook on the
-    parser's match of a long option, for this option's attached value alone."""
+    it: https://click.palletsprojects.com/en/stable/options/#optional-value). --dry-run is a flag,
+    and click's parser refuses a value attached to a flag only where it reads options, so its refusal
+    says the word is this command's --dry-run (a program's own `--dry-run=x`, after `--` or after
+    the program's name, is never read): the format is kept and the word parsed again as the flag."""
 
-    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
-        super().add_to_parser(parser, ctx)
-        match = parser._match_long_opt
-
-        def match_long(opt: str, explicit_value: str | None, state: Any) -> None:
-            if explicit_value is None or opt not in self.opts:
-                return match(opt, explicit_value, state)
-            state.opts[self.name] = explicit_value
-            state.order.append(self)
-
-        parser._match_long_opt = match_long
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        args = list(args)
+        while True:
+            try:
+                return super().parse_args(ctx, list(args))  # a copy: click's parser consumes its list
+            except click.BadOptionUsage as e:
+                at = next((i for i, a in enumerate(args) if a.startswith("--dry-run=")), None)
+                if e.option_name != "--dry-run" or at is None:
+                    raise
+                ctx.meta[_ATTACHED_FORMAT], args[at] = args[at].partition("=")[2], "--dry-run"
 
 
 def _dry_run_format(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        value = ctx.meta.pop(_ATTACHED_FORMAT, value)
     if value not in (None, *DRY_RUN_FORMATS):
         raise click.BadParameter(f"{value!r} is not a dry run's format; one of: {', '.join(DRY_RUN_FORMATS)}")
     if value == "json" and ctx.command.name not in _DRY_RUN_JSON:
@@ -164,7 +171,6 @@ SOURCE_OPTIONS = [
     click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True),
     click.option(
         "--dry-run",
-        cls=_DryRunOption,
         is_flag=True,
         flag_value="text",
         default=None,

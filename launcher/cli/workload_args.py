@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import click
 
+from launcher.cli.options import DryRunCommand
 from launcher.core.torchrun import nproc_for
 from launcher.core.types import Cluster, LaunchConfig, UserError
 
@@ -78,7 +79,7 @@ def parser_help(parser: argparse.ArgumentParser, flag: str) -> str:
     return next(a.help or "" for a in parser._actions if flag in a.option_strings)
 
 
-class WorkloadCommand(click.Command):
+class WorkloadCommand(DryRunCommand):
     """A launcher command that runs a built-in workload: its --help lists the launcher's options,
     then a section of the workload's: the command's own options that only forward to it
     (`workload_params`, by name) and the rows `workload_rows` gives (options passed after --)."""

@@ -1,7 +1,8 @@
 """--dry-run connects to nothing, on every command that offers it: each prints what it would do and
 exits 0 (or refuses the combination in one line, exit 2), and no ssh or gcloud runs. The commands
 are the ones the `launch` group lists whose options include --dry-run, so a new command that
-offers it is tested here without being named. `ssh` and `gcloud` on PATH record every call."""
+offers it is tested here without being named. `ssh` and `gcloud` on PATH record every call.
+And --dry-run=FORMAT: read where launch reads its options, never from the program's arguments."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from launcher.cli.main import main
+from tests.launcher import dry_runs
 from tests.launcher.fake_compute import FakeCompute
 from tests.support import LAUNCH
 
@@ -122,3 +125,46 @@ def test_a_dry_run_through_iap_runs_no_tunnel_and_shows_it(tmp_path, command):
     assert not calls.exists(), calls.read_text()  # neither gcloud nor ssh
     assert api.requests == []
     assert "through IAP: gcloud compute start-iap-tunnel dev-0 22 --listen-on-stdin --zone z1" in p.stderr
+
+
+# --dry-run=FORMAT (launcher.cli.options.DryRunCommand): the format attached, never the next word,
+# and never a program's own argument of the same spelling.
+
+
+@pytest.mark.parametrize("command", _dry_run_commands())
+def test_every_dry_run_refuses_an_unknown_format_in_one_line_naming_the_formats(tmp_path, command):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("192.0.2.10\n")
+    r = CliRunner().invoke(main, [command, "--hostfile", str(hostfile), "--dry-run=yaml", *ARGS.get(command, [])])
+    assert r.exit_code == 2, r.output
+    assert r.output == (
+        "error: Invalid value for '--dry-run': 'yaml' is not a dry run's format; one of: text, json "
+        f"(`main {command} -h` lists the options)\n"
+    )
+
+
+def _exec_argv(tmp_path: Path, *args: str) -> list[str]:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("192.0.2.10\n")
+    return ["exec", "--hostfile", str(hostfile), "--runs-dir", str(tmp_path / "runs"), *args]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--dry-run=json", "--", "tool", "--dry-run=yaml", "--dry-run"],
+        ["--dry-run=json", "tool", "--dry-run=yaml", "--dry-run"],
+        ["--dry-run", "--dry-run=json", "tool", "--dry-run=yaml"],
+    ],
+    ids=["after --", "after the program's name", "the last --dry-run wins"],
+)
+def test_a_programs_own_dry_run_flags_reach_it_untouched(tmp_path, args):
+    r = CliRunner().invoke(main, _exec_argv(tmp_path, *args))
+    assert r.exit_code == 0, r.output
+    assert [p.argv for p in dry_runs.plans(r.stdout)] == [tuple(args[args.index("tool") :])]
+
+
+def test_a_bare_dry_run_takes_no_word_after_it(tmp_path):
+    r = CliRunner().invoke(main, _exec_argv(tmp_path, "--dry-run", "json"))
+    assert r.exit_code == 0, r.output
+    assert "run      json" in r.stdout  # the program `json`, shown in the readable form

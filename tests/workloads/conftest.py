@@ -86,11 +86,17 @@ class Run:
     stderr: str
 
 
+def train_cmd(args: list[str], nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    """torchrun with `nproc` ranks; nproc=0 means a plain `python -m workloads.train` (no agent,
+    one rank: a start costs each process seconds of CPU importing torch)."""
+    return [sys.executable, "-m", "workloads.train", *args] if nproc == 0 else torchrun_cmd(args, nproc, max_restarts)
+
+
 def train(
     args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 240, max_restarts: int = 0
 ) -> Run:
-    """Run training to completion; nproc=0 means a plain `python -m workloads.train`."""
-    cmd = [sys.executable, "-m", "workloads.train", *args] if nproc == 0 else torchrun_cmd(args, nproc, max_restarts)
+    """Run training to completion (nproc as train_cmd's)."""
+    cmd = train_cmd(args, nproc, max_restarts)
     p = subprocess.run(cmd, cwd=REPO, env=child_env(env), capture_output=True, text=True, timeout=timeout)
     return Run(p.returncode, p.stdout, p.stderr)
 
@@ -98,9 +104,9 @@ def train(
 def start(
     args: list[str], nproc: int = 2, env: dict[str, str] | None = None, max_restarts: int = 0
 ) -> subprocess.Popen:
-    """Start torchrun in its own session, so a test can signal the whole tree."""
+    """Start training (nproc as train_cmd's) in its own session, so a test can signal the whole tree."""
     return subprocess.Popen(
-        torchrun_cmd(args, nproc, max_restarts),
+        train_cmd(args, nproc, max_restarts),
         cwd=REPO,
         env=child_env(env),
         stdout=subprocess.PIPE,
@@ -143,8 +149,9 @@ def last_step(metrics: Path) -> int:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers. The workers need their own kill: torchrun starts each
-    in a new session (elastic subprocess_handler: start_new_session=True), outside its group."""
+    """SIGKILL torchrun and its workers (or the one plain process). The workers need their own
+    kill: torchrun starts each in a new session (elastic subprocess_handler:
+    start_new_session=True), outside its group."""
     if proc.poll() is None:
         try:
             pids = list(workers(proc.pid).values())
@@ -161,6 +168,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def one_line_exit_2(argv: list[str], env: dict[str, str] | None = None) -> str:
     """`python -m workloads.train ARGV` met in this process (no torch import per case): a
     usage error must be exit 2 with one line on stderr and nothing on stdout. Returns the line."""
+    return one_line_exit(argv, 2, env)
+
+
+def one_line_exit(argv: list[str], code: int, env: dict[str, str] | None = None) -> str:
+    """As one_line_exit_2, for an error whose exit status is `code`."""
     from workloads.train import main
 
     err, out = io.StringIO(), io.StringIO()
@@ -174,7 +186,7 @@ def one_line_exit_2(argv: list[str], env: dict[str, str] | None = None) -> str:
     finally:
         signal.signal(signal.SIGTERM, term)
     assert not torch.distributed.is_initialized()  # main left the process group it made
-    assert rc == 2, err.getvalue()
+    assert rc == code, err.getvalue()
     assert err.getvalue().count("\n") == 1 and out.getvalue() == "", err.getvalue()
     return err.getvalue().strip()
 

@@ -168,11 +168,14 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def one_line_exit_2(argv: list[str], env: dict[str, str] | None = None) -> str:
     """`python -m workloads.train ARGV` met in this process (no torch import per case): a
     usage error must be exit 2 with one line on stderr and nothing on stdout. Returns the line."""
-    return one_line_exit(argv, 2, env)
+    line, stdout = one_line_exit(argv, 2, env)
+    assert stdout == "", stdout
+    return line
 
 
-def one_line_exit(argv: list[str], code: int, env: dict[str, str] | None = None) -> str:
-    """As one_line_exit_2, for an error whose exit status is `code`."""
+def one_line_exit(argv: list[str], code: int, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """`python -m workloads.train ARGV` met in this process: exit `code` with one line on stderr.
+    Returns the line and what went to stdout."""
     from workloads.train import main
 
     err, out = io.StringIO(), io.StringIO()
@@ -187,8 +190,8 @@ def one_line_exit(argv: list[str], code: int, env: dict[str, str] | None = None)
         signal.signal(signal.SIGTERM, term)
     assert not torch.distributed.is_initialized()  # main left the process group it made
     assert rc == code, err.getvalue()
-    assert err.getvalue().count("\n") == 1 and out.getvalue() == "", err.getvalue()
-    return err.getvalue().strip()
+    assert err.getvalue().count("\n") == 1, err.getvalue()
+    return err.getvalue().strip(), out.getvalue()
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from tests.faults import HALF_WRITTEN_SAVE
 from tests.support import site_dir
 from tests.workloads.conftest import (
     kill_tree,
+    one_line_exit,
     start,
     train,
     wait_for,
@@ -37,7 +38,9 @@ def _site(tmp_path, code: str) -> dict[str, str]:
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_latest_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ["--global-batch", "4", "--micro-batch", "2", "--checkpoint-dir", str(ckpt), "--straggler-every", "0"]
-    proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, HALF_WRITTEN_SAVE))
+    # One plain process: every rank's writes stall alike, so more ranks would show nothing more
+    # (tests/failures kills one rank of two nodes mid-save).
+    proc = start(args + ["--steps", "100", "--checkpoint-every", "2"], env=_site(tmp_path, HALF_WRITTEN_SAVE), nproc=0)
     try:
 
         def half_written() -> bool:
@@ -132,7 +135,5 @@ def test_a_corrupt_checkpoint_stops_every_rank_with_one_line(tmp_path):
     torn = ckpt / "step_00000002.pt"
     torch.save({"step": 2}, torn)
     (ckpt / "latest").write_text("step_00000002.pt\n")
-    run = train(args + ["--steps", "4", "--resume"], nproc=0, timeout=60)
-    assert run.returncode == 1
-    assert run.stderr.count("\n") == 1, run.stderr
-    assert f"{torn} is not a checkpoint of workloads.train (no model, optimizer" in run.stderr
+    line, _ = one_line_exit(args + ["--steps", "4", "--resume"], 1)  # main in this process
+    assert f"{torn} is not a checkpoint of workloads.train (no model, optimizer" in line

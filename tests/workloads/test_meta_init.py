@@ -40,15 +40,6 @@ def assert_trains_from(text: str, first: float) -> None:
     assert min(got[-3:]) < got[0] - 0.2, got
 
 
-def test_a_llama_meta_build_under_tp2xdp2_trains_from_chance_level():
-    run = train(["--model", "llama3-debug", *SHORT, "--tp", "2", "--dp-shard", "2"], nproc=4, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "| init meta" in run.stdout
-    assert "built on the meta device, sharded, then materialized shard by shard" in run.stdout
-    # Initial logits of about unit scale: the first loss is about ln(vocab) (+ ~0.5 for their spread).
-    assert_trains_from(run.stdout, math.log(LLAMA_SIZES["llama3-debug"].vocab_size))
-
-
 def test_one_process_asked_for_a_meta_build_materializes_the_whole_model_on_its_device():
     run = train(["--model", "llama3-debug", *SHORT, "--steps", "2"], nproc=0, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -77,51 +68,74 @@ SIZES = {
 }
 
 
-def _worker(argv: list[str]) -> None:
-    """workloads.train's main with SIZES among the models; under a pipeline with a tied table,
-    rank 0 first prints what each rank's share of it holds after the build (a TIED line)."""
-    import gc
-
+def _report_tied(trainer, cfg) -> None:
+    """Under a pipeline with a tied table, rank 0 prints what each rank's share of it holds after
+    the build (a TIED line)."""
     import torch
     import torch.distributed as dist
 
-    from workloads import config, llama_sizes
     from workloads.parallel.parallelize import local
+
+    model = trainer.raw_model  # one stage per rank (gpipe, 1f1b): the model itself
+    table, head = model.PP_PARTS[3][0], model.PP_PARTS[2][-1]
+    # Where this rank holds the head, its weight must still be the table's Parameter.
+    kept = getattr(model, head) is None or getattr(model, head).weight is getattr(model, table).weight
+    mine = [local(p).detach().clone() for p in trainer.tied]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (trainer.coords, mine, kept))
+    if dist.get_rank() == 0:
+        by_place = {(c["pp"], c["dp_shard"], c["tp"]): t for c, t, _ in everyone}
+        first, last = by_place[(0, 0, 0)][0], by_place[(1, 0, 0)][0]
+        beside = by_place[(0, 0, 1) if cfg.dims.tp > 1 else (0, 1, 0)][0]
+        print(
+            f"TIED equal={torch.equal(first, last)} tie_kept={all(k for *_, k in everyone)} "
+            f"shape={'x'.join(map(str, first.shape))} std={first.std().item():.5f} "
+            f"shards_differ={not torch.equal(first, beside)}",
+            flush=True,
+        )
+
+
+def _build_only(trainer) -> None:
+    from workloads.parallel.build import build_line
+
+    trainer.log(build_line(trainer.built, not trainer.dims.is_ddp, trainer.build_growths))
+
+
+def _worker(argv: list[str]) -> None:
+    """workloads.train's main with SIZES among the models, and two flags of this worker's own:
+    --build-only prints how the model was built and stops before the first step (a step of a
+    1.4 GB model costs each rank seconds of CPU); --build-first MODEL first builds MODEL under the
+    same layout, prints its build line and frees it, then goes on with --model (one start of the
+    ranks for a test about a build and one about training)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from workloads import config, llama_sizes
     from workloads.train import Trainer, _init_distributed
 
     config.MODELS.update(SIZES)
     llama_sizes.LLAMA_SIZES.update(SIZES)
-    # --build-only (this worker's own flag): print how the model was built and stop before the
-    # first step, for a test about the build alone (a step of a 1.4 GB model costs each rank
-    # seconds of CPU; the meta builds that train are the tests above).
     build_only = "--build-only" in argv
-    cfg = config.config_from_args([a for a in argv if a != "--build-only"])
+    argv = [a for a in argv if a != "--build-only"]
+    first = None
+    if "--build-first" in argv:
+        i = argv.index("--build-first")
+        first, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+    cfg = config.config_from_args(argv)
     _init_distributed()
     trainer = None
     try:
+        if first is not None:
+            trainer = Trainer(config.config_from_args([*argv, "--model", first]))
+            _build_only(trainer)
+            trainer = None
+            gc.collect()
         trainer = Trainer(cfg)
         if cfg.dims.pp > 1:
-            model = trainer.raw_model  # one stage per rank (gpipe, 1f1b): the model itself
-            table, head = model.PP_PARTS[3][0], model.PP_PARTS[2][-1]
-            # Where this rank holds the head, its weight must still be the table's Parameter.
-            kept = getattr(model, head) is None or getattr(model, head).weight is getattr(model, table).weight
-            mine = [local(p).detach().clone() for p in trainer.tied]
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, (trainer.coords, mine, kept))
-            if dist.get_rank() == 0:
-                by_place = {(c["pp"], c["dp_shard"], c["tp"]): t for c, t, _ in everyone}
-                first, last = by_place[(0, 0, 0)][0], by_place[(1, 0, 0)][0]
-                beside = by_place[(0, 0, 1) if cfg.dims.tp > 1 else (0, 1, 0)][0]
-                print(
-                    f"TIED equal={torch.equal(first, last)} tie_kept={all(k for *_, k in everyone)} "
-                    f"shape={'x'.join(map(str, first.shape))} std={first.std().item():.5f} "
-                    f"shards_differ={not torch.equal(first, beside)}",
-                    flush=True,
-                )
+            _report_tied(trainer, cfg)
         if build_only:
-            from workloads.parallel.build import build_line
-
-            trainer.log(build_line(trainer.built, not trainer.dims.is_ddp, trainer.build_growths))
+            _build_only(trainer)
         else:
             trainer.fit()
         dist.barrier()
@@ -171,23 +185,31 @@ def test_a_tied_gpt_under_tp2xpp2_keeps_its_tie_through_tensor_parallelism_and_t
     assert_trains_from(run.stdout, math.log(64))
 
 
-def test_no_rank_of_a_meta_build_ever_holds_the_whole_model():
-    # 1.40 GB of fp32 weights under tp 2 x dp_shard 2: each rank's shards are a quarter of it.
+def test_no_rank_of_a_meta_build_ever_holds_the_whole_model_and_a_llama_meta_build_trains_from_chance_level():
+    # One start of 4 ranks under tp 2 x dp_shard 2: first the build alone of 1.40 GB of fp32
+    # weights, each rank's shards a quarter of it; then llama3-debug, built the same way, trains.
     whole = 4 * SIZES["llama3-meta-test"].n_params
-    args = ["--model", "llama3-meta-test", "--tp", "2", "--dp-shard", "2", "--init-device", "meta", "--build-only"]
-    args += ["--seq-len", "16", "--global-batch", "2", "--micro-batch", "1", "--straggler-every", "0"]
-    run = run_worker(args, nproc=4, timeout=400)
+    run = run_worker(
+        ["--build-first", "llama3-meta-test", "--model", "llama3-debug", *SHORT, "--tp", "2", "--dp-shard", "2"],
+        nproc=4,
+        timeout=500,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     m = re.search(
         r"\(([0-9.]+) GiB of fp32 weights whole\).*peak host memory while building: \+([0-9.]+) GiB", run.stdout
     )
     assert m, run.stdout
-    assert float(m[1]) == pytest.approx(whole / 2**30, abs=0.01)
+    assert float(m[1]) == pytest.approx(whole / 2**30, abs=0.01)  # the first build line is the big model's
     grew = float(m[2]) * 2**30
     # The most any rank's resident memory rose while building (peak after, minus resident
     # before): its quarter of the weights and the temporaries of the one tensor being filled,
     # well below the whole model, which a whole copy anywhere would reach by itself.
     assert 0.2 * whole < grew < 0.5 * whole, (grew / whole, run.stdout)
+    trained = run.stdout[m.end() :]
+    assert "| init meta" in trained
+    assert "built on the meta device, sharded, then materialized shard by shard" in trained
+    # Initial logits of about unit scale: the first loss is about ln(vocab) (+ ~0.5 for their spread).
+    assert_trains_from(trained, math.log(LLAMA_SIZES["llama3-debug"].vocab_size))
 
 
 def test_auto_picks_meta_for_a_sharded_layout_on_cuda_or_a_host_too_small_and_full_otherwise():

@@ -12,7 +12,7 @@ import pytest
 
 from tests.launcher.test_jobs_cluster import detach, job, launch, wait_state
 from tests.simcluster import SimCluster
-from tests.support import checkpoint_step, site_dir, source_args, torch_args, train_job, wait_saved
+from tests.support import checkpoint_step, slow_steps, source_args, torch_args, train_job, wait_saved
 
 pytestmark = pytest.mark.cluster
 
@@ -36,11 +36,12 @@ def test_a_recovering_job_survives_node_0_lost_for_10_s_and_ends_at_its_last_ste
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--recover-timeout",
         "2m",
         "--",
-        *train_job(3, 200, ckpt, 10, 10),
+        *train_job(3, 100, ckpt, 10, 10),
     )
     # The job lives on the controller host: its record, key and known_hosts; nothing on node 0.
     ctl_jobs = tmp_path / "home3" / ".gpufleet" / "jobs"
@@ -51,7 +52,7 @@ def test_a_recovering_job_survives_node_0_lost_for_10_s_and_ends_at_its_last_ste
     t_gone = time.monotonic()
     wait_state(c, tmp_path, job_id, {"RECOVERING"}, timeout=30)
     t_seen = time.monotonic()  # the controller noticed the loss no later than this
-    assert checkpoint_step(ckpt) < 200, "node 0 was lost after the end: make the run longer"
+    assert checkpoint_step(ckpt) < 100, "node 0 was lost after the end: make the run longer"
     time.sleep(max(0.0, 10 - (time.monotonic() - t_gone)))
     assert job(c, tmp_path, job_id)["state"] == "RECOVERING"
     t_back = time.monotonic()
@@ -63,8 +64,8 @@ def test_a_recovering_job_survives_node_0_lost_for_10_s_and_ends_at_its_last_ste
     # (after t_back) it waited at least t_back - t_seen, however late a loaded machine noticed.
     assert rec["node"] == 0 and rec["waited_s"] >= (t_back - t_seen) - 0.5, rec
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
-    assert "resumed from" in out and "] step 200/200 |" in out, out[-3000:]
-    assert checkpoint_step(ckpt) == 200
+    assert "resumed from" in out and "] step 100/100 |" in out, out[-3000:]
+    assert checkpoint_step(ckpt) == 100
     c.assert_nothing_left()
 
 
@@ -128,22 +129,20 @@ SAY_WORLD = """
 def test_min_nodes_goes_on_without_a_node_that_is_not_back_resharding_the_checkpoint(sim_cluster, tmp_path):
 
     c = with_controller(sim_cluster, tmp_path, 3)
-    site = site_dir(tmp_path, SAY_WORLD)
     ckpt = tmp_path / "ckpt"
     job_id = detach(
         c,
         tmp_path,
         "train",
         *torch_args(),
-        "--env",
-        f"PYTHONPATH={site}",
+        *slow_steps(tmp_path, SAY_WORLD),
         "--recover",
         "--recover-timeout",
         "5s",
         "--min-nodes",
         "2",
         "--",
-        *train_job(6, 150, ckpt, 10, 10),
+        *train_job(6, 60, ckpt, 10, 10),
     )
     wait_saved(ckpt, 20)
     c.power_off(2)  # never back
@@ -154,7 +153,7 @@ def test_min_nodes_goes_on_without_a_node_that_is_not_back_resharding_the_checkp
     assert done["nodes"] == c.addresses[:2], done
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     assert "world 3 reason -" in out and "world 2 reason shrunk" in out, out[-3000:]
-    assert "saved by 3 ranks, read by 2" in out and "] step 150/150 |" in out, out[-3000:]
+    assert "saved by 3 ranks, read by 2" in out and "] step 60/60 |" in out, out[-3000:]
     attached = launch(tmp_path, "attach", *source_args(c, tmp_path), job_id)
     assert "went on with 2 nodes (--min-nodes)" in attached.stderr, attached.stderr
     c.assert_nothing_left()

@@ -12,7 +12,7 @@ import pytest
 from launcher.jobs.goodput import CATEGORIES, goodput_of
 from launcher.jobs.record import JobRecord
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
-from tests.support import TRAIN, source_args, torch_args, train_job, wait_saved
+from tests.support import TRAIN, slow_steps, source_args, torch_args, train_job, wait_saved
 
 pytestmark = pytest.mark.cluster
 
@@ -83,10 +83,11 @@ def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_ad
         tmp_path,
         "train",
         *torch_args(),
+        *slow_steps(tmp_path),
         "--recover",
         "--",
         *TRAIN,
-        *("--global-batch", "2", "--steps", "300", "--log-every", "1"),
+        *("--global-batch", "2", "--steps", "100", "--log-every", "1"),
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "20"),
     )
     wait_saved(ckpt, 20)

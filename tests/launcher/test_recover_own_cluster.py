@@ -19,7 +19,7 @@ from launcher.core.wire import PREEMPTION_NOTICE
 from tests.launcher.fake_gpu_node import FakeMetadata
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
 from tests.simcluster import _environ
-from tests.support import LAUNCH_POLL_S, PY, REPO, source_args, wait_for
+from tests.support import PY, REPO, source_args, wait_for
 from tests.workloads.conftest import start_gcs_emulator
 
 pytestmark = pytest.mark.cluster
@@ -44,7 +44,9 @@ def example(epochs: int, *more: str) -> list[str]:
 
 def wait_epoch(read, epochs: int, where: str = "") -> None:
     """Until the snapshot `read()` gives holds `epochs` epochs (a hang fails after 120 s)."""
-    wait_for(lambda: snapshot_epochs(read) >= epochs, 120, f"epoch {epochs} saved{where}")
+    # Each look loads the snapshot (from the bucket, for one test): a few a second is plenty for
+    # epochs of 0.3 s.
+    wait_for(lambda: snapshot_epochs(read) >= epochs, 120, f"epoch {epochs} saved{where}", interval=0.3)
 
 
 def snapshot_epochs(read) -> int:
@@ -265,7 +267,9 @@ IGNORES_SIGTERM = """
 
 
 def _stop_after_start(c, tmp_path: Path, job_id: str, *stop_args: str) -> tuple[dict, str]:
-    wait_for(lambda: logs(c, tmp_path, job_id).count("training") == 2, 60, "both ranks started", interval=LAUNCH_POLL_S)
+    # The job's log on node 0, read here (a wait, not an assertion): no CLI start and ssh session a look.
+    out_log = jobdir(tmp_path, job_id) / "output.log"
+    wait_for(lambda: out_log.exists() and out_log.read_text().count("training") == 2, 60, "both ranks started")
     r = launch(tmp_path, "stop", *source_args(c, tmp_path), *stop_args, job_id, timeout=120)
     assert r.returncode == 0 and "STOPPED" in r.stderr, r.stderr
     done = wait_state(c, tmp_path, job_id, FINAL, timeout=30)

@@ -1,7 +1,7 @@
 """A node lost for good with `--spares 1`, on bare nodes, its checkpoints only in the node-local
 tier: how soon the spare trains again, and where its restore came from (issue 42).
 
-    .venv/bin/python -m bench.bench_spare_peer [--steps 1500] [--local-every 100]
+    .venv/bin/python -m bench.bench_spare_peer [--steps 5000] [--local-every 100]
 
 Three bare simulated nodes (tests/simcluster.py, `bare=True`: the system python3 and a package
 index only), so the launch brings gpufleet's code and the environment, and with them the peer
@@ -150,7 +150,7 @@ def report(anchor_s: float, r: dict, every: int) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=5000)  # on a fast machine 1500 ended before the loss
     # Every 100 steps of the tiny model is about 3 s here: an interval longer than one copy (an ssh
     # session and the receiver's start, about 0.5 s on this machine), as a real job's is.
     p.add_argument("--local-every", type=int, default=100)

@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,13 @@ def _site(tmp_path, code: str) -> dict[str, str]:
     return {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+def _resume(ckpt: Path, steps: int, parallelism: str, out: Path, nproc: int):
+    """The reshard test's resume of `ckpt` to `steps` under `parallelism` on `nproc` ranks,
+    saving its parameters to `out`."""
+    args = ["--steps", str(steps), "--parallelism", parallelism, "--checkpoint-dir", str(ckpt), "--resume"]
+    return train(RESHARD_ARGS + args + ["--save-params", str(out)], nproc=nproc)
+
+
 def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_parameters(tmp_path):
     ckpt = tmp_path / "ckpt"
     at6 = tmp_path / "four-at-6.pt"
@@ -95,21 +103,7 @@ def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_paramet
 
     # 4 FSDP shards read by 3 DDP ranks (each needs every tensor whole): bit for bit what was saved.
     out = tmp_path / "3.pt"
-    run = train(
-        RESHARD_ARGS
-        + [
-            "--steps",
-            "4",
-            "--parallelism",
-            "ddp",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--resume",
-            "--save-params",
-            str(out),
-        ],
-        nproc=3,
-    )
+    run = _resume(ckpt, 4, "ddp", out, nproc=3)
     assert run.returncode == 0, run.stderr
     assert "at step 4 (epoch 0, 96 samples seen; saved by 4 ranks, read by 3)" in run.stdout
     loaded = params(out)
@@ -122,21 +116,7 @@ def test_a_checkpoint_saved_on_4_ranks_loads_on_3_and_on_2_with_the_same_paramet
     # state: two more steps on 2 ranks end where the 4 ranks ended (the sums over ranks are
     # ordered differently, hence the tolerance; a slice read wrong is off by far more).
     out = tmp_path / "2-at-6.pt"
-    run = train(
-        RESHARD_ARGS
-        + [
-            "--steps",
-            "6",
-            "--parallelism",
-            "fsdp",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--resume",
-            "--save-params",
-            str(out),
-        ],
-        nproc=2,
-    )
+    run = _resume(ckpt, 6, "fsdp", out, nproc=2)
     assert run.returncode == 0, run.stderr
     assert "at step 4 (epoch 0, 96 samples seen; saved by 4 ranks, read by 2)" in run.stdout
     assert_same_params(params(at6), params(out), atol=1e-5)

@@ -14,7 +14,7 @@ from rich.markup import escape
 from launcher.cli.render import err
 from launcher.code import CodeRequest, EnvSpec, code_root, code_snapshot, prepare, take_snapshot
 from launcher.code.node_agent import redact
-from launcher.code.prepare import configured
+from launcher.code.prepare import configured, warm
 from launcher.code.pyenv import requirement_source, workloads_requirements
 from launcher.code.snapshot import DEFAULT_SYNC_MAX, human_size, parse_size
 from launcher.code.tree import DEFAULT_FANOUT
@@ -29,6 +29,7 @@ __all__ = [
     "code_request",
     "dry_run_configured",
     "prepare_nodes",
+    "warm_spares",
 ]
 
 log = logging.getLogger("launcher")
@@ -248,3 +249,24 @@ def prepare_nodes(cluster: Cluster, config: LaunchConfig, request: CodeRequest) 
     if report.built:
         err.print(f"[dim]environment built on {len(report.built)} of {n} nodes[/dim]")
     return config
+
+
+def warm_spares(cluster: Cluster, config: LaunchConfig, request: CodeRequest, spares: tuple[Node, ...]) -> None:
+    """Compile the spares' environment to bytecode while they wait (launcher.code.prepare.warm), so
+    a swap onto one does not spend its first start compiling what torch imports. A spare that
+    cannot is named in one line and stays a spare."""
+    if not spares:
+        return
+
+    def progress(node: Node, text: str) -> None:
+        err.print(f"[dim]{escape(node.label)}: {escape(text)}[/dim]")
+
+    n = len(spares)
+    with err.status(f"compiling the spare{'s' * (n != 1)}' environment to bytecode…"):
+        failed = warm(cluster, config, request, spares, progress)
+    by_rank = {node.rank: node for node in spares}
+    for rank, why in sorted(failed.items()):
+        err.print(
+            f"[yellow]{escape(by_rank[rank].label)}: its environment could not be compiled ahead ({escape(why)}); "
+            "a swap onto it starts cold[/yellow]"
+        )

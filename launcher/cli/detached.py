@@ -21,7 +21,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.cli.code_options import code_request, prepare_nodes
+from launcher.cli.code_options import code_request, prepare_nodes, warm_spares
 from launcher.cli.options import (
     DEFAULT_CONTROLLER_GRACE,
     build_config,
@@ -110,6 +110,7 @@ def start_detached(
     if spares:
         kept = ", ".join(node.label for node in p.cluster.nodes[trains:])
         err.print(f"[dim]spare{'s' * (spares != 1)}, prepared and idle: {escape(kept)} (--spares {spares})[/dim]")
+        warm_spares(p.cluster, p.config, request, p.cluster.nodes[trains:])
     with err.status(f"checking {n} node{'s' * (n != 1)} and handing the job to its controller…"):
         job_id = waiting(lambda: detach(p, policy.to_json() if policy else None), o.get("wait_nodes", False))
     click.echo(f"job {job_id}")

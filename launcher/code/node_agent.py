@@ -29,6 +29,9 @@ Commands (stdin carries the request; every line this program prints starts with 
   time: a file lock), printing progress; then the request's `tools` environment when the job's
   environment lacks its program (a failure there is reported apart: the job can run without
   it). Ends with `PREFIX result JSON`.
+- `warm`: a JSON request (`python`, `code`): a spare's environment and gpufleet's code compiled to
+  bytecode once, while it waits (a swap onto it then starts as warm as the others). Ends with
+  `PREFIX result JSON`.
 - `relay PORT PEERS`: a stream of frames (`KEY SIZE`, `KNOWN SIZE`, `FWD SIZE` + a JSON plan, `OBJ SHA
   SIZE`, each followed by SIZE bytes; `END`): stores each object (its hash checked) and passes
   it on, chunk by chunk as it arrives, to each child in the plan that lacks it, over ssh with
@@ -41,6 +44,7 @@ Commands (stdin carries the request; every line this program prints starts with 
 import base64
 import contextlib
 import fcntl
+import glob
 import hashlib
 import ipaddress
 import json
@@ -62,6 +66,7 @@ PREFIX = "gpufleet-prepare:"
 G = os.path.join(os.path.expanduser("~"), ".gpufleet")
 OBJECTS = os.path.join(G, "objects")
 DONE = ".gpufleet-complete"  # written last into a built environment (a snapshot is renamed into place whole)
+WARMED = ".gpufleet-bytecode"  # written last into an environment `warm` compiled
 
 
 # A URL's user information (`://USER:PASSWORD@`, `://TOKEN@`), never shown: pip's own rule
@@ -493,6 +498,38 @@ def prepare(req):
     say("result", json.dumps(result))
 
 
+def warm(req):
+    """A spare's environment (and gpufleet's code) compiled to bytecode, once: uv installs
+    without it, so a spare that never ran its environment would compile every module torch
+    imports on its first start, on the swap's critical path (seconds of CPU per rank). The
+    other nodes compile theirs as their ranks first import. `python` is the environment's
+    interpreter (the link envs/KEY or envs/KEY-MARK), `code` the snapshots' hashes (snap/HASH);
+    both must be this account's, under ~/.gpufleet. The marker WARMED, written last, makes
+    the next job's warm of the same environment a no-op."""
+    own_state()
+    venv = os.path.realpath(os.path.dirname(os.path.dirname(req["python"])))
+    envs = os.path.realpath(os.path.join(G, "envs"))
+    if os.path.dirname(venv) != envs or not os.path.exists(os.path.join(venv, DONE)):
+        raise PrivateError(f"{req['python']} is not an environment gpufleet built under {envs}; prepare the node again")
+    dirs = sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages")))
+    dirs += [os.path.join(G, "snap", h) for h in req.get("code", []) if SNAP.fullmatch(h)]
+    lease(os.path.join(G, "envs", os.path.basename(venv).rsplit("-", 1)[0]))  # `launch prune` waits for it
+    mark = os.path.join(venv, WARMED)
+    if os.path.exists(mark):
+        say("result", json.dumps({"compiled": False, "seconds": 0}))
+        return
+    say("progress", "compiling its environment to bytecode, so that a swap onto it starts warm")
+    t0 = time.time()
+    # compileall (-j 0: every CPU) writes each module's __pycache__ beside it, as an import
+    # would; a file that does not compile (a package's Python 2 template) is left to fail at
+    # import, as it would without this. -I: no PYTHON* variable of the account changes it.
+    argv = [os.path.join(venv, "bin", "python"), "-I", "-m", "compileall", "-qq", "-j", "0"]
+    subprocess.run(argv + [d for d in dirs if os.path.isdir(d)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    with open(mark, "w") as f:
+        f.write(f"{time.time() - t0:.1f}\n")
+    say("result", json.dumps({"compiled": True, "seconds": round(time.time() - t0, 1)}))
+
+
 def keep_replica_key(rep):
     """The cluster's replica key and the host keys it checks peers with, in replica/CLUSTER/
     (private: 0700, the key 0600), each replaced whole (written beside, then renamed)."""
@@ -593,6 +630,7 @@ def keep_own_source():
 
 
 SHA = re.compile(r"[0-9a-f]{64}")
+SNAP = re.compile(r"[0-9a-f]{16}")  # a snapshot's hash (launcher.code.snapshot)
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:%-]*")  # a host or user: never an ssh option
 SIZE = re.compile(r"[0-9]{1,15}")  # a frame's size: digits only, never negative
 MAX_HEADER = 256  # bytes in a frame's header line (`OBJ SHA256 SIZE` is 85)
@@ -839,6 +877,8 @@ if __name__ == "__main__":
     try:
         if sys.argv[1] == "prepare":
             prepare(json.loads(sys.stdin.read()))
+        elif sys.argv[1] == "warm":
+            warm(json.loads(sys.stdin.read()))
         elif sys.argv[1] == "relay":
             signal.signal(signal.SIGHUP, hung_up)
             signal.signal(signal.SIGTERM, hung_up)

@@ -50,7 +50,7 @@ from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, cluster_slug, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, Replication, UserError
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "configured", "agent_script", "run_agent"]
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "configured", "agent_script", "run_agent", "warm"]
 
 log = logging.getLogger("launcher")
 
@@ -314,6 +314,23 @@ def prepare(
         at_home = replace(replication, code=f"{home}/{replication.code}", state=f"{home}/{replication.state}")
         config = replace(config, replication=at_home)
     return config, report
+
+
+def warm(
+    cluster: Cluster, config: LaunchConfig, request: CodeRequest, nodes: Iterable[Node], progress: Progress
+) -> dict[int, str]:
+    """`nodes` (a job's spares, once prepared) compile their environment and gpufleet's code to
+    bytecode (the node agent's `warm`), at once: a swap onto one then starts as warm as the
+    nodes that ran. Nothing to do without a built environment. Rank -> why, for each node that
+    could not: it stays a spare, only colder (the job's check decides whether it can serve)."""
+    if request.env is None or not config.python or cluster.local or config.dry_run:
+        return {}
+    transport = make_transport(cluster, config.ssh, config.dry_run)
+    body = json.dumps({"python": config.python, "code": [request.code.hash] if request.code else []}).encode()
+    answers = _each(
+        list(nodes), lambda n: run_agent(transport, n, agent_script("warm"), [body], progress, PrepareReport())
+    )
+    return {r: why for r, (res, why) in answers.items() if res is None}
 
 
 def _replica(cluster: Cluster, request: CodeRequest, target, req: dict, steps: list[str]) -> Replication | None:

@@ -52,6 +52,12 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
     r = launch(tmp_path, "train", *src(c, tmp_path), "--detach", *args, timeout=900, check=True)
     (line,) = r.stdout.splitlines()
     job_id = line.split()[1]
+    # The spare compiled its environment to bytecode while it waited (node_agent `warm`): a swap
+    # onto it does not spend its first start compiling what torch imports.
+    assert f"node 2 ({a[2]}): compiling its environment to bytecode" in r.stderr, r.stderr
+    envs = c.node_path(2, "/root/.gpufleet/envs")
+    assert list(envs.glob("*/.gpufleet-bytecode")), r.stderr
+    assert list(envs.glob("*/lib/python*/site-packages/torch/__pycache__/__init__.*.pyc"))
     lost = False
     done: dict = {}
     try:

@@ -104,3 +104,45 @@ def test_a_lock_file_installs_with_its_hashes_and_a_wheel_that_does_not_match_is
     r = build(home, spec(index, "uv.lock", files, "tampered"))
     assert r.returncode != 0 and "BuildError" in r.stderr and "hash" in r.stderr.lower(), r.stdout + r.stderr
     assert not os.path.exists(home / ".gpufleet" / "envs" / "tampered")  # never pointed at a half-built one
+
+
+def agent(home: Path, command: str, request: dict) -> subprocess.CompletedProcess:
+    """The node agent's `command` as a node runs it (its source, -I -S), `request` on stdin."""
+    source = Path(node_agent.__file__).read_text()
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", source, command],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        timeout=600,
+    )
+
+
+def results(r: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line.split(" result ", 1)[1]) for line in r.stdout.splitlines() if " result " in line]
+
+
+def test_warm_compiles_a_spares_environment_and_gpufleets_code_once_and_only_under_its_own_gpufleet(home, index):
+    r = build(home, spec(index, "requirements.txt", {"requirements.txt": "six==1.16.0\n"}, "warmed"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    link = home / ".gpufleet" / "envs" / "warmed"
+    venv = link.resolve()
+    (six,) = venv.glob("lib/python*/site-packages/six.py")
+    snap = home / ".gpufleet" / "snap" / ("a" * 16)
+    (snap / "workloads").mkdir(parents=True)
+    (snap / "workloads" / "train.py").write_text("STEPS = 1\n")
+    assert not list(six.parent.glob("__pycache__/six.*.pyc"))  # uv installs without bytecode
+    r = agent(home, "warm", {"python": str(link / "bin" / "python"), "code": ["a" * 16, "../../etc"]})
+    assert r.returncode == 0 and results(r)[0]["compiled"] is True, r.stdout + r.stderr
+    assert "compiling its environment to bytecode" in r.stdout
+    # What an import reads instead of compiling: the environment's and the code's bytecode.
+    assert list(six.parent.glob("__pycache__/six.*.pyc")) and (venv / node_agent.WARMED).exists()
+    assert list((snap / "workloads" / "__pycache__").glob("train.*.pyc"))
+    # The next job's spare on the same environment: nothing compiled again.
+    r = agent(home, "warm", {"python": str(link / "bin" / "python")})
+    assert results(r) == [{"compiled": False, "seconds": 0}], r.stdout + r.stderr
+    # An interpreter that is not an environment gpufleet built here: refused in one line.
+    r = agent(home, "warm", {"python": sys.executable})
+    assert r.returncode == 1 and not results(r) and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "is not an environment gpufleet built under" in r.stderr

@@ -36,6 +36,8 @@ __all__ = [
     "Xid",
     "parse_xids",
     "XID_HARDWARE",
+    "GPU_LOG_ERRORS",
+    "gpu_error",
     "PhysicalHost",
     "parse_physical_host",
     "majority",
@@ -189,6 +191,35 @@ def parse_xids(lines: Iterable[str]) -> list[Xid]:
         if m:
             out.append(Xid(m.group(1).strip(), int(m.group(2))))
     return out
+
+
+# What a rank's own output says when its GPU, not its program, failed: the CUDA runtime's
+# description strings (cudaGetErrorString) of cudaErrorECCUncorrectable, cudaErrorNvlinkUncorrectable,
+# cudaErrorDevicesUnavailable and cudaErrorNoDevice (https://docs.nvidia.com/cuda/cuda-runtime-api/
+# group__CUDART__TYPES.html, enum cudaError), as torch raises them ("RuntimeError: CUDA error:
+# uncorrectable ECC error encountered") and NCCL logs them ("Cuda failure '...'"), and NVML's
+# NVML_ERROR_GPU_IS_LOST, "GPU is lost" (https://docs.nvidia.com/deploy/nvml-api/
+# group__nvmlDeviceEnumvs.html). Each -> its name in a job's record. Left out on purpose: an
+# illegal memory access, an unspecified launch failure or a device-side assert, which are most
+# often the program's own fault (the node check's XIDs judge the GPU then).
+GPU_LOG_ERRORS = (
+    ("uncorrectable ECC error encountered", "uncorrectable ECC error"),
+    ("uncorrectable NVLink error", "uncorrectable NVLink error"),
+    ("GPU is lost", "GPU lost"),
+    ("has fallen off the bus", "GPU fallen off the bus"),
+    ("CUDA-capable device(s) is/are busy or unavailable", "GPU busy or unavailable"),
+    ("no CUDA-capable device is detected", "no GPU detected"),
+)
+
+
+def gpu_error(lines: Iterable[str]) -> tuple[str, str] | None:
+    """(the error's name, the line that says it) for the first line of `lines` that reports a
+    failed GPU (GPU_LOG_ERRORS), else None."""
+    for line in lines:
+        for text, name in GPU_LOG_ERRORS:
+            if text in line:
+                return name, line.strip()
+    return None
 
 
 @dataclass(frozen=True, order=True)

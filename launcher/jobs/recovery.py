@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
+from gpufleet.health import gpu_error
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, UserError, Workload
 from launcher.jobs.owner import JobOwner
 from launcher.jobs.record import JobState
@@ -65,6 +66,9 @@ PREEMPTED_TEXT = "rerun with --resume to continue"
 RESTART_REASON_VAR = "GPUFLEET_RESTART_REASON"
 # A launch's node state after a failed check -> why a spare takes that node's place (--spares).
 _SWAP_WHY = {"unreachable": "unreachable", "failed": "check failed"}
+# A failure's cause when its rank reported a failed GPU (gpufleet.health.gpu_error), and the
+# swap's why: a spare takes that node's place before any check.
+GPU_ERROR = "GPU error"
 # A step line (`step 12/100 | loss ...`) or a resume (`resumed from DIR at step 12 ...`).
 _STEP_RE = re.compile(r"(?:\bstep (\d+)/\d+ \||\bresumed from .* at step (\d+)\b)")
 _DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
@@ -274,6 +278,12 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
     if o.connection_lost:
         cause = f"unreachable ({o.error or 'connection lost'})"
         return Recovery(now, rank, cause, step, reason="preempted" if preempted else "node-lost")
+    # A GPU that failed (its rank says so: gpufleet.health.GPU_LOG_ERRORS) explains its peers'
+    # collective errors too, whichever rank the launch heard of first: name its node.
+    for r, out in sorted(result.outcomes.items()):
+        if found := gpu_error([*out.error_lines, *out.tail]):
+            cause = f"{GPU_ERROR} ({found[0]}): {found[1]}"
+            return Recovery(now, r, cause, step, signature=cause, reason="preempted" if preempted else "worker-failed")
     last = (o.error_lines or o.tail[-1:] or [""])[-1]
     cause = f"worker crash: {o.status}" + (f": {last}" if last else "")
     return Recovery(
@@ -288,12 +298,15 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
 
 def judged_bad(rec: Recovery) -> dict[int, str]:
     """{rank: why} of the node a failure has judged bad already, which a spare replaces before
-    any check (--spares): a node lost (unreachable) or a hang's culprit; {} for anything else (a
-    worker crash on a node that may be sound, a preemption that names no node yet)."""
+    any check (--spares): a node lost (unreachable), a hang's culprit, or one whose rank reported
+    a failed GPU; {} for anything else (a worker crash on a node that may be sound, a preemption
+    that names no node yet)."""
     if rec.node is None:
         return {}
     if rec.reason == "hang":
         return {rec.node: "hang"}
+    if rec.cause.startswith(GPU_ERROR):
+        return {rec.node: GPU_ERROR}
     return {rec.node: "unreachable"} if rec.cause.startswith("unreachable") else {}
 
 

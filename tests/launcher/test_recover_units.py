@@ -15,6 +15,7 @@ from launcher.jobs.recovery import (
     RecoverRequest,
     checkpoint_tiers,
     failure_of,
+    judged_bad,
     parse_duration,
     recover_policy,
     resume_argv,
@@ -164,3 +165,25 @@ def test_each_recovery_is_one_line_saying_when_which_node_why_and_how_long():
     assert one.startswith("recovery 1: 20") and "node 1 at step 57: preempted" in one
     assert "relaunched after 12.3 s" in one and "instance gpu-1 started (it was TERMINATED)" in one
     assert two.startswith("recovery 2: ") and "a node at step 4: worker crash" in two and "not relaunched" in two
+
+
+def test_a_rank_that_reports_a_failed_gpu_names_its_node_even_when_a_peer_crashed_first():
+    # Node 2's GPU hit an uncorrectable ECC error (torch's words); node 0's rank crashed first on
+    # the collective it lost (NCCL's error): the recovery names node 2, judged bad at once.
+    r = LaunchResult("j", Path("/tmp/x"), {})
+    r.outcomes[0] = NodeOutcome(Node(0, "a", "a"), exit_code=1, error_lines=["RuntimeError: NCCL error: unhandled"])
+    ecc = "[rank 4] RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    r.outcomes[2] = NodeOutcome(Node(2, "c", "c"), exit_code=1, tail=[ecc, "torch.distributed.elastic ... FAILED"])
+    r.first_failure = 0
+    rec = failure_of(r, False, 30)
+    assert rec.node == 2 and rec.reason == "worker-failed", rec
+    assert rec.cause == f"GPU error (uncorrectable ECC error): {ecc}"
+    assert judged_bad(rec) == {2: "GPU error"}
+    # NCCL's own line for a GPU that fell off the bus, from an error line kept apart from the tail.
+    r.outcomes[2] = NodeOutcome(Node(2, "c", "c"), exit_code=1, error_lines=["NCCL WARN Cuda failure 'GPU is lost'"])
+    assert judged_bad(failure_of(r, False, 30)) == {2: "GPU error"}
+    # An illegal memory access is most often the program's own bug: a crash, no node judged bad.
+    illegal = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    r.outcomes[2] = NodeOutcome(Node(2, "c", "c"), exit_code=1, error_lines=[illegal])
+    rec = failure_of(r, False, 30)
+    assert rec.node == 0 and rec.cause.startswith("worker crash") and judged_bad(rec) == {}

@@ -1,7 +1,7 @@
 """A node lost for good with `--spares 1`, on bare nodes, its checkpoints only in the node-local
 tier: how soon the spare trains again, and where its restore came from (issue 42).
 
-    .venv/bin/python -m bench.bench_spare_peer [--steps 5000] [--local-every 100]
+    .venv/bin/python -m bench.bench_spare_peer [--steps 5000] [--local-every 100] [--durable-every 700]
 
 Three bare simulated nodes (tests/simcluster.py, `bare=True`: the system python3 and a package
 index only), so the launch brings gpufleet's code and the environment, and with them the peer
@@ -17,14 +17,18 @@ order. Nodes 0 and 1 train the tiny model; node 2 is the spare.
    (failure -> first step of the relaunch, launcher.jobs.goodput) and the restore's source;
    the job's output gives the steps thrown away.
 
-Targets (issue 42): the first productive step within 1.5x the anchor; the restore from `peer`
-(nothing from a durable tier: the job has none); the work thrown away at most the local interval
-(the lost node's last copied step against the last step seen before the loss).
+Targets (issue 42): the first productive step within 1.5x the anchor; the restore from `peer`;
+the work thrown away at most the local interval (the lost node's last copied step against the last
+step seen before the loss); and, with a durable tier on gcp-storage-emulator as well
+(`--durable-every`, on by default), no checkpoint read from it while a peer copy exists: the
+emulator's request log, from the loss to the job's end, has no object download but the `latest`
+pointer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -39,6 +43,7 @@ from gpufleet import local_tier as lt
 from tests.simcluster import SimCluster
 from tests.simindex import wheel_cache
 from tests.support import TRAIN
+from tests.workloads.conftest import start_gcs_emulator
 
 LAUNCH = [sys.executable, "-m", "launcher"]
 ROOT = "/root/.gpufleet/local/checkpoints"  # the tier's root on a bare node (no local SSD)
@@ -96,17 +101,34 @@ def _wait(what: str, fn, timeout: float, interval: float = 0.5):
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def case(c: SimCluster, runs: Path, steps: int, every: int) -> dict:
+def gcs_reads(log: Path, offset: int) -> tuple[int, list[str]]:
+    """The emulator's requests logged after `offset` (bytes): (how many, the checkpoint reads among
+    them: object downloads of anything but the `latest` pointer)."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        lines = [line for line in f.read().decode(errors="replace").splitlines() if line.startswith('"')]
+    reads = [line for line in lines if line.startswith('"GET /download/') and "%2Flatest?" not in line]
+    return len(lines), reads
+
+
+def case(c: SimCluster, runs: Path, steps: int, every: int, gcs: tuple[str, Path] | None, durable: int) -> dict:
+    """The detached job, node 1 lost once its rank has a copy on the spare. `gcs`: the emulator
+    (STORAGE_EMULATOR_HOST, its request log) for a durable tier every `durable` steps."""
+    tiers = ["--local-checkpoint-every", str(every), "--keep-local-checkpoints", "4"]
+    env: list[str] = []
+    if gcs is not None:
+        env = ["--env", f"STORAGE_EMULATOR_HOST={gcs[0]}"]
+        tiers += ["--checkpoint-dir", "gs://ckpt/spare", "--checkpoint-every", str(durable)]
     args = [
-        "train", *ONE, "--term-grace", "3s", "--detach", "--recover", "--recover-timeout", "30m", "--spares", "1",
-        "--", *TRAIN, "--global-batch", "2", "--steps", str(steps), "--log-every", "1",
-        "--local-checkpoint-every", str(every), "--keep-local-checkpoints", "4",
+        "train", *ONE, *env, "--term-grace", "3s", "--detach", "--recover", "--recover-timeout", "30m",
+        "--spares", "1", "--", *TRAIN, "--global-batch", "2", "--steps", str(steps), "--log-every", "1", *tiers,
     ]  # fmt: skip
     job_id = _launch(c, runs, *args, index=True).split()[1]
     copied = lambda: lt.complete_steps(c.node_path(2, ROOT), job_id, lt.PEER, 1)  # noqa: E731
     _wait("node 1's rank copied to the spare", copied, 600)
     time.sleep(2 * every * 0.05 + 3)  # a few more saves and copies: the loss comes mid-interval
     before = max(copied())
+    offset = gcs[1].stat().st_size if gcs else 0
     c.power_off(1)
     lost_at = time.time()
     try:
@@ -117,7 +139,8 @@ def case(c: SimCluster, runs: Path, steps: int, every: int) -> dict:
     finally:
         c.restart_sshd(1)
     out = _launch(c, runs, "logs", job_id)
-    return {"job": done, "out": out, "copied_before": before, "lost_at": lost_at}
+    gcs_after = gcs_reads(gcs[1], offset) if gcs else None
+    return {"job": done, "out": out, "copied_before": before, "lost_at": lost_at, "gcs": gcs_after}
 
 
 def report(starts: list[float], r: dict, every: int) -> bool:
@@ -155,7 +178,18 @@ def report(starts: list[float], r: dict, every: int) -> bool:
     print(
         f"steps thrown away: {lost} (last step seen {last_seen}; target <= {every}: {'met' if ok_lost else 'MISSED'})"
     )
-    return job["state"] == "SUCCEEDED" and ok_time and ok_src and ok_lost
+    ok_gcs = True
+    if r.get("gcs") is not None:
+        n, reads = r["gcs"]
+        ok_gcs = not reads or f["restored_from"] == "durable"
+        verdict = "met" if not reads else ("a durable restore reads it" if ok_gcs else "MISSED")
+        print(
+            f"the durable tier (GCS emulator) from the loss to the end: {n} requests, {len(reads)} checkpoint "
+            f"reads (target 0 while a peer copy exists: {verdict})"
+        )
+        for line in reads[:3]:
+            print(f"  {line}")
+    return job["state"] == "SUCCEEDED" and ok_time and ok_src and ok_lost and ok_gcs
 
 
 def main() -> int:
@@ -164,6 +198,10 @@ def main() -> int:
     # Every 100 steps of the tiny model is about 3 s here: an interval longer than one copy (an ssh
     # session and the receiver's start, about 0.5 s on this machine), as a real job's is.
     p.add_argument("--local-every", type=int, default=100)
+    # A durable tier on the GCS emulator as well, every N steps (0: none): the restore must read
+    # none of it while a peer copy exists. 700 keeps its steps off the loss's usual window
+    # (steps 900-1300 here), so the newest step is the local tier's.
+    p.add_argument("--durable-every", type=int, default=700)
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-spare-") as tmp:
         os.environ["GPUFLEET_STATE_DIR"] = f"{tmp}/state"
@@ -172,7 +210,12 @@ def main() -> int:
             two = Path(tmp) / "two"
             two.write_text("".join(f"{x}\n" for x in c.addresses[:2]))
             starts = anchor(c, runs, two)
-            r = case(c, runs, a.steps, a.local_every)
+            with contextlib.ExitStack() as stack:
+                gcs = None
+                if a.durable_every:
+                    log = Path(tmp) / "gcs-requests.log"
+                    gcs = (stack.enter_context(start_gcs_emulator("ckpt", host=c.gateway, log=log)), log)
+                r = case(c, runs, a.steps, a.local_every, gcs, a.durable_every)
             ok = report(starts, r, a.local_every)
     return 0 if ok else 1
 

@@ -79,7 +79,7 @@ PEER_NAME = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-
 KEEP = 2
 # How often the sender looks for a newly completed step, and how long a peer that could not be
 # reached is passed over (the next one in the ring takes its copies meanwhile).
-POLL_S = 0.5
+POLL_S = 0.2
 UNREACHABLE_S = 60.0
 
 

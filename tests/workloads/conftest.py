@@ -223,14 +223,20 @@ def reference(tmp_path_factory, worker_id) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def start_gcs_emulator(bucket: str, timeout: float = 30, host: str = "127.0.0.1"):
+def start_gcs_emulator(bucket: str, timeout: float = 30, host: str = "127.0.0.1", log: Path | None = None):
     """gcp-storage-emulator (in memory) on a free port of `host` with `bucket`; yields the value
     for STORAGE_EMULATOR_HOST. Used by the tests' fixture and bench/bench_checkpoint.py; a
-    simulated cluster's nodes reach it on the cluster's gateway address."""
+    simulated cluster's nodes reach it on the cluster's gateway address. `log`: a file for its
+    request log, one line per request (`"GET /download/storage/v1/b/BUCKET/o/NAME?alt=media
+    HTTP/1.1" 200 -`), which bench/bench_spare_peer.py counts."""
     port = free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
     argv = [str(exe), "start", "--host", host, "--port", str(port), "--in-memory", "--default-bucket", bucket]
-    proc = subprocess.Popen([*argv, "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if log is None:
+        proc = subprocess.Popen([*argv, "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
     try:
 
         def up() -> bool:

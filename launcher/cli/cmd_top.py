@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -274,15 +274,16 @@ def _job_source(o: dict[str, Any], job_id: str, what: str) -> tuple[Cluster, Ssh
     return cluster, ssh, make_transport(cluster, ssh)
 
 
-def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, SshConfig, Transport, Node]:
-    """The nodes to view (the flags' cluster, or detached job `job_id`'s nodes of it), and the
-    flags' node 0 (where the job's record is)."""
+def _view_source(o: dict[str, Any], job_id: str | None) -> tuple[Cluster, SshConfig, Transport, Node, Cluster]:
+    """The nodes to view (the flags' cluster, or detached job `job_id`'s nodes of it), the
+    flags' node 0 (where the job's record is), and the flags' whole cluster (a job's spares among
+    it, which the view follows when one is swapped in)."""
     if job_id:
         cluster, ssh, transport = _job_source(o, job_id, f"launch top {job_id}")
-        return job_nodes(cluster, transport, job_id), ssh, transport, job_host(cluster)
+        return job_nodes(cluster, transport, job_id), ssh, transport, job_host(cluster), cluster
     cluster = find_cluster(o)
     ssh = ssh_config(o, cluster)
-    return cluster, ssh, make_transport(cluster, ssh, bool(o.get("dry_run"))), job_host(cluster)
+    return cluster, ssh, make_transport(cluster, ssh, bool(o.get("dry_run"))), job_host(cluster), cluster
 
 
 def _plot(plot_from: str, output: Path | None, o: dict[str, Any]) -> Path:
@@ -394,7 +395,7 @@ def top(
         _plot_only(plot_from, output, job_id, record, duration, o)
         return
     _check_timing(interval, duration)
-    cluster, ssh, transport, head = _view_source(o, job_id)
+    cluster, ssh, transport, head, whole = _view_source(o, job_id)
     if o.get("dry_run"):
         from launcher.observe.sampler import node_program
 
@@ -414,7 +415,9 @@ def top(
         concurrency=ssh.concurrency,
     )
     exporter = _cloud_exporter(o, cluster, sampler)
-    watch = JobWatch(transport, head, job_id).start() if job_id else None
+    swapped: list[str] = []  # what the view followed: a spare swapped in for a lost node
+    follow = _follower(sampler, whole, swapped)
+    watch = JobWatch(transport, head, job_id, on_nodes=follow).start() if job_id else None
     # Whose jobs hold the nodes, any account's (launcher.jobs.holds), read again every 10 s.
     holds = HoldsWatch(lambda: cluster_holds(cluster, transport)).start()
     sampler.start()
@@ -422,7 +425,10 @@ def top(
         exporter.start()
     try:
         title = _title(cluster, job_id)
-        heading = (lambda: title + watch.goodput() + holds.summary()) if watch else (lambda: title + holds.summary())
+        if watch:
+            heading = lambda: title + watch.goodput() + "".join(swapped[-1:]) + holds.summary()  # noqa: E731
+        else:
+            heading = lambda: title + holds.summary()  # noqa: E731
         stats = _view(sampler, duration, heading, watch.ended if watch else None)
     finally:
         holds.stop()
@@ -430,6 +436,22 @@ def top(
             watch.stop()
         answered, connecting = _stop_all(sampler, exporter, recorder)
     _report_end(stats, sampler, recorder, exporter, watch, job_id, answered, connecting)
+
+
+def _follower(sampler: TopSampler, whole: Cluster, swapped: list[str]) -> Callable[[list[str]], None]:
+    """What a job's view does when the job's nodes change (launcher.jobs.watch.JobWatch): it
+    views the new ones (a spare swapped in) and drops those that left, and the title says so."""
+    by_host = {n.host: n for n in whole.nodes}
+
+    def follow(hosts: list[str]) -> None:
+        nodes = [replace(by_host[h], rank=i) for i, h in enumerate(hosts) if h in by_host]
+        added, left = sampler.follow(nodes)
+        if added or left:
+            into = ", ".join(n.host for n in added) or "none"
+            out = ", ".join(n.host for n in left) or "none"
+            swapped.append(f"  (following the job: {into} in, {out} out)")
+
+    return follow
 
 
 def _plot_only(

@@ -8,6 +8,7 @@ in, plain types out; the CLI (launcher.cli.cmd_top) parses the flags and renders
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,8 +61,19 @@ class JobWatch:
     its latest record; `ended` is set, and `record` holds the job's record, once it has ended (the
     view of its nodes ends with it)."""
 
-    def __init__(self, transport: Transport, head: Node, job_id: str, every_s: float = 5.0):
+    def __init__(
+        self,
+        transport: Transport,
+        head: Node,
+        job_id: str,
+        every_s: float = 5.0,
+        on_nodes: Callable[[list[str]], None] | None = None,
+    ):
+        """`on_nodes(hosts)`: called with the job's nodes (its world, in rank order) at the first
+        answer and whenever they change (a spare swapped in for a lost node)."""
         self.node0, self.job_id, self.every_s = Node0(transport, head), job_id, every_s
+        self.on_nodes = on_nodes
+        self._nodes: list[str] | None = None
         self.ended = threading.Event()
         self.record: JobRecord | None = None
         self.latest: JobRecord | None = None
@@ -87,6 +99,9 @@ class JobWatch:
                 found = []  # the job host did not answer this time: the view goes on, as for any node
             if found:
                 self.latest = found[0]
+                if self.on_nodes and found[0].nodes != self._nodes:
+                    self._nodes = list(found[0].nodes)
+                    self.on_nodes(self._nodes)
             if found and found[0].state.final:
                 self.record = found[0]
                 self.ended.set()

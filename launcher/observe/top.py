@@ -20,6 +20,7 @@ node moves about the same bytes, so one that moves far fewer is the one to look 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import math
@@ -343,6 +344,7 @@ class _NodeRun:
         self.history: deque[float | None] = deque(maxlen=history)
         self.gpu_history: deque[float | None] = deque(maxlen=history)
         self.err: deque[str] = deque(maxlen=5)
+        self.left = False  # no longer viewed (TopSampler.follow): its session ends, its loop too
 
 
 class _Handshake:
@@ -401,18 +403,57 @@ class TopSampler:
         self._handshakes = threading.BoundedSemaphore(max(1, concurrency))
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        n_hist = max(2, int(round(history_s / interval_s)))
-        self._runs = {n.rank: _NodeRun(n, n_hist) for n in cluster.nodes}
+        self._n_hist = max(2, int(round(history_s / interval_s)))
+        self._runs = {n.rank: _NodeRun(n, self._n_hist) for n in cluster.nodes}
         self._threads: list[threading.Thread] = []
+        self._started = False
 
     # ---- life ----
 
     def start(self) -> "TopSampler":
-        for run in self._runs.values():
-            t = threading.Thread(target=self._node_loop, args=(run,), daemon=True, name=f"top-node-{run.node.rank}")
-            t.start()
-            self._threads.append(t)
+        with self._lock:
+            self._started = True
+            runs = list(self._runs.values())
+        for run in runs:
+            self._begin(run)
         return self
+
+    def _begin(self, run: _NodeRun) -> None:
+        t = threading.Thread(target=self._node_loop, args=(run,), daemon=True, name=f"top-node-{run.node.host}")
+        t.start()
+        self._threads.append(t)
+
+    def follow(self, nodes: Sequence[Node]) -> tuple[list[Node], list[Node]]:
+        """View `nodes` from now on (a detached job swapped a spare in for a lost node): a session
+        for each node new to the view, the sessions of the nodes that left it ended, ranks as
+        `nodes` gives them; a node still viewed keeps its session and history. (the nodes
+        added, the nodes that left)."""
+        with self._lock:
+            by_host = {run.node.host: run for run in self._runs.values()}
+            runs: dict[int, _NodeRun] = {}
+            added = []
+            for n in nodes:
+                run = by_host.pop(n.host, None)
+                if run is None:
+                    run = _NodeRun(n, self._n_hist)
+                    added.append(run)
+                run.node, run.row = n, replace(run.row, node=n)
+                runs[n.rank] = run
+            left = list(by_host.values())
+            self._runs = runs
+            for run in left:
+                run.left = True
+            procs = [run.proc for run in left if run.proc is not None]
+            started = self._started
+        for p in procs:  # the node loop sees `left` and starts no other session
+            with contextlib.suppress(OSError, AttributeError):
+                p.stdin.close()
+            with contextlib.suppress(OSError):
+                p.terminate()
+        if started and not self._stop.is_set():  # before start(), start() begins them
+            for run in added:
+                self._begin(run)
+        return [r.node for r in added], [r.node for r in left]
 
     def stop(self, timeout: float = 5.0) -> None:
         """End every session: close its stdin (the node's loop ends on end of input), then kill
@@ -474,7 +515,7 @@ class TopSampler:
     # ---- one node ----
 
     def _node_loop(self, run: _NodeRun) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not run.left:
             self._session(run)
             if self._stop.wait(self._retry_s):
                 return
@@ -503,6 +544,10 @@ class TopSampler:
             if proc is not None:
                 with self._lock:
                     run.proc = proc
+                    gone = run.left
+                if gone:  # it left the view while this session started
+                    with contextlib.suppress(OSError):
+                        proc.terminate()
                 threading.Thread(target=self._read_err, args=(run, proc), daemon=True).start()
                 for line in proc.stdout:
                     handshake.done()  # the node answered: the next node may connect
@@ -510,7 +555,7 @@ class TopSampler:
                     if counters is not None:
                         self._sample(run, stream, counters)
                 rc = proc.wait()
-        if self._stop.is_set():
+        if self._stop.is_set() or run.left:
             return
         why = run.err[-1] if run.err else (stream.other[-1] if stream.other else f"session ended (exit {rc})")
         with self._lock:

@@ -9,13 +9,14 @@ import os
 import stat
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from launcher.cli.cmd_top import render_table, top
-from launcher.core.types import Node
+from launcher.core.types import Cluster, Node
 from launcher.observe.plot import plot_record, read_record
 from launcher.observe.sampler import Counters, GpuReading, NodeStream, delta, node_program, parse_gpu_line
 from launcher.observe.top import (
@@ -28,6 +29,7 @@ from launcher.observe.top import (
     NodeStatus,
     Recorder,
     RolePlan,
+    TopSampler,
     build_row,
     flag_outliers,
     nic_roles,
@@ -429,3 +431,36 @@ def test_dry_run_prints_each_nodes_program_and_connects_to_nothing(tmp_path):
     assert [l.split("\t")[0] for l in lines] == ["10.9.9.2", "10.9.9.3"]
     assert "exec bash --norc --noprofile -c" in lines[0] and "gpufleet-top" in lines[0]
     assert "next + 2000000" in lines[0]  # the 2 s schedule, in microseconds
+
+
+def test_the_sampler_follows_a_swap_a_new_nodes_session_starts_and_the_lost_ones_ends():
+    # Each "node" runs the real node program here, with bash (no ssh): what a swap changes is
+    # which sessions the view holds, not how a node is reached.
+    a, b, spare = Node(0, "a", "a"), Node(1, "b", "b"), Node(5, "s", "s")
+    sampler = TopSampler(Cluster("sim", (a, b)), lambda node, script: ["bash", "-c", script], interval_s=0.2)
+
+    def seen(hosts: list[str]) -> bool:
+        deadline = time.monotonic() + 30  # pytest's timeout bounds a view that never answers
+        while time.monotonic() < deadline:
+            rows = sampler.rows()
+            if [r.node.host for r in rows] == hosts and all(r.status is NodeStatus.OK for r in rows):
+                return True
+            time.sleep(0.05)
+        return False
+
+    try:
+        sampler.start()
+        assert seen(["a", "b"])
+        lost = sampler.pids()[1]
+        added, left = sampler.follow([a, replace(spare, rank=1)])
+        assert [n.host for n in added] == ["s"] and [n.host for n in left] == ["b"]
+        assert seen(["a", "s"]) and [r.node.rank for r in sampler.rows()] == [0, 1]
+        # The lost node's session ended and no other started for it; node a kept its own.
+        assert lost not in sampler.pids().values()
+        deadline = time.monotonic() + 10
+        while _alive(lost) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(lost)
+        assert sampler.follow([a, replace(spare, rank=1)]) == ([], [])
+    finally:
+        sampler.stop()

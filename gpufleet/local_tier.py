@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ __all__ = [
     "check_private",
     "common_step",
     "default_root",
+    "forget_after",
 ]
 
 ENV_VAR = "GPUFLEET_LOCAL_CHECKPOINT_DIR"
@@ -165,6 +167,29 @@ def verify(directory: str | os.PathLike[str], manifest: Manifest, hashes: bool =
         if hashes and _sha256(p) != digest:
             return f"{name} does not match its sha256 in {MANIFEST}"
     return None
+
+
+def forget_after(root: str | os.PathLike[str], job: str, step: int) -> list[int]:
+    """Remove from this node every step of `job` newer than `step`, in both areas and of every
+    rank, each rank directory's manifest first (a removal cut short leaves nothing that looks
+    complete); the steps removed. A relaunch that resumed from `step` has left those behind: they
+    belong to the attempt it replaced, and a later restore must never take one of them for the
+    job's (with step -1: everything, for a node that rejoins a job which moved on without it)."""
+    gone: set[int] = set()
+    for area in (OWN, PEER):
+        base = Path(root) / job / area
+        try:
+            step_dirs = [d for d in base.iterdir() if _STEP.match(d.name) and int(d.name[5:]) > step]
+        except OSError:
+            continue
+        for d in step_dirs:
+            with contextlib.suppress(OSError):
+                for rank in d.iterdir():
+                    with contextlib.suppress(OSError):
+                        (rank / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(d, ignore_errors=True)
+            gone.add(int(d.name[5:]))
+    return sorted(gone)
 
 
 def complete_steps(root: str | os.PathLike[str], job: str, area: str, rank: int) -> list[int]:

@@ -8,7 +8,9 @@ position p is replaced by the first spare, and the world is renumbered in the jo
 node after p takes the rank of the node just before it, and the spare, last in the order, takes
 the last rank. So the node at p+1 needs p's ranks, p+2 needs p+1's, ..., and the spare needs
 those of the last node in use: exactly what a ring i -> i+1 has put in each one's peer/. Only
-several swaps, or a spare that is not next after the last node in use, need ranks moved.
+several swaps, or a spare that is not next after the last node in use, need ranks moved: the
+controller does that before the relaunch (launcher.jobs.realign, with `inventory` and `send`
+here), and the ring then follows the new world.
 
 The stream for one rank directory:
 
@@ -34,7 +36,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -48,6 +51,7 @@ from gpufleet.local_tier import (
     check_private,
     complete_steps,
     default_root,
+    forget_after,
     rank_dir,
     read_manifest,
     step_name,
@@ -66,6 +70,9 @@ __all__ = [
     "main",
     "python_argv",
     "PEER_NAME",
+    "inventory",
+    "Move",
+    "plan_moves",
 ]
 
 _FILE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -180,13 +187,16 @@ def receive(root: str | os.PathLike[str], job: str, stream: BinaryIO) -> Path:
     return d
 
 
-def prune(root: str | os.PathLike[str], job: str, area: str, rank: int, keep: int) -> list[int]:
+def prune(
+    root: str | os.PathLike[str], job: str, area: str, rank: int, keep: int, spare: int | None = None
+) -> list[int]:
     """Remove all but the newest `keep` complete steps of `rank` in `area` (OWN or PEER), the way
-    the writer prunes its own; return the steps removed."""
+    the writer prunes its own, never step `spare` (one just received: an older step a controller
+    moved here for a relaunch to restore); return the steps removed."""
     if area not in (OWN, PEER):
         raise ReplicaError(f"area {area!r} is neither {OWN!r} nor {PEER!r}")
     steps = complete_steps(root, check_job(job), area, rank)
-    gone = steps[: max(0, len(steps) - keep)]
+    gone = [s for s in steps[: max(0, len(steps) - keep)] if s != spare]
     for step in gone:
         shutil.rmtree(rank_dir(root, job, area, step, rank), ignore_errors=True)
     return gone
@@ -233,7 +243,12 @@ class Sender:
             if not PEER_NAME.fullmatch(peer):
                 raise ReplicaError(f"peer {peer!r} is not a plain user@address")
         self.peers, self.key, self.known, self.say = list(peers), str(key), str(known), say
-        self.sent: dict[int, int] = {}  # rank -> the newest step copied out
+        # rank -> the newest step copied out; at the start, what is there already: the attempt
+        # before this one copied it (its last pass), or it is a replaced attempt's, which the
+        # ranks remove once they resume (gpufleet.local_tier.forget_after) and no peer should get.
+        self.sent: dict[int, int] = {}
+        for rank, step in self.pending():
+            self.sent[rank] = step
         self.down: dict[str, float] = {}  # peer -> when it last could not be reached
 
     def argv(self, peer: str) -> list[str]:
@@ -273,7 +288,7 @@ class Sender:
         out = []
         for rank in sorted(ranks):
             steps = complete_steps(self.root, self.job, OWN, rank)
-            if steps and self.sent.get(rank, -1) < steps[-1]:
+            if steps and self.sent.get(rank) != steps[-1]:  # a newer one, or the newest after a replaced attempt's went
                 out.append((rank, steps[-1]))
         return out
 
@@ -324,6 +339,91 @@ class Sender:
                 self.say(f"peer {peer} refused {step_name(step)} of rank {rank}: {why}")
                 break
         return copied
+
+
+def inventory(root: str | os.PathLike[str], job: str) -> dict[str, dict[int, list[int]]]:
+    """{area: {rank: its complete steps, oldest first}} of this node's local tier for `job`, both
+    areas (own and peer): what a controller realigning the ranks after a swap asks each node."""
+    out: dict[str, dict[int, list[int]]] = {}
+    for area in (OWN, PEER):
+        base = Path(root) / check_job(job) / area
+        ranks: set[int] = set()
+        try:
+            for step_dir in base.iterdir():
+                for d in step_dir.iterdir() if step_dir.is_dir() else ():
+                    if d.name.startswith("rank_") and d.name[5:].isdigit():
+                        ranks.add(int(d.name[5:]))
+        except OSError:
+            pass
+        out[area] = {r: steps for r in sorted(ranks) if (steps := complete_steps(root, job, area, r))}
+    return out
+
+
+@dataclass(frozen=True)
+class Move:
+    """One rank directory to copy before a relaunch: `src`'s AREA copy of `rank` at `step` into
+    `dst`'s peer area (launcher.jobs.realign runs it: `send` on `src`)."""
+
+    rank: int
+    step: int
+    src: str
+    area: str
+    dst: str
+
+
+def plan_moves(
+    world: Sequence[str], held: Mapping[str, Mapping[str, Mapping[int, Sequence[int]]]]
+) -> tuple[int | None, list[Move]]:
+    """After a swap: the newest step every rank of the new `world` (hosts by rank) can restore from
+    the local tier somewhere (`held`: each reachable node's `inventory`), and the copies that put
+    each rank's directory of that step on the node that now holds the rank. (None, []) when some
+    rank has no complete step on any node (the restore then uses the durable tier, or starts
+    over); (step, []) when every node already holds its ranks."""
+    where: list[dict[int, list[tuple[str, str]]]] = [{} for _ in world]
+    for host, areas in held.items():
+        for area in (OWN, PEER):
+            for rank, steps in (areas.get(area) or {}).items():
+                if 0 <= int(rank) < len(world):
+                    for step in steps:
+                        where[int(rank)].setdefault(int(step), []).append((host, area))
+    common = set.intersection(*(set(w) for w in where)) if where else set()
+    if not common:
+        return None, []
+    step = max(common)
+    moves = []
+    for rank, host in enumerate(world):
+        holders = where[rank][step]
+        if any(h == host for h, _ in holders):
+            continue
+        src, area = min(holders, key=lambda ha: (ha[1] != OWN, ha[0]))  # a node's own copy first
+        moves.append(Move(rank, step, src, area, host))
+    return step, moves
+
+
+def _send_main(args: Sequence[str]) -> int:
+    """`send --state DIR --port P --to PEER JOB AREA STEP RANK`: one rank directory of this node's
+    local tier to PEER's peer area, over the replica key (its forced `receive`): what a controller
+    realigning the ranks after a swap asks of the node that holds them."""
+    named = dict(zip(args[0:6:2], args[1:6:2], strict=False))
+    rest = list(args[6:])
+    if set(named) != {"--state", "--port", "--to"} or len(rest) != 4 or not rest[2].isdigit() or not rest[3].isdigit():
+        print("usage: send --state DIR --port P --to PEER JOB AREA STEP RANK", file=sys.stderr)
+        return 2
+    job, area, step, rank = check_job(rest[0]), rest[1], int(rest[2]), int(rest[3])
+    if area not in (OWN, PEER):
+        print(f"error: area {area!r} is neither {OWN} nor {PEER}", file=sys.stderr)
+        return 2
+    state = Path(named["--state"])
+    sender = Sender(default_root(), job, [named["--to"]], int(named["--port"]), state / "key", state / "known_hosts")
+    d = rank_dir(default_root(), job, area, step, rank)
+    if read_manifest(d) is None:
+        print(f"error: {d} is not a complete rank directory", file=sys.stderr)
+        return 2
+    rc, why = sender._send_one(named["--to"], d)
+    if rc != 0:
+        print(f"error: copying {step_name(step)} of rank {rank} to {named['--to']}: {why}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _exit_status(rc: int) -> int:
@@ -385,7 +485,7 @@ def _receive_main() -> int:
         for d in ([gpufleet_dir] if root.parent.parent == gpufleet_dir else []) + [root.parent, root]:
             check_private(d, flag="the peer tier's directory")
         d = receive(root, job, sys.stdin.buffer)
-        prune(root, job, PEER, int(d.name[5:]), KEEP)
+        prune(root, job, PEER, int(d.name[5:]), KEEP, spare=int(d.parent.name[5:]))
     except (ReplicaError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -393,10 +493,26 @@ def _receive_main() -> int:
 
 
 def main(args: Sequence[str] | None = None) -> int:
-    """`receive` (the forced command), or `sidecar --state DIR --port P --peers A,B,... -- CMD...`."""
+    """`receive` (the forced command), `sidecar --state DIR --port P --peers A,B,... -- CMD...`, or
+    what a controller realigning the ranks after a swap asks: `inventory JOB` (JSON on stdout),
+    `send --state DIR --port P --to PEER JOB AREA STEP RANK`, and `forget JOB` (every local step of
+    the job on a node that rejoins a job which moved on without it)."""
     args = list(sys.argv[1:] if args is None else args)
     if args[:1] == ["receive"]:
         return _receive_main()
+    try:
+        if args[:1] == ["inventory"] and len(args) == 2:
+            print(json.dumps(inventory(default_root(), args[1])))
+            return 0
+        if args[:1] == ["send"]:
+            return _send_main(args[1:])
+        if args[:1] == ["forget"] and len(args) == 2:
+            gone = forget_after(default_root(), check_job(args[1]), -1)
+            print(json.dumps(gone))
+            return 0
+    except (ReplicaError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args[:1] == ["sidecar"] and "--" in args:
         cut = args.index("--")
         opts, argv = args[1:cut], args[cut + 1 :]
@@ -404,7 +520,7 @@ def main(args: Sequence[str] | None = None) -> int:
         peers = [p for p in named.get("--peers", "").split(",") if p]
         port, state = int(named.get("--port", "22")), named.get("--state", "")
         return sidecar(argv, lambda: _sender_from_env(peers, port, state) if peers and state else None)
-    usage = "receive | sidecar --state DIR --port P --peers A,B -- CMD..."
+    usage = "receive | inventory JOB | send ... | forget JOB | sidecar --state DIR --port P --peers A,B -- CMD..."
     print(f"usage: python -m gpufleet.replica {usage}", file=sys.stderr)
     return 2
 

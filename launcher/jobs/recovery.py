@@ -284,7 +284,10 @@ def failure_of(result: LaunchResult, preempted: bool, step: int | None) -> Recov
         if found := gpu_error([*out.error_lines, *out.tail]):
             cause = f"{GPU_ERROR} ({found[0]}): {found[1]}"
             return Recovery(now, r, cause, step, signature=cause, reason="preempted" if preempted else "worker-failed")
-    last = (o.error_lines or o.tail[-1:] or [""])[-1]
+    # The crash in words: the program's own error line, else torchrun's account of the worker
+    # (a SIGKILL prints nothing), else the last line that is not gpufleet's replicator's.
+    own = [line for line in o.tail if not line.lstrip().startswith("replica: ")]
+    last = (o.error_lines or ([o.worker.note] if o.worker else own[-1:]) or [""])[-1]
     cause = f"worker crash: {o.status}" + (f": {last}" if last else "")
     return Recovery(
         now,
@@ -492,6 +495,7 @@ class Recoverer:
         False: no spare to swap in."""
         if not self.spares:
             self._rejoin()
+        before = [n.host for n in self.cluster.nodes]
         world, left, swaps = swap_in(self.order, self.cluster.nodes, lost, self.spares)
         if not swaps:
             return False
@@ -508,7 +512,25 @@ class Recoverer:
             log.warning("job %s: swapped %s", r.id, line)
         # A stopped VM (a Spot preemption) swapped out is started again, so it may rejoin the spares.
         self._start_instances(rec, [self.known[s.out].name for s in swaps])
+        if self.config.replication is not None:
+            self._realign(before, {s.out for s in swaps}, left)
         return True
+
+    def _realign(self, before: list[str], gone: set[str], spares: tuple[Node, ...]) -> None:
+        """The local tier after a swap (launcher.jobs.realign): each rank's data moved to its new
+        node when the swap did not leave it there, and the replica ring set to the new world."""
+        from launcher.jobs.realign import aligned, current_ring, realign
+
+        rep = self.config.replication
+        assert rep is not None
+        ring = [h for h, _ in rep.ring]
+        now = [n.host for n in self.cluster.nodes]
+        out = set(self.c.record.out)
+        self.config = dataclasses.replace(self.config, replication=current_ring(rep, self.cluster.nodes, spares, out))
+        if aligned(before, now, ring, gone):
+            return
+        asked = [self.known[h] for h in self.order if h not in gone and h in self.known]
+        realign(self.cluster, self.cluster.nodes, asked, self.config, self.c.say)
 
     def _rejoin(self) -> None:
         """Check each node swapped out with the launch's own check, one at a time; each that
@@ -537,7 +559,14 @@ class Recoverer:
             r.out = [h for h in r.out if h != host]
             r.spares = [*r.spares, host]
             self.c.save()
-            self.c.say(f"node {host} passes its check again: it is a spare again")
+            said = f"node {host} passes its check again: it is a spare again"
+            if self.config.replication is not None:  # its local copies are from before it was lost
+                from launcher.jobs.realign import forget
+
+                gone = forget(self.cluster, node, self.config)
+                if gone:
+                    said += f"; its local copies of the job (steps {gone[0]}-{gone[-1]}, from before) are removed"
+            self.c.say(said)
 
     def _restart_stopped(self, launch: Launch, rec: Recovery) -> None:
         """Start the unreachable nodes' instances that Compute Engine stopped (once each per

@@ -16,6 +16,7 @@ from gpufleet.local_tier import (
     check_private,
     common_step,
     complete_steps,
+    forget_after,
     rank_dir,
     read_manifest,
     verify,
@@ -125,3 +126,15 @@ def test_a_directory_of_another_account_is_refused(tmp_path):
     os.chown(p, 65534, 65534)
     with pytest.raises(LocalTierError, match="belongs to uid 65534, not to this account"):
         check_private(p)
+
+
+def test_forget_after_removes_every_newer_step_of_both_areas_and_keeps_the_rest(tmp_path):
+    for area, step, rank in [("own", 10, 0), ("own", 20, 0), ("own", 30, 0), ("peer", 20, 1), ("peer", 30, 1)]:
+        _rank_copy(tmp_path, area, step, rank)
+    _rank_copy(tmp_path, "own", 40, 0, manifest=False)  # a save cut short: newer, removed too
+    assert forget_after(tmp_path, "job", 20) == [30, 40]
+    assert complete_steps(tmp_path, "job", "own", 0) == [10, 20]
+    assert complete_steps(tmp_path, "job", "peer", 1) == [20]
+    assert sorted(p.name for p in (tmp_path / "job" / "own").iterdir()) == ["step_00000010", "step_00000020"]
+    assert forget_after(tmp_path, "job", -1) == [10, 20] and forget_after(tmp_path, "nojob", -1) == []
+    assert complete_steps(tmp_path, "job", "own", 0) == [] == complete_steps(tmp_path, "job", "peer", 1)

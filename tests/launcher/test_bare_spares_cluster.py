@@ -5,8 +5,10 @@ job whose only checkpoints are the node-local tier (`--local-checkpoint-every`, 
 (gpufleet.replica, the sidecar round its ranks) copies every local step it completes to the next
 node of the job's order over the cluster's replica key, so node 1's ranks are on node 2. Node 1
 is lost for good (SimCluster.power_off); the spare takes its place at once and restores node 1's
-rank from that copy: the job resumes from its last copied local step, not from step 0, and ends
-SUCCEEDED with the swap in its record."""
+rank from that copy: the job resumes from its last copied local step, not from step 0. Then node
+1 comes back and the spare is lost too: node 1 passes its check, takes rank 1 again, and gets that
+rank's last step moved to it from the node that held node 2's copies (launcher.jobs.realign). The
+job ends SUCCEEDED with both swaps in its record."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
     args = [
         "--nproc-per-node", "1", "--env", "OMP_NUM_THREADS=1", "--term-grace", "3s",
         "--recover", "--recover-timeout", "30m", "--spares", "1", "--",
-        *TRAIN, "--global-batch", "2", "--steps", "600", "--log-every", "10",
+        *TRAIN, "--global-batch", "2", "--steps", "1000", "--log-every", "10",
         "--local-checkpoint-every", "20", "--keep-local-checkpoints", "4",
     ]  # fmt: skip
     r = launch(tmp_path, "train", *src(c, tmp_path), "--detach", *args, timeout=900, check=True)
@@ -58,7 +60,7 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
     envs = c.node_path(2, "/root/.gpufleet/envs")
     assert list(envs.glob("*/.gpufleet-bytecode")), r.stderr
     assert list(envs.glob("*/lib/python*/site-packages/torch/__pycache__/__init__.*.pyc"))
-    lost = False
+    down: set[int] = set()
     done: dict = {}
     try:
         running = job(c, tmp_path, job_id)
@@ -68,7 +70,14 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
         wait_for(lambda: copied_steps(c, 1, job_id, 0), 60, "node 0's rank copied to node 1", interval=0.5)
         before = max(copied_steps(c, 2, job_id, 1))
         c.power_off(1)
-        lost = True
+        down.add(1)
+        # The spare trains as rank 1, and the ring is the new world's: node 2 copies to node 0.
+        wait_for(lambda: max(copied_steps(c, 0, job_id, 1), default=0) > before, 300, "rank 1's copies on node 0")
+        c.restart_sshd(1)  # node 1 is back, out of service: the next swap checks it and takes it
+        down.discard(1)
+        second = max(copied_steps(c, 0, job_id, 1))
+        c.power_off(2)
+        down.add(2)
 
         def ended() -> bool:
             done.update(job(c, tmp_path, job_id))
@@ -76,20 +85,31 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
 
         wait_for(ended, 600, f"job {job_id} to end", interval=LAUNCH_POLL_S)
     finally:
-        if lost:
-            c.restart_sshd(1)  # the shared cluster's node 1 is back for the next test
+        for i in down:
+            c.restart_sshd(i)  # the shared cluster's nodes are back for the next test
         if done.get("state") not in FINAL:
             launch(tmp_path, "stop", *source_args(c, tmp_path), job_id)
     out = launch(tmp_path, "logs", *source_args(c, tmp_path), job_id, check=True).stdout
     assert done["state"] == "SUCCEEDED" and done["exit"] == 0, (done, out[-4000:])
-    (rec,) = done["recoveries"]
-    (swap,) = rec["swaps"]
-    assert (swap["rank"], swap["out"], swap["into"], swap["why"]) == (1, a[1], a[2], "unreachable"), rec
-    assert done["nodes"] == [a[0], a[2]] and done["out"] == [a[1]], done
-    # Resumed on the spare from node 1's rank as copied there: the peer tier, at or after the
-    # step seen copied before the loss, never step 0; then on to the end.
-    (restored,) = [int(m) for m in re.findall(r"restored step (\d+) from peer\b", out)]
-    assert restored >= before > 0, (before, out[-4000:])
-    assert "] step 600/600 |" in out, out[-4000:]
+    first, again = done["recoveries"]
+    (swap,) = first["swaps"]
+    assert (swap["rank"], swap["out"], swap["into"], swap["why"]) == (1, a[1], a[2], "unreachable"), first
+    # The second loss: no spare left, so node 1, back and passing its check, is one again and
+    # takes rank 1, whose data it does not hold: the controller moved node 2's last copied step
+    # there from node 0 (which held it as node 2's ring peer) before the relaunch.
+    (swap,) = again["swaps"]
+    assert (swap["rank"], swap["out"], swap["into"]) == (1, a[2], a[1]), again
+    assert done["nodes"] == [a[0], a[1]] and a[2] in done["out"], done
+    # What node 1 held from before it was lost (its steps of attempt 0, some of them past the step
+    # attempt 1 resumed from) was removed when it rejoined: never mixed with this run's.
+    assert re.search(rf"node {re.escape(a[1])} passes its check again: it is a spare again; its local copies", out)
+    moved = re.findall(rf"copied rank 1's step (\d+) from {re.escape(a[0])} \(peer\) to {re.escape(a[1])}", out)
+    said = [line for line in out.splitlines() if line.startswith("[controller] ") or "restored step" in line]
+    assert len(moved) == 1 and int(moved[0]) >= second, (second, said)
+    # Each relaunch resumed from the peer tier at or after the step seen copied before its loss,
+    # never step 0; then on to the end.
+    restored = [int(m) for m in re.findall(r"restored step (\d+) from peer\b", out)]
+    assert len(restored) == 2 and restored[0] >= before > 0 and restored[1] == int(moved[0]), (restored, out[-4000:])
+    assert "] step 1000/1000 |" in out, out[-4000:]
     assert re.search(r"replica: copied step_\d{8} of rank 1 to (root@)?" + re.escape(a[2]), out), out[-4000:]
     c.assert_nothing_left()

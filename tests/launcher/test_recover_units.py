@@ -187,3 +187,16 @@ def test_a_rank_that_reports_a_failed_gpu_names_its_node_even_when_a_peer_crashe
     r.outcomes[2] = NodeOutcome(Node(2, "c", "c"), exit_code=1, error_lines=[illegal])
     rec = failure_of(r, False, 30)
     assert rec.node == 0 and rec.cause.startswith("worker crash") and judged_bad(rec) == {}
+
+
+def test_a_killed_workers_cause_is_torchruns_account_not_the_replicators_last_line():
+    from launcher.core.types import WorkerFailure
+
+    node = Node(2, "c", "c")
+    tail = ["step 2187/100000 | loss 1.9", "replica: copied step_00002100 of rank 2 to root@10.0.0.5 in 0.6 s"]
+    killed = NodeOutcome(node, exit_code=1, tail=tail, worker=WorkerFailure(-9, 0, 4242))
+    rec = failure_of(_result(1, killed), False, 2187)
+    assert rec.cause == "worker crash: exit 1: worker local_rank 0 (pid 4242) killed by SIGKILL", rec.cause
+    # No torchrun account either: the last line of the program's own, never the replicator's.
+    rec = failure_of(_result(1, NodeOutcome(node, exit_code=1, tail=tail)), False, 2187)
+    assert rec.cause == "worker crash: exit 1: step 2187/100000 | loss 1.9", rec.cause

@@ -96,11 +96,16 @@ def test_ranks_with_different_local_steps_restore_one_step_from_own_and_peer_cop
         f"warning: rank 1: skipping the peer copy {peer}: {shard.name} does not match its sha256 in "
         f"{MANIFEST}; using the next tier"
     ]
-    # That run saved step 8 again; without rank 1's own copy, and with the durable tier, the
-    # next tier after the damaged peer copy holds step 8 for every rank: read from there.
+    # Resuming from step 4 removed what the replaced run had past it on this "node" (rank 0's
+    # own step 8, the damaged peer copy): a later restore never mixes it with this run's. That
+    # run saved step 8 again, both ranks.
+    assert not peer.exists()
+    assert [complete_steps(root, JOB, "own", r)[-1] for r in (0, 1)] == [8, 8]
+    # Without rank 1's own copy, and with the durable tier, the durable tier holds step 8 for
+    # every rank: read from there.
     shutil.rmtree(rank_dir(root, JOB, "own", 8, 1))
     step, source, warnings = resume(*durable)
-    assert (step, source, len(warnings)) == (8, str(tmp_path / "durable"), 1)
+    assert (step, source, warnings) == (8, str(tmp_path / "durable"), [])
 
 
 def test_a_sigterm_saves_its_step_to_the_local_tier(tmp_path):

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from gpufleet import local_tier as lt
-from gpufleet.replica import ReplicaError, Sender, pack, prune, receive, ring_peer, sidecar
-from launcher.core.types import Node
+from gpufleet.replica import Move, ReplicaError, Sender, inventory, pack, plan_moves, prune, receive, ring_peer, sidecar
+from launcher.core.types import Node, Replication
+from launcher.jobs.realign import aligned, current_ring
 from launcher.jobs.spares import split_spares, swap_in
 from tests.support import REPO
 
@@ -262,3 +263,83 @@ def test_the_receiver_never_uses_a_local_ssd_directory_another_account_made_or_c
     os.chown(mine, os.geteuid(), os.getegid())
     os.chmod(mine, 0o700)
     assert lt.default_root(str(home), mounts=[str(mount)]) == mine / "checkpoints"
+
+
+# ---- after a swap that leaves ranks away from their data: the controller's realignment ----
+
+
+def test_inventory_lists_each_areas_complete_steps_by_rank(tmp_path):
+    _own(tmp_path, step=10, rank=1)
+    _own(tmp_path, step=20, rank=1)
+    lt.rank_dir(tmp_path / "src", "job1", lt.OWN, 30, 1).mkdir(parents=True)  # a save under way
+    receive(tmp_path / "src", "job1", io.BytesIO(b"".join(pack(_own(tmp_path / "other", step=20, rank=0)))))
+    assert inventory(tmp_path / "src", "job1") == {"own": {1: [10, 20]}, "peer": {0: [20]}}
+    assert inventory(tmp_path / "src", "nojob") == {"own": {}, "peer": {}}
+
+
+def test_the_moves_put_the_newest_step_every_rank_has_on_each_ranks_new_node():
+    # A second swap: n1 (swapped out before, a spare again) takes rank 1, whose newest copies are
+    # n2's own; n2 takes rank 2, whose copies the lost s3 sent to n0. Rank 0 stays on n0.
+    held = {
+        "n0": {"own": {0: [300, 400]}, "peer": {2: [300, 400]}},
+        "n1": {"own": {1: [100]}, "peer": {}},  # stale: from before it was lost
+        "n2": {"own": {1: [300, 400]}, "peer": {0: [300, 400]}},
+    }
+    step, moves = plan_moves(["n0", "n1", "n2"], held)
+    assert step == 400
+    assert moves == [Move(1, 400, "n2", "own", "n1"), Move(2, 400, "n0", "peer", "n2")]
+    # A rank whose newest copy is older than the others': the newest step all of them have.
+    held["n0"]["peer"][2] = [300]
+    assert plan_moves(["n0", "n1", "n2"], held)[0] == 300
+    # Already where they belong: the step, nothing to move.
+    assert plan_moves(["n0", "n2"], {"n0": {"own": {0: [5]}}, "n2": {"peer": {1: [5]}}}) == (5, [])
+    # A rank with no copy on any reachable node: nothing to restore from the local tier.
+    assert plan_moves(["n0", "n1"], {"n0": {"own": {0: [5]}}}) == (None, [])
+
+
+def test_one_swap_along_the_ring_is_aligned_and_a_swap_onto_a_rejoined_node_is_not():
+    ring = ["n0", "n1", "n2", "s3"]
+    assert aligned(["n0", "n1", "n2"], ["n0", "n2", "s3"], ring, {"n1"})
+    # n1 was swapped out (the ring without it), s3 lost, n1 back as the spare: the job's order
+    # puts it at rank 1, where n2's ranks were; n2 takes rank 2, whose data went to n0.
+    assert not aligned(["n0", "n2", "s3"], ["n0", "n1", "n2"], ["n0", "n2", "s3"], {"s3"})
+    assert not aligned(["n0", "n1"], ["n0", "n1", "n2"], ring, set())  # another world size
+
+
+def test_the_ring_after_a_swap_is_the_world_then_the_spares_without_the_nodes_out():
+    rep = Replication((("n0", "root@n0"), ("n1", "root@n1"), ("n2", "root@n2"), ("s3", "root@s3")), 22, "/st", "/c")
+    world = [Node(0, "n0", "n0"), Node(1, "n2", "n2"), Node(2, "s3", "s3")]
+    ring = current_ring(rep, world, (), {"n1"})
+    assert [h for h, _ in ring.ring] == ["n0", "n2", "s3"] and ring.peers("s3") == ("root@n0", "root@n2")
+    assert (ring.port, ring.state, ring.code) == (22, "/st", "/c")
+
+
+def test_send_refuses_what_is_not_a_complete_rank_directory_in_one_line(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir()
+
+    def send(*args):
+        code = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gpufleet.replica import main; sys.exit(main())"
+        argv = [sys.executable, "-I", "-S", "-c", code, str(REPO), "send", *args]
+        return subprocess.run(argv, capture_output=True, text=True, env={"HOME": str(home), "PATH": os.environ["PATH"]})
+
+    r = send("--state", "/st", "--port", "22", "--to", "root@10.0.0.3", "job1", "own", "400", "1")
+    assert r.returncode == 2 and "is not a complete rank directory" in r.stderr and r.stderr.count("\n") == 1
+    r = send("--state", "/st", "--port", "22", "--to", "-oProxyCommand=x", "job1", "own", "400", "1")
+    assert r.returncode == 2 and "is not a plain user@address" in r.stderr, r.stderr
+    r = send("--state", "/st", "--port", "22", "--to", "n1", "job1", "elsewhere", "400", "1")
+    assert r.returncode == 2 and "neither own nor peer" in r.stderr
+    assert send("job1").returncode == 2
+
+
+def test_a_sender_started_on_steps_already_there_sends_only_what_comes_after(tmp_path):
+    # A relaunch's sidecar: what is there at its start went out with the previous attempt, or is
+    # a replaced attempt's (removed once the ranks resume). The next save, even an older step
+    # number than a replaced one's, goes out.
+    _own(tmp_path, step=30, rank=1)  # the replaced attempt's, past the step the relaunch resumed from
+    sender, homes = _sender(tmp_path, ["n1"])
+    assert sender.once() == 0
+    lt.forget_after(tmp_path / "src", "job1", 10)  # the ranks resumed from step 10
+    _own(tmp_path, step=20, rank=1)
+    assert sender.once() == 1
+    assert lt.complete_steps(_peer_root(homes["n1"]), "job1", lt.PEER, 1) == [20]

@@ -40,6 +40,7 @@ from gpufleet.local_tier import (
     LocalTierError,
     check_private,
     complete_steps,
+    forget_after,
     rank_dir,
     read_manifest,
     verify,
@@ -261,6 +262,22 @@ class LocalTier:
                 continue
             found[step] = (PEER, d)
         return found
+
+    def forget_after(self, step: int) -> None:
+        """Once the job resumed from `step`, on each node's first rank (LOCAL_RANK 0, before its
+        first step's collective, so no rank of the node saves meanwhile): the node's steps newer
+        than it (its ranks' own and its peer copies, gpufleet.local_tier.forget_after) are the
+        replaced attempt's, never to be mixed with this one's. One line when there were any."""
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return
+        gone = forget_after(self.root, self.job, step)
+        if gone:
+            print(
+                f"local tier on {socket.gethostname()}: removed steps {', '.join(map(str, gone))}, newer than step "
+                f"{step} this attempt resumed from (they were the previous attempt's)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def load(self, state: dict[str, Any], where: Path) -> None:
         """This rank alone: read its own checkpoint at `where` into `state` (in place)."""

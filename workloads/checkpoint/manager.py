@@ -353,11 +353,13 @@ class CheckpointManager:
             return
         if not all(step in set(lo) for _, lo in sets):
             self.load(durable)  # the durable tier holds it for everyone (it is in every set)
-            return
-        tier, path = local[step]
-        tiers: list[Any] = [None] * ranks.world
-        dist.all_gather_object(tiers, tier)
-        self._load_local(path, step, tiers)
+        else:
+            tier, path = local[step]
+            tiers: list[Any] = [None] * ranks.world
+            dist.all_gather_object(tiers, tier)
+            self._load_local(path, step, tiers)
+        if self.local is not None:  # what is newer than `step` belongs to the attempt this one replaces
+            self.local.forget_after(step)
 
     def _load_local(self, path: Any, step: int, tiers: list[str]) -> None:
         """Collective: every rank reads its own local or peer copy of `step`, alone (no_dist)."""

@@ -12,52 +12,9 @@ import pytest
 from launcher.jobs.goodput import CATEGORIES, goodput_of
 from launcher.jobs.record import JobRecord
 from tests.launcher.test_jobs_cluster import cluster, detach, jobdir, launch, wait_state
-from tests.support import TRAIN, slow_steps, source_args, torch_args, train_job, wait_saved
+from tests.support import TRAIN, slow_steps, source_args, torch_args, wait_saved
 
 pytestmark = pytest.mark.cluster
-
-
-def test_launch_jobs_json_carries_goodput_fields_that_agree_with_the_record(sim_cluster, tmp_path):
-    c = cluster(sim_cluster, tmp_path, 2)
-    ckpt = tmp_path / "ckpt"
-    job_id = detach(
-        c,
-        tmp_path,
-        "train",
-        *torch_args(),
-        "--",
-        *train_job(2, 30, ckpt, 10, 5),
-    )
-    done = wait_state(c, tmp_path, job_id, {"SUCCEEDED", "FAILED", "STOPPED"})
-    assert done["state"] == "SUCCEEDED", done
-    g = done["goodput"]
-    # The record on node 0, read directly: the controller wrote what the timeline needs.
-    record = JobRecord.from_json(json.loads((jobdir(tmp_path, job_id) / "state.json").read_text()))
-    assert [s["state"] for s in record.states] == ["PENDING", "RUNNING", "SUCCEEDED"]
-    assert [s["at"] for s in record.states] == [record.submitted, record.started, record.ended]
-    kinds = {m["kind"]: m for m in record.marks}
-    assert kinds["first"]["step"] == 5 and kinds["progress"]["step"] == 30, record.marks
-    assert kinds["checkpoint"]["step"] == 30 and "failure" not in kinds, record.marks
-    assert record.started < kinds["first"]["at"] <= kinds["checkpoint"]["at"] <= record.ended
-    # `launch jobs --json` says what the record says.
-    assert g == goodput_of(record).to_json()
-    assert g["wall_s"] == pytest.approx(record.ended - record.submitted, abs=1e-3)
-    assert g["run_s"] == pytest.approx(record.ended - record.started, abs=1e-3)
-    assert g["node_hours"] == pytest.approx(2 * g["run_s"] / 3600, abs=1e-5)
-    assert sum(g["seconds"][k] for k in CATEGORIES) == pytest.approx(g["wall_s"], abs=1e-2)
-    assert g["seconds"]["starting"] == pytest.approx(kinds["first"]["at"] - record.started, abs=1e-3)
-    assert g["seconds"]["productive"] == pytest.approx(record.ended - kinds["first"]["at"], abs=1e-3)
-    assert g["seconds"]["lost"] == 0 and g["seconds"]["recovering"] == 0
-    assert g["goodput_pct"] == pytest.approx(100 * g["seconds"]["productive"] / g["run_s"], abs=1e-2)
-    segs = g["segments"]
-    assert segs[0][0] == record.submitted and segs[-1][1] == record.ended
-    assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))
-    # A hostfile without --machine-type: no price is known, so no cost is invented.
-    assert record.machine_type is None and g["cost_usd"] == {"on_demand": None, "spot": None} and g["price"] is None
-    table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
-    (row,) = [line for line in table.splitlines() if job_id in line]
-    assert f"{g['goodput_pct']:.1f}%" in row and f"{g['node_hours']:.2f}" in row and "n/a" in row, table
-    c.assert_nothing_left()
 
 
 def test_launch_top_job_id_shows_the_jobs_goodput_while_it_runs(sim_cluster, tmp_path):
@@ -75,7 +32,10 @@ def test_launch_top_job_id_shows_the_jobs_goodput_while_it_runs(sim_cluster, tmp
     c.assert_nothing_left()
 
 
-def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_add_up(sim_cluster, tmp_path):
+def test_a_lost_node_shows_as_lost_work_then_recovering_and_launch_jobs_agrees_with_the_record(sim_cluster, tmp_path):
+    # One detached train that loses node 1 once (a clean run's figures are the units' to check,
+    # tests/launcher/test_goodput_units.py): the record's states and marks, the timeline from them,
+    # and `launch jobs` (JSON and table) saying the same.
     c = cluster(sim_cluster, tmp_path, 2)
     ckpt = tmp_path / "ckpt"
     job_id = detach(
@@ -99,9 +59,15 @@ def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_ad
     assert done["state"] == "SUCCEEDED" and len(done["recoveries"]) == 1, done
     g, record = done["goodput"], JobRecord.from_json(json.loads((jobdir(tmp_path, job_id) / "state.json").read_text()))
     assert [s["state"] for s in record.states] == ["PENDING", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"]
+    assert record.states[0]["at"] == record.submitted and record.states[-1]["at"] == record.ended
+    kinds = {m["kind"] for m in record.marks}
+    assert {"first", "progress", "checkpoint", "failure"} <= kinds, record.marks
     cats = [s[2] for s in g["segments"]]
     assert cats[-6:] == ["starting", "productive", "lost", "recovering", "starting", "productive"], g["segments"]
     assert cats[:-6] in ([], ["queued"]), g["segments"]  # nothing was ahead: a queue of microseconds
+    segs = g["segments"]
+    assert segs[0][0] == record.submitted and segs[-1][1] == record.ended
+    assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))
     # Lost work runs from the last checkpoint's step line to node 1's failure, then recovering to
     # the relaunch: the node was off for 2 s at least.
     (failure,) = [m for m in record.marks if m["kind"] == "failure"]
@@ -109,6 +75,16 @@ def test_a_lost_node_shows_as_lost_work_then_recovering_and_the_figures_still_ad
     lost = next(s for s in g["segments"] if s[2] == "lost")
     assert lost[:2] == [saved, failure["at"]]
     assert g["seconds"]["recovering"] >= 2 and g["seconds"]["productive"] > 0
-    assert sum(g["seconds"].values()) == pytest.approx(record.ended - record.submitted, abs=1e-2)
+    # `launch jobs --json` says what the record says, and its figures add up.
     assert g == goodput_of(record).to_json()
+    assert g["wall_s"] == pytest.approx(record.ended - record.submitted, abs=1e-3)
+    assert g["run_s"] == pytest.approx(record.ended - record.started, abs=1e-3)
+    assert g["node_hours"] == pytest.approx(2 * g["run_s"] / 3600, abs=1e-5)
+    assert sum(g["seconds"][k] for k in CATEGORIES) == pytest.approx(g["wall_s"], abs=1e-2)
+    assert g["goodput_pct"] == pytest.approx(100 * g["seconds"]["productive"] / g["run_s"], abs=1e-2)
+    # A hostfile without --machine-type: no price is known, so no cost is invented.
+    assert record.machine_type is None and g["cost_usd"] == {"on_demand": None, "spot": None} and g["price"] is None
+    table = launch(tmp_path, "jobs", *source_args(c, tmp_path), check=True).stdout
+    row = next(line for line in table.splitlines() if job_id in line)  # the job's row (its recovery below it)
+    assert f"{g['goodput_pct']:.1f}%" in row and f"{g['node_hours']:.2f}" in row and "n/a" in row, table
     c.assert_nothing_left()

@@ -28,7 +28,7 @@ from dataclasses import replace
 from gpufleet.catalog import UnknownMachineType
 from gpufleet.replica import Move, plan_moves, python_argv, ring_peer
 from launcher.core.torchrun import nproc_for
-from launcher.core.transport import make_transport
+from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, Replication
 
 __all__ = ["aligned", "current_ring", "forget", "rank_hosts", "realign"]
@@ -76,22 +76,9 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
         return None
 
 
-def realign(
-    cluster: Cluster,
-    world: Sequence[Node],
-    nodes: Sequence[Node],
-    config: LaunchConfig,
-    say: Callable[[str], None],
-) -> int | None:
-    """Put each rank's newest common local step on its node of `world` (the new world, in rank
-    order), asking every node of `nodes` (the job's, spares and swapped-out ones included) that
-    answers. The step every rank can now restore from the local tier (None: none, and the
-    restore falls back to the durable tier or starts over). One line per copy, and one when
-    nothing could be found."""
-    rep = config.replication
-    assert rep is not None
-    transport = make_transport(replace(cluster, nodes=tuple(nodes)), config.ssh)
-    job = config.job_id
+def _inventories(transport: Transport, nodes: Sequence[Node], rep: Replication, job: str) -> dict[str, dict]:
+    """Each node's `inventory` of the job's local tier, asked at once; a node that does not answer
+    is left out."""
     held: dict[str, dict] = {}
 
     def ask(node: Node) -> None:
@@ -108,6 +95,26 @@ def realign(
         t.start()
     for t in threads:
         t.join()
+    return held
+
+
+def realign(
+    cluster: Cluster,
+    world: Sequence[Node],
+    nodes: Sequence[Node],
+    config: LaunchConfig,
+    say: Callable[[str], None],
+) -> int | None:
+    """Put each rank's newest common local step on its node of `world` (the new world, in rank
+    order), asking every node of `nodes` (the job's, spares and swapped-out ones included) that
+    answers. The step every rank can now restore from the local tier (None: none, and the
+    restore falls back to the durable tier or starts over). One line per copy, and one when
+    nothing could be found."""
+    rep = config.replication
+    assert rep is not None
+    transport = make_transport(replace(cluster, nodes=tuple(nodes)), config.ssh)
+    job = config.job_id
+    held = _inventories(transport, nodes, rep, job)
     ranks = rank_hosts(world, cluster, config)
     step, moves = plan_moves(ranks, held)
     if step is None:

@@ -202,6 +202,19 @@ def prune(
     return gone
 
 
+def _ranks_in(root: str | os.PathLike[str], job: str, area: str) -> list[int]:
+    """The ranks with a directory under any step of ROOT/JOB/AREA, sorted ([] when there is none)."""
+    ranks: set[int] = set()
+    try:
+        for step_dir in (Path(root) / job / area).iterdir():
+            for d in step_dir.iterdir() if step_dir.is_dir() else ():
+                if d.name.startswith("rank_") and d.name[5:].isdigit():
+                    ranks.add(int(d.name[5:]))
+    except OSError:
+        pass
+    return sorted(ranks)
+
+
 def python_argv(code: str) -> list[str]:
     """How a node runs this module from gpufleet's code as the preparation placed it (`code`, its
     directory, absolute or from the home directory): the node's python3, isolated (-I -S: the
@@ -276,17 +289,8 @@ class Sender:
 
     def pending(self) -> list[tuple[int, int]]:
         """(rank, step) of each rank of this node whose newest complete step is not out yet."""
-        base = self.root / self.job / OWN
-        ranks: set[int] = set()
-        try:
-            for step_dir in base.iterdir():
-                for d in step_dir.iterdir() if step_dir.is_dir() else ():
-                    if d.name.startswith("rank_") and d.name[5:].isdigit():
-                        ranks.add(int(d.name[5:]))
-        except OSError:
-            return []
         out = []
-        for rank in sorted(ranks):
+        for rank in _ranks_in(self.root, self.job, OWN):
             steps = complete_steps(self.root, self.job, OWN, rank)
             if steps and self.sent.get(rank) != steps[-1]:  # a newer one, or the newest after a replaced attempt's went
                 out.append((rank, steps[-1]))
@@ -346,16 +350,8 @@ def inventory(root: str | os.PathLike[str], job: str) -> dict[str, dict[int, lis
     areas (own and peer): what a controller realigning the ranks after a swap asks each node."""
     out: dict[str, dict[int, list[int]]] = {}
     for area in (OWN, PEER):
-        base = Path(root) / check_job(job) / area
-        ranks: set[int] = set()
-        try:
-            for step_dir in base.iterdir():
-                for d in step_dir.iterdir() if step_dir.is_dir() else ():
-                    if d.name.startswith("rank_") and d.name[5:].isdigit():
-                        ranks.add(int(d.name[5:]))
-        except OSError:
-            pass
-        out[area] = {r: steps for r in sorted(ranks) if (steps := complete_steps(root, job, area, r))}
+        ranks = _ranks_in(root, check_job(job), area)
+        out[area] = {r: steps for r in ranks if (steps := complete_steps(root, job, area, r))}
     return out
 
 

@@ -7,7 +7,7 @@ its data is: each node after the lost one takes the ranks of the node before it,
 holds (`aligned`). Other swaps do not: a second swap, or a node that rejoined the spares and
 sits in the middle of the job's order, gets ranks whose data is on some other node, and without
 a move the restore would fall back to an older step every rank has (or to the durable tier, or
-to step 0). So the controller asks every node it can reach what it holds (`inventory`), picks the
+to step 0). So the controller asks every node in service what it holds (`inventory`), picks the
 newest step every rank has somewhere (gpufleet.replica.plan_moves), and has each holder send the
 rank's directory to the rank's new node over the replica key (`send`), as the replicator does.
 
@@ -31,7 +31,7 @@ from launcher.core.torchrun import nproc_for
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, Replication
 
-__all__ = ["aligned", "current_ring", "forget", "rank_hosts", "realign"]
+__all__ = ["aligned", "askable", "current_ring", "forget", "rank_hosts", "realign"]
 
 log = logging.getLogger("launcher")
 
@@ -58,6 +58,17 @@ def current_ring(replication: Replication, world: Sequence[Node], spares: Sequen
     swapped out is left out of it (its copies would go to a node out of service)."""
     ordered = replication.in_order((*world, *spares))
     return replace(ordered, ring=tuple(r for r in ordered.ring if r[0] not in out))
+
+
+def askable(order: Sequence[str], out: set[str]) -> list[str]:
+    """The nodes whose inventory counts, in the job's `order`: every node but those out of service
+    (`out`: swapped out, this time or before, and not yet back among the spares). What an out
+    node holds is from before it was lost, and its steps after the step the job resumed from
+    belong to an attempt the job replaced: only the nodes that took part since have had those
+    removed (gpufleet.local_tier.forget_after), and a rejoining node has all of it removed
+    (`forget`). Asking it would also wait out its ssh ConnectTimeout where a lost VM answers
+    nothing, as on a real VPC."""
+    return [h for h in order if h not in out]
 
 
 def rank_hosts(world: Sequence[Node], cluster: Cluster, config: LaunchConfig) -> list[str]:
@@ -106,8 +117,8 @@ def realign(
     say: Callable[[str], None],
 ) -> int | None:
     """Put each rank's newest common local step on its node of `world` (the new world, in rank
-    order), asking every node of `nodes` (the job's, spares and swapped-out ones included) that
-    answers. The step every rank can now restore from the local tier (None: none, and the
+    order), asking every node of `nodes` that answers (the job's and the spares: `askable`, never
+    a node out of service). The step every rank can now restore from the local tier (None: none, and the
     restore falls back to the durable tier or starts over). One line per copy, and one when
     nothing could be found."""
     rep = config.replication

@@ -519,7 +519,7 @@ class Recoverer:
     def _realign(self, before: list[str], gone: set[str], spares: tuple[Node, ...]) -> None:
         """The local tier after a swap (launcher.jobs.realign): each rank's data moved to its new
         node when the swap did not leave it there, and the replica ring set to the new world."""
-        from launcher.jobs.realign import aligned, current_ring, realign
+        from launcher.jobs.realign import aligned, askable, current_ring, realign
 
         rep = self.config.replication
         assert rep is not None
@@ -529,7 +529,7 @@ class Recoverer:
         self.config = dataclasses.replace(self.config, replication=current_ring(rep, self.cluster.nodes, spares, out))
         if aligned(before, now, ring, gone):
             return
-        asked = [self.known[h] for h in self.order if h not in gone and h in self.known]
+        asked = [self.known[h] for h in askable(self.order, out | gone) if h in self.known]
         realign(self.cluster, self.cluster.nodes, asked, self.config, self.c.say)
 
     def _rejoin(self) -> None:

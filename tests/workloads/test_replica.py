@@ -14,7 +14,7 @@ import pytest
 from gpufleet import local_tier as lt
 from gpufleet.replica import Move, ReplicaError, Sender, inventory, pack, plan_moves, prune, receive, ring_peer, sidecar
 from launcher.core.types import Node, Replication
-from launcher.jobs.realign import aligned, current_ring
+from launcher.jobs.realign import aligned, askable, current_ring
 from launcher.jobs.spares import split_spares, swap_in
 from tests.support import REPO
 
@@ -295,6 +295,21 @@ def test_the_moves_put_the_newest_step_every_rank_has_on_each_ranks_new_node():
     assert plan_moves(["n0", "n2"], {"n0": {"own": {0: [5]}}, "n2": {"peer": {1: [5]}}}) == (5, [])
     # A rank with no copy on any reachable node: nothing to restore from the local tier.
     assert plan_moves(["n0", "n1"], {"n0": {"own": {0: [5]}}}) == (None, [])
+
+
+def test_a_node_out_of_service_is_not_asked_so_a_replaced_attempts_step_never_joins_the_restore():
+    # n1 was lost at step 40 of attempt 0, its own rank-1 step 40 still on it. Attempt 1 resumed
+    # from step 20 on n0 (rank 0) and s3 (rank 1), and s3 was lost as its step 40 was on its way
+    # to n0. Asking n1 would restore step 40: rank 0's from attempt 1, rank 1's from attempt 0.
+    held = {
+        "n0": {"own": {0: [30, 40]}, "peer": {1: [20, 30]}},
+        "n1": {"own": {1: [20, 40]}, "peer": {}},
+        "n2": {"own": {}, "peer": {}},
+    }
+    assert plan_moves(["n0", "n2"], held) == (40, [Move(1, 40, "n1", "own", "n2")])  # mixed
+    asked = askable(["n0", "n1", "n2", "s3"], {"n1", "s3"})
+    assert asked == ["n0", "n2"]
+    assert plan_moves(["n0", "n2"], {h: held[h] for h in asked}) == (30, [Move(1, 30, "n0", "peer", "n2")])
 
 
 def test_one_swap_along_the_ring_is_aligned_and_a_swap_onto_a_rejoined_node_is_not():

@@ -164,7 +164,11 @@ def _recoverer(
     c: JobOwner, cluster: Cluster, config: LaunchConfig, policy: RecoverPolicy, run_cluster: Cluster
 ) -> Recoverer:
     """The Recoverer the dead controller had: on the nodes of the attempt that ran, with the
-    reason a shrunk cluster gives the workload (launcher.jobs.recovery.Recoverer._shrink)."""
+    reason a shrunk cluster gives the workload (launcher.jobs.recovery.Recoverer._shrink) and,
+    after a swap (--spares), the replica ring that attempt copies along: the world, then the
+    spares, without the nodes out of service (launcher.jobs.realign.current_ring), as the dead
+    controller set it; the request's ring still names the nodes swapped out."""
+    from launcher.jobs.realign import current_ring
     from launcher.jobs.recovery import RESTART_REASON_VAR, Recoverer
 
     if len(run_cluster.nodes) < len(cluster.nodes):
@@ -172,6 +176,10 @@ def _recoverer(
         config = dataclasses.replace(config, env=(*env, (RESTART_REASON_VAR, "shrunk")))
     rec = Recoverer(c, cluster, config, policy)
     rec.cluster = run_cluster
+    rep = rec.config.replication
+    if rep is not None and any(r.get("swaps") for r in c.record.recoveries):
+        ring = current_ring(rep, run_cluster.nodes, rec.spares, set(c.record.out))
+        rec.config = dataclasses.replace(rec.config, replication=ring)
     return rec
 
 

@@ -241,3 +241,27 @@ def test_a_stacks_spares_are_the_default_of_a_detached_recover_job(tmp_path):
     assert r.exit_code == 2 and "--min-nodes 3 is more than the job's 2 nodes" in r.output, r.output
     r = CliRunner().invoke(cli, [*base, "--spares", "0", "--min-nodes", "4", "--", "job.py"])
     assert r.exit_code == 2 and "--min-nodes 4 is more than the job's 3 nodes" in r.output, r.output
+
+
+def test_a_controller_that_re_adopts_a_job_after_a_swap_copies_along_the_ring_without_the_node_out():
+    from types import SimpleNamespace
+
+    from launcher.core.types import Replication
+    from launcher.jobs.adopt import _recoverer
+    from launcher.jobs.recovery import RecoverPolicy
+
+    world, spares = split_spares(nodes("a", "b", "c", "d"), 1)
+    ring = tuple((h, f"u@{h}") for h in "abcd")
+    rep = Replication(ring, 22, ".gpufleet/replica/t", "/code")
+    config = LaunchConfig(workload=Workload("torchrun", TRAIN_ARGV), job_id="j", replication=rep)
+    request = {"spares": [{"rank": 3, "host": "d", "address": "d", "slots": None, "name": "vm-d"}]}
+    swap = Swap(130.0, 1, "b", "d", "unreachable").to_json()
+    rec = Recovery(130.0, 1, "unreachable", 40, 2.5, reason="node-lost", swaps=[swap]).to_json()
+    owner = SimpleNamespace(request=request, record=_record(spares=[], out=["b"], recoveries=[rec]))
+    run = Cluster("t", (Node(0, "a", "a"), Node(1, "c", "c"), Node(2, "d", "d")))
+    got = _recoverer(owner, Cluster("t", world), config, RecoverPolicy(spares=1), run)
+    assert [h for h, _ in got.config.replication.ring] == ["a", "c", "d"]  # the dead controller's
+    # No swap yet: the request's ring, which is the world then the spares.
+    owner.record = _record(spares=["d"], nodes=["a", "b", "c"])
+    got = _recoverer(owner, Cluster("t", world), config, RecoverPolicy(spares=1), Cluster("t", world))
+    assert got.config.replication.ring == ring

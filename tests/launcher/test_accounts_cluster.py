@@ -4,21 +4,26 @@ and a local SSD of mode 1777 (as the startup script leaves it). Each runs the la
 machine of its own (its own client HOME). What one account's launches keep on a node is
 unreadable to the other; a cache the other planted on the SSD is never used; a launch onto nodes
 the other's job holds is refused naming that job, or waits for it with --wait; `launch jobs
---all` shows the other's job and `launch stop` of it is refused. One cluster for the module."""
+--all` shows the other's job and `launch stop` of it is refused; the local checkpoint tier's
+inventory and removal never touch a step the other made look like one's own. One cluster for the
+module."""
 
 from __future__ import annotations
 
+import io
 import os
 import pwd
 import re
 import subprocess
+import tarfile
 import threading
 from pathlib import Path
 
 import pytest
 
 from gpufleet.contracts import HOLDS_DIR
-from tests.support import LAUNCH, LAUNCH_POLL_S, wait_for
+from gpufleet.replica import python_argv
+from tests.support import LAUNCH, LAUNCH_POLL_S, REPO, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -113,6 +118,38 @@ def test_nothing_one_account_keeps_on_a_node_can_be_read_by_the_other_and_a_plan
         writable = on_node(c, i, B, f"find /home/{A} /tmp /mnt/localssd /run -user {A} -writable 2>/dev/null")
         assert writable.stdout == "", writable.stdout
         assert "Permission denied" in on_node(c, i, B, f"cat /home/{A}/.gpufleet/work/*/secret.env").stderr
+    # The local checkpoint tier: a step B makes look complete in the SSD directory it planted is
+    # never one of A's (the controller's inventory, on node 1), and A's `forget` leaves it alone;
+    # on node 0, where that directory is A's own, A's step is listed and then removed.
+    step = "own/step_00000040/rank_00001"
+    fake = f"{planted}/checkpoints/job1/{step}"
+    assert on_node(c, 1, B, f"mkdir -p {fake} && echo '{{}}' > {fake}/MANIFEST.json").returncode == 0
+    mine = f"/mnt/localssd/gpufleet-{uid}/checkpoints/job1/{step}"
+    assert on_node(c, 0, A, f"mkdir -p {mine} && echo '{{}}' > {mine}/MANIFEST.json").returncode == 0
+    assert replica_as(c, 1, A, "inventory", "job1") == '{"own": {}, "peer": {}}'
+    assert replica_as(c, 1, A, "forget", "job1") == "[]"
+    assert on_node(c, 1, B, f"test -f {fake}/MANIFEST.json").returncode == 0
+    assert replica_as(c, 0, A, "inventory", "job1") == '{"own": {"1": [40]}, "peer": {}}'
+    assert replica_as(c, 0, A, "forget", "job1") == "[40]"
+    assert replica_as(c, 0, A, "inventory", "job1") == '{"own": {}, "peer": {}}'
+
+
+def replica_as(c, i: int, who: str, *args: str) -> str:
+    """gpufleet.replica's command ARGS on node i as `who`, run as the controller runs it
+    (launcher.jobs.realign), from gpufleet's package copied into the account's home; its stdout."""
+    pack = io.BytesIO()
+    with tarfile.open(fileobj=pack, mode="w") as tar:
+        tar.add(REPO / "gpufleet", "gpufleet", filter=lambda t: None if "__pycache__" in t.name else t)
+    put = c.exec(
+        i,
+        ["runuser", "-u", who, "--", "bash", "-c", "mkdir -p ~/code && tar -x -C ~/code"],
+        input=pack.getvalue(),
+        text=False,
+    )
+    assert put.returncode == 0, put.stderr
+    r = c.exec(i, ["runuser", "-u", who, "--", *python_argv(f"/home/{who}/code"), *args])
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.strip()
 
 
 def test_a_launch_onto_nodes_another_accounts_job_holds_is_refused_naming_it_and_wait_waits_for_them(c, tmp_path):

@@ -11,6 +11,7 @@ from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import build_config, find_cluster, recover_request
 from launcher.cli.render import execute, finish, setup_logging
 from launcher.cli.waiting import waiting
+from launcher.core.output import default_output
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
 from launcher.runner import plan
 
@@ -45,6 +46,13 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
         from launcher.core.types import UserError
 
         raise UserError("--controller-grace is for a detached job's controller; add --detach or drop it")
+    if o.get("output") and o.get("detach"):
+        from launcher.core.types import UserError
+
+        raise UserError(
+            "--output is for an attached launch: a detached job keeps every node's lines in its log "
+            "(`launch logs JOB_ID`); drop --output"
+        )
     if o.pop("detach", False):
         from launcher.cli.detached import start_detached  # loaded only when asked for
 
@@ -64,4 +72,5 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
         check(cluster, config)
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     p = plan(cluster, config)
-    return waiting(lambda: execute(p, o.get("dry_run") or "text"), o.get("wait_nodes", False))
+    output = o.get("output") or default_output(len(p.cluster.nodes))
+    return waiting(lambda: execute(p, o.get("dry_run") or "text", output), o.get("wait_nodes", False))

@@ -17,6 +17,7 @@ from launcher.cluster.reach import decide_reach
 from launcher.cluster.topology import RANK_ORDERS
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
+from launcher.core.output import OUTPUT_ALL_UP_TO, OUTPUT_MODES
 from launcher.core.types import Cluster, ControllerHost, LaunchConfig, SshConfig, UserError, Workload, new_job_id
 from launcher.jobs.recovery import RecoverRequest, parse_duration
 
@@ -341,6 +342,14 @@ TERM_GRACE_OPTION = click.option(
     metavar="DURATION",
     help="On a stop or a Spot preemption notice every rank gets SIGTERM, then SIGKILL after this "
     "long, e.g. 10s [default: 25s, inside Compute Engine's 30 s notice].",
+)
+
+OUTPUT_OPTION = click.option(
+    "--output",
+    type=click.Choice(OUTPUT_MODES),
+    help="Which nodes' lines an attached launch shows live: all, rank0 (node 0's, and a node's last lines "
+    "when it fails) or failures (only a failed node's last lines), with a status line for the rest; "
+    f"every node's lines are in its log either way [default: all up to {OUTPUT_ALL_UP_TO} nodes, rank0 above].",
 )
 
 EXEC_RESTARTS_OPTION = click.option(

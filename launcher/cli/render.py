@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
-from launcher.core.output import failure_line
+from launcher.core.output import LiveFilter, failure_line
 from launcher.core.pull import PullFailed, pull_image, refusal
 from launcher.core.transport import make_transport
 from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
@@ -89,23 +89,37 @@ def user_errors(fn):
 _NAME_WAITING = 3
 
 
-def live_printer(cluster: Cluster, order: str = ""):
+def live_printer(cluster: Cluster, order: str = "", output: str = "all"):
     """The live display of a launch: a status line (on stderr) while the nodes connect and
-    check, then each node's output on stdout as `[node N] line`; the start line ends with
-    `order` (the rank order used and why). Returns (on_event, status)."""
+    check, then the output --output shows (launcher.core.output.LiveFilter) on stdout as
+    `[node N] line`, with the status line saying what the others do; the start line ends with
+    `order` (the rank order used and why). Returns (on_event, status, the filter)."""
     n = len(cluster.nodes)
     waiting = {node.rank: node.label for node in cluster.nodes}
+    shown = LiveFilter(output, n)
     status = err.status(f"connecting to {n} node{'s' * (n != 1)}…")
     status.start()
+
+    def write(rank: int, lines: list[str]) -> None:
+        for text in lines:
+            sys.stdout.write(f"[node {rank}] {text}\n")
+        sys.stdout.flush()
 
     def on_event(event: NodeEvent) -> None:
         rank = event.node.rank
         if event.line is not None:
-            sys.stdout.write(f"[node {rank}] {event.line}\n")
-            sys.stdout.flush()
-        elif event.state is NodeState.RUNNING:
+            write(rank, shown.line(rank, event.line))
+            return
+        if event.state is not None and event.state.final:
+            write(rank, shown.ended(rank, event.state.value))
+            if output != "all" and rank not in waiting:
+                status.update(escape(shown.summary() or ""))
+        if event.state is NodeState.RUNNING:
             if rank == n - 1:
-                status.stop()
+                if output == "all":
+                    status.stop()
+                else:  # the nodes not shown, on the status line until the end
+                    status.update(escape(shown.summary() or ""))
                 err.print(f"[dim]started on {n} node{'s' * (n != 1)}{escape('; ' + order if order else '')}[/dim]")
         elif event.state is not NodeState.CONNECTING and rank in waiting:
             # The node answered its check (passed it, or ended): one fewer to wait for.
@@ -116,7 +130,7 @@ def live_printer(cluster: Cluster, order: str = ""):
                 line += "; waiting for " + ", ".join(waiting.values())
             status.update(escape(line))
 
-    return on_event, status
+    return on_event, status, shown
 
 
 def render_result(result: LaunchResult, cluster: Cluster) -> None:
@@ -142,11 +156,11 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
-def execute(p: LaunchPlan, dry_run_format: str = "text") -> LaunchResult | None:
-    """Every attached launch's one path: run the plan with the live display and the summary
-    table, or, for --dry-run, print the plan (as `dry_run_format`: "text" or "json") and connect
-    to nothing (returns None). On SSH nodes a detached job holding them refuses the launch: one
-    line, nothing started."""
+def execute(p: LaunchPlan, dry_run_format: str = "text", output: str = "all") -> LaunchResult | None:
+    """Every attached launch's one path: run the plan with the live display (the nodes' lines
+    --output `output` shows) and the summary table, or, for --dry-run, print the plan (as
+    `dry_run_format`: "text" or "json") and connect to nothing (returns None). On SSH nodes a
+    detached job holding them refuses the launch: one line, nothing started."""
     cluster, config = p.cluster, p.config
     if config.dry_run:
         if config.image:
@@ -156,7 +170,7 @@ def execute(p: LaunchPlan, dry_run_format: str = "text") -> LaunchResult | None:
     pull_everywhere(cluster, config)
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)
-    on_event, status = live_printer(cluster, p.order_message)
+    on_event, status, shown = live_printer(cluster, p.order_message, output)
     try:
         launch = Launch(
             cluster,
@@ -176,6 +190,9 @@ def execute(p: LaunchPlan, dry_run_format: str = "text") -> LaunchResult | None:
         if busy is not None:
             busy.close()
     render_result(result, cluster)
+    said = shown.summary()
+    if said:
+        err.print(f"[dim]{escape(said)}; every node's lines: {escape(str(result.run_dir))}/node-<rank>.log[/dim]")
     return result
 
 

@@ -7,6 +7,7 @@ one line that says so. Pure functions over lines and outcomes."""
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import NamedTuple
 
 from gpufleet.contracts import JSON_MARKER
@@ -22,6 +23,10 @@ __all__ = [
     "traceback_key",
     "root_cause",
     "failure_line",
+    "OUTPUT_MODES",
+    "OUTPUT_ALL_UP_TO",
+    "default_output",
+    "LiveFilter",
 ]
 
 # torchrun's agent logs a failed worker at ERROR level, also when it is about to restart the
@@ -207,3 +212,71 @@ def failure_line(result: LaunchResult) -> str | None:
     else:
         what = o.status
     return f"{o.node.label} failed first: {what}; its log: {result.run_dir / f'node-{o.node.rank}.log'}"
+
+
+# ---- --output: which nodes' lines a launch shows live (every line goes to its log regardless) ----
+
+# all: every node's; rank0: node 0's (the others' only when they fail); failures: only a failed
+# node's, when it fails.
+OUTPUT_MODES = ("all", "rank0", "failures")
+# Up to this many nodes a launch shows every node's output by default; above, node 0's.
+OUTPUT_ALL_UP_TO = 16
+# The lines of a node not shown live that come out when it fails: its last TAIL_LINES.
+TAIL_LINES = 40
+
+
+def default_output(nodes: int) -> str:
+    """--output when it is not given: every node's lines up to OUTPUT_ALL_UP_TO nodes, node 0's
+    above (128 nodes' lines interleaved are read by no one)."""
+    return "all" if nodes <= OUTPUT_ALL_UP_TO else "rank0"
+
+
+class LiveFilter:
+    """Which lines of a launch's nodes are shown live under --output `mode` (OUTPUT_MODES). A
+    node whose lines are held keeps its last TAIL_LINES; if it fails (its own failure, or lost),
+    they come out then, once. `summary()` says, in one line, what was shown and what the nodes
+    not shown did. Every line reaches the node's log whatever is shown."""
+
+    def __init__(self, mode: str, nodes: int):
+        if mode not in OUTPUT_MODES:
+            raise ValueError(f"--output {mode!r}: one of {', '.join(OUTPUT_MODES)}")
+        self.mode, self.nodes = mode, nodes
+        self._held: dict[int, deque[str]] = {}
+        self._ended: dict[int, str] = {}  # rank -> its final state's value
+        self._counts: dict[int, int] = {}  # rank -> lines held back so far
+
+    def live(self, rank: int) -> bool:
+        return self.mode == "all" or (self.mode == "rank0" and rank == 0)
+
+    def line(self, rank: int, text: str) -> list[str]:
+        """`text` to show now ([] when it is held)."""
+        if self.live(rank):
+            return [text]
+        self._held.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+        self._counts[rank] = self._counts.get(rank, 0) + 1
+        return []
+
+    def ended(self, rank: int, state: str) -> list[str]:
+        """A node's final state ("exited", "failed", "unreachable", "stopped"): the lines it held
+        to show now, when it failed on its own or was lost."""
+        self._ended[rank] = state
+        held = self._held.pop(rank, None)
+        if state not in ("failed", "unreachable") or not held:
+            return []
+        skipped = self._counts.get(rank, 0) - len(held)
+        head = [f"(its last {len(held)} lines; {skipped} before them in its log)"] if skipped else []
+        return [*head, *held]
+
+    def summary(self) -> str | None:
+        """One line on the nodes not shown live (None under "all")."""
+        if self.mode == "all":
+            return None
+        shown = "node 0's output" if self.mode == "rank0" else "a failed node's output"
+        rest = [r for r in range(self.nodes) if not self.live(r)]
+        states: dict[str, int] = {}
+        for r in rest:
+            state = self._ended.get(r, "running")
+            states[state] = states.get(state, 0) + 1
+        words = ", ".join(f"{n} {state}" for state, n in sorted(states.items(), key=lambda kv: -kv[1]))
+        other = "the other" if self.mode == "rank0" else "all"
+        return f"--output {self.mode}: {shown} shown live; {other} {len(rest)} node{'s' * (len(rest) != 1)}: {words}"

@@ -82,6 +82,24 @@ def test_node_exit_3_stops_the_others_names_itself_and_leaves_nothing(sim_cluste
     c.assert_nothing_left()
 
 
+def test_output_rank0_shows_node_0_live_and_a_failed_nodes_last_lines_while_every_log_has_its_own(
+    sim_cluster, tmp_path
+):
+    c = sim_cluster(3)
+    cmd = (
+        'case "$GPUFLEET_NODE_RANK" in 0) echo "hello from 0"; sleep 600;; 1) echo "quiet from 1";; '
+        '2) echo "dying"; sleep 2; exit 3;; esac'
+    )
+    r = CliRunner().invoke(main, ["exec", *source_args(c, tmp_path), "--output", "rank0", "--", "sh", "-c", cmd])
+    assert r.exit_code == 3, r.output
+    assert "[node 0] hello from 0" in r.output
+    assert "quiet from 1" not in r.output and r.output.count("[node 2] dying") == 1
+    assert "--output rank0: node 0's output shown live; the other 2 nodes: 1 exited, 1 failed" in r.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "node-1.log").read_text().strip() == "quiet from 1"
+    c.assert_nothing_left()
+
+
 def test_unreachable_host_is_named_in_one_error_and_nothing_starts(sim_cluster, tmp_path):
     c = sim_cluster(2)
     dead = c.unused_address()

@@ -563,7 +563,7 @@ def test_the_status_line_names_the_last_nodes_still_to_answer():
     from launcher.core.launch import NodeEvent, NodeState
 
     c = _cluster(5)
-    on_event, status = live_printer(c)
+    on_event, status, _ = live_printer(c)
 
     def checked(rank: int) -> None:
         on_event(NodeEvent(c.nodes[rank], state=NodeState.CONNECTING))

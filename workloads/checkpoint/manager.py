@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpufleet.local_tier import OWN, common_step
-from workloads.checkpoint.local import LocalTier
+from workloads.checkpoint.local import LocalTier, SafeLoadPlanner
 from workloads.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
@@ -447,7 +447,9 @@ class CheckpointManager:
     def _dcp_load(self, state: dict[str, Any], name: str, where: str) -> None:
         assert self.store is not None
         try:
-            dcp.load(state, storage_reader=self.store.storage_reader(name), process_group=self.group)
+            # Every node writes the durable tier: an item naming a callable is refused, not run.
+            reader = self.store.storage_reader(name)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
         except CheckpointException as e:  # every rank gets every rank's failure
             raise every_rank(
                 CheckpointError(

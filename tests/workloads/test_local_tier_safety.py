@@ -77,3 +77,27 @@ def test_a_non_tensor_item_that_names_a_callable_fails_the_load_before_it_runs(t
         )
     assert "unsupported GLOBAL posix.mkdir" in repr(refused.value.failures)
     assert not trace.exists()
+
+
+class _Member:
+    """Pickled, it is `getattr(CLS, NAME)`, as some Pythons pickle an Enum member."""
+
+    def __init__(self, cls, name: str):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_metadata_may_name_an_enum_member_through_getattr_and_nothing_else_through_it(tmp_path):
+    from pathlib import PosixPath
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    ok.mkdir()
+    bad.mkdir()
+    (ok / ".metadata").write_bytes(pickle.dumps([_Member(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")]))
+    assert metadata_problem(ok) is None
+    (bad / ".metadata").write_bytes(pickle.dumps(_Member(PosixPath, "unlink")))
+    assert "is not an Enum member" in metadata_problem(bad)

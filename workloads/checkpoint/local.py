@@ -13,6 +13,7 @@ need, and a rank restores only what its own rank wrote on a run of the same worl
 from __future__ import annotations
 
 import datetime
+import enum
 import io
 import os
 import pickle
@@ -322,13 +323,24 @@ _METADATA_GLOBALS = frozenset(
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"),  # Python 3.13's home of it
         ("collections", "OrderedDict"),
     }
 )
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """`getattr` as a pickle of an Enum member uses it (some Pythons pickle a member as
+    `getattr(EnumClass, NAME)`): an Enum class's member, and nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an Enum member")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):

@@ -29,6 +29,7 @@ default fanout 4); the stop reaches every rank within 3 s and leaves nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import signal
@@ -272,6 +273,8 @@ def main() -> int:
             )
             if s["ranks_gone"] > 3.0:
                 missed.append(f"the stop took {s['ranks_gone']:.2f} s on {a.stop_nodes} nodes")
+    with contextlib.suppress(OSError):  # empty once the last ControlMaster has exited
+        (CGROUP_ROOT / f"gpufleet-bench-{os.getpid()}").rmdir()
     if missed:
         print(f"bench_laptop_cost: target missed ({'; '.join(missed)})", file=sys.stderr)
         return 1

@@ -101,3 +101,17 @@ def test_metadata_may_name_an_enum_member_through_getattr_and_nothing_else_throu
     assert metadata_problem(ok) is None
     (bad / ".metadata").write_bytes(pickle.dumps(_Member(PosixPath, "unlink")))
     assert "is not an Enum member" in metadata_problem(bad)
+
+
+def test_a_durable_checkpoint_whose_metadata_names_a_callable_is_refused_in_one_line_and_never_run(tmp_path):
+    from tests.workloads.conftest import train
+
+    trace, ckpt = tmp_path / "ran", tmp_path / "ckpt"
+    args = ["--global-batch", "8", "--micro-batch", "2", "--straggler-every", "0", "--checkpoint-dir", str(ckpt)]
+    assert train([*args, "--steps", "4", "--checkpoint-every", "4"], nproc=0).returncode == 0
+    (ckpt / "step_00000004" / ".metadata").write_bytes(pickle.dumps(_Runs(str(trace))))
+    run = train([*args, "--steps", "8", "--resume"], nproc=0)
+    assert run.returncode != 0
+    assert "its .metadata is refused: it names posix.mkdir" in run.stderr and "--checkpoint-dir" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert not trace.exists()

@@ -13,10 +13,7 @@ need, and a rank restores only what its own rank wrote on a run of the same worl
 from __future__ import annotations
 
 import datetime
-import enum
-import io
 import os
-import pickle
 import shutil
 import socket
 import sys
@@ -28,12 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
@@ -51,6 +46,7 @@ from gpufleet.local_tier import (
     verify,
     write_manifest,
 )
+from workloads.checkpoint.safe import SafeLoadPlanner, metadata_problem
 from workloads.checkpoint.store import CheckpointError, failure_line
 from workloads.collective import Ranks, every_rank
 from workloads.config import ConfigError
@@ -286,89 +282,12 @@ class LocalTier:
 
     def load(self, state: dict[str, Any], where: Path) -> None:
         """This rank alone: read its own checkpoint at `where` into `state` (in place), its
-        metadata and items through the allowlists above (CheckpointError naming what it refused)."""
+        metadata and items through workloads.checkpoint.safe's allowlists (CheckpointError
+        naming what it refused: a copy may have come from a peer node)."""
         why = metadata_problem(where)
         if why:
             raise CheckpointError(f"{where}: {why}")
         dcp.load(state, storage_reader=FileSystemReader(where), planner=SafeLoadPlanner(), no_dist=True)
-
-
-# ---- reading a copy that may have come from another node ----------------------------------------
-#
-# DCP reads a checkpoint's `.metadata` with pickle.load, and its non-tensor items with
-# torch.load(weights_only=False) (torch/distributed/checkpoint/filesystem.py `read_metadata`,
-# default_planner.py `load_bytes`): a file that names a callable runs it. A local-tier copy may
-# have been sent by a peer node (gpufleet.replica), and no node may get more power over another
-# than the launcher gave it, so a restore reads both through allowlists: the metadata may name
-# only DCP's own metadata classes and torch's sizes, dtypes and layouts; the items only what
-# torch.load(weights_only=True) allows (tensors and plain containers).
-
-METADATA = ".metadata"
-_METADATA_GLOBALS = frozenset(
-    {
-        *(
-            ("torch.distributed.checkpoint.metadata", n)
-            for n in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorProperties",
-                "TensorStorageMetadata",
-                "ChunkStorageMetadata",
-                "BytesStorageMetadata",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib._local", "PosixPath"),  # Python 3.13's home of it
-        ("collections", "OrderedDict"),
-    }
-)
-
-
-def _enum_member(cls: Any, name: str) -> Any:
-    """`getattr` as a pickle of an Enum member uses it (some Pythons pickle a member as
-    `getattr(EnumClass, NAME)`): an Enum class's member, and nothing else."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
-        return cls[name]
-    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an Enum member")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member
-        if (module, name) in _METADATA_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which no checkpoint's metadata holds")
-
-
-def metadata_problem(directory: Path) -> str | None:
-    """Why the DCP metadata in `directory` must not be loaded (it names something other than
-    DCP's metadata classes, or is not a pickle at all), or None."""
-    try:
-        with open(directory / METADATA, "rb") as f:
-            _MetadataUnpickler(f).load()
-    except OSError as e:
-        return f"its {METADATA} cannot be read: {e.strerror or e}"
-    except Exception as e:  # noqa: BLE001 - any way a pickle fails
-        return f"its {METADATA} is refused: {e}"
-    return None
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, with each non-tensor item read by torch.load(weights_only=True)
-    first: an item that names a callable fails the load before the default reads it."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        torch.load(value, weights_only=True)
-        value.seek(0)
-        super().load_bytes(read_item, value)
 
 
 def on_local_ssd(path: Path, environ: dict[str, str] | None = None) -> bool:

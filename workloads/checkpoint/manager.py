@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -37,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpufleet.local_tier import OWN, common_step
-from workloads.checkpoint.local import LocalTier, SafeLoadPlanner
+from workloads.checkpoint.local import LocalTier
+from workloads.checkpoint.safe import SafeLoadPlanner, metadata_problem
 from workloads.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
@@ -446,16 +448,18 @@ class CheckpointManager:
 
     def _dcp_load(self, state: dict[str, Any], name: str, where: str) -> None:
         assert self.store is not None
+        fix = f"point {self.url}/latest at an older step_*, or pass another --checkpoint-dir"
+        # Every node writes the durable tier: metadata or an item naming a callable is refused, not
+        # run (workloads.checkpoint.safe). Rank 0 reads the metadata, as DCP's coordinator does.
+        reader = self.store.storage_reader(name)
+        why = self.ranks.on_rank0(lambda: metadata_problem(reader)) if isinstance(reader, FileSystemReader) else None
+        if why:
+            raise every_rank(CheckpointError(f"{where} is not a readable checkpoint ({why}); {fix}"))
         try:
-            # Every node writes the durable tier: an item naming a callable is refused, not run.
-            reader = self.store.storage_reader(name)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self.group)
         except CheckpointException as e:  # every rank gets every rank's failure
             raise every_rank(
-                CheckpointError(
-                    f"{where} is not a readable checkpoint ({failure_line(e)}); point "
-                    f"{self.url}/latest at an older step_*, or pass another --checkpoint-dir"
-                )
+                CheckpointError(f"{where} is not a readable checkpoint ({failure_line(e)}); {fix}")
             ) from None
 
     def _check_trainer_state(self, state: dict[str, Any], where: str) -> None:

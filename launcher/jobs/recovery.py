@@ -529,7 +529,8 @@ class Recoverer:
         self.config = dataclasses.replace(self.config, replication=current_ring(rep, self.cluster.nodes, spares, out))
         if aligned(before, now, ring, gone):
             return
-        asked = [self.known[h] for h in askable(self.order, out | gone) if h in self.known]
+        # `out` holds this swap's nodes too (`_swap` added them before calling this).
+        asked = [self.known[h] for h in askable(self.order, out) if h in self.known]
         realign(self.cluster, self.cluster.nodes, asked, self.config, self.c.say)
 
     def _rejoin(self) -> None:

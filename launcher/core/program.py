@@ -31,15 +31,14 @@ A node's program is one bash line (as `--dry-run=json` shows it), in sections, i
    with `ProgramBuilder.add_prepare`;
 6. run: the job's `GPUFLEET_*` variables, then the rank command (torchrun's, or the plain
    command; each wrapper added with `ProgramBuilder.wrap_run` applied to it) started under
-   `setsid` with a unique `GPUFLEET_RUN` token in its environment, and the stop protocol
-   (launcher.core.stop) around it:
-   - attached: a watchdog reads the rest of stdin; when the launcher closes it, or the SSH
-     connection drops, or a Spot preemption notice comes, it sends SIGTERM to the workload's
-     process group and to every rank, waits up to --term-grace, then SIGKILLs every process that
-     carries the token, and prints one STOP_REPORT line per rank. `EXIT_MARKER <status>` comes
-     last, which tells a nonzero exit of the code apart from a lost connection (no marker). The
-     run forks three times (the workload, its watchdog, on a cluster the preemption watcher) and
-     writes no files;
+   `setsid` with a unique `GPUFLEET_RUN` token in its environment, and the stop protocol around it:
+   - attached: the node's plan goes to launcher.core.node_run, in Python (`python3 -I -S -c SOURCE
+     run PLAN`): it starts the rank command, watches the rest of stdin; when the launcher closes
+     it, or the SSH connection drops, or a Spot preemption notice comes, it sends SIGTERM to the
+     workload's process group and to every rank, waits up to --term-grace, then SIGKILLs every
+     process that carries the token, and prints one STOP_REPORT line per rank. `EXIT_MARKER
+     <status>` comes last, which tells a nonzero exit of the code apart from a lost connection (no
+     marker). It writes no files;
    - supervised (a detached job, `LaunchConfig.controller_grace_s` set): the workload must
      outlive the controller's session, so a supervisor on the node owns it and its output goes to
      a file the session streams (launcher.core.supervise). A stop is then a `term` line before
@@ -72,15 +71,17 @@ prologue).
 
 from __future__ import annotations
 
+import functools
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX, READY_MARKER
 from gpufleet.node_plan import Check, CheckKind, EnvSource, EnvVar, Limits, NodePlan
 from gpufleet.node_plan import PrepareStep as PlannedStep
 from gpufleet.replica import python_argv
-from launcher.core import supervise
+from launcher.core import node_run, supervise
 from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.hang import flight_recorder_aliases
@@ -88,13 +89,11 @@ from launcher.core.holds import hold_statements
 from launcher.core.node_local import compile_cache_key, node_local_statements
 from launcher.core.node_plan import container_of, env_vars, fact_checks, hardware_checks, prepare_steps, rank_ranges
 from launcher.core.prestart import prestart_statements
-from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
 from launcher.core.torchrun import torchrun_argvs
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import (
     CHECKED_MARKER,
     ENV_BLOCK_MAX,
-    EXIT_MARKER,
     GO,
     JOB_ID_VAR,
     NNODES_VAR,
@@ -296,14 +295,16 @@ class NodeProgram:
 
     def _run(self) -> list[str]:
         config, node = self.config, self.node
-        s = [
-            "export " + " ".join(f"{v.name}={shlex.quote(v.value or '')}" for v in self.run_vars()),
-            # Keep the launcher's end of stdin on fd 3 for the watchdog: a background list's stdin is
-            # /dev/null in a non-interactive shell (POSIX, "Asynchronous Lists").
-            "exec 3<&0",
-        ]
-        if config.controller_grace_s is not None:  # a detached job: the run outlives this session
-            return s + supervise.supervised_run(
+        s = ["export " + " ".join(f"{v.name}={shlex.quote(v.value or '')}" for v in self.run_vars())]
+        if config.controller_grace_s is None:
+            return s + _attached_run(self.plan())
+        # A detached job: the run outlives this session. Keep the launcher's end of stdin on fd 3
+        # for the stream's stop relay: a background list's stdin is /dev/null in a
+        # non-interactive shell (POSIX, "Asynchronous Lists").
+        return (
+            s
+            + ["exec 3<&0"]
+            + supervise.supervised_run(
                 config.job_id,
                 config.attempt,
                 node.rank,
@@ -313,7 +314,7 @@ class NodeProgram:
                 config.stop_grace_s,
                 self.watch_preemption,
             )
-        return s + _attached_run(self.token, self.argv, config.stop_grace_s, self.watch_preemption)
+        )
 
 
 def _gate() -> list[str]:
@@ -325,27 +326,17 @@ def _gate() -> list[str]:
     ]
 
 
-def _attached_run(token: str, argv: Sequence[str], grace_s: float, watch_preemption: bool) -> list[str]:
-    """The run under this session: the workload, its watchdog on the launcher's stdin (fd 3),
-    the preemption watcher, then the common tail and `EXIT_MARKER <rc>`."""
-    return [
-        *workload_head(token, argv, grace_s, "</dev/null 3<&- 2>&1"),
-        # Once stopping, the watchdog ignores the SIGTERM below: the main shell then waits for it
-        # to finish (its sleep would otherwise outlive it) instead of cutting it short. A line
-        # `term TICKS SECONDS` before the end of input is the stop's own grace (`launch stop --grace`);
-        # SIGUSR1 is the preemption watcher's notice: bash runs its trap between reads, not
-        # during one, hence a read that times out every second to look.
-        f"( trap 'N=1' USR1; while :; do IFS= read -r -t 1 L; r=$?; if [ -n \"$N\" ]; then {PREEMPTED_ECHO}; "
-        'break; fi; [ $r -gt 128 ] && continue; [ $r = 0 ] || break; case $L in "term "*) set -- $L; G=$2; S=$3;; '
-        "esac; done; "
-        "trap '' TERM; stop ) <&3 2>/dev/null &",
-        "W=$!",
-        *(preemption_watch() if watch_preemption else []),
-        "exec 3<&-",
-        *workload_tail(watch_preemption),
-        f"printf '{EXIT_MARKER} %d\\n' $rc",
-        "exit $rc",
-    ]
+def _attached_run(plan: NodePlan) -> list[str]:
+    """The run under this session, in Python (launcher.core.node_run, sent as its source with the
+    node's plan): the workload, the watch on the launcher's stdin and the preemption notice, the
+    stop, then `EXIT_MARKER <rc>`. Not `exec`: the prologue's EXIT trap (the node's hold) runs
+    when it ends."""
+    return [f"python3 -I -S -c {shlex.quote(_node_run_source())} run {shlex.quote(plan.to_json())}"]
+
+
+@functools.cache
+def _node_run_source() -> str:
+    return Path(node_run.__file__).read_text()
 
 
 def _prepared_step(ctx: NodeContext) -> list[str]:

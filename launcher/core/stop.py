@@ -2,9 +2,10 @@
 be found (its own session, the run token in its environment), stopped (SIGTERM to the workload's
 group and every rank, a grace, SIGKILL to what is left, one STOP_REPORT line per rank) and reaped;
 the Spot preemption watcher that starts a stop; and the tail every run ends with. Pure functions:
-they build bash statements, they run nothing. The attached run (launcher.core.program) and the
-detached job's supervisor (launcher.core.supervise) both start, stop and end with these
-statements, so each is written once."""
+they build bash statements, they run nothing. A detached job's supervisor
+(launcher.core.supervise) starts, stops and ends its workload with these statements; the attached
+run does the same in Python (launcher.core.node_run), the step toward the node agent running every
+part of a node's plan (docs/design-node-program.md)."""
 
 from __future__ import annotations
 

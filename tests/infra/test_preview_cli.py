@@ -380,15 +380,21 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         timeout=120,
     )
     assert dry.returncode == 0, dry.stderr
-    lines = dry_runs.remote_lines(dry.stdout)
+    lines, plans = dry_runs.remote_lines(dry.stdout), dry_runs.plans(dry.stdout)
     assert len(lines) == 2, dry.stdout
     for rank, (host, command) in enumerate(lines):
         ip = f"10.0.0.{2 + rank}"
         assert host == ip
         script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT
-        # The prepared environment's python, as a real launch runs it (not the node's python3).
-        (torchrun,) = re.findall(r"/\.gpufleet/envs/[0-9a-f]+/bin/python -m torch\.distributed\.run [^)]*", script)
-        args = torchrun.split()
+        # The rank command the node runs (its plan, which the script hands its run), with the
+        # prepared environment's python, as a real launch runs it (not the node's python3).
+        args = list(plans[rank].argv)
+        assert script.endswith(" run " + shlex.quote(plans[rank].to_json()))
+        assert re.fullmatch(r".*/\.gpufleet/envs/[0-9a-f]+/bin/python", args[0]) and args[1:3] == [
+            "-m",
+            "torch.distributed.run",
+        ]
+        torchrun = shlex.join(args)
         assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=static"], torchrun
         assert "--master-addr=10.0.0.2" in args and "--master-port=29500" in args and f"--local-addr={ip}" in args
         assert f"--node-rank={rank}" in args and args[-2:] == ["-m", "workloads.train"]

@@ -423,10 +423,11 @@ def test_dry_run_prints_each_nodes_plan_and_connects_to_nothing(tmp_path):
     plans, programs = dry_runs.plans(r.stdout), dry_runs.programs(r.stdout)
     assert "--nproc-per-node=2" in plans[1].command and "--nproc-per-node=1" in plans[0].command
     assert (plans[0].ranks, plans[1].ranks) == ((0, 0), (1, 2))  # slots=2: two ranks on node 1
-    # The hostile argument is one literal argument: last of the rank command, quoted whole in the
-    # program, and the program is one argument of bash -c on the remote line.
+    # The hostile argument is one literal argument: last of the rank command, in the plan the
+    # program hands its run (launcher.core.node_run) as one quoted argument, and the program is one
+    # argument of bash -c on the remote line.
     for plan, program, (_, remote) in zip(plans, programs, lines):
-        assert plan.command[-1] == HOSTILE and shlex.join(plan.argv) in program
+        assert plan.command[-1] == HOSTILE and program.endswith(" run " + shlex.quote(plan.to_json()))
         assert shlex.split(remote)[-1] == program
     # The readable form says the same per node, the argument quoted as a shell would need it.
     text = CliRunner().invoke(main, [*argv[:1], "--dry-run", *argv[1:]])

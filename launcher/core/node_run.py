@@ -1,0 +1,289 @@
+"""The run half of an attached launch, on the node, in Python: the first part of a launch the node
+agent does from its typed plan instead of generated shell (docs/design-node-program.md, "The typed
+plan"). The node's bash program ends, after `go` and the prepare steps, with
+`exec python3 -I -S -c SOURCE run PLAN` (`run_statement`): SOURCE is this module's text (a node
+has nothing of gpufleet installed: standard library only, Python 3.8 or newer), PLAN the node's
+`gpufleet.node_plan.NodePlan` as JSON. It reads the plan's run half: `argv` (the rank command in
+its wrappers), the run token (its `GPUFLEET_RUN` variable) and `limits` (the stop's grace, the
+preemption watch), and then, as launcher.core.stop's bash did:
+
+- starts `argv` in a session of its own, the token in its environment only, its stdin /dev/null,
+  its stderr on its stdout (the rendezvous lock on fd 9, when the check took it, stays held by
+  this process and the workload until the run ends);
+- watches its own stdin, the launcher's: a `term TICKS SECONDS` line is a stop's own grace
+  (launcher.core.wire.grace_line), the end of input (the launcher closed it, or the connection
+  dropped) or SIGHUP/SIGTERM to this process stops the run;
+- on a Spot VM, watches the metadata server's `instance/preempted` and stops the run on the
+  notice (one PREEMPTION_NOTICE line first);
+- a stop: SIGTERM to the workload's process group and to every rank (torchrun's workers run in
+  sessions of their own), up to the grace for them to exit, SIGKILL to the ranks left, one
+  STOP_REPORT line per rank, then every process that carries the token killed;
+- a run that failed has what it left behind killed the same way;
+- prints `EXIT_MARKER <status>` last and exits with the workload's status (128 + N for a
+  workload killed by signal N, as bash reports it).
+
+A rank is a process with the token and torchrun's `RANK` in its environment whose parent is not
+one (a data-loader child inherits both). They are looked for among the workload's descendants
+first (one read of each process's `stat`, then the environment of those few): a stop does not read
+every process's environment before its SIGTERM. Where none is a descendant (a container's ranks,
+started by the runtime's monitor), every process with the token is looked at.
+
+Names the launcher reads (the markers) are launcher.core.wire's, repeated here because this
+program runs without gpufleet; tests/launcher/test_node_run.py holds them equal.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+SCHEMA = 1  # gpufleet.node_plan.SCHEMA_VERSION
+RUN_VAR = "GPUFLEET_RUN"
+STOP_REPORT = "gpufleet-stop:"
+PREEMPTION_NOTICE = STOP_REPORT + " preemption notice"
+EXIT_MARKER = "__GPUFLEET_EXIT__"
+ERROR_PREFIX = "gpufleet: "  # gpufleet.contracts.LAUNCHER_ERROR_PREFIX
+TICK_S = 0.2  # launcher.core.wire.stop_ticks: a grace of S seconds is round(S * 5) ticks
+LOCK_FD = 9  # the rendezvous port's lock (launcher.core.program), held until the run ends
+
+
+def say(line):
+    """One line on stdout, the launcher's: written whole; a dropped connection loses it, and the
+    stop goes on."""
+    try:
+        os.write(1, (line + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def stat(pid):
+    """(state, parent pid) of `pid`, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return fields[0].decode(), int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def gone(pid):
+    s = stat(pid)
+    return s is None or s[0] == "Z"
+
+
+def environ(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def pids():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def carrying(token, candidates):
+    """{pid: its RANK or None} of the `candidates` whose environment holds `token`."""
+    out, entry = {}, token.encode()
+    for pid in candidates:
+        env = environ(pid)
+        if entry in env:
+            out[pid] = next((e[5:].decode() for e in env if e.startswith(b"RANK=") and e[5:].isdigit()), None)
+    return out
+
+
+def descendants(root):
+    """`root` and every process below it, from one pass over the processes' parents."""
+    children = {}
+    for pid in pids():
+        s = stat(pid)
+        if s is not None:
+            children.setdefault(s[1], []).append(pid)
+    out, todo = [root], [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def ranks(token, root):
+    """[(pid, rank)] of the run's ranks, in rank order (see the module docstring)."""
+    found = carrying(token, descendants(root))
+    if not any(r is not None for r in found.values()):
+        found = carrying(token, pids())
+    with_rank = {pid: r for pid, r in found.items() if r is not None}
+    out = []
+    for pid, rank in with_rank.items():
+        s = stat(pid)
+        if s is not None and s[1] not in with_rank:
+            out.append((pid, rank))
+    return sorted(out, key=lambda e: (int(e[1]), e[0]))
+
+
+def signal_pid(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def reap(token):
+    """SIGKILL to every process that carries the token (what a failure or a stop left behind)."""
+    for pid in carrying(token, pids()):
+        signal_pid(pid, signal.SIGKILL)
+
+
+class Run:
+    """One attached run of a plan (see the module docstring)."""
+
+    def __init__(self, plan):
+        self.argv = list(plan["argv"])
+        self.token = next(
+            RUN_VAR + "=" + e["value"] for e in plan["env"] if e["name"] == RUN_VAR and e["value"] is not None
+        )
+        grace = float(plan["limits"]["term_grace_s"])
+        self.grace = (max(1, round(grace * 5)), "%g" % grace)  # (ticks, seconds as the report says them)
+        self.watch = bool(plan["limits"]["watch_preemption"])
+        self.lock = threading.Lock()
+        self.stopping = self.ended = False
+        self.stopped = threading.Event()
+        self.proc = None
+
+    def start(self):
+        env = dict(os.environ)
+        env[RUN_VAR] = self.token.partition("=")[2]
+        try:
+            os.fstat(LOCK_FD)
+            keep = (LOCK_FD,)
+        except OSError:
+            keep = ()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                pass_fds=keep,
+            )
+        except OSError as e:
+            say("%sfailed to execute %s: %s" % (ERROR_PREFIX, self.argv[0], e.strerror))
+            return 127 if isinstance(e, FileNotFoundError) else 126
+        return None
+
+    def stop(self, notice=False):
+        """Stop the run once, whichever watcher asks first; nothing once the workload has ended."""
+        with self.lock:
+            if self.stopping or self.ended:
+                return
+            self.stopping = True
+        ticks, seconds = self.grace
+        if notice:
+            say(
+                "%s (instance/preempted is TRUE): SIGTERM to every rank, SIGKILL after %s s"
+                % (PREEMPTION_NOTICE, seconds)
+            )
+        found = ranks(self.token, self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except OSError:
+            pass
+        for pid, _ in found:
+            signal_pid(pid, signal.SIGTERM)
+        for _ in range(ticks):
+            if not group_alive(self.proc.pid) and all(gone(pid) for pid, _ in found):
+                break
+            time.sleep(TICK_S)
+        for pid, rank in found:
+            if gone(pid):
+                say("%s rank %s (pid %d) exited by itself after SIGTERM" % (STOP_REPORT, rank, pid))
+            else:
+                signal_pid(pid, signal.SIGKILL)
+                say("%s rank %s (pid %d) killed: still running %s s after SIGTERM" % (STOP_REPORT, rank, pid, seconds))
+        reap(self.token)
+        self.stopped.set()
+
+    def watch_stdin(self):
+        """The launcher's stdin: `term TICKS SECONDS` lines, then its end."""
+        for line in sys.stdin.buffer:
+            words = line.split()
+            if len(words) == 3 and words[0] == b"term" and words[1].isdigit():
+                self.grace = (int(words[1]), words[2].decode())
+        self.stop()
+
+    def watch_preemption(self):
+        """The metadata server's hanging GET (launcher.core.stop.preemption_watch's sources):
+        without a server, or on an error, the watch ends and the run goes on."""
+        host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
+        url = "http://%s/computeMetadata/v1/instance/preempted" % host
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        value, timeout, query = "", 5, ""
+        while value != "TRUE":
+            request = urllib.request.Request(url + query, headers={"Metadata-Flavor": "Google"})
+            try:
+                with opener.open(request, timeout=timeout) as response:
+                    value = response.read().decode().strip()
+            except Exception:  # noqa: BLE001 -- any failure ends the watch, as curl's did
+                return
+            timeout, query = 20, "?wait_for_change=true&timeout_sec=10"
+        self.stop(notice=True)
+
+    def on_signal(self, signum, frame):
+        threading.Thread(target=self.stop, daemon=True).start()
+
+    def run(self):
+        failed = self.start()
+        if failed is not None:
+            return failed
+        for sig in (signal.SIGHUP, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+        threading.Thread(target=self.watch_stdin, daemon=True).start()
+        if self.watch:
+            threading.Thread(target=self.watch_preemption, daemon=True).start()
+        rc = self.proc.wait()
+        with self.lock:
+            self.ended = True
+            stopping = self.stopping
+        if stopping:
+            self.stopped.wait()
+        rc = 128 - rc if rc < 0 else rc
+        if rc != 0:
+            reap(self.token)
+        return rc
+
+
+def main(argv):
+    if len(argv) != 3 or argv[1] != "run":
+        say("%susage: node_run run PLAN_JSON" % ERROR_PREFIX)
+        return 2
+    try:
+        plan = json.loads(argv[2])
+    except ValueError as e:
+        say("%sthe node's plan is not JSON (%s): launch again" % (ERROR_PREFIX, e))
+        return 2
+    if plan.get("schema") != SCHEMA:
+        say("%sthe node's plan is schema %r; this node program reads %d" % (ERROR_PREFIX, plan.get("schema"), SCHEMA))
+        return 2
+    rc = Run(plan).run()
+    say("%s %d" % (EXIT_MARKER, rc))
+    return rc
+
+
+if __name__ == "__main__":
+    code = main(sys.argv)
+    sys.stdout.flush()
+    os._exit(code)

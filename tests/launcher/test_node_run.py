@@ -1,0 +1,159 @@
+"""launcher.core.node_run, the run half of an attached launch in Python, run as a node runs it
+(`python3 -I -S -c SOURCE run PLAN`, the system python3, nothing of gpufleet on its path) on real
+processes: which processes it takes for ranks, what a stop and a failure leave, its refusals. The
+launches that use it (every cluster test) hold the rest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
+from gpufleet.node_plan import SCHEMA_VERSION, EnvVar, Limits, NodePlan
+from launcher.core import node_run
+from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, RUN_VAR, STOP_REPORT, grace_line, stop_ticks
+
+SOURCE = Path(node_run.__file__).read_text()
+
+
+def test_the_node_side_names_are_the_launchers():
+    assert (node_run.SCHEMA, node_run.RUN_VAR, node_run.STOP_REPORT) == (SCHEMA_VERSION, RUN_VAR, STOP_REPORT)
+    assert (node_run.EXIT_MARKER, node_run.PREEMPTION_NOTICE) == (EXIT_MARKER, PREEMPTION_NOTICE)
+    assert node_run.ERROR_PREFIX == LAUNCHER_ERROR_PREFIX
+    assert all(round(g / node_run.TICK_S) == stop_ticks(g) for g in (0.2, 1, 7.5, 25))
+
+
+def _plan(job: str, argv: list[str], grace_s: float = 5) -> str:
+    return NodePlan(
+        job_id=job,
+        attempt=0,
+        node_rank=0,
+        nnodes=1,
+        host="n0",
+        address="10.0.0.1",
+        procs=1,
+        ranks=None,
+        command=tuple(argv),
+        argv=tuple(argv),
+        workload="torchrun",
+        env=(EnvVar(RUN_VAR, f"{job}-0"),),
+        limits=Limits(grace_s, False),
+    ).to_json()
+
+
+def _start(plan: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["python3", "-I", "-S", "-c", SOURCE, "run", plan],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _carrying(token: str) -> list[int]:
+    return list(node_run.carrying(f"{RUN_VAR}={token}", node_run.pids()))
+
+
+# A torchrun stand-in: a parent without RANK that starts two ranks, each in a session of its own
+# (as torchrun's workers are), rank 1 with a data-loader child that inherits RANK; each rank
+# saves for a moment on SIGTERM; the parent waits for them on SIGTERM and exits 0. What it prints:
+# "up" once every process runs.
+TREE = r"""
+import os, signal, subprocess, sys, time
+RANK = '''
+import signal, subprocess, sys, time
+def term(s, f):
+    time.sleep(0.3); sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])] if sys.argv[1] == "1" else []
+print("rank", sys.argv[1], flush=True)
+while True: time.sleep(0.1)
+'''
+ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r)], env={**os.environ, "RANK": str(r)},
+         start_new_session=True, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+for p in ranks: p.stdout.readline()
+signal.signal(signal.SIGTERM, lambda s, f: None)
+print("up", flush=True)
+for p in ranks: p.wait()
+"""
+
+
+def test_a_stop_reports_each_rank_once_in_rank_order_and_leaves_nothing(tmp_path):
+    job = f"nr-{tmp_path.name}"
+    p = _start(_plan(job, [sys.executable, "-c", TREE]))
+    assert p.stdout.readline().strip() == "up"
+    assert len(_carrying(f"{job}-0")) == 4  # the parent, two ranks, one data-loader child
+    p.stdin.write(grace_line(10).decode())
+    p.stdin.close()  # the launcher's end of input: stop
+    out = p.stdout.read()
+    assert p.wait(timeout=60) == 0, out
+    reports = [line for line in out.splitlines() if line.startswith(STOP_REPORT)]
+    assert [r.split()[2] for r in reports] == ["0", "1"], out
+    assert all(r.endswith("exited by itself after SIGTERM") for r in reports), out
+    assert out.splitlines()[-1] == f"{EXIT_MARKER} 0"
+    assert _carrying(f"{job}-0") == []  # the data-loader child too
+
+
+def test_ranks_outside_the_workloads_tree_are_found_by_their_token(tmp_path):
+    """A container's ranks are started by the runtime's monitor, not by the workload: none of the
+    workload's descendants is a rank, so every process with the token is looked at."""
+    job = f"nr-{tmp_path.name}"
+    token = f"{job}-0"
+    env = {**os.environ, RUN_VAR: token, "RANK": "3"}
+    outside = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    try:
+        p = _start(_plan(job, ["sleep", "300"], grace_s=0.4))
+        time.sleep(0.5)
+        p.stdin.close()
+        out = p.stdout.read()
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM, out
+        assert f"{STOP_REPORT} rank 3 (pid {outside.pid}) exited by itself after SIGTERM" in out, out
+        assert outside.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        outside.kill()
+        outside.wait()
+
+
+def test_sigterm_to_the_node_program_stops_the_run_with_the_grace(tmp_path):
+    """The node shutting down (systemd's SIGTERM to every session) stops the ranks as a stop does,
+    instead of leaving them running without the program that would report them."""
+    job = f"nr-{tmp_path.name}"
+    p = _start(_plan(job, [sys.executable, "-c", TREE]))
+    assert p.stdout.readline().strip() == "up"
+    p.send_signal(signal.SIGTERM)
+    out = p.stdout.read()
+    assert p.wait(timeout=60) == 0 and out.count("exited by itself after SIGTERM") == 2, out
+    assert _carrying(f"{job}-0") == []
+
+
+def test_a_failed_run_has_what_it_left_behind_killed(tmp_path):
+    job = f"nr-{tmp_path.name}"
+    left = "import subprocess; subprocess.Popen(['setsid', 'sleep', '300']); raise SystemExit(3)"
+    p = _start(_plan(job, [sys.executable, "-c", left]))
+    p.stdin.write("")
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 3 and out.splitlines()[-1] == f"{EXIT_MARKER} 3", out
+    assert _carrying(f"{job}-0") == []
+
+
+@pytest.mark.parametrize(
+    ("plan", "line", "rc"),
+    [
+        (_plan("nr-missing", ["no-such-command-here"]), "failed to execute no-such-command-here:", 127),
+        (_plan("nr-schema", ["true"]).replace(f'"schema": {SCHEMA_VERSION}', '"schema": 99'), "schema 99", 2),
+        ("{not json", "not JSON", 2),
+    ],
+)
+def test_what_the_run_cannot_start_is_one_line(plan, line, rc):
+    out = subprocess.run(
+        ["python3", "-I", "-S", "-c", SOURCE, "run", plan], input="", capture_output=True, text=True, timeout=60
+    )
+    first = out.stdout.splitlines()[0]
+    assert out.returncode == rc and first.startswith(LAUNCHER_ERROR_PREFIX) and line in first, out

@@ -32,6 +32,7 @@ Names the launcher reads (the markers) are launcher.core.wire's, repeated here b
 program runs without gpufleet; tests/launcher/test_node_run.py holds them equal.
 """
 
+import fcntl
 import json
 import os
 import signal
@@ -47,6 +48,7 @@ STOP_REPORT = "gpufleet-stop:"
 PREEMPTION_NOTICE = STOP_REPORT + " preemption notice"
 EXIT_MARKER = "__GPUFLEET_EXIT__"
 ERROR_PREFIX = "gpufleet: "  # gpufleet.contracts.LAUNCHER_ERROR_PREFIX
+ORPHAN_STOP = STOP_REPORT + " no controller for"  # launcher.core.supervise.ORPHAN_STOP
 TICK_S = 0.2  # launcher.core.wire.stop_ticks: a grace of S seconds is round(S * 5) ticks
 LOCK_FD = 9  # the rendezvous port's lock (launcher.core.program), held until the run ends
 
@@ -245,15 +247,20 @@ class Run:
     def on_signal(self, signum, frame):
         threading.Thread(target=self.stop, daemon=True).start()
 
-    def run(self):
+    def started(self):
+        """Called once the workload runs (or could not be started)."""
+
+    def run(self, watchers, signals=(signal.SIGHUP, signal.SIGTERM)):
+        """Start the workload, stop it when one of `watchers` (run in threads) or one of `signals`
+        says so, and return its status once it (and a stop) has ended."""
+        for sig in signals:
+            signal.signal(sig, self.on_signal)
         failed = self.start()
+        self.started()
         if failed is not None:
             return failed
-        for sig in (signal.SIGHUP, signal.SIGTERM):
-            signal.signal(sig, self.on_signal)
-        threading.Thread(target=self.watch_stdin, daemon=True).start()
-        if self.watch:
-            threading.Thread(target=self.watch_preemption, daemon=True).start()
+        for watcher in (*watchers, *([self.watch_preemption] if self.watch else [])):
+            threading.Thread(target=watcher, daemon=True).start()
         rc = self.proc.wait()
         with self.lock:
             self.ended = True
@@ -266,9 +273,87 @@ class Run:
         return rc
 
 
+class Supervised(Run):
+    """A detached job's run, which outlives the session that started it (launcher.core.supervise
+    has the layout of its directory `run_dir` and the session that streams its output): this
+    program is its supervisor, in a session of its own with its output appended to `out`. It
+    writes `pid` (its own pid, twice: the supervisor's and the one a stop request wakes) once the
+    workload runs and `rc` when it ends, each whole (a rename). It stops the run on a stop request
+    (the file `stop`, `TICKS SECONDS`, with SIGUSR1 to wake it), a preemption notice, SIGTERM, or
+    when no session has held `attached` (flock(2), shared) for the plan's controller grace."""
+
+    def __init__(self, plan, run_dir):
+        super().__init__(plan)
+        self.dir = run_dir
+        self.orphan_s = int(plan["limits"]["controller_grace_s"])
+        self.wake = threading.Event()
+
+    def on_wake(self, signum, frame):
+        self.wake.set()
+
+    def write(self, name, text):
+        path = os.path.join(self.dir, name)
+        with open(path + ".new", "w") as f:
+            f.write(text)
+        os.replace(path + ".new", path)
+
+    def requested(self):
+        """The stop request's grace, (ticks, seconds), or None."""
+        try:
+            with open(os.path.join(self.dir, "stop")) as f:
+                words = f.read().split()
+        except OSError:
+            return None
+        if len(words) == 2 and words[0].isdigit():
+            return int(words[0]), words[1]
+        return self.grace
+
+    def attached(self):
+        """Whether a session holds `attached` (its shared lock keeps this exclusive one out)."""
+        fd = os.open(os.path.join(self.dir, "attached"), os.O_RDONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
+    def watch_controller(self):
+        alone_since = None
+        while True:
+            self.wake.wait(1)
+            self.wake.clear()
+            request = self.requested()
+            if request is not None:
+                self.grace = request
+                return self.stop()
+            if self.attached():
+                alone_since = None
+                continue
+            alone_since = alone_since or time.monotonic()
+            if time.monotonic() - alone_since >= self.orphan_s:
+                say(
+                    "%s %d s (--controller-grace): SIGTERM to every rank, SIGKILL after %s s"
+                    % (ORPHAN_STOP, self.orphan_s, self.grace[1])
+                )
+                return self.stop()
+
+    def supervise(self):
+        signal.signal(signal.SIGUSR1, self.on_wake)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        rc = self.run([self.watch_controller], signals=(signal.SIGTERM,))
+        self.write("rc", "%d\n" % rc)
+        return rc
+
+    def started(self):
+        self.write("pid", "%d %d\n" % (os.getpid(), os.getpid()))
+
+
 def main(argv):
-    if len(argv) != 3 or argv[1] != "run":
-        say("%susage: node_run run PLAN_JSON" % ERROR_PREFIX)
+    mode = argv[1] if len(argv) > 1 else ""
+    if (mode, len(argv)) not in (("run", 3), ("supervise", 4)):
+        say("%susage: node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR" % ERROR_PREFIX)
         return 2
     try:
         plan = json.loads(argv[2])
@@ -278,7 +363,10 @@ def main(argv):
     if plan.get("schema") != SCHEMA:
         say("%sthe node's plan is schema %r; this node program reads %d" % (ERROR_PREFIX, plan.get("schema"), SCHEMA))
         return 2
-    rc = Run(plan).run()
+    if mode == "supervise":
+        return Supervised(plan, argv[3]).supervise()
+    run = Run(plan)
+    rc = run.run([run.watch_stdin])
     say("%s %d" % (EXIT_MARKER, rc))
     return rc
 

@@ -294,27 +294,14 @@ class NodeProgram:
         ]
 
     def _run(self) -> list[str]:
-        config, node = self.config, self.node
+        config = self.config
         s = ["export " + " ".join(f"{v.name}={shlex.quote(v.value or '')}" for v in self.run_vars())]
         if config.controller_grace_s is None:
             return s + _attached_run(self.plan())
         # A detached job: the run outlives this session. Keep the launcher's end of stdin on fd 3
         # for the stream's stop relay: a background list's stdin is /dev/null in a
         # non-interactive shell (POSIX, "Asynchronous Lists").
-        return (
-            s
-            + ["exec 3<&0"]
-            + supervise.supervised_run(
-                config.job_id,
-                config.attempt,
-                node.rank,
-                self.token,
-                self.argv,
-                int(config.controller_grace_s),
-                config.stop_grace_s,
-                self.watch_preemption,
-            )
-        )
+        return [*s, "exec 3<&0", *supervise.supervised_run(self.plan(), _node_run_source())]
 
 
 def _gate() -> list[str]:

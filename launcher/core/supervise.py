@@ -1,11 +1,12 @@
 """The run half of a detached job's node, which outlives its SSH session. Pure functions: they
 build bash, they run nothing.
 
-An attached launch's node runs its workload under the SSH session itself (launcher.core.program):
+An attached launch's node runs its workload under the SSH session itself (launcher.core.node_run):
 end of input stops it at once, and nothing is written on the node. A detached job's controller may
 die (its process killed, its VM rebooted) while the job trains, so on a detached job's node:
 
-- a *supervisor* (bash in a session of its own) owns the workload. The workload's output goes to
+- a *supervisor* (launcher.core.node_run's `supervise`, in Python from the node's plan, in a
+  session of its own) owns the workload. The workload's output goes to
   `out` in the run's directory on the node (`node_run_dir`, mode 700, under the home tree the jobs
   use), its exit status to `rc` when it ends. The supervisor's watcher stops every rank (the same
   SIGTERM, --term-grace, SIGKILL and STOP_REPORT lines as an attached stop) on a stop request, a
@@ -21,15 +22,15 @@ die (its process killed, its VM rebooted) while the job trains, so on a detached
   the same stream, from the offset it had read up to, so no line is lost or read twice.
 
 The lock is flock(2)'s: a session killed with SIGKILL, or a connection cut, releases it with the
-process, so the supervisor's test (`flock -n -x`, once a second) needs no heartbeat.
+process, so the supervisor's test (an exclusive flock that fails while a session holds it, once a
+second) needs no heartbeat.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
 
-from launcher.core.stop import PREEMPTED_ECHO, preemption_watch, workload_head, workload_tail
+from gpufleet.node_plan import NodePlan
 from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, join
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
     "ORPHAN_STOP",
     "node_run_dir",
     "supervised_run",
-    "supervisor_script",
     "attach_script",
 ]
 
@@ -53,65 +53,25 @@ def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
     return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
 
 
-def supervised_run(
-    job_id: str,
-    attempt: int,
-    rank: int,
-    token: str,
-    argv: Sequence[str],
-    controller_grace_s: int,
-    stop_grace_s: float,
-    watch_preemption: bool,
-) -> list[str]:
-    """A detached job's run half on node `rank`: start the supervisor (`supervisor_script`) in a
-    session of its own and stream its output from the start. `token`: the run token, quoted."""
-    sup = supervisor_script(token, argv, controller_grace_s, stop_grace_s, watch_preemption)
-    return [*_start_statements(node_run_dir(job_id, attempt, rank), sup), "OFF=0", *_stream_statements()]
-
-
-def supervisor_script(
-    token: str, argv: Sequence[str], controller_grace_s: int, stop_grace_s: float, watch_preemption: bool
-) -> str:
-    """The supervisor, run as `bash -c SCRIPT sup DIR` in a session of its own with its output
-    appended to DIR/out: it starts, stops and ends the workload as an attached run does
-    (launcher.core.stop), with a watcher of its own instead of the session's watchdog.
-    `token`: the run token (quoted) the workload's processes carry; `watch_preemption`: start the
-    preemption watcher, which sends the watcher (`$W`) SIGUSR2."""
-    lines = [
-        "D=$1",
-        *workload_head(token, argv, stop_grace_s, "</dev/null"),
-        # The watcher, once a second: a stop request (the file `stop`, with its grace; SIGUSR1
-        # wakes it at once), the preemption notice (SIGUSR2), or no session holding `attached`
-        # for --controller-grace. Bash runs a trap when `wait` returns, hence the sleep it waits on
-        # (and ends, when the supervisor ends the watcher).
-        "( trap : USR1; trap 'N=1' USR2; trap 'kill $s 2>/dev/null; exit 0' TERM; o=; while :; do sleep 1 & s=$!; "
-        "wait $s; kill $s 2>/dev/null; "
-        f'if [ -n "$N" ]; then {PREEMPTED_ECHO}; break; fi; '
-        'if [ -f "$D/stop" ]; then read -r G S < "$D/stop"; break; fi; '
-        'if flock -n -x "$D/attached" true; then o=${o:-$SECONDS}; '
-        f'if [ $((SECONDS - o)) -ge {int(controller_grace_s)} ]; then echo "{ORPHAN_STOP} {int(controller_grace_s)} s '
-        '(--controller-grace): SIGTERM to every rank, SIGKILL after $S s"; break; fi; else o=; fi; done; '
-        "trap '' TERM; stop ) </dev/null &",
-        "W=$!",
-        # Written whole or not at all (rename): a reader never sees the file empty.
-        'echo "$$ $W" > "$D/pid.new" && mv -f "$D/pid.new" "$D/pid"',
-        *(preemption_watch("USR2") if watch_preemption else []),
-        *workload_tail(watch_preemption),
-        'echo $rc > "$D/rc.new" && mv -f "$D/rc.new" "$D/rc"',
-    ]
-    return "\n".join(lines)
+def supervised_run(plan: NodePlan, source: str) -> list[str]:
+    """A detached job's run half on node `plan.node_rank`: start its supervisor
+    (launcher.core.node_run's `supervise`, `source` its text) in a session of its own and stream
+    its output from the start."""
+    d = node_run_dir(plan.job_id, plan.attempt, plan.node_rank)
+    supervisor = f"python3 -I -S -c {shlex.quote(source)} supervise {shlex.quote(plan.to_json())}"
+    return [*_start_statements(d, supervisor), "OFF=0", *_stream_statements()]
 
 
 def _start_statements(run_dir: str, supervisor: str) -> list[str]:
     """The session's statements that make the run's directory (private) and start the supervisor
-    in a session of its own, leaving `$SUP` its pid; the workload inherits the rendezvous lock
-    (fd 9), which the session itself then lets go, and never the session's stdin (fd 3)."""
+    (`supervisor`, a command to which the directory is added) in a session of its own, leaving
+    `$SUP` its pid; the workload inherits the rendezvous lock (fd 9), which the session itself
+    then lets go, and never the session's stdin (fd 3)."""
     return [
         f"D={run_dir}",
         'if ! { ( umask 077; mkdir -p "$D" ) && rm -f "$D/rc" "$D/stop" && : > "$D/out"; }; then '
         'echo "cannot create the run directory $D" >&2; exit 70; fi',
-        f'( exec setsid bash --norc --noprofile -c {shlex.quote(supervisor)} sup "$D" ) </dev/null 3<&- >>"$D/out" '
-        "2>&1 &",
+        f'( exec setsid {supervisor} "$D" ) </dev/null 3<&- >>"$D/out" 2>&1 &',
         "SUP=$!",
         "exec 9>&-",
     ]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 from gpufleet.node_plan import NodePlan
 
-__all__ = ["doc", "remote_lines", "programs", "plans", "headers"]
+__all__ = ["doc", "remote_lines", "programs", "plans", "started", "headers"]
 
 
 def doc(stdout: str) -> dict:
@@ -30,6 +31,12 @@ def programs(stdout: str) -> list[str]:
 def plans(stdout: str) -> list[NodePlan]:
     """Each node's typed plan, read back through NodePlan.from_dict, in rank order."""
     return [NodePlan.from_dict(n["plan"]) for n in doc(stdout)["nodes"]]
+
+
+def started(stdout: str) -> list[tuple[str, ...]]:
+    """The argv each node's program starts, in rank order, read from the program itself: an
+    attached run's last words hand the node's plan to launcher.core.node_run (`run PLAN`)."""
+    return [tuple(json.loads(shlex.split(p.rpartition(" run ")[2])[0])["argv"]) for p in programs(stdout)]
 
 
 _HEADER = re.compile(r"^\s*node (\d+)  (\S+)")

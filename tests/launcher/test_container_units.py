@@ -250,10 +250,11 @@ def test_dry_run_prints_each_nodes_container_command_with_its_familys_wiring(
 ):
     extra = ["--image-os", image_os] if image_os else []
     r, programs = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, machine_type)), "--image", IMAGE, *extra)
-    for rank, (inner, plan) in enumerate(zip(programs, dry_runs.plans(r.stdout))):
-        # The typed plan names the container the program runs: its image, name and mounts.
-        c = plan.container
-        assert c is not None and c.image == IMAGE and c.name.endswith(f"-{rank}") and shlex.join(plan.argv) in inner
+    for rank, (program, plan) in enumerate(zip(programs, dry_runs.plans(r.stdout))):
+        # The typed plan names the container its run starts (its argv): image, name and mounts.
+        c, inner = plan.container, shlex.join(plan.argv)
+        assert c is not None and c.image == IMAGE and c.name.endswith(f"-{rank}")
+        assert program.endswith(" run " + shlex.quote(plan.to_json()))
         assert c.mounts and all(f"src={m.host},dst={m.container}" in inner for m in c.mounts)
         assert plan.command[:3] == ("python3", "-m", "torch.distributed.run") and plan.command[-1] == "t.py"
         assert f" {IMAGE} " in inner and "--network host --ipc host --pid host" in inner
@@ -264,15 +265,15 @@ def test_dry_run_prints_each_nodes_container_command_with_its_familys_wiring(
         for a in absent:
             assert a not in inner.split("gpufleet-container")[1], (a, machine_type)
         # The node's torch is not asked about: it is the image's.
-        assert "importlib.metadata" not in inner
+        assert "importlib.metadata" not in program
     assert f"container {IMAGE} on every node" in r.stderr
 
 
 def test_the_stacks_image_output_is_the_default_and_image_overrides_it(tmp_path):
     out = _outputs(tmp_path, "a3-megagpu-8g", image="us-docker.pkg.dev/p/r/default:1")
-    _, programs = _dry(tmp_path, "--outputs", str(out))
-    assert all(" us-docker.pkg.dev/p/r/default:1 " in p for p in programs)
-    _, programs = _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
+    r, _ = _dry(tmp_path, "--outputs", str(out))
+    assert all(" us-docker.pkg.dev/p/r/default:1 " in shlex.join(p.argv) for p in dry_runs.plans(r.stdout))
+    r, programs = _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
     assert all("default:1" not in p and IMAGE in p for p in programs)
     r, plain = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, "a3-megagpu-8g")))
     assert all("gpufleet-container" not in p for p in plain)
@@ -306,8 +307,11 @@ def test_exec_takes_image_too(tmp_path):
     r, programs = _dry(
         tmp_path, "--outputs", str(_outputs(tmp_path, "a2-highgpu-8g")), "--image", IMAGE, command="exec"
     )
-    assert all(f"{IMAGE} nvidia-smi" in p for p in programs)
-    assert [(q.command, q.container.image) for q in dry_runs.plans(r.stdout)] == [(("nvidia-smi",), IMAGE)] * 2
+    assert all(shlex.join(q.argv).endswith(f"{IMAGE} nvidia-smi") for q in dry_runs.plans(r.stdout))
+    assert (
+        len(programs) == 2
+        and [(q.command, q.container.image) for q in dry_runs.plans(r.stdout)] == [(("nvidia-smi",), IMAGE)] * 2
+    )
 
 
 # ---- RxDM before a job on A3 High / Mega -------------------------------------------------------

@@ -13,7 +13,6 @@ import pytest
 from gpufleet.node_plan import SCHEMA_VERSION, CheckKind, EnvSource, EnvVar, NodePlan, PlanError, PrepareKind
 from launcher.core.node_plan import container_of
 from launcher.core.program import ProgramBuilder
-from launcher.core.stop import stop_ticks
 from launcher.core.types import Cluster, LaunchConfig, Node, Workload
 from launcher.core.wire import join, read_env_statements
 from launcher.runner import dry_run, plan
@@ -82,9 +81,10 @@ def test_the_plan_agrees_with_the_program_it_was_rendered_with():
             (8 * rank, 8 * rank + 7),
         )
         # The rank command is torchrun's, the hostile argument one literal argument, inside the
-        # container's argv, which the program starts as it stands.
+        # container's argv; the program hands the plan itself to its run (launcher.core.node_run),
+        # which starts that argv as it stands.
         assert p.command[-1] == '"; rm -rf ~' and f"--node-rank={rank}" in p.command
-        assert shlex.join(p.argv) in program and p.argv[-len(p.command) :] == p.command
+        assert program.endswith(" run " + shlex.quote(p.to_json())) and p.argv[-len(p.command) :] == p.command
         assert p.container is not None and p.container.image == "us-docker.pkg.dev/p/r/train:1"
         assert all(f"src={m.host},dst={m.container}" in program for m in p.container.mounts)
         for v in p.env:
@@ -106,7 +106,7 @@ def test_the_plan_agrees_with_the_program_it_was_rendered_with():
         ]
         assert all(shlex.quote(s.path) in program for s in p.prepare if s.kind is not PrepareKind.STEP)
         assert "GPUFLEET_LOCAL_CHECKPOINT_DIR" in program  # the node-local step's exports
-        assert f"G={stop_ticks(p.limits.term_grace_s)}; S=25" in program and p.limits.watch_preemption
+        assert (p.limits.term_grace_s, p.limits.watch_preemption) == (25, True)
 
 
 def test_ranks_follow_the_slots_and_are_unknown_under_c10d_and_for_a_plain_command():

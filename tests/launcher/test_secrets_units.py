@@ -71,11 +71,11 @@ def test_the_programs_hold_no_env_value_and_the_check_and_the_run_see_it(tmp_pat
     config = _config(
         tmp_path,
         workload=Workload(kind, ("x.py",)),
-        env=(("HF_TOKEN", "first"), ("NASTY", NASTY), ("HF_TOKEN", SECRET), ("PATH", "/opt/venv/bin")),
+        env=(("HF_TOKEN", "hf_first_3kq"), ("NASTY", NASTY), ("HF_TOKEN", SECRET), ("PATH", "/opt/venv/bin")),
     )
     programs = ProgramBuilder(LOCAL, config).build()
     for script in programs.values():
-        assert SECRET not in script and "first" not in script and "/opt/venv/bin" not in script
+        assert SECRET not in script and "hf_first_3kq" not in script and "/opt/venv/bin" not in script
         assert "NASTY" in script and "HF_TOKEN" in script
     # The last value of a key given twice, in the order the program reads them.
     assert env_stdin(config) == env_block([("HF_TOKEN", SECRET), ("NASTY", NASTY), ("PATH", "/opt/venv/bin")])

@@ -28,7 +28,6 @@ SPLIT = [
     "core.wire",
     "core.ssh",
     "core.torchrun",
-    "core.stop",
     "runner.plan",
 ]
 COMMANDS = ["cli.cmd_doctor", "cli.cmd_top", "cli.cmd_nccl_tests", "cli.nccl_from", "nccl.from_files"]

@@ -205,11 +205,11 @@ def test_launch_train_fp8_on_16_a3_mega_nodes_plans_and_dry_runs(tmp_path):
 
     plans = dry_runs.plans(r.stdout)
     assert [p.host for p in plans] == [f"10.0.0.{10 + i}" for i in range(16)]
-    for i, (p, program) in enumerate(zip(plans, dry_runs.programs(r.stdout))):
+    for i, (p, argv) in enumerate(zip(plans, dry_runs.started(r.stdout))):
         c = p.command
         assert "--nnodes=16" in c and f"--node-rank={i}" in c and "--nproc-per-node=8" in c, c
         assert c[-7:] == ("--model", "llama3-8b", "--precision", "fp8", "--compile", "--parallelism", "fsdp")
-        assert "workloads.train --model llama3-8b --precision fp8 --compile --parallelism fsdp" in program
+        assert "workloads.train --model llama3-8b --precision fp8 --compile --parallelism fsdp" in " ".join(argv)
     # The plan, after the one line that says how the launch would reach the nodes (IAP here).
     plan_lines = [line for line in r.stderr.splitlines() if "IAP tunnel" not in line]
     assert plan_lines[0].startswith("model llama3-8b: 8.03B parameters; micro-batch 4 x seq 8192; fp8 rowwise")

@@ -24,9 +24,9 @@ preemption watch), and then, as launcher.core.stop's bash did:
 
 A rank is a process with the token and torchrun's `RANK` in its environment whose parent is not
 one (a data-loader child inherits both). They are looked for among the workload's descendants
-first (one read of each process's `stat`, then the environment of those few): a stop does not read
-every process's environment before its SIGTERM. Where none is a descendant (a container's ranks,
-started by the runtime's monitor), every process with the token is looked at.
+(one read of each process's `stat`, then the environment of those few): a stop does not read every
+process's environment before its SIGTERM. Only a container's ranks, which the runtime's monitor
+starts outside the workload's tree (the plan's `container`), are looked for among every process.
 
 Names the launcher reads (the markers) are launcher.core.wire's, repeated here because this
 program runs without gpufleet; tests/launcher/test_node_run.py holds them equal.
@@ -114,11 +114,10 @@ def descendants(root):
     return out
 
 
-def ranks(token, root):
-    """[(pid, rank)] of the run's ranks, in rank order (see the module docstring)."""
-    found = carrying(token, descendants(root))
-    if not any(r is not None for r in found.values()):
-        found = carrying(token, pids())
+def ranks(token, root, anywhere=False):
+    """[(pid, rank)] of the run's ranks, in rank order (see the module docstring); `anywhere`:
+    they may run outside the workload's tree (a container's)."""
+    found = carrying(token, pids() if anywhere else descendants(root))
     with_rank = {pid: r for pid, r in found.items() if r is not None}
     out = []
     for pid, rank in with_rank.items():
@@ -160,6 +159,7 @@ class Run:
         grace = float(plan["limits"]["term_grace_s"])
         self.grace = (max(1, round(grace * 5)), "%g" % grace)  # (ticks, seconds as the report says them)
         self.watch = bool(plan["limits"]["watch_preemption"])
+        self.contained = plan["container"] is not None
         self.lock = threading.Lock()
         self.stopping = self.ended = False
         self.stopped = threading.Event()
@@ -199,7 +199,7 @@ class Run:
                 "%s (instance/preempted is TRUE): SIGTERM to every rank, SIGKILL after %s s"
                 % (PREEMPTION_NOTICE, seconds)
             )
-        found = ranks(self.token, self.proc.pid)
+        found = ranks(self.token, self.proc.pid, anywhere=self.contained)
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
         except OSError:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
-from gpufleet.node_plan import SCHEMA_VERSION, EnvVar, Limits, NodePlan
+from gpufleet.node_plan import SCHEMA_VERSION, Container, EnvVar, Limits, NodePlan
 from launcher.core import node_run
 from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, RUN_VAR, STOP_REPORT, grace_line, stop_ticks
 
@@ -29,7 +29,7 @@ def test_the_node_side_names_are_the_launchers():
     assert all(round(g / node_run.TICK_S) == stop_ticks(g) for g in (0.2, 1, 7.5, 25))
 
 
-def _plan(job: str, argv: list[str], grace_s: float = 5) -> str:
+def _plan(job: str, argv: list[str], grace_s: float = 5, container: Container | None = None) -> str:
     return NodePlan(
         job_id=job,
         attempt=0,
@@ -44,6 +44,7 @@ def _plan(job: str, argv: list[str], grace_s: float = 5) -> str:
         workload="torchrun",
         env=(EnvVar(RUN_VAR, f"{job}-0"),),
         limits=Limits(grace_s, False),
+        container=container,
     ).to_json()
 
 
@@ -101,21 +102,24 @@ def test_a_stop_reports_each_rank_once_in_rank_order_and_leaves_nothing(tmp_path
     assert _carrying(f"{job}-0") == []  # the data-loader child too
 
 
-def test_ranks_outside_the_workloads_tree_are_found_by_their_token(tmp_path):
-    """A container's ranks are started by the runtime's monitor, not by the workload: none of the
-    workload's descendants is a rank, so every process with the token is looked at."""
+@pytest.mark.parametrize("contained", [True, False])
+def test_a_containers_ranks_outside_the_workloads_tree_are_found_by_their_token(tmp_path, contained):
+    """A container's ranks are started by the runtime's monitor, not by the workload, so with a
+    container in the plan every process with the token is looked at; without one, only the
+    workload's tree, and a process outside it is not a rank (it is still killed at the end)."""
     job = f"nr-{tmp_path.name}"
-    token = f"{job}-0"
-    env = {**os.environ, RUN_VAR: token, "RANK": "3"}
+    env = {**os.environ, RUN_VAR: f"{job}-0", "RANK": "3"}
     outside = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    image = Container("registry.example/img:1", f"gpufleet-{job}-0", "none") if contained else None
     try:
-        p = _start(_plan(job, ["sleep", "300"], grace_s=0.4))
+        p = _start(_plan(job, ["sleep", "300"], grace_s=0.4, container=image))
         time.sleep(0.5)
         p.stdin.close()
         out = p.stdout.read()
         assert p.wait(timeout=60) == 128 + signal.SIGTERM, out
-        assert f"{STOP_REPORT} rank 3 (pid {outside.pid}) exited by itself after SIGTERM" in out, out
-        assert outside.wait(timeout=10) == -signal.SIGTERM
+        reported = f"{STOP_REPORT} rank 3 (pid {outside.pid}) exited by itself after SIGTERM" in out
+        assert reported == contained, out
+        assert outside.wait(timeout=10) == (-signal.SIGTERM if contained else -signal.SIGKILL)
     finally:
         outside.kill()
         outside.wait()

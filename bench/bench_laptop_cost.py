@@ -17,9 +17,11 @@ The anchor, measured in the same run on the same nodes: pdsh as DeepSpeed runs i
 Stop: `launch exec -- sleep 1000` on --stop-nodes nodes; once every node runs, SIGINT to its
 process group, as Ctrl-C in a terminal sends it; the time until no rank (`sleep 1000`) is alive
 on any node, and until `launch` exits (every node's session over); then nothing may be left.
-The simulated nodes share this machine's process table, so each node's last sweep for leftover
-processes (launcher.core.stop `reap`, a grep over every /proc/PID/environ) reads every node's
-processes: 200 such sweeps at once on 2 cores take seconds that a real node's own /proc does not.
+The simulated nodes share this machine's process table, so each node's stop (launcher.core.node_run)
+reads every node's processes: before its SIGTERM, the parent of each (`descendants`, one read of
+every /proc/PID/stat, to find the workload's ranks), and after it every process's environment (the
+reap of what carries the run's token). 200 such sweeps at once on 2 cores take seconds that a real
+node's own /proc does not.
 
 Targets (issue 41; they are for the tree, so today's launcher misses the first two by design):
 CPU grows <= 1.5x from 32 to 128 nodes; connections <= fanout + 2 at any moment (6 with the
@@ -194,11 +196,14 @@ def stop(c: SimCluster, n: int, runs: Path) -> dict[str, float]:
 
 
 def _sweep() -> tuple[float, int]:
-    """(seconds, processes): one sweep of this machine's /proc as a node's stop makes it before
-    its SIGTERM (launcher.core.stop `ranks`: a grep over every /proc/PID/environ), run alone."""
+    """(seconds, processes): the sweep a node's stop makes before its SIGTERM
+    (launcher.core.node_run `descendants`: the parent of every process on the machine), run here
+    alone, in this process (the node's python is already running when it stops)."""
+    from launcher.core import node_run
+
     procs = sum(1 for d in os.listdir("/proc") if d.isdigit())
     t0 = time.perf_counter()
-    subprocess.run(["bash", "-c", "grep -lzx GPUFLEET_RUN=none /proc/[0-9]*/environ"], capture_output=True)
+    node_run.descendants(os.getpid())
     return time.perf_counter() - t0, procs
 
 

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -114,9 +115,21 @@ def test_train_on_bare_nodes_brings_gpufleet_and_its_environment_once(c, tmp_pat
     assert all(
         c.node_path(i, f"/root/.gpufleet/snap/{snap.hash}/workloads/train.py").read_bytes() == train for i in range(N)
     )
-    again = launch(tmp_path, "train", *src(c, tmp_path), *ONE, *TRAIN, "--steps", "2", timeout=600)
-    assert again.returncode == 0 and "done: 2 steps" in again.stdout, again.stderr[-3000:]
-    assert "sent " not in again.stderr and "building environment" not in again.stderr, again.stderr
+    # It checkpoints to a directory every node shares (a Filestore's place: /var/tmp, of which the
+    # nodes have no copy of their own), and a third launch resumes from it: the checkpoint's
+    # metadata is read through the restore's allowlist (workloads.checkpoint.safe) on the nodes'
+    # own Python, whose pickles differ from this machine's.
+    shared = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gpufleet-bare-ckpt-"))
+    try:
+        ck = ["--checkpoint-dir", str(shared), "--checkpoint-every", "2"]
+        again = launch(tmp_path, "train", *src(c, tmp_path), *ONE, *TRAIN, "--steps", "2", *ck, timeout=600)
+        assert again.returncode == 0 and "done: 2 steps" in again.stdout, again.stderr[-3000:]
+        assert "sent " not in again.stderr and "building environment" not in again.stderr, again.stderr
+        on = launch(tmp_path, "train", *src(c, tmp_path), *ONE, *TRAIN, "--steps", "4", *ck, "--resume", timeout=600)
+        assert on.returncode == 0 and "done: 4 steps" in on.stdout, on.stdout[-3000:] + on.stderr[-3000:]
+        assert re.search(r"resumed from \S+ at step 2 .*restored step 2 from", on.stdout), on.stdout[-3000:]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_nccl_tests_on_bare_nodes_use_the_same_environment(c, tmp_path):

@@ -336,7 +336,7 @@ TORCHRUN_OPTIONS = [
 ]
 
 
-# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.stop).
+# What a stop gives every rank between SIGTERM and SIGKILL (launcher.core.node_run).
 TERM_GRACE_OPTION = click.option(
     "--term-grace",
     metavar="DURATION",

@@ -5,7 +5,7 @@ plan"). The node's bash program ends, after `go` and the prepare steps, with
 has nothing of gpufleet installed: standard library only, Python 3.8 or newer), PLAN the node's
 `gpufleet.node_plan.NodePlan` as JSON. It reads the plan's run half: `argv` (the rank command in
 its wrappers), the run token (its `GPUFLEET_RUN` variable) and `limits` (the stop's grace, the
-preemption watch), and then, as launcher.core.stop's bash did:
+preemption watch), and then:
 
 - starts `argv` in a session of its own, the token in its environment only, its stdin /dev/null,
   its stderr on its stdout (the rendezvous lock on fd 9, when the check took it, stays held by
@@ -228,8 +228,13 @@ class Run:
         self.stop()
 
     def watch_preemption(self):
-        """The metadata server's hanging GET (launcher.core.stop.preemption_watch's sources):
-        without a server, or on an error, the watch ends and the run goes on."""
+        """A Spot VM's preemption notice: the metadata server's `instance/preempted` turns TRUE
+        when Compute Engine sends the guest its ACPI soft-off, 30 s before the VM stops
+        (https://cloud.google.com/compute/docs/instances/spot#detecting_if_a_vm_was_preempted),
+        asked with a hanging GET that gives up after 10 s
+        (https://cloud.google.com/compute/docs/metadata/querying-metadata#waitforchange).
+        GCE_METADATA_HOST (the variable google-auth reads) names another server. Without a
+        server, or on an error, the watch ends and the run goes on."""
         host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
         url = "http://%s/computeMetadata/v1/instance/preempted" % host
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

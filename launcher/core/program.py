@@ -1,8 +1,8 @@
 """The program each node runs, assembled by one builder (`ProgramBuilder`) and rendered once, in
 the spirit of SkyPilot's sky/backends/task_codegen.py (prologue, task, epilogue, build). Pure: no
 network, no processes. The wire protocol it speaks is launcher.core.wire; the ssh line that
-carries it launcher.core.ssh; torchrun's argv launcher.core.torchrun; its stop launcher.core.stop;
-a detached job's supervised run launcher.core.supervise.
+carries it launcher.core.ssh; torchrun's argv launcher.core.torchrun; its run and stop, on the node
+in Python, launcher.core.node_run; a detached job's supervised run launcher.core.supervise.
 
 Everything that crosses a shell goes through `shlex.quote`, so an argument such as
 `"; rm -rf ~` reaches the program as one literal argument.

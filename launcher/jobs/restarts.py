@@ -6,8 +6,8 @@ every rank gets (launcher.core.env.job_env): GPUFLEET_JOB_ID (the same on every 
 GPUFLEET_ATTEMPT (0, 1, ...) and GPUFLEET_RESTART_REASON, one of `REASONS`:
 
 - node-lost: a node became unreachable (no preemption notice came first);
-- preempted: a node's metadata server said `instance/preempted` TRUE (launcher.core.stop's
-  watcher printed PREEMPTION_NOTICE), or the built-in workload saved and exited on a SIGTERM;
+- preempted: a node's metadata server said `instance/preempted` TRUE (launcher.core.node_run's
+  watch printed PREEMPTION_NOTICE), or the built-in workload saved and exited on a SIGTERM;
 - worker-failed: the program exited nonzero on some rank;
 - hang: the launch's hang detector (launcher.hang) stopped the attempt for want of progress
   (`LaunchResult.hang`).

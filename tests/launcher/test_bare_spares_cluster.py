@@ -106,11 +106,14 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
     assert re.search(rf"node {re.escape(a[1])} passes its check again: it is a spare again; its local copies", out)
     moved = re.findall(rf"copied rank 1's step (\d+) from {re.escape(a[0])} \(peer\) to {re.escape(a[1])}", out)
     said = [line for line in out.splitlines() if line.startswith("[controller] ") or "restored step" in line]
-    assert len(moved) == 1 and int(moved[0]) >= second, (second, said)
+    # The messages are strings, which pytest prints whole (it cuts a tuple's long repr short).
+    assert len(moved) == 1 and int(moved[0]) >= second, f"second={second}, moved={moved}:\n" + "\n".join(said)
     # Each relaunch resumed from the peer tier at or after the step seen copied before its loss,
     # never step 0; then on to the end.
     restored = [int(m) for m in re.findall(r"restored step (\d+) from peer\b", out)]
-    assert len(restored) == 2 and restored[0] >= before > 0 and restored[1] == int(moved[0]), (restored, out[-4000:])
+    assert len(restored) == 2 and restored[0] >= before > 0 and restored[1] == int(moved[0]), (
+        f"before={before}, restored={restored}, moved={moved}:\n" + "\n".join(said)
+    )
     assert "] step 400/400 |" in out, out[-4000:]
     assert re.search(r"replica: copied step_\d{8} of rank 1 to (root@)?" + re.escape(a[2]), out), out[-4000:]
     c.assert_nothing_left()

@@ -346,7 +346,6 @@ class Supervised(Run):
 
     def supervise(self):
         signal.signal(signal.SIGUSR1, self.on_wake)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         rc = self.run([self.watch_controller], signals=(signal.SIGTERM,))
         self.write("rc", "%d\n" % rc)
         return rc

@@ -5,11 +5,13 @@ launches that use it (every cluster test) hold the rest."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
 from gpufleet.node_plan import SCHEMA_VERSION, Container, EnvVar, Limits, NodePlan
 from launcher.core import node_run
 from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, RUN_VAR, STOP_REPORT, grace_line, stop_ticks
+from tests.support import wait_for
 
 SOURCE = Path(node_run.__file__).read_text()
 
@@ -27,6 +30,12 @@ def test_the_node_side_names_are_the_launchers():
     assert (node_run.EXIT_MARKER, node_run.PREEMPTION_NOTICE) == (EXIT_MARKER, PREEMPTION_NOTICE)
     assert node_run.ERROR_PREFIX == LAUNCHER_ERROR_PREFIX
     assert all(round(g / node_run.TICK_S) == stop_ticks(g) for g in (0.2, 1, 7.5, 25))
+
+
+def _job() -> str:
+    """A job id no other run of these tests on this machine shares: its token is what a stop
+    looks for and the reap kills."""
+    return f"nr-{uuid.uuid4().hex[:12]}"
 
 
 def _plan(job: str, argv: list[str], grace_s: float = 5, container: Container | None = None) -> str:
@@ -87,7 +96,7 @@ for p in ranks: p.wait()
 
 
 def test_a_stop_reports_each_rank_once_in_rank_order_and_leaves_nothing(tmp_path):
-    job = f"nr-{tmp_path.name}"
+    job = _job()
     p = _start(_plan(job, [sys.executable, "-c", TREE]))
     assert p.stdout.readline().strip() == "up"
     assert len(_carrying(f"{job}-0")) == 4  # the parent, two ranks, one data-loader child
@@ -107,7 +116,7 @@ def test_a_containers_ranks_outside_the_workloads_tree_are_found_by_their_token(
     """A container's ranks are started by the runtime's monitor, not by the workload, so with a
     container in the plan every process with the token is looked at; without one, only the
     workload's tree, and a process outside it is not a rank (it is still killed at the end)."""
-    job = f"nr-{tmp_path.name}"
+    job = _job()
     env = {**os.environ, RUN_VAR: f"{job}-0", "RANK": "3"}
     outside = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     image = Container("registry.example/img:1", f"gpufleet-{job}-0", "none") if contained else None
@@ -128,7 +137,7 @@ def test_a_containers_ranks_outside_the_workloads_tree_are_found_by_their_token(
 def test_sigterm_to_the_node_program_stops_the_run_with_the_grace(tmp_path):
     """The node shutting down (systemd's SIGTERM to every session) stops the ranks as a stop does,
     instead of leaving them running without the program that would report them."""
-    job = f"nr-{tmp_path.name}"
+    job = _job()
     p = _start(_plan(job, [sys.executable, "-c", TREE]))
     assert p.stdout.readline().strip() == "up"
     p.send_signal(signal.SIGTERM)
@@ -138,7 +147,7 @@ def test_sigterm_to_the_node_program_stops_the_run_with_the_grace(tmp_path):
 
 
 def test_a_failed_run_has_what_it_left_behind_killed(tmp_path):
-    job = f"nr-{tmp_path.name}"
+    job = _job()
     left = "import subprocess; subprocess.Popen(['setsid', 'sleep', '300']); raise SystemExit(3)"
     p = _start(_plan(job, [sys.executable, "-c", left]))
     out = p.stdout.read()  # stdin stays open: the run ends by itself
@@ -160,3 +169,33 @@ def test_what_the_run_cannot_start_is_one_line(plan, line, rc):
     )
     first = out.stdout.splitlines()[0]
     assert out.returncode == rc and first.startswith(LAUNCHER_ERROR_PREFIX) and line in first, out
+
+
+def test_a_supervised_run_stops_on_its_stop_request_and_leaves_its_status(tmp_path):
+    """`supervise PLAN DIR`, as a detached job's session starts it (launcher.core.supervise): its
+    `pid` once the workload runs, a stop request (the file `stop`, SIGUSR1) with its own grace,
+    `rc` at the end; the workload inherits no signal disposition of the supervisor's."""
+    job = _job()
+    plan = json.loads(_plan(job, [sys.executable, "-c", TREE]))
+    plan["limits"]["controller_grace_s"] = 600
+    show = "import signal; print('hup', signal.getsignal(signal.SIGHUP) == signal.SIG_DFL, flush=True)\n"
+    plan["argv"][-1] = show + TREE
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    with open(d / "out", "ab") as out:
+        sup = subprocess.Popen(
+            ["python3", "-I", "-S", "-c", SOURCE, "supervise", json.dumps(plan), str(d)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    wait_for(lambda: b"up\n" in (d / "out").read_bytes(), 60, "the supervised workload")
+    pid, woken = (int(w) for w in (d / "pid").read_text().split())
+    assert pid == woken == sup.pid and not (d / "rc").exists()
+    (d / "stop").write_text(f"{stop_ticks(7)} 7\n")
+    os.kill(woken, signal.SIGUSR1)
+    assert sup.wait(timeout=60) == 0
+    text = (d / "out").read_text()
+    assert "hup True" in text and (d / "rc").read_text() == "0\n", text
+    assert text.count("exited by itself after SIGTERM") == 2 and _carrying(f"{job}-0") == [], text

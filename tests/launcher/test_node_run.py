@@ -135,8 +135,8 @@ def test_a_containers_ranks_outside_the_workloads_tree_are_found_by_their_token(
 
 
 def test_sigterm_to_the_node_program_stops_the_run_with_the_grace(tmp_path):
-    """The node shutting down (systemd's SIGTERM to every session) stops the ranks as a stop does,
-    instead of leaving them running without the program that would report them."""
+    """A SIGTERM to the node's program (a `kill`, the node's shutdown) stops the ranks as a stop
+    does: the grace, one report per rank, the reap."""
     job = _job()
     p = _start(_plan(job, [sys.executable, "-c", TREE]))
     assert p.stdout.readline().strip() == "up"

@@ -58,7 +58,11 @@ def test_a_detached_job_controlled_from_a_bare_controller_host_relaunches_the_sa
     runs = set(re.findall(r"\[node (\d)\] code (\w+) cwd (\S+)", out))
     assert {n for n, *_ in runs} == {"0", "1"}, out
     assert len({(code, cwd) for _, code, cwd in runs}) == 1, out  # one snapshot, one directory
-    assert out.count("second attempt ok") == 2, out
+    # The attempt that succeeded ran on both nodes. A node whose run was stopped before its script
+    # left the mark (the other node failed first) fails once more in the next attempt, so the job
+    # may take more than one relaunch.
+    last = out.rsplit("relaunched after", 1)[1]
+    assert "[node 0] second attempt ok" in last and "[node 1] second attempt ok" in last, out
     # The controller's record and code live on the controller host, not on node 0.
     assert c.node_path(2, f"/root/.gpufleet/jobs/{job_id}/state.json").exists()
     assert not c.node_path(0, f"/root/.gpufleet/jobs/{job_id}").exists()

@@ -46,6 +46,7 @@ from launcher.code.tree import (
     relay_known_hosts,
     relay_plan,
 )
+from launcher.core.ssh import python_source_command
 from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, cluster_slug, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, Replication, UserError
@@ -101,10 +102,7 @@ class PrepareReport:
 def agent_script(command: str, program: ModuleType = node_agent) -> str:
     """The node's command running `program` (a standard-library-only module of launcher.code,
     node_agent unless named) from its source text."""
-    source = Path(program.__file__).read_text()
-    # The node's own python3, no site-packages (-S: the program needs the standard library only),
-    # isolated (-I: no PYTHON* variables, no user site, no script directory on sys.path).
-    return f"exec python3 -I -S -c {_quote(source)} {command}"
+    return python_source_command(Path(program.__file__).read_text(), command, replace=True)
 
 
 def _quote(s: str) -> str:

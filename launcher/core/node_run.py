@@ -1,8 +1,9 @@
-"""The run half of an attached launch, on the node, in Python: the first part of a launch the node
-agent does from its typed plan instead of generated shell (docs/design-node-program.md, "The typed
-plan"). The node's bash program ends, after `go` and the prepare steps, with
-`exec python3 -I -S -c SOURCE run PLAN` (`run_statement`): SOURCE is this module's text (a node
-has nothing of gpufleet installed: standard library only, Python 3.8 or newer), PLAN the node's
+"""The run half of a launch, on the node, in Python: the first part of a launch the node agent does
+from its typed plan instead of generated shell (docs/design-node-program.md, "The typed plan").
+An attached run's bash program ends, after `go` and the prepare steps, with
+`python3 -I -S -c SOURCE run PLAN` (launcher.core.program; a detached job's starts `supervise PLAN
+DIR`, the `Supervised` class below): SOURCE is this module's code (a node has nothing of gpufleet
+installed: standard library only, Python 3.8 or newer), PLAN the node's
 `gpufleet.node_plan.NodePlan` as JSON. It reads the plan's run half: `argv` (the rank command in
 its wrappers), the run token (its `GPUFLEET_RUN` variable) and `limits` (the stop's grace, the
 preemption watch), and then:
@@ -297,10 +298,15 @@ class Supervised(Run):
         self.wake.set()
 
     def write(self, name, text):
+        """`name` in the run's directory, whole (a rename); where it cannot be written (a full
+        disk), one line says so and the run goes on."""
         path = os.path.join(self.dir, name)
-        with open(path + ".new", "w") as f:
-            f.write(text)
-        os.replace(path + ".new", path)
+        try:
+            with open(path + ".new", "w") as f:
+                f.write(text)
+            os.replace(path + ".new", path)
+        except OSError as e:
+            say("%scannot write %s: %s (is the disk full?)" % (ERROR_PREFIX, path, e.strerror))
 
     def requested(self):
         """The stop request's grace, (ticks, seconds), or None."""
@@ -367,9 +373,13 @@ def main(argv):
     if plan.get("schema") != SCHEMA:
         say("%sthe node's plan is schema %r; this node program reads %d" % (ERROR_PREFIX, plan.get("schema"), SCHEMA))
         return 2
+    try:
+        run = Supervised(plan, argv[3]) if mode == "supervise" else Run(plan)
+    except (KeyError, TypeError, ValueError, StopIteration) as e:
+        say("%sthe node's plan lacks its run half (%s: %s); launch again" % (ERROR_PREFIX, type(e).__name__, e))
+        return 2
     if mode == "supervise":
-        return Supervised(plan, argv[3]).supervise()
-    run = Run(plan)
+        return run.supervise()
     rc = run.run([run.watch_stdin])
     say("%s %d" % (EXIT_MARKER, rc))
     return rc

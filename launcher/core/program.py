@@ -90,6 +90,7 @@ from launcher.core.holds import hold_statements
 from launcher.core.node_local import compile_cache_key, node_local_statements
 from launcher.core.node_plan import container_of, env_vars, fact_checks, hardware_checks, prepare_steps, rank_ranges
 from launcher.core.prestart import prestart_statements
+from launcher.core.ssh import python_source_command
 from launcher.core.torchrun import torchrun_argvs
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import (
@@ -170,11 +171,6 @@ class NodeProgram:
     ranks: tuple[int, int] | None = None
     steps: Sequence[PlannedStep] = ()
     prologue_names: Sequence[str] = ()
-
-    @property
-    def token(self) -> str:
-        """The run token, quoted for bash."""
-        return shlex.quote(run_token(self.config.job_id, self.node.rank))
 
     def sections(self) -> list[tuple[str, list[str]]]:
         """(name, statements) in the order they run."""
@@ -302,7 +298,8 @@ class NodeProgram:
         # A detached job: the run outlives this session. Keep the launcher's end of stdin on fd 3
         # for the stream's stop relay: a background list's stdin is /dev/null in a
         # non-interactive shell (POSIX, "Asynchronous Lists").
-        return [*s, "exec 3<&0", *supervise.supervised_run(self.plan(), _node_run_source())]
+        plan = self.plan()
+        return [*s, "exec 3<&0", *supervise.supervised_run(plan, _node_run("supervise", plan))]
 
 
 def _gate() -> list[str]:
@@ -319,7 +316,13 @@ def _attached_run(plan: NodePlan) -> list[str]:
     node's plan): the workload, the watch on the launcher's stdin and the preemption notice, the
     stop, then `EXIT_MARKER <rc>`. Not `exec`: the prologue's EXIT trap (the node's hold) runs
     when it ends."""
-    return [f"python3 -I -S -c {shlex.quote(_node_run_source())} run {shlex.quote(plan.to_json())}"]
+    return [_node_run("run", plan)]
+
+
+def _node_run(mode: str, plan: NodePlan) -> str:
+    """launcher.core.node_run's `mode` on the node, for `plan` (the supervisor's run directory
+    is added to it by the statement that starts it)."""
+    return python_source_command(_node_run_source(), f"{mode} {shlex.quote(plan.to_json())}")
 
 
 @functools.cache

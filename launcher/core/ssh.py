@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from launcher.core.types import Node, SshConfig
 
-__all__ = ["remote_command", "ssh_base_argv", "ssh_argv", "iap_tunnel"]
+__all__ = ["remote_command", "python_source_command", "ssh_base_argv", "ssh_argv", "iap_tunnel"]
 
 
 def remote_command(script: str) -> str:
@@ -20,6 +20,14 @@ def remote_command(script: str) -> str:
     shell daemon"); the login shell already did, and a second pass (pyenv, conda...) costs a
     noticeable part of a short command's time on every node."""
     return f"exec bash --norc --noprofile -c {shlex.quote(script)}"
+
+
+def python_source_command(source: str, args: str, replace: bool = False) -> str:
+    """A node's statement that runs a standard-library-only program from its source text (a node
+    has nothing of gpufleet yet): the node's own python3, isolated (-I: no PYTHON* variables, no
+    user site, no script directory on sys.path; -S: no site-packages). `args`: its arguments,
+    quoted already; `replace`: `exec`, the shell's last statement."""
+    return f"{'exec ' if replace else ''}python3 -I -S -c {shlex.quote(source)} {args}"
 
 
 def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[str]:

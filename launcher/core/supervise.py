@@ -53,12 +53,11 @@ def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
     return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
 
 
-def supervised_run(plan: NodePlan, source: str) -> list[str]:
-    """A detached job's run half on node `plan.node_rank`: start its supervisor
-    (launcher.core.node_run's `supervise`, `source` its text) in a session of its own and stream
-    its output from the start."""
+def supervised_run(plan: NodePlan, supervisor: str) -> list[str]:
+    """A detached job's run half on node `plan.node_rank`: start its supervisor (`supervisor`,
+    launcher.core.node_run's `supervise PLAN`, to which the run's directory is added) in a
+    session of its own and stream its output from the start."""
     d = node_run_dir(plan.job_id, plan.attempt, plan.node_rank)
-    supervisor = f"python3 -I -S -c {shlex.quote(source)} supervise {shlex.quote(plan.to_json())}"
     return [*_start_statements(d, supervisor), "OFF=0", *_stream_statements()]
 
 

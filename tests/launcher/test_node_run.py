@@ -5,6 +5,7 @@ launches that use it (every cluster test) hold the rest."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -19,10 +20,19 @@ import pytest
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
 from gpufleet.node_plan import SCHEMA_VERSION, Container, EnvVar, Limits, NodePlan
 from launcher.core import node_run
+from launcher.core.program import _node_run_source
 from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, RUN_VAR, STOP_REPORT, grace_line, stop_ticks
 from tests.support import wait_for
 
 SOURCE = Path(node_run.__file__).read_text()
+
+
+def test_the_code_every_node_gets_is_python_3_8_and_names_the_launchers_markers():
+    """What travels (launcher.core.program: the module without its docstrings) parses with the
+    grammar of the oldest python3 a node may have (Ubuntu 20.04's 3.8)."""
+    shipped = _node_run_source()
+    ast.parse(shipped, feature_version=(3, 8))
+    assert len(shipped) < len(SOURCE) and f'"{STOP_REPORT}"' in shipped.replace("'", '"')
 
 
 def test_the_node_side_names_are_the_launchers():
@@ -161,6 +171,7 @@ def test_a_failed_run_has_what_it_left_behind_killed(tmp_path):
         (_plan("nr-missing", ["no-such-command-here"]), "failed to execute no-such-command-here:", 127),
         (_plan("nr-schema", ["true"]).replace(f'"schema": {SCHEMA_VERSION}', '"schema": 99'), "schema 99", 2),
         ("{not json", "not JSON", 2),
+        (f'{{"schema": {SCHEMA_VERSION}, "argv": ["true"]}}', "lacks its run half (KeyError", 2),
     ],
 )
 def test_what_the_run_cannot_start_is_one_line(plan, line, rc):

@@ -13,6 +13,8 @@ has one. What is written there is kept per account and per job:
               .metadata             alone: no other rank's files are read)
               __0_0.distcp
               MANIFEST.json         written last (temporary name, fsync, rename): the marker
+            SENT                  once its replicator copied it to a peer node (the peer's
+                                  address): the step the ranks keep until every rank's is out
         peer/                       copies of other nodes' ranks, the same layout below it
           step_00000010/
             rank_00007/ ...
@@ -24,7 +26,10 @@ and the world size that wrote it; a rank restores only from a directory of its o
 run's world size. A copy in `peer/` is used only once every file's size and hash match.
 
 A replicator copies `own/step_N/rank_R/` of one node into `peer/step_N/rank_R/` of another, the
-manifest last (the same rule: no manifest, no checkpoint). Ranks are global ranks, so a spare that
+manifest last (the same rule: no manifest, no checkpoint), then marks the own directory SENT. A
+rank run under a replicator (`COPIES_VAR` set) waits for that mark before its next save, and
+keeps the newest step whose copies are out for every rank: a node lost at any moment leaves that
+step on every node, its own ranks' in its peer's `peer/`. Ranks are global ranks, so a spare that
 takes a lost node's ranks finds their shards in its own `peer/` once they are copied there.
 
 Pure standard library: imported by the launcher, by workloads on the nodes, and by the replicator.
@@ -64,12 +69,19 @@ __all__ = [
     "common_step",
     "default_root",
     "forget_after",
+    "SENT",
+    "COPIES_VAR",
+    "mark_sent",
+    "was_sent",
 ]
 
 ENV_VAR = "GPUFLEET_LOCAL_CHECKPOINT_DIR"
 OWN, PEER = "own", "peer"
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "gpufleet-local-checkpoint/1"
+SENT = "SENT"
+# Set by gpufleet.replica's sidecar for the ranks it wraps, only when it copies their steps out.
+COPIES_VAR = "GPUFLEET_LOCAL_COPIES"
 _STEP = re.compile(r"^step_(\d{8})$")
 _CHUNK = 1 << 22
 
@@ -167,6 +179,16 @@ def verify(directory: str | os.PathLike[str], manifest: Manifest, hashes: bool =
         if hashes and _sha256(p) != digest:
             return f"{name} does not match its sha256 in {MANIFEST}"
     return None
+
+
+def mark_sent(directory: str | os.PathLike[str], peer: str) -> None:
+    """Mark an own rank directory as copied to `peer` (after the copy's manifest is on the peer)."""
+    (Path(directory) / SENT).write_text(f"{peer}\n")
+
+
+def was_sent(directory: str | os.PathLike[str]) -> bool:
+    """Whether an own rank directory's copy is out (`mark_sent`)."""
+    return (Path(directory) / SENT).is_file()
 
 
 def forget_after(root: str | os.PathLike[str], job: str, step: int) -> list[int]:

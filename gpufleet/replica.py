@@ -27,6 +27,7 @@ ever written outside ROOT/JOB/peer/step_N/rank_R/.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ from typing import BinaryIO
 
 from gpufleet.atomic import fsync_dir
 from gpufleet.local_tier import (
+    COPIES_VAR,
     MANIFEST,
     MANIFEST_FORMAT,
     OWN,
@@ -52,6 +54,7 @@ from gpufleet.local_tier import (
     complete_steps,
     default_root,
     forget_after,
+    mark_sent,
     rank_dir,
     read_manifest,
     step_name,
@@ -256,12 +259,13 @@ class Sender:
             if not PEER_NAME.fullmatch(peer):
                 raise ReplicaError(f"peer {peer!r} is not a plain user@address")
         self.peers, self.key, self.known, self.say = list(peers), str(key), str(known), say
-        # rank -> the newest step copied out; at the start, what is there already: the attempt
-        # before this one copied it (its last pass), or it is a replaced attempt's, which the
-        # ranks remove once they resume (gpufleet.local_tier.forget_after) and no peer should get.
-        self.sent: dict[int, int] = {}
+        # rank -> the newest step copied out, as (step, its manifest's mtime): a step the ranks
+        # wrote again after a relaunch is a new one. At the start, what is there already: the
+        # attempt before this one copied it (its last pass), or it is a replaced attempt's, which
+        # the ranks remove once they resume (gpufleet.local_tier.forget_after) and no peer should get.
+        self.sent: dict[int, tuple[int, int]] = {}
         for rank, step in self.pending():
-            self.sent[rank] = step
+            self.sent[rank] = self._ident(rank, step)
         self.down: dict[str, float] = {}  # peer -> when it last could not be reached
 
     def argv(self, peer: str) -> list[str]:
@@ -287,12 +291,19 @@ class Sender:
             argv += ["-o", opt]
         return argv + ["-T", "--", host, self.job]
 
+    def _ident(self, rank: int, step: int) -> tuple[int, int]:
+        try:
+            return step, (rank_dir(self.root, self.job, OWN, step, rank) / MANIFEST).stat().st_mtime_ns
+        except OSError:
+            return step, -1
+
     def pending(self) -> list[tuple[int, int]]:
         """(rank, step) of each rank of this node whose newest complete step is not out yet."""
         out = []
         for rank in _ranks_in(self.root, self.job, OWN):
             steps = complete_steps(self.root, self.job, OWN, rank)
-            if steps and self.sent.get(rank) != steps[-1]:  # a newer one, or the newest after a replaced attempt's went
+            # a newer one, the newest after a replaced attempt's went, or one written again
+            if steps and self.sent.get(rank) != self._ident(rank, steps[-1]):
                 out.append((rank, steps[-1]))
         return out
 
@@ -330,10 +341,13 @@ class Sender:
                 if now - self.down.get(peer, -UNREACHABLE_S) < UNREACHABLE_S:
                     continue
                 t0 = time.monotonic()
+                ident = self._ident(rank, step)
                 rc, why = self._send_one(peer, d)
                 if rc == 0:
-                    self.sent[rank] = step
+                    self.sent[rank] = ident
                     copied += 1
+                    with contextlib.suppress(OSError):  # the rank pruned it meanwhile: a newer one is out
+                        mark_sent(d, peer)
                     self.say(f"copied {step_name(step)} of rank {rank} to {peer} in {time.monotonic() - t0:.1f} s")
                     break
                 if rc == 255:  # ssh's own failure: the peer cannot be reached, try the next one
@@ -430,15 +444,21 @@ def sidecar(argv: Sequence[str], make_sender: Callable[[], Sender | None], poll_
     """Run the rank command `argv` as a child, and copy each newly completed local step to the
     peer while it runs; once it has ended (a stop's or a preemption's SIGTERM reaches it as it
     reaches the ranks: this process only waits for it), one last pass copies what its last save
-    wrote. The child's exit status is the sidecar's (128+N for a signal, as a shell reports it)."""
-    child = subprocess.Popen(list(argv))
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: None)  # the ranks get it too; this one waits for them
+    wrote. The child's exit status is the sidecar's (128+N for a signal, as a shell reports it).
+    When there is a sender, the child runs with gpufleet.local_tier.COPIES_VAR set: its ranks wait
+    for each step's copy before their next save (workloads.checkpoint.local)."""
     sender = None
     try:
         sender = make_sender()
     except (ReplicaError, OSError) as e:
         _say(f"not copying checkpoints to a peer: {e}")
+    env = dict(os.environ)
+    env.pop(COPIES_VAR, None)
+    if sender is not None:
+        env[COPIES_VAR] = "1"
+    child = subprocess.Popen(list(argv), env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: None)  # the ranks get it too; this one waits for them
     while True:
         try:
             rc = child.wait(timeout=poll_s)

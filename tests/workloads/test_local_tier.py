@@ -10,8 +10,10 @@ import os
 import re
 import shutil
 import signal
+import threading
+import time
 
-from gpufleet.local_tier import MANIFEST, complete_steps, rank_dir
+from gpufleet.local_tier import COPIES_VAR, MANIFEST, OWN, complete_steps, mark_sent, rank_dir
 from tests.support import require_root
 from tests.workloads.conftest import (
     REF_ARGS,
@@ -26,6 +28,7 @@ from tests.workloads.conftest import (
     wait_for,
     workers,
 )
+from workloads.checkpoint.local import COPY_WAIT_VAR
 
 JOB = "job-42"
 
@@ -148,3 +151,57 @@ def test_a_local_directory_of_another_account_is_refused(tmp_path):
     os.chown(theirs, 65534, 65534)
     line = one_line_exit_2(["--steps", "2", "--local-checkpoint-every", "1", "--local-checkpoint-dir", str(theirs)])
     assert line.startswith(f"error: --local-checkpoint-dir {theirs} belongs to uid 65534, not to this account")
+
+
+def test_under_a_replicator_each_save_waits_for_the_copies_and_keeps_the_newest_step_every_rank_copied(tmp_path):
+    """The test is the replicator (gpufleet.replica's sender marks each own directory it copied
+    SENT): rank 0's steps go out at once, rank 1's step 8 after a while, its step 12 never. No
+    rank writes step 12 before rank 1's step 8 is out; the wait for step 12 gives up with one
+    line; and with --keep-local-checkpoints 1 each rank still keeps step 8, the newest step every
+    rank's copy is out for, beside its newest."""
+    root = tmp_path / "local"
+    root.mkdir(mode=0o700)
+    args = ["--global-batch", "8", "--micro-batch", "2", "--straggler-every", "0", "--steps", "16"]
+    args += ["--local-checkpoint-every", "4", "--keep-local-checkpoints", "1"]
+    env = {**_env(root), COPIES_VAR: "1", COPY_WAIT_VAR: "4"}
+    stop, early, marked = threading.Event(), [], set()
+
+    def replicator() -> None:
+        seen8 = None
+        while not stop.is_set():
+            for rank in (0, 1):
+                for step in complete_steps(root, JOB, OWN, rank):
+                    d = rank_dir(root, JOB, OWN, step, rank)
+                    if (step, rank) in marked or (rank, step) == (1, 12):
+                        continue
+                    if (rank, step) == (1, 8):
+                        seen8 = seen8 or time.monotonic()
+                        if time.monotonic() - seen8 < 2:
+                            continue
+                        early.extend(r for r in (0, 1) if (root / JOB / OWN / "step_00000012").exists())
+                        early.extend(r for r in (0, 1) if max(complete_steps(root, JOB, OWN, r)) > 8)
+                    mark_sent(d, "peer-of-test")
+                    marked.add((step, rank))
+            time.sleep(0.02)
+
+    helper = threading.Thread(target=replicator, daemon=True)
+    helper.start()
+    try:
+        run = train(args, env=env)
+    finally:
+        stop.set()
+        helper.join()
+    assert run.returncode == 0, run.stderr
+    assert (8, 1) in marked and early == [], f"ranks {early} wrote step 12 before rank 1's step 8 was copied"
+    assert [complete_steps(root, JOB, OWN, r) for r in (0, 1)] == [[8, 16], [8, 16]]
+    (warning,) = [ln for ln in run.stderr.splitlines() if "is not out" in ln]
+    assert warning.startswith("warning: the copy of local step 12 to a peer node is not out for rank(s) 1 after 4 s")
+    assert warning.endswith("a node lost meanwhile resumes from local step 8"), warning
+
+
+def test_a_copy_wait_that_is_not_a_number_of_seconds_is_one_line_exit_2(tmp_path):
+    root = tmp_path / "local"
+    root.mkdir(mode=0o700)
+    env = {**_env(root), COPIES_VAR: "1", COPY_WAIT_VAR: "soon"}
+    line = one_line_exit_2(["--steps", "2", "--local-checkpoint-every", "1"], env=env)
+    assert f"{COPY_WAIT_VAR}='soon' is not a number of seconds" in line, line

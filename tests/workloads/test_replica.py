@@ -167,6 +167,11 @@ def test_the_sender_copies_each_ranks_newest_complete_step_once_to_the_next_peer
     assert [lt.complete_steps(root, "job1", lt.PEER, r) for r in (2, 3)] == [[20], [20]]
     assert not (homes["n2"] / ".gpufleet").exists()
     assert sender.once() == 0  # nothing new: nothing sent again
+    # Each own directory that went out is marked so (the ranks wait for the mark); only those.
+    steps = ((10, 2), (20, 2), (20, 3), (30, 3))
+    marked = {(s, r) for s, r in steps if lt.was_sent(lt.rank_dir(tmp_path / "src", "job1", lt.OWN, s, r))}
+    assert marked == {(20, 2), (20, 3)}
+    assert (lt.rank_dir(tmp_path / "src", "job1", lt.OWN, 20, 2) / lt.SENT).read_text() == "n1\n"
     lt.write_manifest(d, 30, 3, 4)
     assert sender.once() == 1 and lt.complete_steps(root, "job1", lt.PEER, 3) == [20, 30]
     assert any(s.startswith("copied step_00000030 of rank 3 to n1") for s in said), said
@@ -351,10 +356,24 @@ def test_a_sender_started_on_steps_already_there_sends_only_what_comes_after(tmp
     # A relaunch's sidecar: what is there at its start went out with the previous attempt, or is
     # a replaced attempt's (removed once the ranks resume). The next save, even an older step
     # number than a replaced one's, goes out.
-    _own(tmp_path, step=30, rank=1)  # the replaced attempt's, past the step the relaunch resumed from
+    for rank in (1, 2):
+        _own(tmp_path, step=30, rank=rank)  # the replaced attempt's, past the step the relaunch resumed from
     sender, homes = _sender(tmp_path, ["n1"])
     assert sender.once() == 0
     lt.forget_after(tmp_path / "src", "job1", 10)  # the ranks resumed from step 10
     _own(tmp_path, step=20, rank=1)
-    assert sender.once() == 1
-    assert lt.complete_steps(_peer_root(homes["n1"]), "job1", lt.PEER, 1) == [20]
+    # Rank 2 writes step 30 again: the same number as the replaced attempt's, a new step.
+    _own(tmp_path, step=30, rank=2)
+    assert sender.once() == 2
+    peer = _peer_root(homes["n1"])
+    assert [lt.complete_steps(peer, "job1", lt.PEER, r) for r in (1, 2)] == [[20], [30]]
+
+
+@pytest.mark.parametrize("with_sender", [True, False])
+def test_the_sidecar_tells_its_ranks_to_wait_for_copies_only_when_it_copies(tmp_path, monkeypatch, with_sender):
+    monkeypatch.setenv(lt.COPIES_VAR, "1")  # inherited from outside: never taken for the sidecar's word
+    sender, _ = _sender(tmp_path, ["n1"])
+    seen = tmp_path / "seen"
+    script = f"import os; open({str(seen)!r}, 'w').write(os.environ.get({lt.COPIES_VAR!r}, 'unset'))"
+    assert sidecar([sys.executable, "-c", script], lambda: sender if with_sender else None, poll_s=0.05) == 0
+    assert seen.read_text() == ("1" if with_sender else "unset")

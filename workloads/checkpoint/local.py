@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from gpufleet.contracts import LOCAL_SSD_MOUNT
 from gpufleet.local_tier import (
+    COPIES_VAR,
     ENV_VAR,
     MANIFEST,
     OWN,
@@ -44,6 +45,7 @@ from gpufleet.local_tier import (
     rank_dir,
     read_manifest,
     verify,
+    was_sent,
     write_manifest,
 )
 from workloads.checkpoint.safe import SafeLoadPlanner, metadata_problem
@@ -56,6 +58,11 @@ __all__ = ["LocalTier", "JOB_VAR", "local_root", "on_local_ssd"]
 
 JOB_VAR = "GPUFLEET_JOB_ID"  # launcher.core.wire.JOB_ID_VAR: the same on every attempt of a job
 _NO_JOB = "run"  # the job directory of a run not started by gpufleet's launch
+# The longest a save waits for the previous one's copy to a peer node (gpufleet.replica's sender
+# passes over a peer that cannot be reached and copies to the next one within seconds): seconds,
+# from COPY_WAIT_VAR when set.
+COPY_WAIT_VAR = "GPUFLEET_LOCAL_COPY_WAIT_S"
+COPY_WAIT_S = 120.0
 # DCP warns that a no_dist save "assumes the intent is to save in a single process": it is ours.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -74,6 +81,20 @@ def local_root(given: str | None, environ: dict[str, str] | None = None) -> Path
         return check_private(path, flag=flag)
     except LocalTierError as e:
         raise ConfigError(str(e)) from None
+
+
+def _seconds(var: str, default: float) -> float:
+    """A number of seconds from the environment variable `var`; ConfigError when it is not one."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"{var}={raw!r} is not a number of seconds; unset it or pass one like 120")
+    return value
 
 
 @dataclass
@@ -114,7 +135,9 @@ class LocalTier:
     def __init__(self, given: str | None, keep: int, ranks: Ranks) -> None:
         self.ranks, self.keep = ranks, keep
         # Each node checks its own directory: a bad one stops every rank before the model is built.
-        self.root = ranks.on_every_rank(lambda: local_root(given))
+        self.root, self.copy_wait_s = ranks.on_every_rank(
+            lambda: (local_root(given), _seconds(COPY_WAIT_VAR, COPY_WAIT_S))
+        )
         self.job = os.environ.get(JOB_VAR) or _NO_JOB
         self._warn_boot_disk()
         # DCP needs a CPU group even for a save without collectives (async_save checks it).
@@ -122,6 +145,11 @@ class LocalTier:
         self.stager = _ReusedHostCopy(pin=ranks.device.type == "cuda")
         self._pending: _Save | None = None
         self.saved_step: int | None = None  # the step of this run's newest save, done or under way
+        # Under gpufleet.replica's sidecar: each step's copy to a peer node is waited for before the
+        # next save, and the newest step whose copies are out for every rank is never pruned.
+        self.copies = os.environ.get(COPIES_VAR) == "1"
+        self.pinned: int | None = None
+        self._copies_late = False
 
     @property
     def where(self) -> Path:
@@ -150,7 +178,7 @@ class LocalTier:
         """Collective (the wait for the previous save): write `state` as this rank's checkpoint
         of `step`. Returns once the state is staged off the device; `wait` also waits for the
         files and the manifest (the preemption save)."""
-        self.wait()
+        self.wait(copied=not wait)  # a preemption's save never waits for a copy: its grace is short
         rank = self.ranks.rank
         where = rank_dir(self.root, self.job, OWN, step, rank)
         started = time.perf_counter()
@@ -195,10 +223,11 @@ class LocalTier:
 
     def _prune(self, newest: int) -> None:
         """This rank's own directories: all but the newest `keep` complete steps, and any
-        incomplete one older than the newest (a save that died); never the newest complete."""
+        incomplete one older than the newest (a save that died); never the newest complete, nor
+        the newest step every rank's copy is out for (`pinned`: a node lost now resumes there)."""
         rank = self.ranks.rank
         complete = complete_steps(self.root, self.job, OWN, rank)
-        keep = set(complete[-self.keep :]) | {newest}
+        keep = set(complete[-self.keep :]) | {newest, self.pinned}
         base = self.where / OWN
         for step_dir in base.iterdir():
             step = _step_of(step_dir.name)
@@ -213,16 +242,24 @@ class LocalTier:
             except OSError:
                 pass
 
-    def wait(self) -> None:
-        """Collective: let the save under way finish; every rank stops if any rank's failed."""
+    def wait(self, copied: bool = False) -> None:
+        """Collective: let the save under way finish; every rank stops if any rank's failed.
+        `copied`, under a replicator: and wait for its copy to a peer node (`_await_copy`). Once
+        every rank's copy of a step is out, that step is `pinned`."""
         save, self._pending = self._pending, None
-        error = None
+        error, copy = None, (False, 0.0, False)
         if save is not None:
             save.done.wait()
             error = save.error
+            if error is None and self.copies:
+                copy = self._await_copy(save, copied)
         said: list[Any] = [None] * self.ranks.world
-        dist.all_gather_object(said, error, group=self.group)
-        failed = [(r, e) for r, e in enumerate(said) if e]
+        dist.all_gather_object(said, (error, copy), group=self.group)
+        if save is not None and self.copies:
+            if all(sent for _, (sent, _, _) in said):
+                self.pinned = save.step
+            self._say_copies(save.step, [c for _, c in said])
+        failed = [(r, e) for r, (e, _) in enumerate(said) if e]
         if failed:
             rank, why = failed[0]
             raise every_rank(
@@ -230,6 +267,41 @@ class LocalTier:
                     f"cannot write the local checkpoint on rank {rank}: {why}; free space there or pass "
                     "another --local-checkpoint-dir"
                 )
+            )
+
+    def _await_copy(self, save: _Save, patient: bool) -> tuple[bool, float, bool]:
+        """Whether this rank's copy of `save` is out (gpufleet.local_tier.was_sent), the seconds
+        waited for it, and whether the wait gave up. Up to `copy_wait_s` when `patient` (training
+        holds still meanwhile, so the sender's next step is this one: no step is skipped, and every
+        rank's copy of it is out before any rank writes the next); not at all when not. After a
+        wait that gave up, saves no longer wait until a copy is out again."""
+        started = time.monotonic()
+        waiting = patient and not self._copies_late
+        while waiting and not was_sent(save.where) and time.monotonic() - started < self.copy_wait_s:
+            time.sleep(0.05)
+        sent = was_sent(save.where)
+        if patient:
+            self._copies_late = not sent
+        return sent, time.monotonic() - started, waiting and not sent
+
+    def _say_copies(self, step: int, said: list[tuple[bool, float, bool]]) -> None:
+        """Rank 0: one line when training waited a second or more for the copies of `step`, or
+        when a wait for one gave up."""
+        late = [r for r, (_, _, gave_up) in enumerate(said) if gave_up]
+        slowest = max(w for _, w, _ in said)
+        if late:
+            ranks = ", ".join(map(str, late[:8])) + (" ..." if len(late) > 8 else "")
+            fallback = f"local step {self.pinned}" if self.pinned is not None else "the durable tier"
+            self.ranks.log(
+                f"warning: the copy of local step {step} to a peer node is not out for rank(s) {ranks} after "
+                f"{slowest:.0f} s; training goes on without waiting for copies until they are out again: a node "
+                f"lost meanwhile resumes from {fallback}",
+                stream=sys.stderr,
+            )
+        elif slowest >= 1.0:
+            self.ranks.log(
+                f"local checkpoint step {step}: training waited {slowest:.1f} s for its copies to peer nodes "
+                "(copying takes longer than the --local-checkpoint-every interval)"
             )
 
     # ---- restore ------------------------------------------------------------------------------

@@ -87,26 +87,33 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
         return None
 
 
-def _inventories(transport: Transport, nodes: Sequence[Node], rep: Replication, job: str) -> dict[str, dict]:
-    """Each node's `inventory` of the job's local tier, asked at once; a node that does not answer
-    is left out."""
+def _inventories(
+    transport: Transport, nodes: Sequence[Node], rep: Replication, job: str
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each node's `inventory` of the job's local tier, asked at once, and why each node that gave
+    none did not (left out of the first)."""
     held: dict[str, dict] = {}
+    silent: dict[str, str] = {}
 
     def ask(node: Node) -> None:
         script = shlex.join([*python_argv(rep.code), "inventory", job])
         r = _run(transport.argv(node, script), ASK_TIMEOUT_S)
-        if r is not None and r.returncode == 0:
-            try:
-                held[node.host] = {a: {int(k): v for k, v in d.items()} for a, d in json.loads(r.stdout).items()}
-            except (ValueError, AttributeError):
-                log.warning("job %s: node %s answered its inventory with %r", job, node.host, r.stdout[:200])
+        if r is None or r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1] if r is not None else None
+            silent[node.host] = last or f"no answer in {ASK_TIMEOUT_S:.0f} s"
+            return
+        try:
+            held[node.host] = {a: {int(k): v for k, v in d.items()} for a, d in json.loads(r.stdout).items()}
+        except (ValueError, AttributeError):
+            log.warning("job %s: node %s answered its inventory with %r", job, node.host, r.stdout[:200])
+            silent[node.host] = "its answer is not an inventory"
 
     threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in nodes]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return held
+    return held, silent
 
 
 def realign(
@@ -125,15 +132,18 @@ def realign(
     assert rep is not None
     transport = make_transport(replace(cluster, nodes=tuple(nodes)), config.ssh)
     job = config.job_id
-    held = _inventories(transport, nodes, rep, job)
+    held, silent = _inventories(transport, nodes, rep, job)
     ranks = rank_hosts(world, cluster, config)
     step, moves = plan_moves(ranks, held)
+    unasked = "".join(f"; node {h} did not say what it holds ({why})" for h, why in sorted(silent.items()))
     if step is None:
         say(
-            f"no local step is on the reachable nodes for all {len(ranks)} ranks; the relaunch restores from the "
-            "durable tier, if the job has one"
+            f"no local step is on the nodes in service for all {len(ranks)} ranks{unasked}; the relaunch restores "
+            "from the durable tier, if the job has one"
         )
         return None
+    if unasked:
+        say(f"taking local step {step}, the newest every rank has on the nodes that answered{unasked}")
     hop = dict(rep.ring)
     by_host = {n.host: n for n in nodes}
     failed: list[str] = []

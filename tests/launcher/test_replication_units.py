@@ -143,3 +143,49 @@ def test_gpufleets_code_sent_only_for_the_replicator_stays_off_the_ranks_pythonp
     assert dict(on.env)["PYTHONPATH"] == f"/h/.gpufleet/snap/{snap.hash}"
     # Either way the node program checks the code is there before it runs (the `prepared` step).
     assert f"/h/.gpufleet/snap/{snap.hash}" in off.prepared and f"/h/.gpufleet/snap/{snap.hash}" in on.prepared
+
+
+class _Answers:
+    """A transport whose command for each node is a real process that answers as that node would:
+    its inventory as JSON, or ssh's failure for a node that cannot be reached."""
+
+    def __init__(self, answers: dict[str, str | None]):
+        self.answers = answers
+
+    def argv(self, node: Node, script: str) -> list[str]:
+        said = self.answers[node.host]
+        if said is None:
+            return [
+                "sh",
+                "-c",
+                f"echo 'ssh: connect to host {node.address} port 22: Connection timed out' >&2; exit 255",
+            ]
+        return [sys.executable, "-c", "import sys; print(sys.argv[1])", said]
+
+
+@pytest.mark.parametrize("node_2_answers", [True, False])
+def test_a_node_that_does_not_say_what_it_holds_is_named_in_the_realignment(monkeypatch, node_2_answers):
+    """Node 0 holds rank 0's steps 40 and 60; node 2 holds rank 1's copy of step 60. When node 2
+    cannot be reached no step has both ranks, and the line says which node did not answer and why."""
+    from launcher.jobs import realign as ra
+
+    inv = {"10.0.0.2": {"own": {"0": [40, 60]}, "peer": {}}, "10.0.0.4": {"own": {}, "peer": {"1": [60]}}}
+    answers = {
+        "10.0.0.2": json.dumps(inv["10.0.0.2"]),
+        "10.0.0.4": json.dumps(inv["10.0.0.4"]) if node_2_answers else None,
+    }
+    monkeypatch.setattr(ra, "make_transport", lambda cluster, ssh: _Answers(answers))
+    config = LaunchConfig(workload=Workload("exec", ("python3", "t.py")), job_id="j1", replication=RING)
+    said: list[str] = []
+    world, asked = (NODES[0], NODES[1]), (NODES[0], NODES[2])
+    step = ra.realign(Cluster("c1", world), world, asked, config, said.append)
+    if node_2_answers:  # step 60 for both: rank 1's copy goes from node 2 to node 1, its node now
+        assert (step, said) == (60, ["copied rank 1's step 60 from 10.0.0.4 (peer) to 10.0.0.3, which holds it now"])
+        return
+    assert step is None
+    (line,) = said
+    assert line == (
+        "no local step is on the nodes in service for all 2 ranks; node 10.0.0.4 did not say what it holds "
+        "(ssh: connect to host 10.0.0.4 port 22: Connection timed out); the relaunch restores from the durable "
+        "tier, if the job has one"
+    )

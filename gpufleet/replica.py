@@ -91,6 +91,12 @@ KEEP = 2
 # reached is passed over (the next one in the ring takes its copies meanwhile).
 POLL_S = 0.2
 UNREACHABLE_S = 60.0
+# A sidecar's connection to a peer outlives its last copy by this long at most, in case its
+# `close` never comes (a sidecar killed): ssh's ControlPersist. The longest control socket path:
+# sockaddr_un holds 107 bytes and a NUL on Linux, and ssh's master first binds the path with a
+# 17-byte temporary suffix (openssh mux.c, muxserver_listen).
+CONTROL_PERSIST_S = 30
+MAX_SOCKET_PATH = 107 - 17
 
 
 class ReplicaError(ValueError):
@@ -253,6 +259,7 @@ class Sender:
         key: str | os.PathLike[str],
         known: str | os.PathLike[str],
         say: Callable[[str], None] = _say,
+        mux: bool = False,
     ):
         self.root, self.job, self.port = Path(root), check_job(job), int(port)
         for peer in peers:
@@ -267,6 +274,11 @@ class Sender:
         for rank, step in self.pending():
             self.sent[rank] = self._ident(rank, step)
         self.down: dict[str, float] = {}  # peer -> when it last could not be reached
+        # `mux`: one ssh connection per peer, kept while the sender runs (`close` ends them), its
+        # socket in the key's own 0700 directory; none where that path is too long for a socket.
+        control = str(Path(self.key).parent / "cm-%C")  # %C: 40 hex digits
+        self.control = control if mux and len(control) - 2 + 40 <= MAX_SOCKET_PATH else None
+        self.connected: set[str] = set()
 
     def argv(self, peer: str) -> list[str]:
         """ssh to `peer` with the replica key: the options of the relay's hop
@@ -281,8 +293,11 @@ class Sender:
             f"UserKnownHostsFile={self.known}",
             "GlobalKnownHostsFile=/dev/null",
             "UpdateHostKeys=no",
-            "ControlMaster=no",
-            "ControlPath=none",
+            *(
+                (f"ControlPath={self.control}", "ControlMaster=auto", f"ControlPersist={CONTROL_PERSIST_S}")
+                if self.control
+                else ("ControlMaster=no", "ControlPath=none")
+            ),
             "ConnectTimeout=5",
             "ServerAliveInterval=5",
             "ServerAliveCountMax=3",
@@ -290,6 +305,17 @@ class Sender:
         ):
             argv += ["-o", opt]
         return argv + ["-T", "--", host, self.job]
+
+    def close(self) -> None:
+        """End the connection kept to each peer (`mux`): `ssh -O exit`, which stops its master."""
+        for peer in sorted(self.connected):
+            argv = self.argv(peer)
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(
+                    [*argv[: argv.index("-T")], "-O", "exit", "--", peer.rpartition("@")[2]],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10,
+                )  # fmt: skip
+        self.connected.clear()
 
     def _ident(self, rank: int, step: int) -> tuple[int, int]:
         try:
@@ -343,6 +369,8 @@ class Sender:
                 t0 = time.monotonic()
                 ident = self._ident(rank, step)
                 rc, why = self._send_one(peer, d)
+                if self.control and rc != 255:
+                    self.connected.add(peer)
                 if rc == 0:
                     self.sent[rank] = ident
                     copied += 1
@@ -468,7 +496,10 @@ def sidecar(argv: Sequence[str], make_sender: Callable[[], Sender | None], poll_
         if sender is not None:
             sender.once()
     if sender is not None:
-        sender.once()
+        try:
+            sender.once()
+        finally:
+            sender.close()
     return _exit_status(rc)
 
 
@@ -486,7 +517,7 @@ def _sender_from_env(peers: Sequence[str], port: int, state: str) -> Sender | No
             "receive copies: its checkpoints stay on this node only"
         )
         return None
-    return Sender(root, job, peers, port, Path(state) / "key", Path(state) / "known_hosts")
+    return Sender(root, job, peers, port, Path(state) / "key", Path(state) / "known_hosts", mux=True)
 
 
 def _receive_main() -> int:

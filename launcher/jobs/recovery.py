@@ -358,6 +358,9 @@ class Recoverer:
         every = [*cluster.nodes, *(Node(**n) for n in controller.request.get("spares") or [])]
         self.order = [n.host for n in every]
         self.known = {n.host: n for n in every}
+        # The request's ring, every node of the job in it: a node swapped out leaves the ring of the
+        # attempts after (`_realign`), and takes its place in it again once it rejoins and is used.
+        self.every_ring = config.replication
 
     @property
     def spares(self) -> tuple[Node, ...]:
@@ -526,7 +529,9 @@ class Recoverer:
         ring = [h for h, _ in rep.ring]
         now = [n.host for n in self.cluster.nodes]
         out = set(self.c.record.out)
-        self.config = dataclasses.replace(self.config, replication=current_ring(rep, self.cluster.nodes, spares, out))
+        assert self.every_ring is not None
+        new = current_ring(self.every_ring, self.cluster.nodes, spares, out)
+        self.config = dataclasses.replace(self.config, replication=new)
         if aligned(before, now, ring, gone):
             return
         # `out` holds this swap's nodes too (`_swap` added them before calling this).

@@ -8,7 +8,7 @@ is lost for good (SimCluster.power_off); the spare takes its place at once and r
 rank from that copy: the job resumes from its last copied local step, not from step 0. Then node
 1 comes back and the spare is lost too: node 1 passes its check, takes rank 1 again, and gets that
 rank's last step moved to it from the node that held node 2's copies (launcher.jobs.realign). The
-job ends SUCCEEDED with both swaps in its record."""
+job ends SUCCEEDED with both swaps in its record, and node 1 is in the replica ring again."""
 
 from __future__ import annotations
 
@@ -115,5 +115,11 @@ def test_a_node_lost_for_good_resumes_on_the_spare_from_its_peer_copy_of_the_loc
         f"before={before}, restored={restored}, moved={moved}:\n" + "\n".join(said)
     )
     assert "] step 400/400 |" in out, out[-4000:]
+    # Node 1, back in service, is in the ring again: after the second relaunch each node's ranks
+    # go to the other (node 0's to node 1, node 1's to node 0).
+    after = out.split("recovery 2 of 3", 1)[1]
+    for rank, to in ((0, a[1]), (1, a[0])):
+        copied = rf"replica: copied step_\d{{8}} of rank {rank} to (root@)?{re.escape(to)} in [\d.]+ s"
+        assert re.search(copied, after), "\n".join(ln for ln in after.splitlines() if "replica" in ln)
     assert re.search(r"replica: copied step_\d{8} of rank 1 to (root@)?" + re.escape(a[2]), out), out[-4000:]
     c.assert_nothing_left()

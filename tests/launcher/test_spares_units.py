@@ -265,3 +265,35 @@ def test_a_controller_that_re_adopts_a_job_after_a_swap_copies_along_the_ring_wi
     owner.record = _record(spares=["d"], nodes=["a", "b", "c"])
     got = _recoverer(owner, Cluster("t", world), config, RecoverPolicy(spares=1), Cluster("t", world))
     assert got.config.replication.ring == ring
+
+
+def test_a_node_that_rejoined_and_takes_a_rank_again_is_back_in_the_replica_ring(monkeypatch):
+    """Node b is lost (the spare d takes its rank), comes back and rejoins the spares, and takes a
+    rank again when d is lost: the ring of the next attempt has b again, so its ranks are copied."""
+    from types import SimpleNamespace
+
+    from launcher.core.types import Replication
+    from launcher.jobs import realign as ra
+    from launcher.jobs.recovery import Recoverer, RecoverPolicy
+
+    monkeypatch.setattr(ra, "realign", lambda *a, **k: None)  # the moves are test_replication_units'
+    every = nodes("a", "b", "c", "d")
+    world, _ = split_spares(every, 1)
+    rep = Replication(tuple((h, f"u@{h}") for h in "abcd"), 22, ".gpufleet/replica/t", "/code")
+    config = LaunchConfig(workload=Workload("torchrun", TRAIN_ARGV), job_id="j", replication=rep)
+    request = {"spares": [{"rank": 3, "host": "d", "address": "d", "slots": None, "name": "vm-d"}]}
+    owner = SimpleNamespace(request=request, record=_record(spares=["d"], nodes=["a", "b", "c"]), say=lambda s: None)
+    rec = Recoverer(owner, Cluster("t", world), config, RecoverPolicy(spares=1))
+
+    def swap(lost: str, into: str, spares: list[str]) -> list[str]:
+        before = [n.host for n in rec.cluster.nodes]
+        order = [h for h in "abcd" if h in before and h != lost or h == into]
+        rec.cluster = Cluster("t", tuple(Node(i, h, h) for i, h in enumerate(order)))
+        owner.record.out = [*owner.record.out, lost]
+        owner.record.spares = spares
+        rec._realign(before, {lost}, tuple(n for n in every if n.host in spares))
+        return [h for h, _ in rec.config.replication.ring]
+
+    assert swap("b", "d", []) == ["a", "c", "d"]
+    owner.record.out = []  # b passed its check again: a spare (launcher.jobs.recovery.Recoverer._rejoin)
+    assert swap("d", "b", []) == ["a", "b", "c"]

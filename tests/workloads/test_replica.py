@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -377,3 +378,21 @@ def test_the_sidecar_tells_its_ranks_to_wait_for_copies_only_when_it_copies(tmp_
     script = f"import os; open({str(seen)!r}, 'w').write(os.environ.get({lt.COPIES_VAR!r}, 'unset'))"
     assert sidecar([sys.executable, "-c", script], lambda: sender if with_sender else None, poll_s=0.05) == 0
     assert seen.read_text() == ("1" if with_sender else "unset")
+
+
+def test_a_sidecars_sender_keeps_one_connection_per_peer_in_the_keys_own_directory(tmp_path):
+    state = Path("/home/me/.gpufleet/replica/c1-3f2a")  # launcher.code.tree's, in the account's home
+    sender = Sender(tmp_path / "src", "job1", ["me@10.0.0.3"], 22, state / "key", state / "known_hosts", mux=True)
+    argv = sender.argv("me@10.0.0.3")
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert f"ControlPath={state}/cm-%C" in opts and "ControlMaster=auto" in opts, opts
+    assert argv[-3:] == ["--", "10.0.0.3", "job1"]
+    # A copy the controller asks for (`send`) keeps nothing open; nor does a sender whose socket
+    # path would not fit (a long home directory): each copy is its own connection then.
+    deep = state / ("d" * 40)
+    for other in (
+        Sender(tmp_path / "src", "job1", ["me@10.0.0.3"], 22, state / "key", state / "known_hosts"),
+        Sender(tmp_path / "src", "job1", ["me@10.0.0.3"], 22, deep / "key", deep / "known_hosts", mux=True),
+    ):
+        opts = [a for a in other.argv("me@10.0.0.3") if a.startswith("Control")]
+        assert opts == ["ControlMaster=no", "ControlPath=none"], opts

@@ -199,6 +199,20 @@ def test_under_a_replicator_each_save_waits_for_the_copies_and_keeps_the_newest_
     assert warning.endswith("a node lost meanwhile resumes from local step 8"), warning
 
 
+def test_a_run_given_another_local_directory_than_the_one_copied_waits_for_no_copy(tmp_path):
+    """The replicator copies $GPUFLEET_LOCAL_CHECKPOINT_DIR; a run given --local-checkpoint-dir
+    elsewhere writes where nothing is copied, so it waits for nothing and warns of nothing."""
+    copied, own = tmp_path / "copied", tmp_path / "own"
+    for d in (copied, own):
+        d.mkdir(mode=0o700)
+    args = ["--global-batch", "8", "--micro-batch", "2", "--straggler-every", "0", "--steps", "8"]
+    args += ["--local-checkpoint-every", "2", "--keep-local-checkpoints", "1", "--local-checkpoint-dir", str(own)]
+    run = train(args, env={**_env(copied), COPIES_VAR: "1", COPY_WAIT_VAR: "30"})
+    assert run.returncode == 0, run.stderr
+    assert "is not out" not in run.stderr and "waited" not in run.stdout, run.stderr
+    assert [complete_steps(own, JOB, OWN, r) for r in (0, 1)] == [[8], [8]]
+
+
 def test_a_copy_wait_that_is_not_a_number_of_seconds_is_one_line_exit_2(tmp_path):
     root = tmp_path / "local"
     root.mkdir(mode=0o700)

@@ -83,6 +83,15 @@ def local_root(given: str | None, environ: dict[str, str] | None = None) -> Path
         raise ConfigError(str(e)) from None
 
 
+def _same_dir(root: Path, given: str | None) -> bool:
+    """Whether the tier's root is the directory the replicator copies from ($GPUFLEET_LOCAL_CHECKPOINT_DIR):
+    a run given another --local-checkpoint-dir writes where no copy is made, and waits for none."""
+    try:
+        return given is not None and root.resolve() == Path(given).resolve()
+    except OSError:
+        return False
+
+
 def _seconds(var: str, default: float) -> float:
     """A number of seconds from the environment variable `var`; ConfigError when it is not one."""
     raw = os.environ.get(var)
@@ -147,7 +156,7 @@ class LocalTier:
         self.saved_step: int | None = None  # the step of this run's newest save, done or under way
         # Under gpufleet.replica's sidecar: each step's copy to a peer node is waited for before the
         # next save, and the newest step whose copies are out for every rank is never pruned.
-        self.copies = os.environ.get(COPIES_VAR) == "1"
+        self.copies = os.environ.get(COPIES_VAR) == "1" and _same_dir(self.root, os.environ.get(ENV_VAR))
         self.pinned: int | None = None
         self._copies_late = False
 

@@ -36,6 +36,7 @@ program runs without gpufleet; tests/launcher/test_node_run.py holds them equal.
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -362,8 +363,13 @@ class Supervised(Run):
 
 def main(argv):
     mode = argv[1] if len(argv) > 1 else ""
+    if mode == "stream" and len(argv) == 5 and argv[3].isdigit() and argv[4].isdigit():
+        return Stream(argv[2], int(argv[3]), int(argv[4])).stream()
     if (mode, len(argv)) not in (("run", 3), ("supervise", 4)):
-        say("%susage: node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR" % ERROR_PREFIX)
+        say(
+            "%susage: node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | node_run stream RUN_DIR PID "
+            "OFFSET" % ERROR_PREFIX
+        )
         return 2
     try:
         plan = json.loads(argv[2])
@@ -383,6 +389,87 @@ def main(argv):
     rc = run.run([run.watch_stdin])
     say("%s %d" % (EXIT_MARKER, rc))
     return rc
+
+
+class Stream:
+    """The session's half of a detached run (launcher.core.supervise): the supervisor's output,
+    `out` in the run's directory `run_dir`, to this session's stdout from byte `offset`, while
+    the supervisor (pid `supervisor`) runs, holding a shared flock(2) on `attached` (the
+    supervisor's sign that a controller is there). The session's stdin relays a stop: a `term
+    TICKS SECONDS` line becomes the file `stop` and a SIGUSR1 to the supervisor's watcher (the
+    second pid of `pid`); its end without one is a detach, and the session leaves the run
+    alone. Once the supervisor has ended: the rest of `out`, `EXIT_MARKER <rc>`, and the run's
+    directory removed, its output read."""
+
+    def __init__(self, run_dir, supervisor, offset):
+        self.dir, self.sup, self.offset = run_dir, supervisor, offset
+        self.term = False
+        self.detach = threading.Event()
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def relay(self):
+        for raw in sys.stdin.buffer:
+            words = raw.decode("utf-8", "replace").split()
+            if len(words) != 3 or words[0] != "term":
+                continue
+            self.term = True
+            try:
+                with open(self.path("stop.new"), "w") as f:
+                    f.write("%s %s\n" % (words[1], words[2]))
+                os.replace(self.path("stop.new"), self.path("stop"))
+                with open(self.path("pid")) as f:
+                    os.kill(int(f.read().split()[1]), signal.SIGUSR1)
+            except (OSError, ValueError, IndexError):
+                pass  # the watcher finds the file within a second, or has ended already
+        if not self.term:
+            self.detach.set()
+
+    def copy(self, f):
+        """What `out` holds past where `f` is, to stdout; False once nobody reads it."""
+        while True:
+            chunk = f.read(1 << 16)
+            if not chunk:
+                return True
+            try:
+                while chunk:
+                    chunk = chunk[os.write(1, chunk) :]
+            except OSError:
+                return False
+
+    def stream(self):
+        lock = os.open(self.path("attached"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        threading.Thread(target=self.relay, daemon=True).start()
+        with open(self.path("out"), "rb") as f:
+            f.seek(self.offset)
+            while True:
+                ended = gone(self.sup)  # before the read: the read after it ended takes the rest
+                if not self.copy(f):
+                    return 0
+                if ended:
+                    break
+                if not self.detach.wait(0.2):
+                    continue
+                if not os.path.exists(self.path("rc")):
+                    return 0  # the controller went away: the run goes on without this session
+                time.sleep(0.05)  # the supervisor has written its status and is ending
+        try:
+            with open(self.path("rc")) as r:
+                rc = int(r.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            if self.detach.is_set():
+                return 0
+            os.write(2, b"the supervisor of this run ended without an exit status\n")
+            return 70
+        say("%s %d" % (EXIT_MARKER, rc))
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.dir))  # the job's, once its last run is read
+        except OSError:
+            pass
+        return rc
 
 
 if __name__ == "__main__":

@@ -299,7 +299,7 @@ class NodeProgram:
         # for the stream's stop relay: a background list's stdin is /dev/null in a
         # non-interactive shell (POSIX, "Asynchronous Lists").
         plan = self.plan()
-        return [*s, "exec 3<&0", *supervise.supervised_run(plan, _node_run("supervise", plan))]
+        return [*s, "exec 3<&0", *supervise.supervised_run(plan, _node_run("supervise", plan), _node_run_stream())]
 
 
 def _gate() -> list[str]:
@@ -323,6 +323,12 @@ def _node_run(mode: str, plan: NodePlan) -> str:
     """launcher.core.node_run's `mode` on the node, for `plan` (the supervisor's run directory
     is added to it by the statement that starts it)."""
     return python_source_command(_node_run_source(), f"{mode} {shlex.quote(plan.to_json())}")
+
+
+def _node_run_stream() -> str:
+    """launcher.core.node_run's `stream` on the node (the run's directory, the supervisor's pid
+    and the offset are added to it by the statement that runs it)."""
+    return python_source_command(_node_run_source(), "stream")
 
 
 @functools.cache
@@ -490,8 +496,9 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
 def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int, int]) -> dict[int, str]:
     """A re-adopting controller's program for every node, by rank: stream the detached run's
     output from `offsets[rank]` bytes on (launcher.core.supervise.attach_script)."""
+    stream = _node_run_stream()
     return {
-        n.rank: supervise.attach_script(config.job_id, config.attempt, n.rank, offsets.get(n.rank, 0))
+        n.rank: supervise.attach_script(config.job_id, config.attempt, n.rank, offsets.get(n.rank, 0), stream)
         for n in cluster.nodes
     }
 

@@ -11,8 +11,8 @@ die (its process killed, its VM rebooted) while the job trains, so on a detached
   use), its exit status to `rc` when it ends. The supervisor's watcher stops every rank (the same
   SIGTERM, --term-grace, SIGKILL and STOP_REPORT lines as an attached stop) on a stop request, a
   Spot preemption notice, or when no controller has been attached for --controller-grace;
-- the SSH session only *streams* `out` from a byte offset (`tail -F`), holding a shared lock on
-  `attached` while it is connected, and relays a stop: a `term TICKS SECONDS` line (what the
+- the SSH session only *streams* `out` from a byte offset (node_run's `stream`, in Python too),
+  holding a shared lock on `attached` while it is connected, and relays a stop: a `term TICKS SECONDS` line (what the
   controller writes before it closes the session on purpose: `launch stop`, a failed node,
   recovery) becomes the file `stop` and a SIGUSR1 to the watcher. End of input alone means the
   controller went away: the session detaches and the workers keep training;
@@ -31,7 +31,7 @@ from __future__ import annotations
 import shlex
 
 from gpufleet.node_plan import NodePlan
-from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, join
+from launcher.core.wire import CHECKED_MARKER, join
 
 __all__ = [
     "NODE_RUNS_DIR",
@@ -53,12 +53,12 @@ def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
     return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
 
 
-def supervised_run(plan: NodePlan, supervisor: str) -> list[str]:
+def supervised_run(plan: NodePlan, supervisor: str, stream: str) -> list[str]:
     """A detached job's run half on node `plan.node_rank`: start its supervisor (`supervisor`,
     launcher.core.node_run's `supervise PLAN`, to which the run's directory is added) in a
-    session of its own and stream its output from the start."""
+    session of its own and stream its output from the start (`stream`, node_run's `stream`)."""
     d = node_run_dir(plan.job_id, plan.attempt, plan.node_rank)
-    return [*_start_statements(d, supervisor), "OFF=0", *_stream_statements()]
+    return [*_start_statements(d, supervisor), "OFF=0", _stream_statement(stream)]
 
 
 def _start_statements(run_dir: str, supervisor: str) -> list[str]:
@@ -76,40 +76,19 @@ def _start_statements(run_dir: str, supervisor: str) -> list[str]:
     ]
 
 
-def _stream_statements() -> list[str]:
-    """Stream `$D/out` from byte `$OFF` while `$SUP` runs, relaying a stop line from fd 3; then
-    the rest, `EXIT_MARKER <rc>`, and the directory removed. End of input first: detach."""
-    return [
-        'exec 8>>"$D/attached"',
-        "flock -s 8",
-        'if [ -f "$D/rc" ]; then tail -c +$((OFF + 1)) "$D/out" 8<&- & '
-        'else tail -c +$((OFF + 1)) -s 0.2 -F --pid="$SUP" "$D/out" 2>/dev/null 8<&- & fi',
-        "T=$!",
-        # A `term` line is a deliberate stop: the grace goes to the file, the watcher is woken, and
-        # the stream goes on to the exit status. End of input without one: detach.
-        '( t=; while IFS= read -r L; do case $L in "term "*) set -- $L; printf "%s %s\\n" "$2" "$3" > "$D/stop.new" '
-        '&& mv -f "$D/stop.new" "$D/stop"; t=1; read -r _ w < "$D/pid" && kill -USR1 "$w";; esac; done; '
-        '[ -n "$t" ] || kill "$T" ) <&3 8<&- >/dev/null 2>&1 &',
-        "R=$!",
-        "exec 3<&-",
-        'wait "$T"',
-        # No exit status: either end of input (the reader killed tail: nobody reads this any more)
-        # or the supervisor was killed.
-        'if [ ! -f "$D/rc" ]; then kill -0 "$R" 2>/dev/null || exit 0; kill "$R"; '
-        'echo "the supervisor of this run ended without an exit status" >&2; exit 70; fi',
-        'kill "$R" 2>/dev/null',
-        'read -r rc < "$D/rc"',
-        f"printf '{EXIT_MARKER} %d\\n' \"$rc\"",
-        'rm -rf "$D"',
-        'rmdir "${D%/*}" 2>/dev/null',
-        'exit "$rc"',
-    ]
+def _stream_statement(stream: str) -> str:
+    """The session's last statement: launcher.core.node_run's `stream` (`stream`, to which the
+    run's directory, the supervisor's pid and the byte offset are added) of `$D/out` from byte
+    `$OFF` while `$SUP` runs, relaying a stop line from the session's stdin (fd 3); then the rest,
+    `EXIT_MARKER <rc>`, and the directory removed. End of input first: detach. Not `exec`: the
+    prologue's EXIT trap runs when it ends."""
+    return f'{stream} "$D" "$SUP" "$OFF" <&3 3<&-'
 
 
-def attach_script(job_id: str, attempt: int, rank: int, offset: int) -> str:
+def attach_script(job_id: str, attempt: int, rank: int, offset: int, stream: str) -> str:
     """A re-adopting controller's session to node `rank`: it answers its check at once when the
     run's directory is there (else one error line and exit 3), waits for `go`, then streams from
-    byte `offset` as the first session did."""
+    byte `offset` as the first session did (`stream`, launcher.core.node_run's `stream`)."""
     d = node_run_dir(job_id, attempt, rank)
     s = [
         f"D={d}",
@@ -121,6 +100,6 @@ def attach_script(job_id: str, attempt: int, rank: int, offset: int) -> str:
         "IFS= read -r G || exit 0",
         '[ "$G" = go ] || exit 0',
         "exec 3<&0",
-        *_stream_statements(),
+        _stream_statement(stream),
     ]
     return join(s)

@@ -210,3 +210,74 @@ def test_a_supervised_run_stops_on_its_stop_request_and_leaves_its_status(tmp_pa
     text = (d / "out").read_text()
     assert "hup True" in text and (d / "rc").read_text() == "0\n", text
     assert text.count("exited by itself after SIGTERM") == 2 and _carrying(f"{job}-0") == [], text
+
+
+def _supervised(tmp_path, job: str, controller_grace_s: int = 600) -> tuple[Path, subprocess.Popen]:
+    """A supervisor of TREE in the run directory `run` under tmp_path, as the session starts it."""
+    plan = json.loads(_plan(job, [sys.executable, "-c", TREE]))
+    plan["limits"]["controller_grace_s"] = controller_grace_s
+    d = tmp_path / "job" / "0.0"
+    d.mkdir(parents=True, mode=0o700)
+    with open(d / "out", "ab") as out:
+        sup = subprocess.Popen(
+            ["python3", "-I", "-S", "-c", SOURCE, "supervise", json.dumps(plan), str(d)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return d, sup
+
+
+def _stream(d: Path, pid: int, offset: int = 0) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["python3", "-I", "-S", "-c", SOURCE, "stream", str(d), str(pid), str(offset)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_a_stream_relays_a_stop_then_ends_with_the_status_and_removes_the_run(tmp_path):
+    """`stream DIR PID OFFSET`, a detached job's session: the supervisor's output from the offset,
+    a `term` line relayed as the stop request with its grace, then the status, `EXIT_MARKER`, and
+    the run's directory (and the job's, now empty) removed."""
+    job = _job()
+    d, sup = _supervised(tmp_path, job)
+    wait_for(lambda: b"up\n" in (d / "out").read_bytes() and (d / "pid").exists(), 60, "the supervised workload")
+    skip = len((d / "out").read_bytes().split(b"up\n", 1)[0])  # a controller that has read this far
+    s = _stream(d, sup.pid, skip)
+    s.stdin.write(grace_line(7).decode())
+    s.stdin.flush()
+    out, err = s.communicate(timeout=60)
+    assert s.returncode == 0 and sup.wait(timeout=60) == 0, err
+    assert out.startswith("up\n") and out.count("exited by itself after SIGTERM") == 2, out
+    assert out.splitlines()[-1] == f"{EXIT_MARKER} 0", out
+    assert not (tmp_path / "job").exists() and _carrying(f"{job}-0") == []
+
+
+def test_a_stream_whose_input_ends_without_a_stop_detaches_and_the_run_goes_on(tmp_path):
+    job = _job()
+    d, sup = _supervised(tmp_path, job)
+    try:
+        wait_for(lambda: (d / "pid").exists(), 60, "the supervised workload")
+        s = _stream(d, sup.pid)
+        s.stdin.close()  # the controller went away
+        assert s.wait(timeout=30) == 0 and EXIT_MARKER not in s.stdout.read()
+        assert sup.poll() is None and (d / "out").exists() and not (d / "stop").exists()
+        # A controller that comes back streams from where it was, then stops the run.
+        again = _stream(d, sup.pid)
+        out, _ = again.communicate(grace_line(3).decode(), timeout=60)
+        assert out.splitlines()[-1] == f"{EXIT_MARKER} 0" and again.returncode == 0, out
+    finally:
+        sup.kill()
+        sup.wait()
+    assert _carrying(f"{job}-0") == []
+
+
+def test_a_supervisor_that_died_without_a_status_is_one_line_exit_70(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "out").write_bytes(b"some output\n")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    s = _stream(d, dead.pid)  # its input open: a controller is there, waiting for the status
+    assert s.wait(timeout=30) == 70
+    why = "the supervisor of this run ended without an exit status\n"
+    assert (s.stdout.read(), s.stderr.read()) == ("some output\n", why)
+    s.stdin.close()

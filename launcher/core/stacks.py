@@ -360,6 +360,18 @@ def _collective_part(waiting: list[tuple[RankStack, Place]], everyone: bool) -> 
     )
 
 
+def _no_stack_why(s: RankStack) -> str:
+    """Why py-spy gave no stack of `s`: its error line (it may come before the header it printed
+    to stdout: `Process N: ...`, `Python v3.11.2 (...)`), that it timed out, or its last line."""
+    lines = [ln.strip() for ln in s.text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("Error:")]
+    if errors:
+        return errors[0]
+    if s.status == 124:
+        return f"py-spy got no stack in {_DUMP_TIMEOUT_S} s (the process is stopped, or stuck in the kernel)"
+    return lines[-1] if lines else f"py-spy exit {s.status}"
+
+
 def verdict(silent_s: float, nodes: list[NodeStacks], stacks_dir: str) -> tuple[str, list[RankStack]]:
     """The one line that names the culprit, and the ranks it names: ranks outside every
     collective first (up to 3, with where they are), then what the others wait in, then the
@@ -382,8 +394,7 @@ def verdict(silent_s: float, nodes: list[NodeStacks], stacks_dir: str) -> tuple[
         parts.append(text)
         named += odd
     for s in failed[:3]:
-        why = (s.text.strip().splitlines() or [f"py-spy exit {s.status}"])[-1]
-        parts.append(f"no stack from {_who(s)}: {why}")
+        parts.append(f"no stack from {_who(s)}: {_no_stack_why(s)}")
     for n in nodes:
         if n.error:
             parts.append(f"{n.node.label}: {n.error}")

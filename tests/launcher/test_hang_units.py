@@ -217,6 +217,27 @@ def test_a_rank_that_gives_no_stack_is_named_before_a_waiting_rank_at_another_ca
     assert "no stack from node 1 (10.0.0.12) rank 2: Error: Failed to suspend process" in line
 
 
+@pytest.mark.parametrize(
+    "text,status,why",
+    [
+        # py-spy's error on stderr came before the header it had written to stdout
+        ("Error: Failed to suspend process\nProcess 881: python\nPython v3.11.2 (/usr/bin/python3.11)\n", 1,
+         "Error: Failed to suspend process"),
+        ("Process 881: python\nPython v3.11.2 (/usr/bin/python3.11)\n", 124,
+         "py-spy got no stack in 30 s (the process is stopped, or stuck in the kernel)"),
+        ("", 3, "py-spy exit 3"),
+    ],
+)  # fmt: skip
+def test_why_a_rank_gave_no_stack_is_py_spys_error_not_its_header(text, status, why):
+    n0, n1 = nodes(2)
+    got = [
+        NodeStacks(n0, [rank(n0, 0, "gloo-all_reduce-wait.txt")]),
+        NodeStacks(n1, [RankStack(n1, 1, 881, False, text, status)]),
+    ]
+    line, named = verdict(10, got, "s")
+    assert f"no stack from node 1 (10.0.0.12) rank 1: {why};" in line and [s.rank for s in named] == [1], line
+
+
 def test_node_output_is_split_into_ranks_and_flight_recorder_dumps():
     (n0,) = nodes(1)
     text = (

@@ -33,7 +33,9 @@ Names the launcher reads (the markers) are launcher.core.wire's, repeated here b
 program runs without gpufleet; tests/launcher/test_node_run.py holds them equal.
 """
 
+import base64
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -365,6 +367,8 @@ def main(argv):
     mode = argv[1] if len(argv) > 1 else ""
     if mode == "stream" and len(argv) == 5 and argv[3].isdigit() and argv[4].isdigit():
         return Stream(argv[2], int(argv[3]), int(argv[4])).stream()
+    if mode == "stacks" and len(argv) == 3:
+        return stacks(json.loads(argv[2]))
     if (mode, len(argv)) not in (("run", 3), ("supervise", 4)):
         say(
             "%susage: node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | node_run stream RUN_DIR PID "
@@ -389,6 +393,146 @@ def main(argv):
     rc = run.run([run.watch_stdin])
     say("%s %d" % (EXIT_MARKER, rc))
     return rc
+
+
+STACK_MARKER = "__GPUFLEET_STACK__"  # launcher.core.stacks's markers
+FR_MARKER = "__GPUFLEET_FR__"
+NO_PYSPY = "__GPUFLEET_NO_PYSPY__"
+STACKS_END = "__GPUFLEET_STACKS_END__"
+
+
+def env_value(line):
+    """One launcher.core.wire.env_block line, decoded: `\\n` a newline, `\\\\` a backslash."""
+    out, i = [], 0
+    while i < len(line):
+        c = line[i]
+        if c == "\\" and i + 1 < len(line) and line[i + 1] in "n\\":
+            out.append("\n" if line[i + 1] == "n" else "\\")
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def find_pyspy(spec):
+    """py-spy beside the nodes' python (the one the launch's PATH, read from stdin, puts first),
+    else the tools environment's under $HOME, else on PATH; None when there is none."""
+    path = os.environ.get("PATH", "")
+    if spec["read_path"]:
+        line = sys.stdin.buffer.readline()
+        if not line.endswith(b"\n"):
+            return None, False  # the launcher gave up before sending it
+        value = env_value(line[:-1].decode("utf-8", "surrogateescape"))
+        path = value + (":" + path if path else "")
+    python = shutil.which(spec["python"], path=path)
+    beside = os.path.join(os.path.dirname(python), "py-spy") if python else ""
+    tools = os.path.join(os.path.expanduser("~"), spec["tools"], "bin", "py-spy")
+    for candidate in (beside, tools):
+        if candidate and os.access(candidate, os.X_OK) and os.path.isfile(candidate):
+            return candidate, True
+    return shutil.which("py-spy", path=path), True
+
+
+def dump(prefix, pid):
+    """(status, stdout, stderr) of one py-spy dump; a main thread outside torch.distributed's
+    Python is dumped again with --native (a rank in `work.wait()` shows only its caller's line)."""
+    first = subprocess.run(prefix + ["--pid", str(pid)], capture_output=True, stdin=subprocess.DEVNULL)
+    if first.returncode != 0:
+        return first.returncode, first.stdout, first.stderr
+    lines = first.stdout.decode("utf-8", "replace").splitlines()
+    main = next((i for i, ln in enumerate(lines) if '"MainThread"' in ln), None)
+    top = next((ln for ln in lines[main + 1 :] if ln.startswith(" ")), "") if main is not None else ""
+    if "torch/distributed/" not in top:
+        native = subprocess.run(prefix + ["--native", "--pid", str(pid)], capture_output=True, stdin=subprocess.DEVNULL)
+        if native.returncode == 0:
+            return 0, native.stdout, b""
+    return 0, first.stdout, first.stderr
+
+
+def flight_recorder_ask(prefix):
+    """Ask every rank of the node to write its flight-recorder dump (a byte into its pipe); the
+    number asked. A pipe without a reader (its rank is gone) is passed over."""
+    asked = 0
+    for pipe in sorted(glob.glob(glob.escape(prefix) + "*.pipe")):
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            os.write(fd, b"1")
+            asked += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
+
+
+def flight_recorder_fetch(prefix, asked):
+    """Each dump (`<prefix><rank>`, a regular file) as one base64 line, then removed; up to 5 s for
+    the `asked` ones to appear."""
+
+    def dumps():
+        return [f for f in glob.glob(glob.escape(prefix) + "[0-9]*") if os.path.isfile(f)]
+
+    for _ in range(25):
+        if not asked or len(dumps()) >= asked:
+            break
+        time.sleep(0.2)
+    if asked:
+        time.sleep(0.5)
+    for f in sorted(dumps()):
+        try:
+            with open(f, "rb") as fh:
+                data = base64.b64encode(fh.read()).decode()
+            os.unlink(f)
+        except OSError:
+            continue
+        say("%s %s %s" % (FR_MARKER, f[len(prefix) :], data))
+
+
+def stacks(spec):
+    """`stacks SPEC`: every worker of the run (`token`) on this node dumped with py-spy at once,
+    each as `STACK_MARKER rank pid status` then its dump (its error first when it failed), then
+    the flight-recorder dumps when `fr_prefix` is set, then STACKS_END (launcher.core.stacks reads it)."""
+    pyspy, ok = find_pyspy(spec)
+    if not ok:
+        return 0
+    if pyspy is None:
+        say(NO_PYSPY)
+        return 0
+    workers = ranks(spec["token"], None, anywhere=True)
+    sudo = []
+    if os.geteuid() != 0 and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0:
+        sudo = ["sudo", "-n"]  # ptrace as another user is refused under Yama's ptrace_scope 1
+    prefix = sudo + ["timeout", str(spec["timeout"]), pyspy, "dump"]
+    asked = flight_recorder_ask(spec["fr_prefix"]) if spec.get("fr_prefix") else 0
+    results = {}
+
+    def one(pid):
+        try:
+            results[pid] = dump(prefix, pid)
+        except OSError as e:
+            results[pid] = (127, b"", ("Error: %s\n" % e).encode())
+
+    threads = [threading.Thread(target=one, args=(pid,)) for pid, _ in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for pid, rank in workers:
+        rc, out, err = results.get(pid, (255, b"", b""))
+        say("%s %s %d %d" % (STACK_MARKER, rank, pid, rc))
+        text = out if rc == 0 else err + out
+        try:
+            os.write(1, text)
+        except OSError:
+            pass
+    if spec.get("fr_prefix"):
+        flight_recorder_fetch(spec["fr_prefix"], asked)
+    say(STACKS_END)
+    return 0
 
 
 class Stream:

@@ -116,6 +116,7 @@ __all__ = [
     "ProgramBuilder",
     "node_commands",
     "attach_commands",
+    "node_run_command",
     "probe_script",
     "stdin_env",
     "env_stdin",
@@ -322,13 +323,18 @@ def _attached_run(plan: NodePlan) -> list[str]:
 def _node_run(mode: str, plan: NodePlan) -> str:
     """launcher.core.node_run's `mode` on the node, for `plan` (the supervisor's run directory
     is added to it by the statement that starts it)."""
-    return python_source_command(_node_run_source(), f"{mode} {shlex.quote(plan.to_json())}")
+    return node_run_command(f"{mode} {shlex.quote(plan.to_json())}")
 
 
 def _node_run_stream() -> str:
     """launcher.core.node_run's `stream` on the node (the run's directory, the supervisor's pid
     and the offset are added to it by the statement that runs it)."""
-    return python_source_command(_node_run_source(), "stream")
+    return node_run_command("stream")
+
+
+def node_run_command(args: str) -> str:
+    """A node's statement that runs launcher.core.node_run with `args` (quoted already)."""
+    return python_source_command(_node_run_source(), args)
 
 
 @functools.cache

@@ -1,13 +1,14 @@
 """Every worker's Python stack on every node at once, and the verdict they give on a hang.
 
-`collect` runs one program per node (`collect_script`), all nodes in parallel, over the launch's
-own transport (the SSH ControlMaster connections its sessions opened, or bash for `--local`).
-On the node the program finds the job's workers by the `GPUFLEET_RUN` token the run half put
-in their environment (launcher.core.program): of the processes carrying it, the workers are the ones
-with RANK and LOCAL_RANK (torchrun's agent has neither) whose parent has none (a DataLoader
-worker forked from a rank inherits them). It dumps each with `py-spy dump` (every worker of the
-node in parallel) and prints the dumps between marker lines, then any flight-recorder dumps of
-an NCCL job (launcher.core.hang.flight_recorder_env), which it first asks every rank to write.
+`collect` runs one program per node (`collect_script`: launcher.core.node_run's `stacks`, in
+Python, with a small spec as JSON), all nodes in parallel, over the launch's own transport (the
+SSH ControlMaster connections its sessions opened, or bash for `--local`). On the node the
+program finds the job's workers by the `GPUFLEET_RUN` token the run half put in their
+environment (launcher.core.program): of the processes carrying it, the workers are the ones with
+a RANK (torchrun's agent has none) whose parent has none (a DataLoader worker forked from a rank
+inherits it). It dumps each with `py-spy dump` (every worker of the node in parallel) and prints
+the dumps between marker lines, then any flight-recorder dumps of an NCCL job
+(launcher.core.hang.flight_recorder_env), which it first asks every rank to write.
 
 py-spy comes from beside the nodes' python (gpufleet[workloads] has it), else from the tools
 environment launcher.code builds on a node whose job environment lacks it (`PYSPY_TOOLS`, a
@@ -26,6 +27,7 @@ text, so the attached CLI and the detached controller (which run the same Launch
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import re
 import shlex
@@ -38,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.core.hang import flight_recorder_prefix
+from launcher.core.program import node_run_command
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, Node
-from launcher.core.wire import env_block, read_env_statements, run_token
+from launcher.core.wire import env_block, run_token
 
 __all__ = [
     "STACK_MARKER",
@@ -79,37 +82,6 @@ PYSPY_TOOLS = f".gpufleet/tools/py-spy-{PYSPY_VERSION}"
 # ---- the node-side program ----
 
 
-def _find_workers(token: str) -> list[str]:
-    """Lines that leave `pid rank` lines in "$T/w": the job's workers on this node."""
-    q = shlex.quote(token)
-    return [
-        # One awk over every environ carrying the token: `pid rank` for those with RANK and LOCAL_RANK.
-        f"F=$(grep -lzx {q} /proc/[0-9]*/environ 2>/dev/null); "
-        '[ -n "$F" ] && awk -v RS=\'\\0\' -F= \'FNR == 1 {if (r != "" && l != "") print p, r; '
-        'p = FILENAME; sub("^/proc/", "", p); sub("/environ$", "", p); r = l = ""} '
-        '$1 == "RANK" {r = $2} $1 == "LOCAL_RANK" {l = $2} END {if (r != "" && l != "") print p, r}\' $F > "$T/c"',
-        # A rank's own children (DataLoader workers) carry its RANK too: keep the ones whose
-        # parent is not a rank (field 4 of /proc/PID/stat, read after the command name).
-        'touch "$T/c"; while read -r p r; do read -r s < /proc/"$p"/stat || continue; s=${s##*) }; set -- $s; '
-        'grep -q "^$2 " "$T/c" || echo "$p $r"; done < "$T/c" > "$T/w"',
-    ]
-
-
-def _find_pyspy(config: LaunchConfig) -> list[str]:
-    """`S`: the py-spy beside the nodes' python (pip puts it in the same bin), else the tools
-    environment's (`PYSPY_TOOLS`), else on PATH. A --env PATH is read from stdin (`collect_stdin`)."""
-    py = shlex.quote(config.python)
-    s = []
-    if _path(config) is not None:  # --env PATH=... decides which python (and so which py-spy) the run uses
-        s += read_env_statements("PATH", prepend=True)
-    return s + [
-        f'S=; Y=$(command -v {py} 2>/dev/null); [ -n "$Y" ] && [ -x "${{Y%/*}}/py-spy" ] && S="${{Y%/*}}/py-spy"',
-        f'[ -n "$S" ] || {{ [ -x "$HOME/{PYSPY_TOOLS}/bin/py-spy" ] && S="$HOME/{PYSPY_TOOLS}/bin/py-spy"; }}',
-        '[ -n "$S" ] || S=$(command -v py-spy 2>/dev/null)',
-        f'[ -n "$S" ] || {{ echo {_NO_PYSPY}; exit 0; }}',
-    ]
-
-
 def _path(config: LaunchConfig) -> str | None:
     return dict(config.env).get("PATH")
 
@@ -121,56 +93,19 @@ def collect_stdin(config: LaunchConfig) -> bytes:
     return env_block([("PATH", path)]) if path is not None else b""
 
 
-def _dump_all() -> list[str]:
-    """Every worker in "$T/w" dumped at once; a rank whose main thread is not in torch.distributed's
-    Python is dumped again with --native (a rank in `work.wait()` shows only its caller's line
-    otherwise). Then `MARKER rank pid status` and each dump."""
-    dump = f'$U timeout {_DUMP_TIMEOUT_S} "$S" dump'
-    return [
-        # As another user than root, ptrace is refused under Yama's ptrace_scope 1 (the default
-        # on Ubuntu): py-spy runs through passwordless sudo where the node has it.
-        'U=; if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then U="sudo -n"; fi',
-        f'd() {{ {dump} --pid "$1" > "$T/$2.out" 2> "$T/$2.err" || return $?; '
-        'n=$(awk \'/"MainThread"/ {m = 1; next} m && /^ / {print; exit}\' "$T/$2.out"); '
-        'case "$n" in *torch/distributed/*) return 0;; esac; '
-        f'{dump} --native --pid "$1" > "$T/$2.n" 2> /dev/null && mv "$T/$2.n" "$T/$2.out"; return 0; }}',
-        'while read -r p r; do ( d "$p" "$r"; echo $? > "$T/$r.rc" ) & done < "$T/w"',
-        "wait",
-        'while read -r p r; do c=255; read -r c < "$T/$r.rc"; '
-        f'echo "{STACK_MARKER} $r $p $c"; if [ "$c" = 0 ]; then cat "$T/$r.out"; else cat "$T/$r.err" "$T/$r.out"; fi; '
-        'done < "$T/w"',
-    ]
-
-
-def _flight_recorder(prefix: str) -> tuple[list[str], list[str]]:
-    """(before the dumps: ask every rank of the node to dump through its pipe; after them: wait
-    briefly for the dumps, print each as one base64 line and remove it)."""
-    p = shlex.quote(prefix)
-    trigger = [
-        # A pipe with no reader (its rank is gone) would block the write: `timeout` bounds it.
-        f"K=0; for q in {p}*.pipe; do [ -p \"$q\" ] || continue; timeout 2 sh -c 'printf 1 > \"$1\"' sh \"$q\" "
-        "&& K=$((K+1)); done",
-    ]
-    fetch = [
-        # The dumps are regular files; the pipes (`<prefix><rank>.pipe`) match the glob too.
-        f'nd() {{ n=0; for f in {p}[0-9]*; do [ -f "$f" ] && n=$((n+1)); done; echo $n; }}',
-        'i=0; while [ "$K" -gt 0 ] && [ $i -lt 25 ] && [ "$(nd)" -lt "$K" ]; do sleep 0.2; i=$((i+1)); done',
-        f'[ "$K" -gt 0 ] && sleep 0.5; for f in {p}[0-9]*; do [ -f "$f" ] || continue; '
-        f'echo "{_FR_MARKER} ${{f#{p}}} $(base64 -w0 < "$f")"; rm -f "$f"; done',
-    ]
-    return trigger, fetch
-
-
 def collect_script(config: LaunchConfig, node: Node, fr: bool = False) -> str:
-    """The node-side program (bash, one line) that prints the stacks of the job's workers on
-    `node` and, with `fr`, their flight-recorder dumps; it reads `collect_stdin(config)` first.
-    Pure: every value that crosses the shell is quoted, and no --env value is in it."""
-    s = ["T=$(mktemp -d) || exit 1", "trap 'rm -rf \"$T\"' EXIT"]
-    s += _find_pyspy(config)
-    s += _find_workers(run_token(config.job_id, node.rank))
-    trigger, fetch = _flight_recorder(flight_recorder_prefix(config.job_id)) if fr else ([], [])
-    s += trigger + _dump_all() + fetch + [f"echo {_END}"]
-    return "; ".join(s)
+    """The node-side program (launcher.core.node_run's `stacks`, one line) that prints the stacks
+    of the job's workers on `node` and, with `fr`, their flight-recorder dumps; it reads
+    `collect_stdin(config)` first. No --env value is in it: a --env PATH travels on stdin."""
+    spec = {
+        "token": run_token(config.job_id, node.rank),
+        "python": config.python,
+        "read_path": _path(config) is not None,
+        "tools": PYSPY_TOOLS,
+        "timeout": _DUMP_TIMEOUT_S,
+        "fr_prefix": flight_recorder_prefix(config.job_id) if fr else None,
+    }
+    return node_run_command(f"stacks {shlex.quote(json.dumps(spec))}")
 
 
 # ---- what came back ----

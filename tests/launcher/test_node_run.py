@@ -39,6 +39,10 @@ def test_the_node_side_names_are_the_launchers():
     assert (node_run.SCHEMA, node_run.RUN_VAR, node_run.STOP_REPORT) == (SCHEMA_VERSION, RUN_VAR, STOP_REPORT)
     assert (node_run.EXIT_MARKER, node_run.PREEMPTION_NOTICE) == (EXIT_MARKER, PREEMPTION_NOTICE)
     assert node_run.ERROR_PREFIX == LAUNCHER_ERROR_PREFIX
+    from launcher.core import stacks
+
+    assert (node_run.STACK_MARKER, node_run.FR_MARKER) == (stacks.STACK_MARKER, stacks._FR_MARKER)
+    assert (node_run.NO_PYSPY, node_run.STACKS_END) == (stacks._NO_PYSPY, stacks._END)
     assert all(round(g / node_run.TICK_S) == stop_ticks(g) for g in (0.2, 1, 7.5, 25))
 
 

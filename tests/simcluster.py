@@ -717,6 +717,14 @@ class SimCluster:
         victims = set(self.processes(i))
         if node.sshd:
             victims |= set(_descendants(node.sshd.pid))
+        # All stopped first, then killed: one by one, a shell that outlived its command would
+        # report the kill (exit 137) through an sshd not yet killed, where a vanished node says
+        # nothing at all.
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
         for pid in victims:
             self._kill(pid)
 

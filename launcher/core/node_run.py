@@ -403,11 +403,12 @@ STACKS_END = "__GPUFLEET_STACKS_END__"
 
 def env_value(line):
     """One launcher.core.wire.env_block line, decoded: `\\n` a newline, `\\\\` a backslash."""
+    escape = chr(92)  # a backslash: no literal one, which the shell line this code travels in would trip on
     out, i = [], 0
     while i < len(line):
         c = line[i]
-        if c == "\\" and i + 1 < len(line) and line[i + 1] in "n\\":
-            out.append("\n" if line[i + 1] == "n" else "\\")
+        if c == escape and i + 1 < len(line) and line[i + 1] in ("n", escape):
+            out.append(chr(10) if line[i + 1] == "n" else escape)
             i += 2
         else:
             out.append(c)

@@ -285,3 +285,11 @@ def test_a_supervisor_that_died_without_a_status_is_one_line_exit_70(tmp_path):
     why = "the supervisor of this run ended without an exit status\n"
     assert (s.stdout.read(), s.stderr.read()) == ("some output\n", why)
     s.stdin.close()
+
+
+@pytest.mark.parametrize("value", ["/opt/own env/bin", "a\\b", "x\ny", "a\\nb", "ends\\"])
+def test_a_value_read_from_stdin_is_the_launchers_byte_for_byte(value):
+    from launcher.core.wire import env_block
+
+    line = env_block([("PATH", value)])
+    assert line.endswith(b"\n") and node_run.env_value(line[:-1].decode()) == value

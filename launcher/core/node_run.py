@@ -493,6 +493,14 @@ def flight_recorder_fetch(prefix, asked):
         say("%s %s %s" % (FR_MARKER, f[len(prefix) :], data))
 
 
+def can_sudo():
+    """Whether passwordless sudo works here (an image without sudo: no)."""
+    try:
+        return subprocess.run(["sudo", "-n", "true"], capture_output=True, stdin=subprocess.DEVNULL).returncode == 0
+    except OSError:
+        return False
+
+
 def stacks(spec):
     """`stacks SPEC`: every worker of the run (`token`) on this node dumped with py-spy at once,
     each as `STACK_MARKER rank pid status` then its dump (its error first when it failed), then
@@ -505,7 +513,7 @@ def stacks(spec):
         return 0
     workers = ranks(spec["token"], None, anywhere=True)
     sudo = []
-    if os.geteuid() != 0 and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0:
+    if os.geteuid() != 0 and can_sudo():
         sudo = ["sudo", "-n"]  # ptrace as another user is refused under Yama's ptrace_scope 1
     prefix = sudo + ["timeout", str(spec["timeout"]), pyspy, "dump"]
     asked = flight_recorder_ask(spec["fr_prefix"]) if spec.get("fr_prefix") else 0
@@ -584,10 +592,15 @@ class Stream:
                 return False
 
     def stream(self):
-        lock = os.open(self.path("attached"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            lock = os.open(self.path("attached"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            f = open(self.path("out"), "rb")
+        except OSError as e:
+            os.write(2, ("cannot read the run's output in %s: %s\n" % (self.dir, e.strerror or e)).encode())
+            return 70
         threading.Thread(target=self.relay, daemon=True).start()
-        with open(self.path("out"), "rb") as f:
+        with f:
             f.seek(self.offset)
             while True:
                 ended = gone(self.sup)  # before the read: the read after it ended takes the rest

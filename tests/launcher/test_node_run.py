@@ -293,3 +293,10 @@ def test_a_value_read_from_stdin_is_the_launchers_byte_for_byte(value):
 
     line = env_block([("PATH", value)])
     assert line.endswith(b"\n") and node_run.env_value(line[:-1].decode()) == value
+
+
+def test_a_run_directory_gone_under_the_stream_is_one_line_exit_70(tmp_path):
+    s = _stream(tmp_path / "gone", os.getpid())
+    out, err = s.communicate("", timeout=30)
+    assert s.returncode == 70 and out == "", err
+    assert err.startswith(f"cannot read the run's output in {tmp_path / 'gone'}: ") and err.count("\n") == 1, err

@@ -299,8 +299,14 @@ class NodeProgram:
         # A detached job: the run outlives this session. Keep the launcher's end of stdin on fd 3
         # for the stream's stop relay: a background list's stdin is /dev/null in a
         # non-interactive shell (POSIX, "Asynchronous Lists").
-        plan = self.plan()
-        return [*s, "exec 3<&0", *supervise.supervised_run(plan, _node_run("supervise", plan), _node_run_stream())]
+        # node_run's code once, in a variable: the supervisor and the stream both run it.
+        plan, var = self.plan(), "GPUFLEET_NODE_RUN"
+        return [
+            *s,
+            "exec 3<&0",
+            f"{var}={shlex.quote(_node_run_source())}",
+            *supervise.supervised_run(plan, _node_run("supervise", plan, var), node_run_command("stream", var)),
+        ]
 
 
 def _gate() -> list[str]:
@@ -320,21 +326,17 @@ def _attached_run(plan: NodePlan) -> list[str]:
     return [_node_run("run", plan)]
 
 
-def _node_run(mode: str, plan: NodePlan) -> str:
+def _node_run(mode: str, plan: NodePlan, var: str | None = None) -> str:
     """launcher.core.node_run's `mode` on the node, for `plan` (the supervisor's run directory
     is added to it by the statement that starts it)."""
-    return node_run_command(f"{mode} {shlex.quote(plan.to_json())}")
+    return node_run_command(f"{mode} {shlex.quote(plan.to_json())}", var)
 
 
-def _node_run_stream() -> str:
-    """launcher.core.node_run's `stream` on the node (the run's directory, the supervisor's pid
-    and the offset are added to it by the statement that runs it)."""
-    return node_run_command("stream")
-
-
-def node_run_command(args: str) -> str:
-    """A node's statement that runs launcher.core.node_run with `args` (quoted already)."""
-    return python_source_command(_node_run_source(), args)
+def node_run_command(args: str, var: str | None = None) -> str:
+    """A node's statement that runs launcher.core.node_run with `args` (quoted already); `var`:
+    the shell variable that holds its code already. `stream` gets the run's directory, the
+    supervisor's pid and the offset added by the statement that runs it."""
+    return python_source_command(_node_run_source(), args, var=var)
 
 
 @functools.cache
@@ -502,7 +504,7 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
 def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int, int]) -> dict[int, str]:
     """A re-adopting controller's program for every node, by rank: stream the detached run's
     output from `offsets[rank]` bytes on (launcher.core.supervise.attach_script)."""
-    stream = _node_run_stream()
+    stream = node_run_command("stream")
     return {
         n.rank: supervise.attach_script(config.job_id, config.attempt, n.rank, offsets.get(n.rank, 0), stream)
         for n in cluster.nodes

@@ -22,12 +22,14 @@ def remote_command(script: str) -> str:
     return f"exec bash --norc --noprofile -c {shlex.quote(script)}"
 
 
-def python_source_command(source: str, args: str, replace: bool = False) -> str:
+def python_source_command(source: str, args: str, replace: bool = False, var: str | None = None) -> str:
     """A node's statement that runs a standard-library-only program from its source text (a node
     has nothing of gpufleet yet): the node's own python3, isolated (-I: no PYTHON* variables, no
     user site, no script directory on sys.path; -S: no site-packages). `args`: its arguments,
-    quoted already; `replace`: `exec`, the shell's last statement."""
-    return f"{'exec ' if replace else ''}python3 -I -S -c {shlex.quote(source)} {args}"
+    quoted already; `replace`: `exec`, the shell's last statement; `var`: the source is in that
+    shell variable already (a program that runs it twice carries it once)."""
+    code = f'"${var}"' if var else shlex.quote(source)
+    return f"{'exec ' if replace else ''}python3 -I -S -c {code} {args}"
 
 
 def ssh_base_argv(ssh: SshConfig, control_dir: str, known_hosts: str) -> list[str]:

@@ -11,6 +11,7 @@ from launcher.cli.launching import start
 from launcher.cli.options import (
     CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
+    FANOUT_OPTION,
     HANG_OPTIONS_RUN,
     OUTPUT_OPTION,
     PROGRAM_AFTER,
@@ -40,6 +41,7 @@ __all__ = ["run"]
         *HANG_OPTIONS_RUN,
         TERM_GRACE_OPTION,
         OUTPUT_OPTION,
+        FANOUT_OPTION,
         DETACH_OPTION,
         WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,

@@ -14,6 +14,7 @@ from launcher.cli.launching import start
 from launcher.cli.options import (
     CONTROLLER_GRACE_OPTION,
     DETACH_OPTION,
+    FANOUT_OPTION,
     HANG_OPTIONS_TRAIN,
     OUTPUT_OPTION,
     PASS_THROUGH,
@@ -51,6 +52,7 @@ _SOURCES = ("stack", "outputs", "hostfile", "labels", "local")
         *HANG_OPTIONS_TRAIN,
         TERM_GRACE_OPTION,
         OUTPUT_OPTION,
+        FANOUT_OPTION,
         DETACH_OPTION,
         WAIT_OPTION,
         CONTROLLER_GRACE_OPTION,

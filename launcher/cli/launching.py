@@ -53,6 +53,7 @@ def start(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None = N
             "--output is for an attached launch: a detached job keeps every node's lines in its log "
             "(`launch logs JOB_ID`); drop --output"
         )
+    _check_fanout(o)
     if o.pop("detach", False):
         from launcher.cli.detached import start_detached  # loaded only when asked for
 
@@ -73,4 +74,27 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     p = plan(cluster, config)
     output = o.get("output") or default_output(len(p.cluster.nodes))
-    return waiting(lambda: execute(p, o.get("dry_run") or "text", output), o.get("wait_nodes", False))
+    fanout = o.get("fanout")
+    return waiting(lambda: execute(p, o.get("dry_run") or "text", output, fanout), o.get("wait_nodes", False))
+
+
+def _check_fanout(o: dict[str, Any]) -> None:
+    """--fanout K: at least 1, on an attached launch to SSH nodes (one line, exit 2, otherwise)."""
+    from launcher.core.types import UserError
+
+    k = o.get("fanout")
+    if k is None:
+        return
+    if k < 1:
+        raise UserError(
+            f"--fanout {k}: each node passes the launch on to K others, so K must be at least 1 (4 is usual)"
+        )
+    if o.get("detach"):
+        raise UserError(
+            "--fanout is for an attached launch for now; a detached job's controller opens each node's "
+            "session itself: drop --fanout"
+        )
+    if o.get("local"):
+        raise UserError(
+            "--fanout passes the launch from node to node over ssh; --local runs every node here: drop --fanout"
+        )

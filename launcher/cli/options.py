@@ -352,6 +352,16 @@ OUTPUT_OPTION = click.option(
     f"every node's lines are in its log either way [default: all up to {OUTPUT_ALL_UP_TO} nodes, rank0 above].",
 )
 
+# A launch down a tree of the nodes (launcher.code.launch_tree): this machine opens node 0's session only.
+FANOUT_OPTION = click.option(
+    "--fanout",
+    type=int,
+    metavar="K",
+    help="Open only node 0's session from here and let each node open K others' (a tree; each node's "
+    "part signed for it alone, passed on with the relay key): one connection from this machine whatever "
+    "the nodes. Attached launches on SSH nodes [default: off: one session per node from here].",
+)
+
 EXEC_RESTARTS_OPTION = click.option(
     "--max-restarts",
     type=int,

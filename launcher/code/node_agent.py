@@ -46,6 +46,7 @@ import contextlib
 import fcntl
 import glob
 import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -684,7 +685,7 @@ def check_plan(plan, peers, port):
     walk(plan)
 
 
-def relay_argv(child, key, known):
+def relay_argv(child, key, known, command="relay"):
     """ssh to a child node with the relay key (its authorized_keys entry forces `relay`), host
     keys checked strictly against the known_hosts the launcher sent. Built here from a plain
     host, port and user, never from an argv the stream carries: a holder of the relay key can
@@ -710,7 +711,7 @@ def relay_argv(child, key, known):
         "LogLevel=ERROR",
     ):
         argv += ["-o", opt]
-    return argv + ["-T", "--", host, "relay"]
+    return argv + ["-T", "--", host, command]
 
 
 def subtree(child):
@@ -867,6 +868,362 @@ def relay(port=22, peers=()):
     say("received", json.dumps({"objects": count, "failed": failures, "at": time.time()}))
 
 
+# ---- a launch down the tree (launcher.code.launch_tree) ----
+
+# Each node's launch key, CLUSTER--ADDRESS (0600): by address too, since nodes may share one home
+# (NFS), where each node's key is then beside the others' (and nothing parts them anyway).
+TREE = os.path.join(G, "tree")
+SEEN = os.path.join(TREE, "seen")  # each plan's nonce, once it has been run (a replay is refused)
+KEY_HEX = re.compile(r"[0-9a-f]{64}")
+NONCE = re.compile(r"[0-9a-f]{32}")
+SEEN_KEEP_S = 86400  # a nonce is remembered this long; a plan expires long before
+MAX_META.update(PLAN=1 << 26, CTL=1 << 12)
+
+
+class Refused(Exception):
+    """A node's part of a launch that this node does not run: the line says why."""
+
+
+def key_name(slug, address):
+    """The file name of a node's launch key, or None when either part is not a plain name."""
+    ok = isinstance(slug, str) and NAME.fullmatch(slug) and isinstance(address, str)
+    return f"{slug}--{address}" if ok and (NAME.fullmatch(address) or is_address(address)) else None
+
+
+def keys(req):
+    """`keys`: this node's launch key for a cluster (`{"slug": NAME, "address": ADDRESS, "key":
+    HEX}` on stdin), the key the launching machine authenticates this node's part of each launch
+    with; the agent's own source is stored too (the relay key's forced command runs it by its
+    hash)."""
+    own_state()
+    keep_own_source()
+    name, key = key_name(req.get("slug"), req.get("address")), req.get("key")
+    if name is None or not isinstance(key, str) or not KEY_HEX.fullmatch(key):
+        raise PrivateError("the launch key request is not a cluster, an address and a key")
+    d = private_dir(TREE)
+    tmp = os.path.join(d, f".{name}.{os.getpid()}")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(key)
+    os.replace(tmp, os.path.join(d, name))
+    say("result", json.dumps({"ok": True}))
+
+
+def launch_key(slug, address):
+    """This node's launch key for cluster `slug` at `address`, read only from this account's
+    private ~/.gpufleet/tree (private_dir), from a plain file of its own no other account reads."""
+    name = key_name(slug, address)
+    if name is None:
+        raise Refused("its plan names no cluster and address")
+    try:
+        d = private_dir(TREE, fix_mode=False)
+        fd = os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except PrivateError as e:
+        raise Refused(str(e)) from None
+    except OSError:
+        raise Refused(
+            f"it holds no launch key of cluster {slug} at {address} (a node replaced since the keys were set?); remove "
+            f"~/.cache/gpufleet/{slug}/tree_keys.json on the launching machine and launch again"
+        ) from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{f.name} is not a private file of this account's; remove it and launch again")
+        key = f.read().strip()
+    if not KEY_HEX.fullmatch(key):
+        raise Refused(f"{os.path.join(d, name)} holds no key; remove it and launch again")
+    return bytes.fromhex(key)
+
+
+def signature(key, *parts):
+    """HMAC-SHA256 of `parts` (joined by NUL) under `key`, in hex (launcher.code.launch_tree.sign)."""
+    return hmac.new(key, "\0".join(str(p) for p in parts).encode(), hashlib.sha256).hexdigest()
+
+
+def canonical(signed):
+    return json.dumps(signed, sort_keys=True, separators=(",", ":"))
+
+
+def verify(entry):
+    """This node's part of a launch, checked: signed under this node's own launch key for its
+    rank, not expired, its nonce never seen before (recorded now). (signed, key), else Refused."""
+    signed, tag = entry.get("signed"), entry.get("mac")
+    if not isinstance(signed, dict) or not isinstance(tag, str):
+        raise Refused("its plan carries no signature")
+    key = launch_key(signed.get("slug"), signed.get("address"))
+    if not hmac.compare_digest(signature(key, canonical(signed)), tag) or signed.get("rank") != entry.get("rank"):
+        raise Refused(
+            "its plan's signature does not match this node's launch key: it was changed on its way, "
+            "or is another node's"
+        )
+    if not isinstance(signed.get("expires"), (int, float)) or time.time() > signed["expires"]:
+        raise Refused("its plan has expired (is this node's clock behind the launching machine's?)")
+    nonce = signed.get("nonce")
+    if not isinstance(nonce, str) or not NONCE.fullmatch(nonce):
+        raise Refused("its plan carries no nonce")
+    seen = private_dir(SEEN, fix_mode=False)
+    for name in os.listdir(seen):
+        path = os.path.join(seen, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_mtime < time.time() - SEEN_KEEP_S:
+                os.unlink(path)
+    try:
+        os.close(os.open(os.path.join(seen, nonce), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        raise Refused("its plan was run once already: a replay, refused") from None
+    return signed, key
+
+
+class Up:
+    """Frames to the parent (this process's stdout): `OUT RANK SIZE` and `ERR RANK SIZE` with
+    SIZE bytes, `EXIT RANK RC`. Whole frames, one writer at a time; a parent gone is ignored (the
+    end of stdin stops everything)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.out = sys.stdout.buffer
+
+    def send(self, frame):
+        with self.lock:
+            try:
+                self.out.write(frame)
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
+
+    def data(self, kind, rank, data):
+        self.send(f"{kind} {rank} {len(data)}\n".encode() + data)
+
+    def exit(self, rank, rc):
+        self.send(f"EXIT {rank} {rc}\n".encode())
+
+
+class Own:
+    """This node's own part: its program under bash in a session of its own, as sshd runs a
+    session's command, fed its stdin (the --env values) from the signed plan; its output and its
+    exit status go up as frames. `control` applies a signed word: a line on the program's stdin,
+    or `eof`, the end of its input (as a closed ssh session is)."""
+
+    def __init__(self, up, rank, signed, key):
+        self.up, self.rank, self.key, self.nonce, self.seq = up, rank, key, signed["nonce"], 0
+        self.p = subprocess.Popen(
+            ["bash", "--norc", "--noprofile", "-c", signed["program"]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            cwd=os.path.expanduser("~"),
+        )
+        pumps = [
+            threading.Thread(target=self._pump, args=(s, k), daemon=True)
+            for s, k in ((self.p.stdout, "OUT"), (self.p.stderr, "ERR"))
+        ]
+        for t in pumps:
+            t.start()
+        self.thread = threading.Thread(target=self._end, args=(pumps,), daemon=True)
+        self.thread.start()
+        self.write(base64.b64decode(signed.get("stdin") or ""))
+
+    def _pump(self, stream, kind):
+        for chunk in iter(lambda: os.read(stream.fileno(), 1 << 16), b""):
+            self.up.data(kind, self.rank, chunk)
+
+    def _end(self, pumps):
+        rc = self.p.wait()
+        for t in pumps:
+            t.join()
+        self.up.exit(self.rank, rc if rc >= 0 else 255)  # a signal: ssh's own 255
+
+    def write(self, data):
+        try:
+            if data:
+                self.p.stdin.write(data)
+                self.p.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def close(self):
+        with contextlib.suppress(OSError, ValueError):
+            self.p.stdin.close()
+
+    def control(self, body):
+        """A CTL frame's body for this node: {"seq", "word", "mac"}, signed under this node's key
+        with the plan's nonce; a sequence number not above the last one applied is a replay."""
+        seq, word, tag = body.get("seq"), body.get("word"), body.get("mac")
+        if not isinstance(seq, int) or not isinstance(word, str) or not isinstance(tag, str) or seq <= self.seq:
+            return
+        if not hmac.compare_digest(signature(self.key, self.nonce, self.rank, seq, word), tag):
+            return
+        self.seq = seq
+        if word == "eof":
+            self.close()
+        elif re.fullmatch(r"[a-z]+( [0-9.]+)*", word):
+            self.write(word.encode() + b"\n")
+
+
+class Hop:
+    """This node passing a launch on to one child (ssh there with the relay key, whose forced
+    command runs `tree`): the child's entry of the plan, then its CTL frames; its subtree's frames
+    come back up. A frame for a rank outside its subtree is dropped. When the child's session
+    ends, each rank of its subtree that has not exited is reported lost, named through this node."""
+
+    def __init__(self, up, me, child, key, known, port, peers):
+        self.up, self.me, self.child = up, me, child
+        self.ranks = set(subtree(child))
+        self.exited = set()
+        self.lock = threading.Lock()
+        self.p = None
+        self.why = None
+        try:
+            if key is None or known is None:
+                raise ValueError("no relay key arrived")
+            self.p = subprocess.Popen(
+                relay_argv(child, key, known, "tree"),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except (OSError, ValueError) as e:
+            self.why = str(e)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        if self.p is not None:
+            if child.get("children"):
+                for kind, path in (("KEY", key), ("KNOWN", known)):
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    self.send(f"{kind} {len(data)}\n".encode() + data)
+            plan = json.dumps(child).encode()
+            self.send(f"PLAN {len(plan)}\n".encode() + plan)
+
+    def send(self, frame):
+        with self.lock:
+            try:
+                self.p.stdin.write(frame)
+                self.p.stdin.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def close(self):
+        with self.lock, contextlib.suppress(OSError, ValueError, AttributeError):
+            self.p.stdin.close()
+
+    def _read(self):
+        err = b""
+        if self.p is not None:
+            errs = []
+            t = threading.Thread(target=lambda: errs.append(self.p.stderr.read()), daemon=True)
+            t.start()
+            try:
+                self._frames(self.p.stdout)
+            except (ValueError, EOFError, OSError) as e:
+                self.why = f"its frames broke off: {e}"
+            self.p.wait()
+            t.join(5)
+            err = errs[0] if errs else b""
+        tail = err.decode(errors="replace").strip().splitlines()
+        why = self.why or (tail[-1] if tail else f"its session ended without an exit status (exit {self.p.returncode})")
+        rank = self.child["rank"]
+        for r in sorted(self.ranks - self.exited):
+            lost = (
+                f"node {self.me} lost node {rank}: {why}"
+                if r == rank
+                else f"not reached: node {rank}, which passes the launch on to it, failed: {why}"
+            )
+            self.up.data("ERR", r, f"{lost}\n".encode())
+            self.up.exit(r, 255)
+
+    def _frames(self, stream):
+        while True:
+            head = header(stream)
+            if not head:
+                return
+            if (
+                len(head) != 3
+                or head[0] not in ("OUT", "ERR", "EXIT")
+                or not head[1].isdigit()
+                or int(head[1]) not in self.ranks
+            ):
+                raise ValueError(f"unexpected frame {' '.join(head)[:60]!r}")
+            rank = int(head[1])
+            if head[0] == "EXIT":
+                if re.fullmatch(r"-?[0-9]{1,3}", head[2]):
+                    self.exited.add(rank)
+                    self.up.exit(rank, int(head[2]))
+                continue
+            self.up.data(head[0], rank, read_exact(stream, size_of(head[2], "OUT")))
+
+
+def start_plan(up, entry, held, port, peers):
+    """A PLAN frame's entry started: this node's own part (when its signature holds, else one
+    line and exit 2 for it) and a hop to each child. (own or None, hops, rank -> own or hop)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("rank"), int):
+        raise ValueError("the PLAN frame is not a node's entry")
+    if peers is not None:
+        check_plan(entry.get("children", []), set(peers), port)
+    rank, own, hops = entry["rank"], None, []
+    try:
+        own = Own(up, rank, *verify(entry))
+    except Refused as e:
+        up.data("ERR", rank, f"gpufleet: node {rank} refused its part of the launch: {e}\n".encode())
+        up.exit(rank, 2)
+    route = {rank: own}
+    for child in entry.get("children", []):
+        hop = Hop(up, rank, child, held.get("KEY"), held.get("KNOWN"), port, peers)
+        hops.append(hop)
+        route.update(dict.fromkeys(hop.ranks, hop))
+    return own, hops, route
+
+
+def tree(port=22, peers=None):
+    """`tree`: this node's part of a launch that came down the tree, and its children's. Frames
+    on stdin: KEY and KNOWN (the relay key and the cluster's known_hosts, to a node with
+    children), PLAN (this node's entry: rank, its signed part and its children's entries,
+    nested), then CTL RANK SIZE (a signed word for a node of its subtree); the end of input ends
+    every program of the subtree's input (a stop, or nothing started). Frames out: launcher.code
+    .launch_tree reads them. `peers`: the relay key's forced command (its `relay PORT PEERS`
+    arguments) limits the children to the cluster's nodes; None for node 0, started by the
+    launching machine itself."""
+    own_state()
+    up = Up()
+    stream = sys.stdin.buffer
+    work = os.path.join(G, "relay", str(os.getpid()))
+    paths = {"KEY": os.path.join(work, "id_ed25519"), "KNOWN": os.path.join(work, "known_hosts")}
+    held, own, hops, route = {}, None, [], {}
+    try:
+        while True:
+            head = header(stream)
+            if not head:
+                break
+            if len(head) == 2 and head[0] in paths and head[0] not in held and not route:
+                data = read_exact(stream, size_of(head[1], head[0]))
+                os.makedirs(work, mode=0o700, exist_ok=True)
+                with open(os.open(paths[head[0]], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                    f.write(data)
+                held[head[0]] = paths[head[0]]
+            elif len(head) == 2 and head[0] == "PLAN" and not route:
+                entry = json.loads(read_exact(stream, size_of(head[1], "PLAN")))
+                own, hops, route = start_plan(up, entry, held, port, peers)
+            elif len(head) == 3 and head[0] == "CTL" and head[1].isdigit() and route:
+                body = read_exact(stream, size_of(head[2], "CTL"))
+                to = route.get(int(head[1]))
+                if isinstance(to, Hop):
+                    to.send(f"CTL {head[1]} {len(body)}\n".encode() + body)
+                elif to is not None:
+                    to.control(json.loads(body))
+            else:
+                raise ValueError(f"frame {head[0][:20]!r} out of place")
+    finally:
+        if own is not None:
+            own.close()
+        for hop in hops:
+            hop.close()
+        if own is not None:
+            own.thread.join()
+        for hop in hops:
+            hop.thread.join()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def hung_up(signum, frame):
     """SIGHUP (ssh's session gone: Ctrl-C on the launching machine) and SIGTERM end the program
     through its `finally`s, so no partial object or relay key stays behind."""
@@ -879,10 +1236,21 @@ if __name__ == "__main__":
             prepare(json.loads(sys.stdin.read()))
         elif sys.argv[1] == "warm":
             warm(json.loads(sys.stdin.read()))
+        elif sys.argv[1] == "keys":
+            keys(json.loads(sys.stdin.read()))
+        elif sys.argv[1] == "tree":  # node 0, from the launching machine
+            signal.signal(signal.SIGHUP, hung_up)
+            signal.signal(signal.SIGTERM, hung_up)
+            tree()
         elif sys.argv[1] == "relay":
             signal.signal(signal.SIGHUP, hung_up)
             signal.signal(signal.SIGTERM, hung_up)
             port, peers = (int(sys.argv[2]), sys.argv[3].split(",")) if len(sys.argv) > 3 else (22, [])
-            relay(port, peers)
+            # The relay key's forced command: a parent node asks for `tree` (a launch passed on,
+            # each node's part signed for it alone), else content is relayed.
+            if os.environ.get("SSH_ORIGINAL_COMMAND") == "tree":
+                tree(port, peers)
+            else:
+                relay(port, peers)
     except PrivateError as e:  # one line, the launcher's reason for this node
         sys.exit(str(e))

@@ -51,7 +51,7 @@ from launcher.core.stacks import PYSPY_TOOLS, PYSPY_VERSION
 from launcher.core.transport import Transport, cluster_slug, make_transport
 from launcher.core.types import Cluster, LaunchConfig, Node, Replication, UserError
 
-__all__ = ["CodeRequest", "PrepareReport", "prepare", "configured", "agent_script", "run_agent", "warm"]
+__all__ = ["CodeRequest", "PrepareReport", "prepare", "configured", "agent_script", "run_agent", "each_node", "warm"]
 
 log = logging.getLogger("launcher")
 
@@ -189,7 +189,8 @@ def run_agent(
     return result, (tail[-1] if tail else f"exit {p.returncode}")
 
 
-def _each(nodes: list[Node], fn: Callable[[Node], object]) -> dict[int, object]:
+def each_node(nodes: list[Node], fn: Callable[[Node], object]) -> dict[int, object]:
+    """`fn(node)` for every node at once, one thread each: the answers by rank."""
     out: dict[int, object] = {}
 
     def one(node: Node) -> None:
@@ -280,7 +281,7 @@ def prepare(
     script = "; ".join([*steps, agent_script("prepare")])
 
     def round_(nodes: list[Node]) -> dict[int, dict]:
-        answers = _each(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
+        answers = each_node(nodes, lambda n: run_agent(transport, n, script, [body], progress, report))
         unreachable = {r: why for r, (res, why) in answers.items() if res is None}
         if unreachable:
             raise _fail(cluster, {r: f"cannot prepare the node ({why})" for r, why in unreachable.items()})
@@ -325,7 +326,7 @@ def warm(
         return {}
     transport = make_transport(cluster, config.ssh, config.dry_run)
     body = json.dumps({"python": config.python, "code": [request.code.hash] if request.code else []}).encode()
-    answers = _each(
+    answers = each_node(
         list(nodes), lambda n: run_agent(transport, n, agent_script("warm"), [body], progress, PrepareReport())
     )
     return {r: why for r, (res, why) in answers.items() if res is None}

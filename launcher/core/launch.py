@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from gpufleet import atomic
 from launcher.core.hang import HangWatch
@@ -90,6 +91,16 @@ class NodeEvent:
 OnEvent = Callable[[NodeEvent], None]
 
 
+class Tree(Protocol):
+    """Sessions that one connection carries (launcher.code.launch_tree.TreeLaunch, `--fanout`):
+    `start` sends every node's program and what it reads first; `proc(rank)` is then that
+    node's session, shaped as an ssh process."""
+
+    def start(self, scripts: Mapping[int, str], stdin: bytes) -> None: ...
+
+    def proc(self, rank: int) -> subprocess.Popen: ...
+
+
 class Interrupted(Exception):
     """SIGINT/SIGTERM arrived before any workload started; nothing is running."""
 
@@ -125,8 +136,10 @@ class Launch:
         stop: threading.Event | None = None,
         transport: Transport | None = None,
         verdict: Verdict | None = None,
+        tree: Tree | None = None,
     ):
         self.cluster = cluster
+        self.tree = tree  # --fanout: every session through node 0's, down a tree
         self.config = config
         self.verdict = verdict
         self.transport = transport or make_transport(cluster, config.ssh, config.dry_run)
@@ -256,6 +269,9 @@ class Launch:
         limit = handshake_limit(self.cluster, self.config.ssh, self.transport)
         timeout = check_timeout(self.config.ssh)
         pending = deque(self.cluster.nodes)
+        if self.tree is not None:  # one session here; the nodes open each other's
+            self.tree.start(scripts, stdin)
+            limit, stdin = len(pending), b""
         deadlines: dict[int, float] = {}  # rank -> deadline, for sessions still checking
         while (pending or deadlines) and not self.stop_event.is_set():
             while pending and len(deadlines) < limit:
@@ -266,6 +282,7 @@ class Launch:
                     self._reports,
                     stdin,
                     tunnel_log=self.transport.tunnel_log(node),
+                    proc=self.tree.proc(node.rank) if self.tree is not None else None,
                 )
                 self._set_state(node.rank, NodeState.CONNECTING)
                 deadlines[node.rank] = time.monotonic() + timeout

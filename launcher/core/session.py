@@ -46,7 +46,13 @@ class NodeSession:
     it fits a pipe's buffer (launcher.core.wire.ENV_BLOCK_MAX), so the write never waits."""
 
     def __init__(
-        self, node: Node, argv: list[str], reports: queue.Queue, stdin: bytes = b"", tunnel_log: Path | None = None
+        self,
+        node: Node,
+        argv: list[str],
+        reports: queue.Queue,
+        stdin: bytes = b"",
+        tunnel_log: Path | None = None,
+        proc: subprocess.Popen | None = None,
     ):
         self.node = node
         self.tunnel_log = tunnel_log  # where its IAP tunnel writes why it could not open (transport.tunnel_log)
@@ -68,7 +74,9 @@ class NodeSession:
         self._offset_fd: int | None = None
         self._offset_tag = 0
         self._reports = reports
-        self.proc = subprocess.Popen(
+        # `proc`: the session opened already (a tree launch's node, launcher.code.launch_tree),
+        # else the transport's argv, run here.
+        self.proc = proc or subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -1,0 +1,184 @@
+"""A launch down the tree (launcher.code.launch_tree, node_agent `tree`), without a network: the
+real agent, started as a node starts it (`python3 -I -S -c SOURCE`), in a home of the test's own.
+What a node runs is only what the launching machine signed for it, under its own key: a part
+changed on its way, replayed, expired, or another node's is refused in one line with nothing
+run, and a control word that is not signed is not applied. The launcher side (TreeLaunch) and
+the CLI's refusals of --fanout are here too; the tree over real sshd nodes is in
+tests/launcher/test_bare_tree_cluster.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from launcher.cli.main import main
+from launcher.code import node_agent
+from launcher.code.launch_tree import TreeLaunch, sign, tree_line
+from launcher.core.transport import Transport
+from launcher.core.types import Cluster, Node
+
+SLUG, ADDRESS = "hosts-0123456789", "10.0.0.2"
+SOURCE = Path(node_agent.__file__).read_text()
+# What the node's part runs: it reads its --env value from stdin, says it is checked, waits for
+# `go`, then leaves a mark and exits 3.
+PROGRAM = (
+    'IFS= read -r A; echo "a=$A"; echo checked; IFS= read -r G || exit 0; echo "got $G"; touch "$HOME/ran"; exit 3'
+)
+
+
+def agent(home: Path, command: str, stdin: bytes, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", SOURCE, *command.split()],
+        input=stdin,
+        capture_output=True,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin", **(env or {})},
+        timeout=60,
+    )
+
+
+def set_key(home: Path, address: str = ADDRESS) -> bytes:
+    key = secrets.token_hex(32)
+    r = agent(home, "keys", json.dumps({"slug": SLUG, "address": address, "key": key}).encode())
+    assert r.returncode == 0 and b'result {"ok": true}' in r.stdout, r.stderr
+    return bytes.fromhex(key)
+
+
+def part(key: bytes, expires: float | None = None, address: str = ADDRESS, rank: int = 0) -> dict:
+    """A node's part as launcher.code.launch_tree signs it."""
+    signed = {
+        "slug": SLUG,
+        "rank": rank,
+        "address": address,
+        "nonce": secrets.token_hex(16),
+        "expires": int(expires or time.time() + 60),
+        "program": PROGRAM,
+        "stdin": base64.b64encode(b"value\n").decode(),
+    }
+    return {"rank": rank, "signed": signed, "mac": sign(key, node_agent.canonical(signed)), "children": []}
+
+
+def frames(entry: dict, *words: tuple[str, str]) -> bytes:
+    body = json.dumps(entry).encode()
+    out = f"PLAN {len(body)}\n".encode() + body
+    for seq, (word, tag) in enumerate(words, start=1):
+        ctl = json.dumps({"seq": seq, "word": word, "mac": tag}).encode()
+        out += f"CTL {entry['rank']} {len(ctl)}\n".encode() + ctl
+    return out
+
+
+def go(key: bytes, entry: dict) -> tuple[str, str]:
+    return "go", sign(key, entry["signed"]["nonce"], entry["rank"], 1, "go")
+
+
+def test_the_key_is_private_to_the_account(tmp_path):
+    set_key(tmp_path)
+    d = tmp_path / ".gpufleet" / "tree"
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert (d / f"{SLUG}--{ADDRESS}").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_signed_part_runs_with_its_stdin_then_go_and_its_output_and_exit_come_up_framed(tmp_path):
+    key = set_key(tmp_path)
+    entry = part(key)
+    r = agent(tmp_path, "tree", frames(entry, go(key, entry)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b"OUT 0 ") and r.stdout.endswith(b"EXIT 0 3\n"), r.stdout
+    assert b"a=value\n" in r.stdout and b"got go\n" in r.stdout
+    assert (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("changed", "signature does not match"),
+        ("replayed", "was run once already"),
+        ("expired", "has expired"),
+        ("another node's", "holds no launch key"),
+    ],
+)
+def test_a_part_not_signed_for_this_node_now_is_refused_in_one_line_and_nothing_runs(tmp_path, how, why):
+    key = set_key(tmp_path)
+    entry = part(key)
+    if how == "changed":  # what an interior node passing it on might try
+        entry["signed"]["program"] = 'touch "$HOME/ran"; ' + entry["signed"]["program"]
+    elif how == "replayed":
+        first = agent(tmp_path, "tree", frames(entry))  # ends at once: no go, end of input
+        assert first.stdout.endswith(b"EXIT 0 0\n"), first.stdout
+    elif how == "expired":
+        entry = part(key, expires=time.time() - 1)
+    else:  # node 1's part, signed under node 1's own key for its address, handed to this node
+        (tmp_path / "node1").mkdir()
+        entry = part(set_key(tmp_path / "node1", "10.0.0.3"), address="10.0.0.3")
+    r = agent(tmp_path, "tree", frames(entry, go(key, entry)))
+    lines = r.stdout.decode().splitlines()
+    assert lines[-1] == "EXIT 0 2", r.stdout
+    (said,) = [line for line in lines if line.startswith("gpufleet: node 0 refused its part of the launch")]
+    assert why in said, said
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_control_word_not_signed_for_the_part_is_not_applied(tmp_path):
+    key = set_key(tmp_path)
+    entry = part(key)
+    forged = ("go", sign(b"\0" * 32, entry["signed"]["nonce"], 0, 1, "go"))
+    r = agent(tmp_path, "tree", frames(entry, forged))
+    # The program read end of input where `go` would be: it exits 0 having run nothing.
+    assert r.stdout.endswith(b"EXIT 0 0\n") and b"got" not in r.stdout, r.stdout
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_child_outside_the_relay_keys_peers_is_refused_before_any_ssh(tmp_path):
+    """As the relay key's forced command runs it (`relay PORT PEERS`, asked for `tree`)."""
+    key = set_key(tmp_path)
+    entry = part(key)
+    entry["children"] = [{"rank": 1, "host": "203.0.113.9", "port": 22, "user": "me", "children": []}]
+    r = agent(
+        tmp_path, "relay 22 me@10.0.0.3", frames(entry), env={"SSH_ORIGINAL_COMMAND": "tree", "PATH": "/nonexistent"}
+    )
+    assert r.returncode != 0 and b"is not one of the cluster's nodes" in r.stderr, r.stderr
+    assert b"OUT" not in r.stdout and not (tmp_path / "ran").exists()
+
+
+def test_tree_launch_signs_each_part_and_turns_lines_into_signed_control_words(tmp_path, monkeypatch):
+    """The launcher side over a local transport (node 0's agent under bash here): the plan, the
+    control words, the demultiplexed output and the exit status, as launcher.core.session reads
+    a session."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = set_key(tmp_path)
+    cluster = Cluster(name="hosts", nodes=(Node(0, ADDRESS, ADDRESS),))
+    monkeypatch.setattr("launcher.code.launch_tree.cluster_slug", lambda c: SLUG)
+    tree = TreeLaunch(cluster, Transport(local=True), 4, {0: key})
+    tree.start({0: PROGRAM}, b"value\n")
+    proc = tree.proc(0)
+    assert proc.stdout.readline() == b"a=value\n" and proc.stdout.readline() == b"checked\n"
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == b"got go\n"
+    assert proc.wait(timeout=30) == 3 and proc.poll() == 3
+    assert (tmp_path / "ran").exists()
+
+
+def test_fanout_is_refused_below_1_with_detach_and_with_local_in_one_line(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("10.0.0.2\n10.0.0.3\n")
+    for flags, why in (
+        (["--hostfile", str(hostfile), "--fanout", "0"], "--fanout 0: each node passes the launch on to K others"),
+        (["--hostfile", str(hostfile), "--fanout", "2", "--detach"], "--fanout is for an attached launch for now"),
+        (["--local", "--nodes", "2", "--fanout", "2"], "--local runs every node here: drop --fanout"),
+    ):
+        r = CliRunner().invoke(main, ["exec", *flags, "--", "true"])
+        assert r.exit_code == 2, r.output
+        assert why in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_dry_run_says_who_passes_the_launch_to_whom():
+    cluster = Cluster(name="h", nodes=tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(7)))
+    assert tree_line(cluster, 2).endswith(": 0 -> 1,2; 1 -> 3,4; 2 -> 5,6")

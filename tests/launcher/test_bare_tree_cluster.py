@@ -1,0 +1,97 @@
+"""`--fanout` on the session's shared bare nodes (tests/conftest.py `bare_nodes`): real sshd
+nodes, each with its own home and authorized_keys, the agent under their system python3. At
+fan-out 1 the 3 nodes are a chain (0 -> 1 -> 2): node 1 is an interior node, passing node 2
+its part over the relay key. This machine opens sessions to node 0 only (an `ssh` on PATH
+records every one it starts), every node runs its part, a failure stops the others through
+the tree, a node without its launch key refuses in one line with nothing started, and Ctrl-C
+stops every node, leaving nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launcher.cluster.discovery import read_hostfile
+from launcher.core.transport import cluster_slug
+from tests.support import BARE_GROUP, LAUNCH, REPO, Launch, hostfile_of, source_args
+
+pytestmark = [pytest.mark.cluster, BARE_GROUP, pytest.mark.timeout(600)]
+
+N = 3
+SAY = 'echo "node $GPUFLEET_NODE_RANK on $(hostname -I | cut -d" " -f1)"'
+
+
+@pytest.fixture
+def c(bare_nodes):
+    return bare_nodes
+
+
+def recording_ssh(tmp_path: Path) -> tuple[dict, Path]:
+    """An environment whose `ssh` records its arguments (one line each) and runs the real one."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "ssh.log"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\nexec /usr/bin/ssh "$@"\n')
+    ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
+def sessions_to(log: Path) -> list[str]:
+    """The host of every session the launch opened (an ssh with a remote command after `--`)."""
+    return [line.split(" -- ", 1)[0].split()[-1] for line in log.read_text().splitlines() if " -- " in line]
+
+
+def launch(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([LAUNCH, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+
+
+def test_this_machine_opens_node_0s_session_only_and_every_node_runs_its_part(c, tmp_path):
+    src = [*source_args(c, tmp_path, hostfile_of(c, tmp_path, N)), "--fanout", "1"]
+    first = launch(["exec", *src, "--", "sh", "-c", SAY])  # sets each node's launch key up
+    assert first.returncode == 0, first.stdout + first.stderr
+    env, log = recording_ssh(tmp_path)
+    r = launch(["exec", *src, "--", "sh", "-c", SAY], env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for i in range(N):
+        assert f"[node {i}] node {i} on {c.addresses[i]}" in r.stdout, r.stdout
+    assert set(sessions_to(log)) == {c.addresses[0]}, log.read_text()
+    # A node that fails stops the others through the tree: node 0 and node 1 (the interior node)
+    # were sleeping, and are stopped, not waited for.
+    cmd = 'if [ "$GPUFLEET_NODE_RANK" = 2 ]; then echo dying; exit 4; fi; sleep 600'
+    r = launch(["exec", *src, "--", "sh", "-c", cmd])
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert f"node 2 ({c.addresses[2]}) failed first: exit 4" in r.stdout + r.stderr
+    c.assert_nothing_left()
+
+
+def test_a_node_without_its_launch_key_refuses_in_one_line_and_nothing_starts(c, tmp_path):
+    hostfile = hostfile_of(c, tmp_path, N)
+    src = [*source_args(c, tmp_path, hostfile), "--fanout", "1"]
+    assert launch(["exec", *src, "--", "true"]).returncode == 0
+    slug = cluster_slug(read_hostfile(hostfile))
+    c.node_path(2, f"/root/.gpufleet/tree/{slug}--{c.addresses[2]}").unlink()
+    r = launch(["exec", *src, "--", "sh", "-c", 'touch "/tmp/ran-$GPUFLEET_NODE_RANK"'])
+    assert r.returncode == 2, r.stdout + r.stderr
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "refused its part of the launch" in line]
+    assert said and f"it holds no launch key of cluster {slug} at {c.addresses[2]}" in said[0], r.stderr
+    assert "nothing was started" in r.stderr
+    assert not any(c.node_path(i, f"/tmp/ran-{i}").exists() for i in range(N))
+    c.assert_nothing_left()
+
+
+def test_ctrl_c_stops_every_node_through_the_tree_and_leaves_nothing(c, tmp_path):
+    src = [*source_args(c, tmp_path, hostfile_of(c, tmp_path, N)), "--fanout", "1"]
+    run = Launch(["exec", *src, "--", "sleep", "600"], tmp_path / "out.log")
+    try:
+        run.wait_for_text("started on 3 nodes")
+        run.signal(signal.SIGINT)
+        assert run.wait(60) == 130, run.out
+    finally:
+        run.kill()
+    assert "stopped every node on signal 2" in run.out, run.out
+    c.assert_nothing_left()

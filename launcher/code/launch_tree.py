@@ -11,7 +11,7 @@ and what the program reads first on stdin (the --env values), signed for that no
 HMAC-SHA256 under the node's own launch key, with the cluster's name, the node's rank and
 address, a nonce and an expiry. The keys are set once per cluster (`ensure_keys`, one session
 per node, the same round that authorizes the relay key): 32 random bytes per node, sent on
-stdin to the node's ~/.gpufleet/tree/CLUSTER (0600 in the account's private directory), kept
+stdin to the node's ~/.gpufleet/tree/CLUSTER--ADDRESS (0600, the account's private directory), kept
 here in the cluster's state directory (0600). An interior node holds the relay key, which
 gives it no shell anywhere; it passes its children's parts on but cannot forge or change one
 (the child checks the signature under its own key, which the parent does not hold), replay one

@@ -4,7 +4,9 @@ gpufleet yet. The launcher side is launcher.code.prepare; the layout under ~/.gp
 
     objects/SHA256        every file's content, once per node (content-addressed); this
                           program's own source too (the relay key's forced command runs it)
-    relay/PID/            the relay key and known_hosts while a relay passes content on
+    relay/PID/            the relay key and known_hosts while a relay (or a tree launch) passes on
+    tree/CLUSTER--ADDR    this node's launch key for a cluster (launcher.code.launch_tree), 0600
+    tree/seen/NONCE       each launch part's nonce once run (a replay is refused; kept a day)
     replica/CLUSTER/      the cluster's replica key and known_hosts, for a --recover job's
                           checkpoint copies to a peer node (gpufleet.replica; launcher.code.tree)
     snap/HASH/            a snapshot of gpufleet's own code (gpufleet/, workloads/), by content
@@ -39,6 +41,14 @@ Commands (stdin carries the request; every line this program prints starts with 
   machine, every node passes on to a few others; launcher.code.tree has the plan and why the
   relay key, not the cluster key, travels). Ends with `PREFIX received JSON`: the objects it
   stored and, per rank of its subtree that did not get its content, why.
+- `keys`: a JSON request (`slug`, `address`, `key`): this node's launch key for a cluster.
+- `tree` (node 0, from the launching machine; on the others the relay key's forced command,
+  asked for `tree`): a launch down the tree (`--fanout`). Frames `KEY`/`KNOWN` as for `relay`,
+  `PLAN SIZE` (this node's entry: its part signed under its launch key, its children's entries
+  nested), then `CTL RANK SIZE` (a signed word for a node of its subtree). It runs its own
+  part only when the signature, the expiry and the nonce hold, passes each child its entry
+  over ssh with the relay key, and sends up `OUT RANK SIZE`, `ERR RANK SIZE` and `EXIT RANK RC`
+  for its subtree. The end of its input ends every program's input below it.
 """
 
 import base64
@@ -59,9 +69,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 PREFIX = "gpufleet-prepare:"
 G = os.path.join(os.path.expanduser("~"), ".gpufleet")
@@ -190,6 +198,9 @@ def reachable(url):
     """None when `url` (an index or find-links URL) answers, else why not."""
     if not url.startswith(("http://", "https://")):
         return None if os.path.exists(url.removeprefix("file://")) else "no such directory on the node"
+    import urllib.error
+    import urllib.request  # here, not at the top: a third of the agent's start, which `tree` never needs
+
     try:
         bare, auth = without_userinfo(url)
         req = urllib.request.Request(bare, method="GET", headers={"Authorization": auth} if auth else {})
@@ -208,6 +219,8 @@ METADATA_TOKEN = "http://metadata.google.internal/computeMetadata/v1/instance/se
 
 def metadata_token():
     """The node's service account's access token from the metadata server, or None off GCE."""
+    import urllib.request
+
     req = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:

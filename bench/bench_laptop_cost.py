@@ -139,7 +139,7 @@ def cost(c: SimCluster, n: int, runs: Path, fanout: int | None) -> dict[str, flo
     hosts = c.addresses[:n]
     hostfile = Path(c.dir) / f"hosts{n}"
     hostfile.write_text("\n".join(hosts) + "\n")
-    cpu, wall, how, conns = _cold(c, hostfile, hosts, runs, [])
+    cpu, wall, how, conns = _cold(c, hostfile, hosts, runs, ["--fanout", "off"])
     out: dict[str, float | str] = {"cpu": cpu, "wall": wall, "conns": conns, "how": how}
     if fanout:
         _cold(c, hostfile, hosts, runs, ["--fanout", str(fanout)])  # the keys, once per cluster
@@ -158,7 +158,7 @@ def stop(c: SimCluster, n: int, runs: Path, fanout: int | None = None) -> dict[s
     hostfile = Path(c.dir) / f"hosts{n}"
     hostfile.write_text("\n".join(c.addresses[:n]) + "\n")
     argv = [*LAUNCH, "exec", "--hostfile", str(hostfile), *c.launch_flags, "--runs-dir", str(runs)]
-    argv += ["--fanout", str(fanout)] if fanout else []
+    argv += ["--fanout", str(fanout or "off")]
     p = subprocess.Popen(
         [*argv, "--", "sleep", "1000"],
         stdout=subprocess.DEVNULL,

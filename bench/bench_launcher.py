@@ -109,6 +109,8 @@ def bench(n: int, repeats: int, c: SimCluster, baseline: str | None = None) -> d
                 f"ControlPath={ctl}/%C",
                 "--runs-dir",
                 str(runs),
+                # The star: what this bench compares with pdsh (a baseline checkout predates --fanout).
+                *(["--fanout", "off"] if cwd is None else []),
                 "--",
                 "true",
             ]

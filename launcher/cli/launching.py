@@ -11,11 +11,12 @@ from launcher.cli.code_options import code_request, prepare_nodes
 from launcher.cli.options import build_config, find_cluster, recover_request
 from launcher.cli.render import execute, finish, setup_logging
 from launcher.cli.waiting import waiting
-from launcher.core.output import default_output
+from launcher.code.tree import DEFAULT_FANOUT
+from launcher.core.output import OUTPUT_ALL_UP_TO, default_output
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
 from launcher.runner import plan
 
-__all__ = ["start", "WorkloadCheck"]
+__all__ = ["start", "WorkloadCheck", "tree_fanout"]
 
 # Checks a workload's arguments against the nodes and ranks a launch will start (UserError if not).
 WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
@@ -74,17 +75,24 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     p = plan(cluster, config)
     output = o.get("output") or default_output(len(p.cluster.nodes))
-    fanout = o.get("fanout")
+    fanout = tree_fanout(o.get("fanout"), p.cluster)
     return waiting(lambda: execute(p, o.get("dry_run") or "text", output, fanout), o.get("wait_nodes", False))
 
 
 def _check_fanout(o: dict[str, Any]) -> None:
-    """--fanout K: at least 1, on an attached launch to SSH nodes (one line, exit 2, otherwise)."""
+    """--fanout K|off, read into o["fanout"] (an int, or "off"): K at least 1, and an int only on
+    an attached launch to SSH nodes (one line, exit 2, otherwise)."""
     from launcher.core.types import UserError
 
-    k = o.get("fanout")
-    if k is None:
+    given = o.get("fanout")
+    if given is None or given == "off":
         return
+    try:
+        k = int(given)
+    except ValueError:
+        raise UserError(
+            f"--fanout {given!r}: give how many nodes each node passes the launch on to (4 is usual), or off"
+        ) from None
     if k < 1:
         raise UserError(
             f"--fanout {k}: each node passes the launch on to K others, so K must be at least 1 (4 is usual)"
@@ -98,3 +106,15 @@ def _check_fanout(o: dict[str, Any]) -> None:
         raise UserError(
             "--fanout passes the launch from node to node over ssh; --local runs every node here: drop --fanout"
         )
+    o["fanout"] = k
+
+
+def tree_fanout(given: int | str | None, cluster: Cluster) -> int | None:
+    """The fan-out an attached launch goes down its tree with, or None (the star): --fanout's K;
+    off; without it DEFAULT_FANOUT above OUTPUT_ALL_UP_TO nodes on SSH nodes (where the star's cost
+    to this machine starts to show, as --output's default turns to rank0), else the star."""
+    if given == "off" or cluster.local:
+        return None
+    if given is not None:
+        return int(given)
+    return DEFAULT_FANOUT if len(cluster.nodes) > OUTPUT_ALL_UP_TO else None

@@ -355,11 +355,10 @@ OUTPUT_OPTION = click.option(
 # A launch down a tree of the nodes (launcher.code.launch_tree): this machine opens node 0's session only.
 FANOUT_OPTION = click.option(
     "--fanout",
-    type=int,
-    metavar="K",
+    metavar="K|off",
     help="Open only node 0's session from here and let each node open K others' (a tree; each node's "
-    "part signed for it alone, passed on with the relay key): one connection from this machine whatever "
-    "the nodes. Attached launches on SSH nodes [default: off: one session per node from here].",
+    "part signed for it alone, passed on with the relay key), or off: one session per node from here. "
+    f"Attached launches on SSH nodes [default: 4 above {OUTPUT_ALL_UP_TO} nodes, else off].",
 )
 
 EXEC_RESTARTS_OPTION = click.option(

@@ -1140,7 +1140,7 @@ class Hop:
             lost = (
                 f"node {self.me} lost node {rank}: {why}"
                 if r == rank
-                else f"not reached: node {rank}, which passes the launch on to it, failed: {why}"
+                else f"node {self.me} lost node {rank}, which passes the launch on to node {r}: {why}"
             )
             self.up.data("ERR", r, f"{lost}\n".encode())
             self.up.exit(r, 255)

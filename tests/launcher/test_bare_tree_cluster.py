@@ -95,3 +95,19 @@ def test_ctrl_c_stops_every_node_through_the_tree_and_leaves_nothing(c, tmp_path
         run.kill()
     assert "stopped every node on signal 2" in run.out, run.out
     c.assert_nothing_left()
+
+
+def test_an_interior_node_lost_mid_run_is_named_with_the_node_below_it_and_nothing_is_left(c, tmp_path):
+    """Node 1 of the chain 0 -> 1 -> 2 disappears (its sessions and all they started die at
+    once): node 0 names it, node 2's input ends with node 1's ssh, so node 2 stops too."""
+    src = [*source_args(c, tmp_path, hostfile_of(c, tmp_path, N)), "--fanout", "1"]
+    run = Launch(["exec", *src, "--", "sh", "-c", "echo up; sleep 600"], tmp_path / "out.log")
+    try:
+        run.wait_for_text("] up", count=N)
+        c.kill_sessions(1)
+        assert run.wait(120) == 255, run.out
+    finally:
+        run.kill()
+    assert f"node 1 ({c.addresses[1]}) failed first: unreachable" in run.out, run.out
+    assert "node 0 lost node 1" in run.out and "node 0 lost node 1, which passes the launch on to node 2" in run.out
+    c.assert_nothing_left()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from launcher.cli.launching import tree_fanout
 from launcher.cli.main import main
 from launcher.code import node_agent
 from launcher.code.launch_tree import TreeLaunch, sign, tree_line
@@ -171,6 +172,7 @@ def test_fanout_is_refused_below_1_with_detach_and_with_local_in_one_line(tmp_pa
     hostfile.write_text("10.0.0.2\n10.0.0.3\n")
     for flags, why in (
         (["--hostfile", str(hostfile), "--fanout", "0"], "--fanout 0: each node passes the launch on to K others"),
+        (["--hostfile", str(hostfile), "--fanout", "four"], "--fanout 'four': give how many nodes each node"),
         (["--hostfile", str(hostfile), "--fanout", "2", "--detach"], "--fanout is for an attached launch for now"),
         (["--local", "--nodes", "2", "--fanout", "2"], "--local runs every node here: drop --fanout"),
     ):
@@ -182,3 +184,16 @@ def test_fanout_is_refused_below_1_with_detach_and_with_local_in_one_line(tmp_pa
 def test_a_dry_run_says_who_passes_the_launch_to_whom():
     cluster = Cluster(name="h", nodes=tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(7)))
     assert tree_line(cluster, 2).endswith(": 0 -> 1,2; 1 -> 3,4; 2 -> 5,6")
+
+
+def test_without_fanout_an_attached_launch_goes_down_the_tree_above_16_ssh_nodes():
+    def nodes(n: int, local: bool = False) -> Cluster:
+        return Cluster(
+            name="h",
+            nodes=tuple(Node(i, f"10.0.{i // 200}.{i % 200 + 2}", f"10.0.0.{i}") for i in range(n)),
+            local=local,
+        )
+
+    assert tree_fanout(None, nodes(16)) is None and tree_fanout(None, nodes(17)) == 4
+    assert tree_fanout("off", nodes(200)) is None and tree_fanout(2, nodes(3)) == 2
+    assert tree_fanout(None, nodes(32, local=True)) is None

@@ -158,6 +158,8 @@ class TreeProc:
         r_err, self._err = os.pipe()
         self.stdout, self.stderr = open(r_out, "rb"), open(r_err, "rb")
         self.returncode: int | None = None
+        # The tree lost this node (its own rank), or the node that passed the launch on to it.
+        self.lost_via: int | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
 
@@ -298,8 +300,12 @@ class TreeLaunch:
                 head = node_agent.header(root.stdout)
                 if not head:
                     break
+                if head == ["HELLO"]:  # node 0's agent has started
+                    continue
                 kind, rank = head[0], int(head[1])
-                if kind == "EXIT":
+                if kind == "LOST":  # the tree lost it (head[2] == rank), or the node above it
+                    self.procs[rank].lost_via = int(head[2])
+                elif kind == "EXIT":
                     self.procs[rank].finish(int(head[2]))
                     if all(p.returncode is not None for p in self.procs.values()):
                         self._close_root()  # every node is done: node 0's agent ends
@@ -315,6 +321,8 @@ class TreeLaunch:
         why = why or (tail[-1] if tail else f"its session ended (exit {rc})")
         for rank, proc in self.procs.items():
             if proc.returncode is None:
+                if rc == 255 or rank != self.head.rank:
+                    proc.lost_via = self.head.rank
                 if rank != self.head.rank:
                     proc.feed(
                         "ERR", f"not reached: {self.head.label}, which passes the launch on, failed: {why}\n".encode()

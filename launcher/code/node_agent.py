@@ -47,8 +47,9 @@ Commands (stdin carries the request; every line this program prints starts with 
   `PLAN SIZE` (this node's entry: its part signed under its launch key, its children's entries
   nested), then `CTL RANK SIZE` (a signed word for a node of its subtree). It runs its own
   part only when the signature, the expiry and the nonce hold, passes each child its entry
-  over ssh with the relay key, and sends up `OUT RANK SIZE`, `ERR RANK SIZE` and `EXIT RANK RC`
-  for its subtree. The end of its input ends every program's input below it.
+  over ssh with the relay key, and sends up `HELLO` first, then for its subtree `OUT RANK SIZE`,
+  `ERR RANK SIZE`, `EXIT RANK RC`, and `LOST RANK VIA` (a node it lost, VIA == RANK, or one cut
+  off with node VIA). The end of its input ends every program's input below it.
 """
 
 import base64
@@ -618,10 +619,9 @@ def store(stream, sha, size, forwards=()):
         raise
 
 
-def keep_own_source():
-    """Store this program's own source (the `-c` argument) as an object, so the relay key's
-    forced command can run it by its hash; the hash, or None where it cannot be found. The
-    arguments: sys.orig_argv (Python 3.10+), else /proc/self/cmdline (Linux)."""
+def _c_source():
+    """The `-c` text this python was started with: sys.orig_argv (Python 3.10+), else
+    /proc/self/cmdline (Linux); None where it cannot be found."""
     argv = [os.fsencode(a) for a in getattr(sys, "orig_argv", [])]
     if b"-c" not in argv[:-1]:
         try:
@@ -631,15 +631,39 @@ def keep_own_source():
             return None
     if b"-c" not in argv[:-1]:
         return None
-    source = argv[argv.index(b"-c") + 1]
+    return argv[argv.index(b"-c") + 1]
+
+
+def agent_source():
+    """This agent's own source: the stored copy the relay key's bootstrap checked and ran
+    (sys.argv[0]), else the `-c` text it was started with (node 0, from the launching machine)."""
+    if os.path.dirname(os.path.abspath(sys.argv[0])) == OBJECTS:
+        with open(sys.argv[0], "rb") as f:
+            return f.read()
+    return _c_source() or b""
+
+
+def keep_own_source():
+    """Store this program's own source (the `-c` argument) as an object, so the relay key's
+    forced command can run it by its hash; the hash, or None where it cannot be found. A stored
+    copy that no longer matches its hash (cut short, changed) is written again."""
+    source = _c_source()
+    if source is None:
+        return None
     sha = hashlib.sha256(source).hexdigest()
-    if not has_object(sha):
+    path = os.path.join(OBJECTS, sha)
+    try:
+        with open(path, "rb") as f:
+            intact = hashlib.sha256(f.read()).hexdigest() == sha
+    except OSError:
+        intact = False
+    if not intact:
         tmp = os.path.join(OBJECTS, f".tmp-{os.getpid()}-{sha}")
         with open(tmp, "wb") as f:
             f.write(source)
         os.chmod(tmp, 0o444)
-        os.rename(tmp, os.path.join(OBJECTS, sha))
-    os.utime(os.path.join(OBJECTS, sha))  # used now: `launch prune` keeps what launches use
+        os.replace(tmp, path)
+    os.utime(path)  # used now: `launch prune` keeps what launches use
     return sha
 
 
@@ -988,7 +1012,7 @@ def verify(entry):
 
 class Up:
     """Frames to the parent (this process's stdout): `OUT RANK SIZE` and `ERR RANK SIZE` with
-    SIZE bytes, `EXIT RANK RC`. Whole frames, one writer at a time; a parent gone is ignored (the
+    SIZE bytes, `EXIT RANK RC`, `LOST RANK VIA`. Whole frames, one writer at a time; a parent gone is ignored (the
     end of stdin stops everything)."""
 
     def __init__(self):
@@ -1076,16 +1100,20 @@ class Own:
 class Hop:
     """This node passing a launch on to one child (ssh there with the relay key, whose forced
     command runs `tree`): the child's entry of the plan, then its CTL frames; its subtree's frames
-    come back up. A frame for a rank outside its subtree is dropped. When the child's session
-    ends, each rank of its subtree that has not exited is reported lost, named through this node."""
+    come back up. A frame for a rank outside its subtree is dropped. The child says HELLO first,
+    or AGENT? where its stored copy of this agent is missing or corrupt (launcher.code.tree's
+    bootstrap): it then gets this node's own source, which it checks against the hash. Frames
+    sent before that wait. When the child's session ends, each rank of its subtree that has not
+    exited is reported lost, named through this node."""
 
     def __init__(self, up, me, child, key, known, port, peers):
         self.up, self.me, self.child = up, me, child
         self.ranks = set(subtree(child))
         self.exited = set()
         self.lock = threading.Lock()
-        self.p = None
-        self.why = None
+        self.p, self.why, self.refetched = None, None, False
+        self.pending, self.ready, self.closing = [], False, False
+        first = b""
         try:
             if key is None or known is None:
                 raise ValueError("no relay key arrived")
@@ -1095,41 +1123,72 @@ class Hop:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
             )
-        except (OSError, ValueError) as e:
-            self.why = str(e)
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-        if self.p is not None:
             if child.get("children"):
                 for kind, path in (("KEY", key), ("KNOWN", known)):
                     with open(path, "rb") as f:
                         data = f.read()
-                    self.send(f"{kind} {len(data)}\n".encode() + data)
+                    first += f"{kind} {len(data)}\n".encode() + data
             plan = json.dumps(child).encode()
-            self.send(f"PLAN {len(plan)}\n".encode() + plan)
+            first += f"PLAN {len(plan)}\n".encode() + plan
+        except (OSError, ValueError) as e:
+            self.why = str(e)
+        self.thread = threading.Thread(target=self._read, args=(first,), daemon=True)
+        self.thread.start()
+
+    def _write(self, frame):
+        try:
+            self.p.stdin.write(frame)
+            self.p.stdin.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
 
     def send(self, frame):
         with self.lock:
-            try:
-                self.p.stdin.write(frame)
-                self.p.stdin.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+            if self.ready:
+                self._write(frame)
+            else:
+                self.pending.append(frame)
 
     def close(self):
-        with self.lock, contextlib.suppress(OSError, ValueError, AttributeError):
-            self.p.stdin.close()
+        with self.lock:
+            self.closing = True
+            if self.ready:
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    self.p.stdin.close()
 
-    def _read(self):
+    def _greet(self, first):
+        """The child's first line: HELLO, or AGENT? (this agent's source goes, then HELLO). Then
+        its plan and whatever was sent meanwhile."""
+        line = self.p.stdout.readline(MAX_HEADER + 1)
+        if line == b"AGENT?\n":
+            source = agent_source()
+            self._write(f"AGENT {len(source)}\n".encode() + source)
+            self.refetched = True
+            line = self.p.stdout.readline(MAX_HEADER + 1)
+        if line != b"HELLO\n":
+            raise EOFError("no answer from its agent" if not line else f"its agent said {line[:60]!r}")
+        with self.lock:
+            self._write(first)
+            for frame in self.pending:
+                self._write(frame)
+            self.pending, self.ready = [], True
+            if self.closing:
+                with contextlib.suppress(OSError, ValueError):
+                    self.p.stdin.close()
+
+    def _read(self, first):
         err = b""
         if self.p is not None:
             errs = []
             t = threading.Thread(target=lambda: errs.append(self.p.stderr.read()), daemon=True)
             t.start()
             try:
+                self._greet(first)
                 self._frames(self.p.stdout)
             except (ValueError, EOFError, OSError) as e:
-                self.why = f"its frames broke off: {e}"
+                self.why = None if isinstance(e, EOFError) and str(e) == "no answer from its agent" else str(e)
+            with contextlib.suppress(OSError, ValueError):
+                self.p.stdin.close()
             self.p.wait()
             t.join(5)
             err = errs[0] if errs else b""
@@ -1142,6 +1201,7 @@ class Hop:
                 if r == rank
                 else f"node {self.me} lost node {rank}, which passes the launch on to node {r}: {why}"
             )
+            self.up.send(f"LOST {r} {rank}\n".encode())  # r is cut off with `rank`, or is it
             self.up.data("ERR", r, f"{lost}\n".encode())
             self.up.exit(r, 255)
 
@@ -1152,12 +1212,16 @@ class Hop:
                 return
             if (
                 len(head) != 3
-                or head[0] not in ("OUT", "ERR", "EXIT")
+                or head[0] not in ("OUT", "ERR", "EXIT", "LOST")
                 or not head[1].isdigit()
                 or int(head[1]) not in self.ranks
             ):
                 raise ValueError(f"unexpected frame {' '.join(head)[:60]!r}")
             rank = int(head[1])
+            if head[0] == "LOST":
+                if head[2].isdigit() and int(head[2]) in self.ranks:
+                    self.up.send(f"LOST {rank} {head[2]}\n".encode())
+                continue
             if head[0] == "EXIT":
                 if re.fullmatch(r"-?[0-9]{1,3}", head[2]):
                     self.exited.add(rank)
@@ -1198,6 +1262,7 @@ def tree(port=22, peers=None):
     launching machine itself."""
     own_state()
     up = Up()
+    up.send(b"HELLO\n")  # the parent sends its frames once this comes (Hop)
     stream = sys.stdin.buffer
     work = os.path.join(G, "relay", str(os.getpid()))
     paths = {"KEY": os.path.join(work, "id_ed25519"), "KNOWN": os.path.join(work, "known_hosts")}

@@ -34,6 +34,7 @@ strictly: no first-use trust), and is removed when the relay ends.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import ipaddress
 import re
@@ -176,6 +177,49 @@ def source_addresses(cluster: Cluster) -> list[str]:
     return sorted(out)
 
 
+# The relay key's forced command runs the agent through this bootstrap (argv: SHA, then the
+# agent's own arguments). It checks the stored copy against its hash first: a copy cut short by a
+# full disk, or changed, is never run. Asked for a launch (`tree`), it asks the node passing the
+# launch on for the agent's source instead (a line `AGENT?`; node_agent.Hop answers `AGENT SIZE`
+# and the source, which runs the same version), checks what came against the hash, stores it and
+# runs it: the copy is fetched again. Asked for content (`relay`), it refuses in one line (the
+# preparation's first round, which runs the agent from its source, stores it again).
+_BOOT = """import hashlib,os,sys
+h=sys.argv[1]
+p=os.path.join(os.path.expanduser('~'),'.gpufleet','objects',h)
+s=open(p,'rb').read() if os.path.isfile(p) else b''
+if hashlib.sha256(s).hexdigest()!=h:
+    if os.environ.get('SSH_ORIGINAL_COMMAND')!='tree':
+        sys.exit('gpufleet: the node agent '+p+' is missing or corrupt; '
+                 'the next launch that prepares this node stores it again')
+    sys.stdout.write('AGENT?\\n')
+    sys.stdout.flush()
+    w=sys.stdin.buffer.readline().split()
+    s=sys.stdin.buffer.read(int(w[1])) if len(w)==2 and w[0]==b'AGENT' and w[1].isdigit() else b''
+    if hashlib.sha256(s).hexdigest()!=h:
+        sys.exit('gpufleet: the node agent sent to replace '+p+' does not match its hash')
+    os.umask(0o77)
+    os.makedirs(os.path.dirname(p),exist_ok=True)
+    t=p+'.boot-'+str(os.getpid())
+    with open(t,'wb') as f:
+        f.write(s)
+    os.chmod(t,0o444)
+    os.replace(t,p)
+sys.argv=[p]+sys.argv[2:]
+exec(compile(s,p,'exec'))
+"""
+
+
+def relay_command(port: int, peers: str) -> str:
+    """The relay key's forced command: this agent version (AGENT_SHA) through the bootstrap,
+    `relay PORT PEERS`. The bootstrap travels as base64 (no quote or `$` for the shell sshd runs
+    the command with, none for authorized_keys' `command="..."`)."""
+    boot = base64.b64encode(_BOOT.encode()).decode()
+    return (
+        f"exec python3 -I -S -c \\\"import base64;exec(base64.b64decode('{boot}'))\\\" {AGENT_SHA} relay {port} {peers}"
+    )
+
+
 def authorize_relay(
     public_key: str, cluster: Cluster, targets: Mapping[int, tuple[str | None, str]], port: int = 22
 ) -> str:
@@ -187,7 +231,7 @@ def authorize_relay(
     under flock(1), so concurrent launches neither lose each other's entries nor turn a
     symlinked file into a plain one."""
     addresses = ",".join(source_addresses(cluster))
-    command = f"exec python3 -I -S .gpufleet/objects/{AGENT_SHA} relay {port} {peers_arg(targets)}"
+    command = relay_command(port, peers_arg(targets))
     return _authorize(
         public_key, f'from="{addresses}",restrict,command="{command}"', f"gpufleet-relay-{cluster_slug(cluster)}"
     )

@@ -186,12 +186,14 @@ def root_cause(outcomes: dict[int, NodeOutcome], arrival: list[int]) -> int | No
 
     Arrival order alone misleads: when one rank fails, its peers' collectives fail too (gloo
     "Connection reset by peer", an abort), and a peer's torchrun may report before the failing
-    node's does. So: a node that became unreachable first; then a node whose program said what
-    went wrong (an error line) before the launcher stopped it; then the first to exit."""
+    node's does. So: a node that became unreachable first (itself, before one cut off with it down
+    a tree); then a node whose program said what went wrong (an error line) before the launcher
+    stopped it; then the first to exit."""
 
     def rank_of(r: int) -> tuple[int, int]:
         o = outcomes[r]
-        kind = 0 if o.connection_lost else 1 if o.reported_error_before_stop else 2
+        lost = 0 if o.cut_off_by is None else 1
+        kind = lost if o.connection_lost else 2 if o.reported_error_before_stop else 3
         return kind, arrival.index(r)
 
     candidates = [

@@ -249,8 +249,15 @@ class NodeSession:
         # The trailing blank line the wrapper prints before its marker is not output.
         if o.tail and o.tail[-1] == "":
             o.tail.pop()
+        # A tree's node (launcher.code.launch_tree.TreeProc) that the tree lost, or cut off with the
+        # node that passed the launch on to it: lost whether or not a stop was on its way.
+        lost_via = getattr(self.proc, "lost_via", None)
         if self.marker is not None:
             o.exit_code = self.marker
+        elif lost_via is not None:
+            o.connection_lost, o.exit_code = True, transport_rc
+            o.cut_off_by = None if lost_via == self.node.rank else lost_via
+            o.error = self.err[-1] if self.err else "the tree lost it"
         elif transport_rc != 255 or stopping:
             # No marker but no transport error either: the wrapper itself failed to start, or
             # we stopped a node whose connection we then cut.

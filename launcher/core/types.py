@@ -353,6 +353,9 @@ class NodeOutcome:
     exit_code: int | None = None  # the remote command's status; None = never finished
     duration_s: float = 0.0
     connection_lost: bool = False  # the SSH connection dropped before the command reported
+    # Down a tree (--fanout): lost because the node that passed the launch on to it was (that
+    # node's rank); None: lost itself, or not lost.
+    cut_off_by: int | None = None
     stopped: bool = False  # the launcher stopped it because another node failed or on a signal
     error: str = ""  # the transport's own message (ssh's stderr) when connection_lost
     tail: list[str] = field(default_factory=list)  # last output lines

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.cluster.discovery import read_hostfile
+from launcher.code.tree import AGENT_SHA
 from launcher.core.transport import cluster_slug
 from tests.support import BARE_GROUP, LAUNCH, REPO, Launch, hostfile_of, source_args
 
@@ -110,4 +111,18 @@ def test_an_interior_node_lost_mid_run_is_named_with_the_node_below_it_and_nothi
         run.kill()
     assert f"node 1 ({c.addresses[1]}) failed first: unreachable" in run.out, run.out
     assert "node 0 lost node 1" in run.out and "node 0 lost node 1, which passes the launch on to node 2" in run.out
+    c.assert_nothing_left()
+
+
+def test_a_corrupt_agent_copy_on_a_node_is_fetched_again_from_its_parent_and_the_launch_runs(c, tmp_path):
+    src = [*source_args(c, tmp_path, hostfile_of(c, tmp_path, N)), "--fanout", "1"]
+    assert launch(["exec", *src, "--", "true"]).returncode == 0
+    copy = c.node_path(2, f"/root/.gpufleet/objects/{AGENT_SHA}")
+    intact = copy.read_bytes()
+    copy.chmod(0o644)
+    copy.write_bytes(intact[:1000])  # cut short, as a full disk leaves it
+    r = launch(["exec", *src, "--", "sh", "-c", SAY])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"[node 2] node 2 on {c.addresses[2]}" in r.stdout, r.stdout
+    assert copy.read_bytes() == intact
     c.assert_nothing_left()

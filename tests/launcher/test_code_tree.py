@@ -183,8 +183,9 @@ def test_the_relay_key_is_authorized_once_restricted_and_replaced_when_the_agent
         subprocess.run(["bash", "-c", statement], env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
     lines = keys.read_text().splitlines()
     assert lines[0] == "ssh-ed25519 AAAAmine me@laptop" and len(lines) == 2
-    assert lines[1].startswith('from="10.0.0.2,10.0.0.3",restrict,command="exec python3 -I -S .gpufleet/objects/')
-    assert f"objects/{AGENT_SHA} relay 22 me@10.0.0.2,me@10.0.0.3\"" in lines[1] and public.split()[1] in lines[1]
+    # The agent through its bootstrap (launcher.code.tree.relay_command), which checks its copy first.
+    assert lines[1].startswith('from="10.0.0.2,10.0.0.3",restrict,command="exec python3 -I -S -c \\"import base64;')
+    assert f"{AGENT_SHA} relay 22 me@10.0.0.2,me@10.0.0.3\"" in lines[1] and public.split()[1] in lines[1]
     # sshd's own parser (ssh-keygen reads authorized_keys lines, options and all) accepts it.
     assert subprocess.run(["ssh-keygen", "-l", "-f", str(keys)], capture_output=True).returncode == 0
     stale = lines[1].replace(AGENT_SHA, "0" * 64)

@@ -23,6 +23,7 @@ from launcher.cli.launching import tree_fanout
 from launcher.cli.main import main
 from launcher.code import node_agent
 from launcher.code.launch_tree import TreeLaunch, sign, tree_line
+from launcher.code.tree import AGENT_SHA, relay_command
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Node
 
@@ -91,7 +92,7 @@ def test_a_signed_part_runs_with_its_stdin_then_go_and_its_output_and_exit_come_
     entry = part(key)
     r = agent(tmp_path, "tree", frames(entry, go(key, entry)))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(b"OUT 0 ") and r.stdout.endswith(b"EXIT 0 3\n"), r.stdout
+    assert r.stdout.startswith(b"HELLO\nOUT 0 ") and r.stdout.endswith(b"EXIT 0 3\n"), r.stdout
     assert b"a=value\n" in r.stdout and b"got go\n" in r.stdout
     assert (tmp_path / "ran").exists()
 
@@ -197,3 +198,48 @@ def test_without_fanout_an_attached_launch_goes_down_the_tree_above_16_ssh_nodes
     assert tree_fanout(None, nodes(16)) is None and tree_fanout(None, nodes(17)) == 4
     assert tree_fanout("off", nodes(200)) is None and tree_fanout(2, nodes(3)) == 2
     assert tree_fanout(None, nodes(32, local=True)) is None
+
+
+def forced(home: Path, stdin: bytes, original: str = "tree") -> subprocess.CompletedProcess:
+    """The relay key's forced command as sshd runs it: authorized_keys' `command="..."` (its \\"
+    dequoted) under the account's shell, asked for `original`."""
+    command = relay_command(22, "me@10.0.0.3").replace('\\"', '"')
+    return subprocess.run(
+        ["sh", "-c", command],
+        input=stdin,
+        capture_output=True,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": original},
+        timeout=60,
+    )
+
+
+def test_a_corrupt_agent_copy_is_fetched_again_from_the_parent_checked_and_run(tmp_path):
+    key = set_key(tmp_path)  # stores the agent's copy, as the keys round does
+    copy = tmp_path / ".gpufleet" / "objects" / AGENT_SHA
+    assert copy.read_text() == SOURCE
+    copy.chmod(0o644)
+    copy.write_text(SOURCE[: len(SOURCE) // 2])  # cut short: a full disk
+    entry = part(key)
+    source = SOURCE.encode()
+    r = forced(tmp_path, f"AGENT {len(source)}\n".encode() + source + frames(entry, go(key, entry)))
+    assert r.stdout.startswith(b"AGENT?\nHELLO\n") and r.stdout.endswith(b"EXIT 0 3\n"), r.stdout + r.stderr
+    assert copy.read_text() == SOURCE and (tmp_path / "ran").exists()
+    # What a parent sends must match the hash: anything else is refused in one line, never run.
+    copy.chmod(0o644)
+    copy.write_text("")
+    bad = b'import os; os.system("touch $HOME/evil")\n'
+    r = forced(tmp_path, f"AGENT {len(bad)}\n".encode() + bad)
+    assert r.returncode == 1 and r.stderr.decode().strip().endswith("does not match its hash"), r.stderr
+    assert not (tmp_path / "evil").exists() and copy.read_text() == ""
+    # Asked for content, a corrupt copy is one line (the preparation stores the agent again).
+    r = forced(tmp_path, b"END\n", original="relay")
+    assert r.returncode == 1 and b"is missing or corrupt" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_the_preparation_stores_a_corrupt_copy_of_the_agent_again(tmp_path):
+    set_key(tmp_path)
+    copy = tmp_path / ".gpufleet" / "objects" / AGENT_SHA
+    copy.chmod(0o644)
+    copy.write_text("garbage")
+    set_key(tmp_path)
+    assert copy.read_text() == SOURCE

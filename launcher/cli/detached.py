@@ -28,6 +28,7 @@ from launcher.cli.options import (
     find_cluster,
     recover_request,
     ssh_config,
+    tree_fanout,
     trusted_ssh,
 )
 from launcher.cli.render import err, pull_everywhere, setup_logging
@@ -89,6 +90,7 @@ def start_detached(
     if policy and policy.min_nodes is not None and policy.min_nodes > trains:
         raise UserError(f"--min-nodes {policy.min_nodes} is more than the job's {trains} nodes; give at most {trains}")
     config = build_config(o, workload, cluster)
+    config = dataclasses.replace(config, fanout=tree_fanout(o.get("fanout"), cluster, detach=True))
     grace = parse_duration(o.get("controller_grace") or DEFAULT_CONTROLLER_GRACE, "--controller-grace")
     config = dataclasses.replace(config, controller_grace_s=math.ceil(grace))
     if policy is not None and policy.max_restarts is not None:

@@ -5,18 +5,18 @@ its controller (on the controller host, else node 0)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from launcher.cli.code_options import code_request, prepare_nodes
-from launcher.cli.options import build_config, find_cluster, recover_request
+from launcher.cli.options import build_config, find_cluster, recover_request, tree_fanout
 from launcher.cli.render import execute, finish, setup_logging
 from launcher.cli.waiting import waiting
-from launcher.code.tree import DEFAULT_FANOUT
-from launcher.core.output import OUTPUT_ALL_UP_TO, default_output
+from launcher.core.output import default_output
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Workload
 from launcher.runner import plan
 
-__all__ = ["start", "WorkloadCheck", "tree_fanout"]
+__all__ = ["start", "WorkloadCheck"]
 
 # Checks a workload's arguments against the nodes and ranks a launch will start (UserError if not).
 WorkloadCheck = Callable[[Cluster, LaunchConfig], None]
@@ -69,19 +69,18 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
     one attached path (render.execute)."""
     setup_logging()
     cluster = find_cluster(o)
-    config = build_config(o, workload, cluster)
+    config = replace(build_config(o, workload, cluster), fanout=tree_fanout(o.get("fanout"), cluster))
     if check is not None:
         check(cluster, config)
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     p = plan(cluster, config)
     output = o.get("output") or default_output(len(p.cluster.nodes))
-    fanout = tree_fanout(o.get("fanout"), p.cluster)
-    return waiting(lambda: execute(p, o.get("dry_run") or "text", output, fanout), o.get("wait_nodes", False))
+    return waiting(lambda: execute(p, o.get("dry_run") or "text", output), o.get("wait_nodes", False))
 
 
 def _check_fanout(o: dict[str, Any]) -> None:
     """--fanout K|off, read into o["fanout"] (an int, or "off"): K at least 1, and an int only on
-    an attached launch to SSH nodes (one line, exit 2, otherwise)."""
+    SSH nodes (one line, exit 2, otherwise)."""
     from launcher.core.types import UserError
 
     given = o.get("fanout")
@@ -97,24 +96,8 @@ def _check_fanout(o: dict[str, Any]) -> None:
         raise UserError(
             f"--fanout {k}: each node passes the launch on to K others, so K must be at least 1 (4 is usual)"
         )
-    if o.get("detach"):
-        raise UserError(
-            "--fanout is for an attached launch for now; a detached job's controller opens each node's "
-            "session itself: drop --fanout"
-        )
     if o.get("local"):
         raise UserError(
             "--fanout passes the launch from node to node over ssh; --local runs every node here: drop --fanout"
         )
     o["fanout"] = k
-
-
-def tree_fanout(given: int | str | None, cluster: Cluster) -> int | None:
-    """The fan-out an attached launch goes down its tree with, or None (the star): --fanout's K;
-    off; without it DEFAULT_FANOUT above OUTPUT_ALL_UP_TO nodes on SSH nodes (where the star's cost
-    to this machine starts to show, as --output's default turns to rank0), else the star."""
-    if given == "off" or cluster.local:
-        return None
-    if given is not None:
-        return int(given)
-    return DEFAULT_FANOUT if len(cluster.nodes) > OUTPUT_ALL_UP_TO else None

@@ -15,6 +15,7 @@ import click
 from launcher.cluster import discovery
 from launcher.cluster.reach import decide_reach
 from launcher.cluster.topology import RANK_ORDERS
+from launcher.code.tree import DEFAULT_FANOUT
 from launcher.core.env import parse_env_pairs
 from launcher.core.hang import HANG_OFF, TRAIN_HANG_TIMEOUT, parse_progress
 from launcher.core.output import OUTPUT_ALL_UP_TO, OUTPUT_MODES
@@ -626,3 +627,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tree_fanout(given: int | str | None, cluster: Cluster, detach: bool = False) -> int | None:
+    """The fan-out a launch goes down its tree with, or None (the star): --fanout's K; off;
+    without it, for an attached launch, DEFAULT_FANOUT above OUTPUT_ALL_UP_TO SSH nodes (where
+    the star's cost to this machine starts to show, as --output's default turns to rank0), else
+    the star. A detached job's controller, on the controller host inside the VPC, keeps the star
+    unless --fanout is given."""
+    if given == "off" or cluster.local:
+        return None
+    if given is not None:
+        return int(given)
+    return DEFAULT_FANOUT if len(cluster.nodes) > OUTPUT_ALL_UP_TO and not detach else None

@@ -156,32 +156,28 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
         err.print(f"[dim]logs: {result.run_dir}/node-<rank>.log[/dim]")
 
 
-def execute(
-    p: LaunchPlan, dry_run_format: str = "text", output: str = "all", fanout: int | None = None
-) -> LaunchResult | None:
+def execute(p: LaunchPlan, dry_run_format: str = "text", output: str = "all") -> LaunchResult | None:
     """Every attached launch's one path: run the plan with the live display (the nodes' lines
     --output `output` shows) and the summary table, or, for --dry-run, print the plan (as
     `dry_run_format`: "text" or "json") and connect to nothing (returns None). On SSH nodes a
-    detached job holding them refuses the launch: one line, nothing started. `fanout`: the
-    sessions go down a tree from node 0 (launcher.code.launch_tree)."""
+    detached job holding them refuses the launch: one line, nothing started. With the config's
+    `fanout`, the sessions go down a tree from node 0 (launcher.code.launch_tree)."""
     cluster, config = p.cluster, p.config
     if config.dry_run:
         if config.image:
             err.print(f"[dim]{escape(container_summary(cluster, config))}[/dim]")
-        if fanout and not cluster.local:
+        if config.fanout and not cluster.local:
             from launcher.code.launch_tree import tree_line
 
-            err.print(f"[dim]{escape(tree_line(cluster, fanout))}[/dim]")
+            err.print(f"[dim]{escape(tree_line(cluster, config.fanout))}[/dim]")
         print_plan(p, dry_run_format)
         return None
     pull_everywhere(cluster, config)
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)
-    tree = None
-    if fanout and not cluster.local:
-        from launcher.code.launch_tree import open_tree
+    from launcher.code.launch_tree import tree_for
 
-        tree = open_tree(cluster, p.transport, fanout)
+    tree = tree_for(cluster, config, p.transport)
     on_event, status, shown = live_printer(cluster, p.order_message, output)
     try:
         launch = Launch(

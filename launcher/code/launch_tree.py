@@ -44,10 +44,10 @@ from launcher.cluster.key import ensure_key, ssh_target, verified_host_keys
 from launcher.code import node_agent
 from launcher.code.prepare import RELAY_KEY, PrepareReport, agent_script, each_node, run_agent
 from launcher.code.tree import AGENT_SHA, authorize_relay, forwarding_tree, hops, relay_known_hosts
-from launcher.core.transport import Transport, cluster_slug, state_dir
-from launcher.core.types import Cluster, Node, UserError
+from launcher.core.transport import Transport, cluster_slug, make_transport, state_dir
+from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
-__all__ = ["KEYS_FILE", "ensure_keys", "sign", "TreeLaunch", "TreeProc", "open_tree", "tree_line"]
+__all__ = ["KEYS_FILE", "ensure_keys", "sign", "TreeLaunch", "TreeProc", "open_tree", "tree_for", "tree_line"]
 
 KEYS_FILE = "tree_keys.json"  # in the cluster's state directory, beside its relay key
 EXPIRES_S = 300  # a node's part must reach it within this long (clocks may differ this much too)
@@ -83,7 +83,9 @@ def ensure_keys(cluster: Cluster, transport: Transport) -> dict[int, bytes]:
     kept = _load(path)
     addresses = sorted(n.address for n in cluster.nodes)
     keys: dict[str, str] = kept.get("keys", {}) if kept.get("agent") == AGENT_SHA else {}
-    if kept.get("peers") != addresses or any(n.address not in keys for n in cluster.nodes):
+    # A job's nodes may be fewer than those the keys were set for (a detached job's world without
+    # its spares): the relay key's forced command lets a node reach any node it was set up with.
+    if not set(addresses) <= set(kept.get("peers", ())) or any(n.address not in keys for n in cluster.nodes):
         keys = _set_up(
             cluster, transport, {n.address: keys.get(n.address) or secrets.token_hex(32) for n in cluster.nodes}
         )
@@ -335,6 +337,14 @@ class TreeLaunch:
 def open_tree(cluster: Cluster, transport: Transport, fanout: int) -> TreeLaunch:
     """A launch's tree (keys set up first where they are not)."""
     return TreeLaunch(cluster, transport, fanout, ensure_keys(cluster, transport))
+
+
+def tree_for(cluster: Cluster, config: LaunchConfig, transport: Transport | None = None) -> TreeLaunch | None:
+    """The tree one launch of `config` goes down (`config.fanout`), or None: the star (no
+    --fanout, --local, a dry run). A launch's sessions are its own: one per Launch."""
+    if not config.fanout or cluster.local or config.dry_run:
+        return None
+    return open_tree(cluster, transport or make_transport(cluster, config.ssh), config.fanout)
 
 
 def tree_line(cluster: Cluster, fanout: int) -> str:

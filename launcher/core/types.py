@@ -290,6 +290,9 @@ class LaunchConfig:
     image: str | None = None
     # A --recover job's peer copies of its local checkpoints (gpufleet.replica); None: none.
     replication: Replication | None = None
+    # --fanout: the launch goes down a tree of the nodes, each passing it on to this many
+    # (launcher.code.launch_tree); None: one session per node from the launching machine.
+    fanout: int | None = None
 
     def __post_init__(self) -> None:
         if self.image is not None:
@@ -311,6 +314,8 @@ class LaunchConfig:
             )
         if self.image_os not in (None, "ubuntu", "cos"):
             raise UserError(f"--image-os {self.image_os!r} is unknown; one of: ubuntu, cos")
+        if self.fanout is not None and self.fanout < 1:
+            raise UserError(f"--fanout {self.fanout}: each node passes the launch on to K others; give 1 or more")
         if self.rank_order not in (None, "topology", "given"):
             raise UserError(f"--rank-order {self.rank_order!r} is unknown; one of: topology, given")
 

@@ -112,6 +112,7 @@ def _lost(launch: Launch, why: str) -> LaunchResult:
 def adopt(c: JobOwner, previous: JobRecord, silent_s: float | None) -> int:
     """Re-adopt the job whose record `previous` its dead controller left (launcher.jobs.controller
     calls this with itself as `c`); `silent_s`: how long ago that controller was last alive."""
+    from launcher.code.launch_tree import tree_for
     from launcher.core.launch import Interrupted, Launch, read_offsets
     from launcher.jobs.recovery import RecoverPolicy
 
@@ -146,6 +147,7 @@ def adopt(c: JobOwner, previous: JobRecord, silent_s: float | None) -> int:
         c.launch = launch
         c.note_run(launch)
         try:
+            launch.tree = tree_for(run_cluster, run_config)  # --fanout: the re-attach goes down the tree too
             result = launch.run(handle_signals=True, adopt=offsets)
         except UserError as e:
             log.warning("job %s: re-adopting failed (%s); stopping the nodes' runs", r.id, e)

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from gpufleet import atomic
+from launcher.cluster.key import NODE_KEY_DIR
 from launcher.core.output import failure_line
 from launcher.core.supervise import ORPHAN_STOP
 from launcher.core.types import LaunchResult, UserError
@@ -145,6 +146,7 @@ class Controller:
         if not self.wait_turn():
             return self.end(JobState.STOPPED, 128 + signal.SIGTERM, why="stopped while pending; it never ran")
         # Imported once the record is written: the hand-off waits for the record, not for these.
+        from launcher.code.launch_tree import tree_for
         from launcher.core.launch import Interrupted, Launch
         from launcher.health.prestart import prestart_verdict
 
@@ -154,14 +156,20 @@ class Controller:
 
         self.metrics = job_metrics.start(cluster, config, self.jobdir / SAMPLES_FILE)
         with open(self.jobdir / "output.log", "a", buffering=1) as out:
-            launch = Launch(
-                cluster, config, on_event=lambda e: self.on_event(out, e), stop=self.stop, verdict=prestart_verdict
-            )
-            self.launch = launch
+            launch = None
             try:
+                launch = Launch(
+                    cluster,
+                    config,
+                    on_event=lambda e: self.on_event(out, e),
+                    stop=self.stop,
+                    verdict=prestart_verdict,
+                    tree=tree_for(cluster, config),
+                )
+                self.launch = launch
                 result = launch.run(handle_signals=True)
             except UserError as e:
-                return self.end(JobState.FAILED, 2, why=str(e), node=launch.first_bad())
+                return self.end(JobState.FAILED, 2, why=str(e), node=launch.first_bad() if launch else None)
             except Interrupted as e:
                 return self.end(JobState.STOPPED, 128 + e.signum, why="stopped while connecting; nothing ran")
         if self.request.get("recover") is None:
@@ -363,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         sys.stderr.write("usage: python -m launcher.jobs.controller JOBDIR | --adopt-all [JOBS_DIR]\n")
         return 2
+    # The cluster's keys the hand-off placed beside its cluster key (NODE_KEY_DIR/CLUSTER): a
+    # --fanout job's relay key and launch keys (launcher.code.launch_tree) are read from there.
+    os.environ.setdefault("GPUFLEET_STATE_DIR", str(Path.home() / NODE_KEY_DIR))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # stderr: controller.log
     logging.getLogger("launcher").setLevel(logging.INFO)
     controller = Controller(Path(args[0]).resolve())

@@ -42,6 +42,7 @@ from launcher.cluster.key import (
     NODE_KEY_DIR,
     cluster_slug,
     controller_ssh,
+    ensure_key,
     known_hosts_text,
     ssh_target,
     verified_host_keys,
@@ -102,6 +103,8 @@ def detach(plan: LaunchPlan, recover: dict[str, Any] | None = None) -> str:
         ).encode(),
         f"{JOBS_DIR}/{config.job_id}/env.json": json.dumps([list(kv) for kv in config.env]).encode(),
     }
+    if config.fanout:  # the controller's launches go down the tree: its keys travel beside the cluster key
+        files.update(_tree_files(cluster, transport, f"{NODE_KEY_DIR}/{slug}"))
     code, code_hash = _code_files()
     files.update({f".gpufleet/code/{code_hash}/{name}": data for name, data in code.items()})
     files[f"{JOBS_DIR}/{config.job_id}/{CONTROLLER_SH}"] = controller_sh(config.job_id, code_hash, python).encode()
@@ -109,6 +112,23 @@ def detach(plan: LaunchPlan, recover: dict[str, Any] | None = None) -> str:
     if cluster.controller is None:  # once the job is handed off: a refusal stays one line
         log.warning(NODE0_WARNING)
     return config.job_id
+
+
+def _tree_files(cluster: Cluster, transport: Transport, key_dir: str) -> dict[str, bytes]:
+    """A --fanout job's: the cluster's relay key and every node's launch key (set up here first
+    where they are not: launcher.code.launch_tree.ensure_keys), for the controller's state
+    directory (launcher.jobs.controller sets GPUFLEET_STATE_DIR to NODE_KEY_DIR), mode 600."""
+    from launcher.code.launch_tree import KEYS_FILE, ensure_keys
+    from launcher.code.prepare import RELAY_KEY
+
+    ensure_keys(cluster, transport)
+    relay = ensure_key(cluster, RELAY_KEY)
+    keys = relay.with_name(KEYS_FILE)
+    return {
+        f"{key_dir}/{RELAY_KEY}": relay.read_bytes(),
+        f"{key_dir}/{RELAY_KEY}.pub": relay.with_name(f"{RELAY_KEY}.pub").read_bytes(),
+        f"{key_dir}/{KEYS_FILE}": keys.read_bytes(),
+    }
 
 
 def _controller_python_script() -> str:
@@ -177,6 +197,9 @@ def _archive(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+RELAY_FILES = "relay_ed25519 relay_ed25519.pub tree_keys.json"  # _tree_files' names, moved into place
+
+
 def _handoff_script(config: LaunchConfig, code_hash: str, slug: str, python: str) -> str:
     job = shlex.quote(config.job_id)
     key_dir = shlex.quote(f"{NODE_KEY_DIR}/{slug}")
@@ -192,6 +215,8 @@ def _handoff_script(config: LaunchConfig, code_hash: str, slug: str, python: str
             'mkdir -p "$S" "$G/jobs" "$G/code" "$K"',
             'tar -x -z -f - -C "$S" || { echo "cannot unpack the job" >&2; rm -rf "$S"; exit 1; }',
             'cmp -s "$N/id_ed25519" "$K/id_ed25519" || mv -f "$N/id_ed25519" "$K/id_ed25519"',
+            # A --fanout job's relay key and launch keys (launcher.code.launch_tree), when it has them.
+            f'for f in {RELAY_FILES}; do [ ! -f "$N/$f" ] || mv -f "$N/$f" "$K/$f"; done',
             f'[ -d "$G/code/{code_hash}" ] || mv -T "$S/.gpufleet/code/{code_hash}" "$G/code/{code_hash}" 2>/dev/null',
             # A failed hand-off leaves no --env values behind (env.json).
             f'mv -T "$S/{JOBS_DIR}/"{job} "$G/jobs/"{job} || {{ rm -rf "$S"; exit 1; }}',

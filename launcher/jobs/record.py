@@ -254,6 +254,7 @@ def request_json(
             "env_keys": [k for k, _ in config.env],
             "prepared": list(config.prepared),
             "replication": config.replication.to_json() if config.replication else None,
+            "fanout": config.fanout,
         },
         "ssh": {
             "user": ssh.user,

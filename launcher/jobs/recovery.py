@@ -443,6 +443,7 @@ class Recoverer:
     def _relaunch(self, rec: Recovery) -> LaunchResult | int:
         """Poll with the launch's own check until every node passes, then run: the attempt's
         result, or the job's exit status when it ended here (stopped, or a node not back)."""
+        from launcher.code.launch_tree import tree_for
         from launcher.core.launch import Interrupted, Launch
         from launcher.health.prestart import prestart_verdict
 
@@ -460,6 +461,7 @@ class Recoverer:
                 launch = Launch(self.cluster, config, on_event=on_event, stop=self.c.stop, verdict=prestart_verdict)
                 self.c.launch = launch
                 try:
+                    launch.tree = tree_for(self.cluster, config)  # --fanout: this attempt's own sessions
                     return launch.run(handle_signals=True)
                 except UserError as e:
                     bad = launch.first_bad()

@@ -8,10 +8,12 @@ stops every node, leaving nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -125,4 +127,28 @@ def test_a_corrupt_agent_copy_on_a_node_is_fetched_again_from_its_parent_and_the
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"[node 2] node 2 on {c.addresses[2]}" in r.stdout, r.stdout
     assert copy.read_bytes() == intact
+    c.assert_nothing_left()
+
+
+def test_a_detached_job_with_fanout_runs_down_the_tree_from_its_controller(c, tmp_path):
+    """The controller (on node 0 here) gets the relay key and the launch keys beside the cluster
+    key, and its launch goes down the tree: node 2 ran a part signed for it (its nonce is kept)."""
+    src = [*source_args(c, tmp_path, hostfile_of(c, tmp_path, N)), "--fanout", "1"]
+    seen = c.node_path(2, "/root/.gpufleet/tree/seen")
+    before = set(seen.iterdir()) if seen.exists() else set()
+    r = launch(["exec", *src, "--detach", "--", "sh", "-c", SAY])
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = r.stdout.split()[1]
+    deadline = time.monotonic() + 120
+    while True:
+        rows = launch(["jobs", *src[:-2], "--json"]).stdout.splitlines()
+        (row,) = [j for j in map(json.loads, rows) if j.get("id") == job]
+        if row["state"] in ("SUCCEEDED", "FAILED", "STOPPED") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    logs = launch(["logs", *src[:-2], job])
+    assert row["state"] == "SUCCEEDED", (row, logs.stdout + logs.stderr)
+    for i in range(N):
+        assert f"[node {i}] node {i} on {c.addresses[i]}" in logs.stdout, logs.stdout
+    assert len(set(seen.iterdir()) - before) == 1  # the controller's launch: one part signed for node 2
     c.assert_nothing_left()

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher.cli.launching import tree_fanout
 from launcher.cli.main import main
+from launcher.cli.options import tree_fanout
 from launcher.code import node_agent
 from launcher.code.launch_tree import TreeLaunch, sign, tree_line
 from launcher.code.tree import AGENT_SHA, relay_command
@@ -174,7 +174,6 @@ def test_fanout_is_refused_below_1_with_detach_and_with_local_in_one_line(tmp_pa
     for flags, why in (
         (["--hostfile", str(hostfile), "--fanout", "0"], "--fanout 0: each node passes the launch on to K others"),
         (["--hostfile", str(hostfile), "--fanout", "four"], "--fanout 'four': give how many nodes each node"),
-        (["--hostfile", str(hostfile), "--fanout", "2", "--detach"], "--fanout is for an attached launch for now"),
         (["--local", "--nodes", "2", "--fanout", "2"], "--local runs every node here: drop --fanout"),
     ):
         r = CliRunner().invoke(main, ["exec", *flags, "--", "true"])

@@ -1049,6 +1049,8 @@ class Own:
             stderr=subprocess.PIPE,
             start_new_session=True,
             cwd=os.path.expanduser("~"),
+            # As the session's own command sees it: not the relay key's request (`tree`).
+            env={k: v for k, v in os.environ.items() if k != "SSH_ORIGINAL_COMMAND"},
         )
         pumps = [
             threading.Thread(target=self._pump, args=(s, k), daemon=True)

@@ -63,6 +63,9 @@ def test_this_machine_opens_node_0s_session_only_and_every_node_runs_its_part(c,
     for i in range(N):
         assert f"[node {i}] node {i} on {c.addresses[i]}" in r.stdout, r.stdout
     assert set(sessions_to(log)) == {c.addresses[0]}, log.read_text()
+    # What node 2 runs sees its session as the star's would: not the relay key's `tree` request.
+    r = launch(["exec", *src, "--", "sh", "-c", 'echo "asked=${SSH_ORIGINAL_COMMAND:-nothing}"'])
+    assert "[node 2] asked=nothing" in r.stdout, r.stdout + r.stderr
     # A node that fails stops the others through the tree: node 0 and node 1 (the interior node)
     # were sleeping, and are stopped, not waited for.
     cmd = 'if [ "$GPUFLEET_NODE_RANK" = 2 ]; then echo dying; exit 4; fi; sleep 600'

@@ -359,7 +359,7 @@ FANOUT_OPTION = click.option(
     metavar="K|off",
     help="Open only node 0's session from here and let each node open K others' (a tree; each node's "
     "part signed for it alone, passed on with the relay key), or off: one session per node from here. "
-    f"Attached launches on SSH nodes [default: 4 above {OUTPUT_ALL_UP_TO} nodes, else off].",
+    f"SSH nodes only [default: 4 for an attached launch above {OUTPUT_ALL_UP_TO} nodes, else off].",
 )
 
 EXEC_RESTARTS_OPTION = click.option(

@@ -43,7 +43,7 @@ from pathlib import Path
 from launcher.cluster.key import ensure_key, ssh_target, verified_host_keys
 from launcher.code import node_agent
 from launcher.code.prepare import RELAY_KEY, PrepareReport, agent_script, each_node, run_agent
-from launcher.code.tree import AGENT_SHA, authorize_relay, forwarding_tree, hops, relay_known_hosts
+from launcher.code.tree import AGENT_SHA, authorize_relay, forwarding_tree, hop_entry, hops, relay_known_hosts
 from launcher.core.transport import Transport, cluster_slug, make_transport, state_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 
@@ -228,12 +228,8 @@ class TreeLaunch:
             "program": scripts[rank],
             "stdin": base64.b64encode(stdin).decode(),
         }
-        user, address = targets[rank]
         return {
-            "rank": rank,
-            "host": address,
-            "port": port,
-            "user": user,
+            **hop_entry(rank, targets, port),
             "signed": signed,
             "mac": sign(self.keys[rank], node_agent.canonical(signed)),
             "children": [self._entry(c, scripts, stdin, targets, port, expires) for c in self.tree[rank]],

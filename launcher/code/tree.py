@@ -56,6 +56,7 @@ __all__ = [
     "hops",
     "peers_arg",
     "relay_plan",
+    "hop_entry",
     "relay_known_hosts",
     "source_addresses",
     "authorize_relay",
@@ -112,6 +113,13 @@ def peers_arg(targets: Mapping[int, tuple[str | None, str]]) -> str:
     return ",".join(peers)
 
 
+def hop_entry(rank: int, targets: Mapping[int, tuple[str | None, str]], port: int) -> dict:
+    """Where a hop goes, as node_agent reads it (`destination`, `relay_argv`): the node's rank, its
+    internal address, the port and its user."""
+    user, address = targets[rank]
+    return {"rank": rank, "host": address, "port": port, "user": user}
+
+
 def relay_plan(
     tree: Mapping[int, list[int]],
     root: int,
@@ -123,12 +131,8 @@ def relay_plan(
     own children, nested."""
 
     def hop(rank: int) -> dict:
-        user, address = targets[rank]
         return {
-            "rank": rank,
-            "host": address,
-            "port": port,
-            "user": user,
+            **hop_entry(rank, targets, port),
             "objects": sorted(missing[rank]),
             "children": [hop(c) for c in tree[rank]],
         }

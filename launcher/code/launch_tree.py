@@ -29,6 +29,7 @@ it, or node 0's session ended) ends with exit 255 and a line naming the node tha
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -215,6 +216,40 @@ class TreeLaunch:
 
     def proc(self, rank: int) -> TreeProc:
         return self.procs[rank]
+
+    def run_all(self, scripts: Mapping[int, str], stdin: bytes, timeout: float) -> dict[int, tuple[str, str]]:
+        """Run one program on each of `scripts`' nodes (by rank) down a tree of their own, each
+        reading `stdin` first and then the end of its input, as a plain ssh session with `input`
+        does: (stdout, the last line of stderr or why nothing came) by rank. Another launch's
+        work on the same nodes (a hang's stacks, while its ranks still run): a new tree, the
+        same keys, one more connection from here."""
+        nodes = tuple(n for n in self.cluster.nodes if n.rank in scripts)
+        tree = TreeLaunch(dataclasses.replace(self.cluster, nodes=nodes), self.transport, self.fanout, self.keys)
+        tree.start(scripts, stdin)
+        out: dict[int, tuple[str, str]] = {}
+
+        def one(rank: int) -> None:
+            proc = tree.proc(rank)
+            proc.stdin.close()
+            errs: list[bytes] = []
+            reader = threading.Thread(target=lambda: errs.append(proc.stderr.read()), daemon=True)
+            reader.start()
+            text = proc.stdout.read().decode(errors="replace")
+            reader.join()
+            tail = (errs[0] if errs else b"").decode(errors="replace").strip().splitlines()
+            out[rank] = (text, tail[-1] if tail else "" if proc.wait() == 0 else f"exit {proc.returncode}")
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in scripts]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for rank in scripts:
+            if rank not in out:
+                tree.proc(rank).kill()
+                out[rank] = ("", f"no answer within {timeout:.0f} s")
+        return dict(out)
 
     def _entry(self, rank: int, scripts: Mapping[int, str], stdin: bytes, targets, port: int, expires: int) -> dict:
         node = self.cluster.nodes[rank]

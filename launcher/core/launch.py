@@ -100,6 +100,8 @@ class Tree(Protocol):
 
     def proc(self, rank: int) -> subprocess.Popen: ...
 
+    def run_all(self, scripts: Mapping[int, str], stdin: bytes, timeout: float) -> dict[int, tuple[str, str]]: ...
+
 
 class Interrupted(Exception):
     """SIGINT/SIGTERM arrived before any workload started; nothing is running."""
@@ -400,7 +402,8 @@ class Launch:
         running = self.in_state(NodeState.RUNNING)
         log.warning("no progress for %.0f s (--hang-timeout): collecting the workers' stacks", silent)
         try:
-            hang = collect(self.cluster, self.config, self.transport, silent, running, flight_recorder_on(self.cluster))
+            fr = flight_recorder_on(self.cluster)
+            hang = collect(self.cluster, self.config, self.transport, silent, running, fr, tree=self.tree)
         except Exception as e:  # the job must stop all the same
             log.exception("collecting the stacks failed")
             hang = Hang(f"hang: no progress for {silent:.0f} s; collecting the stacks failed: {type(e).__name__}: {e}")

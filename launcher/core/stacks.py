@@ -38,12 +38,16 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher.core.hang import flight_recorder_prefix
 from launcher.core.program import node_run_command
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, Node
 from launcher.core.wire import env_block, run_token
+
+if TYPE_CHECKING:
+    from launcher.core.launch import Tree
 
 __all__ = [
     "STACK_MARKER",
@@ -353,13 +357,22 @@ def _run(transport: Transport, node: Node, script: str, stdin: bytes) -> tuple[s
     return out, ""
 
 
-def _gather(transport: Transport, scripts: dict[Node, str], stdin: bytes) -> dict[Node, NodeStacks]:
-    """Every node's program at once (each reads `stdin` first); what each returned."""
-    with ThreadPoolExecutor(max_workers=min(64, len(scripts)) or 1) as pool:
-        futures = {node: pool.submit(_run, transport, node, script, stdin) for node, script in scripts.items()}
+def _gather(
+    transport: Transport, scripts: dict[Node, str], stdin: bytes, tree: Tree | None = None
+) -> dict[Node, NodeStacks]:
+    """Every node's program at once (each reads `stdin` first); what each returned. `tree`: the
+    launch's (launcher.core.launch.Tree, --fanout), which carries them down a tree of their own."""
+    if tree is not None:
+        by_rank = tree.run_all({n.rank: s for n, s in scripts.items()}, stdin, _COLLECT_TIMEOUT_S)
+        answers = {node: by_rank[node.rank] for node in scripts}
+    else:
+        with ThreadPoolExecutor(max_workers=min(64, len(scripts)) or 1) as pool:
+            futures = {node: pool.submit(_run, transport, node, script, stdin) for node, script in scripts.items()}
+        answers = {node: fut.result() for node, fut in futures.items()}
     out = {}
-    for node, fut in futures.items():
-        text, error = fut.result()
+    for node, (text, error) in answers.items():
+        if error == "" and _END not in text:
+            error = "its program ended before it was done"
         out[node] = parse_node_output(node, text)
         if error and not out[node].ranks:
             out[node].error = f"could not collect stacks: {error}"
@@ -382,14 +395,15 @@ def collect(
     silent_s: float,
     nodes: Collection[int] | None = None,
     flight_recorder: bool = False,
+    tree: Tree | None = None,
 ) -> Hang:
     """Collect the stacks of the job's workers on `nodes` (node ranks; default all), write
     them to `<run dir>/stacks/node-<i>-rank-<r>.txt` (with the flight-recorder dumps), and
-    return the verdict."""
+    return the verdict. `tree`: the launch's tree (--fanout), which the collection goes down too."""
     chosen = [n for n in cluster.nodes if nodes is None or n.rank in nodes]
     t0 = time.monotonic()
     scripts = {n: collect_script(config, n, fr=flight_recorder) for n in chosen}
-    got = _gather(transport, scripts, collect_stdin(config))
+    got = _gather(transport, scripts, collect_stdin(config), tree)
     log.info(
         "stacks of %d ranks on %d nodes in %.1f s",
         sum(len(ns.ranks) for ns in got.values()),

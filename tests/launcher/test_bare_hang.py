@@ -112,12 +112,17 @@ def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the
         assert (env / "python").exists() and not (env / "py-spy").exists()
     c.assert_nothing_left()
 
-    # The next launch finds it there: nothing is built.
+    # The next launch finds it there: nothing is built. It goes down a tree (--fanout 1: node 0
+    # passes node 1 its part), and so do the stacks: node 1 runs two parts signed for it.
     (tmp_path / "again").mkdir()
+    seen = c.node_path(1, "/root/.gpufleet/tree/seen")
+    before = set(seen.iterdir()) if seen.exists() else set()
     again = launch(
         tmp_path / "again",
         "run",
         *src(c, tmp_path / "again"),
+        "--fanout",
+        "1",
         *ONE,
         "--env",
         "HANG_RANK=1",
@@ -130,6 +135,8 @@ def test_a_sync_job_whose_requirements_lack_py_spy_still_gets_the_stacks_and_the
     )
     assert again.returncode == 124 and "rank 1 is outside any collective" in verdict_of(again), again.stderr[-3000:]
     assert "installing py-spy" not in again.stderr and "building environment" not in again.stderr
+    assert len(set(seen.iterdir()) - before) == 2, again.stderr[-3000:]
+    assert "load_batch" in (stacks_of(tmp_path / "again") / "node-1-rank-1.txt").read_text()
     c.assert_nothing_left()
 
 

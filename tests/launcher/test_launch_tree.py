@@ -242,3 +242,17 @@ def test_the_preparation_stores_a_corrupt_copy_of_the_agent_again(tmp_path):
     copy.write_text("garbage")
     set_key(tmp_path)
     assert copy.read_text() == SOURCE
+
+
+def test_run_all_runs_one_program_per_node_to_its_end_down_a_tree_of_its_own(tmp_path, monkeypatch):
+    """What a hang's stacks take (launcher.core.stacks._gather): each program reads its stdin,
+    then the end of its input, as `ssh HOST PROGRAM < input` does; its stdout comes back whole."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = set_key(tmp_path)
+    cluster = Cluster(name="hosts", nodes=(Node(0, ADDRESS, ADDRESS),))
+    monkeypatch.setattr("launcher.code.launch_tree.cluster_slug", lambda c: SLUG)
+    tree = TreeLaunch(cluster, Transport(local=True), 4, {0: key})
+    script = 'IFS= read -r A; cat >/dev/null; echo "got $A"; echo done'
+    assert tree.run_all({0: script}, b"value\n", timeout=30) == {0: ("got value\ndone\n", "")}
+    # One that does not end in time is cut off (its input ends, its session is over here).
+    assert tree.run_all({0: "sleep 3"}, b"", timeout=1) == {0: ("", "no answer within 1 s")}

@@ -278,13 +278,14 @@ class Launch:
         while (pending or deadlines) and not self.stop_event.is_set():
             while pending and len(deadlines) < limit:
                 node = pending.popleft()
+                tree = self.tree
                 self._sessions[node.rank] = NodeSession(
                     node,
-                    self.transport.argv(node, scripts[node.rank]),
+                    self.transport.argv(node, scripts[node.rank]) if tree is None else [],
                     self._reports,
                     stdin,
-                    tunnel_log=self.transport.tunnel_log(node),
-                    proc=self.tree.proc(node.rank) if self.tree is not None else None,
+                    tunnel_log=self.transport.tunnel_log(node) if tree is None else None,
+                    proc=tree.proc(node.rank) if tree is not None else None,
                 )
                 self._set_state(node.rank, NodeState.CONNECTING)
                 deadlines[node.rank] = time.monotonic() + timeout

@@ -35,14 +35,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from gpufleet import atomic
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, Verdict, check_probes, check_timeout, handshake_limit
 from launcher.core.program import attach_commands, env_stdin, node_commands, probe_script
-from launcher.core.session import NodeSession, Report
+from launcher.core.session import NodeSession, Report, Tree
 from launcher.core.transport import Transport, make_transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, WorkerFailure
 from launcher.core.wire import grace_line
@@ -89,18 +88,6 @@ class NodeEvent:
 
 
 OnEvent = Callable[[NodeEvent], None]
-
-
-class Tree(Protocol):
-    """Sessions that one connection carries (launcher.code.launch_tree.TreeLaunch, `--fanout`):
-    `start` sends every node's program and what it reads first; `proc(rank)` is then that
-    node's session, shaped as an ssh process."""
-
-    def start(self, scripts: Mapping[int, str], stdin: bytes) -> None: ...
-
-    def proc(self, rank: int) -> subprocess.Popen: ...
-
-    def run_all(self, scripts: Mapping[int, str], stdin: bytes, timeout: float) -> dict[int, tuple[str, str]]: ...
 
 
 class Interrupted(Exception):

@@ -15,8 +15,9 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, NamedTuple, Protocol
 
 from gpufleet.contracts import is_error_line
 from launcher.core.access import diagnose
@@ -25,7 +26,7 @@ from launcher.core.preflight import Probe, clock_skew
 from launcher.core.types import Node, NodeOutcome
 from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
 
-__all__ = ["Report", "NodeSession"]
+__all__ = ["Report", "NodeSession", "Tree"]
 
 
 class Report(NamedTuple):
@@ -38,6 +39,19 @@ class Report(NamedTuple):
     kind: str
     rank: int
     text: str = ""
+
+
+class Tree(Protocol):
+    """Sessions that one connection carries (launcher.code.launch_tree.TreeLaunch, `--fanout`):
+    `start` sends every node's program and what it reads first; `proc(rank)` is then that
+    node's session, shaped as an ssh process; `run_all` runs other programs to their end (a
+    hang's stacks) down a tree of their own."""
+
+    def start(self, scripts: Mapping[int, str], stdin: bytes) -> None: ...
+
+    def proc(self, rank: int) -> subprocess.Popen: ...
+
+    def run_all(self, scripts: Mapping[int, str], stdin: bytes, timeout: float) -> dict[int, tuple[str, str]]: ...
 
 
 class NodeSession:

@@ -38,16 +38,13 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from launcher.core.hang import flight_recorder_prefix
 from launcher.core.program import node_run_command
+from launcher.core.session import Tree
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Hang, LaunchConfig, Node
 from launcher.core.wire import env_block, run_token
-
-if TYPE_CHECKING:
-    from launcher.core.launch import Tree
 
 __all__ = [
     "STACK_MARKER",
@@ -361,7 +358,7 @@ def _gather(
     transport: Transport, scripts: dict[Node, str], stdin: bytes, tree: Tree | None = None
 ) -> dict[Node, NodeStacks]:
     """Every node's program at once (each reads `stdin` first); what each returned. `tree`: the
-    launch's (launcher.core.launch.Tree, --fanout), which carries them down a tree of their own."""
+    launch's (launcher.core.session.Tree, --fanout), which carries them down a tree of their own."""
     if tree is not None:
         by_rank = tree.run_all({n.rank: s for n, s in scripts.items()}, stdin, _COLLECT_TIMEOUT_S)
         answers = {node: by_rank[node.rank] for node in scripts}

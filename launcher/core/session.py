@@ -268,8 +268,8 @@ class NodeSession:
         lost_via = getattr(self.proc, "lost_via", None)
         if self.marker is not None:
             o.exit_code = self.marker
-        elif lost_via is not None:
-            o.connection_lost, o.exit_code = True, transport_rc
+        elif lost_via is not None:  # lost, not stopped, whichever of its exit and the stop came first
+            o.connection_lost, o.exit_code, o.stopped = True, transport_rc, False
             o.cut_off_by = None if lost_via == self.node.rank else lost_via
             o.error = self.err[-1] if self.err else "the tree lost it"
         elif transport_rc != 255 or stopping:

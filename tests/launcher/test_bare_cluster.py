@@ -25,6 +25,7 @@ import pytest
 from gpufleet.contracts import UV
 from launcher.code.pyenv import EnvSpec, workloads_requirements
 from launcher.code.snapshot import code_snapshot, take_snapshot
+from launcher.code.tree import AGENT_SHA
 from tests.launcher.test_jobs_cluster import client_env, detach, launch, wait_state
 from tests.launcher.test_recover_own_cluster import snapshot_epochs
 from tests.simcluster import _environ
@@ -329,7 +330,9 @@ def test_a_chain_passes_content_node_to_node_and_leaves_no_key_behind(c, tmp_pat
     assert not c.node_path(1, "/root/.gpufleet/clusters").exists()
     keys = c.node_path(2, "/root/.ssh/authorized_keys").read_text()
     (entry,) = [line for line in keys.splitlines() if relay_public(tmp_path) in line]
-    assert entry.startswith(f'from="{",".join(sorted(c.addresses))}",restrict,command="exec python3 -I -S .gpufleet/')
+    # Its forced command: the agent through the bootstrap that checks its copy (launcher.code.tree).
+    assert entry.startswith(f'from="{",".join(sorted(c.addresses))}",restrict,command="exec python3 -I -S -c \\"')
+    assert f"{AGENT_SHA} relay " in entry
     c.assert_nothing_left()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import queue
 import secrets
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from launcher.cli.options import tree_fanout
 from launcher.code import node_agent
 from launcher.code.launch_tree import TreeLaunch, sign, tree_line
 from launcher.code.tree import AGENT_SHA, relay_command
+from launcher.core.output import root_cause
+from launcher.core.session import NodeSession
 from launcher.core.transport import Transport
 from launcher.core.types import Cluster, Node
 
@@ -256,3 +259,25 @@ def test_run_all_runs_one_program_per_node_to_its_end_down_a_tree_of_its_own(tmp
     assert tree.run_all({0: script}, b"value\n", timeout=30) == {0: ("got value\ndone\n", "")}
     # One that does not end in time is cut off (its input ends, its session is over here).
     assert tree.run_all({0: "sleep 3"}, b"", timeout=1) == {0: ("", "no answer within 1 s")}
+
+
+def test_a_node_the_tree_lost_is_lost_not_stopped_and_named_before_one_cut_off_with_it():
+    """Which of two lost nodes' exits the launch reads first is a race between their sessions'
+    threads: whichever comes first, the stop that follows must not make the other `stopped`, and
+    the node lost itself is named, not the one cut off with it."""
+    cluster = Cluster(name="h", nodes=tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(3)))
+    tree = TreeLaunch(cluster, Transport(local=True), 1, {})
+    reports: queue.Queue = queue.Queue()
+    sessions = {r: NodeSession(cluster.nodes[r], [], reports, proc=tree.proc(r)) for r in (1, 2)}
+    sessions[1].request_stop()  # node 2's exit came first: the launch stops the others
+    for rank in (2, 1):
+        proc = tree.proc(rank)
+        proc.lost_via = 1
+        proc.feed("ERR", f"node 0 lost node 1{', which passes the launch on to node 2' * (rank == 2)}: gone\n".encode())
+        proc.finish(255)
+    for _ in range(2):
+        reports.get(timeout=10)
+    outcomes = {r: s.outcome(255) for r, s in sessions.items()}
+    assert outcomes[1].connection_lost and not outcomes[1].stopped and outcomes[1].cut_off_by is None
+    assert outcomes[2].connection_lost and outcomes[2].cut_off_by == 1
+    assert root_cause(outcomes, [2, 1]) == 1

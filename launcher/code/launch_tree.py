@@ -329,12 +329,13 @@ class TreeLaunch:
         reader.start()
         why = ""
         try:
-            while True:
+            # What node 0's login shell printed before its agent started is not ours; without a
+            # HELLO, ssh's own last line (below) says why.
+            started = node_agent.hello(root.stdout) == b"HELLO\n"
+            while started:
                 head = node_agent.header(root.stdout)
                 if not head:
                     break
-                if head == ["HELLO"]:  # node 0's agent has started
-                    continue
                 kind, rank = head[0], int(head[1])
                 if kind == "LOST":  # the tree lost it (head[2] == rank), or the node above it
                     self.procs[rank].lost_via = int(head[2])

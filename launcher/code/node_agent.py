@@ -1099,6 +1099,19 @@ class Own:
             self.write(word.encode() + b"\n")
 
 
+def hello(stream, most=1 << 16):
+    """The first of HELLO or AGENT? on an agent's stdout, or b"" at its end: what the account's
+    login shell printed before it (a banner from ~/.bashrc, which bash reads under sshd) is
+    passed over, up to `most` bytes."""
+    seen = 0
+    while seen < most:
+        line = stream.readline(MAX_HEADER + 1)
+        if not line or line in (b"HELLO\n", b"AGENT?\n"):
+            return line
+        seen += len(line)
+    return b""
+
+
 class Hop:
     """This node passing a launch on to one child (ssh there with the relay key, whose forced
     command runs `tree`): the child's entry of the plan, then its CTL frames; its subtree's frames
@@ -1159,16 +1172,16 @@ class Hop:
                     self.p.stdin.close()
 
     def _greet(self, first):
-        """The child's first line: HELLO, or AGENT? (this agent's source goes, then HELLO). Then
-        its plan and whatever was sent meanwhile."""
-        line = self.p.stdout.readline(MAX_HEADER + 1)
+        """The child's first line of ours: HELLO, or AGENT? (this agent's source goes, then HELLO).
+        Then its plan and whatever was sent meanwhile."""
+        line = hello(self.p.stdout)
         if line == b"AGENT?\n":
             source = agent_source()
             self._write(f"AGENT {len(source)}\n".encode() + source)
             self.refetched = True
-            line = self.p.stdout.readline(MAX_HEADER + 1)
+            line = hello(self.p.stdout)
         if line != b"HELLO\n":
-            raise EOFError("no answer from its agent" if not line else f"its agent said {line[:60]!r}")
+            raise EOFError("no answer from its agent")
         with self.lock:
             self._write(first)
             for frame in self.pending:

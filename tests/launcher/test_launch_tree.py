@@ -9,6 +9,7 @@ tests/launcher/test_bare_tree_cluster.py."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import queue
 import secrets
@@ -22,7 +23,7 @@ from click.testing import CliRunner
 
 from launcher.cli.main import main
 from launcher.cli.options import tree_fanout
-from launcher.code import node_agent
+from launcher.code import launch_tree, node_agent
 from launcher.code.launch_tree import TreeLaunch, sign, tree_line
 from launcher.code.tree import AGENT_SHA, relay_command
 from launcher.core.output import root_cause
@@ -281,3 +282,19 @@ def test_a_node_the_tree_lost_is_lost_not_stopped_and_named_before_one_cut_off_w
     assert outcomes[1].connection_lost and not outcomes[1].stopped and outcomes[1].cut_off_by is None
     assert outcomes[2].connection_lost and outcomes[2].cut_off_by == 1
     assert root_cause(outcomes, [2, 1]) == 1
+
+
+def test_what_a_login_shell_prints_before_the_agent_is_passed_over(tmp_path, monkeypatch):
+    """bash reads ~/.bashrc under sshd: a banner it prints comes before the agent's HELLO, on node
+    0 (read here) and on a child (read by its parent, node_agent.Hop, through `hello`)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = set_key(tmp_path)
+    cluster = Cluster(name="hosts", nodes=(Node(0, ADDRESS, ADDRESS),))
+    monkeypatch.setattr("launcher.code.launch_tree.cluster_slug", lambda c: SLUG)
+    banner = launch_tree.agent_script
+    monkeypatch.setattr(launch_tree, "agent_script", lambda cmd: "echo 'Welcome to node 0'; " + banner(cmd))
+    tree = TreeLaunch(cluster, Transport(local=True), 4, {0: key})
+    assert tree.run_all({0: "echo ok"}, b"", timeout=30) == {0: ("ok\n", "")}
+    stream = io.BytesIO(b"Welcome\n" * 3 + b"AGENT?\nHELLO\n")
+    assert node_agent.hello(stream) == b"AGENT?\n" and node_agent.hello(stream) == b"HELLO\n"
+    assert node_agent.hello(io.BytesIO(b"x" * 100 + b"\n"), most=50) == b""

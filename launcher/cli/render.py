@@ -173,9 +173,11 @@ def execute(p: LaunchPlan, dry_run_format: str = "text", output: str = "all") ->
         print_plan(p, dry_run_format)
         return None
     pull_everywhere(cluster, config)
-    from launcher.code.launch_tree import tree_for  # here: its imports only where a launch runs
+    tree = None
+    if config.fanout:  # the nodes' launch keys first, where they lack them
+        from launcher.code.launch_tree import tree_for
 
-    tree = tree_for(cluster, config, p.transport)  # the nodes' launch keys first, where they lack them
+        tree = tree_for(cluster, config, p.transport)
     stop = threading.Event()
     busy = None if cluster.local else BusyCheck(cluster, config, stop)
     on_event, status, shown = live_printer(cluster, p.order_message, output)

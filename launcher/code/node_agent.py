@@ -1121,12 +1121,12 @@ class Hop:
     sent before that wait. When the child's session ends, each rank of its subtree that has not
     exited is reported lost, named through this node."""
 
-    def __init__(self, up, me, child, key, known, port, peers):
+    def __init__(self, up, me, child, key, known):
         self.up, self.me, self.child = up, me, child
         self.ranks = set(subtree(child))
         self.exited = set()
         self.lock = threading.Lock()
-        self.p, self.why, self.refetched = None, None, False
+        self.p, self.why = None, None
         self.pending, self.ready, self.closing = [], False, False
         first = b""
         try:
@@ -1178,7 +1178,6 @@ class Hop:
         if line == b"AGENT?\n":
             source = agent_source()
             self._write(f"AGENT {len(source)}\n".encode() + source)
-            self.refetched = True
             line = hello(self.p.stdout)
         if line != b"HELLO\n":
             raise EOFError("no answer from its agent")
@@ -1260,7 +1259,7 @@ def start_plan(up, entry, held, port, peers):
         up.exit(rank, 2)
     route = {rank: own}
     for child in entry.get("children", []):
-        hop = Hop(up, rank, child, held.get("KEY"), held.get("KNOWN"), port, peers)
+        hop = Hop(up, rank, child, held.get("KEY"), held.get("KNOWN"))
         hops.append(hop)
         route.update(dict.fromkeys(hop.ranks, hop))
     return own, hops, route

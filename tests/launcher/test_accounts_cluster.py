@@ -213,3 +213,20 @@ def test_two_accounts_launching_at_once_take_turns(c, tmp_path):
         spans[who] = (min(map(float, begin)), max(map(float, end)))
     (a0, a1), (b0, b1) = spans[A], spans[B]
     assert a1 < b0 or b1 < a0, spans
+
+
+def test_each_accounts_launch_tree_keeps_its_keys_and_nonces_its_own(c, tmp_path):
+    """--fanout: each account's launch keys, nonces and relay files on a node are its own (its
+    private ~/.gpufleet), and neither account can read the other's; both launches go down the tree."""
+    for who in (A, B):
+        r = run_as(c, tmp_path, who, "exec", "--fanout", "1", "--", "sh", "-c", 'echo "tree as $(id -un)"')
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.count(f"tree as {who}") == N, r.stdout
+    for i in range(N):
+        for me, other in ((A, B), (B, A)):
+            keys = on_node(c, i, me, "ls ~/.gpufleet/tree ~/.gpufleet/tree/seen | wc -l").stdout.strip()
+            assert int(keys) >= 2, keys  # this account's key and at least one nonce
+            readable = on_node(c, i, other, f"find /home/{me}/.gpufleet -readable 2>/dev/null").stdout.split()
+            assert readable == [], readable
+            stat = on_node(c, i, me, "stat -c '%a %U' ~/.gpufleet/tree ~/.gpufleet/tree/*--*").stdout.split("\n")
+            assert all(line.split() in (["700", me], ["600", me]) for line in stat if line), stat

@@ -1,5 +1,6 @@
 """`launch logs JOB_ID`: a detached job's output (every node's, prefixed, or one node's), also
-copied to RUNS_DIR/JOB_ID/; `-f` follows it until the job ends."""
+copied to RUNS_DIR/JOB_ID/; `-f` follows it until the job ends. An attached launch down a tree
+whose nodes kept their output (launcher.cli.kept_logs) is read from those nodes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import click
 
 from launcher.cli.detached import copy_path, dry_run, follow, node0, reader_gone
+from launcher.cli.kept_logs import kept_logs
 from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options
 from launcher.cli.render import user_errors
 from launcher.core.types import UserError
@@ -24,8 +26,11 @@ __all__ = ["logs"]
 @click.option("-f", "--follow", "follow_", is_flag=True, help="Keep printing until the job ends; exit with its status.")
 @user_errors
 def logs(job_id: str, node: int | None, follow_: bool, **o: Any) -> None:
-    """Print a detached job's output (every node's, prefixed, or one node's)."""
+    """Print a job's output (every node's, prefixed, or one node's): a detached job's from its job
+    host; an attached launch's from here, and what its nodes kept (--fanout) from them."""
     check_job_id(job_id)
+    if kept_logs(o, job_id, node, follow_):
+        return
     cluster, n0 = node0(o)
     if node is not None and not 0 <= node < len(cluster.nodes):
         raise UserError(f"--node {node} is not a node of this cluster (0..{len(cluster.nodes) - 1})")

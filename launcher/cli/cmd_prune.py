@@ -16,7 +16,13 @@ from launcher.jobs.recovery import parse_duration
 
 __all__ = ["prune_"]
 
-_KIND = {"work": "job directory", "env": "environment", "code": "gpufleet code", "run output": "run output"}
+_KIND = {
+    "work": "job directory",
+    "env": "environment",
+    "code": "gpufleet code",
+    "run output": "run output",
+    "kept log": "kept log",
+}
 
 
 def _age(seconds: float | None) -> str:

@@ -69,12 +69,14 @@ def _attached(o: dict[str, Any], workload: Workload, check: WorkloadCheck | None
     one attached path (render.execute)."""
     setup_logging()
     cluster = find_cluster(o)
-    config = replace(build_config(o, workload, cluster), fanout=tree_fanout(o.get("fanout"), cluster))
+    output = o.get("output") or default_output(len(cluster.nodes))
+    fanout = tree_fanout(o.get("fanout"), cluster)
+    # Down a tree, the nodes not shown live keep their output on the node (launch_tree.keep_specs).
+    config = replace(build_config(o, workload, cluster), fanout=fanout, output=output if fanout else None)
     if check is not None:
         check(cluster, config)
     config = prepare_nodes(cluster, config, code_request(o, cluster, builtin))
     p = plan(cluster, config)
-    output = o.get("output") or default_output(len(p.cluster.nodes))
     return waiting(lambda: execute(p, o.get("dry_run") or "text", output), o.get("wait_nodes", False))
 
 

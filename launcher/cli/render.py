@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
-from launcher.core.output import LiveFilter, failure_line
+from launcher.core.output import LiveFilter, failure_line, kept_nodes
 from launcher.core.pull import PullFailed, pull_image, refusal
 from launcher.core.transport import make_transport
 from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
@@ -167,9 +167,11 @@ def execute(p: LaunchPlan, dry_run_format: str = "text", output: str = "all") ->
         if config.image:
             err.print(f"[dim]{escape(container_summary(cluster, config))}[/dim]")
         if config.fanout and not cluster.local:
-            from launcher.code.launch_tree import tree_line
+            from launcher.code.launch_tree import kept_line, tree_line
 
-            err.print(f"[dim]{escape(tree_line(cluster, config.fanout))}[/dim]")
+            for line in (tree_line(cluster, config.fanout), kept_line(cluster, config)):
+                if line:
+                    err.print(f"[dim]{escape(line)}[/dim]")
         print_plan(p, dry_run_format)
         return None
     pull_everywhere(cluster, config)
@@ -203,7 +205,12 @@ def execute(p: LaunchPlan, dry_run_format: str = "text", output: str = "all") ->
     render_result(result, cluster)
     said = shown.summary()
     if said:
-        err.print(f"[dim]{escape(said)}; every node's lines: {escape(str(result.run_dir))}/node-<rank>.log[/dim]")
+        where = (
+            f"every node's lines: launch logs {result.job_id} (kept on the nodes)"
+            if kept_nodes(result.run_dir)
+            else f"every node's lines: {result.run_dir}/node-<rank>.log"
+        )
+        err.print(f"[dim]{escape(said)}; {escape(where)}[/dim]")
     return result
 
 

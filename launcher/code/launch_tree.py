@@ -41,17 +41,33 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from gpufleet import atomic
 from launcher.cluster.key import ensure_key, ssh_target, verified_host_keys
 from launcher.code import node_agent
 from launcher.code.prepare import RELAY_KEY, PrepareReport, agent_script, each_node, run_agent
 from launcher.code.tree import AGENT_SHA, authorize_relay, forwarding_tree, hop_entry, hops, relay_known_hosts
+from launcher.core.output import KEPT_FILE, TAIL_LINES, LiveFilter, launch_reads
 from launcher.core.transport import Transport, cluster_slug, make_transport, state_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
+from launcher.core.wire import EXIT_MARKER
 
-__all__ = ["KEYS_FILE", "ensure_keys", "sign", "TreeLaunch", "TreeProc", "open_tree", "tree_for", "tree_line"]
+__all__ = [
+    "KEYS_FILE",
+    "ensure_keys",
+    "sign",
+    "TreeLaunch",
+    "TreeProc",
+    "open_tree",
+    "keep_specs",
+    "tree_for",
+    "tree_line",
+    "kept_line",
+]
 
 KEYS_FILE = "tree_keys.json"  # in the cluster's state directory, beside its relay key
 EXPIRES_S = 300  # a node's part must reach it within this long (clocks may differ this much too)
+# A node that keeps its output sends up a line of it at most this often (the hang watch's progress).
+SAMPLE_EVERY_S = 5.0
 
 
 def sign(key: bytes, *parts: object) -> str:
@@ -204,8 +220,18 @@ class TreeLaunch:
     """One launch's tree: `start` sends every node's signed part to node 0's agent; `proc(rank)`
     is each node's session (TreeProc)."""
 
-    def __init__(self, cluster: Cluster, transport: Transport, fanout: int, keys: Mapping[int, bytes]):
+    def __init__(
+        self,
+        cluster: Cluster,
+        transport: Transport,
+        fanout: int,
+        keys: Mapping[int, bytes],
+        keep: Mapping[int, dict] | None = None,
+        run_dir: Path | None = None,
+    ):
         self.cluster, self.transport, self.fanout, self.keys = cluster, transport, fanout, dict(keys)
+        # The nodes that keep their output (node_agent.Keep), by rank, and the run's directory here.
+        self.keep, self.run_dir = dict(keep or {}), run_dir
         self.procs = {n.rank: TreeProc(self, n.rank) for n in cluster.nodes}
         self.head = cluster.nodes[0]
         self.tree = forwarding_tree(self.head.rank, [n.rank for n in cluster.nodes[1:]], fanout)
@@ -263,6 +289,8 @@ class TreeLaunch:
             "program": scripts[rank],
             "stdin": base64.b64encode(stdin).decode(),
         }
+        if rank in self.keep:
+            signed["keep"] = self.keep[rank]
         return {
             **hop_entry(rank, targets, port),
             "signed": signed,
@@ -282,6 +310,7 @@ class TreeLaunch:
                 frames += f"{kind} {len(data)}\n".encode() + data
         body = json.dumps(plan).encode()
         frames += f"PLAN {len(body)}\n".encode() + body
+        self._record_kept()
         self._root = subprocess.Popen(
             self.transport.argv(self.head, agent_script("tree")),
             stdin=subprocess.PIPE,
@@ -291,6 +320,19 @@ class TreeLaunch:
         )
         self._send(frames)
         threading.Thread(target=self._demux, daemon=True).start()
+
+    def _record_kept(self) -> None:
+        """Where the nodes keep their output, in the run's directory (KEPT_FILE, which `launch
+        logs` reads), and a first line in each such node's log here saying so."""
+        if not self.keep or self.run_dir is None:
+            return
+        nodes = {r: {"address": self.cluster.nodes[r].address, "log": spec["log"]} for r, spec in self.keep.items()}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(self.run_dir / KEPT_FILE, json.dumps({"nodes": nodes}, indent=2) + "\n")
+        job = self.run_dir.name
+        for rank in self.keep:
+            with open(self.run_dir / f"node-{rank}.log", "a") as f:
+                f.write(f"(node {rank} keeps its whole output on the node: launch logs {job} --node {rank})\n")
 
     def _send(self, frame: bytes) -> None:
         with self._lock:
@@ -371,12 +413,35 @@ def open_tree(cluster: Cluster, transport: Transport, fanout: int) -> TreeLaunch
     return TreeLaunch(cluster, transport, fanout, ensure_keys(cluster, transport))
 
 
+def keep_specs(cluster: Cluster, config: LaunchConfig) -> dict[int, dict]:
+    """What each node that keeps its output gets in its part (node_agent.Keep), by rank: the
+    nodes `config.output` does not show live (none under all, or without --output)."""
+    if config.output in (None, "all"):
+        return {}
+    live = LiveFilter(config.output, len(cluster.nodes)).live
+    reads = launch_reads()
+    return {
+        n.rank: {
+            "log": f"{config.job_id}/node-{n.rank}.log",
+            "up": reads,
+            "sample": config.progress,
+            "every": SAMPLE_EVERY_S,
+            "tail": TAIL_LINES,
+            "marker": EXIT_MARKER,
+        }
+        for n in cluster.nodes
+        if not live(n.rank)
+    }
+
+
 def tree_for(cluster: Cluster, config: LaunchConfig, transport: Transport | None = None) -> TreeLaunch | None:
     """The tree one launch of `config` goes down (`config.fanout`), or None: the star (no
     --fanout, --local, a dry run). A launch's sessions are its own: one per Launch."""
     if not config.fanout or cluster.local or config.dry_run:
         return None
-    return open_tree(cluster, transport or make_transport(cluster, config.ssh), config.fanout)
+    transport = transport or make_transport(cluster, config.ssh)
+    keys = ensure_keys(cluster, transport)
+    return TreeLaunch(cluster, transport, config.fanout, keys, keep_specs(cluster, config), config.run_dir)
 
 
 def tree_line(cluster: Cluster, fanout: int) -> str:
@@ -384,3 +449,15 @@ def tree_line(cluster: Cluster, fanout: int) -> str:
     tree = forwarding_tree(cluster.nodes[0].rank, [n.rank for n in cluster.nodes[1:]], fanout)
     parts = [f"{p} -> {','.join(map(str, c))}" for p, c in tree.items() if c]
     return f"down a tree from node 0, fan-out {fanout} (this machine opens node 0's session only): " + "; ".join(parts)
+
+
+def kept_line(cluster: Cluster, config: LaunchConfig) -> str | None:
+    """What a dry run says about the nodes that keep their output (keep_specs), or None."""
+    kept = keep_specs(cluster, config)
+    if not kept:
+        return None
+    which = "every node" if len(kept) == len(cluster.nodes) else f"{len(kept)} of {len(cluster.nodes)} nodes"
+    return (
+        f"--output {config.output}: {which} keep their output on the node (~/.gpufleet/logs/{config.job_id}/"
+        f"node-RANK.log), sending up what the launch reads; launch logs {config.job_id} reads it"
+    )

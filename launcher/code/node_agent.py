@@ -53,6 +53,7 @@ Commands (stdin carries the request; every line this program prints starts with 
 """
 
 import base64
+import collections
 import contextlib
 import fcntl
 import glob
@@ -914,6 +915,8 @@ SEEN = os.path.join(TREE, "seen")  # each plan's nonce, once it has been run (a 
 KEY_HEX = re.compile(r"[0-9a-f]{64}")
 NONCE = re.compile(r"[0-9a-f]{32}")
 SEEN_KEEP_S = 86400  # a nonce is remembered this long; a plan expires long before
+LOGS = os.path.join(G, "logs")  # JOB/node-RANK.log: a launch's output kept on its node (Keep)
+LOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}/node-[0-9]{1,6}[.]log")
 MAX_META.update(PLAN=1 << 26, CTL=1 << 12)
 
 
@@ -1034,6 +1037,89 @@ class Up:
         self.send(f"EXIT {rank} {rc}\n".encode())
 
 
+class Keep:
+    """A node whose lines a launch does not show live (`--output rank0|failures` down a tree)
+    keeps its output here: from `go` on, every line goes to its log on this node
+    (~/.gpufleet/logs/JOB/node-RANK.log, read later by `launch logs` through the tree), and up
+    goes only what the launch reads: a line matching one of the plan's `up` patterns (the exit
+    marker, a stop's report, an error line, a worker's failure) at once; a line matching
+    `sample` (the hang watch's progress; any line when null) at most every `every` seconds; and,
+    when the part fails, its last `tail` lines not sent yet, before the exit marker or status."""
+
+    def __init__(self, up, rank, spec):
+        if not isinstance(spec, dict) or not isinstance(spec.get("log"), str) or not LOG_NAME.fullmatch(spec["log"]):
+            raise Refused("its plan's log is not JOB/node-RANK.log")
+        self.up, self.rank, self.name = up, rank, spec["log"]
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in spec.get("up") or []) or "(?!)")
+        self.sample = re.compile(spec["sample"]) if spec.get("sample") else None
+        self.every, self.marker = float(spec.get("every", 5)), spec.get("marker", "__GPUFLEET_EXIT__")
+        self.held = collections.deque(maxlen=int(spec.get("tail", 40)))
+        self.lock, self.on, self.f, self.sampled, self.told = threading.Lock(), False, None, None, False
+        try:
+            d = os.path.join(private_dir(LOGS), self.name.split("/")[0])
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o700)
+        except (PrivateError, OSError) as e:
+            raise Refused(f"it cannot keep its output in {LOGS}: {e}") from None
+
+    def start(self):
+        """`go`: the log opened (appended to: a relaunch's attempt adds to it), lines kept from
+        now on; where it cannot be opened (a full disk), every line goes up instead, said once."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        try:
+            self.f = os.fdopen(os.open(os.path.join(LOGS, self.name), flags, 0o600), "ab")
+        except OSError as e:
+            note = f"gpufleet-keep: node {self.rank} cannot keep its output on the node ({e}); every line comes up\n"
+            self.up.data("ERR", self.rank, note.encode())
+            return
+        self.on = True
+
+    def lines(self, kind, lines):
+        """Whole lines (with their newline) of the part's `kind` stream, kept and sorted."""
+        with self.lock:
+            if self.f is not None:
+                try:
+                    self.f.writelines(lines)
+                    self.f.flush()
+                except OSError as e:  # a full disk: nothing is lost, every line comes up from here
+                    self.f = None
+                    self.fail()
+                    note = f"node {self.rank} stopped keeping its output on the node ({e}); every line comes up"
+                    self.up.data("ERR", self.rank, f"gpufleet-keep: {note}\n".encode())
+            for raw in lines:
+                text = raw.decode("utf-8", "replace")
+                if self.marker in text and not text.rstrip().endswith(f"{self.marker} 0"):
+                    self.fail()
+                if self.f is None or self.pattern.search(text) or self._sampled(text):
+                    self.up.data(kind, self.rank, raw)
+                else:
+                    self.held.append((kind, raw))
+
+    def _sampled(self, text):
+        now = time.monotonic()
+        due = self.sampled is None or now - self.sampled >= self.every
+        if not due or (self.sample is not None and not self.sample.search(text)):
+            return False
+        self.sampled = now
+        return True
+
+    def fail(self):
+        """The part failed: its held lines go up, once."""
+        if not self.told:
+            self.told = True
+            for kind, raw in self.held:
+                self.up.data(kind, self.rank, raw)
+            self.held.clear()
+
+    def close(self, rc):
+        with self.lock:
+            if rc != 0:
+                self.fail()
+            if self.f is not None:
+                with contextlib.suppress(OSError):
+                    self.f.close()
+
+
 class Own:
     """This node's own part: its program under bash in a session of its own, as sshd runs a
     session's command, fed its stdin (the --env values) from the signed plan; its output and its
@@ -1042,6 +1128,7 @@ class Own:
 
     def __init__(self, up, rank, signed, key):
         self.up, self.rank, self.key, self.nonce, self.seq = up, rank, key, signed["nonce"], 0
+        self.keep = Keep(up, rank, signed["keep"]) if signed.get("keep") is not None else None
         self.p = subprocess.Popen(
             ["bash", "--norc", "--noprofile", "-c", signed["program"]],
             stdin=subprocess.PIPE,
@@ -1063,13 +1150,23 @@ class Own:
         self.write(base64.b64decode(signed.get("stdin") or ""))
 
     def _pump(self, stream, kind):
+        partial = b""
         for chunk in iter(lambda: os.read(stream.fileno(), 1 << 16), b""):
-            self.up.data(kind, self.rank, chunk)
+            if self.keep is None or not self.keep.on:
+                self.up.data(kind, self.rank, chunk)
+                continue
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            self.keep.lines(kind, [line + b"\n" for line in lines])
+        if partial:
+            self.keep.lines(kind, [partial + b"\n"])
 
     def _end(self, pumps):
         rc = self.p.wait()
         for t in pumps:
             t.join()
+        if self.keep is not None and self.keep.on:
+            self.keep.close(rc)
         self.up.exit(self.rank, rc if rc >= 0 else 255)  # a signal: ssh's own 255
 
     def write(self, data):
@@ -1096,6 +1193,8 @@ class Own:
         if word == "eof":
             self.close()
         elif re.fullmatch(r"[a-z]+( [0-9.]+)*", word):
+            if word == "go" and self.keep is not None and not self.keep.on:
+                self.keep.start()  # before the program reads it: its first line is kept
             self.write(word.encode() + b"\n")
 
 

@@ -10,7 +10,8 @@ this host's own job records pin, and the disk's free space.
 What may go, and what never does:
 - `work/JOB/` (a job's directory: a copy of its --sync snapshot and whatever the job wrote
   there), `envs/KEY/` (a built environment), `snap/HASH/` (gpufleet's code, hard links into the
-  store), and a detached job's leftover `node-runs/JOB/ATTEMPT.RANK/` whose supervisor ended
+  store), `logs/JOB/` (an attached launch's output its nodes kept, `--fanout`: used when a line
+  was last written), and a detached job's leftover `node-runs/JOB/ATTEMPT.RANK/` whose supervisor ended
   (`rc` written) but whose output no controller came back to read;
 - then `objects/SHA256` no snapshot links any more (the store is only a cache of what was sent:
   a later launch sends it again), and partial objects `objects/.tmp-PID-SHA` whose writer is gone.
@@ -44,9 +45,13 @@ LIVE = ("PENDING", "RUNNING", "RECOVERING")
 
 def last_used(path):
     """When a launch last used the directory (node_agent.prepare sets its mtime to the time of
-    every launch that uses it; a job writing files there moves it too)."""
+    every launch that uses it; a job writing files there moves it too). A launch's kept logs
+    (logs/JOB/) were used when a line was last written to one of them."""
     try:
-        return os.stat(path).st_mtime
+        times = [os.stat(path).st_mtime]
+        if os.path.dirname(path) == os.path.join(G, "logs"):
+            times += [st.st_mtime for st in file_stats(path)]
+        return max(times)
     except OSError:
         return 0.0
 
@@ -80,6 +85,12 @@ def candidates():
                 # A `.tmp-` directory is one a preparation or a prune was writing or deleting
                 # when it died: old enough, it goes too.
                 out.append(("leftover" if ".tmp-" in name else kind, p))
+    logs = os.path.join(G, "logs")  # a launch's output its nodes kept (node_agent.Keep)
+    if os.path.isdir(logs):
+        for job in sorted(os.listdir(logs)):
+            p = os.path.join(logs, job)
+            if os.path.isdir(p) and not os.path.islink(p):
+                out.append(("kept log", p))
     runs = os.path.join(G, "node-runs")
     if os.path.isdir(runs):
         for job in sorted(os.listdir(runs)):

@@ -6,12 +6,15 @@ one line that says so. Pure functions over lines and outcomes."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import deque
+from pathlib import Path
 from typing import NamedTuple
 
-from gpufleet.contracts import JSON_MARKER
+from gpufleet.contracts import ERROR_LINE_PREFIXES, JSON_MARKER
 from launcher.core.types import LaunchResult, NodeOutcome, WorkerFailure
+from launcher.core.wire import EXIT_MARKER, STOP_REPORT
 
 __all__ = [
     "worker_failure",
@@ -27,6 +30,9 @@ __all__ = [
     "OUTPUT_ALL_UP_TO",
     "default_output",
     "LiveFilter",
+    "KEPT_FILE",
+    "launch_reads",
+    "kept_nodes",
 ]
 
 # torchrun's agent logs a failed worker at ERROR level, also when it is about to restart the
@@ -213,7 +219,10 @@ def failure_line(result: LaunchResult) -> str | None:
         what = o.worker.note + (f" (exit {o.worker.status})" if o.worker.exitcode < 0 else "")
     else:
         what = o.status
-    return f"{o.node.label} failed first: {what}; its log: {result.run_dir / f'node-{o.node.rank}.log'}"
+    rank = o.node.rank
+    if rank in kept_nodes(result.run_dir):
+        return f"{o.node.label} failed first: {what}; its log is on the node: launch logs {result.job_id} --node {rank}"
+    return f"{o.node.label} failed first: {what}; its log: {result.run_dir / f'node-{rank}.log'}"
 
 
 # ---- --output: which nodes' lines a launch shows live (every line goes to its log regardless) ----
@@ -282,3 +291,28 @@ class LiveFilter:
         words = ", ".join(f"{n} {state}" for state, n in sorted(states.items(), key=lambda kv: -kv[1]))
         other = "the other" if self.mode == "rank0" else "all"
         return f"--output {self.mode}: {shown} shown live; {other} {len(rest)} node{'s' * (len(rest) != 1)}: {words}"
+
+
+# ---- a node that keeps its output (a launch down a tree, launcher.code.launch_tree) ----
+
+# In a run's directory: the nodes that kept their output on the node, {"RANK": {"address", "log"}}
+# under "nodes" (`launch logs` reads it there, through the tree).
+KEPT_FILE = "kept.json"
+
+
+def launch_reads() -> list[str]:
+    """The regexes of the lines the launch itself reads from a node's output once it runs (what
+    launcher.core.session and launcher.core.launch act on; every other line is for people): the
+    exit marker, a stop's reports, an error line, a torchrun worker's failure, the sweep's rows.
+    A node that keeps its output sends these up all the same."""
+    starts = [STOP_REPORT, JSON_MARKER, *ERROR_LINE_PREFIXES]
+    return [re.escape(EXIT_MARKER), _WORKER_FAILED_RE.pattern, *("^" + re.escape(p) for p in starts)]
+
+
+def kept_nodes(run_dir: Path) -> dict[int, dict]:
+    """The nodes of the run in `run_dir` that kept their output on the node, by rank ({} for none)."""
+    try:
+        doc = json.loads((run_dir / KEPT_FILE).read_text())
+        return {int(rank): dict(node) for rank, node in doc["nodes"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or not ours to read
+        return {}

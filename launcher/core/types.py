@@ -293,6 +293,9 @@ class LaunchConfig:
     # --fanout: the launch goes down a tree of the nodes, each passing it on to this many
     # (launcher.code.launch_tree); None: one session per node from the launching machine.
     fanout: int | None = None
+    # --output of an attached launch down a tree: the nodes whose lines it does not show live keep
+    # their output on the node (launcher.code.launch_tree); None or "all": every line comes up.
+    output: str | None = None
 
     def __post_init__(self) -> None:
         if self.image is not None:

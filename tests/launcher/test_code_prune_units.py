@@ -119,3 +119,15 @@ def test_a_launchs_preparation_marks_the_objects_it_finds_as_used(tmp_path):
     assert r.returncode == 0, r.stderr
     assert time.time() - (objects / sha).stat().st_mtime < 86400  # a prune now finds it used
     assert (tmp_path / ".gpufleet" / "work" / "j9" / "a.txt").read_bytes() == body
+
+
+def test_a_kept_log_goes_once_nothing_was_written_to_it_for_older_than(tmp_path):
+    """logs/JOB/ (an attached launch's output its nodes kept, node_agent.Keep): a run still
+    writing lines keeps its directory young whatever the directory's own mtime says."""
+    logs = tmp_path / ".gpufleet" / "logs"
+    old = _old_dir(logs / "job-old")
+    os.utime(old / "f", (OLD, OLD))
+    writing = _old_dir(logs / "job-writing")  # the directory is old, its log was written just now
+    items = {i["path"]: i for i in _scan(tmp_path, remove=True)["items"] if i["kind"] == "kept log"}
+    assert items[str(old)].get("removed") and not old.exists()
+    assert items[str(writing)]["kept"] == "used recently" and writing.exists()

@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,12 @@ from click.testing import CliRunner
 from launcher.cli.main import main
 from launcher.cli.options import tree_fanout
 from launcher.code import launch_tree, node_agent
-from launcher.code.launch_tree import TreeLaunch, sign, tree_line
+from launcher.code.launch_tree import TreeLaunch, keep_specs, kept_line, sign, tree_line
 from launcher.code.tree import AGENT_SHA, relay_command
-from launcher.core.output import root_cause
+from launcher.core.output import kept_nodes, launch_reads, root_cause
 from launcher.core.session import NodeSession
 from launcher.core.transport import Transport
-from launcher.core.types import Cluster, Node
+from launcher.core.types import Cluster, LaunchConfig, Node, Workload
 
 SLUG, ADDRESS = "hosts-0123456789", "10.0.0.2"
 SOURCE = Path(node_agent.__file__).read_text()
@@ -298,3 +299,86 @@ def test_what_a_login_shell_prints_before_the_agent_is_passed_over(tmp_path, mon
     stream = io.BytesIO(b"Welcome\n" * 3 + b"AGENT?\nHELLO\n")
     assert node_agent.hello(stream) == b"AGENT?\n" and node_agent.hello(stream) == b"HELLO\n"
     assert node_agent.hello(io.BytesIO(b"x" * 100 + b"\n"), most=50) == b""
+
+
+def up_frames(stdout: bytes) -> list[tuple[str, int, bytes]]:
+    """An agent's frames up (`OUT RANK SIZE` + bytes, `EXIT RANK RC`, ...), after its HELLO."""
+    stream, out = io.BytesIO(stdout), []
+    assert node_agent.hello(stream) == b"HELLO\n"
+    while head := node_agent.header(stream):
+        data = node_agent.read_exact(stream, int(head[2])) if head[0] in ("OUT", "ERR") else head[2].encode()
+        out.append((head[0], int(head[1]), data))
+    return out
+
+
+KEPT = (
+    'IFS= read -r A; echo checked; IFS= read -r G || exit 0; for i in $(seq 1 50); do echo "line $i"; done; '
+    'if [ "$A" = fail ]; then echo "line 51"; echo "gpufleet: the disk is full"; '
+    'echo "__GPUFLEET_EXIT__ 1"; exit 1; fi; echo "__GPUFLEET_EXIT__ 0"'
+)
+
+
+@pytest.mark.parametrize("how", ["ends well", "fails"])
+def test_a_node_that_keeps_its_output_logs_every_line_and_sends_up_only_what_the_launch_reads(tmp_path, how):
+    """`--output rank0|failures` down a tree: from `go` on, every line goes to the node's own log
+    (0600 in the account's private ~/.gpufleet/logs); up go the check's lines, a first sample
+    (the hang watch's progress), the lines the launch reads (launcher.core.output.launch_reads:
+    the exit marker, an error line) and, when the part fails, its last lines not sent yet, before
+    its exit marker."""
+    key = set_key(tmp_path)
+    entry = part(key)
+    entry["signed"]["program"] = KEPT
+    entry["signed"]["stdin"] = base64.b64encode(b"fail\n" if how == "fails" else b"fine\n").decode()
+    entry["signed"]["keep"] = {
+        "log": "job-1/node-0.log",
+        "up": launch_reads(),
+        "sample": "^line",
+        "every": 3600,
+        "tail": 5,
+        "marker": "__GPUFLEET_EXIT__",
+    }
+    entry["mac"] = sign(key, node_agent.canonical(entry["signed"]))
+    r = agent(tmp_path, "tree", frames(entry, go(key, entry)))
+    # `go` follows the plan at once here, so the check's line may come before or after it.
+    came = [(kind, data.decode()) for kind, _, data in up_frames(r.stdout) if kind != "EXIT"]
+    came = [c for c in came if c != ("OUT", "checked\n")]
+    assert came[0] == ("OUT", "line 1\n"), came
+    if how == "ends well":
+        assert came[1:] == [("OUT", "__GPUFLEET_EXIT__ 0\n")], came
+    else:  # the error line at once; lines 47-51 (the last 5 held) before the marker
+        tail = [("OUT", f"line {i}\n") for i in range(47, 52)]
+        assert came[1:] == [("OUT", "gpufleet: the disk is full\n"), *tail, ("OUT", "__GPUFLEET_EXIT__ 1\n")], came
+    log = tmp_path / ".gpufleet" / "logs" / "job-1" / "node-0.log"
+    kept = [line for line in log.read_text().splitlines() if line != "checked"]
+    assert kept[:50] == [f"line {i}" for i in range(1, 51)] and kept[-1].startswith("__GPUFLEET_EXIT__")
+    assert log.stat().st_mode & 0o777 == 0o600 and log.parent.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_log_name_outside_the_logs_directory_is_refused_and_nothing_runs(tmp_path):
+    key = set_key(tmp_path)
+    entry = part(key)
+    entry["signed"]["keep"] = {"log": "../tree/x.log", "up": []}
+    entry["mac"] = sign(key, node_agent.canonical(entry["signed"]))
+    r = agent(tmp_path, "tree", frames(entry, go(key, entry)))
+    assert b"refused its part of the launch: its plan's log is not JOB/node-RANK.log" in r.stdout, r.stdout
+    assert r.stdout.endswith(b"EXIT 0 2\n") and not (tmp_path / "ran").exists()
+
+
+def test_the_nodes_not_shown_live_keep_their_output_and_the_run_says_where(tmp_path, monkeypatch):
+    cluster = Cluster(name="h", nodes=tuple(Node(i, f"10.0.0.{i + 2}", f"10.0.0.{i + 2}") for i in range(3)))
+    config = LaunchConfig(workload=Workload("exec", ("true",)), job_id="job-1", runs_dir=tmp_path, fanout=2)
+    assert keep_specs(cluster, config) == {} == keep_specs(cluster, replace(config, output="all"))
+    specs = keep_specs(cluster, replace(config, output="rank0"))
+    assert sorted(specs) == [1, 2] and specs[2]["log"] == "job-1/node-2.log"
+    assert sorted(keep_specs(cluster, replace(config, output="failures"))) == [0, 1, 2]
+    assert kept_line(cluster, config) is None
+    assert "--output rank0: 2 of 3 nodes keep their output" in kept_line(cluster, replace(config, output="rank0"))
+    # What `launch logs` reads, written when the tree starts (node 0's session here fails at once).
+    monkeypatch.setattr(launch_tree, "ensure_key", lambda c, name: tmp_path / "no-key")
+    tree = TreeLaunch(cluster, Transport(local=True), 2, {}, specs, config.run_dir)
+    tree._record_kept()
+    assert kept_nodes(config.run_dir) == {
+        r: {"address": f"10.0.0.{r + 2}", "log": f"job-1/node-{r}.log"} for r in (1, 2)
+    }
+    assert "launch logs job-1 --node 2" in (config.run_dir / "node-2.log").read_text()
+    assert not (config.run_dir / "node-0.log").exists()

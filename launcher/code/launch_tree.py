@@ -131,10 +131,10 @@ def _set_up(cluster: Cluster, transport: Transport, keys: dict[str, str]) -> dic
     answers = each_node(list(cluster.nodes), one)
     failed = {r: why for r, (res, why) in answers.items() if not res}
     if failed:
-        rank = min(failed)
+        rank, label = min(failed), {n.rank: n.label for n in cluster.nodes}
         more = f" (and {len(failed) - 1} other node{'s' * (len(failed) > 2)})" if len(failed) > 1 else ""
         raise UserError(
-            f"{cluster.nodes[rank].label}: cannot set its launch key for --fanout ({failed[rank]}){more}; "
+            f"{label[rank]}: cannot set its launch key for --fanout ({failed[rank]}){more}; "
             "nothing was started"
         )
     return keys
@@ -234,6 +234,7 @@ class TreeLaunch:
         self.keep, self.run_dir = dict(keep or {}), run_dir
         self.procs = {n.rank: TreeProc(self, n.rank) for n in cluster.nodes}
         self.head = cluster.nodes[0]
+        self.nodes = {n.rank: n for n in cluster.nodes}  # a subset's ranks are not its indexes
         self.tree = forwarding_tree(self.head.rank, [n.rank for n in cluster.nodes[1:]], fanout)
         self._nonces: dict[int, str] = {}
         self._seq = dict.fromkeys(self.procs, 0)
@@ -278,7 +279,7 @@ class TreeLaunch:
         return dict(out)
 
     def _entry(self, rank: int, scripts: Mapping[int, str], stdin: bytes, targets, port: int, expires: int) -> dict:
-        node = self.cluster.nodes[rank]
+        node = self.nodes[rank]
         nonce = self._nonces[rank] = secrets.token_hex(16)
         signed = {
             "slug": cluster_slug(self.cluster),
@@ -326,7 +327,7 @@ class TreeLaunch:
         logs` reads), and a first line in each such node's log here saying so."""
         if not self.keep or self.run_dir is None:
             return
-        nodes = {r: {"address": self.cluster.nodes[r].address, "log": spec["log"]} for r, spec in self.keep.items()}
+        nodes = {r: {"address": self.nodes[r].address, "log": spec["log"]} for r, spec in self.keep.items()}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic.write_text(self.run_dir / KEPT_FILE, json.dumps({"nodes": nodes}, indent=2) + "\n")
         job = self.run_dir.name

@@ -155,3 +155,33 @@ def test_a_detached_job_with_fanout_runs_down_the_tree_from_its_controller(c, tm
         assert f"[node {i}] node {i} on {c.addresses[i]}" in logs.stdout, logs.stdout
     assert len(set(seen.iterdir()) - before) == 1  # the controller's launch: one part signed for node 2
     c.assert_nothing_left()
+
+
+def test_under_output_rank0_the_other_nodes_keep_their_lines_which_launch_logs_reads_through_the_tree(c, tmp_path):
+    """Nodes 1 and 2 are not shown live: each keeps its output on the node and sends up only what
+    the launch reads (and a first line, the hang watch's sample). Node 2 fails: its last lines
+    come up then, and show. `launch logs` reads each node's whole log from the node, down a tree
+    of its own: this machine opens one session."""
+    base = source_args(c, tmp_path, hostfile_of(c, tmp_path, N))
+    cmd = 'for i in $(seq 1 60); do echo "n$GPUFLEET_NODE_RANK line $i"; done; [ "$GPUFLEET_NODE_RANK" != 2 ] || exit 5'
+    r = launch(["exec", *base, "--fanout", "1", "--output", "rank0", "--", "sh", "-c", cmd])
+    assert r.returncode == 5, r.stdout + r.stderr
+    assert "[node 0] n0 line 60" in r.stdout and "[node 1]" not in r.stdout, r.stdout
+    assert "[node 2] n2 line 60" in r.stdout and "[node 2] n2 line 10\n" not in r.stdout, r.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    job = run_dir.name
+    assert f"failed first: exit 5; its log is on the node: launch logs {job} --node 2" in r.stdout + r.stderr
+    assert "n1 line 30" not in (run_dir / "node-1.log").read_text()
+    kept = c.node_path(1, f"/root/.gpufleet/logs/{job}/node-1.log")
+    assert kept.read_text().count("n1 line") == 60 and kept.stat().st_mode & 0o777 == 0o600
+    env, log = recording_ssh(tmp_path)
+    r = launch(["logs", *base, job, "--node", "1"], env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [line for line in r.stdout.splitlines() if "line" in line] == [f"n1 line {i}" for i in range(1, 61)]
+    assert sessions_to(log) == [c.addresses[1]], log.read_text()
+    r = launch(["logs", *base, job])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for i in range(N):
+        assert sum(line.startswith(f"[node {i}] n{i} line ") for line in r.stdout.splitlines()) == 60, r.stdout
+    assert (run_dir / "node-2.log").read_text().count("n2 line") == 60  # the copy here is whole now
+    c.assert_nothing_left()

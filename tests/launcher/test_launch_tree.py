@@ -261,6 +261,11 @@ def test_run_all_runs_one_program_per_node_to_its_end_down_a_tree_of_its_own(tmp
     assert tree.run_all({0: script}, b"value\n", timeout=30) == {0: ("got value\ndone\n", "")}
     # One that does not end in time is cut off (its input ends, its session is over here).
     assert tree.run_all({0: "sleep 3"}, b"", timeout=1) == {0: ("", "no answer within 1 s")}
+    # Some of the nodes only (the ranks still running, or the nodes that kept a log): node 1's part
+    # is signed for node 1, though it is the first of the tree's nodes.
+    two = Cluster(name="hosts", nodes=(Node(0, "10.0.0.9", "10.0.0.9"), Node(1, ADDRESS, ADDRESS)))
+    tree = TreeLaunch(two, Transport(local=True), 4, {0: b"\0" * 32, 1: key})
+    assert tree.run_all({1: "echo one"}, b"", timeout=30) == {1: ("one\n", "")}
 
 
 def test_a_node_the_tree_lost_is_lost_not_stopped_and_named_before_one_cut_off_with_it():

@@ -134,8 +134,7 @@ def _set_up(cluster: Cluster, transport: Transport, keys: dict[str, str]) -> dic
         rank, label = min(failed), {n.rank: n.label for n in cluster.nodes}
         more = f" (and {len(failed) - 1} other node{'s' * (len(failed) > 2)})" if len(failed) > 1 else ""
         raise UserError(
-            f"{label[rank]}: cannot set its launch key for --fanout ({failed[rank]}){more}; "
-            "nothing was started"
+            f"{label[rank]}: cannot set its launch key for --fanout ({failed[rank]}){more}; nothing was started"
         )
     return keys
 

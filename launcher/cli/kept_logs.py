@@ -1,8 +1,9 @@
-"""`launch logs JOB_ID` for an attached launch that went down a tree (`--fanout`): the nodes whose
-lines it did not show live (`--output rank0|failures`) kept their whole output on the node
-(launcher.code.node_agent.Keep, ~/.gpufleet/logs/JOB/node-RANK.log); this reads it back down a tree
-of its own, one connection from here, and copies each log to RUNS_DIR/JOB_ID/node-RANK.log. The
-nodes that were shown live have their whole log here already."""
+"""`launch logs JOB_ID` for an attached launch (its run directory here holds its summary,
+launch.json, or says that nodes kept their logs): every node's log is here, but for a launch
+down a tree (`--fanout`) the nodes whose lines it did not show live (`--output rank0|failures`)
+kept their whole output on the node (launcher.code.node_agent.Keep,
+~/.gpufleet/logs/JOB/node-RANK.log). Those are read back down a tree of their own, one connection
+from here, and copied to RUNS_DIR/JOB_ID/node-RANK.log."""
 
 from __future__ import annotations
 
@@ -36,16 +37,18 @@ def read_script(job_id: str, log: str) -> str:
 
 
 def kept_logs(o: dict[str, Any], job_id: str, node: int | None, follow: bool) -> bool:
-    """Print the logs of attached run `job_id` when some of its nodes kept theirs (False when
-    none did: a detached job's, read from its job host). Every node's lines prefixed with
+    """Print the logs of `job_id` when it is an attached launch of this machine's (False
+    otherwise: a detached job's, read from its job host). Every node's lines prefixed with
     `[node N]` in rank order, or node `node`'s alone."""
     run_dir = Path(o.get("runs_dir") or "runs") / job_id
     kept = kept_nodes(run_dir)
-    if not kept:
+    if not kept and not (run_dir / "launch.json").exists():
         return False
     if follow:
         raise UserError(f"job {job_id} ran attached, and its logs are whole once it has ended; drop -f")
     ranks = sorted({*kept, *_local_ranks(run_dir)})
+    if not ranks:
+        raise UserError(f"job {job_id} left no node log in {run_dir}")
     if node is not None and node not in ranks:
         raise UserError(f"--node {node} is not a node of job {job_id} (0..{max(ranks)})")
     wanted = [node] if node is not None else ranks

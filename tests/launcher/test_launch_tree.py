@@ -387,3 +387,22 @@ def test_the_nodes_not_shown_live_keep_their_output_and_the_run_says_where(tmp_p
     }
     assert "launch logs job-1 --node 2" in (config.run_dir / "node-2.log").read_text()
     assert not (config.run_dir / "node-0.log").exists()
+
+
+def test_launch_logs_of_an_attached_launch_prints_its_nodes_logs_from_here_in_rank_order(tmp_path):
+    """A launch over the star kept nothing on the nodes: its logs are the run's directory here."""
+    run = tmp_path / "runs" / "20261129-120000-abcdef"
+    run.mkdir(parents=True)
+    (run / "launch.json").write_text("{}\n")
+    for rank in (1, 0):
+        (run / f"node-{rank}.log").write_text(f"n{rank} a\nn{rank} b\n")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("10.0.0.2\n10.0.0.3\n")
+    base = ["logs", "--hostfile", str(hostfile), "--runs-dir", str(tmp_path / "runs"), run.name]
+    r = CliRunner().invoke(main, base)
+    assert r.exit_code == 0 and r.output == "[node 0] n0 a\n[node 0] n0 b\n[node 1] n1 a\n[node 1] n1 b\n", r.output
+    r = CliRunner().invoke(main, [*base, "--node", "1"])
+    assert r.exit_code == 0 and r.output == "n1 a\nn1 b\n", r.output
+    for extra, why in ((["--node", "2"], "--node 2 is not a node of job"), (["-f"], "ran attached")):
+        r = CliRunner().invoke(main, [*base, *extra])
+        assert r.exit_code == 2 and why in r.output and len(r.output.strip().splitlines()) == 1, r.output

@@ -1157,6 +1157,9 @@ class Own:
                 continue
             lines = (partial + chunk).split(b"\n")
             partial = lines.pop()
+            if len(partial) > 1 << 16:  # a line never ended (a progress bar's \r): kept in pieces
+                lines.append(partial)
+                partial = b""
             self.keep.lines(kind, [line + b"\n" for line in lines])
         if partial:
             self.keep.lines(kind, [partial + b"\n"])

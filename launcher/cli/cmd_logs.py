@@ -26,8 +26,8 @@ __all__ = ["logs"]
 @click.option("-f", "--follow", "follow_", is_flag=True, help="Keep printing until the job ends; exit with its status.")
 @user_errors
 def logs(job_id: str, node: int | None, follow_: bool, **o: Any) -> None:
-    """Print a job's output (every node's, prefixed, or one node's): a detached job's from its job
-    host; an attached launch's from here, and what its nodes kept (--fanout) from them."""
+    """Print a job's output (every node's, prefixed, or one node's): a detached job's from its
+    controller host; an attached launch's from here, and what its nodes kept (--fanout) from them."""
     check_job_id(job_id)
     if kept_logs(o, job_id, node, follow_):
         return

@@ -38,7 +38,7 @@ def read_script(job_id: str, log: str) -> str:
 
 def kept_logs(o: dict[str, Any], job_id: str, node: int | None, follow: bool) -> bool:
     """Print the logs of `job_id` when it is an attached launch of this machine's (False
-    otherwise: a detached job's, read from its job host). Every node's lines prefixed with
+    otherwise: a detached job's, read from its controller host). Every node's lines prefixed with
     `[node N]` in rank order, or node `node`'s alone."""
     run_dir = Path(o.get("runs_dir") or "runs") / job_id
     kept = kept_nodes(run_dir)

@@ -7,7 +7,9 @@ from here, and copied to RUNS_DIR/JOB_ID/node-RANK.log."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ from launcher.core.types import Cluster, Node, UserError
 
 __all__ = ["kept_logs", "read_script"]
 
-READ_TIMEOUT_S = 300.0  # for every node's log to come back
+READ_TIMEOUT_S = 3600.0  # for every node's log to come back (a week's run may have GBs of them)
 
 
 def read_script(job_id: str, log: str) -> str:
@@ -52,15 +54,12 @@ def kept_logs(o: dict[str, Any], job_id: str, node: int | None, follow: bool) ->
     if node is not None and node not in ranks:
         raise UserError(f"--node {node} is not a node of job {job_id} (0..{max(ranks)})")
     wanted = [node] if node is not None else ranks
-    fetched, failed = _fetch(o, job_id, {r: kept[r] for r in wanted if r in kept})
+    # Each kept log comes whole into its copy here, as it arrives; printed from there after.
+    failed = _fetch(o, job_id, {r: kept[r] for r in wanted if r in kept}, run_dir)
     for rank in wanted:
-        if rank in fetched:
-            (run_dir / f"node-{rank}.log").write_text(fetched[rank])
-        text = fetched.get(rank)
-        if text is None:
-            path = run_dir / f"node-{rank}.log"
-            text = path.read_text(errors="replace") if path.exists() else ""
-        _write(text if node is not None else "".join(f"[node {rank}] {line}\n" for line in text.splitlines()))
+        path = run_dir / f"node-{rank}.log"
+        if path.exists():
+            _print(path, None if node is not None else f"[node {rank}] ")
     if failed:
         rank = min(failed)
         more = f" (and {len(failed) - 1} other node{'s' * (len(failed) > 2)})" if len(failed) > 1 else ""
@@ -80,9 +79,14 @@ def _local_ranks(run_dir: Path) -> list[int]:
     return ranks
 
 
-def _write(text: str) -> None:
+def _print(path: Path, prefix: str | None) -> None:
+    """`path` on stdout, line by line (a week's log is never held in memory), each line after
+    `prefix` when given."""
     try:
-        sys.stdout.write(text)
+        with open(path, "rb") as f:
+            for raw in f:
+                line = raw.decode("utf-8", "replace")
+                sys.stdout.write(line if prefix is None else prefix + line.rstrip("\n") + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
         from launcher.cli.detached import reader_gone
@@ -90,10 +94,12 @@ def _write(text: str) -> None:
         reader_gone()
 
 
-def _fetch(o: dict[str, Any], job_id: str, want: dict[int, dict]) -> tuple[dict[int, str], dict[int, str]]:
-    """Each wanted node's kept log, by the run's rank, read down a tree: (texts, why not)."""
+def _fetch(o: dict[str, Any], job_id: str, want: dict[int, dict], run_dir: Path) -> dict[int, str]:
+    """Each wanted node's kept log, by the run's rank, read down a tree into
+    RUN_DIR/node-RANK.log (replacing what came up of it during the run only once it is whole):
+    the ranks that could not be read, and why."""
     if not want:
-        return {}, {}
+        return {}
     setup_logging()
     cluster = find_cluster(o)
     by_address = {n.address: n for n in cluster.nodes}
@@ -113,15 +119,19 @@ def _fetch(o: dict[str, Any], job_id: str, want: dict[int, dict]) -> tuple[dict[
     transport = make_transport(cluster, trusted_ssh(o, cluster, ssh_config(o, cluster)))
     keys = ensure_keys(cluster, transport)
     part = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes if n.rank in scripts))
-    answers = TreeLaunch(part, transport, DEFAULT_FANOUT, keys).run_all(scripts, b"", READ_TIMEOUT_S)
-    texts, failed = {}, {}
+    parts = {r: run_dir / f".node-{r}.log.part" for r in nodes}
+    failed = {}
+    with contextlib.ExitStack() as files:
+        sinks = {nodes[r].rank: files.enter_context(open(p, "wb")) for r, p in parts.items()}
+        answers = TreeLaunch(part, transport, DEFAULT_FANOUT, keys).run_all(scripts, b"", READ_TIMEOUT_S, sinks)
     for rank, n in nodes.items():
-        text, why = answers.get(n.rank, ("", "no answer"))
-        if why and not text:
+        _, why = answers.get(n.rank, ("", "no answer"))
+        if why and not parts[rank].stat().st_size:
             failed[rank] = why
+            parts[rank].unlink()
         else:
-            texts[rank] = text
-    return texts, failed
+            os.replace(parts[rank], run_dir / f"node-{rank}.log")
+    return failed
 
 
 def _dry_run(cluster: Cluster, nodes: dict[int, Node], scripts: dict[int, str]) -> None:

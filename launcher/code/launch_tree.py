@@ -35,11 +35,13 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 from gpufleet import atomic
 from launcher.cluster.key import ensure_key, ssh_target, verified_host_keys
@@ -243,12 +245,15 @@ class TreeLaunch:
     def proc(self, rank: int) -> TreeProc:
         return self.procs[rank]
 
-    def run_all(self, scripts: Mapping[int, str], stdin: bytes, timeout: float) -> dict[int, tuple[str, str]]:
+    def run_all(
+        self, scripts: Mapping[int, str], stdin: bytes, timeout: float, sinks: Mapping[int, IO[bytes]] | None = None
+    ) -> dict[int, tuple[str, str]]:
         """Run one program on each of `scripts`' nodes (by rank) down a tree of their own, each
         reading `stdin` first and then the end of its input, as a plain ssh session with `input`
         does: (stdout, the last line of stderr or why nothing came) by rank. Another launch's
         work on the same nodes (a hang's stacks, while its ranks still run): a new tree, the
-        same keys, one more connection from here."""
+        same keys, one more connection from here. With `sinks`, each node's stdout goes to its
+        sink as it comes (a whole log, never in memory here), and its text is ""."""
         nodes = tuple(n for n in self.cluster.nodes if n.rank in scripts)
         tree = TreeLaunch(dataclasses.replace(self.cluster, nodes=nodes), self.transport, self.fanout, self.keys)
         tree.start(scripts, stdin)
@@ -260,7 +265,11 @@ class TreeLaunch:
             errs: list[bytes] = []
             reader = threading.Thread(target=lambda: errs.append(proc.stderr.read()), daemon=True)
             reader.start()
-            text = proc.stdout.read().decode(errors="replace")
+            if sinks is None:
+                text = proc.stdout.read().decode(errors="replace")
+            else:
+                shutil.copyfileobj(proc.stdout, sinks[rank], 1 << 16)
+                text = ""
             reader.join()
             tail = (errs[0] if errs else b"").decode(errors="replace").strip().splitlines()
             out[rank] = (text, tail[-1] if tail else "" if proc.wait() == 0 else f"exit {proc.returncode}")

@@ -261,6 +261,10 @@ def test_run_all_runs_one_program_per_node_to_its_end_down_a_tree_of_its_own(tmp
     assert tree.run_all({0: script}, b"value\n", timeout=30) == {0: ("got value\ndone\n", "")}
     # One that does not end in time is cut off (its input ends, its session is over here).
     assert tree.run_all({0: "sleep 3"}, b"", timeout=1) == {0: ("", "no answer within 1 s")}
+    # A whole log goes to its sink as it comes, never into memory here (`launch logs`).
+    sink = io.BytesIO()
+    assert tree.run_all({0: "seq 1 100000"}, b"", 30, {0: sink}) == {0: ("", "")}
+    assert sink.getvalue() == "".join(f"{i}\n" for i in range(1, 100001)).encode()
     # Some of the nodes only (the ranks still running, or the nodes that kept a log): node 1's part
     # is signed for node 1, though it is the first of the tree's nodes.
     two = Cluster(name="hosts", nodes=(Node(0, "10.0.0.9", "10.0.0.9"), Node(1, ADDRESS, ADDRESS)))
@@ -406,3 +410,28 @@ def test_launch_logs_of_an_attached_launch_prints_its_nodes_logs_from_here_in_ra
     for extra, why in ((["--node", "2"], "--node 2 is not a node of job"), (["-f"], "ran attached")):
         r = CliRunner().invoke(main, [*base, *extra])
         assert r.exit_code == 2 and why in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_kept_log_that_cannot_be_read_is_one_line_and_what_came_up_of_it_stays(tmp_path, monkeypatch):
+    """`launch logs` of a launch whose node 1 kept its log, read through the tree (--local's
+    nodes: the agent under bash here, in a home of the test's own), once the log is gone there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run = tmp_path / "runs" / "20261129-120000-abcdef"
+    run.mkdir(parents=True)
+    log = f"{run.name}/node-1.log"
+    (run / "kept.json").write_text(json.dumps({"nodes": {"1": {"address": "127.0.0.1", "log": log}}}))
+    (run / "node-0.log").write_text("n0 a\n")
+    (run / "node-1.log").write_text("(node 1 keeps its whole output on the node)\nn1 sampled\n")
+    base = ["logs", "--local", "--nodes", "2", "--runs-dir", str(tmp_path / "runs"), run.name]
+    r = CliRunner().invoke(main, [*base, "--node", "1"])
+    assert r.exit_code == 2, r.output
+    said = r.output.strip().splitlines()[-1]
+    assert f"node 1's log of job {run.name} could not be read (no log of job {run.name} on this node" in said, said
+    assert "n1 sampled" in (run / "node-1.log").read_text() and not list(run.glob(".*.part"))
+    # Once it is there, it comes back whole and replaces what came up of it.
+    kept = tmp_path / ".gpufleet" / "logs" / log
+    kept.parent.mkdir(parents=True)
+    kept.write_text("n1 a\nn1 b\n")
+    r = CliRunner().invoke(main, base)
+    assert r.exit_code == 0 and r.output == "[node 0] n0 a\n[node 1] n1 a\n[node 1] n1 b\n", r.output
+    assert (run / "node-1.log").read_text() == "n1 a\nn1 b\n"

@@ -121,9 +121,14 @@ def _fetch(o: dict[str, Any], job_id: str, want: dict[int, dict], run_dir: Path)
     part = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes if n.rank in scripts))
     parts = {r: run_dir / f".node-{r}.log.part" for r in nodes}
     failed = {}
-    with contextlib.ExitStack() as files:
-        sinks = {nodes[r].rank: files.enter_context(open(p, "wb")) for r, p in parts.items()}
-        answers = TreeLaunch(part, transport, DEFAULT_FANOUT, keys).run_all(scripts, b"", READ_TIMEOUT_S, sinks)
+    try:
+        with contextlib.ExitStack() as files:
+            sinks = {nodes[r].rank: files.enter_context(open(p, "wb")) for r, p in parts.items()}
+            answers = TreeLaunch(part, transport, DEFAULT_FANOUT, keys).run_all(scripts, b"", READ_TIMEOUT_S, sinks)
+    except BaseException:  # node 0 unknown to known_hosts, Ctrl-C: no partial copy stays behind
+        for p in parts.values():
+            p.unlink(missing_ok=True)
+        raise
     for rank, n in nodes.items():
         _, why = answers.get(n.rank, ("", "no answer"))
         if why and not parts[rank].stat().st_size:

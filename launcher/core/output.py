@@ -2,7 +2,8 @@
 lines and its `ChildFailedError` report go to the node's log only), which lines make up a
 traceback of the user's own code (shown once, from the first rank that raised it), what a
 torchrun worker-failure line means, which node to name as the cause when several fail, and the
-one line that says so. Pure functions over lines and outcomes."""
+one line that says so. Pure functions over lines and outcomes, but for `kept_nodes`, which reads
+the run directory's KEPT_FILE (the nodes that kept their own logs, launcher.code.launch_tree)."""
 
 from __future__ import annotations
 

@@ -222,6 +222,9 @@ def test_each_accounts_launch_tree_keeps_its_keys_and_nonces_its_own(c, tmp_path
         r = run_as(c, tmp_path, who, "exec", "--fanout", "1", "--", "sh", "-c", 'echo "tree as $(id -un)"')
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count(f"tree as {who}") == N, r.stdout
+        # Under --output failures every node keeps its lines in the account's ~/.gpufleet/logs.
+        r = run_as(c, tmp_path, who, "exec", "--fanout", "1", "--output", "failures", "--", "echo", f"kept by {who}")
+        assert r.returncode == 0 and f"kept by {who}" not in r.stdout, r.stdout + r.stderr
     for i in range(N):
         for me, other in ((A, B), (B, A)):
             keys = on_node(c, i, me, "ls ~/.gpufleet/tree ~/.gpufleet/tree/seen | wc -l").stdout.strip()
@@ -230,3 +233,8 @@ def test_each_accounts_launch_tree_keeps_its_keys_and_nonces_its_own(c, tmp_path
             assert readable == [], readable
             stat = on_node(c, i, me, "stat -c '%a %U' ~/.gpufleet/tree ~/.gpufleet/tree/*--*").stdout.split("\n")
             assert all(line.split() in (["700", me], ["600", me]) for line in stat if line), stat
+            logs = on_node(c, i, me, "stat -c '%a %U' ~/.gpufleet/logs ~/.gpufleet/logs/* ~/.gpufleet/logs/*/*")
+            assert logs.stdout.count(f" {me}") >= 3, logs.stdout + logs.stderr
+            assert all(line.split() in (["700", me], ["600", me]) for line in logs.stdout.splitlines()), logs.stdout
+            kept = on_node(c, i, me, "cat ~/.gpufleet/logs/*/node-*.log").stdout
+            assert f"kept by {me}" in kept and f"kept by {other}" not in kept, kept

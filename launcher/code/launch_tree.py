@@ -59,7 +59,6 @@ __all__ = [
     "sign",
     "TreeLaunch",
     "TreeProc",
-    "open_tree",
     "keep_specs",
     "tree_for",
     "tree_line",
@@ -415,11 +414,6 @@ class TreeLaunch:
                 else:
                     proc.feed("ERR", f"{why}\n".encode())
                 proc.finish(255 if rc == 255 or rank != self.head.rank else rc)
-
-
-def open_tree(cluster: Cluster, transport: Transport, fanout: int) -> TreeLaunch:
-    """A launch's tree (keys set up first where they are not)."""
-    return TreeLaunch(cluster, transport, fanout, ensure_keys(cluster, transport))
 
 
 def keep_specs(cluster: Cluster, config: LaunchConfig) -> dict[int, dict]:

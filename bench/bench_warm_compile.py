@@ -2,7 +2,7 @@
 compile caches of the previous launch, against a cold launch (empty caches, the anchor), both in
 this run, on CPU.
 
-The caches are where `launch` puts them on a node (launcher.core.node_local.node_local_statements):
+The caches are where `launch` puts them on a node (launcher.core.node_start.local_dir):
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in the node's per-account local directory, keyed by
 the job's environment, so a relaunch in the same environment finds them. Each round makes a new
 empty directory (cold), then launches again on it (warm). Measured: the wall time from starting

@@ -28,6 +28,8 @@ __all__ = [
     "Check",
     "PrepareKind",
     "PrepareStep",
+    "PrologueKind",
+    "PrologueStep",
     "Mount",
     "Container",
     "Limits",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 # Raised by `from_json` for a plan of another schema; bump it when a field changes meaning.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class PlanError(ValueError):
@@ -101,13 +103,27 @@ class PrepareKind(str, Enum):
     DIRECTORY = "directory"  # path: the job's directory (--sync), which must be there
     ENVIRONMENT = "environment"  # path: the prepared environment's python, which must be there
     PREPARED = "prepared"  # path: something else the launch prepared, which must be there
-    STEP = "step"  # path: a step a caller added by name (launcher.core.program.add_prepare)
+    LOCAL_DIR = "local-dir"  # path: the compile caches' key; the account's local directory, exported
+    FR_ALIASES = "fr-aliases"  # path: the python whose torch, if 2.4-2.7, gets the flight recorder's older names
 
 
 @dataclass(frozen=True)
 class PrepareStep:
     kind: PrepareKind
     path: str
+
+
+class PrologueKind(str, Enum):
+    """What runs before everything else on the node."""
+
+    HOLD = "hold"  # value: the job's hosts, comma-separated; the job's hold on the node (launcher.core.holds)
+    AUTHORIZE = "authorize"  # value: the cluster key's authorized_keys line (a detached job's check)
+
+
+@dataclass(frozen=True)
+class PrologueStep:
+    kind: PrologueKind
+    value: str
 
 
 @dataclass(frozen=True)
@@ -171,7 +187,8 @@ class NodePlan:
     prepare: tuple[PrepareStep, ...] = ()
     limits: Limits = field(default_factory=lambda: Limits(25.0, False))
     container: Container | None = None
-    prologue: tuple[str, ...] = ()  # the named steps that run before everything (holding the nodes)
+    prologue: tuple[PrologueStep, ...] = ()  # what runs before everything (holding the nodes)
+    head_address: str = ""  # node 0's address: the route to it names the host NIC where the catalog cannot
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,7 +218,8 @@ class NodePlan:
                 prepare=tuple(PrepareStep(PrepareKind(p["kind"]), p["path"]) for p in d["prepare"]),
                 limits=Limits(**d["limits"]),
                 container=None if c is None else _container(c),
-                prologue=tuple(d["prologue"]),
+                prologue=tuple(PrologueStep(PrologueKind(p["kind"]), p["value"]) for p in d["prologue"]),
+                head_address=d["head_address"],
                 schema=d["schema"],
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -20,7 +20,6 @@ import binascii
 import hashlib
 import hmac
 import os
-import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ __all__ = [
     "SshTarget",
     "ssh_target",
     "verified_host_keys",
-    "authorize_statements",
+    "authorize_entry",
     "known_hosts_text",
     "controller_ssh",
     "NODE_KEY_DIR",
@@ -140,9 +139,10 @@ def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[st
     return keys
 
 
-def authorize_statements(public_key: str, cluster: Cluster) -> list[str]:
-    """Node-side statements for the check session: authorize the cluster key, once, from the
-    cluster's addresses only (its nodes', and its controller host's)."""
+def authorize_entry(public_key: str, cluster: Cluster) -> str:
+    """The cluster key's authorized_keys line, which the check session adds on each node once
+    (launcher.core.node_start.authorize): from the cluster's addresses only (its nodes', and its
+    controller host's), no forwarding, no pty."""
     kind, b64 = public_key.split()[:2]
     controller = {cluster.controller.address} if cluster.controller else set()
     addresses = ",".join(sorted({n.address for n in cluster.nodes} | controller))
@@ -150,11 +150,7 @@ def authorize_statements(public_key: str, cluster: Cluster) -> list[str]:
         f'from="{addresses}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding,no-pty '
         f"{kind} {b64} gpufleet-{cluster_slug(cluster)}"
     )
-    e = shlex.quote(entry)
-    return [
-        '( umask 077; mkdir -p "$HOME/.ssh" && K="$HOME/.ssh/authorized_keys" && touch "$K" && '
-        f'{{ grep -qxF {e} "$K" || printf "%s\\n" {e} >> "$K"; }} )'
-    ]
+    return entry
 
 
 def known_hosts_text(cluster: Cluster, keys: dict[int, list[str]], port: int) -> str:

@@ -17,7 +17,6 @@ quiet for long: give `--hang-timeout` there). NCCL jobs also get PyTorch's fligh
 from __future__ import annotations
 
 import re
-import shlex
 import time
 from collections.abc import Callable
 
@@ -31,7 +30,6 @@ __all__ = [
     "parse_progress",
     "flight_recorder_prefix",
     "flight_recorder_env",
-    "flight_recorder_aliases",
     "FR_ALIASES",
 ]
 
@@ -124,8 +122,8 @@ def flight_recorder_env(job_id: str) -> dict[str, str]:
     - TORCH_NCCL_DEBUG_INFO_PIPE_FILE: each rank opens the named pipe `<prefix><rank>.pipe`, and
       a write to it makes that rank dump now (ProcessGroupNCCL.hpp, DumpPipe); the stack
       collection writes to it, so the dumps exist when gpufleet, not NCCL, saw the hang first.
-    A torch older than 2.8 reads only the older names (FR_ALIASES): `flight_recorder_aliases`
-    sets them on the node when its torch is one of those.
+    A torch older than 2.8 reads only the older names (FR_ALIASES): the node sets them too when
+    its torch is one of those (the plan's prepare step, launcher.core.node_start).
     Documented at https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html."""
     prefix = flight_recorder_prefix(job_id)
     return {
@@ -142,11 +140,3 @@ FR_ALIASES = {
     "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
     "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
 }
-
-
-def flight_recorder_aliases(python: str) -> str:
-    """The bash that also exports the older names when `python`'s torch is older than 2.8 (its
-    version read without importing torch, as the pre-start check reads it)."""
-    exports = " ".join(f'{old}="${new}"' for new, old in FR_ALIASES.items())
-    version = f"{shlex.quote(python)} -c 'import importlib.metadata as m; print(m.version(\"torch\"))' 2>/dev/null"
-    return f'case "$({version})" in 2.[4-7].*) export {exports};; esac'

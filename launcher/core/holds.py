@@ -2,7 +2,7 @@
 
 Several people's accounts share a cluster (OS Login gives each their own), and one person's
 launch must not start on nodes another's job holds: its ranks would fight that job's for the GPUs
-and the rendezvous port. Each node program (launcher.core.program, its prologue) registers its
+and the rendezvous port. Each node program (launcher.core.node_start, its prologue) registers its
 job on its node before the check and removes the file when it ends:
 
     DIR/gpufleet-hold.UID.JOB     one line: v1 ACCOUNT UID JOB SINCE PID PIDSTART NODES
@@ -12,7 +12,7 @@ made by the node's startup script at every boot (a tmpfs: holds from before a re
 with their jobs), else /tmp, which every Linux has in that shape. A directory any account could
 make (`/tmp/gpufleet-holds`) is never used: its maker could remove or forge every hold in it.
 In a sticky directory only a file's owner removes it; a hold is believed only when the file's
-owner is the UID it names, and only while PID (the node program's bash) still runs with the
+owner is the UID it names, and only while PID (the node program) still runs with the
 start time PIDSTART (field 22 of /proc/PID/stat): a job killed without its cleanup blocks no one.
 The file is created with noclobber (O_EXCL), readable by all (umask 022).
 
@@ -35,7 +35,6 @@ __all__ = [
     "HOLDS_DIRS",
     "Hold",
     "HeldError",
-    "hold_statements",
     "holds_script",
     "parse_holds",
     "held_by_others",
@@ -91,32 +90,6 @@ class HeldError(UserError):
     def __init__(self, message: str, holds: dict[Hold, list[str]]):
         super().__init__(message)
         self.holds = holds
-
-
-def hold_statements(job_id: str, hosts: list[str], dirs: tuple[str, ...] = HOLDS_DIRS) -> list[str]:
-    """The prologue that registers `job_id` on this node (removed when the program exits), and
-    prints the live holds of other accounts and this one's own SINCE as check facts. `dirs`:
-    where the registry may be, in order (tests give their own)."""
-    job = shlex.quote(job_id)
-    nodes = shlex.quote(",".join(hosts) or "-")
-    return [
-        _pick(dirs),
-        _LIVE,
-        _SAY,
-        "HU=$(id -u); HS=; HN=0; HF=",
-        'if [ -n "$HD" ]; then '
-        # This account's own holds whose program is gone (killed before its cleanup) go first.
-        f'for HX in "$HD"/{FILE_PREFIX}"$HU".*; do [ -f "$HX" ] && ! hold_live "$HX" && rm -f "$HX"; done; '
-        f'HF="$HD"/{FILE_PREFIX}"$HU".{job}; HS=$(date +%s.%N); '
-        'HP=$(sed "s/.*) //" /proc/$$/stat | cut -d" " -f20); '
-        f'if ( set -C; umask 022; printf "v1 %s %s %s %s %s %s %s\\n" "$(id -un)" "$HU" {job} "$HS" "$$" "$HP" {nodes} '
-        '>"$HF" ) 2>/dev/null; then trap \'rm -f "$HF"\' EXIT; echo "hold_since=$HS"; fi; '
-        f'for HX in "$HD"/{FILE_PREFIX}*; do [ "$HX" = "$HF" ] && continue; hold_live "$HX" || continue; '
-        # $HO: the owner hold_live read with the line; a second stat could find the file gone
-        # (its job just ended) and count this account's own hold as another's.
-        '[ "$HO" = "$HU" ] && continue; HN=$((HN+1)); hold_say "hold.$HN="; done; '
-        "fi",
-    ]
 
 
 def holds_script(dirs: tuple[str, ...] = HOLDS_DIRS) -> str:

@@ -1,10 +1,9 @@
 """The typed pieces of a node's plan (gpufleet.node_plan), filled from a launch's `Cluster` and
 `LaunchConfig`. Pure: no network, no processes.
 
-launcher.core.program renders a node's program FROM these pieces (its environment from
-`env_vars`, its checks from `checks`), and `NodeProgram.plan()` gathers them, with the rank
-command the program runs, into the node's `NodePlan`: the plan and the shell come from one source,
-so what a dry run shows is what the node runs. The container's part is read back from the very
+launcher.core.program's `NodeProgram.plan()` gathers them, with the rank command, into the
+node's `NodePlan`, which the node runs (launcher.core.node_start, launcher.core.node_run): what a
+dry run shows is what the node runs. The container's part is read back from the very
 argv the program runs (`container_of`)."""
 
 from __future__ import annotations
@@ -47,9 +46,9 @@ def fact_checks(python: str, workdir: str | None, facts: bool, torch: bool) -> l
 
 
 def hardware_checks(cluster: Cluster, image_os: str | None) -> list[Check]:
-    """The cheap part of `launch doctor` (launcher.core.prestart.prestart_statements asks the
-    same, from the same `expectation`): GPUs, each NIC, RxDM on GPUDirect-TCPX/TCPXO nodes; none
-    without a machine type or on --local nodes."""
+    """The cheap part of `launch doctor`, which launcher.core.node_start answers (`launch doctor`'s
+    script, launcher.health.script, asks the same, from the same `expectation`): GPUs, each NIC,
+    RxDM on GPUDirect-TCPX/TCPXO nodes; none without a machine type or on --local nodes."""
     if cluster.machine_type is None or cluster.local:
         return []
     e = expectation(cluster.machine_type, image_os)
@@ -61,11 +60,11 @@ def hardware_checks(cluster: Cluster, image_os: str | None) -> list[Check]:
 
 
 def prepare_steps(
-    workdir: str | None, python: str, prepared: Sequence[str], env: Mapping[str, str], added: Sequence[str] = ()
+    workdir: str | None, python: str, prepared: Sequence[str], env: Mapping[str, str]
 ) -> list[PrepareStep]:
     """After `go`: `cd workdir` (--workdir), then each path launcher.code `prepared` checked (named
     by what it is: gpufleet's code on PYTHONPATH, the --sync directory, the environment's
-    `python`), then the steps a caller `added` by name."""
+    `python`)."""
     out = [PrepareStep(PrepareKind.WORKDIR, workdir)] if workdir else []
     code = set(env.get("PYTHONPATH", "").split(":"))
     for path in prepared:
@@ -78,7 +77,7 @@ def prepare_steps(
         else:
             kind = PrepareKind.PREPARED
         out.append(PrepareStep(kind, path))
-    return out + [PrepareStep(PrepareKind.STEP, name) for name in added]
+    return out
 
 
 def rank_ranges(

@@ -46,7 +46,10 @@ import threading
 import time
 import urllib.request
 
-SCHEMA = 1  # gpufleet.node_plan.SCHEMA_VERSION
+# launcher.core.node_start travels above this module's code, in the same source (launcher.core.program).
+from launcher.core.node_start import LOCK_FD, Ended, Start, home, unescape
+
+SCHEMA = 2  # gpufleet.node_plan.SCHEMA_VERSION
 RUN_VAR = "GPUFLEET_RUN"
 STOP_REPORT = "gpufleet-stop:"
 PREEMPTION_NOTICE = STOP_REPORT + " preemption notice"
@@ -54,7 +57,7 @@ EXIT_MARKER = "__GPUFLEET_EXIT__"
 ERROR_PREFIX = "gpufleet: "  # gpufleet.contracts.LAUNCHER_ERROR_PREFIX
 ORPHAN_STOP = STOP_REPORT + " no controller for"  # launcher.core.supervise.ORPHAN_STOP
 TICK_S = 0.2  # launcher.core.wire.stop_ticks: a grace of S seconds is round(S * 5) ticks
-LOCK_FD = 9  # the rendezvous port's lock (launcher.core.program), held until the run ends
+NODE_RUNS_DIR = ".gpufleet/node-runs"  # launcher.core.supervise.NODE_RUNS_DIR
 
 
 def say(line):
@@ -369,10 +372,10 @@ def main(argv):
         return Stream(argv[2], int(argv[3]), int(argv[4])).stream()
     if mode == "stacks" and len(argv) == 3:
         return stacks(json.loads(argv[2]))
-    if (mode, len(argv)) not in (("run", 3), ("supervise", 4)):
+    if (mode, len(argv)) not in (("node", 3), ("run", 3), ("supervise", 4)):
         say(
-            "%susage: node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | node_run stream RUN_DIR PID "
-            "OFFSET" % ERROR_PREFIX
+            "%susage: node_run node PLAN_JSON | node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | "
+            "node_run stream RUN_DIR PID OFFSET" % ERROR_PREFIX
         )
         return 2
     try:
@@ -390,30 +393,89 @@ def main(argv):
         return 2
     if mode == "supervise":
         return run.supervise()
+    if mode == "node":
+        return node(plan, run)
     rc = run.run([run.watch_stdin])
     say("%s %d" % (EXIT_MARKER, rc))
     return rc
+
+
+def ended_by(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def node(plan, run):
+    """A launch's whole part on this node: launcher.core.node_start's prologue, environment,
+    checks, gate and prepare, then the run: under this session (`run`), or, for a detached job
+    (the plan's controller grace), a supervisor this session streams. The job's hold on the node
+    goes when this program ends, as a SIGHUP or SIGTERM before the run ends it."""
+    start = Start(plan, sys.stdin.buffer)
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, ended_by)
+    try:
+        try:
+            start.start()
+        except Ended as e:
+            return e.rc
+        if plan["limits"]["controller_grace_s"] is not None:
+            return supervised_session(plan)
+        rc = run.run([run.watch_stdin])
+        say("%s %d" % (EXIT_MARKER, rc))
+        return rc
+    finally:
+        start.release()
+
+
+def supervised_session(plan):
+    """A detached job's run (launcher.core.supervise): its directory made (private), the
+    supervisor (this program's `supervise`) started in a session of its own with its output
+    appended to `out` (it inherits the rendezvous lock, which this session lets go), then this
+    session streams `out` from its start."""
+    d = home(os.path.join(NODE_RUNS_DIR, plan["job_id"], "%d.%d" % (int(plan["attempt"]), int(plan["node_rank"]))))
+    old = os.umask(0o077)
+    try:
+        os.makedirs(d, exist_ok=True)
+        for name in ("rc", "stop"):
+            if os.path.lexists(os.path.join(d, name)):
+                os.unlink(os.path.join(d, name))
+        out = os.open(
+            os.path.join(d, "out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW, 0o600
+        )
+    except OSError:
+        os.write(2, ("cannot create the run directory %s\n" % d).encode())
+        return 70
+    finally:
+        os.umask(old)
+    try:
+        os.fstat(LOCK_FD)
+        keep = (LOCK_FD,)
+    except OSError:
+        keep = ()
+    sup = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", own_source(), "supervise", json.dumps(plan), d],
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        pass_fds=keep,
+    )
+    os.close(out)
+    for fd in keep:
+        os.close(fd)
+    return Stream(d, sup.pid, 0).stream()
+
+
+def own_source():
+    """This program's code: the `-c` argument it was started with."""
+    with open("/proc/self/cmdline", "rb") as f:
+        args = f.read().split(bytes(1))
+    return args[args.index(b"-c") + 1].decode("utf-8", "surrogateescape")
 
 
 STACK_MARKER = "__GPUFLEET_STACK__"  # launcher.core.stacks's markers
 FR_MARKER = "__GPUFLEET_FR__"
 NO_PYSPY = "__GPUFLEET_NO_PYSPY__"
 STACKS_END = "__GPUFLEET_STACKS_END__"
-
-
-def env_value(line):
-    """One launcher.core.wire.env_block line, decoded: `\\n` a newline, `\\\\` a backslash."""
-    escape = chr(92)  # a backslash: no literal one, which the shell line this code travels in would trip on
-    out, i = [], 0
-    while i < len(line):
-        c = line[i]
-        if c == escape and i + 1 < len(line) and line[i + 1] in ("n", escape):
-            out.append(chr(10) if line[i + 1] == "n" else escape)
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 def find_pyspy(spec):
@@ -424,7 +486,7 @@ def find_pyspy(spec):
         line = sys.stdin.buffer.readline()
         if not line.endswith(b"\n"):
             return None, False  # the launcher gave up before sending it
-        value = env_value(line[:-1].decode("utf-8", "surrogateescape"))
+        value = unescape(line[:-1].decode("utf-8", "surrogateescape"))
         path = value + (":" + path if path else "")
     python = shutil.which(spec["python"], path=path)
     beside = os.path.join(os.path.dirname(python), "py-spy") if python else ""

@@ -1,12 +1,14 @@
 """What every launch's pre-start check asks a node about its hardware, the cheap part of `launch
 doctor` (a node without its GPUs or NICs must not start a job that would hang or crawl): what the
-catalog says a node of the machine type has (`Expectation`), and the node-side bash statements
-that report its GPUs, NICs and receive-datapath manager as `key=value` lines. Pure functions.
+catalog says a node of the machine type has (`Expectation`), and the bash statements of `launch
+doctor`'s node script that report its GPUs, NICs and receive-datapath manager as `key=value`
+lines. Pure functions.
 
-A launch with a known machine type (stack outputs, --label, --machine-type) adds these statements
-to its check (launcher.core.program renders them into every node's program, on the launching
-machine and in a detached job's controller alike, from the request). Without a machine type (a
-hostfile alone, --local, CPU nodes) nothing is added, so such launches cost what they did.
+A launch with a known machine type (stack outputs, --label, --machine-type) adds the same checks
+to every node's plan (launcher.core.node_plan.hardware_checks, from `expectation`), which the node
+answers in the same lines (launcher.core.node_start), on the launching machine's launch and in a
+detached job's controller's alike. Without a machine type (a hostfile alone, --local, CPU nodes)
+nothing is added, so such launches cost what they did.
 
 The answers are judged above core, by launcher.health: its pre-start verdict
 (launcher.health.prestart), which a launch takes as its `verdict`, refuses a node that lacks a GPU
@@ -22,14 +24,13 @@ from dataclasses import dataclass
 from gpufleet.catalog import MachineType, NetStack, UnknownMachineType, lookup
 from gpufleet.contracts import LOCAL_SSD_MOUNT, RXDM_CONTAINER
 from gpufleet.health import GPU_QUERY_FIELDS
-from launcher.core.types import Cluster, UserError
+from launcher.core.types import UserError
 
 __all__ = [
     "Expectation",
     "expectation",
     "gpu_statement",
     "nic_statements",
-    "prestart_statements",
     "rxdm_statement",
 ]
 
@@ -128,13 +129,3 @@ def rxdm_statement() -> str:
         f"R2=$(sudo -n docker ps -q {f} 2>/dev/null) && {{ R=$R2; rc=0; }}; fi; "
         "echo rxdm_rc=$rc; echo \"rxdm=$(printf '%s' \"$R\" | head -n 1)\""
     )
-
-
-def prestart_statements(cluster: Cluster, image_os: str | None) -> list[str]:
-    """What a launch's check adds on each node: the GPU query and the NICs, when the cluster's
-    machine type is known and its nodes are not this machine (--local), and on GPUDirect-TCPX/
-    TCPXO nodes whether RxDM runs; ends with `wait`."""
-    if cluster.machine_type is None or cluster.local:
-        return []
-    expect = expectation(cluster.machine_type, image_os)
-    return [gpu_statement(), *nic_statements(expect), *([rxdm_statement()] if expect.rxdm else []), "wait"]

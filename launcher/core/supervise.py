@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import shlex
 
-from gpufleet.node_plan import NodePlan
 from launcher.core.wire import CHECKED_MARKER, join
 
 __all__ = [
     "NODE_RUNS_DIR",
     "ORPHAN_STOP",
     "node_run_dir",
-    "supervised_run",
     "attach_script",
 ]
 
@@ -51,29 +49,6 @@ def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
     """The run's directory on the node, as bash (`$HOME` expands there): one per job, attempt
     and node rank, so a relaunch never reads an earlier attempt's output."""
     return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
-
-
-def supervised_run(plan: NodePlan, supervisor: str, stream: str) -> list[str]:
-    """A detached job's run half on node `plan.node_rank`: start its supervisor (`supervisor`,
-    launcher.core.node_run's `supervise PLAN`, to which the run's directory is added) in a
-    session of its own and stream its output from the start (`stream`, node_run's `stream`)."""
-    d = node_run_dir(plan.job_id, plan.attempt, plan.node_rank)
-    return [*_start_statements(d, supervisor), "OFF=0", _stream_statement(stream)]
-
-
-def _start_statements(run_dir: str, supervisor: str) -> list[str]:
-    """The session's statements that make the run's directory (private) and start the supervisor
-    (`supervisor`, a command to which the directory is added) in a session of its own, leaving
-    `$SUP` its pid; the workload inherits the rendezvous lock (fd 9), which the session itself
-    then lets go, and never the session's stdin (fd 3)."""
-    return [
-        f"D={run_dir}",
-        'if ! { ( umask 077; mkdir -p "$D" ) && rm -f "$D/rc" "$D/stop" && : > "$D/out"; }; then '
-        'echo "cannot create the run directory $D" >&2; exit 70; fi',
-        f'( exec setsid {supervisor} "$D" ) </dev/null 3<&- >>"$D/out" 2>&1 &',
-        "SUP=$!",
-        "exec 9>&-",
-    ]
 
 
 def _stream_statement(stream: str) -> str:

@@ -16,7 +16,18 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from gpufleet.node_plan import SCHEMA_VERSION, Check, CheckKind, EnvSource, EnvVar, NodePlan, PrepareKind, PrepareStep
+from gpufleet.node_plan import (
+    SCHEMA_VERSION,
+    Check,
+    CheckKind,
+    EnvSource,
+    EnvVar,
+    NodePlan,
+    PrepareKind,
+    PrepareStep,
+    PrologueKind,
+    PrologueStep,
+)
 from launcher.core.program import stdin_env
 from launcher.runner.plan import LaunchPlan
 
@@ -63,7 +74,7 @@ def node_block(q: NodePlan) -> list[str]:
     """One node's block: its header line, then one line per part (label, then what)."""
     rows: list[tuple[str, str]] = []
     if q.prologue:
-        rows.append(("first", "; ".join(q.prologue)))
+        rows.append(("first", "; ".join(_prologue(s) for s in q.prologue)))
     rows.append(("run", shlex.join(q.command)))
     c = q.container
     if c is not None:
@@ -155,8 +166,13 @@ def _prepare(s: PrepareStep) -> str:
         PrepareKind.DIRECTORY: "the job's directory {} is there",
         PrepareKind.ENVIRONMENT: "the environment's python {} is there",
         PrepareKind.PREPARED: "{} is there",
-        PrepareKind.STEP: "{}",
+        PrepareKind.LOCAL_DIR: "the account's own local directory (local checkpoints; compile caches {})",
+        PrepareKind.FR_ALIASES: "the flight recorder's older names, if {}'s torch is 2.4-2.7",
     }[s.kind].format(s.path)
+
+
+def _prologue(s: PrologueStep) -> str:
+    return "hold the nodes" if s.kind is PrologueKind.HOLD else "authorize the cluster key"
 
 
 def _limits(q: NodePlan) -> str:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpufleet.node_plan import NodePlan
-from launcher.cluster.key import authorize_statements, ensure_key
+from gpufleet.node_plan import NodePlan, PrologueKind, PrologueStep
+from launcher.cluster.key import authorize_entry, ensure_key
 from launcher.cluster.ordering import order_for_launch
 from launcher.core.env import launch_env
 from launcher.core.preflight import Verdict
@@ -94,7 +94,7 @@ def _plan(cluster: Cluster, config: LaunchConfig, detached: bool = False) -> Lau
     builder = ProgramBuilder(order.cluster, config, env)
     if key is not None:  # from the nodes' and the controller's addresses
         public = key.with_name("id_ed25519.pub").read_text()
-        builder.add_prologue("authorize the cluster key", authorize_statements(public, order.cluster))
+        builder.add_prologue(PrologueStep(PrologueKind.AUTHORIZE, authorize_entry(public, order.cluster)))
     programs = builder.programs()
     return LaunchPlan(
         cluster=order.cluster,

@@ -1,5 +1,5 @@
-"""Two accounts on one machine (real users, made with useradd; real bash and the real node agent
-run as each with runuser): each account's node state is its own (launcher.code.node_agent), and
+"""Two accounts on one machine (real users, made with useradd; the real node program and the real
+node agent run as each with runuser): each account's node state is its own (launcher.code.node_agent), and
 the holds registry (launcher.core.holds) says who holds a node, believed only from its owner
 and only while its program runs. The registry here is a directory of the test's own (root's,
 1777, as /run/gpufleet-holds is on a node): other tests' launches on this machine never see it."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import stat
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from launcher.code import node_agent
-from launcher.core.holds import HeldError, Hold, held_by_others, hold_statements, holds_script, parse_holds, refuse_held
+from launcher.core import node_start
+from launcher.core.holds import HeldError, Hold, held_by_others, holds_script, parse_holds, refuse_held
 from launcher.core.types import UserError
 from launcher.jobs.holds import HoldsWatch, holds_summary, refuse_others_job
 from tests.simcluster import make_accounts
@@ -61,8 +63,16 @@ def as_user(user: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run([RUNUSER, "-u", user, "--", *argv], capture_output=True, text=True, timeout=60, **kw)
 
 
-def program(holds: Path, job: str, then: str = "") -> str:
-    return "; ".join([*hold_statements(job, ["n0", "n1"], dirs=(str(holds),)), then or "true"])
+# The node's hold (launcher.core.node_start, its code as it travels: nothing of gpufleet), kept for
+# `seconds`, in the registry `holds`; its release when the program ends.
+_HOLD = Path(node_start.__file__).read_text() + (
+    "\nimport sys\ns = Start({'job_id': sys.argv[1]}, None)\ntry:\n    s.hold(['n0', 'n1'], (sys.argv[2],))\n"
+    "    time.sleep(float(sys.argv[3]))\nfinally:\n    s.release()\n"
+)
+
+
+def program(holds: Path, job: str, seconds: float = 0) -> str:
+    return shlex.join([SYSTEM_PYTHON, "-I", "-S", "-c", _HOLD, job, str(holds), str(seconds)])
 
 
 def facts(out: str) -> dict[str, str]:
@@ -71,7 +81,7 @@ def facts(out: str) -> dict[str, str]:
 
 def test_a_job_holds_the_node_while_it_runs_and_the_other_account_reads_whose_and_since_when(accounts, holds):
     first = subprocess.Popen(
-        [RUNUSER, "-u", A, "--", "bash", "-c", program(holds, JOB_A, "sleep 30")],
+        [RUNUSER, "-u", A, "--", "bash", "-c", program(holds, JOB_A, 30)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,

@@ -218,10 +218,11 @@ def test_the_console_script_lists_the_sync_and_environment_options():
         assert flag in out, flag
 
 
-def test_a_prepared_job_checks_its_paths_on_the_node_and_its_record_keeps_them(tmp_path):
+def test_a_prepared_job_checks_its_paths_on_the_node_and_its_record_keeps_them(tmp_path, capfd):
     """The node program's `prepared` step: a node that lacks what the launch prepared (a disk
     lost since) says which path, as its own error; the detached job's request carries the paths."""
     from launcher.cluster.discovery import parse_hostfile
+    from launcher.core import node_start
     from launcher.core.program import ProgramBuilder
     from launcher.core.types import LaunchConfig, SshConfig, Workload
     from launcher.jobs.record import request_from_json, request_json
@@ -234,10 +235,11 @@ def test_a_prepared_job_checks_its_paths_on_the_node_and_its_record_keeps_them(t
     config = LaunchConfig(
         Workload("exec", ("true",)), job_id="20260101-000000-abcdef", prepared=(str(there), str(gone))
     )
-    prepare = ProgramBuilder(cluster, config).program(cluster.nodes[0]).prepare
-    r = subprocess.run(["bash", "-c", "\n".join([*prepare, "echo ran"])], capture_output=True, text=True)
-    assert r.returncode == 71 and "ran" not in r.stdout
-    assert f"10.0.0.2 lacks {gone}, which the launch prepared" in r.stderr
+    plan = ProgramBuilder(cluster, config).program(cluster.nodes[0]).plan()
+    with pytest.raises(node_start.Ended) as ended:  # the node's prepare steps, as the node runs them
+        node_start.Start(plan.to_dict(), None).prepare()
+    assert ended.value.rc == 71
+    assert f"10.0.0.2 lacks {gone}, which the launch prepared" in capfd.readouterr().err
     back = request_from_json(
         json.loads(json.dumps(request_json(cluster, config, SshConfig(key=Path("k"), known_hosts=Path("kh"))))),
         [],

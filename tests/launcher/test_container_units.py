@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from gpufleet.catalog import lookup
 from gpufleet.containers import GPU_DEVICES, GPUS_ALL, wiring
+from gpufleet.node_plan import CheckKind
 from launcher.cli import main
 from launcher.core.container import (
     check_image_ref,
@@ -25,8 +26,8 @@ from launcher.core.container import (
     container_name,
     parse_pull_line,
 )
+from launcher.core.node_plan import hardware_checks
 from launcher.core.preflight import Probe
-from launcher.core.prestart import prestart_statements
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.health import prestart_verdict
 from tests.launcher import dry_runs
@@ -254,7 +255,7 @@ def test_dry_run_prints_each_nodes_container_command_with_its_familys_wiring(
         # The typed plan names the container its run starts (its argv): image, name and mounts.
         c, inner = plan.container, shlex.join(plan.argv)
         assert c is not None and c.image == IMAGE and c.name.endswith(f"-{rank}")
-        assert program.endswith(" run " + shlex.quote(plan.to_json()))
+        assert program.endswith(" node " + shlex.quote(plan.to_json()))
         assert c.mounts and all(f"src={m.host},dst={m.container}" in inner for m in c.mounts)
         assert plan.command[:3] == ("python3", "-m", "torch.distributed.run") and plan.command[-1] == "t.py"
         assert f" {IMAGE} " in inner and "--network host --ipc host --pid host" in inner
@@ -265,7 +266,7 @@ def test_dry_run_prints_each_nodes_container_command_with_its_familys_wiring(
         for a in absent:
             assert a not in inner.split("gpufleet-container")[1], (a, machine_type)
         # The node's torch is not asked about: it is the image's.
-        assert "importlib.metadata" not in program
+        assert all(c.kind is not CheckKind.TORCH_VERSION for c in plan.checks)
     assert f"container {IMAGE} on every node" in r.stderr
 
 
@@ -327,7 +328,7 @@ def _probe(node: Node, **facts: str) -> Probe:
 def test_the_check_asks_for_rxdm_on_tcpx_and_tcpxo_nodes_only():
     for mt, asks in (("a3-highgpu-8g", True), ("a3-megagpu-8g", True), ("a2-highgpu-8g", False)):
         c = Cluster("c", (Node(0, "a", "a"),), mt)
-        assert any("receive-datapath-manager" in s for s in prestart_statements(c, None)) is asks
+        assert any(ch.kind is CheckKind.RXDM for ch in hardware_checks(c, None)) is asks
 
 
 def test_rxdm_down_on_a_node_refuses_the_launch_naming_that_node():

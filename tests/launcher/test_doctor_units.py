@@ -475,18 +475,17 @@ def test_a_nodes_physical_host_comes_from_its_metadata_server_else_from_the_api(
 
 
 def test_a_launch_checks_gpus_and_nics_only_when_the_machine_type_is_known():
-    from launcher.core.prestart import prestart_statements
+    from gpufleet.node_plan import CheckKind
+    from launcher.core.node_plan import hardware_checks
 
-    assert prestart_statements(_cluster(2), None) == []
+    assert hardware_checks(_cluster(2), None) == []
     local = Cluster("l", (Node(0, "localhost", "127.0.0.1"),), machine_type="a3-highgpu-8g", local=True)
-    assert prestart_statements(local, None) == []
+    assert hardware_checks(local, None) == []
     typed = Cluster("t", _cluster(2).nodes, machine_type="a3-highgpu-8g")
-    s = prestart_statements(typed, None)
-    assert s[0].startswith("{ O=$(nvidia-smi --query-gpu=index,name,") and s[0].endswith("} &")
-    assert [x.split("/sys/class/net/")[1].split()[0] for x in s[1:-2]] == [f"eth{i}" for i in range(5)]
-    assert "receive-datapath-manager" in s[-2]  # TCPX needs RxDM up
-    assert s[-1] == "wait"
-    subprocess.run(["bash", "-n", "-c", " ".join(x if x.endswith("&") else x + ";" for x in s)], check=True)
+    checks = hardware_checks(typed, None)
+    assert checks[0].kind is CheckKind.GPUS and checks[0].expect == "8 x H100 80GB"
+    assert [c.target for c in checks if c.kind is CheckKind.NIC] == [f"eth{i}" for i in range(5)]
+    assert checks[-1].kind is CheckKind.RXDM  # TCPX needs RxDM up
 
 
 class _Probe:

@@ -5,6 +5,7 @@ environment, and bad input."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -14,15 +15,16 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import main
+from launcher.core import node_start
 from launcher.core.env import flight_recorder_on, node_env
 from launcher.core.hang import (
     FR_ALIASES,
     STARTUP_S,
     HangWatch,
-    flight_recorder_aliases,
     flight_recorder_env,
     flight_recorder_prefix,
 )
+from launcher.core.program import ProgramBuilder
 from launcher.core.stacks import (
     PYSPY_TOOLS,
     STACK_MARKER,
@@ -423,18 +425,21 @@ def test_a_torch_older_than_2_8_gets_the_flight_recorders_older_names_and_a_newe
     config = LaunchConfig(Workload("torchrun", ("x.py",)), job_id="20260101-000000-abcdef", python=PY)
     gpu = Cluster("c", tuple(nodes(2)), "a3-megagpu-8g")
     env = node_env(gpu, config)
-    exports = " ".join(f"export {k}={v}" + ";" for k, v in env.items() if k in flight_recorder_env(config.job_id))
-    script = f"{exports} {flight_recorder_aliases(PY)}; env"
+    # The node's plan, its environment and prepare steps run as the node runs them (launcher.core.node_start).
+    plan = ProgramBuilder(gpu, config).plans()[0].to_json()
+    driver = "\nimport json, sys\ns = Start(json.loads(sys.argv[1]), None)\ns.environment()\ns.prepare()\n"
+    driver += "print(dict(os.environ))\n"
     out = subprocess.run(
-        ["bash", "-c", script],
+        ["python3", "-I", "-S", "-c", Path(node_start.__file__).read_text() + driver, plan],
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(site), "PATH": os.environ["PATH"]},
-    ).stdout
-    got = dict(line.split("=", 1) for line in out.splitlines() if line.startswith("TORCH_"))
+        env={"PYTHONPATH": str(site), "PATH": os.environ["PATH"], "HOME": str(tmp_path)},
+    )
+    got = {k: v for k, v in ast.literal_eval(out.stdout).items() if k.startswith("TORCH_")}
     old = {o: env[n] for n, o in FR_ALIASES.items()}
     assert (old.items() <= got.items()) is aliased, got
     assert got["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert dict(node_start.FR_ALIASES) == FR_ALIASES  # the node's copy of the names
 
 
 # ---- the result, the record and a restart ----

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from gpufleet import atomic
-from launcher.cluster.key import SshTarget, authorize_statements, controller_ssh, known_hosts_text, verified_host_keys
+from launcher.cluster.key import SshTarget, authorize_entry, controller_ssh, known_hosts_text, verified_host_keys
+from launcher.core import node_start
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.jobs.record import (
     LIST_MARKER,
@@ -148,11 +149,11 @@ def test_the_controller_and_its_recoveries_run_the_clients_rank_order(tmp_path):
     )
 
 
-def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path):
-    (auth,) = authorize_statements("ssh-ed25519 AAAAC3Nz comment", CLUSTER)
-    env = {**os.environ, "HOME": str(tmp_path)}
+def test_the_cluster_key_is_authorized_from_the_cluster_addresses_only(tmp_path, monkeypatch):
+    entry = authorize_entry("ssh-ed25519 AAAAC3Nz comment", CLUSTER)
+    monkeypatch.setenv("HOME", str(tmp_path))
     for _ in range(2):  # twice: one entry
-        subprocess.run(["bash", "-c", auth], check=True, env=env)
+        node_start.authorize(entry)
     keys = (tmp_path / ".ssh" / "authorized_keys").read_text().splitlines()
     assert len(keys) == 1 and keys[0].startswith('from="10.0.0.2,10.0.0.3",') and "ssh-ed25519 AAAAC3Nz" in keys[0]
     assert (tmp_path / ".ssh" / "authorized_keys").stat().st_mode & 0o077 == 0

@@ -1,5 +1,7 @@
-"""The node's per-account local directory (launcher.core.node_local.node_local_statements), run for real
-in bash: where the local checkpoint tier and the compile caches go, and what is never used."""
+"""The node's per-account local directory (launcher.core.node_start.local_dir, keyed by
+launcher.core.node_local.compile_cache_key), run for real as a node runs it (the system python3,
+isolated, nothing of gpufleet on its path): where the local checkpoint tier and the compile caches
+go, and what is never used."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from launcher.core.node_local import compile_cache_key, node_local_statements
+from launcher.core import node_start
+from launcher.core.node_local import compile_cache_key
 from launcher.core.types import LaunchConfig, Workload
 
 VARS = ("GPUFLEET_LOCAL_DIR", "GPUFLEET_LOCAL_CHECKPOINT_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -21,13 +24,19 @@ def _config(**kw) -> LaunchConfig:
     return LaunchConfig(workload=Workload("exec", ("true",)), job_id="j", **kw)
 
 
+# node_start's code as it travels (it imports nothing of gpufleet), then the step and the variables it exported.
+SOURCE = Path(node_start.__file__).read_text() + (
+    "\nimport sys\nlocal_dir(sys.argv[1])\nfor v in sys.argv[2:]:\n    print(v + '=' + os.environ.get(v, 'unset'))\n"
+)
+
+
 def _run(config: LaunchConfig, home: Path, env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The node statements in bash, then the variables they exported; and stderr."""
-    script = "; ".join([*node_local_statements(_key(config)), *(f'echo "{v}=${{{v}-unset}}"' for v in VARS)])
+    """The node's step, then the variables it exported; and stderr."""
     base = {k: v for k, v in os.environ.items() if k not in VARS}
     base.update(HOME=str(home), GPUFLEET_LOCAL_SSD_MOUNT=str(home / "no-ssd"))
     base.update(env or {})
-    p = subprocess.run(["bash", "-c", script], env=base, capture_output=True, text=True, check=True)
+    argv = ["python3", "-I", "-S", "-c", SOURCE, _key(config), *VARS]
+    p = subprocess.run(argv, env=base, capture_output=True, text=True, check=True)
     return dict(line.split("=", 1) for line in p.stdout.splitlines()), p.stderr
 
 
@@ -80,7 +89,7 @@ def test_a_link_in_place_of_the_local_directory_is_never_followed(tmp_path):
 
 def test_the_peer_tiers_receiver_finds_the_root_the_node_program_gives_the_ranks(tmp_path, small_tmpfs):
     """The receiver of peer copies (gpufleet.local_tier.default_root, in Python: it runs under
-    sshd's forced command, with no node program around it) and the node program (bash) follow one
+    sshd's forced command, with no node program around it) and the node program follow one
     rule: without a local SSD, with one, and with one whose directory another account made."""
     from gpufleet.local_tier import default_root
 

@@ -19,12 +19,12 @@ import pytest
 
 from gpufleet.contracts import LAUNCHER_ERROR_PREFIX
 from gpufleet.node_plan import SCHEMA_VERSION, Container, EnvVar, Limits, NodePlan
-from launcher.core import node_run
+from launcher.core import node_run, node_start
 from launcher.core.program import _node_run_source
 from launcher.core.wire import EXIT_MARKER, PREEMPTION_NOTICE, RUN_VAR, STOP_REPORT, grace_line, stop_ticks
 from tests.support import wait_for
 
-SOURCE = Path(node_run.__file__).read_text()
+SOURCE = _node_run_source()
 
 
 def test_the_code_every_node_gets_is_python_3_8_and_names_the_launchers_markers():
@@ -32,7 +32,9 @@ def test_the_code_every_node_gets_is_python_3_8_and_names_the_launchers_markers(
     grammar of the oldest python3 a node may have (Ubuntu 20.04's 3.8)."""
     shipped = _node_run_source()
     ast.parse(shipped, feature_version=(3, 8))
-    assert len(shipped) < len(SOURCE) and f'"{STOP_REPORT}"' in shipped.replace("'", '"')
+    written = len(Path(node_run.__file__).read_text()) + len(Path(node_start.__file__).read_text())
+    assert len(shipped) < written and f'"{STOP_REPORT}"' in shipped.replace("'", '"')
+    assert "import launcher" not in shipped and "from launcher" not in shipped  # nothing of gpufleet on a node
 
 
 def test_the_node_side_names_are_the_launchers():
@@ -292,7 +294,7 @@ def test_a_value_read_from_stdin_is_the_launchers_byte_for_byte(value):
     from launcher.core.wire import env_block
 
     line = env_block([("PATH", value)])
-    assert line.endswith(b"\n") and node_run.env_value(line[:-1].decode()) == value
+    assert line.endswith(b"\n") and node_start.unescape(line[:-1].decode()) == value
 
 
 def test_a_run_directory_gone_under_the_stream_is_one_line_exit_70(tmp_path):

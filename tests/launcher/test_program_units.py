@@ -1,7 +1,8 @@
-"""The node program's builder (launcher.core.program): its sections in order, its extension points
-(a prepare step after `go`, a run wrapper around the rank command, attached and supervised alike),
-and bad input refused when the builder is made, before anything is rendered. The programs run
-here under bash, as a node's login shell would run them."""
+"""The node program's builder (launcher.core.program): one line that starts the node's side with
+its typed plan, its parts in order (the prepare steps after `go`), its extension points (a typed
+prologue step, a run wrapper around the rank command, attached and supervised alike), and bad
+input refused when the builder is made, before anything is rendered. The programs run here under
+bash, as a node's login shell would run them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import sys
 
 import pytest
 
-from launcher.core.program import NodeContext, ProgramBuilder
+from gpufleet.node_plan import EnvSource, EnvVar, PrepareKind, PrologueKind, PrologueStep
+from launcher.core.program import NodeContext, ProgramBuilder, env_stdin
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
-from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER, read_env_statements
+from launcher.core.wire import CHECKED_MARKER, EXIT_MARKER
 
 LOCAL = Cluster("c", (Node(0, "127.0.0.1", "127.0.0.1"),), local=True)
 
@@ -24,9 +26,9 @@ def _config(tmp_path, **kw) -> LaunchConfig:
     return LaunchConfig(**kw)
 
 
-def _run(script: str, go: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """As the launcher does: `go` (or end of input), then stdin held open until the node's output
-    ends (end of input is a stop)."""
+def _run(script: str, go: bool = True, env: dict | None = None, first: str = "") -> subprocess.CompletedProcess:
+    """As the launcher does: `first` (the --env values), `go` (or end of input), then stdin held
+    open until the node's output ends (end of input is a stop)."""
     p = subprocess.Popen(
         ["bash", "--norc", "--noprofile", "-c", script],
         stdin=subprocess.PIPE,
@@ -35,6 +37,7 @@ def _run(script: str, go: bool = True, env: dict | None = None) -> subprocess.Co
         text=True,
         env=env,
     )
+    p.stdin.write(first)
     if go:
         p.stdin.write("go\n")
         p.stdin.flush()
@@ -46,35 +49,37 @@ def _run(script: str, go: bool = True, env: dict | None = None) -> subprocess.Co
     return subprocess.CompletedProcess(p.args, p.wait(timeout=60), out, err)
 
 
-def _prepare_into(directory) -> callable:
-    def step(ctx: NodeContext) -> list[str]:
-        d = shlex.quote(str(directory))
-        return [f"mkdir -p {d}", f"echo prepared node {ctx.node.rank} > {d}/mark", f"cd {d}"]
-
-    return step
-
-
 def _env_wrapper(ctx: NodeContext, argv):
     # A stand-in for `podman run ... IMAGE`: a program that runs the rank command.
     return ["env", f"WRAPPED_FOR={ctx.node.rank}", *argv]
 
 
-def test_a_prepare_step_runs_after_go_and_before_the_run_in_its_directory(tmp_path):
+def test_after_go_the_node_enters_the_workdir_and_exports_its_local_directory_then_runs(tmp_path):
     work = tmp_path / "job"
-    builder = ProgramBuilder(LOCAL, _config(tmp_path)).add_prepare("enter the job directory", _prepare_into(work))
-    out = _run(builder.build()[0])
+    work.mkdir()
+    prog = "import os; print('ran in', os.getcwd(), os.environ.get('GPUFLEET_LOCAL_DIR'))"
+    config = _config(tmp_path, workload=Workload("exec", (sys.executable, "-c", prog)), workdir=str(work))
+    out = _run(ProgramBuilder(LOCAL, config).build()[0], env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
-    assert (work / "mark").read_text() == "prepared node 0\n"
     lines = out.stdout.splitlines()
-    assert lines[0] == CHECKED_MARKER and f"ran in {work}" in lines and lines[-1] == f"{EXIT_MARKER} 0"
+    local = tmp_path / ".gpufleet" / "local"
+    # The check says the --workdir is there; the run comes after the gate, in it.
+    assert lines[:2] == ["workdir=ok", CHECKED_MARKER] and lines[2:] == [f"ran in {work} {local}", f"{EXIT_MARKER} 0"]
+    assert local.stat().st_mode & 0o777 == 0o700
 
 
-def test_without_go_no_prepare_step_runs(tmp_path):
-    work = tmp_path / "job"
-    builder = ProgramBuilder(LOCAL, _config(tmp_path)).add_prepare("enter", _prepare_into(work))
-    out = _run(builder.build()[0], go=False)
-    assert out.returncode == 0 and out.stdout.splitlines() == [CHECKED_MARKER]
-    assert not work.exists()
+def test_without_go_nothing_is_prepared_or_run(tmp_path):
+    config = _config(tmp_path, workdir=str(tmp_path))
+    out = _run(ProgramBuilder(LOCAL, config).build()[0], go=False, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and out.stdout.splitlines() == ["workdir=ok", CHECKED_MARKER]
+    assert not (tmp_path / ".gpufleet").exists()
+
+
+def test_a_missing_workdir_is_the_nodes_own_one_line_error_after_go(tmp_path):
+    config = _config(tmp_path, workdir=str(tmp_path / "gone"))
+    out = _run(ProgramBuilder(LOCAL, config).build()[0], env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 71 and "ran in" not in out.stdout
+    assert out.stderr.splitlines() == [f"gpufleet: --workdir {tmp_path / 'gone'} does not exist on 127.0.0.1"]
 
 
 @pytest.mark.parametrize("detached", [False, True], ids=["attached", "supervised"])
@@ -100,25 +105,23 @@ def test_wrappers_apply_in_order_the_last_added_outermost(tmp_path):
         .wrap_run("outer", lambda ctx, argv: ["outer", *argv])
     )
     assert list(builder.program(LOCAL.nodes[0]).argv) == ["outer", "inner", "true"]
-    assert builder.steps() == ["prepare:node-local", "wrap:inner", "wrap:outer"]
+    assert builder.steps() == ["wrap:inner", "wrap:outer"]
 
 
-def test_the_sections_come_in_order_and_the_prologue_before_the_environment(tmp_path):
-    config = _config(tmp_path, env=(("A", "1"),), workdir=str(tmp_path))
-    builder = (
-        ProgramBuilder(LOCAL, config)
-        .add_prologue("first", ["echo first"])
-        .add_prepare("mine", lambda ctx: ["echo mine"])
+def test_the_program_is_one_line_that_starts_the_node_side_with_the_plan_in_order(tmp_path):
+    config = _config(tmp_path, env=(("A", "secret"),), workdir=str(tmp_path))
+    entry = 'from="10.0.0.2" ssh-ed25519 AAAA gpufleet-c'
+    program = (
+        ProgramBuilder(LOCAL, config).add_prologue(PrologueStep(PrologueKind.AUTHORIZE, entry)).program(LOCAL.nodes[0])
     )
-    sections = builder.program(LOCAL.nodes[0]).sections()
-    assert [name for name, _ in sections] == ["prologue", "environment", "checks", "gate", "prepare", "run"]
-    named = dict(sections)
+    line, plan = program.render(), program.plan()
+    assert line.startswith("exec python3 -I -S -c ") and "secret" not in line
+    assert shlex.split(line)[-2:] == ["node", plan.to_json()]  # the plan, whole, as its last argument
+    assert plan.prologue == (PrologueStep(PrologueKind.AUTHORIZE, entry),)
     # The user's --env is read from stdin (its value is on no command line).
-    assert named["prologue"] == ["echo first"] and read_env_statements("A")[0] in named["environment"]
-    # --workdir's cd is the first prepare step; the added step comes last, after the builder's own
-    # (the node's per-account local directory).
-    assert named["prepare"][0].startswith("cd ") and named["prepare"][-1] == "echo mine"
-    assert any("GPUFLEET_LOCAL_DIR" in s for s in named["prepare"][1:-1])
+    assert [v for v in plan.env if v.name == "A"] == [EnvVar("A", None, EnvSource.STDIN)]
+    # --workdir's cd is the first prepare step, the account's local directory the last.
+    assert [s.kind for s in plan.prepare] == [PrepareKind.WORKDIR, PrepareKind.LOCAL_DIR]
 
 
 def test_bad_input_is_refused_when_the_builder_is_made(tmp_path):
@@ -127,10 +130,14 @@ def test_bad_input_is_refused_when_the_builder_is_made(tmp_path):
         ProgramBuilder(cluster, _config(tmp_path, workload=Workload("torchrun", ("t.py",))))
 
 
-def test_an_environment_given_is_the_one_exported(tmp_path):
-    config = _config(tmp_path, env=(("A", "from-config"),))
+def test_an_environment_given_is_the_one_exported_and_the_env_values_come_from_stdin(tmp_path):
+    config = _config(
+        tmp_path,
+        env=(("A", "from-config"),),
+        workload=Workload("exec", (sys.executable, "-c", "import os; print(os.environ['A'], os.environ['B'])")),
+    )
     program = ProgramBuilder(LOCAL, config, env={"B": "given"}).program(LOCAL.nodes[0])
-    environment = dict(program.sections())["environment"]
-    # The given environment is exported as is; the config's own --env value (A) is read from
-    # stdin after it, so it is never in the program's text.
-    assert environment[0] == "export B=given" and "from-config" not in "\n".join(environment)
+    assert [(v.name, v.value) for v in program.plan().env[:2]] == [("B", "given"), ("A", None)]
+    first = env_stdin(config).decode()
+    p = _run(program.render(), env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}, first=first)
+    assert "from-config given" in p.stdout.splitlines() and p.returncode == 0, p.stderr

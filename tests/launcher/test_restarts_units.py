@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from launcher.cli import main
 from launcher.core.env import job_env, node_env
-from launcher.core.program import NodeProgram, node_commands
+from launcher.core.program import NodeProgram, ProgramBuilder
 from launcher.core.types import (
     Cluster,
     LaunchConfig,
@@ -139,11 +139,11 @@ def test_every_rank_gets_the_job_id_the_attempt_and_from_attempt_1_the_reason():
     assert node_env(_cluster(), _cfg(stop_grace_s=10.5))["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "16"
     # A plain command gets the contract too (but not the NCCL profile), and --env still wins.
     plain = _cfg(workload=Workload("exec", ("true",)), attempt=1, restart_reason="hang", env=(("X", "1"),))
-    script = node_commands(_cluster(), plain)[0]
-    assert "export GPUFLEET_ATTEMPT=1;" in script and "export GPUFLEET_RESTART_REASON=hang;" in script
-    # (--env's value comes on stdin: the program reads X, after the contract's variables.)
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in script and 'export X="$_GPUFLEET_ENV_VALUE"' in script
-    assert script.index("export X=") > script.index("export GPUFLEET_RESTART_REASON=")
+    env = [(v.name, v.value) for v in ProgramBuilder(_cluster(), plain).plans()[0].env]
+    assert ("GPUFLEET_ATTEMPT", "1") in env and ("GPUFLEET_RESTART_REASON", "hang") in env
+    # (--env's value comes on stdin: the node reads X, after the contract's variables.)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in dict(env) and ("X", None) in env
+    assert env.index(("X", None)) > env.index(("GPUFLEET_RESTART_REASON", "hang"))
 
 
 # ---- why an attempt ended, and whether another is allowed ------------------------------------

@@ -201,7 +201,8 @@ def test_an_attached_launch_writes_no_file_on_the_node_and_end_of_input_stops_it
     s.lines(2)
     s.p.stdin.close()
     assert EXIT_MARKER.encode() in s.p.stdout.read() and s.p.wait(timeout=30) == 0
-    assert not (tmp_path / ".gpufleet").exists()
+    # No run directory (the account's local directory, for checkpoints and caches, is another's).
+    assert not (tmp_path / ".gpufleet" / "node-runs").exists()
 
 
 @pytest.mark.parametrize("part", ["run", "attached", "attach", "stop", "restart"])

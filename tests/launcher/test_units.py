@@ -21,11 +21,12 @@ from click.testing import CliRunner
 from gpufleet.catalog import lookup
 from gpufleet.health import PhysicalHost
 from gpufleet.nccl_env import HOST_IFACE_ON_NODE, render
+from gpufleet.node_plan import CheckKind, EnvVar
 from launcher.cli import main
 from launcher.cluster.discovery import cluster_from_outputs, local_cluster, parse_hostfile
 from launcher.cluster.topology import launch_order
 from launcher.core.env import node_env, parse_env_pairs
-from launcher.core.program import NodeProgram, node_commands
+from launcher.core.program import NodeProgram, ProgramBuilder
 from launcher.core.ssh import remote_command
 from launcher.core.torchrun import join_timeout_s, torchrun_argv
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError, Workload, new_job_id
@@ -249,11 +250,13 @@ def test_node_commands_follow_a_reordered_cluster():
     }
     ordered = launch_order(c, None, hosts).cluster
     assert [n.host for n in ordered.nodes] == ["10.0.0.2", "10.0.0.4", "10.0.0.3"]
-    cmds = node_commands(ordered, _cfg())
-    assert "--node-rank=1" in cmds[1] and "GPUFLEET_NODE_RANK=1 " in cmds[1] and "--local-addr=10.0.0.4" in cmds[1]
-    assert "--node-rank=2" in cmds[2] and "--local-addr=10.0.0.3" in cmds[2]
-    assert ".gpufleet/rdzv-10.0.0.2-29500.lock" in cmds[0]
-    assert not any("rdzv-" + "10.0.0.4" in cmds[r] for r in (1, 2))
+    plans = ProgramBuilder(ordered, _cfg()).plans()
+    assert "--node-rank=1" in plans[1].command and "--local-addr=10.0.0.4" in plans[1].command
+    assert EnvVar("GPUFLEET_NODE_RANK", "1") in plans[1].env
+    assert "--node-rank=2" in plans[2].command and "--local-addr=10.0.0.3" in plans[2].command
+    locks = {r: [c for c in p.checks if c.kind is CheckKind.RDZV_PORT] for r, p in plans.items()}
+    assert [c.target for c in locks[0]] == ["29500"] and plans[0].address == "10.0.0.2"
+    assert not locks[1] and not locks[2]
 
 
 def test_an_unknown_rank_order_is_refused_in_the_config():
@@ -427,7 +430,7 @@ def test_dry_run_prints_each_nodes_plan_and_connects_to_nothing(tmp_path):
     # program hands its run (launcher.core.node_run) as one quoted argument, and the program is one
     # argument of bash -c on the remote line.
     for plan, program, (_, remote) in zip(plans, programs, lines):
-        assert plan.command[-1] == HOSTILE and program.endswith(" run " + shlex.quote(plan.to_json()))
+        assert plan.command[-1] == HOSTILE and program.endswith(" node " + shlex.quote(plan.to_json()))
         assert shlex.split(remote)[-1] == program
     # The readable form says the same per node, the argument quoted as a shell would need it.
     text = CliRunner().invoke(main, [*argv[:1], "--dry-run", *argv[1:]])

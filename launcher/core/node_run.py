@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,7 +48,7 @@ import time
 import urllib.request
 
 # launcher.core.node_start travels above this module's code, in the same source (launcher.core.program).
-from launcher.core.node_start import LOCK_FD, Ended, Start, home, unescape
+from launcher.core.node_start import CHECKED_MARKER, GO, LOCK_FD, Ended, Start, home, unescape
 
 SCHEMA = 2  # gpufleet.node_plan.SCHEMA_VERSION
 RUN_VAR = "GPUFLEET_RUN"
@@ -372,10 +373,12 @@ def main(argv):
         return Stream(argv[2], int(argv[3]), int(argv[4])).stream()
     if mode == "stacks" and len(argv) == 3:
         return stacks(json.loads(argv[2]))
+    if mode == "attach" and len(argv) == 6 and all(a.isdigit() for a in argv[3:]):
+        return attach(argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
     if (mode, len(argv)) not in (("node", 3), ("run", 3), ("supervise", 4)):
         say(
             "%susage: node_run node PLAN_JSON | node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | "
-            "node_run stream RUN_DIR PID OFFSET" % ERROR_PREFIX
+            "node_run stream RUN_DIR PID OFFSET | node_run attach JOB ATTEMPT RANK OFFSET" % ERROR_PREFIX
         )
         return 2
     try:
@@ -426,12 +429,40 @@ def node(plan, run):
         start.release()
 
 
+def run_dir(job, attempt, rank):
+    """A detached run's directory on this node (launcher.core.supervise.node_run_dir)."""
+    return home(os.path.join(NODE_RUNS_DIR, job, "%d.%d" % (int(attempt), int(rank))))
+
+
+def attach(job, attempt, rank, offset):
+    """A re-adopting controller's session (launcher.core.supervise): it answers its check at once
+    when the run's directory is there (else one line, exit 3), waits for `go`, then streams from
+    byte `offset` as the first session did."""
+    d = run_dir(job, attempt, rank)
+    try:
+        with open(os.path.join(d, "pid")) as f:
+            sup = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        os.write(
+            2,
+            (
+                "no run of job %s (attempt %d) on %s: it ended and its output was read, or it never started\n"
+                % (job, attempt, socket.gethostname())
+            ).encode(),
+        )
+        return 3
+    say(CHECKED_MARKER)
+    if sys.stdin.buffer.readline() != GO:
+        return 0
+    return Stream(d, sup, offset).stream()
+
+
 def supervised_session(plan):
     """A detached job's run (launcher.core.supervise): its directory made (private), the
     supervisor (this program's `supervise`) started in a session of its own with its output
     appended to `out` (it inherits the rendezvous lock, which this session lets go), then this
     session streams `out` from its start."""
-    d = home(os.path.join(NODE_RUNS_DIR, plan["job_id"], "%d.%d" % (int(plan["attempt"]), int(plan["node_rank"]))))
+    d = run_dir(plan["job_id"], plan["attempt"], plan["node_rank"])
     old = os.umask(0o077)
     try:
         os.makedirs(d, exist_ok=True)

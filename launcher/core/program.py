@@ -75,7 +75,7 @@ from gpufleet.contracts import READY_MARKER
 from gpufleet.node_plan import Check, CheckKind, EnvVar, Limits, NodePlan, PrepareKind, PrologueKind, PrologueStep
 from gpufleet.node_plan import PrepareStep as PlannedStep
 from gpufleet.replica import python_argv
-from launcher.core import node_run, node_start, supervise
+from launcher.core import node_run, node_start
 from launcher.core.container import in_image
 from launcher.core.env import HOST_IFACE_ON_NODE, launch_env
 from launcher.core.node_local import compile_cache_key
@@ -365,11 +365,13 @@ def node_commands(cluster: Cluster, config: LaunchConfig) -> dict[int, str]:
 
 
 def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int, int]) -> dict[int, str]:
-    """A re-adopting controller's program for every node, by rank: stream the detached run's
-    output from `offsets[rank]` bytes on (launcher.core.supervise.attach_script)."""
-    stream = node_run_command("stream")
+    """A re-adopting controller's program for every node, by rank: launcher.core.node_run's
+    `attach`, which streams the detached run's output from `offsets[rank]` bytes on."""
+    job = shlex.quote(config.job_id)
     return {
-        n.rank: supervise.attach_script(config.job_id, config.attempt, n.rank, offsets.get(n.rank, 0), stream)
+        n.rank: node_run_command(
+            f"attach {job} {int(config.attempt)} {n.rank} {int(offsets.get(n.rank, 0))}", replace=True
+        )
         for n in cluster.nodes
     }
 

@@ -1,5 +1,5 @@
-"""The run half of a detached job's node, which outlives its SSH session. Pure functions: they
-build bash, they run nothing.
+"""The run half of a detached job's node, which outlives its SSH session: its layout on the node
+(the code that runs it is launcher.core.node_run's). Pure values.
 
 An attached launch's node runs its workload under the SSH session itself (launcher.core.node_run):
 end of input stops it at once, and nothing is written on the node. A detached job's controller may
@@ -18,8 +18,8 @@ die (its process killed, its VM rebooted) while the job trains, so on a detached
   controller went away: the session detaches and the workers keep training;
 - once the supervisor has ended, the stream prints what is left of `out`, then `EXIT_MARKER <rc>`,
   and removes the run's directory: its output has reached the controller;
-- a controller started again (launcher.jobs.controller, adopting the job) runs `attach_script`:
-  the same stream, from the offset it had read up to, so no line is lost or read twice.
+- a controller started again (launcher.jobs.controller, adopting the job) runs node_run's
+  `attach`: the same stream, from the offset it had read up to, so no line is lost or read twice.
 
 The lock is flock(2)'s: a session killed with SIGKILL, or a connection cut, releases it with the
 process, so the supervisor's test (an exclusive flock that fails while a session holds it, once a
@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import shlex
 
-from launcher.core.wire import CHECKED_MARKER, join
-
 __all__ = [
     "NODE_RUNS_DIR",
     "ORPHAN_STOP",
     "node_run_dir",
-    "attach_script",
 ]
 
 # Relative to the home directory of the account on the node.
@@ -49,32 +46,3 @@ def node_run_dir(job_id: str, attempt: int, rank: int) -> str:
     """The run's directory on the node, as bash (`$HOME` expands there): one per job, attempt
     and node rank, so a relaunch never reads an earlier attempt's output."""
     return f'"$HOME"/{NODE_RUNS_DIR}/{shlex.quote(job_id)}/{int(attempt)}.{int(rank)}'
-
-
-def _stream_statement(stream: str) -> str:
-    """The session's last statement: launcher.core.node_run's `stream` (`stream`, to which the
-    run's directory, the supervisor's pid and the byte offset are added) of `$D/out` from byte
-    `$OFF` while `$SUP` runs, relaying a stop line from the session's stdin (fd 3); then the rest,
-    `EXIT_MARKER <rc>`, and the directory removed. End of input first: detach. Not `exec`: the
-    prologue's EXIT trap runs when it ends."""
-    return f'{stream} "$D" "$SUP" "$OFF" <&3 3<&-'
-
-
-def attach_script(job_id: str, attempt: int, rank: int, offset: int, stream: str) -> str:
-    """A re-adopting controller's session to node `rank`: it answers its check at once when the
-    run's directory is there (else one error line and exit 3), waits for `go`, then streams from
-    byte `offset` as the first session did (`stream`, launcher.core.node_run's `stream`)."""
-    d = node_run_dir(job_id, attempt, rank)
-    s = [
-        f"D={d}",
-        f'[ -f "$D/pid" ] || {{ echo "no run of job {shlex.quote(job_id)} (attempt {int(attempt)}) on $(hostname): it '
-        'ended and its output was read, or it never started" >&2; exit 3; }',
-        'read -r SUP _ < "$D/pid"',
-        f"OFF={int(offset)}",
-        f"echo {CHECKED_MARKER}",
-        "IFS= read -r G || exit 0",
-        '[ "$G" = go ] || exit 0',
-        "exec 3<&0",
-        _stream_statement(stream),
-    ]
-    return join(s)

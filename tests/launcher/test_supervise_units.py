@@ -207,8 +207,8 @@ def test_an_attached_launch_writes_no_file_on_the_node_and_end_of_input_stops_it
 
 @pytest.mark.parametrize("part", ["run", "attached", "attach", "stop", "restart"])
 def test_the_node_side_programs_pass_shellcheck(tmp_path, part):
-    """The bash around the run (the supervisor and the attached run are launcher.core.node_run's
-    Python, started by one line of it)."""
+    """The bash that reaches a node (a launch's program and a re-adopting controller's attach are
+    one line that starts launcher.core.node_run's Python; the stop and the restart are bash)."""
     assert shutil.which("shellcheck"), "shellcheck is not installed (.ci/run installs it)"
     config = _config(tmp_path, job_id="20260101-000000-cccccc")
     attached = LaunchConfig(Workload("exec", ("x",)), job_id=config.job_id)

@@ -14,16 +14,18 @@ lines name them, py-spy reaches them for a hang's stacks (launcher.core.stacks r
 would bare ones. The ranks run as the launching user (`--user UID:GID`), so that user's
 watchdog may signal them and files they write in the mounted working directory are theirs.
 
-The argv is `env -u GPUFLEET_RUN bash -c WRAPPER ...`. The wrapper (the process the node program
-starts in its own session) picks the runtime on the node: GPUFLEET_CONTAINER_RUNTIME if set,
-else docker when its daemon answers on its socket (through `sudo -n -E` when the socket is not
-writable: on COS and on Ubuntu with the docker.io package it is root's), else podman; then runs
-the container in the background (`--rm`: the runtime removes it when it ends) and waits for
-it, ignoring SIGTERM/SIGINT/SIGHUP (the stop signals the ranks themselves), then `rm -f`s the
-container when a signal ended the runtime client or a stop reached the run: every way out (a
-clean exit, a failure, a stop, a lost SSH session, a Ctrl-C) leaves no container. The wrapper
-carries no run token, so the watchdog's final SIGKILL of every token process leaves it to do that
-removal; `--rm` removes a container whose wrapper was killed anyway, once its processes are gone.
+The argv is `gpufleet-container NAME GPUS [FLAG VALUE]... IMAGE COMMAND...` (`CONTAINER_ARGV0`),
+which the node program runs as its own `container` (launcher.core.node_run, in Python: the
+process it starts in the run's session). It picks the runtime on the node:
+GPUFLEET_CONTAINER_RUNTIME if set, else docker when its daemon answers on its socket (through
+`sudo -n -E` when the socket is not writable: on COS and on Ubuntu with the docker.io package it
+is root's), else podman; then runs the container (`--rm`: the runtime removes it when it ends)
+and waits for the runtime's client, taking no SIGTERM/SIGINT/SIGHUP (the stop signals the ranks
+themselves), then `rm -f`s the container when a signal ended the client or a stop reached the
+run: every way out (a clean exit, a failure, a stop, a lost SSH session, a Ctrl-C) leaves no
+container. The wrapper carries no run token, so the watchdog's final SIGKILL of every token
+process leaves it to do that removal; `--rm` removes a container whose wrapper was killed anyway,
+once its processes are gone.
 
 Variables reach the container by name (`-e KEY`, the value taken from the node program's
 environment, so no value is on a command line); a PATH-like variable (LD_LIBRARY_PATH, PATH) is
@@ -33,6 +35,7 @@ run-nccl-tests.sh: `export LD_LIBRARY_PATH=/var/lib/tcpxo/lib64:...:$LD_LIBRARY_
 The account's node-local directory (launcher.core.node_local: the local checkpoint tier, the
 compile caches) exists only where the node found one, so the wrapper itself, on the node, mounts
 it at the same path (read-write) and passes its variables (`NODE_LOCAL_VARS`) when they are set.
+The image's pull (`pull_script`, before the launch) is still a bash program of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from launcher.core.wire import JOB_ID_VAR, NNODES_VAR, NODE_RANK_VAR, RUN_VAR, r
 
 __all__ = [
     "IMAGE_LINE",
+    "CONTAINER_ARGV0",
     "in_image",
     "RUNTIME_ENV",
     "NODE_LOCAL_VARS",
@@ -63,6 +67,9 @@ __all__ = [
 
 # Names the runtime command on a node, e.g. `podman` or `sudo -n -E docker` (else: picked there).
 RUNTIME_ENV = "GPUFLEET_CONTAINER_RUNTIME"
+# The first word of a rank command the node program runs in a container (launcher.core.node_run's
+# `container`): `gpufleet-container NAME GPUS [FLAG VALUE]... IMAGE COMMAND...`.
+CONTAINER_ARGV0 = "gpufleet-container"
 # The pull's verdict line on a node: `gpufleet-image: ok ID pulled|present` or `... error REASON`.
 IMAGE_LINE = "gpufleet-image:"
 
@@ -108,29 +115,6 @@ def runtime_statement() -> str:
 # found the account's own directory: the container gets them by name, and that directory at the
 # same path, read-write, only then, so the wrapper decides on the node.
 NODE_LOCAL_VARS = (LOCAL_DIR_VAR, LOCAL_CHECKPOINT_VAR, *COMPILE_CACHE_VARS)
-
-# The wrapper: $1 the container's name, $2 the GPU mode, the rest the runtime's `run` options,
-# the image and the command.
-_WRAPPER = "; ".join(
-    [
-        "N=$1; G=$2; shift 2",
-        runtime_statement(),
-        'case $G in all) case $R in *docker*) set -- --gpus all "$@";; *) set -- --device nvidia.com/gpu=all "$@";; '
-        "esac;; esac",
-        f'for V in {" ".join(NODE_LOCAL_VARS)}; do if [ -n "${{!V:-}}" ]; then set -- -e "$V" "$@"; fi; done',
-        f'if [ -n "${{{LOCAL_DIR_VAR}:-}}" ]; then '
-        f'set -- --mount "type=bind,src=${LOCAL_DIR_VAR},dst=${LOCAL_DIR_VAR}" "$@"; fi',
-        "trap 'T=1' TERM INT HUP",
-        '$R run --rm --name "$N" --user "$(id -u):$(id -g)" --mount "type=bind,src=$PWD,dst=$PWD" -w "$PWD" "$@" '
-        "</dev/null & C=$!",
-        # `wait` returns early for a trapped signal; wait again until the runtime client is gone.
-        "while wait $C; rc=$?; kill -0 $C 2>/dev/null; do :; done",
-        # A client that ended by itself has removed its container already (--rm); one that a
-        # signal ended, or a run a stop signal reached, may not have: remove it here.
-        'if [ $rc -gt 128 ] || [ -n "$T" ]; then $R rm -f "$N" >/dev/null 2>&1; fi',
-        "exit $rc",
-    ]
-)
 
 
 def _mount(host: str, container: str, read_only: bool) -> str:
@@ -190,22 +174,7 @@ def container_argv(
         exports = "; ".join(f"export {k}={shlex.quote(':'.join(v))}${{{k}:+:${k}}}" for k, v in sorted(prepend.items()))
         command = ["sh", "-c", f'{exports}; exec "$@"', "sh", *command]
     gpus = "all" if wiring.gpus == GPUS_ALL else "none"
-    return [
-        "env",
-        "-u",
-        "GPUFLEET_RUN",
-        "bash",
-        "--norc",
-        "--noprofile",
-        "-c",
-        _WRAPPER,
-        "gpufleet-container",
-        name,
-        gpus,
-        *opts,
-        image,
-        *command,
-    ]
+    return [CONTAINER_ARGV0, name, gpus, *opts, image, *command]
 
 
 def pull_script(image: str, env: Sequence[tuple[str, str]] = ()) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from gpufleet.contracts import RXDM_CONTAINER
 from gpufleet.nccl_env import PREPEND_PATH_VARS
 from gpufleet.node_plan import Check, CheckKind, Container, EnvSource, EnvVar, Mount, PrepareKind, PrepareStep
+from launcher.core.container import CONTAINER_ARGV0
 from launcher.core.env import HOST_IFACE_ON_NODE
 from launcher.core.prestart import expectation
 from launcher.core.types import Cluster
@@ -98,19 +99,14 @@ def rank_ranges(
     return out
 
 
-# launcher.core.container.container_argv's argv: `env -u GPUFLEET_RUN bash --norc --noprofile -c
-# WRAPPER gpufleet-container NAME GPUS [FLAG VALUE]... IMAGE COMMAND...`.
-_HEAD = ["env", "-u", "GPUFLEET_RUN", "bash", "--norc", "--noprofile", "-c"]
-_ARGV0 = "gpufleet-container"
-
-
 def container_of(argv: Sequence[str]) -> tuple[Container | None, list[str]]:
     """(the container `argv` runs its command in, the command inside), read from the argv
-    itself; (None, argv) for an argv that is not a container's."""
-    if list(argv[: len(_HEAD)]) != _HEAD or len(argv) < len(_HEAD) + 5 or argv[len(_HEAD) + 1] != _ARGV0:
+    itself (launcher.core.container.container_argv's: `gpufleet-container NAME GPUS [FLAG
+    VALUE]... IMAGE COMMAND...`); (None, argv) for an argv that is not a container's."""
+    if not argv or argv[0] != CONTAINER_ARGV0 or len(argv) < 5:
         return None, list(argv)
-    name, gpus = argv[len(_HEAD) + 2], argv[len(_HEAD) + 3]
-    i, options = len(_HEAD) + 4, []
+    name, gpus = argv[1], argv[2]
+    i, options = 3, []
     while argv[i].startswith("-"):  # every option of the runtime's is a flag and its value
         options.append((argv[i], argv[i + 1]))
         i += 2

@@ -48,7 +48,18 @@ import time
 import urllib.request
 
 # launcher.core.node_start travels above this module's code, in the same source (launcher.core.program).
-from launcher.core.node_start import CHECKED_MARKER, GO, LOCK_FD, Ended, Start, home, unescape
+from launcher.core.node_start import (
+    CHECKED_MARKER,
+    COMPILE_CACHES,
+    GO,
+    LOCAL_CHECKPOINT_VAR,
+    LOCAL_DIR_VAR,
+    LOCK_FD,
+    Ended,
+    Start,
+    home,
+    unescape,
+)
 
 SCHEMA = 2  # gpufleet.node_plan.SCHEMA_VERSION
 RUN_VAR = "GPUFLEET_RUN"
@@ -59,6 +70,11 @@ ERROR_PREFIX = "gpufleet: "  # gpufleet.contracts.LAUNCHER_ERROR_PREFIX
 ORPHAN_STOP = STOP_REPORT + " no controller for"  # launcher.core.supervise.ORPHAN_STOP
 TICK_S = 0.2  # launcher.core.wire.stop_ticks: a grace of S seconds is round(S * 5) ticks
 NODE_RUNS_DIR = ".gpufleet/node-runs"  # launcher.core.supervise.NODE_RUNS_DIR
+CONTAINER = "gpufleet-container"  # launcher.core.container: an argv this program runs in a container
+RUNTIME_ENV = "GPUFLEET_CONTAINER_RUNTIME"  # launcher.core.container.RUNTIME_ENV
+# What the local-dir prepare step exports where it found the account's own directory: the
+# container gets them by name, and the directory itself, only then (launcher.core.container).
+NODE_LOCAL_VARS = (LOCAL_DIR_VAR, LOCAL_CHECKPOINT_VAR) + tuple(var for var, _ in COMPILE_CACHES)
 
 
 def say(line):
@@ -174,8 +190,11 @@ class Run:
         self.proc = None
 
     def start(self):
-        env = dict(os.environ)
+        env, argv = dict(os.environ), self.argv
         env[RUN_VAR] = self.token.partition("=")[2]
+        if argv[0] == CONTAINER:  # this program's `container`, which carries no token itself
+            argv = [sys.executable, "-I", "-S", "-c", own_source(), "container", *argv[1:]]
+            del env[RUN_VAR]
         try:
             os.fstat(LOCK_FD)
             keep = (LOCK_FD,)
@@ -183,7 +202,7 @@ class Run:
             keep = ()
         try:
             self.proc = subprocess.Popen(
-                self.argv,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -373,6 +392,8 @@ def main(argv):
         return Stream(argv[2], int(argv[3]), int(argv[4])).stream()
     if mode == "stacks" and len(argv) == 3:
         return stacks(json.loads(argv[2]))
+    if mode == "container" and len(argv) > 5:
+        return container(argv[2], argv[3], argv[4:])
     if mode == "attach" and len(argv) == 6 and all(a.isdigit() for a in argv[3:]):
         return attach(argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
     if (mode, len(argv)) not in (("node", 3), ("run", 3), ("supervise", 4)):
@@ -494,6 +515,70 @@ def supervised_session(plan):
     for fd in keep:
         os.close(fd)
     return Stream(d, sup.pid, 0).stream()
+
+
+def runtime():
+    """The container runtime's command on this node: GPUFLEET_CONTAINER_RUNTIME's words if set,
+    else docker when its daemon answers on its socket (through `sudo -n -E` when the socket is
+    not writable: on COS and with Ubuntu's docker.io it is root's), else podman; None without."""
+    named = os.environ.get(RUNTIME_ENV, "").split()
+    if named:
+        return named
+    remote = bool(os.environ.get("DOCKER_HOST"))
+    sock = "/var/run/docker.sock"
+    if shutil.which("docker") and (remote or os.path.exists(sock)):
+        return ["docker"] if remote or os.access(sock, os.W_OK) else ["sudo", "-n", "-E", "docker"]
+    return ["podman"] if shutil.which("podman") else None
+
+
+def container(name, gpus, args):
+    """`container NAME GPUS [FLAG VALUE]... IMAGE COMMAND...` (launcher.core.container): the
+    rank command in the image, as container NAME, under the launching account's uid, in the
+    current directory mounted at its own path; with GPUS `all`, every GPU through the runtime;
+    the account's local directory and its variables where the node has them. It waits for the
+    runtime's client, taking no SIGTERM, SIGINT or SIGHUP (the stop signals the ranks inside
+    themselves), and removes the container when a signal ended the client or a stop reached the
+    run: every way out leaves no container."""
+    rt = runtime()
+    if rt is None:
+        say_err(
+            "%sno container runtime on %s: neither docker with its daemon running nor podman; install one (the "
+            "startup script installs docker) or drop --image" % (ERROR_PREFIX, socket.gethostname())
+        )
+        return 127
+    here = os.environ.get("PWD") or ""
+    if not here or not os.path.isdir(here) or not os.path.samefile(here, "."):
+        here = os.getcwd()
+    pre = []
+    if os.environ.get(LOCAL_DIR_VAR):
+        pre += ["--mount", "type=bind,src=%s,dst=%s" % (os.environ[LOCAL_DIR_VAR], os.environ[LOCAL_DIR_VAR])]
+    pre += [a for v in NODE_LOCAL_VARS if os.environ.get(v) for a in ("-e", v)]
+    if gpus == "all":
+        pre += ["--gpus", "all"] if any("docker" in w for w in rt) else ["--device", "nvidia.com/gpu=all"]
+    user = "%d:%d" % (os.getuid(), os.getgid())
+    run = ["run", "--rm", "--name", name, "--user", user, "--mount", "type=bind,src=%s,dst=%s" % (here, here)]
+    stopped = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: stopped.append(signum))
+    try:
+        client = subprocess.Popen(rt + run + ["-w", here] + pre + list(args), stdin=subprocess.DEVNULL)
+    except OSError as e:
+        say_err("%sfailed to execute %s: %s" % (ERROR_PREFIX, rt[0], e.strerror))
+        return 127
+    rc = client.wait()  # waited on again after each signal (PEP 475)
+    rc = 128 - rc if rc < 0 else rc
+    if rc > 128 or stopped:  # a client a signal ended may have left its container (--rm did not run)
+        subprocess.run(
+            rt + ["rm", "-f", name], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    return rc
+
+
+def say_err(line):
+    try:
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def own_source():

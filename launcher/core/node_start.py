@@ -283,6 +283,8 @@ class Start:
                     os.chdir(tilde(path))
                 except OSError:
                     refuse("--workdir %s does not exist on %s" % (shlex.quote(path), host), 71)
+                # As a shell's cd sets it: the path as named (a container mounts it there).
+                os.environ["PWD"] = os.path.normpath(tilde(path)) if tilde(path).startswith("/") else os.getcwd()
             elif kind in ("code", "directory", "environment", "prepared"):
                 if not os.path.exists(path):
                     refuse(

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from gpufleet.catalog import lookup
 from gpufleet.containers import GPU_DEVICES, GPUS_ALL, wiring
-from gpufleet.node_plan import CheckKind
+from gpufleet.node_plan import CheckKind, EnvVar, Limits, NodePlan
 from launcher.cli import main
 from launcher.core.container import (
     check_image_ref,
@@ -26,8 +26,9 @@ from launcher.core.container import (
     container_name,
     parse_pull_line,
 )
-from launcher.core.node_plan import hardware_checks
+from launcher.core.node_plan import container_of, hardware_checks
 from launcher.core.preflight import Probe
+from launcher.core.program import _node_run_source
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError, Workload
 from launcher.health import prestart_verdict
 from tests.launcher import dry_runs
@@ -74,7 +75,7 @@ def test_a2_gets_the_fast_socket_plugin_and_no_machine_type_gets_no_gpus():
 def test_the_argv_passes_variables_by_name_prepends_library_paths_and_names_the_container():
     env = {"NCCL_SOCKET_IFNAME": "eth0", "WANDB_API_KEY": "s3cret", "LD_LIBRARY_PATH": "/var/lib/tcpxo/lib64"}
     argv = container_argv(wiring(lookup("a3-megagpu-8g")), IMAGE, "gpufleet-j-1", "j-1", env, ["python3", "x.py"])
-    assert argv[:3] == ["env", "-u", "GPUFLEET_RUN"]
+    assert argv[:3] == ["gpufleet-container", "gpufleet-j-1", "all"]  # node_run's `container`, NAME, GPUS
     assert "s3cret" not in " ".join(argv)  # values stay off the command line
     i = argv.index(IMAGE)
     opts, command = argv[: i + 1], argv[i + 1 :]
@@ -87,6 +88,13 @@ def test_the_argv_passes_variables_by_name_prepends_library_paths_and_names_the_
     )
     assert command[-2:] == ["python3", "x.py"]
     assert container_name("20260101-000000-abc123", 3) == "gpufleet-20260101-000000-abc123-3"
+
+
+def _wrapper(argv: list[str]) -> list[str]:
+    """The wrapper `argv` names, as the node program runs it (launcher.core.node_run's `container`,
+    its code as it travels, in the system python3)."""
+    assert argv[0] == "gpufleet-container"
+    return ["/usr/bin/python3", "-I", "-S", "-c", _node_run_source(), "container", *argv[1:]]
 
 
 @pytest.fixture
@@ -111,7 +119,7 @@ def test_the_wrapper_outlives_sigterm_and_removes_its_container_after_the_run_en
     argv = container_argv(
         wiring(None), "IMAGE", "gpufleet-j-0", "j-0", {}, ["bash", "-c", f"sleep 1; echo ok > {done}"]
     )
-    proc = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "GPUFLEET_CONTAINER_RUNTIME": str(rt)})
+    proc = subprocess.Popen(_wrapper(argv), cwd=tmp_path, env={**os.environ, "GPUFLEET_CONTAINER_RUNTIME": str(rt)})
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)  # the stop's SIGTERM to the group: the wrapper waits on
     assert proc.wait(timeout=20) == 0
@@ -119,10 +127,32 @@ def test_the_wrapper_outlives_sigterm_and_removes_its_container_after_the_run_en
     assert calls[0].startswith("run --rm --name gpufleet-j-0 --user ") and f"src={tmp_path},dst={tmp_path}" in calls[0]
     assert calls[-1] == "rm -f gpufleet-j-0" and done.read_text() == "ok\n"  # a stop reached it
     log.unlink()
-    clean = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "GPUFLEET_CONTAINER_RUNTIME": str(rt)})
+    clean = subprocess.run(_wrapper(argv), cwd=tmp_path, env={**os.environ, "GPUFLEET_CONTAINER_RUNTIME": str(rt)})
     assert clean.returncode == 0 and len(log.read_text().splitlines()) == 1  # --rm removed it: no rm -f
-    # The wrapper carries no run token (the watchdog's SIGKILL of token processes spares it).
-    assert "GPUFLEET_RUN" not in argv[argv.index("-c") + 1].split("--name")[0]
+
+
+def test_the_wrapper_carries_no_run_token_and_passes_it_into_the_container(tmp_path):
+    """Started by the node's run (node_run `run`), the wrapper's own environment has no token (the
+    watchdog's SIGKILL of token processes spares it, to remove the container); `-e` passes it in."""
+    log, rt = tmp_path / "calls", tmp_path / "rt"
+    rt.write_text(f'#!/bin/bash\necho "token=[$GPUFLEET_RUN] $*" >> {shlex.quote(str(log))}\n')
+    rt.chmod(0o755)
+    argv = container_argv(wiring(None), "IMAGE", "gpufleet-j-0", "j-0", {}, ["true"])
+    plan = NodePlan(
+        job_id="j", attempt=0, node_rank=0, nnodes=1, host="h", address="127.0.0.1", procs=1, ranks=None,
+        command=("true",), argv=tuple(argv), workload="exec",
+        env=(EnvVar("GPUFLEET_RUN", "j-0"),), limits=Limits(5.0, False), container=container_of(argv)[0],
+    )  # fmt: skip
+    env = {**os.environ, "GPUFLEET_CONTAINER_RUNTIME": str(rt)}
+    p = subprocess.Popen(
+        ["python3", "-I", "-S", "-c", _node_run_source(), "run", plan.to_json()],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    out = p.stdout.read()  # the launcher's stdin stays open: its end would be a stop
+    p.stdin.close()
+    assert p.wait(timeout=60) == 0 and out.endswith(b"__GPUFLEET_EXIT__ 0\n"), out
+    (call,) = log.read_text().splitlines()
+    assert call.startswith("token=[] run --rm --name gpufleet-j-0 ") and "GPUFLEET_RUN=j-0" in call
 
 
 def test_the_node_local_directory_and_its_variables_reach_the_container_only_where_the_node_has_them(tmp_path):
@@ -132,10 +162,6 @@ def test_the_node_local_directory_and_its_variables_reach_the_container_only_whe
     # A user's --env value of one of them travels as the node exports it: by the wrapper, once.
     argv = container_argv(wiring(None), "IMAGE", "gpufleet-j-0", "j-0", {"TRITON_CACHE_DIR": "/t"}, ["true"])
     assert "TRITON_CACHE_DIR" not in argv
-    wrapper = tmp_path / "wrapper.sh"
-    wrapper.write_text("#!/bin/bash\n" + argv[argv.index("-c") + 1] + "\n")
-    sc = subprocess.run(["shellcheck", "-s", "bash", str(wrapper)], capture_output=True, text=True, timeout=60)
-    assert sc.returncode == 0, sc.stdout
     local = tmp_path / "home with space" / ".gpufleet" / "local"  # as node_local exports it
     local.mkdir(parents=True)
     exported = {
@@ -146,23 +172,23 @@ def test_the_node_local_directory_and_its_variables_reach_the_container_only_whe
     }
     base = {k: v for k, v in os.environ.items() if k not in exported}
     base["GPUFLEET_CONTAINER_RUNTIME"] = str(rt)
-    assert subprocess.run(argv, cwd=tmp_path, env={**base, **exported}).returncode == 0
+    assert subprocess.run(_wrapper(argv), cwd=tmp_path, env={**base, **exported}).returncode == 0
     (run,) = log.read_text().splitlines()
     assert f"[--mount][type=bind,src={local},dst={local}]" in run  # one word, spaces and all, read-write
     assert all(f"[-e][{name}]" in run for name in exported) and run.count("TRITON_CACHE_DIR") == 1
     assert run.index(str(local)) < run.index("[IMAGE]")  # run options, before the image
     log.unlink()
     # No directory found on the node (nothing exported): no mount, no variable.
-    assert subprocess.run(argv, cwd=tmp_path, env=base).returncode == 0
+    assert subprocess.run(_wrapper(argv), cwd=tmp_path, env=base).returncode == 0
     (run,) = log.read_text().splitlines()
     assert str(local) not in run and not any(name in run for name in exported)
 
 
 def test_no_runtime_on_the_node_is_one_error_line(tmp_path):
     argv = container_argv(wiring(None), "IMAGE", "n", "t", {}, ["true"])
-    for tool in ("env", "bash", "hostname"):  # a PATH with neither docker nor podman
-        (tmp_path / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
-    r = subprocess.run(argv, capture_output=True, text=True, env={"PATH": str(tmp_path)}, executable=tmp_path / "env")
+    r = subprocess.run(
+        _wrapper(argv), capture_output=True, text=True, env={"PATH": str(tmp_path)}
+    )  # no docker, no podman
     assert r.returncode == 127 and r.stderr.count("\n") == 1 and "no container runtime" in r.stderr
 
 
@@ -216,7 +242,7 @@ def _dry(tmp_path, *args, command="run"):
 @pytest.mark.parametrize(
     "machine_type, image_os, want, absent",
     [
-        ("a2-highgpu-8g", None, ["G=$2", " all ", "src=/usr/lib/libnccl-net.so"], ["/dev/nvidia0", "tcpx"]),
+        ("a2-highgpu-8g", None, [" all ", "src=/usr/lib/libnccl-net.so"], ["/dev/nvidia0", "tcpx"]),
         (
             "a3-highgpu-8g",
             None,
@@ -277,7 +303,6 @@ def test_the_stacks_image_output_is_the_default_and_image_overrides_it(tmp_path)
     r, programs = _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
     assert all("default:1" not in p and IMAGE in p for p in programs)
     r, plain = _dry(tmp_path, "--outputs", str(_outputs(tmp_path, "a3-megagpu-8g")))
-    assert all("gpufleet-container" not in p for p in plain)
     assert all(plan.container is None for plan in dry_runs.plans(r.stdout))
 
 

@@ -394,12 +394,15 @@ def main(argv):
         return stacks(json.loads(argv[2]))
     if mode == "container" and len(argv) > 5:
         return container(argv[2], argv[3], argv[4:])
+    if mode == "stop-run" and len(argv) == 7 and all(a.isdigit() for a in argv[3:6]):
+        return stop_run(argv[2], int(argv[3]), int(argv[4]), int(argv[5]), argv[6])
     if mode == "attach" and len(argv) == 6 and all(a.isdigit() for a in argv[3:]):
         return attach(argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
     if (mode, len(argv)) not in (("node", 3), ("run", 3), ("supervise", 4)):
         say(
             "%susage: node_run node PLAN_JSON | node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | "
-            "node_run stream RUN_DIR PID OFFSET | node_run attach JOB ATTEMPT RANK OFFSET" % ERROR_PREFIX
+            "node_run stream RUN_DIR PID OFFSET | node_run attach JOB ATTEMPT RANK OFFSET | "
+            "node_run stop-run JOB ATTEMPT RANK TICKS SECONDS" % ERROR_PREFIX
         )
         return 2
     try:
@@ -476,6 +479,28 @@ def attach(job, attempt, rank, offset):
     if sys.stdin.buffer.readline() != GO:
         return 0
     return Stream(d, sup, offset).stream()
+
+
+def stop_run(job, attempt, rank, ticks, seconds):
+    """A detached run stopped without a session streaming it (launcher.jobs.adopt): the stop
+    request its supervisor reads (`stop`: TICKS SECONDS, a SIGUSR1 to wake it), up to the grace
+    and a minute for it to end, then the run's directory removed. Nothing there: nothing to do."""
+    d = run_dir(job, attempt, rank)
+    if not os.path.isfile(os.path.join(d, "pid")):
+        return 0
+    try:
+        with open(os.path.join(d, "stop.new"), "w") as f:
+            f.write("%d %s\n" % (ticks, seconds))
+        os.replace(os.path.join(d, "stop.new"), os.path.join(d, "stop"))
+        with open(os.path.join(d, "pid")) as f:
+            os.kill(int(f.read().split()[1]), signal.SIGUSR1)
+    except (OSError, ValueError, IndexError):
+        pass  # the watcher finds the file within a second, or has ended already
+    deadline = time.monotonic() + float(seconds) + 60
+    while not os.path.exists(os.path.join(d, "rc")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    shutil.rmtree(d, ignore_errors=True)
+    return 0
 
 
 def supervised_session(plan):

@@ -24,13 +24,13 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from launcher.core.supervise import node_run_dir
 from launcher.core.types import Cluster, LaunchConfig, LaunchResult, Node, NodeOutcome, UserError
 from launcher.jobs.owner import JobOwner
 from launcher.jobs.record import (
@@ -64,15 +64,12 @@ def current_run(cluster: Cluster, config: LaunchConfig, record: JobRecord) -> tu
 
 def stop_script(job_id: str, attempt: int, rank: int, grace_s: float, ticks: int) -> str:
     """Stop a detached run on its node without streaming it (its re-adoption failed elsewhere):
-    the stop request its supervisor reads, then wait up to the grace and a minute for it to end,
-    and remove the run's directory."""
-    d = node_run_dir(job_id, attempt, rank)
-    limit = int((grace_s + 60) * 5)
-    return (
-        f'D={d}; [ -f "$D/pid" ] || exit 0; printf "%s %s\\n" {ticks} {grace_s:g} > "$D/stop"; '
-        'read -r _ w < "$D/pid"; kill -USR1 "$w" 2>/dev/null; i=0; '
-        f'while [ ! -f "$D/rc" ] && [ $i -lt {limit} ]; do sleep 0.2; i=$((i+1)); done; rm -rf "$D"'
-    )
+    launcher.core.node_run's `stop-run`, which writes the stop request its supervisor reads, waits
+    up to the grace and a minute for it to end, and removes the run's directory."""
+    from launcher.core.program import node_run_command
+
+    args = f"stop-run {shlex.quote(job_id)} {int(attempt)} {int(rank)} {int(ticks)} {float(grace_s):g}"
+    return node_run_command(args, replace=True)
 
 
 def _stop_runs(launch: Launch) -> None:

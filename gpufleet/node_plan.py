@@ -84,6 +84,7 @@ class CheckKind(str, Enum):
     NIC = "nic"  # target: a NIC's name on the image; expect: its role and MTU
     RXDM = "rxdm"  # target: the receive-datapath manager's container, which must run
     RDZV_PORT = "rdzv-port"  # target: the rendezvous port, locked on node 0 for this job
+    PHYSICAL_HOST = "physical-host"  # where the VM sits, from its metadata server (`launch hosts`, the rank order)
 
 
 @dataclass(frozen=True)

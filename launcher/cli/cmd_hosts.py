@@ -12,9 +12,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpufleet.contracts import READY_MARKER
+from gpufleet.node_plan import Check, CheckKind
 from launcher.cli.options import SOURCE_OPTIONS, DryRunCommand, apply_options, build_config, find_cluster
 from launcher.cli.render import err, setup_logging, user_errors
-from launcher.cluster.topology import metadata_statement, node_physical_hosts, spread_warning
+from launcher.cluster.topology import node_physical_hosts, spread_warning
 from launcher.core.launch import Launch
 from launcher.core.types import Workload
 
@@ -35,7 +36,7 @@ def hosts(**o: Any) -> None:
         return
     with err.status(f"checking {len(cluster.nodes)} nodes…"):
         # Where each node sits, from its metadata server (or the API, for --label): doctor's topology.
-        probes = Launch(cluster, config).probe(check_torch=False, extra=[metadata_statement()])
+        probes = Launch(cluster, config).probe(check_torch=False, extra=[Check(CheckKind.PHYSICAL_HOST)])
     places = node_physical_hosts(cluster, {r: p.facts for r, p in probes.items() if p.ok})
     table = Table()
     for col in ("node", "host", "address", "name", "ssh", "ready", "hostname", "block/subblock"):

@@ -6,7 +6,8 @@ order: --rank-order given, --local, --dry-run, or a workload that is not torchru
 
 from __future__ import annotations
 
-from launcher.cluster.topology import RankOrder, launch_order, metadata_statement, node_physical_hosts
+from gpufleet.node_plan import Check, CheckKind
+from launcher.cluster.topology import RankOrder, launch_order, node_physical_hosts
 from launcher.core.preflight import refuse_unreachable
 from launcher.core.types import Cluster, LaunchConfig
 
@@ -34,7 +35,7 @@ def order_for_launch(cluster: Cluster, config: LaunchConfig) -> RankOrder:
 
     # The launch's own check sessions, sent home once answered (ControlMaster keeps each
     # connection for the launch that follows).
-    probes = Launch(cluster, config).probe(check_torch=False, extra=[metadata_statement()])
+    probes = Launch(cluster, config).probe(check_torch=False, extra=[Check(CheckKind.PHYSICAL_HOST)])
     refuse_unreachable(cluster, probes)
     hosts = node_physical_hosts(cluster, {r: p.facts for r, p in probes.items()})
     return launch_order(cluster, config.rank_order, hosts)

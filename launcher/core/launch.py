@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet import atomic
+from gpufleet.node_plan import Check
 from launcher.core.hang import HangWatch
 from launcher.core.output import root_cause, traceback_key, worker_failure
 from launcher.core.preflight import Probe, Verdict, check_probes, check_timeout, handshake_limit
@@ -209,9 +210,9 @@ class Launch:
             self._go()
             return self._stream()
 
-    def probe(self, check_torch: bool, extra: Sequence[str] = ()) -> dict[int, Probe]:
-        """The check alone on every node (what `launch hosts` shows; `extra` statements report
-        more facts): the sessions a launch opens, sent home after the check instead of told to go."""
+    def probe(self, check_torch: bool, extra: Sequence[Check] = ()) -> dict[int, Probe]:
+        """The check alone on every node (what `launch hosts` shows; `extra` checks report more
+        facts: where the VM sits): the sessions a launch opens, sent home after the check instead of told to go."""
         script = probe_script(self.config.python, self.config.workdir, check_torch, extra)
         return self.ask(dict.fromkeys((n.rank for n in self.cluster.nodes), script))
 

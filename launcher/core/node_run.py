@@ -394,6 +394,8 @@ def main(argv):
         return stacks(json.loads(argv[2]))
     if mode == "container" and len(argv) > 5:
         return container(argv[2], argv[3], argv[4:])
+    if mode == "probe" and len(argv) == 3:
+        return probe(json.loads(argv[2]))
     if mode == "stop-run" and len(argv) == 7 and all(a.isdigit() for a in argv[3:6]):
         return stop_run(argv[2], int(argv[3]), int(argv[4]), int(argv[5]), argv[6])
     if mode == "attach" and len(argv) == 6 and all(a.isdigit() for a in argv[3:]):
@@ -402,7 +404,7 @@ def main(argv):
         say(
             "%susage: node_run node PLAN_JSON | node_run run PLAN_JSON | node_run supervise PLAN_JSON RUN_DIR | "
             "node_run stream RUN_DIR PID OFFSET | node_run attach JOB ATTEMPT RANK OFFSET | "
-            "node_run stop-run JOB ATTEMPT RANK TICKS SECONDS" % ERROR_PREFIX
+            "node_run stop-run JOB ATTEMPT RANK TICKS SECONDS | node_run probe CHECKS_JSON" % ERROR_PREFIX
         )
         return 2
     try:
@@ -479,6 +481,19 @@ def attach(job, attempt, rank, offset):
     if sys.stdin.buffer.readline() != GO:
         return 0
     return Stream(d, sup, offset).stream()
+
+
+def probe(spec):
+    """`launch hosts`' program and a launch's question of where its nodes sit (launcher.core.
+    program.probe_script): `spec`'s checks answered as a launch's node answers them, then
+    CHECKED_MARKER, then the end of input awaited, as a launch's node awaits `go`."""
+    try:
+        Start(spec, sys.stdin.buffer).checks()
+    except Ended as e:
+        return e.rc
+    say(CHECKED_MARKER)
+    sys.stdin.buffer.readline()
+    return 0
 
 
 def stop_run(job, attempt, rank, ticks, seconds):

@@ -35,6 +35,7 @@ import shlex
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from stat import S_IMODE, S_ISDIR
 
@@ -238,6 +239,8 @@ class Start:
                 put_rxdm(target)
             elif kind == "rdzv-port":
                 self.lock_port(int(target))
+            elif kind == "physical-host":
+                put_physical_host()
         if hardware:
             put_gpus(gpus)
 
@@ -338,6 +341,29 @@ def metadata(key):
             return r.read().decode("utf-8", "replace").rstrip()
     except Exception:  # noqa: BLE001 -- no server, an error status, a timeout: all are "unknown"
         return "unknown"
+
+
+def put_physical_host():
+    """`metadata_rc=` (curl's status, as launcher.cluster.topology reads it: 0 answered, 22 an
+    error status such as the 404 of a VM without a placement policy, 28 no answer in 2 s, 7 no
+    server) and `physical_host=` (instance/attributes/physical_host, https://cloud.google.com/
+    compute/docs/instances/use-compact-placement-policies#verify-vm-location)."""
+    url = "http://%s/computeMetadata/v1/instance/attributes/physical_host" % (
+        os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    rc, value = 0, ""
+    try:
+        with opener.open(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=2) as r:
+            value = r.read().decode("utf-8", "replace").strip()
+    except urllib.error.HTTPError:
+        rc = 22
+    except socket.timeout:
+        rc = 28
+    except Exception:  # noqa: BLE001 -- no server to ask
+        rc = 7
+    put("metadata_rc=%d" % rc)
+    put("physical_host=" + value)
 
 
 def nvidia_smi():

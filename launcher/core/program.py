@@ -66,12 +66,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.contracts import READY_MARKER
 from gpufleet.node_plan import Check, CheckKind, EnvVar, Limits, NodePlan, PrepareKind, PrologueKind, PrologueStep
 from gpufleet.node_plan import PrepareStep as PlannedStep
 from gpufleet.replica import python_argv
@@ -84,14 +84,12 @@ from launcher.core.ssh import python_source_command
 from launcher.core.torchrun import torchrun_argvs
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import (
-    CHECKED_MARKER,
     ENV_BLOCK_MAX,
     JOB_ID_VAR,
     NNODES_VAR,
     NODE_RANK_VAR,
     RUN_VAR,
     env_block,
-    join,
     run_token,
 )
 
@@ -376,44 +374,14 @@ def attach_commands(cluster: Cluster, config: LaunchConfig, offsets: Mapping[int
     }
 
 
-def probe_script(python: str, workdir: str | None, check_torch: bool, extra: Sequence[str] = ()) -> str:
-    """`launch hosts`' program: the check lines (the torch version of `python` with `check_torch`,
-    whether `workdir` exists; and `extra` statements that print `key=value` lines) and
-    CHECKED_MARKER, then it waits for end of input, as a launch's node does before `go`."""
-    return join(
-        [
-            *_check_statements(fact_checks(python, workdir, facts=True, torch=check_torch)),
-            *extra,
-            f"echo {CHECKED_MARKER}",
-            "IFS= read -r G",
-            "exit 0",
-        ]
-    )
-
-
-def _check_statements(checks: Sequence[Check]) -> list[str]:
-    """`key=value` lines about the node (launcher.core.node_plan.fact_checks): hostname, clock
-    and ready marker (NODE_FACTS), the torch version of a python (TORCH_VERSION), whether
-    --workdir exists (WORKDIR)."""
-    s = []
-    for check in checks:
-        if check.kind is CheckKind.NODE_FACTS:
-            s += [
-                "echo host=$(hostname)",
-                "echo time=$(date +%s.%N)",
-                f"if [ -f {READY_MARKER} ]; then echo ready=yes; else echo ready=no; fi",
-            ]
-        elif check.kind is CheckKind.TORCH_VERSION:
-            # importlib.metadata reads the version without importing torch (seconds on a busy node).
-            s.append(
-                f"echo torch=$({shlex.quote(check.target)} -c 'import importlib.metadata as m; "
-                "print(m.version(\"torch\"))' 2>/dev/null || echo missing)"
-            )
-        elif check.kind is CheckKind.WORKDIR:
-            s.append(f"if [ -d {_workdir(check.target)} ]; then echo workdir=ok; else echo workdir=missing; fi")
-        else:
-            raise ValueError(f"{check.kind.value} is not a check of the node's facts")
-    return s
+def probe_script(python: str, workdir: str | None, check_torch: bool, extra: Sequence[Check] = ()) -> str:
+    """`launch hosts`' program: launcher.core.node_run's `probe`, which answers the node's fact
+    checks (the torch version of `python` with `check_torch`, whether `workdir` exists) and
+    `extra` checks (where the VM sits), prints CHECKED_MARKER, then waits for end of input, as a
+    launch's node does before `go`."""
+    checks = [*fact_checks(python, workdir, facts=True, torch=check_torch), *extra]
+    spec = json.dumps({"checks": [{"kind": c.kind.value, "target": c.target} for c in checks]})
+    return node_run_command(f"probe {shlex.quote(spec)}", replace=True)
 
 
 # A Spot VM gets 30 s between its preemption notice and its stop
@@ -422,11 +390,6 @@ def _check_statements(checks: Sequence[Check]) -> list[str]:
 # a node that watches for the notice whether it is one only then.
 SPOT_NOTICE_S = 30
 SPOT_GRACE_MAX_S = 25.0
-
-
-def _workdir(wd: str) -> str:
-    # `~/x` means the login directory on the node, so keep the tilde outside the quotes.
-    return ("~/" + shlex.quote(wd[2:])) if wd.startswith("~/") else shlex.quote(wd)
 
 
 def stdin_env(config: LaunchConfig) -> list[tuple[str, str]]:

@@ -159,3 +159,28 @@ def test_the_rendezvous_port_lock_is_private_and_a_second_holder_is_told_whose_i
     # Its holder gone, the port is free again.
     again = subprocess.run(holder("third"), input="", capture_output=True, text=True, env=env, timeout=60)
     assert again.stdout == "port=free\n"
+
+
+def test_where_the_vm_sits_is_asked_of_its_metadata_server_as_the_rank_order_reads_it(tmp_path):
+    from launcher.cluster.topology import node_physical_hosts
+    from tests.launcher.fake_gpu_node import FakeMetadata
+
+    spec = json.dumps({"checks": [{"kind": CheckKind.PHYSICAL_HOST.value, "target": ""}]})
+    driver = "\nimport json, sys\nStart(json.loads(sys.argv[1]), None).checks()\n"
+
+    def ask(host: str) -> dict[str, str]:
+        argv = ["python3", "-I", "-S", "-c", SOURCE + driver, spec]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={"GCE_METADATA_HOST": host})
+        return dict(line.split("=", 1) for line in out.stdout.splitlines())
+
+    placed, bare = FakeMetadata("/c1/b2/s3/h4", bind="127.0.0.1"), FakeMetadata(None, bind="127.0.0.1")
+    try:
+        facts = ask(placed.host)
+        assert facts == {"metadata_rc": "0", "physical_host": "/c1/b2/s3/h4"}
+        place = node_physical_hosts(CLUSTER, {0: facts})["10.0.0.2"]
+        assert place is not None and (place.block, place.subblock, place.host) == ("b2", "s3", "h4")
+        assert ask(bare.host) == {"metadata_rc": "22", "physical_host": ""}  # a VM without a placement
+    finally:
+        placed.close()
+        bare.close()
+    assert ask("127.0.0.1:9")["metadata_rc"] not in ("0", "22")  # no metadata server: not on GCE

@@ -38,7 +38,6 @@ from tests.support import (
 
 pytestmark = pytest.mark.cluster
 
-LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian/Ubuntu `libfaketime`
 
 
 def train(c, tmp_path, *train_args: str, launch_opts: tuple[str, ...] = (), name: str = "out") -> Launch:
@@ -364,16 +363,21 @@ def test_a_skewed_clock_and_a_stale_hostname_are_warned_about_before_training_an
     shadow = tmp_path / "old-torch"
     (shadow / "torch-2.12.1.dist-info").mkdir(parents=True)
     (shadow / "torch-2.12.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.12.1\n")
-    assert Path(LIBFAKETIME).exists(), "install libfaketime (apt-get install -y libfaketime)"
-    # Node 1's clock is 10 minutes ahead: its `date` (what the pre-flight reads) runs under
-    # libfaketime. Only `date`: preloaded into the whole session, libfaketime breaks torchrun's
-    # own timers (time.sleep fails with EINVAL under FAKETIME_SKIP_CMDS/ONLY_CMDS or
+    # Node 1's clock is 10 minutes ahead as gpufleet's node program reads it (the pre-flight's
+    # `time=` fact): its `python3` runs that program (`python3 -I -S -c SOURCE ...`) with
+    # time.time() 600 s ahead. Only that program: libfaketime preloaded into the session breaks
+    # torchrun's own timers (time.sleep fails with EINVAL under FAKETIME_SKIP_CMDS/ONLY_CMDS or
     # DONT_FAKE_MONOTONIC; with none of them the agents never return from their exit barrier),
     # which a real clock skew does not do.
     fake = tmp_path / "skewed-bin"
     fake.mkdir()
-    (fake / "date").write_text(f"#!/bin/sh\nLD_PRELOAD={LIBFAKETIME} FAKETIME=+600 exec /bin/date \"$@\"\n")
-    (fake / "date").chmod(0o755)
+    (fake / "python3").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1 $2 $3" = "-I -S -c" ]; then src=$4; shift 4; exec /usr/bin/python3 -I -S -c '
+        '"import time as _t; _now = _t.time; _t.time = lambda: _now() + 600\n$src" "$@"; fi\n'
+        'exec /usr/bin/python3 "$@"\n'
+    )
+    (fake / "python3").chmod(0o755)
     c = sim_cluster(
         4,
         hostnames={0: "simnode0", 1: "simnode1", 2: "elsewhere", 3: "simnode3"},

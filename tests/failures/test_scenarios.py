@@ -39,7 +39,6 @@ from tests.support import (
 pytestmark = pytest.mark.cluster
 
 
-
 def train(c, tmp_path, *train_args: str, launch_opts: tuple[str, ...] = (), name: str = "out") -> Launch:
     args = ["train", *source_args(c, tmp_path), *torch_args(), *launch_opts, "--", *TRAIN, *train_args]
     return Launch(args, tmp_path / f"{name}.log")

@@ -386,10 +386,10 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         ip = f"10.0.0.{2 + rank}"
         assert host == ip
         script = shlex.split(command)[-1]  # exec bash --norc --noprofile -c SCRIPT
-        # The rank command the node runs (its plan, which the script hands its run), with the
+        # The rank command the node runs (its plan, which the script hands its node program), with the
         # prepared environment's python, as a real launch runs it (not the node's python3).
         args = list(plans[rank].argv)
-        assert script.endswith(" run " + shlex.quote(plans[rank].to_json()))
+        assert script.endswith(" node " + shlex.quote(plans[rank].to_json()))
         assert re.fullmatch(r".*/\.gpufleet/envs/[0-9a-f]+/bin/python", args[0]) and args[1:3] == [
             "-m",
             "torch.distributed.run",
@@ -398,9 +398,10 @@ def test_from_a_stack_file_to_each_nodes_torchrun_line_offline(tmp_path):
         assert args[3:6] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=static"], torchrun
         assert "--master-addr=10.0.0.2" in args and "--master-port=29500" in args and f"--local-addr={ip}" in args
         assert f"--node-rank={rank}" in args and args[-2:] == ["-m", "workloads.train"]
-        assert f"GPUFLEET_NODE_RANK={rank} GPUFLEET_NNODES=2" in script
+        env = {v.name: v.value for v in plans[rank].env}
+        assert (env["GPUFLEET_NODE_RANK"], env["GPUFLEET_NNODES"]) == (str(rank), "2")
         # a3-megagpu-8g: the TCPXO environment, with the host NIC for the control path.
-        assert "NCCL_FASTRAK_CTRL_DEV=enp0s12" in script and "NCCL_SOCKET_IFNAME=enp0s12" in script
+        assert env["NCCL_FASTRAK_CTRL_DEV"] == "enp0s12" and env["NCCL_SOCKET_IFNAME"] == "enp0s12"
 
 
 def test_an_existing_account_shows_every_grant_and_open_ssh_warns(capsys, tmp_path):

@@ -24,7 +24,7 @@ def remote_lines(stdout: str) -> list[tuple[str, str]]:
 
 
 def programs(stdout: str) -> list[str]:
-    """Each node's program (bash), in rank order."""
+    """Each node's program (the line that starts its node side with its plan), in rank order."""
     return [n["program"] for n in doc(stdout)["nodes"]]
 
 
@@ -34,9 +34,9 @@ def plans(stdout: str) -> list[NodePlan]:
 
 
 def started(stdout: str) -> list[tuple[str, ...]]:
-    """The argv each node's program starts, in rank order, read from the program itself: an
-    attached run's last words hand the node's plan to launcher.core.node_run (`run PLAN`)."""
-    return [tuple(json.loads(shlex.split(p.rpartition(" run ")[2])[0])["argv"]) for p in programs(stdout)]
+    """The argv each node's program starts, in rank order, read from the program itself: its
+    last words hand the node's plan to launcher.core.node_run (`node PLAN`)."""
+    return [tuple(json.loads(shlex.split(p)[-1])["argv"]) for p in programs(stdout)]
 
 
 _HEADER = re.compile(r"^\s*node (\d+)  (\S+)")

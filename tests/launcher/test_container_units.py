@@ -408,8 +408,8 @@ def test_a_cos_stack_without_an_image_refuses_the_launch_naming_image(tmp_path):
     assert line.startswith("error: the nodes of demo boot Container-Optimized OS") and "--image" in line
     assert not runs.exists()  # nothing started, nothing recorded
     # With the stack's default image (infra sets one on COS) or --image, it goes on; exec needs none.
-    _, programs = _dry(tmp_path, "--outputs", str(_cos_outputs(tmp_path, IMAGE)))
-    assert all("gpufleet-container" in p for p in programs)
+    r, _ = _dry(tmp_path, "--outputs", str(_cos_outputs(tmp_path, IMAGE)))
+    assert all(p.container is not None and p.argv[0] == "gpufleet-container" for p in dry_runs.plans(r.stdout))
     _dry(tmp_path, "--outputs", str(out), "--image", IMAGE)
     r = CliRunner().invoke(main, ["exec", "--outputs", str(out), "--dry-run", "--", "nvidia-smi"])
     assert r.exit_code == 0, r.output

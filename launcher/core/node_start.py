@@ -230,7 +230,8 @@ class Start:
             elif kind == "workdir":
                 put("workdir=" + ("ok" if os.path.isdir(tilde(target)) else "missing"))
             elif kind == "preemptible":
-                put("preemptible=" + metadata("instance/scheduling/preemptible"))
+                rc, value = metadata("instance/scheduling/preemptible")
+                put("preemptible=" + (value if rc == 0 else "unknown"))
             elif kind == "gpus":
                 gpus, hardware = nvidia_smi(), True  # asked first, read last: it overlaps the rest
             elif kind == "nic":
@@ -332,36 +333,27 @@ def host_iface(address, head):
 
 
 def metadata(key):
-    """The metadata server's `key` (https://cloud.google.com/compute/docs/metadata/predefined-
-    metadata-keys; GCE_METADATA_HOST names another server), `unknown` without one."""
+    """(status, value) of the metadata server's `key` (https://cloud.google.com/compute/docs/
+    metadata/predefined-metadata-keys; GCE_METADATA_HOST names another server), the status as
+    curl's that the launcher reads (launcher.cluster.topology): 0 answered, 22 an error status
+    (the 404 of a key the VM does not have), 28 no answer within 2 s, 7 no server."""
     url = "http://%s/computeMetadata/v1/%s" % (os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal", key)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=2) as r:
-            return r.read().decode("utf-8", "replace").rstrip()
-    except Exception:  # noqa: BLE001 -- no server, an error status, a timeout: all are "unknown"
-        return "unknown"
+            return 0, r.read().decode("utf-8", "replace").strip()
+    except urllib.error.HTTPError:
+        return 22, ""
+    except socket.timeout:
+        return 28, ""
+    except Exception:  # noqa: BLE001 -- no server to ask (not on Compute Engine)
+        return 7, ""
 
 
 def put_physical_host():
-    """`metadata_rc=` (curl's status, as launcher.cluster.topology reads it: 0 answered, 22 an
-    error status such as the 404 of a VM without a placement policy, 28 no answer in 2 s, 7 no
-    server) and `physical_host=` (instance/attributes/physical_host, https://cloud.google.com/
-    compute/docs/instances/use-compact-placement-policies#verify-vm-location)."""
-    url = "http://%s/computeMetadata/v1/instance/attributes/physical_host" % (
-        os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
-    )
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    rc, value = 0, ""
-    try:
-        with opener.open(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=2) as r:
-            value = r.read().decode("utf-8", "replace").strip()
-    except urllib.error.HTTPError:
-        rc = 22
-    except socket.timeout:
-        rc = 28
-    except Exception:  # noqa: BLE001 -- no server to ask
-        rc = 7
+    """`metadata_rc=` and `physical_host=`: where the VM sits (instance/attributes/physical_host,
+    https://cloud.google.com/compute/docs/instances/use-compact-placement-policies)."""
+    rc, value = metadata("instance/attributes/physical_host")
     put("metadata_rc=%d" % rc)
     put("physical_host=" + value)
 
@@ -444,12 +436,13 @@ def holds_dir(dirs):
 
 
 def start_time(pid):
-    """Field 22 of /proc/PID/stat (its start time), or None; with its state: (state, start)."""
+    """Field 22 of /proc/PID/stat (its start time), or None."""
     s = proc_stat(pid)
     return None if s is None else s[1]
 
 
 def proc_stat(pid):
+    """(state, start time) of `pid` from /proc/PID/stat (after its `(comm) `), or None."""
     try:
         with open("/proc/%s/stat" % pid, "rb") as f:
             fields = f.read().rpartition(b") ")[2].split()

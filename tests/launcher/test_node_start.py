@@ -184,3 +184,22 @@ def test_where_the_vm_sits_is_asked_of_its_metadata_server_as_the_rank_order_rea
         placed.close()
         bare.close()
     assert ask("127.0.0.1:9")["metadata_rc"] not in ("0", "22")  # no metadata server: not on GCE
+
+
+def test_a_spot_vm_says_so_from_its_metadata_server_and_a_machine_without_one_is_unknown():
+    from tests.launcher.fake_gpu_node import FakeMetadata
+
+    spec = json.dumps({"checks": [{"kind": CheckKind.PREEMPTIBLE.value, "target": ""}]})
+    driver = "\nimport json, sys\nStart(json.loads(sys.argv[1]), None).checks()\n"
+
+    def ask(host: str) -> str:
+        argv = ["python3", "-I", "-S", "-c", SOURCE + driver, spec]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={"GCE_METADATA_HOST": host}).stdout
+
+    spot, standard = FakeMetadata(None, bind="127.0.0.1", spot=True), FakeMetadata(None, bind="127.0.0.1")
+    try:
+        assert (ask(spot.host), ask(standard.host)) == ("preemptible=TRUE\n", "preemptible=FALSE\n")
+    finally:
+        spot.close()
+        standard.close()
+    assert ask("127.0.0.1:9") == "preemptible=unknown\n"

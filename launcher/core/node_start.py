@@ -253,6 +253,8 @@ class Start:
         try:
             os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            refuse("cannot take the rendezvous port's lock %s on %s: %s" % (path, self.plan["host"], e.strerror), 70)
         finally:
             os.umask(old)
         os.dup2(fd, LOCK_FD)

@@ -188,6 +188,11 @@ class NodeProgram:
 
     def plan(self) -> NodePlan:
         """This node's typed plan (gpufleet.node_plan): what the node runs, and what a dry run shows."""
+        return self._plan
+
+    @functools.cached_property
+    def _plan(self) -> NodePlan:
+        """Built once: `render()` and the launch's plans both read it."""
         config, node = self.config, self.node
         return NodePlan(
             job_id=config.job_id,

@@ -203,3 +203,21 @@ def test_a_spot_vm_says_so_from_its_metadata_server_and_a_machine_without_one_is
         spot.close()
         standard.close()
     assert ask("127.0.0.1:9") == "preemptible=unknown\n"
+
+
+def test_a_home_that_cannot_take_the_port_lock_is_one_line_naming_the_node_not_a_traceback(tmp_path):
+    (tmp_path / ".gpufleet").write_text("a file where the directory goes")
+    driver = (
+        "\nimport sys\ntry:\n    Start({'address': '10.9.9.9', 'host': 'n7', 'job_id': 'j'}, None).lock_port(29555)\n"
+    )
+    driver += "except Ended as e:\n    sys.exit(e.rc)\n"
+    r = subprocess.run(
+        ["python3", "-I", "-S", "-c", SOURCE + driver],
+        capture_output=True,
+        text=True,
+        env={"HOME": str(tmp_path)},
+        timeout=60,
+    )
+    (line,) = r.stderr.splitlines()
+    assert r.returncode == 70 and r.stdout == ""  # the launcher names the node with its last error line
+    assert line.startswith("gpufleet: cannot take the rendezvous port's lock ") and " on n7: " in line

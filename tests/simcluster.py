@@ -207,6 +207,7 @@ class SimCluster:
         bare: bool = False,
         index: Path | None = None,
         accounts: tuple[str, ...] = (),
+        own_pids: bool = False,
     ):
         """`node_env` adds environment variables to every session of the given nodes (sshd
         SetEnv): e.g. {2: {"LD_PRELOAD": libfaketime, "FAKETIME": "+600"}} skews node 2's clock;
@@ -230,11 +231,21 @@ class SimCluster:
         each node has its own local SSD at LOCAL_SSD (a tmpfs, root's, mode 1777, as the startup
         script leaves the RAID) and its own /run, holding the holds registry HOLDS_DIR (both seen
         only from inside the node: `exec`). `account_flags(name)`:
-        `launch` flags that connect as that account."""
+        `launch` flags that connect as that account.
+
+        `own_pids` (bare only): each node's sshd also starts in a PID namespace of its own
+        (`unshare --pid --fork --mount-proc`, sshd its init), so a node's /proc lists its own
+        processes only, as a real VM's does: what a node program scans there (a stop's reap of
+        what carries its run's token) costs what it costs on a real node, not a sweep of every
+        simulated node's processes. The pids the nodes report are then their own namespace's;
+        this machine (`processes()`, `exec`) still sees every process under its pid here."""
         if n < 1:
             raise ValueError("a simulated cluster needs at least one node")
         self.bare = bare
         self.accounts = tuple(accounts)
+        self.own_pids = own_pids
+        if own_pids and not bare:
+            raise RuntimeError("own_pids needs bare nodes (each node's own mount namespace holds its /proc)")
         if self.accounts and not bare:
             raise RuntimeError("accounts need bare nodes (each node's own /home and local SSD)")
         if self.accounts:
@@ -570,6 +581,8 @@ class SimCluster:
                 "--mount",
                 "--propagation",
                 "private",
+                # pid 1 there is sshd (sh execs it), which reaps the orphans a session leaves.
+                *(["--pid", "--fork", "--mount-proc"] if self.own_pids else []),
                 *(["--uts"] if self.hostnames.get(node.index) else []),
                 "sh",
                 "-c",
@@ -602,7 +615,7 @@ class SimCluster:
     def _spawn_sshd(self, node: SimNode) -> None:
         log = open(self.dir / f"sshd_{node.index}.log", "ab")
         # `ip netns exec`, nsenter, unshare and sh -c 'exec' all exec in place: the Popen pid is
-        # the sshd listener itself.
+        # the sshd listener itself (with own_pids: unshare, which forks sshd and waits for it).
         node.sshd = subprocess.Popen(self._sshd_argv(node), stdout=log, stderr=log, start_new_session=True)
         log.close()
 

@@ -197,3 +197,18 @@ def test_a_bare_node_installs_from_the_cluster_index_and_only_from_it(bare_nodes
     )
     assert r.returncode != 0
     shutil.rmtree(bare.node_path(0, venv_dir), ignore_errors=True)
+
+
+def test_own_pids_gives_each_bare_node_a_process_table_of_its_own(tmp_path):
+    """With own_pids a node's sessions see their own node's processes only (sshd is its pid 1),
+    as on a real VM, while this machine still finds and kills them all."""
+    require_netns("bare nodes need root and ip netns")
+    with SimCluster(2, workdir=tmp_path / "sim", bare=True, own_pids=True) as c:
+        busy = _ssh(c, c.addresses[1], "sleep 300 </dev/null >/dev/null 2>&1 & echo started")
+        assert busy.returncode == 0 and busy.stdout.strip() == "started", busy.stderr
+        r = _ssh(c, c.addresses[0], "cat /proc/1/comm; for p in /proc/[0-9]*; do cat $p/comm; done")
+        assert r.returncode == 0, r.stderr
+        first, *names = r.stdout.split()
+        assert first == "sshd" and "sleep" not in names, r.stdout  # node 1's sleep is not in node 0's table
+        assert len(c.processes(1)) == 1 and len(c.processes(0)) == 0
+    assert not leftovers(c.id)["tagged"]

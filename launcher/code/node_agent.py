@@ -747,6 +747,13 @@ def relay_argv(child, key, known, command="relay"):
         "ServerAliveInterval=5",
         "ServerAliveCountMax=3",
         "LogLevel=ERROR",
+        # No sntrup761x25519: the first key exchange of OpenSSH 9.0 to 9.9 costs the client some
+        # 85 ms of CPU a connection (curve25519-sha256: 14 ms; OpenSSH 9.2, bench/RESULTS.md), and a parent
+        # opens K per launch. A hop stays inside the cluster's VPC, whose VM-to-VM traffic Google
+        # Cloud encrypts and authenticates itself
+        # (https://cloud.google.com/docs/security/encryption-in-transit); where the node's
+        # OpenSSH has mlkem768x25519-sha256 (9.9 and later), post-quantum and as fast, it stays first.
+        "KexAlgorithms=-sntrup*",
     ):
         argv += ["-o", opt]
     return argv + ["-T", "--", host, command]

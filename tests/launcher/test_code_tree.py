@@ -290,6 +290,13 @@ def test_a_fwd_to_a_peer_opens_ssh_to_its_internal_address():
     node_agent.check_plan([child], {"me@10.0.0.2", "me@10.0.0.3"}, 22)
     argv = node_agent.relay_argv(child, "/k", "/kh")
     assert argv[-4:] == ["-T", "--", "10.0.0.3", "relay"] and argv[argv.index("-l") + 1] == "me"
+    # No sntrup761x25519 on a hop (its client side costs ~6x curve25519's CPU), and the option is
+    # one this machine's ssh takes: `ssh -G` reads the options as a connection would, opening none.
+    assert "KexAlgorithms=-sntrup*" in argv
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o" and argv[i + 1].startswith("KexAlgorithms")]
+    got = subprocess.run(["ssh", "-G", *(f"-o{o}" for o in opts), "10.0.0.3"], capture_output=True, text=True)
+    (kex,) = [ln.split()[1] for ln in got.stdout.splitlines() if ln.startswith("kexalgorithms ")]
+    assert "sntrup" not in kex and "curve25519-sha256" in kex.split(","), got.stderr
 
 
 @pytest.mark.parametrize(

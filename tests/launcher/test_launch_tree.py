@@ -9,6 +9,7 @@ tests/launcher/test_bare_tree_cluster.py."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import queue
@@ -238,6 +239,35 @@ def test_a_corrupt_agent_copy_is_fetched_again_from_the_parent_checked_and_run(t
     # Asked for content, a corrupt copy is one line (the preparation stores the agent again).
     r = forced(tmp_path, b"END\n", original="relay")
     assert r.returncode == 1 and b"is missing or corrupt" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_the_agent_runs_from_its_compiled_code_kept_beside_it_and_a_corrupt_one_is_compiled_again(tmp_path):
+    key = set_key(tmp_path)
+    objects = tmp_path / ".gpufleet" / "objects"
+    entry = part(key)
+    r = forced(tmp_path, frames(entry, go(key, entry)))
+    assert r.stdout.startswith(b"HELLO\n") and r.stdout.endswith(b"EXIT 0 3\n"), r.stdout + r.stderr
+    (cache,) = objects.glob(f"{AGENT_SHA}.cpython-*")  # the node's python's tag
+    data = cache.read_bytes()
+    assert hashlib.sha256(data[32:]).digest() == data[:32] and cache.stat().st_mode & 0o777 == 0o400
+    # What the cache holds is what runs (no compile of the source): a stand-in marks that it ran.
+    other = subprocess.run(
+        ["python3", "-c", "import marshal,sys; sys.stdout.buffer.write(marshal.dumps(compile(sys.argv[1],'x','exec')))"]
+        + ["import os; open(os.path.expanduser('~/from-cache'), 'w').close()"],
+        capture_output=True,
+        env={"PATH": "/usr/bin:/bin"},
+        check=True,
+    ).stdout
+    cache.chmod(0o600)
+    cache.write_bytes(hashlib.sha256(other).digest() + other)
+    forced(tmp_path, b"")
+    assert (tmp_path / "from-cache").exists()
+    # A cache cut short or changed is compiled again from the checked source, and the part runs.
+    cache.write_bytes(data[:-100])
+    entry = part(key)
+    r = forced(tmp_path, frames(entry, go(key, entry)))
+    assert r.stdout.endswith(b"EXIT 0 3\n"), r.stdout + r.stderr
+    assert cache.read_bytes() == data
 
 
 def test_the_preparation_stores_a_corrupt_copy_of_the_agent_again(tmp_path):

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from launcher.core.launch import Interrupted, Launch, NodeEvent, NodeState
-from launcher.core.output import LiveFilter, failure_line, kept_nodes
+from launcher.core.output import LiveFilter, failure_line, kept_nodes, result_rows
 from launcher.core.pull import PullFailed, pull_image, refusal
 from launcher.core.transport import make_transport
 from launcher.core.types import EXIT_USER_ERROR, Cluster, LaunchConfig, LaunchResult, UserError
@@ -137,10 +137,9 @@ def render_result(result: LaunchResult, cluster: Cluster) -> None:
     table = Table(title=f"job {result.job_id}", title_justify="left")
     for col in ("node", "host", "exit", "duration"):
         table.add_column(col)
-    for rank in sorted(result.outcomes):
-        o = result.outcomes[rank]
-        style = "green" if o.ok else "yellow" if o.stopped else "red"
-        table.add_row(str(rank), o.node.host, f"[{style}]{escape(o.status)}[/{style}]", f"{o.duration_s:.1f} s")
+    for row in result_rows(result):
+        style = {"ok": "green", "stopped": "yellow"}.get(row.kind, "red")
+        table.add_row(row.node, escape(row.host), f"[{style}]{escape(row.status)}[/{style}]", row.duration)
     err.print(table)
     # One line for the cause (its own lines were in the live stream above; everything it printed,
     # torchrun's report included, is in its log).

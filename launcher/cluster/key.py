@@ -130,12 +130,23 @@ def verified_host_keys(target: SshTarget, cluster: Cluster) -> dict[int, list[st
         entries += [
             line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("#", "@"))
         ]
+    entries = [e for e in entries if len(e) >= 3]
+    # Plain names looked up, not compared with every node's (a known_hosts of N nodes would cost
+    # N x N); a hashed entry has a salt of its own, so each is tried against each name.
+    plain: dict[str, list[int]] = {}
+    hashed = []
+    for i, e in enumerate(entries):
+        if e[0].startswith("|1|"):
+            hashed.append(i)
+        else:
+            for name in e[0].split(","):
+                plain.setdefault(name, []).append(i)
     keys: dict[int, list[str]] = {}
     for node in cluster.nodes:
         # ssh records a host by its name or address alone: no `user@`, no IPv6 brackets at port 22.
         name = _known_name(target.alias or node.host.rsplit("@", 1)[-1].strip("[]"), target.port)
-        found = [f"{e[1]} {e[2]}" for e in entries if len(e) >= 3 and _host_matches(e[0], name)]
-        keys[node.rank] = list(dict.fromkeys(found))
+        found = sorted(plain.get(name, []) + [i for i in hashed if _host_matches(entries[i][0], name)])
+        keys[node.rank] = list(dict.fromkeys(f"{entries[i][1]} {entries[i][2]}" for i in found))
     return keys
 
 

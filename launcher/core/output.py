@@ -226,6 +226,49 @@ def failure_line(result: LaunchResult) -> str | None:
     return f"{o.node.label} failed first: {what}; its log: {result.run_dir / f'node-{rank}.log'}"
 
 
+# ---- the summary table ----
+
+# Up to this many nodes the summary table has a row per node; above, consecutive nodes that ended
+# alike share one (`0-127 | 128 nodes | exit 0 | 0.0-0.2 s`), so a failure stands out of 200 rows.
+TABLE_EVERY_NODE_UP_TO = 16
+
+
+class ResultRow(NamedTuple):
+    """One row of a launch's summary table: node(s), host(s), status, duration; `kind`: ok,
+    stopped or failed (how it is drawn)."""
+
+    node: str
+    host: str
+    status: str
+    duration: str
+    kind: str
+
+
+def result_rows(result: LaunchResult) -> list[ResultRow]:
+    """The summary table's rows, in rank order (grouped above TABLE_EVERY_NODE_UP_TO nodes)."""
+    groups: list[list[NodeOutcome]] = []
+    outcomes = [result.outcomes[r] for r in sorted(result.outcomes)]
+    group = len(outcomes) > TABLE_EVERY_NODE_UP_TO
+    for o in outcomes:
+        last = groups[-1][-1] if groups else None
+        if group and last is not None and (last.status, last.ok, last.stopped) == (o.status, o.ok, o.stopped):
+            groups[-1].append(o)
+        else:
+            groups.append([o])
+    rows = []
+    for g in groups:
+        first, end = g[0], g[-1]
+        kind = "ok" if first.ok else "stopped" if first.stopped else "failed"
+        if len(g) == 1:
+            took = f"{first.duration_s:.1f} s"
+            rows.append(ResultRow(str(first.node.rank), first.node.host, first.status, took, kind))
+            continue
+        low, high = min(o.duration_s for o in g), max(o.duration_s for o in g)
+        took = f"{low:.1f} s" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f} s"
+        rows.append(ResultRow(f"{first.node.rank}-{end.node.rank}", f"{len(g)} nodes", first.status, took, kind))
+    return rows
+
+
 # ---- --output: which nodes' lines a launch shows live (every line goes to its log regardless) ----
 
 # all: every node's; rank0: node 0's (the others' only when they fail); failures: only a failed
@@ -256,6 +299,11 @@ class LiveFilter:
         self._held: dict[int, deque[str]] = {}
         self._ended: dict[int, str] = {}  # rank -> its final state's value
         self._counts: dict[int, int] = {}  # rank -> lines held back so far
+        # How many of the nodes not shown live are in each state, kept as they end: the status
+        # line asks after every node's end, and a count over every node each time would grow
+        # with the square of the nodes.
+        rest = sum(1 for r in range(nodes) if not self.live(r))
+        self._states: dict[str, int] = {"running": rest} if rest else {}
 
     def live(self, rank: int) -> bool:
         return self.mode == "all" or (self.mode == "rank0" and rank == 0)
@@ -271,6 +319,12 @@ class LiveFilter:
     def ended(self, rank: int, state: str) -> list[str]:
         """A node's final state ("exited", "failed", "unreachable", "stopped"): the lines it held
         to show now, when it failed on its own or was lost."""
+        if not self.live(rank) and 0 <= rank < self.nodes:
+            before = self._ended.get(rank, "running")
+            self._states[before] -= 1
+            if not self._states[before]:
+                del self._states[before]
+            self._states[state] = self._states.get(state, 0) + 1
         self._ended[rank] = state
         held = self._held.pop(rank, None)
         if state not in ("failed", "unreachable") or not held:
@@ -284,14 +338,10 @@ class LiveFilter:
         if self.mode == "all":
             return None
         shown = "node 0's output" if self.mode == "rank0" else "a failed node's output"
-        rest = [r for r in range(self.nodes) if not self.live(r)]
-        states: dict[str, int] = {}
-        for r in rest:
-            state = self._ended.get(r, "running")
-            states[state] = states.get(state, 0) + 1
-        words = ", ".join(f"{n} {state}" for state, n in sorted(states.items(), key=lambda kv: -kv[1]))
+        rest = sum(self._states.values())
+        words = ", ".join(f"{n} {state}" for state, n in sorted(self._states.items(), key=lambda kv: -kv[1]))
         other = "the other" if self.mode == "rank0" else "all"
-        return f"--output {self.mode}: {shown} shown live; {other} {len(rest)} node{'s' * (len(rest) != 1)}: {words}"
+        return f"--output {self.mode}: {shown} shown live; {other} {rest} node{'s' * (rest != 1)}: {words}"
 
 
 # ---- a node that keeps its output (a launch down a tree, launcher.code.launch_tree) ----

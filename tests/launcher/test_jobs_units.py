@@ -178,6 +178,15 @@ def test_node_0_gets_the_host_keys_the_client_verified_even_from_a_hashed_known_
         known_hosts_text(CLUSTER, {0: keys[0], 1: []}, 22)
 
 
+def test_plain_and_hashed_known_hosts_entries_give_each_node_its_keys_in_file_order(tmp_path):
+    hashed, plain = tmp_path / "hashed", tmp_path / "plain"
+    hashed.write_text("10.0.0.3 ssh-ed25519 H1\n10.0.0.2 ssh-rsa H0\n")
+    subprocess.run(["ssh-keygen", "-H", "-f", str(hashed)], check=True, capture_output=True)
+    plain.write_text("other,10.0.0.2 ssh-ed25519 P0\n10.0.0.20 ssh-ed25519 NOT\n10.0.0.3 ssh-ed25519 H1\n")
+    target = SshTarget("root", 22, (str(plain), str(hashed)))
+    assert verified_host_keys(target, CLUSTER) == {0: ["ssh-ed25519 P0", "ssh-rsa H0"], 1: ["ssh-ed25519 H1"]}
+
+
 def test_records_are_replaced_whole(tmp_path):
     p = tmp_path / "state.json"
     atomic.write_text(p, json.dumps({"a": 1}))

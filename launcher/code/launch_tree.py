@@ -35,6 +35,7 @@ import hmac
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import threading
@@ -49,6 +50,7 @@ from launcher.code import node_agent
 from launcher.code.prepare import RELAY_KEY, PrepareReport, agent_script, each_node, run_agent
 from launcher.code.tree import AGENT_SHA, authorize_relay, forwarding_tree, hop_entry, hops, relay_known_hosts
 from launcher.core.output import KEPT_FILE, TAIL_LINES, LiveFilter, launch_reads
+from launcher.core.program import node_program_code
 from launcher.core.transport import Transport, cluster_slug, make_transport, state_dir
 from launcher.core.types import Cluster, LaunchConfig, Node, UserError
 from launcher.core.wire import EXIT_MARKER
@@ -240,6 +242,7 @@ class TreeLaunch:
         self._seq = dict.fromkeys(self.procs, 0)
         self._lock = threading.Lock()
         self._root: subprocess.Popen | None = None
+        self._code: tuple[str, str] | None = None  # the node program's (sha256, quoted code) in this launch's parts
 
     def proc(self, rank: int) -> TreeProc:
         return self.procs[rank]
@@ -297,6 +300,10 @@ class TreeLaunch:
             "program": scripts[rank],
             "stdin": base64.b64encode(stdin).decode(),
         }
+        if self._code is not None and signed["program"].count(self._code[1]) == 1:
+            # The node program's code travels once per hop (the CODE frame), named here by hash.
+            before, _, after = signed["program"].partition(self._code[1])
+            signed["program"], signed["code"] = [before, after], self._code[0]
         if rank in self.keep:
             signed["keep"] = self.keep[rank]
         return {
@@ -310,12 +317,18 @@ class TreeLaunch:
         """Open node 0's session and send the plan: each node's program and stdin, signed."""
         target = ssh_target(self.transport, self.head)
         targets = hops(self.cluster, target.user)
+        source = node_program_code()
+        quoted = shlex.quote(source)
+        code = source.encode()
+        self._code = (hashlib.sha256(code).hexdigest(), quoted) if any(quoted in p for p in scripts.values()) else None
         plan = self._entry(self.head.rank, scripts, stdin, targets, target.port, int(time.time()) + EXPIRES_S)
         frames = b""
         if self.tree[self.head.rank]:
             known = relay_known_hosts(self.cluster, verified_host_keys(target, self.cluster), target.port)
             for kind, data in (("KEY", ensure_key(self.cluster, RELAY_KEY).read_bytes()), ("KNOWN", known.encode())):
                 frames += f"{kind} {len(data)}\n".encode() + data
+        if self._code is not None:
+            frames += f"CODE {len(code)}\n".encode() + code
         body = json.dumps(plan).encode()
         frames += f"PLAN {len(body)}\n".encode() + body
         self._record_kept()

@@ -44,10 +44,11 @@ Commands (stdin carries the request; every line this program prints starts with 
 - `keys`: a JSON request (`slug`, `address`, `key`): this node's launch key for a cluster.
 - `tree` (node 0, from the launching machine; on the others the relay key's forced command,
   asked for `tree`): a launch down the tree (`--fanout`). Frames `KEY`/`KNOWN` as for `relay`,
-  `PLAN SIZE` (this node's entry: its part signed under its launch key, its children's entries
-  nested), then `CTL RANK SIZE` (a signed word for a node of its subtree). It runs its own
-  part only when the signature, the expiry and the nonce hold, passes each child its entry
-  over ssh with the relay key, and sends up `HELLO` first, then for its subtree `OUT RANK SIZE`,
+  `CODE SIZE` (the node program's code, once, which the parts name by hash), `PLAN SIZE`
+  (this node's entry: its part signed under its launch key, its children's entries nested),
+  then `CTL RANK SIZE` (a signed word for a node of its subtree). It runs its own part only
+  when the signature, the expiry and the nonce hold, passes each child its entry over ssh
+  with the relay key, and sends up `HELLO` first, then for its subtree `OUT RANK SIZE`,
   `ERR RANK SIZE`, `EXIT RANK RC`, and `LOST RANK VIA` (a node it lost, VIA == RANK, or one cut
   off with node VIA). The end of its input ends every program's input below it.
 """
@@ -64,6 +65,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -924,7 +926,7 @@ NONCE = re.compile(r"[0-9a-f]{32}")
 SEEN_KEEP_S = 86400  # a nonce is remembered this long; a plan expires long before
 LOGS = os.path.join(G, "logs")  # JOB/node-RANK.log: a launch's output kept on its node (Keep)
 LOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}/node-[0-9]{1,6}[.]log")
-MAX_META.update(PLAN=1 << 26, CTL=1 << 12)
+MAX_META.update(PLAN=1 << 26, CTL=1 << 12, CODE=1 << 22)
 
 
 class Refused(Exception):
@@ -1018,6 +1020,22 @@ def verify(entry):
     except FileExistsError:
         raise Refused("its plan was run once already: a replay, refused") from None
     return signed, key
+
+
+def program_of(signed, code):
+    """The shell line a verified part runs. A part of a launch down the tree names the node
+    program's code by its hash (`code`) and carries the line around it (`program`: the text
+    before the code and after it): the code itself travels once per hop (the CODE frame, held
+    here as `code`), not once per node, and runs only if it matches the hash the part's
+    signature covers."""
+    program = signed.get("program")
+    if isinstance(program, str) and "code" not in signed:
+        return program
+    if not (isinstance(program, list) and len(program) == 2 and all(isinstance(p, str) for p in program)):
+        raise Refused("its plan carries no program")
+    if code is None or hashlib.sha256(code).hexdigest() != signed.get("code"):
+        raise Refused("the node program's code did not arrive whole (no CODE frame, or not the one its plan names)")
+    return program[0] + shlex.quote(code.decode()) + program[1]
 
 
 class Up:
@@ -1133,11 +1151,11 @@ class Own:
     exit status go up as frames. `control` applies a signed word: a line on the program's stdin,
     or `eof`, the end of its input (as a closed ssh session is)."""
 
-    def __init__(self, up, rank, signed, key):
+    def __init__(self, up, rank, signed, key, program):
         self.up, self.rank, self.key, self.nonce, self.seq = up, rank, key, signed["nonce"], 0
         self.keep = Keep(up, rank, signed["keep"]) if signed.get("keep") is not None else None
         self.p = subprocess.Popen(
-            ["bash", "--norc", "--noprofile", "-c", signed["program"]],
+            ["bash", "--norc", "--noprofile", "-c", program],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -1230,7 +1248,7 @@ class Hop:
     sent before that wait. When the child's session ends, each rank of its subtree that has not
     exited is reported lost, named through this node."""
 
-    def __init__(self, up, me, child, key, known):
+    def __init__(self, up, me, child, key, known, code=None):
         self.up, self.me, self.child = up, me, child
         self.ranks = set(subtree(child))
         self.exited = set()
@@ -1252,6 +1270,8 @@ class Hop:
                     with open(path, "rb") as f:
                         data = f.read()
                     first += f"{kind} {len(data)}\n".encode() + data
+            if code is not None:
+                first += f"CODE {len(code)}\n".encode() + code
             plan = json.dumps(child).encode()
             first += f"PLAN {len(plan)}\n".encode() + plan
         except (OSError, ValueError) as e:
@@ -1362,13 +1382,14 @@ def start_plan(up, entry, held, port, peers):
         check_plan(entry.get("children", []), set(peers), port)
     rank, own, hops = entry["rank"], None, []
     try:
-        own = Own(up, rank, *verify(entry))
+        signed, key = verify(entry)
+        own = Own(up, rank, signed, key, program_of(signed, held.get("CODE")))
     except Refused as e:
         up.data("ERR", rank, f"gpufleet: node {rank} refused its part of the launch: {e}\n".encode())
         up.exit(rank, 2)
     route = {rank: own}
     for child in entry.get("children", []):
-        hop = Hop(up, rank, child, held.get("KEY"), held.get("KNOWN"))
+        hop = Hop(up, rank, child, held.get("KEY"), held.get("KNOWN"), held.get("CODE"))
         hops.append(hop)
         route.update(dict.fromkeys(hop.ranks, hop))
     return own, hops, route
@@ -1377,8 +1398,9 @@ def start_plan(up, entry, held, port, peers):
 def tree(port=22, peers=None):
     """`tree`: this node's part of a launch that came down the tree, and its children's. Frames
     on stdin: KEY and KNOWN (the relay key and the cluster's known_hosts, to a node with
-    children), PLAN (this node's entry: rank, its signed part and its children's entries,
-    nested), then CTL RANK SIZE (a signed word for a node of its subtree); the end of input ends
+    children), CODE (the node program's code, which the parts name by its hash: program_of),
+    PLAN (this node's entry: rank, its signed part and its children's entries, nested), then
+    CTL RANK SIZE (a signed word for a node of its subtree); the end of input ends
     every program of the subtree's input (a stop, or nothing started). Frames out: launcher.code
     .launch_tree reads them. `peers`: the relay key's forced command (its `relay PORT PEERS`
     arguments) limits the children to the cluster's nodes; None for node 0, started by the
@@ -1401,6 +1423,8 @@ def tree(port=22, peers=None):
                 with open(os.open(paths[head[0]], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                     f.write(data)
                 held[head[0]] = paths[head[0]]
+            elif len(head) == 2 and head[0] == "CODE" and "CODE" not in held and not route:
+                held["CODE"] = read_exact(stream, size_of(head[1], "CODE"))  # the node program's, in memory
             elif len(head) == 2 and head[0] == "PLAN" and not route:
                 entry = json.loads(read_exact(stream, size_of(head[1], "PLAN")))
                 own, hops, route = start_plan(up, entry, held, port, peers)

@@ -232,6 +232,11 @@ def node_run_command(args: str, var: str | None = None, replace: bool = False) -
     return python_source_command(_node_run_source(), args, replace=replace, var=var)
 
 
+def node_program_code() -> str:
+    """The node program's code, as every node's line carries it (quoted: shlex.quote)."""
+    return _node_run_source()
+
+
 @functools.cache
 def _node_run_source() -> str:
     """The node's program as it travels to every node on the ssh command line: launcher.core.

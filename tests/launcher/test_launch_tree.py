@@ -14,6 +14,7 @@ import io
 import json
 import queue
 import secrets
+import shlex
 import subprocess
 import sys
 import time
@@ -133,6 +134,34 @@ def test_a_part_not_signed_for_this_node_now_is_refused_in_one_line_and_nothing_
     assert not (tmp_path / "ran").exists()
 
 
+def code_part(key: bytes, code: str) -> dict:
+    """A part whose line runs `code` (the node program's, as launch_tree names it: by hash)."""
+    entry = part(key)
+    signed = entry["signed"]
+    signed["program"], signed["code"] = ["exec bash -c ", ' "$HOME/marked"'], hashlib.sha256(code.encode()).hexdigest()
+    entry["mac"] = sign(key, node_agent.canonical(signed))
+    return entry
+
+
+CODE = 'echo "code ran"; touch "$0"; exit 4'
+
+
+@pytest.mark.parametrize("sent", [CODE, 'touch "$HOME/ran"; ' + CODE, None])
+def test_a_part_runs_the_node_programs_code_only_from_a_code_frame_of_the_hash_it_names(tmp_path, sent):
+    key = set_key(tmp_path)
+    entry = code_part(key, CODE)
+    head = b"" if sent is None else f"CODE {len(sent)}\n".encode() + sent.encode()
+    r = agent(tmp_path, "tree", head + frames(entry))
+    if sent == CODE:
+        assert b"code ran\n" in r.stdout and r.stdout.endswith(b"EXIT 0 4\n"), r.stdout + r.stderr
+        assert (tmp_path / "marked").exists()
+        return
+    # Another code than the plan names (a parent passing it on changed it), or none: one line, nothing runs.
+    lines = r.stdout.decode().splitlines()
+    assert lines[-1] == "EXIT 0 2" and "the node program's code did not arrive whole" in r.stdout.decode(), r.stdout
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "marked").exists()
+
+
 def test_a_control_word_not_signed_for_the_part_is_not_applied(tmp_path):
     key = set_key(tmp_path)
     entry = part(key)
@@ -172,6 +201,30 @@ def test_tree_launch_signs_each_part_and_turns_lines_into_signed_control_words(t
     assert proc.stdout.readline() == b"got go\n"
     assert proc.wait(timeout=30) == 3 and proc.poll() == 3
     assert (tmp_path / "ran").exists()
+
+
+def test_the_node_programs_code_goes_down_once_and_each_part_names_it_by_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = set_key(tmp_path)
+    cluster = Cluster(name="hosts", nodes=(Node(0, ADDRESS, ADDRESS),))
+    monkeypatch.setattr("launcher.code.launch_tree.cluster_slug", lambda c: SLUG)
+    code = 'import sys; print("node program", sys.argv[1]); sys.exit(5)'
+    monkeypatch.setattr("launcher.code.launch_tree.node_program_code", lambda: code)
+    sent: list[bytes] = []
+    tree = TreeLaunch(cluster, Transport(local=True), 4, {0: key})
+    real_send = tree._send
+    monkeypatch.setattr(tree, "_send", lambda frame: (sent.append(frame), real_send(frame)))
+    tree.start({0: f"exec python3 -I -S -c {shlex.quote(code)} here"}, b"")
+    proc = tree.proc(0)
+    proc.stdin.close()
+    assert proc.stdout.read() == b"node program here\n" and proc.wait(timeout=30) == 5
+    first = sent[0]
+    assert first.count(code.encode()) == 1 and first.startswith(f"CODE {len(code)}\n".encode())
+    after = first.split(b"\n", 1)[1][len(code) :]  # past the CODE frame: PLAN SIZE, then the plan
+    assert after.startswith(b"PLAN ")
+    plan = json.loads(after.split(b"\n", 1)[1])
+    assert plan["signed"]["program"] == ["exec python3 -I -S -c ", " here"]
+    assert plan["signed"]["code"] == hashlib.sha256(code.encode()).hexdigest()
 
 
 def test_fanout_is_refused_below_1_with_detach_and_with_local_in_one_line(tmp_path):

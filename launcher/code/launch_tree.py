@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -171,33 +171,61 @@ class TreeProc:
     """One node's session in a tree launch, shaped as the ssh process launcher.core.session
     reads: `stdin`, `stdout`, `stderr`, `wait`, `poll`, `kill`, `returncode`."""
 
-    def __init__(self, tree: TreeLaunch, rank: int):
+    def __init__(self, tree: TreeLaunch, rank: int, pipes: bool = True):
         self.rank = rank
         self.args = f"node {rank} of the tree"
         self.stdin = _Control(tree, rank)
-        r_out, self._out = os.pipe()
-        r_err, self._err = os.pipe()
-        self.stdout, self.stderr = open(r_out, "rb"), open(r_err, "rb")
+        self.stdout: IO[bytes] | None = None
+        self.stderr: IO[bytes] | None = None
+        if pipes:  # read as an ssh process's stdout and stderr
+            r_out, self._out = os.pipe()
+            r_err, self._err = os.pipe()
+            self.stdout, self.stderr = open(r_out, "rb"), open(r_err, "rb")
         self.returncode: int | None = None
         # The tree lost this node (its own rank), or the node that passed the launch on to it.
         self.lost_via: int | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
+        # Without pipes: what came before a session attached, and the session's (data, end).
+        self._pending: list[tuple[bool, bytes]] = []
+        self._sink: tuple[Callable[[bool, bytes], None], Callable[[int], None]] | None = None
+
+    def attach(self, on_data: Callable[[bool, bytes], None], on_end: Callable[[int], None]) -> None:
+        """(Without pipes) `on_data(is_err, bytes)` for the node's output as it comes, what came
+        already first, then `on_end(rc)` once, after the last of it; both called in order, under
+        this node's lock."""
+        with self._lock:
+            self._sink = (on_data, on_end)
+            for is_err, data in self._pending:
+                on_data(is_err, data)
+            self._pending = []
+            if self.returncode is not None:
+                on_end(self.returncode)
 
     def feed(self, kind: str, data: bytes) -> None:
         with self._lock:
-            if self.returncode is None:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._out if kind == "OUT" else self._err, view) :]
+            if self.returncode is not None:
+                return
+            if self.stdout is None:
+                if self._sink is None:
+                    self._pending.append((kind == "ERR", data))
+                else:
+                    self._sink[0](kind == "ERR", data)
+                return
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._out if kind == "OUT" else self._err, view) :]
 
     def finish(self, rc: int) -> None:
         with self._lock:
             if self.returncode is not None:
                 return
-            os.close(self._out)
-            os.close(self._err)
+            if self.stdout is not None:
+                os.close(self._out)
+                os.close(self._err)
             self.returncode = rc
+            if self._sink is not None:
+                self._sink[1](rc)
         self._done.set()
 
     def poll(self) -> int | None:
@@ -230,11 +258,14 @@ class TreeLaunch:
         keys: Mapping[int, bytes],
         keep: Mapping[int, dict] | None = None,
         run_dir: Path | None = None,
+        pipes: bool = True,
     ):
         self.cluster, self.transport, self.fanout, self.keys = cluster, transport, fanout, dict(keys)
         # The nodes that keep their output (node_agent.Keep), by rank, and the run's directory here.
         self.keep, self.run_dir = dict(keep or {}), run_dir
-        self.procs = {n.rank: TreeProc(self, n.rank) for n in cluster.nodes}
+        # `pipes`: each node's output on pipes, as an ssh process's (run_all reads them); without,
+        # a launch's sessions attach to their nodes (launcher.core.session).
+        self.procs = {n.rank: TreeProc(self, n.rank, pipes) for n in cluster.nodes}
         self.head = cluster.nodes[0]
         self.nodes = {n.rank: n for n in cluster.nodes}  # a subset's ranks are not its indexes
         self.tree = forwarding_tree(self.head.rank, [n.rank for n in cluster.nodes[1:]], fanout)
@@ -457,7 +488,7 @@ def tree_for(cluster: Cluster, config: LaunchConfig, transport: Transport | None
         return None
     transport = transport or make_transport(cluster, config.ssh)
     keys = ensure_keys(cluster, transport)
-    return TreeLaunch(cluster, transport, config.fanout, keys, keep_specs(cluster, config), config.run_dir)
+    return TreeLaunch(cluster, transport, config.fanout, keys, keep_specs(cluster, config), config.run_dir, pipes=False)
 
 
 def tree_line(cluster: Cluster, fanout: int) -> str:

@@ -103,6 +103,18 @@ class NodeSession:
                 self.proc.stdin.flush()
             except OSError:
                 pass  # the transport has gone already: its exit report says so
+        self._readers: list[threading.Thread] = []
+        self._start_reading()
+
+    def _start_reading(self) -> None:
+        if hasattr(self.proc, "attach"):
+            # A tree launch's node (launcher.code.launch_tree.TreeProc): its frames come to this
+            # session from the one thread that reads node 0's, so a launch on N nodes runs no
+            # reader threads or pipes per node (3N threads and 4N descriptors on a laptop).
+            self._partial = {False: b"", True: b""}
+            self._sorters = {False: StreamSorter(), True: StreamSorter()}
+            self.proc.attach(self._data, self._ended)
+            return
         self._readers = [
             threading.Thread(target=self._read, args=(self.proc.stdout, False, StreamSorter()), daemon=True),
             threading.Thread(target=self._read, args=(self.proc.stderr, True, StreamSorter()), daemon=True),
@@ -111,16 +123,36 @@ class NodeSession:
             t.start()
         threading.Thread(target=self._reap, daemon=True).start()
 
-    # ---- reader threads ----
+    # ---- reader threads, or a tree's frames ----
 
     def _read(self, stream: IO[bytes], is_err: bool, sorter: StreamSorter) -> None:
         for raw in iter(stream.readline, b""):
-            text = raw.decode("utf-8", "replace").rstrip("\r\n")
-            if self._log is None:
-                self._check_line(text, is_err)
-            else:
-                self._output_line(text, is_err, sorter, len(raw))
+            self._line(raw, is_err, sorter)
         self._report(sorter.flush(), is_err)
+
+    def _line(self, raw: bytes, is_err: bool, sorter: StreamSorter) -> None:
+        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if self._log is None:
+            self._check_line(text, is_err)
+        else:
+            self._output_line(text, is_err, sorter, len(raw))
+
+    def _data(self, is_err: bool, data: bytes) -> None:
+        """Bytes of the node's stdout or stderr, as they came up the tree: each whole line read
+        as a reader thread reads it."""
+        *lines, self._partial[is_err] = (self._partial[is_err] + data).split(b"\n")
+        for raw in lines:
+            self._line(raw + b"\n", is_err, self._sorters[is_err])
+
+    def _ended(self, rc: int) -> None:
+        """The node's session ended (after its last bytes): a last line without its newline, as
+        readline gives it, then what `_reap` does."""
+        for is_err in (False, True):
+            if self._partial[is_err]:
+                self._line(self._partial[is_err], is_err, self._sorters[is_err])
+                self._partial[is_err] = b""
+            self._report(self._sorters[is_err].flush(), is_err)
+        self._close(rc)
 
     def _check_line(self, text: str, is_err: bool) -> None:
         # The check half: facts on stdout (anything else there, e.g. a banner printed by the
@@ -171,6 +203,9 @@ class NodeSession:
         rc = self.proc.wait()
         for t in self._readers:
             t.join()
+        self._close(rc)
+
+    def _close(self, rc: int) -> None:
         if self._log is not None:
             self._log.close()
         if self._offset_fd is not None:

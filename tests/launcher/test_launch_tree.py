@@ -17,6 +17,7 @@ import secrets
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +28,7 @@ from click.testing import CliRunner
 from launcher.cli.main import main
 from launcher.cli.options import tree_fanout
 from launcher.code import launch_tree, node_agent
-from launcher.code.launch_tree import TreeLaunch, keep_specs, kept_line, sign, tree_line
+from launcher.code.launch_tree import TreeLaunch, TreeProc, keep_specs, kept_line, sign, tree_line
 from launcher.code.tree import AGENT_SHA, relay_command
 from launcher.core.output import kept_nodes, launch_reads, root_cause
 from launcher.core.session import NodeSession
@@ -518,3 +519,27 @@ def test_a_kept_log_that_cannot_be_read_is_one_line_and_what_came_up_of_it_stays
     r = CliRunner().invoke(main, base)
     assert r.exit_code == 0 and r.output == "[node 0] n0 a\n[node 1] n1 a\n[node 1] n1 b\n", r.output
     assert (run / "node-1.log").read_text() == "n1 a\nn1 b\n"
+
+
+def test_a_launch_session_takes_its_nodes_frames_without_a_pipe_or_a_thread_of_its_own(tmp_path):
+    """A launch's tree (tree_for: no pipes): what came before the session attached first, whole
+    lines as a reader thread reads them (a line cut across frames, a last one without its
+    newline), the exit once, after them; nothing once the node has finished."""
+    proc = TreeProc(None, 3, pipes=False)  # its stdin is never written here
+    proc.feed("OUT", b"gpu=8\nnic=eth")
+    reports: queue.Queue = queue.Queue()
+    node = Node(3, "10.0.0.5", "10.0.0.5")
+    threads = threading.active_count()
+    session = NodeSession(node, [], reports, proc=proc)
+    assert threading.active_count() == threads and proc.stdout is None
+    proc.feed("OUT", b"0\n")
+    proc.feed("ERR", b"warning: x\nlast words")
+    proc.finish(7)
+    proc.feed("OUT", b"late=1\n")
+    proc.finish(9)
+    assert session.facts == {"gpu": "8", "nic": "eth0"}
+    assert list(session.err) == ["warning: x", "last words"]
+    got = []
+    while not reports.empty():
+        got.append(reports.get_nowait())
+    assert [(r.kind, r.text) for r in got if r.kind == "exit"] == [("exit", "7")] and got[-1].kind == "exit"

@@ -48,7 +48,7 @@ from gpufleet import atomic
 from launcher.cluster.key import ensure_key, ssh_target, verified_host_keys
 from launcher.code import node_agent
 from launcher.code.prepare import RELAY_KEY, PrepareReport, agent_script, each_node, run_agent
-from launcher.code.tree import AGENT_SHA, authorize_relay, forwarding_tree, hop_entry, hops, relay_known_hosts
+from launcher.code.tree import RELAY_VERSION, authorize_relay, forwarding_tree, hop_entry, hops, relay_known_hosts
 from launcher.core.output import KEPT_FILE, TAIL_LINES, LiveFilter, launch_reads
 from launcher.core.program import node_program_code
 from launcher.core.transport import Transport, cluster_slug, make_transport, state_dir
@@ -102,7 +102,7 @@ def ensure_keys(cluster: Cluster, transport: Transport) -> dict[int, bytes]:
     path = _keys_path(cluster)
     kept = _load(path)
     addresses = sorted(n.address for n in cluster.nodes)
-    keys: dict[str, str] = kept.get("keys", {}) if kept.get("agent") == AGENT_SHA else {}
+    keys: dict[str, str] = kept.get("keys", {}) if kept.get("agent") == RELAY_VERSION else {}
     # A job's nodes may be fewer than those the keys were set for (a detached job's world without
     # its spares): the relay key's forced command lets a node reach any node it was set up with.
     if not set(addresses) <= set(kept.get("peers", ())) or any(n.address not in keys for n in cluster.nodes):
@@ -113,7 +113,7 @@ def ensure_keys(cluster: Cluster, transport: Transport) -> dict[int, bytes]:
         tmp = path.with_name(f".{KEYS_FILE}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"agent": AGENT_SHA, "peers": addresses, "keys": keys}, f)
+            json.dump({"agent": RELAY_VERSION, "peers": addresses, "keys": keys}, f)
         os.replace(tmp, path)
     return {n.rank: bytes.fromhex(keys[n.address]) for n in cluster.nodes}
 

@@ -51,6 +51,7 @@ from launcher.core.types import Cluster, UserError
 __all__ = [
     "DEFAULT_FANOUT",
     "AGENT_SHA",
+    "RELAY_VERSION",
     "forwarding_tree",
     "depth",
     "hops",
@@ -188,9 +189,10 @@ def source_addresses(cluster: Cluster) -> list[str]:
 # and the source, which runs the same version), checks what came against the hash, stores it and
 # runs it: the copy is fetched again. Asked for content (`relay`), it refuses in one line (the
 # preparation's first round, which runs the agent from its source, stores it again). The agent's
-# compiled code is kept beside it (`SHA.cpython-311`: the code's own sha256, then marshal's
-# bytes), so a node spends a launch no compile of its 67 KB (11 ms of CPU each, every node of
-# every tree launch); a cache whose hash does not hold, or from another Python, is compiled again.
+# compiled code is kept beside it (`SHA.cpython-311`: the sha256 of the interpreter's version and
+# marshal's bytes, then those bytes), so a node spends a launch no compile of its 67 KB (11 ms of
+# CPU each, every node of every tree launch); a cache cut short or changed, or written by
+# another Python (an upgraded one too), is compiled again.
 _BOOT = """import hashlib,marshal,os,sys
 h=sys.argv[1]
 p=os.path.join(os.path.expanduser('~'),'.gpufleet','objects',h)
@@ -213,9 +215,10 @@ if hashlib.sha256(s).hexdigest()!=h:
     os.chmod(t,0o444)
     os.replace(t,p)
 c=p+'.'+sys.implementation.cache_tag
+v=sys.version.encode()
 try:
     b=open(c,'rb').read()
-    o=marshal.loads(b[32:]) if hashlib.sha256(b[32:]).digest()==b[:32] else None
+    o=marshal.loads(b[32:]) if hashlib.sha256(v+b[32:]).digest()==b[:32] else None
 except Exception:
     o=None
 if o is None:
@@ -224,13 +227,18 @@ if o is None:
     t=c+'.boot-'+str(os.getpid())
     try:
         with open(os.open(t,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o400),'wb') as f:
-            f.write(hashlib.sha256(b).digest()+b)
+            f.write(hashlib.sha256(v+b).digest()+b)
         os.replace(t,c)
     except OSError:
         pass
 sys.argv=[p]+sys.argv[2:]
 exec(o)
 """
+
+
+# What the relay key's authorized_keys entry runs: this agent through this bootstrap. Keys set
+# under another (launcher.code.launch_tree.ensure_keys) are set again, and the entry with them.
+RELAY_VERSION = hashlib.sha256(f"{AGENT_SHA}\0{_BOOT}".encode()).hexdigest()
 
 
 def relay_command(port: int, peers: str) -> str:

@@ -303,7 +303,10 @@ def test_the_agent_runs_from_its_compiled_code_kept_beside_it_and_a_corrupt_one_
     assert r.stdout.startswith(b"HELLO\n") and r.stdout.endswith(b"EXIT 0 3\n"), r.stdout + r.stderr
     (cache,) = objects.glob(f"{AGENT_SHA}.cpython-*")  # the node's python's tag
     data = cache.read_bytes()
-    assert hashlib.sha256(data[32:]).digest() == data[:32] and cache.stat().st_mode & 0o777 == 0o400
+    version = subprocess.run(
+        ["python3", "-c", "import sys; print(sys.version, end='')"], capture_output=True, env={"PATH": "/usr/bin:/bin"}
+    ).stdout
+    assert hashlib.sha256(version + data[32:]).digest() == data[:32] and cache.stat().st_mode & 0o777 == 0o400
     # What the cache holds is what runs (no compile of the source): a stand-in marks that it ran.
     other = subprocess.run(
         ["python3", "-c", "import marshal,sys; sys.stdout.buffer.write(marshal.dumps(compile(sys.argv[1],'x','exec')))"]
@@ -313,10 +316,14 @@ def test_the_agent_runs_from_its_compiled_code_kept_beside_it_and_a_corrupt_one_
         check=True,
     ).stdout
     cache.chmod(0o600)
-    cache.write_bytes(hashlib.sha256(other).digest() + other)
+    cache.write_bytes(hashlib.sha256(version + other).digest() + other)
     forced(tmp_path, b"")
     assert (tmp_path / "from-cache").exists()
-    # A cache cut short or changed is compiled again from the checked source, and the part runs.
+    # A cache written by another Python, or cut short, is compiled again from the checked source,
+    # and the part runs.
+    cache.write_bytes(hashlib.sha256(b"3.0.0" + other).digest() + other)
+    forced(tmp_path, b"")
+    assert cache.read_bytes() == data
     cache.write_bytes(data[:-100])
     entry = part(key)
     r = forced(tmp_path, frames(entry, go(key, entry)))
@@ -543,3 +550,21 @@ def test_a_launch_session_takes_its_nodes_frames_without_a_pipe_or_a_thread_of_i
     while not reports.empty():
         got.append(reports.get_nowait())
     assert [(r.kind, r.text) for r in got if r.kind == "exit"] == [("exit", "7")] and got[-1].kind == "exit"
+
+
+def test_keys_set_under_another_agent_or_bootstrap_are_set_again_with_the_relay_keys_entry(monkeypatch):
+    """The relay key's authorized_keys entry runs this agent through this bootstrap: keys kept
+    under another (an older gpufleet's, whose entry runs the older one) are set again."""
+    cluster = Cluster(name="hosts", nodes=(Node(0, ADDRESS, ADDRESS),))
+    calls = []
+    monkeypatch.setattr(launch_tree, "_set_up", lambda c, t, keys: calls.append(keys) or keys)
+    path = launch_tree._keys_path(cluster)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    kept = {"peers": [ADDRESS], "keys": {ADDRESS: "ab" * 32}}
+    for stamp, again in ((AGENT_SHA, True), (launch_tree.RELAY_VERSION, False)):
+        calls.clear()
+        path.write_text(json.dumps({**kept, "agent": stamp}))
+        path.chmod(0o600)
+        got = launch_tree.ensure_keys(cluster, Transport(local=True))
+        assert bool(calls) == again and (got == {0: bytes.fromhex("ab" * 32)}) != again, stamp  # new keys, or kept
+    assert json.loads(path.read_text())["agent"] == launch_tree.RELAY_VERSION

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -570,7 +571,7 @@ def _gpg(home: Path, *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_keys(tmp_path_factory) -> tuple[Path, str, str]:
+def two_keys(tmp_path_factory) -> Iterator[tuple[Path, str, str]]:
     """A key file holding two real OpenPGP keys, and their fingerprints (the vendor's and a stranger's)."""
     assert shutil.which("gpg"), "gpg is not installed"
     home = tmp_path_factory.mktemp("gnupg")
@@ -582,7 +583,9 @@ def two_keys(tmp_path_factory) -> tuple[Path, str, str]:
         fprs.append(next(line.split(":")[9] for line in out.splitlines() if line.startswith("fpr")))
     path = home / "both.asc"
     path.write_text(_gpg(home, "--armor", "--export"))
-    return path, fprs[0], fprs[1]
+    yield path, fprs[0], fprs[1]
+    # gpg started an agent for this home to make the keys; it would outlive the suite.
+    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], capture_output=True, timeout=30)
 
 
 CURL_STUB = 'out=""; while (($#)); do [[ "$1" == -o ]] && out=$2; shift; done; cp "$KEY_FILE" "$out"\n'
